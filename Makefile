@@ -1,0 +1,25 @@
+# `make demo` and `make test` work on a fresh machine that has only Python: they create .venv and
+# install through constraints.txt (torch pinned, so pip never fetches a CUDA build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m partitioner.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q --durations=10
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

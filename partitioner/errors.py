@@ -1,0 +1,35 @@
+"""Domain errors raised by the partitioner.
+
+Every error a user can act on derives from :class:`PartitionerError`, so a caller can
+catch the whole family with one ``except`` clause.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PartitionerError",
+    "TraceError",
+    "PartitionInfeasibleError",
+    "PlanMismatchError",
+    "CheckpointCorruptError",
+]
+
+
+class PartitionerError(Exception):
+    """Base class of every error raised by the partitioner."""
+
+
+class TraceError(PartitionerError):
+    """The model could not be captured as a graph (unsupported op, data-dependent control flow...)."""
+
+
+class PartitionInfeasibleError(PartitionerError, ValueError):
+    """No partition of the model fits the cluster's memory under the requested settings."""
+
+
+class PlanMismatchError(PartitionerError):
+    """A plan does not match the model, cluster or checkpoint it is applied to."""
+
+
+class CheckpointCorruptError(PartitionerError):
+    """A checkpoint shard is missing, truncated or inconsistent with its manifest."""

@@ -1,0 +1,253 @@
+"""Built-in workloads and the MODEL spec that names a workload on the command line.
+
+A spec is a built-in name with optional arguments (``gpt``, ``gpt:layers=12,width=256``),
+``package.module:function`` or ``path/to/file.py:function``; the function returns a Workload.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partitioner.workload import Workload
+from runtime import data
+
+# Build on the meta device above this many bytes of training state (weights, grads, AdamW):
+# such a model is compiled, never materialized whole in one process.
+META_THRESHOLD_BYTES = 4 * 2**30
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, dropout: float):
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = MLP(width, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder (pre-norm blocks, learned positions, untied head)."""
+
+    def __init__(self, *, layers: int, width: int, heads: int, vocab: int, seq: int, dropout: float):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"gpt: width={width} is not divisible by heads={heads}: pick heads dividing width")
+        self.tok_emb = nn.Embedding(vocab, width)
+        self.pos_emb = nn.Embedding(seq, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_param_count(*, layers: int, width: int, vocab: int, seq: int) -> int:
+    return layers * (12 * width * width + 13 * width) + (vocab + seq) * width + 2 * width + vocab * width
+
+
+def gpt(layers: int = 4, width: int = 128, heads: int = 4, vocab: int = 512, seq: int = 64,
+        dropout: float = 0.0, batch: int = 2, seed: int = 0, device: str | None = None) -> Workload:
+    """The embedded default: small enough to train on two CPU cores in seconds."""
+    params = gpt_param_count(layers=layers, width=width, vocab=vocab, seq=seq)
+    if device is None:
+        device = "meta" if params * 16 > META_THRESHOLD_BYTES else "cpu"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, dropout=dropout)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return Workload(
+        model=model,
+        example_args=(tokens,),
+        loss_fn=data.causal_lm_loss,
+        make_batch=functools.partial(data.token_batch, vocab=vocab, seq=seq, seed=seed),
+        name=f"gpt(layers={layers},width={width},heads={heads},vocab={vocab},seq={seq},dropout={dropout})",
+        source={"make_batch": ("runtime.data:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}),
+                "loss_fn": ("runtime.data:causal_lm_loss", {})},
+    )
+
+
+class MLPModel(nn.Module):
+    def __init__(self, features: int, hidden: int, depth: int, outputs: int):
+        super().__init__()
+        dims = [features] + [hidden] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.out = nn.Linear(dims[-1], outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+def mlp(features: int = 32, hidden: int = 64, depth: int = 4, outputs: int = 8, batch: int = 4,
+        seed: int = 0) -> Workload:
+    torch.manual_seed(seed)
+    model = MLPModel(features, hidden, depth, outputs)
+    return Workload(
+        model=model,
+        example_args=(torch.zeros(batch, features),),
+        loss_fn=data.mse_loss,
+        make_batch=functools.partial(data.regression_batch, features=features, outputs=outputs, seed=seed),
+        name=f"mlp(features={features},hidden={hidden},depth={depth},outputs={outputs})",
+        source={"make_batch": ("runtime.data:regression_batch",
+                               {"features": features, "outputs": outputs, "seed": seed}),
+                "loss_fn": ("runtime.data:mse_loss", {})},
+    )
+
+
+def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int, batch: int,
+        seed: int, attn: str, device: str) -> Workload:
+    import transformers
+
+    common = dict(use_cache=False, attn_implementation=attn)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                                         n_positions=seq, bos_token_id=0, eos_token_id=0, **common)
+        cls = transformers.GPT2LMHeadModel
+    elif kind == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width,
+                                          num_attention_heads=heads, num_key_value_heads=heads,
+                                          intermediate_size=int(width * 8 / 3) // 8 * 8 or 8,
+                                          vocab_size=vocab, max_position_embeddings=seq,
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0, **common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "bert":
+        config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=width,
+                                         num_attention_heads=heads, intermediate_size=4 * width,
+                                         vocab_size=vocab, max_position_embeddings=seq, pad_token_id=0,
+                                         **common)
+        cls = transformers.BertForMaskedLM
+    else:
+        raise ValueError(f"unknown Hugging Face model kind {kind!r}: use gpt2, llama or bert")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(config)
+    # Hugging Face initializes lazily in some versions; dropout off keeps the oracle deterministic.
+    model.train()
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return Workload(
+        model=model,
+        example_args=(tokens,),
+        loss_fn=data.causal_lm_loss,
+        make_batch=functools.partial(data.token_batch, vocab=vocab, seq=seq, seed=seed),
+        name=f"hf-{kind}(layers={layers},width={width},heads={heads},vocab={vocab},seq={seq},attn={attn})",
+        source={"make_batch": ("runtime.data:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}),
+                "loss_fn": ("runtime.data:causal_lm_loss", {})},
+    )
+
+
+def hf_gpt2(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu"):
+    return _hf("gpt2", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
+               seed=seed, attn=attn, device=device)
+
+
+def hf_llama(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu"):
+    return _hf("llama", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
+               seed=seed, attn=attn, device=device)
+
+
+def hf_bert(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu"):
+    return _hf("bert", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
+               seed=seed, attn=attn, device=device)
+
+
+BUILTINS = {"gpt": gpt, "mlp": mlp, "hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "hf-bert": hf_bert}
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_workload(spec: str) -> Workload:
+    """Resolve a MODEL spec to a Workload, with an error that names the spec and the fix."""
+    name, _, rest = spec.partition(":")
+    if name in BUILTINS:
+        kwargs = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"MODEL {spec!r}: argument {item!r} is not key=value (e.g. gpt:layers=12,width=256)")
+            kwargs[key.strip()] = _parse_value(value.strip())
+        try:
+            return BUILTINS[name](**kwargs)
+        except TypeError as exc:
+            import inspect
+
+            known = ", ".join(inspect.signature(BUILTINS[name]).parameters)
+            raise ValueError(f"MODEL {spec!r}: {exc}; {name} takes {known}") from None
+    if not rest:
+        raise ValueError(
+            f"MODEL {spec!r} is not a built-in ({', '.join(BUILTINS)}) nor module:function or file.py:function"
+        )
+    if name.endswith(".py"):
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"MODEL {spec!r}: file {name} does not exist")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"MODEL {spec!r}: cannot import {name}: {exc}") from None
+    function = getattr(module, rest, None)
+    if function is None:
+        raise ValueError(f"MODEL {spec!r}: {name} has no function {rest!r}")
+    workload = function()
+    if not isinstance(workload, Workload):
+        raise ValueError(f"MODEL {spec!r}: {rest}() returned {type(workload).__name__}, expected a Workload")
+    return workload

@@ -1,0 +1,101 @@
+"""The only file that calls torch.export or torch.fx.symbolic_trace.
+
+Note [why export first]: ``torch.export.export(strict=False)`` traces Hugging Face transformers
+5.x models (symbolic_trace does not), works on meta and fake tensors, and stamps every
+call_function node with ``nn_module_stack``, which the regions pass groups by. symbolic_trace is
+the fallback for models export rejects but plain FX can follow.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from partitioner.errors import TraceError
+
+
+@dataclass
+class Traced:
+    """A traced model: parameters are ``get_attr`` nodes named by their original parameter names."""
+
+    gm: fx.GraphModule
+    tracer: str  # "export" or "symbolic_trace"
+    example_args: tuple
+    example_kwargs: dict
+
+
+def check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Fail early, in the user's terms, when the example inputs do not fit ``model.forward``."""
+    signature = inspect.signature(model.forward)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {exc} "
+            f"(got {len(args)} positional and {sorted(kwargs) or 'no'} keyword inputs); "
+            f"pass Workload(example_args=...) matching that signature"
+        ) from None
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The deepest frame outside torch and site-packages: where the untraceable construct is."""
+    torch_dir = os.path.dirname(torch.__file__)
+    found = ""
+    while exc is not None:
+        for frame in traceback.extract_tb(exc.__traceback__):
+            if frame.filename.startswith(torch_dir) or "site-packages" in frame.filename:
+                continue
+            if frame.filename.endswith(("partitioner/trace.py",)):
+                continue
+            line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+            found = f"{frame.filename}:{frame.lineno} `{line}`"
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _clean(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop export's input-guard call: it checks shapes of one example, not of every microbatch."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Traced:
+    example_kwargs = dict(example_kwargs or {})
+    check_signature(model, example_args, example_kwargs)
+    try:
+        exported = torch.export.export(model, example_args, example_kwargs, strict=False)
+        return Traced(_clean(exported.module()), "export", example_args, example_kwargs)
+    except Exception as export_exc:  # noqa: BLE001 - every failure goes into the TraceError below
+        export_error = export_exc
+    try:
+        if example_kwargs:
+            raise TypeError("symbolic_trace takes no keyword example inputs")
+        gm = fx.symbolic_trace(model)
+        return Traced(gm, "symbolic_trace", example_args, example_kwargs)
+    except Exception as fx_exc:  # noqa: BLE001
+        fx_error = fx_exc
+    where = _user_frame(export_error) or _user_frame(fx_error)
+    raise TraceError(
+        f"cannot trace {type(model).__name__}"
+        + (f": the construct at {where} " if where else " ")
+        + "depends on tensor values (data-dependent Python control flow) or is otherwise untraceable. "
+        f"torch.export said: {_first_line(export_error)} | symbolic_trace said: {_first_line(fx_error)}. "
+        "Fix: replace value-dependent `if`/loops with torch.where or torch.cond, or move them out of forward."
+    )

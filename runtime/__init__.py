@@ -1,0 +1,1 @@
+"""What generated programs import. Runs without the compiler: depends only on torch."""
