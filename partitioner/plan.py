@@ -1,0 +1,189 @@
+"""The Plan: what the compiler decided and every figure it decided by. Frozen, JSON, hashed.
+
+A Plan is plain data (no torch objects), so it can be saved, inspected and diffed without the
+model. Its hash covers everything in it; every generated file names that hash, and a program
+folder whose files don't match is refused (PlanMismatchError).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    buffers_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    ranks: tuple[int, ...]           # one rank per data-parallel replica
+    device: str                      # device kind, e.g. "cpu", "h100"
+    regions: tuple[int, ...]
+    region_names: tuple[str, ...]
+    params: int                      # parameter count (elements)
+    flops_fwd: float                 # one microbatch
+    flops_bwd: float
+    compute_time_s: float            # forward + backward of one microbatch
+    comm_time_s: float               # sending this stage's outputs (and their gradients back)
+    predicted_time_s: float          # compute + comm: what the bottleneck is taken over
+    memory: MemoryBreakdown
+    peak_memory_bytes: int
+    memory_capacity_bytes: int
+    send_bytes: int                  # activation bytes sent to the next stage per microbatch
+
+
+@dataclass(frozen=True)
+class Region:
+    id: int
+    name: str
+    stage: int
+    recompute: bool
+    nodes: tuple[str, ...]
+    layer: int | None
+    flops_fwd: float                 # per sample
+    flops_bwd: float
+    param_bytes: int
+    activation_bytes: int            # per sample
+
+
+@dataclass(frozen=True)
+class CutEdge:
+    src_region: int
+    dst_region: int
+    tensors: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    bytes_per_microbatch: int
+    boundaries: tuple[int, ...]      # the boundaries s|s+1 it crosses
+
+
+@dataclass(frozen=True)
+class Tie:
+    param: str
+    stages: tuple[int, ...]
+    placement: str                   # "colocated" or "replicated"
+    cost_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: str
+    model_fingerprint: str           # hash of parameter names, shapes and dtypes
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    global_batch: int
+    schedule: str
+    world_size: int
+    device_type: str                 # "cpu" or "cuda": decides gloo or nccl
+    stages: tuple[StagePlan, ...]
+    regions: tuple[Region, ...]
+    cut_edges: tuple[CutEdge, ...]
+    ties: tuple[Tie, ...]
+    predicted: dict                  # step_time_s, bubble_fraction, lower_bound_step_time_s, samples_per_s
+    solver: dict                     # status, objective, bound, gap, solve_time_s, candidates
+    baselines: dict                  # {"uniform": {"step_time_s"}, "param_balanced": {...}}
+    cluster: dict
+    training: dict = field(default_factory=dict)   # optimizer, lr schedule, seed, checkpoint interval
+    version: int = PLAN_VERSION
+
+    # --- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self))
+
+    def content_hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        body = self.to_dict()
+        body["plan_hash"] = self.content_hash()
+        return json.dumps(body, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, body: dict) -> "Plan":
+        body = dict(body)
+        stated = body.pop("plan_hash", None)
+        body.pop("program", None)
+        body.pop("files", None)
+        if body.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}: recompile the plan")
+        plan = cls(
+            **{**body,
+               "stages": tuple(StagePlan(**{**s, "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),
+                                           "region_names": tuple(s["region_names"]),
+                                           "memory": MemoryBreakdown(**s["memory"])}) for s in body["stages"]),
+               "regions": tuple(Region(**{**r, "nodes": tuple(r["nodes"])}) for r in body["regions"]),
+               "cut_edges": tuple(CutEdge(**{**e, "tensors": tuple(e["tensors"]),
+                                            "shapes": tuple(tuple(x) for x in e["shapes"]),
+                                            "boundaries": tuple(e["boundaries"])}) for e in body["cut_edges"]),
+               "ties": tuple(Tie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
+        if stated is not None and stated != plan.content_hash():
+            from partitioner.errors import PlanMismatchError
+
+            raise PlanMismatchError(
+                f"plan.json states hash {stated} but its content hashes to {plan.content_hash()}: "
+                "it was edited by hand; recompile with `partitioner compile`"
+            )
+        return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "plan.json"
+        if not path.is_file():
+            raise ValueError(f"no plan at {path}: pass a program folder or its plan.json")
+        try:
+            body = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}): recompile the plan") from None
+        return cls.from_dict(body)
+
+    # --- derived figures ---------------------------------------------------------------
+    def rank_layout(self) -> list[dict]:
+        """Rank → (stages it holds, data-parallel replica)."""
+        layout = {}
+        for stage in self.stages:
+            for replica, rank in enumerate(stage.ranks):
+                entry = layout.setdefault(rank, {"rank": rank, "stages": [], "replica": replica})
+                entry["stages"].append(stage.index)
+        return [layout[r] for r in sorted(layout)]
+
+    def summary(self) -> str:
+        from partitioner.report import table
+
+        return table(self)
+
+    def save(self, folder: str | Path, **kwargs) -> Path:
+        """Write the program folder (DESIGN section 6). Needs the traced model: see compile()."""
+        raise ValueError(
+            "this Plan was loaded without its model; save the Plan returned by partitioner.compile(), "
+            "or run `partitioner compile MODEL -o DIR`"
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return float(f"{value:.9g}")  # stable text across runs of the same inputs
+    return value

@@ -1,0 +1,147 @@
+"""Split a traced graph into one GraphModule per pipeline stage.
+
+Note [stages talk only to their neighbours]: torch.distributed.pipelining sends activations from
+stage k to stage k + 1 only. A tensor made on stage j and read on stage k > j + 1 (a skip
+connection) is therefore an output of every stage from j to k − 1 and an input of every stage from
+j + 1 to k: it is forwarded stage by stage, and the solver pays its bytes at every boundary it
+crosses (DESIGN section 5). Parameters are never sent: each stage reads the parameters it uses
+itself, by their original names, and a parameter used on two stages (a tied embedding) is held by
+both, its gradients summed by the runtime.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+# Export's asserts check one example's metadata (device included); they do nothing for training.
+_DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor crossing a stage boundary, with its shape for one microbatch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class StageGraph:
+    index: int
+    gm: fx.GraphModule
+    inputs: list[Value]
+    outputs: list[Value]
+    params: list[str]  # original dotted names, in first-use order
+
+
+def _value(node: fx.Node) -> Value:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(
+            f"node {node.name!r} crosses a stage boundary but is not a tensor ({type(val).__name__}): "
+            "keep it on one stage (merge its producer and consumers into one region)"
+        )
+    return Value(node.name, tuple(int(s) for s in val.shape), str(val.dtype))
+
+
+def _user_frames(stack_trace: str | None) -> str | None:
+    """Keep the frames of the user's model: the generated comment then points at their source line."""
+    if not stack_trace:
+        return stack_trace
+    lines = stack_trace.strip().split("\n")
+    frames = [lines[i:i + 2] for i in range(0, len(lines) - 1, 2) if lines[i].lstrip().startswith("File ")]
+    torch_dir = os.path.dirname(torch.__file__)
+    user = [f for f in frames if torch_dir not in f[0] and "site-packages" not in f[0]]
+    return "\n".join(line for frame in (user or frames) for line in frame)
+
+
+def normalize_stages(gm: fx.GraphModule, node_stage: dict[str, int]) -> dict[str, int]:
+    """Put a tuple's ``getitem`` with its producer and parameters with their first reader.
+
+    A tuple cannot cross a boundary, and a ``getitem`` costs nothing, so moving it next to its
+    producer keeps every crossing value a tensor without changing what the solver priced.
+    """
+    stage = dict(node_stage)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            stage[node.name] = stage[node.args[0].name]
+    return stage
+
+
+def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int) -> list[StageGraph]:
+    node_stage = normalize_stages(gm, node_stage)
+    nodes = [n for n in gm.graph.nodes if not (n.op == "call_function" and n.target in _DROPPED_TARGETS)]
+    compute = [n for n in nodes if n.op in ("placeholder", "call_function", "call_method", "call_module")]
+    output_node = next(n for n in nodes if n.op == "output")
+
+    def stage_of(node: fx.Node) -> int:
+        if node.op == "placeholder":
+            return 0
+        if node.op == "output":
+            return num_stages - 1
+        return node_stage[node.name]
+
+    # For each activation: the stage that makes it and the last stage that reads it.
+    made_on = {n.name: stage_of(n) for n in compute}
+    last_read = dict(made_on)
+    for node in nodes:
+        if node.op == "get_attr":
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" or arg.name not in made_on:
+                continue
+            reader = stage_of(node)
+            if reader < made_on[arg.name]:
+                raise ValueError(
+                    f"node {node.name!r} on stage {reader} reads {arg.name!r} from the later stage "
+                    f"{made_on[arg.name]}: the stage assignment must follow the graph's dependencies"
+                )
+            last_read[arg.name] = max(last_read[arg.name], reader)
+
+    stages: list[StageGraph] = []
+    for index in range(num_stages):
+        graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        inputs = ([n for n in compute if n.op == "placeholder"] if index == 0 else
+                  [n for n in compute if made_on[n.name] < index <= last_read[n.name]])
+        for node in inputs:
+            env[node.name] = graph.placeholder(node.name)
+            env[node.name].meta = dict(node.meta)
+        mine = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
+                and made_on.get(n.name) == index]
+        # Parameters first, in first-use order: the stage file opens with the weights it holds.
+        params: list[str] = []
+        for node in mine:
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr" and arg.name not in env:
+                    env[arg.name] = graph.get_attr(arg.target)
+                    env[arg.name].meta = dict(arg.meta)
+                    params.append(arg.target)
+        for node in mine:
+            new = graph.node_copy(node, lambda n: env[n.name])
+            new.meta["stack_trace"] = _user_frames(node.meta.get("stack_trace"))
+            if "device" in new.kwargs:
+                # The trace may have run on the meta device; the runtime runs stages under
+                # `with torch.device(device)`, so factory calls land where the stage lives.
+                new.kwargs = {k: v for k, v in new.kwargs.items() if k != "device"}
+            env[node.name] = new
+        if index == num_stages - 1:
+            result = fx.node.map_arg(output_node.args[0], lambda n: env[n.name])
+            if isinstance(result, (tuple, list)) and len(result) == 1:
+                result = result[0]  # a single output goes to the loss as a tensor, not a 1-tuple
+            outputs = [_value(n) for n in output_node.all_input_nodes]
+            graph.output(result)
+        else:
+            crossing = [n for n in compute if made_on[n.name] <= index < last_read[n.name]]
+            outputs = [_value(n) for n in crossing]
+            graph.output(tuple(env[n.name] for n in crossing) if len(crossing) > 1 else env[crossing[0].name]
+                         if crossing else ())
+        stage_gm = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
+        stages.append(StageGraph(index, stage_gm, [_value(n) for n in inputs], outputs, params))
+    return stages
