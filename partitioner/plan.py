@@ -171,12 +171,16 @@ class Plan:
 
         return table(self)
 
-    def save(self, folder: str | Path, **kwargs) -> Path:
-        """Write the program folder (DESIGN section 6). Needs the traced model: see compile()."""
-        raise ValueError(
-            "this Plan was loaded without its model; save the Plan returned by partitioner.compile(), "
-            "or run `partitioner compile MODEL -o DIR`"
-        )
+    def save(self, folder: str | Path) -> Path:
+        """Write the program folder (DESIGN section 6). Needs the model: a Plan from compile()."""
+        if getattr(self, "_artifacts", None) is None:
+            raise ValueError(
+                "this Plan was loaded without its model; save the Plan returned by partitioner.compile(), "
+                "or run `partitioner compile MODEL -o DIR`"
+            )
+        from partitioner.compile import save_program
+
+        return save_program(self, folder)
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,195 @@
+"""partitioner compile | inspect | run | verify.
+
+Every error path prints one or two lines naming the value and the fix, and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+EXAMPLES = {
+    "compile": """examples:
+  partitioner compile gpt -o out --devices 4
+  partitioner compile gpt:layers=12,width=256 -o out --devices 8 --device h100 --global-batch 64
+  partitioner compile mypkg.models:build -o out --cluster cluster.toml --stages 4 --dp 2
+  partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
+    "inspect": """examples:
+  partitioner inspect out                  # the per-stage table
+  partitioner inspect out/plan.json --json
+  partitioner inspect out --dot > plan.dot""",
+    "run": """examples:
+  partitioner run out --steps 20
+  partitioner run out --steps 50 --max-restarts 3""",
+    "verify": """examples:
+  partitioner verify out --steps 3""",
+}
+
+
+def _parse_duration_s(text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([smhd]?)\s*", text)
+    if not match:
+        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def cmd_compile(args) -> int:
+    import partitioner
+    from partitioner.cluster import ClusterSpec
+    from partitioner.models import load_workload
+    from partitioner.solver.solve import SolverConfig
+
+    if args.cluster:
+        if not Path(args.cluster).is_file():
+            raise ValueError(f"--cluster {args.cluster}: no such file; write a cluster TOML (see README)")
+        cluster = ClusterSpec.from_toml(args.cluster)
+    else:
+        cluster = ClusterSpec.homogeneous(args.devices, args.device)
+    training = {}
+    if args.checkpoint_every is not None:
+        training["checkpoint_every"] = args.checkpoint_every
+    if args.mtbf is not None:
+        training["mtbf_s"] = _parse_duration_s(args.mtbf)
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True))
+    say(f"model {args.model}")
+    workload = load_workload(args.model)
+    started = time.perf_counter()
+    plan = partitioner.compile(
+        workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
+        microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
+        training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
+    )
+    say(f"write {args.output}")
+    plan.save(args.output)
+    if not args.quiet:
+        print(plan.summary())
+        print(f"\nwrote {args.output} in {time.perf_counter() - started:.1f} s; "
+              f"run it: partitioner run {args.output} --steps 20")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from partitioner.plan import Plan
+    from partitioner.report import inspect_json, table
+
+    target = Path(args.target)
+    if not target.exists():
+        raise ValueError(f"{target}: no such file or folder; pass a program folder or its plan.json")
+    plan = Plan.load(target)
+    if args.json:
+        print(json.dumps(inspect_json(plan), indent=1))
+    else:
+        print(table(plan))
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(folder: Path, world_size: int, *, extra: list[str], max_restarts: int = 0) -> list[str]:
+    """Single host: everything binds to 127.0.0.1 (DESIGN section 7)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+            "--max-restarts", str(max_restarts), str(folder / "train.py"), *extra]
+
+
+def run_env() -> dict:
+    env = dict(os.environ)
+    # torchrun restarts with gloo hang on a stale shared store unless this is set (DESIGN section 2).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def cmd_run(args) -> int:
+    from partitioner.plan import Plan
+
+    folder = Path(args.dir)
+    plan = Plan.load(folder)
+    extra = []
+    if args.steps is not None:
+        extra += ["--steps", str(args.steps)]
+    if args.checkpoint_dir:
+        extra += ["--checkpoint-dir", str(args.checkpoint_dir)]
+    for fault in args.fail_at or []:
+        extra += ["--fail-at", fault]
+    command = torchrun_command(folder, plan.world_size, extra=extra, max_restarts=args.max_restarts)
+    per_node = max(1, plan.world_size // 2)
+    print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "
+          f"--nproc-per-node {per_node} --node-rank $NODE_RANK --rdzv-backend c10d "
+          f"--rdzv-endpoint $MASTER_HOST:29500 {folder / 'train.py'}", file=sys.stderr, flush=True)
+    return subprocess.call(command, env=run_env())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="partitioner", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    c = sub.add_parser("compile", help="compile a model into a program folder", epilog=EXAMPLES["compile"],
+                       formatter_class=fmt)
+    c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function or file.py:function")
+    c.add_argument("-o", "--output", required=True, help="program folder to write")
+    c.add_argument("--devices", type=int, default=2)
+    c.add_argument("--device", default="cpu", help="device kind: cpu, a100, a100-80gb, h100, h200")
+    c.add_argument("--cluster", help="cluster TOML file (overrides --devices/--device)")
+    c.add_argument("--global-batch", type=int, default=8)
+    c.add_argument("--microbatches", type=int)
+    c.add_argument("--stages", type=int)
+    c.add_argument("--dp", type=int)
+    c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    c.add_argument("--granularity", default="block", choices=["block", "sublayer", "node"])
+    c.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per candidate, seconds")
+    group = c.add_mutually_exclusive_group()
+    group.add_argument("--checkpoint-every", type=int)
+    group.add_argument("--mtbf", help="mean time between failures (e.g. 6h): picks the checkpoint interval")
+    c.add_argument("-q", "--quiet", action="store_true")
+    c.set_defaults(func=cmd_compile)
+
+    i = sub.add_parser("inspect", help="show a plan", epilog=EXAMPLES["inspect"], formatter_class=fmt)
+    i.add_argument("target", help="program folder or plan.json")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    r = sub.add_parser("run", help="train with a program folder on this host", epilog=EXAMPLES["run"],
+                       formatter_class=fmt)
+    r.add_argument("dir")
+    r.add_argument("--steps", type=int)
+    r.add_argument("--checkpoint-dir")
+    r.add_argument("--max-restarts", type=int, default=0)
+    r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection)")
+    r.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - user-facing boundary
+        from partitioner.errors import PartitionerError
+
+        if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError)):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

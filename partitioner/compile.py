@@ -1,0 +1,329 @@
+"""compile(): the pipeline from a Workload to a Plan, one named step after another.
+
+    traced   = trace the model (torch.export, symbolic_trace fallback)
+    annotate = shapes → flops → memory → regions, each checked for what it declares
+    problem  = the region graph as plain numbers, per sample
+    solution = the ILP over stages × data-parallel degree × microbatches, checked independently
+    plan     = the frozen Plan, with the baselines beside it
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from partitioner import ir
+from partitioner.cluster import ClusterSpec
+from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
+from partitioner.solver import problem as sp
+from partitioner.trace import Traced, trace
+from partitioner.workload import Workload
+
+DEFAULT_TRAINING = {
+    "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                  "warmup_steps": 2, "lr_schedule": "cosine", "total_steps": 1000},
+    "seed": 0,
+    "collective_timeout_s": 60,
+    "checkpoint_every": 0,
+}
+
+
+def _progress(report: Callable[[str], None] | None, message: str) -> None:
+    if report is not None:
+        report(message)
+
+
+def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw") -> fx.GraphModule:
+    from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
+
+    gm = traced.gm
+    annotate_shapes(gm)
+    annotate_flops(gm)
+    annotate_memory(gm, optimizer=optimizer)
+    annotate_regions(gm, granularity=granularity)
+    return gm
+
+
+def analyze(workload: Workload, *, granularity: str = "block"):
+    """Trace and annotate: the graph and its per-region cost table."""
+    from passes.regions import region_table
+
+    gm = annotate(trace(workload.model, workload.example_args, workload.example_kwargs), granularity=granularity)
+    return gm, region_table(gm)
+
+
+def build_problem(gm: fx.GraphModule, batch_size: int) -> sp.PartitionProblem:
+    """The region graph as plain numbers per sample (costs are linear in the microbatch size)."""
+    from passes.regions import region_edges, region_table, region_ties
+
+    table = region_table(gm)
+    edges = region_edges(gm)
+    incoming = {r.region_id: 0 for r in table}
+    for src, dst, num_bytes in edges:
+        incoming[dst] += num_bytes
+    regions = tuple(
+        sp.Region(
+            name=r.name,
+            fwd_flops_per_sample=r.fwd_flops / batch_size,
+            bwd_flops_per_sample=r.bwd_flops / batch_size,
+            param_bytes=int(r.param_bytes),
+            grad_bytes=int(r.grad_bytes),
+            optimizer_bytes=int(r.optimizer_bytes),
+            activation_bytes_per_sample=int(round(r.saved_activation_bytes / batch_size)),
+            # A recomputed region keeps only its inputs and runs its forward again in backward.
+            recompute_activation_bytes_per_sample=int(round(incoming[r.region_id] / batch_size)),
+            layer=r.layer,
+        )
+        for r in table
+    )
+    problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in edges if src != dst)
+    ties = tuple(sp.Tie(regions=tuple(sorted(set(regs))), param_bytes=int(nbytes))
+                 for _name, nbytes, regs in region_ties(gm) if len(set(regs)) > 1)
+    inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
+    return sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
+                               input_bytes_per_sample=int(round(inputs / batch_size)))
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters(remove_duplicate=False))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Artifacts:
+    """What Plan.save needs besides the plan: the workload to re-trace at the microbatch size."""
+
+    workload: Workload
+    granularity: str
+    region_names: list[str] = field(default_factory=list)
+
+
+def compile_workload(
+    workload: Workload,
+    *,
+    cluster: ClusterSpec,
+    global_batch: int,
+    num_stages: int | None = None,
+    dp: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    granularity: str = "block",
+    optimizer: str = "adamw",
+    training: dict | None = None,
+    solver_config=None,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    from partitioner.solver.solve import solve
+
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
+    _progress(progress, "trace")
+    traced = trace(workload.model, workload.example_args, workload.example_kwargs)
+    _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
+    gm = annotate(traced, granularity=granularity, optimizer=optimizer)
+    problem = build_problem(gm, workload.example_batch_size)
+    _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
+    solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
+                     schedule=schedule, config=solver_config)
+    plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
+                     training={**DEFAULT_TRAINING, **(training or {})})
+    object.__setattr__(plan, "_artifacts", Artifacts(workload, granularity,
+                                                     [r.name for r in problem.regions]))
+    return plan
+
+
+def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
+    from passes.regions import region_table
+    from partitioner.solver.check import evaluate
+
+    assignment = solution.assignment
+    cost = evaluate(problem, cluster, assignment)
+    table = region_table(gm)
+    b = assignment.microbatch_size
+    stage_of = assignment.stage_of_region
+    stages = []
+    for s, sc in enumerate(cost.stages):
+        regs = tuple(r for r in range(problem.num_regions) if stage_of[r] == s)
+        device_index = assignment.device_of_stage_replica[s][0]
+        params = sum(table[r].param_bytes for r in regs)
+        elem = max(1, _param_elem_bytes(workload.model))
+        stages.append(StagePlan(
+            index=s,
+            ranks=tuple(assignment.rank_of(s, rep) for rep in range(assignment.dp)),
+            device=cluster.devices[device_index].kind,
+            regions=regs,
+            region_names=tuple(problem.regions[r].name for r in regs),
+            params=int(params // elem),
+            flops_fwd=float(sum(problem.regions[r].fwd_flops_per_sample for r in regs) * b),
+            flops_bwd=float(sum(problem.regions[r].bwd_flops_per_sample for r in regs) * b),
+            compute_time_s=sc.compute_s,
+            comm_time_s=sc.comm_s,
+            predicted_time_s=sc.time_s,
+            memory=MemoryBreakdown(int(sc.params_bytes), int(sc.grads_bytes), int(sc.optimizer_bytes),
+                                   int(sc.activations_bytes), int(sc.buffers_bytes)),
+            peak_memory_bytes=int(sc.memory_bytes),
+            memory_capacity_bytes=int(sc.capacity_bytes),
+            send_bytes=int(sc.send_bytes),
+        ))
+    regions = tuple(
+        Region(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
+               nodes=tuple(table[r].node_names), layer=problem.regions[r].layer,
+               flops_fwd=problem.regions[r].fwd_flops_per_sample,
+               flops_bwd=problem.regions[r].bwd_flops_per_sample,
+               param_bytes=problem.regions[r].param_bytes,
+               activation_bytes=problem.regions[r].activation_bytes_per_sample)
+        for r in range(problem.num_regions)
+    )
+    cut_edges = tuple(_cut_edges(gm, stage_of, b))
+    ties = tuple(
+        Tie(param=name, stages=tuple(sorted({stage_of[r] for r in regs})),
+            placement="colocated" if len({stage_of[r] for r in regs}) == 1 else "replicated",
+            cost_s=next((t.cost_s for t in cost.ties if set(t.regions) == set(regs)), 0.0))
+        for name, _nbytes, regs in _ties(gm)
+    )
+    step = cost.step_time_s
+    return Plan(
+        workload=workload.name,
+        model_fingerprint=model_fingerprint(workload.model),
+        num_stages=assignment.num_stages,
+        dp=assignment.dp,
+        num_microbatches=assignment.num_microbatches,
+        microbatch_size=b,
+        global_batch=global_batch,
+        schedule=assignment.schedule,
+        world_size=assignment.num_stages * assignment.dp,
+        device_type="cpu" if cluster.devices[0].kind == "cpu" else "cuda",
+        stages=tuple(stages),
+        regions=regions,
+        cut_edges=cut_edges,
+        ties=ties,
+        predicted={"step_time_s": step, "bubble_fraction": cost.bubble_fraction,
+                   "lower_bound_step_time_s": cost.lower_bound_step_time_s,
+                   "samples_per_s": global_batch / step if step > 0 else 0.0},
+        solver=solution_summary(solution),
+        baselines={name: {"step_time_s": value} for name, value in sorted(solution_baselines(solution).items())},
+        cluster=cluster.to_dict(),
+        training=training,
+    )
+
+
+def _param_elem_bytes(model: torch.nn.Module) -> int:
+    for p in model.parameters():
+        return p.element_size()
+    return 4
+
+
+def _ties(gm):
+    from passes.regions import region_ties
+
+    return [(name, nbytes, tuple(sorted(set(regs)))) for name, nbytes, regs in region_ties(gm) if len(set(regs)) > 1]
+
+
+def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int):
+    """Every tensor that crosses a stage boundary, with the boundaries it crosses."""
+    region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
+    grouped: dict[tuple[int, int], list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        src = region_of[node.name]
+        last = max((stage_of_region[region_of[u.name]] for u in node.users if u.op != "output"),
+                   default=stage_of_region[src])
+        if last > stage_of_region[src]:
+            dst = max((region_of[u.name] for u in node.users if u.op != "output"),
+                      key=lambda r: stage_of_region[r])
+            grouped.setdefault((src, dst), []).append(node)
+    for (src, dst), nodes in sorted(grouped.items()):
+        shapes = [tuple(ir.get(n, ir.SHAPE).shape or ()) for n in nodes]
+        total = sum(ir.get(n, ir.SHAPE).output_bytes for n in nodes)
+        yield CutEdge(src_region=src, dst_region=dst, tensors=tuple(n.name for n in nodes), shapes=tuple(shapes),
+                      bytes_per_microbatch=int(total), boundaries=tuple(range(stage_of_region[src], stage_of_region[dst])))
+
+
+def solution_summary(solution) -> dict:
+    return {
+        "status": solution.status,
+        "objective": float(solution.objective),
+        "bound": float(solution.bound),
+        "gap": float(abs(solution.objective - solution.bound) / solution.objective) if solution.objective else 0.0,
+        "solve_time_s": float(solution.solve_time_s),
+    }
+
+
+def solution_baselines(solution) -> dict:
+    return dict(getattr(solution, "baselines", {}) or {})
+
+
+def _example_at(workload: Workload, microbatch_size: int) -> tuple:
+    """Example inputs of exactly one microbatch: the traced shapes are static."""
+    if microbatch_size == workload.example_batch_size:
+        return workload.example_args
+    if workload.make_batch is None:
+        raise ValueError(
+            f"the plan's microbatch size is {microbatch_size} but the example inputs have batch "
+            f"{workload.example_batch_size} and the workload has no make_batch: give make_batch, or "
+            f"fix --microbatches so that global_batch / (dp * microbatches) = {workload.example_batch_size}"
+        )
+    args, _target = workload.make_batch(0, microbatch_size)
+    device = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def program_spec(plan: Plan, stages, workload: Workload) -> dict:
+    """The "program" object of plan.json: everything the runtime reads (runtime/__init__.py)."""
+    def values(vs):
+        return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype, "batch_dim": 0} for v in vs]
+
+    missing = [k for k in ("make_batch", "loss_fn") if k not in workload.source]
+    if missing:
+        raise ValueError(
+            f"workload {workload.name!r} does not say where generated programs find {missing}: set "
+            "Workload(source={'make_batch': ('module:function', kwargs), 'loss_fn': (...)})"
+        )
+    return {
+        "world_size": plan.world_size,
+        "num_stages": plan.num_stages,
+        "dp": plan.dp,
+        "num_microbatches": plan.num_microbatches,
+        "global_batch": plan.global_batch,
+        "schedule": plan.schedule,
+        "device": plan.device_type,
+        "backend": "gloo" if plan.device_type == "cpu" else "nccl",
+        "ranks": plan.rank_layout(),
+        "stages": [{"index": s.index, "module": f"stage_{s.index}", "class": f"Stage{s.index}",
+                    "params": list(s.params), "inputs": values(s.inputs), "outputs": values(s.outputs)}
+                   for s in stages],
+        "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
+        "data": {"make_batch": list(workload.source["make_batch"]), "loss_fn": list(workload.source["loss_fn"])},
+        "optimizer": plan.training["optimizer"],
+        "seed": plan.training["seed"],
+        "collective_timeout_s": plan.training["collective_timeout_s"],
+        "checkpoint_every": plan.training.get("checkpoint_every", 0),
+    }
+
+
+def save_program(plan: Plan, folder) -> Path:
+    from partitioner.codegen import write_program
+    from partitioner.split import split_graph
+
+    artifacts: Artifacts = plan._artifacts  # type: ignore[attr-defined]
+    workload = artifacts.workload
+    traced = trace(workload.model, _example_at(workload, plan.microbatch_size), workload.example_kwargs)
+    gm = annotate(traced, granularity=artifacts.granularity)
+    stage_of_name = {r.name: r.stage for r in plan.regions}
+    node_stage = {}
+    for node in gm.graph.nodes:
+        name = ir.get(node, ir.REGION).name
+        if name not in stage_of_name:
+            raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
+        node_stage[node.name] = stage_of_name[name]
+    stages = split_graph(gm, node_stage, plan.num_stages)
+    on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
+    state = None if on_meta else dict(workload.model.state_dict(keep_vars=False))
+    return write_program(folder, plan=plan, stages=stages, program=program_spec(plan, stages, workload), state=state)
