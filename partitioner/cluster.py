@@ -1,0 +1,375 @@
+"""The machines a plan runs on: devices (memory, speed, node) and the links between them.
+
+No torch import: the solver and its tests take a ClusterSpec as plain numbers.
+
+Note [device presets]
+    Memory is the device's HBM as sold (GiB = 2**30 bytes; the H200's 141 GB is decimal).
+    ``flops_per_s`` is a *sustained* bf16 dense rate, 40% of the vendor's dense peak, which is
+    what well-tuned transformer training reaches in practice (Megatron-LM and torchtitan report
+    MFU of 38-45% on A100/H100):
+        A100 (SXM):      312 TFLOP/s peak  -> 125e12
+        H100 / H200 SXM: 989 TFLOP/s peak  -> 396e12 (H200 has the H100's compute, more HBM)
+        cpu:             16 GiB and 50e9 flop/s, a many-core server socket running fp32 GEMMs.
+    Links (``DEFAULT_LINKS``) are achievable point-to-point rates, about 2/3 of the nominal one:
+        NVLink3 (A100) 300 GB/s/direction -> 200e9;  NVLink4 (H100/H200) 450 -> 300e9;
+        inter-node InfiniBand HDR/NDR, one 200-400 Gb/s NIC per GPU -> 25e9;
+        cpu: gloo over loopback/shared memory -> 5e9 within a host, 1.25e9 (10 GbE) across.
+    Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "DeviceSpec",
+    "LinkSpec",
+    "ClusterSpec",
+    "DevicePreset",
+    "DEVICE_PRESETS",
+    "DEFAULT_LINKS",
+    "GIB",
+    "resolve_kind",
+]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    memory_bytes: int
+    flops_per_s: float
+
+
+# See Note [device presets] for where each number comes from.
+DEVICE_PRESETS: Mapping[str, DevicePreset] = {
+    "a100-40gb": DevicePreset(memory_bytes=40 * GIB, flops_per_s=125e12),
+    "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12),
+    "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12),
+    "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12),
+    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9),
+}
+_KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
+
+
+def resolve_kind(kind: str) -> str:
+    """The canonical preset name of ``kind`` (aliases resolved), or ValueError listing known kinds."""
+    canonical = _KIND_ALIASES.get(kind, kind)
+    if canonical not in DEVICE_PRESETS:
+        known = sorted([*DEVICE_PRESETS, *_KIND_ALIASES])
+        raise ValueError(
+            f"unknown device kind {kind!r}; known kinds: {', '.join(known)} "
+            "(or give memory_gib and flops_per_s explicitly in the cluster file)"
+        )
+    return canonical
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A point-to-point link: time to move n bytes = latency_s + n / bandwidth_bytes_per_s."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ValueError(
+                f"LinkSpec.bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} must be a positive "
+                "finite number of bytes per second (e.g. 25e9 for a 200 Gb/s NIC)"
+            )
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(
+                f"LinkSpec.latency_s={self.latency_s!r} must be a finite number of seconds >= 0 "
+                "(e.g. 5e-6)"
+            )
+
+    def transfer_s(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+# (intra-node, inter-node) defaults per device kind; see Note [device presets].
+DEFAULT_LINKS: Mapping[str, tuple[LinkSpec, LinkSpec]] = {
+    "a100-40gb": (LinkSpec(200e9, 5e-6), LinkSpec(25e9, 10e-6)),
+    "a100-80gb": (LinkSpec(200e9, 5e-6), LinkSpec(25e9, 10e-6)),
+    "h100": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
+    "h200": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
+    "cpu": (LinkSpec(5e9, 20e-6), LinkSpec(1.25e9, 50e-6)),
+}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU process): its memory, sustained speed and the node it sits on."""
+
+    name: str
+    kind: str
+    memory_bytes: int
+    flops_per_s: float
+    node: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"DeviceSpec.name={self.name!r} must be a non-empty string")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"DeviceSpec.kind={self.kind!r} must be a non-empty string such as 'h100'")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise ValueError(
+                f"DeviceSpec({self.name}).memory_bytes={self.memory_bytes!r} must be a positive int "
+                "(bytes; e.g. 80 * 2**30 for 80 GiB)"
+            )
+        if not (self.flops_per_s > 0 and math.isfinite(self.flops_per_s)):
+            raise ValueError(
+                f"DeviceSpec({self.name}).flops_per_s={self.flops_per_s!r} must be a positive finite "
+                "sustained rate (e.g. 396e12 for an H100 at 40% of bf16 peak)"
+            )
+        if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
+            raise ValueError(f"DeviceSpec({self.name}).node={self.node!r} must be an int >= 0")
+
+    @property
+    def device_class(self) -> tuple[str, int, float]:
+        """Devices with the same class are interchangeable for the solver."""
+        return (self.kind, self.memory_bytes, self.flops_per_s)
+
+
+def _default_name(kind: str, index: int) -> str:
+    return f"{kind}:{index}"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices (index = position in ``devices``) and the two kinds of link that join them."""
+
+    devices: tuple[DeviceSpec, ...]
+    intra_node_link: LinkSpec
+    inter_node_link: LinkSpec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, tuple):
+            object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.devices:
+            raise ValueError("ClusterSpec.devices=() is empty: give at least one DeviceSpec")
+        for i, device in enumerate(self.devices):
+            if not isinstance(device, DeviceSpec):
+                raise ValueError(f"ClusterSpec.devices[{i}]={device!r} must be a DeviceSpec")
+        names = [d.name for d in self.devices]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"ClusterSpec.devices has duplicate names {duplicates}: give each device its own name")
+        for field_name in ("intra_node_link", "inter_node_link"):
+            if not isinstance(getattr(self, field_name), LinkSpec):
+                raise ValueError(f"ClusterSpec.{field_name}={getattr(self, field_name)!r} must be a LinkSpec")
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def homogeneous(
+        cls, num_devices: int, kind: str = "cpu", devices_per_node: int | None = None
+    ) -> "ClusterSpec":
+        """``num_devices`` identical preset devices, ``devices_per_node`` to a node (default 8;
+        for ``cpu`` every device is a process on this one host)."""
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
+        canonical = resolve_kind(kind)
+        if devices_per_node is None:
+            devices_per_node = num_devices if canonical == "cpu" else 8
+        if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+            raise ValueError(f"devices_per_node={devices_per_node!r} must be an int >= 1")
+        preset = DEVICE_PRESETS[canonical]
+        devices = tuple(
+            DeviceSpec(
+                name=_default_name(canonical, i),
+                kind=canonical,
+                memory_bytes=preset.memory_bytes,
+                flops_per_s=preset.flops_per_s,
+                node=i // devices_per_node,
+            )
+            for i in range(num_devices)
+        )
+        intra, inter = DEFAULT_LINKS[canonical]
+        return cls(devices=devices, intra_node_link=intra, inter_node_link=inter)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "ClusterSpec":
+        """Read a cluster file (see ``from_dict`` for its keys)."""
+        with open(path, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"cluster file {path}: not valid TOML: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ClusterSpec":
+        """Build from ``{"group": [...], "links": {...}}``.
+
+        Each group: ``kind`` (a preset), ``count``, ``node`` (first node, default 0),
+        optional ``devices_per_node`` (a group larger than it spills onto the next nodes),
+        ``memory_gib`` or ``memory_bytes``, ``flops_per_s``, ``names`` (one per device).
+        Links: ``[links.intra_node]`` / ``[links.inter_node]`` with ``bandwidth_bytes_per_s``
+        (or ``bandwidth_gbytes_per_s``, GB = 1e9 bytes) and ``latency_s``; either may be
+        omitted and defaults to the first group's kind (``DEFAULT_LINKS``).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"cluster description must be a table/dict, got {type(data).__name__}")
+        unknown = set(data) - {"group", "links"}
+        if unknown:
+            raise ValueError(f"cluster description has unknown keys {sorted(unknown)}; allowed: group, links")
+        groups = data.get("group")
+        if not groups or not isinstance(groups, list):
+            raise ValueError(
+                "cluster description needs at least one [[group]] with kind and count, "
+                'e.g. [[group]] kind = "h100"; count = 8'
+            )
+        allowed_group_keys = {"kind", "count", "node", "devices_per_node", "memory_gib", "memory_bytes",
+                              "flops_per_s", "names"}
+        devices: list[DeviceSpec] = []
+        first_kind = None
+        for gi, group in enumerate(groups):
+            if not isinstance(group, Mapping):
+                raise ValueError(f"group[{gi}] must be a table, got {group!r}")
+            extra = set(group) - allowed_group_keys
+            if extra:
+                raise ValueError(f"group[{gi}] has unknown keys {sorted(extra)}; allowed: {sorted(allowed_group_keys)}")
+            if "kind" not in group or "count" not in group:
+                raise ValueError(f"group[{gi}] needs 'kind' and 'count' (got keys {sorted(group)})")
+            kind = str(group["kind"])
+            count = group["count"]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"group[{gi}].count={count!r} must be an int >= 1")
+            has_overrides = "memory_gib" in group or "memory_bytes" in group
+            if kind in DEVICE_PRESETS or kind in _KIND_ALIASES:
+                kind = resolve_kind(kind)
+                preset = DEVICE_PRESETS[kind]
+            elif has_overrides and "flops_per_s" in group:
+                preset = None  # a custom kind described entirely by the file
+            else:
+                resolve_kind(kind)  # raises the error that lists known kinds
+                raise AssertionError("unreachable")
+            first_kind = first_kind or kind
+            if "memory_bytes" in group:
+                memory_bytes = group["memory_bytes"]
+                if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int):
+                    raise ValueError(f"group[{gi}].memory_bytes={memory_bytes!r} must be an int")
+            elif "memory_gib" in group:
+                memory_gib = group["memory_gib"]
+                if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or memory_gib <= 0:
+                    raise ValueError(f"group[{gi}].memory_gib={memory_gib!r} must be a positive number")
+                memory_bytes = int(memory_gib * GIB)
+            else:
+                assert preset is not None
+                memory_bytes = preset.memory_bytes
+            flops_per_s = float(group["flops_per_s"]) if "flops_per_s" in group else preset.flops_per_s  # type: ignore[union-attr]
+            node = group.get("node", 0)
+            if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+                raise ValueError(f"group[{gi}].node={node!r} must be an int >= 0")
+            per_node = group.get("devices_per_node", count)
+            if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+                raise ValueError(f"group[{gi}].devices_per_node={per_node!r} must be an int >= 1")
+            names = group.get("names")
+            if names is not None and (not isinstance(names, list) or len(names) != count):
+                raise ValueError(f"group[{gi}].names must be a list of {count} names, got {names!r}")
+            for i in range(count):
+                index = len(devices)
+                devices.append(
+                    DeviceSpec(
+                        name=str(names[i]) if names is not None else _default_name(kind, index),
+                        kind=kind,
+                        memory_bytes=memory_bytes,
+                        flops_per_s=flops_per_s,
+                        node=node + i // per_node,
+                    )
+                )
+        links = data.get("links", {})
+        if not isinstance(links, Mapping):
+            raise ValueError(f"links must be a table, got {links!r}")
+        extra = set(links) - {"intra_node", "inter_node"}
+        if extra:
+            raise ValueError(f"links has unknown keys {sorted(extra)}; allowed: intra_node, inter_node")
+        default_intra, default_inter = DEFAULT_LINKS.get(first_kind or "", DEFAULT_LINKS["cpu"])
+        intra = _link_from_dict(links.get("intra_node"), default_intra, "links.intra_node")
+        inter = _link_from_dict(links.get("inter_node"), default_inter, "links.inter_node")
+        return cls(devices=tuple(devices), intra_node_link=intra, inter_node_link=inter)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``from_dict`` form; ``ClusterSpec.from_dict(c.to_dict()) == c``."""
+        groups: list[dict[str, Any]] = []
+        run_start = 0
+        for i in range(1, len(self.devices) + 1):
+            if i < len(self.devices) and _same_group(self.devices[run_start], self.devices[i]):
+                continue
+            run = self.devices[run_start:i]
+            head = run[0]
+            group: dict[str, Any] = {
+                "kind": head.kind,
+                "count": len(run),
+                "node": head.node,
+                "memory_bytes": head.memory_bytes,
+                "flops_per_s": head.flops_per_s,
+            }
+            if any(d.name != _default_name(d.kind, run_start + j) for j, d in enumerate(run)):
+                group["names"] = [d.name for d in run]
+            groups.append(group)
+            run_start = i
+        return {
+            "group": groups,
+            "links": {
+                "intra_node": {
+                    "bandwidth_bytes_per_s": self.intra_node_link.bandwidth_bytes_per_s,
+                    "latency_s": self.intra_node_link.latency_s,
+                },
+                "inter_node": {
+                    "bandwidth_bytes_per_s": self.inter_node_link.bandwidth_bytes_per_s,
+                    "latency_s": self.inter_node_link.latency_s,
+                },
+            },
+        }
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        return len({d.device_class for d in self.devices}) == 1
+
+    def link_between(self, dev_a: int | DeviceSpec, dev_b: int | DeviceSpec) -> LinkSpec:
+        """The link joining two devices (given by index or spec): intra-node on the same node."""
+        a = self.devices[dev_a] if isinstance(dev_a, int) else dev_a
+        b = self.devices[dev_b] if isinstance(dev_b, int) else dev_b
+        return self.intra_node_link if a.node == b.node else self.inter_node_link
+
+    def slowest_link(self, device_indices: "list[int] | tuple[int, ...]") -> LinkSpec | None:
+        """The slowest link among a set of devices (None for fewer than two devices)."""
+        if len(device_indices) < 2:
+            return None
+        nodes = {self.devices[i].node for i in device_indices}
+        return self.intra_node_link if len(nodes) == 1 else self.inter_node_link
+
+
+def _same_group(a: DeviceSpec, b: DeviceSpec) -> bool:
+    return a.kind == b.kind and a.node == b.node and a.memory_bytes == b.memory_bytes and a.flops_per_s == b.flops_per_s
+
+
+def _link_from_dict(data: Any, default: LinkSpec, where: str) -> LinkSpec:
+    if data is None:
+        return default
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a table with bandwidth_bytes_per_s and latency_s, got {data!r}")
+    extra = set(data) - {"bandwidth_bytes_per_s", "bandwidth_gbytes_per_s", "latency_s"}
+    if extra:
+        raise ValueError(f"{where} has unknown keys {sorted(extra)}; allowed: bandwidth_bytes_per_s, "
+                         "bandwidth_gbytes_per_s, latency_s")
+    if "bandwidth_bytes_per_s" in data:
+        bandwidth = float(data["bandwidth_bytes_per_s"])
+    elif "bandwidth_gbytes_per_s" in data:
+        bandwidth = float(data["bandwidth_gbytes_per_s"]) * 1e9
+    else:
+        bandwidth = default.bandwidth_bytes_per_s
+    latency = float(data.get("latency_s", default.latency_s))
+    return LinkSpec(bandwidth_bytes_per_s=bandwidth, latency_s=latency)

@@ -1,0 +1,128 @@
+"""The splits people use without a solver, costed by the same ``evaluate`` as our plans.
+
+* uniform: an equal number of transformer blocks per stage, the embedding (regions before the
+  first block) on the first stage and the head (regions after the last block) on the last, as
+  torchtitan and Megatron-LM do. With L blocks on p stages the first L mod p stages get one
+  more block.
+* param_balanced: DeepSpeed's ``partition_method="parameters"``: contiguous stages (in the
+  regions' topological order) minimizing the largest parameter count.
+Both run without recompute. A contiguous split of a topological order never sends data backwards,
+so both are valid for any DAG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.cluster import ClusterSpec
+from partitioner.solver.check import evaluate
+from partitioner.solver.problem import Assignment, PartitionProblem
+
+__all__ = ["BaselineCost", "uniform_split", "param_balanced_split", "min_max_contiguous_split",
+           "baseline_assignments", "evaluate_baselines"]
+
+
+@dataclass(frozen=True)
+class BaselineCost:
+    step_time_s: float
+    fits_memory: bool
+    stage_of_region: tuple[int, ...]
+
+
+def uniform_split(problem: PartitionProblem, num_stages: int) -> tuple[int, ...] | None:
+    """Stage of every region for equal blocks per stage; None when there are fewer blocks than
+    stages. Regions without a block index follow the block before them (the head, after the last
+    block, goes to the last stage). Without any block index, regions are split evenly by count."""
+    n, p = problem.num_regions, num_stages
+    layers = sorted({r.layer for r in problem.regions if r.layer is not None})
+    if not layers:
+        if n < p:
+            return None
+        return tuple(min(i * p // n, p - 1) for i in range(n))
+    if len(layers) < p:
+        return None
+    per_stage, extra = divmod(len(layers), p)
+    stage_of_layer, layer_index = {}, 0
+    for s in range(p):
+        for _ in range(per_stage + (1 if s < extra else 0)):
+            stage_of_layer[layers[layer_index]] = s
+            layer_index += 1
+    last_layer_region = max(i for i, r in enumerate(problem.regions) if r.layer is not None)
+    stages, current = [], 0
+    for i, region in enumerate(problem.regions):
+        if region.layer is not None:
+            current = max(current, stage_of_layer[region.layer])  # monotone: never send backwards
+        elif i > last_layer_region:
+            current = p - 1
+        stages.append(current)
+    return tuple(stages)
+
+
+def min_max_contiguous_split(weights: list[float] | np.ndarray, num_stages: int) -> tuple[int, ...] | None:
+    """Contiguous non-empty stages minimizing the largest sum of ``weights`` (exact DP over
+    prefixes; ties broken towards earlier cuts). None when there are fewer items than stages."""
+    w = np.asarray(weights, dtype=float)
+    n, p = len(w), num_stages
+    if n < p:
+        return None
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    best = np.full((p, n + 1), np.inf)  # best[k][j]: first j items in k + 1 stages
+    cut = np.zeros((p, n + 1), dtype=int)
+    best[0, 1:] = prefix[1:]
+    for k in range(1, p):
+        for j in range(k + 1, n + 1):
+            i = np.arange(k, j)
+            cost = np.maximum(best[k - 1, i], prefix[j] - prefix[i])
+            at = int(np.argmin(cost))
+            best[k, j], cut[k, j] = cost[at], i[at]
+    stages = [0] * n
+    j = n
+    for k in range(p - 1, 0, -1):
+        i = cut[k, j]
+        for r in range(i, j):
+            stages[r] = k
+        j = i
+    return tuple(stages)
+
+
+def param_balanced_split(problem: PartitionProblem, num_stages: int) -> tuple[int, ...] | None:
+    return min_max_contiguous_split([r.param_bytes for r in problem.regions], num_stages)
+
+
+def baseline_assignments(
+    problem: PartitionProblem,
+    *,
+    num_stages: int,
+    dp: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    schedule: str,
+    placement: tuple[tuple[int, ...], ...],
+) -> dict[str, Assignment]:
+    """The baselines that exist for this stage count, as Assignments on ``placement``."""
+    out = {}
+    for name, split in (("uniform", uniform_split(problem, num_stages)),
+                        ("param_balanced", param_balanced_split(problem, num_stages))):
+        if split is not None:
+            out[name] = Assignment(
+                stage_of_region=split,
+                recompute=(False,) * problem.num_regions,
+                device_of_stage_replica=placement,
+                num_stages=num_stages,
+                dp=dp,
+                num_microbatches=num_microbatches,
+                microbatch_size=microbatch_size,
+                schedule=schedule,
+            )
+    return out
+
+
+def evaluate_baselines(problem: PartitionProblem, cluster: ClusterSpec, **kwargs) -> dict[str, BaselineCost]:
+    """``baseline_assignments(problem, **kwargs)`` costed by ``evaluate``."""
+    out = {}
+    for name, assignment in baseline_assignments(problem, **kwargs).items():
+        cost = evaluate(problem, cluster, assignment)
+        out[name] = BaselineCost(cost.step_time_s, cost.fits_memory, assignment.stage_of_region)
+    return out

@@ -1,0 +1,160 @@
+"""Exact dynamic program over contiguous splits of the regions' topological order.
+
+Note [chain DP]
+    The objective (m - 1) * max_s T_s + sum_s T_s is not a min-max nor a min-sum, so one DP does
+    not optimize it. But for a fixed cap C on every stage time, min sum_s T_s subject to
+    T_s <= C *is* a plain DP over (stage, prefix) — a stage's time and memory depend only on its
+    segment [i, j) and its index s (cut bytes at a position, links at a boundary, in-flight
+    microbatches). So: for every candidate cap C in the set of achievable segment times, in
+    increasing order, solve that DP and score (m - 1) * C + S(C); the optimum's own bottleneck
+    is one of the candidates, where the score equals the optimum, and every other score is an
+    achievable plan's upper bound. Stop once (m - 1) * C + S(inf) cannot beat the best.
+    Exact for chains (every valid split is contiguous) with dp = 1, no ties and a fixed recompute
+    choice; for other problems it is a heuristic (a hint for the ILP), costed by ``evaluate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.cluster import ClusterSpec
+from partitioner.solver.check import evaluate, plan_links
+from partitioner.solver.problem import Assignment, PartitionProblem, in_flight_microbatches, region_times_s
+
+__all__ = ["ChainDPResult", "solve_chain_dp"]
+
+
+@dataclass(frozen=True)
+class ChainDPResult:
+    stage_of_region: tuple[int, ...]
+    pipeline_s: float          # the DP's objective: (m - 1) * max T + sum T
+    step_time_s: float         # evaluate() of the split (adds all-reduce and tie costs)
+    assignment: Assignment
+
+
+def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch_size, schedule, recompute):
+    """time[s][i, j] and fits[s][i, j] for stage s holding regions i..j-1 (inf / False when i >= j)."""
+    n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
+    boundary, _, _ = plan_links(cluster, placement)
+    cut_at = np.zeros(n + 1)  # bytes per sample crossing a cut placed before region j
+    for e in problem.edges:
+        cut_at[e.src + 1 : e.dst + 1] += e.bytes_per_sample
+    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
+    saved = np.concatenate([[0.0], np.cumsum([
+        r.recompute_activation_bytes_per_sample if rc else r.activation_bytes_per_sample
+        for r, rc in zip(problem.regions, recompute)])])
+    times, fits = [], []
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
+    for s in range(p):
+        device = cluster.devices[placement[s][0]]
+        capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
+        per_region = []
+        for r, rc in zip(problem.regions, recompute):
+            fwd, bwd = region_times_s(r, device, b)
+            per_region.append(fwd + bwd + (fwd if rc else 0.0))
+        compute = np.concatenate([[0.0], np.cumsum(per_region)])
+        t = compute[None, :] - compute[:, None]
+        incoming = np.zeros((n + 1, n + 1))
+        if s > 0:
+            t += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
+            incoming += cut_at[:, None]
+        else:
+            incoming += problem.input_bytes_per_sample
+        if s < p - 1:
+            t += (boundary[s].latency_s + b * cut_at / boundary[s].bandwidth_bytes_per_s)[None, :]
+            incoming += cut_at[None, :]
+        memory = (static[None, :] - static[:, None]
+                  + in_flight_microbatches(schedule, s, p, m) * b * (saved[None, :] - saved[:, None])
+                  + 2.0 * b * incoming)
+        ok = upper & (memory <= capacity)
+        if s == 0:
+            ok[1:, :] = False  # the first stage starts at region 0
+        if s == p - 1:
+            ok[:, :n] = False  # the last stage ends at region n
+        times.append(np.where(ok, t, np.inf))
+        fits.append(ok)
+    return times
+
+
+def _min_sum_under_cap(times, cap, n):
+    """min sum_s T_s with every T_s <= cap: (value, stage_of_region) or (inf, None)."""
+    p = len(times)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    choice = []
+    for s in range(p):
+        t = np.where(times[s] <= cap, times[s], np.inf)
+        total = best[:, None] + t  # from prefix i to prefix j
+        arg = np.argmin(total, axis=0)
+        best = total[arg, np.arange(n + 1)]
+        choice.append(arg)
+    if not np.isfinite(best[n]):
+        return np.inf, None
+    stages = [0] * n
+    j = n
+    for s in range(p - 1, -1, -1):
+        i = int(choice[s][j])
+        for r in range(i, j):
+            stages[r] = s
+        j = i
+    return float(best[n]), tuple(stages)
+
+
+def solve_chain_dp(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    schedule: str = "1f1b",
+    placement: tuple[tuple[int, ...], ...] | None = None,
+    recompute: tuple[bool, ...] | None = None,
+    max_caps: int | None = None,
+) -> ChainDPResult | None:
+    """Best contiguous split for fixed p, m (Note [chain DP]); None if none fits memory.
+
+    ``placement`` defaults to one pipeline on devices 0..p-1. ``max_caps`` stops after that many
+    candidate caps (then the result is a heuristic, used for ILP hints on large problems).
+    """
+    n, p, m = problem.num_regions, num_stages, num_microbatches
+    if n < p:
+        return None
+    placement = placement or tuple((s,) for s in range(p))
+    recompute = recompute or (False,) * n
+    times = _segment_tables(problem, cluster, placement, num_microbatches=m,
+                            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute)
+    sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
+    if stages is None:
+        return None
+    caps = np.unique(np.concatenate([t[np.isfinite(t)] for t in times]))
+    # Feasibility is monotone in the cap: bisect for the smallest feasible one (the min-max split).
+    lo, hi = 0, len(caps) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sum_under_cap(times, caps[mid], n)[1] is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    best_value, best_stages = np.inf, None
+    tried = 0
+    for cap in caps[lo:]:
+        if (m - 1) * cap + sum_floor >= best_value:
+            break
+        if max_caps is not None and tried >= max_caps and best_stages is not None:
+            break
+        tried += 1
+        value, stages = _min_sum_under_cap(times, cap, n)
+        if stages is not None and (m - 1) * cap + value < best_value:
+            best_value, best_stages = (m - 1) * cap + value, stages
+    if best_stages is None:
+        return None
+    assignment = Assignment(
+        stage_of_region=best_stages, recompute=recompute, device_of_stage_replica=placement,
+        num_stages=p, dp=len(placement[0]), num_microbatches=m, microbatch_size=microbatch_size,
+        schedule=schedule,
+    )
+    cost = evaluate(problem, cluster, assignment)
+    return ChainDPResult(best_stages, cost.pipeline_s, cost.step_time_s, assignment)

@@ -1,0 +1,383 @@
+"""The float cost model (``evaluate``) and the independent checker (``check_assignment``).
+
+``evaluate`` is the single source of truth for what a plan costs; baselines, the chain DP and
+the checker all use it, and the ILP (model.py) is its integer-scaled transcription.
+
+Note [cost model]
+    For p stages, d replicas, m microbatches of b samples:
+    * compute_s  = sum over the stage's regions of (fwd + bwd) time, + fwd again if recomputed.
+    * cut[k]     = sum of bytes_per_sample of edges (u -> v) with stage(u) <= k < stage(v): an
+                   edge skipping stages is forwarded through each boundary it crosses.
+    * comm_s     = per microbatch, the stage's sends: activations over boundary s (if s < p-1)
+                   and gradients over boundary s-1 (if s > 0), each latency + b*cut/bandwidth.
+    * T_s        = compute_s + comm_s;  pipeline = (m - 1) * max_s T_s + sum_s T_s.
+    * dp_allreduce = max_s ring all-reduce of stage s's gradients among its d replicas:
+                   2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1).
+    * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
+                   (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
+    * step_time  = pipeline + dp_allreduce + sum of tie costs.
+    * memory_s   = params + grads + optimizer (+ tie replicas) + in_flight_s * b * saved
+                   activations (recompute_activation bytes for recomputed regions) + receive
+                   buffers 2 * b * (cut[s-1] + cut[s]) (+ 2 * b * input bytes on stage 0);
+                   in_flight_s = m for GPipe, min(p - s, m) for 1F1B.
+    Links: boundary s uses the slowest link between stage s and s+1 over the replicas; the
+    all-reduce of stage s the slowest link among its replicas; ties the slowest link within a
+    replica's pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.solver.problem import (
+    SCHEDULES,
+    Assignment,
+    PartitionProblem,
+    in_flight_microbatches,
+    region_times_s,
+)
+
+__all__ = [
+    "AssignmentError",
+    "StageCost",
+    "TieCost",
+    "CostBreakdown",
+    "evaluate",
+    "check_assignment",
+    "lower_bound_step_time_s",
+    "structural_violations",
+    "plan_links",
+]
+
+
+class AssignmentError(ValueError):
+    """A solution violates constraints; ``violations`` lists every one found."""
+
+    def __init__(self, violations: list[str]):
+        self.violations = tuple(violations)
+        super().__init__(
+            f"{len(violations)} violated constraint(s):\n" + "\n".join(f"  - {v}" for v in violations)
+        )
+
+
+@dataclass(frozen=True)
+class StageCost:
+    regions: tuple[int, ...]
+    compute_s: float
+    comm_s: float
+    time_s: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buffers_bytes: float
+    capacity_bytes: int
+    send_bytes: float  # per microbatch, forward activations sent to the next stage
+    dp_allreduce_s: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
+
+
+@dataclass(frozen=True)
+class TieCost:
+    regions: tuple[int, ...]
+    status: str  # "colocated" (one stage) or "replicated"
+    stages: tuple[int, ...]
+    cost_s: float
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    stages: tuple[StageCost, ...]
+    cut_bytes_per_sample: tuple[float, ...]  # per boundary k (between stage k and k + 1)
+    bottleneck_s: float
+    pipeline_s: float
+    dp_allreduce_s: float
+    ties: tuple[TieCost, ...]
+    step_time_s: float
+    bubble_fraction: float
+    lower_bound_step_time_s: float
+
+    @property
+    def fits_memory(self) -> bool:
+        return all(s.memory_bytes <= s.capacity_bytes for s in self.stages)
+
+
+def _slowest(cluster: ClusterSpec, devices) -> LinkSpec | None:
+    return cluster.slowest_link(list(devices))
+
+
+def plan_links(
+    cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]
+) -> tuple[list[LinkSpec], list[LinkSpec | None], LinkSpec | None]:
+    """(boundary links, data-parallel link per stage, tie link) of a placement (Note [cost model]).
+
+    Boundary k joins stage k and k + 1: the slowest link between them over the replicas.
+    Stage s's all-reduce: the slowest link among its replicas (None when dp = 1). Ties: the
+    slowest link within one replica's pipeline, worst over replicas (None for one stage).
+    """
+    num_stages, dp = len(placement), len(placement[0])
+    boundary = [
+        max(
+            (cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
+            key=lambda link: (1.0 / link.bandwidth_bytes_per_s, link.latency_s),
+        )
+        for k in range(num_stages - 1)
+    ]
+    dp_links = [_slowest(cluster, row) for row in placement]
+    tie_link = None
+    for r in range(dp):
+        link = _slowest(cluster, [placement[s][r] for s in range(num_stages)])
+        if link is not None and (tie_link is None or link.bandwidth_bytes_per_s < tie_link.bandwidth_bytes_per_s):
+            tie_link = link
+    return boundary, dp_links, tie_link
+
+
+def lower_bound_step_time_s(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    dp: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    stage_devices: list[int] | None = None,
+) -> float:
+    """(m - 1) * B_fluid + W_fastest, a lower bound on step time for any partition.
+
+    W_k is the per-microbatch work of the whole model on a device of class k. A perfectly
+    divisible model on stages with works W_s has bottleneck 1 / sum_s(1 / W_s), and sum of stage
+    times >= W on the fastest device. Homogeneous: (m + p - 1) * W / p. Without
+    ``stage_devices`` (one device per stage) the fastest stage slots the cluster offers are used.
+    """
+    b = microbatch_size
+    work_by_class: dict[tuple, float] = {}
+    for device in cluster.devices:
+        if device.device_class not in work_by_class:
+            work_by_class[device.device_class] = sum(
+                sum(region_times_s(r, device, b)) for r in problem.regions
+            )
+    if stage_devices is not None:
+        works = [work_by_class[cluster.devices[i].device_class] for i in stage_devices]
+    else:
+        counts: dict[tuple, int] = {}
+        for device in cluster.devices:
+            counts[device.device_class] = counts.get(device.device_class, 0) + 1
+        slots = sorted(w for c, w in work_by_class.items() for _ in range(counts[c] // dp))
+        works = slots[:num_stages]
+        if len(works) < num_stages:
+            return math.inf
+    inverse = sum(1.0 / w for w in works if w > 0)
+    fluid = 1.0 / inverse if inverse > 0 else 0.0
+    return (num_microbatches - 1) * fluid + min(works)
+
+
+def evaluate(
+    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment
+) -> CostBreakdown:
+    """Cost of ``assignment`` in floats (Note [cost model]). Assumes it is structurally valid
+    (see ``structural_violations``)."""
+    a = assignment
+    p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
+    devices = cluster.devices
+    regions_of = [[] for _ in range(p)]
+    for r, s in enumerate(a.stage_of_region):
+        regions_of[s].append(r)
+
+    cut = [0.0] * max(p - 1, 0)
+    for e in problem.edges:
+        for k in range(a.stage_of_region[e.src], a.stage_of_region[e.dst]):
+            cut[k] += e.bytes_per_sample
+    boundary_link, dp_links, tie_link = plan_links(cluster, a.device_of_stage_replica)
+
+    # Tie replicas: every stage holding a tie region other than the first region's stage.
+    tie_costs = []
+    tie_extra = [[0.0, 0.0, 0.0] for _ in range(p)]
+    for tie in problem.ties:
+        stages = tuple(sorted({a.stage_of_region[r] for r in tie.regions}))
+        param, grad, opt = problem.tie_bytes(tie)
+        home = a.stage_of_region[tie.regions[0]]
+        for s in stages:
+            if s != home:
+                tie_extra[s][0] += param
+                tie_extra[s][1] += grad
+                tie_extra[s][2] += opt
+        if len(stages) == 1:
+            tie_costs.append(TieCost(tie.regions, "colocated", stages, 0.0))
+        else:
+            assert tie_link is not None
+            cost = (len(stages) - 1) * tie_link.transfer_s(grad)
+            tie_costs.append(TieCost(tie.regions, "replicated", stages, cost))
+
+    stage_costs = []
+    for s in range(p):
+        stage_devices = a.device_of_stage_replica[s]
+        device = devices[stage_devices[0]]
+        compute = 0.0
+        params = grads = optimizer = saved = 0.0
+        for r in regions_of[s]:
+            region = problem.regions[r]
+            fwd, bwd = region_times_s(region, device, b)
+            compute += fwd + bwd + (fwd if a.recompute[r] else 0.0)
+            params += region.param_bytes
+            grads += region.grad_bytes
+            optimizer += region.optimizer_bytes
+            saved += (region.recompute_activation_bytes_per_sample if a.recompute[r]
+                      else region.activation_bytes_per_sample)
+        params += tie_extra[s][0]
+        grads += tie_extra[s][1]
+        optimizer += tie_extra[s][2]
+        comm = 0.0
+        if s < p - 1:
+            comm += boundary_link[s].transfer_s(b * cut[s])
+        if s > 0:
+            comm += boundary_link[s - 1].transfer_s(b * cut[s - 1])
+        incoming = (cut[s - 1] if s > 0 else problem.input_bytes_per_sample) + (cut[s] if s < p - 1 else 0.0)
+        dp_link = dp_links[s]
+        allreduce = 0.0 if dp_link is None else 2 * (d - 1) * (grads / d / dp_link.bandwidth_bytes_per_s + dp_link.latency_s)
+        stage_costs.append(
+            StageCost(
+                regions=tuple(regions_of[s]),
+                compute_s=compute,
+                comm_s=comm,
+                time_s=compute + comm,
+                params_bytes=params,
+                grads_bytes=grads,
+                optimizer_bytes=optimizer,
+                activations_bytes=in_flight_microbatches(a.schedule, s, p, m) * b * saved,
+                buffers_bytes=2.0 * b * incoming,
+                capacity_bytes=min(devices[i].memory_bytes for i in stage_devices),
+                send_bytes=b * cut[s] if s < p - 1 else 0.0,
+                dp_allreduce_s=allreduce,
+            )
+        )
+    bottleneck = max(st.time_s for st in stage_costs)
+    total = sum(st.time_s for st in stage_costs)
+    pipeline = (m - 1) * bottleneck + total
+    dp_allreduce = max(st.dp_allreduce_s for st in stage_costs)
+    step = pipeline + dp_allreduce + sum(t.cost_s for t in tie_costs)
+    bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
+    return CostBreakdown(
+        stages=tuple(stage_costs),
+        cut_bytes_per_sample=tuple(cut),
+        bottleneck_s=bottleneck,
+        pipeline_s=pipeline,
+        dp_allreduce_s=dp_allreduce,
+        ties=tuple(tie_costs),
+        step_time_s=step,
+        bubble_fraction=bubble,
+        lower_bound_step_time_s=lower_bound_step_time_s(
+            problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+            stage_devices=[row[0] for row in a.device_of_stage_replica],
+        ),
+    )
+
+
+def structural_violations(
+    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment, *, global_batch: int | None = None
+) -> list[str]:
+    """Every violated structural constraint (everything but memory and figures)."""
+    a = assignment
+    n, p, d = problem.num_regions, a.num_stages, a.dp
+    out: list[str] = []
+    if p < 1 or d < 1 or a.num_microbatches < 1 or a.microbatch_size < 1:
+        out.append(f"num_stages={p}, dp={d}, num_microbatches={a.num_microbatches}, "
+                   f"microbatch_size={a.microbatch_size} must all be >= 1")
+        return out
+    if a.schedule not in SCHEDULES:
+        out.append(f"schedule={a.schedule!r} is not one of {SCHEDULES}")
+    if global_batch is not None and a.microbatch_size * d * a.num_microbatches != global_batch:
+        out.append(f"microbatch_size * dp * num_microbatches = {a.microbatch_size} * {d} * "
+                   f"{a.num_microbatches} != global_batch {global_batch}")
+    if len(a.stage_of_region) != n:
+        out.append(f"stage_of_region has {len(a.stage_of_region)} entries, the problem has {n} regions")
+        return out
+    if len(a.recompute) != n:
+        out.append(f"recompute has {len(a.recompute)} entries, the problem has {n} regions")
+        return out
+    bad = [(r, s) for r, s in enumerate(a.stage_of_region) if not 0 <= s < p]
+    if bad:
+        out.append(f"regions on a stage outside 0..{p - 1} (wrong stage count): {bad[:5]}")
+        return out
+    for e in problem.edges:
+        su, sv = a.stage_of_region[e.src], a.stage_of_region[e.dst]
+        if su > sv:
+            out.append(f"dependency backwards: edge {e.src}->{e.dst} goes from stage {su} to stage {sv}")
+    used = set(a.stage_of_region)
+    for s in range(p):
+        if s not in used:
+            out.append(f"stage {s} is empty")
+    if len(a.device_of_stage_replica) != p or any(len(row) != d for row in a.device_of_stage_replica):
+        out.append(f"device_of_stage_replica must be {p} rows of {d} devices, got "
+                   f"{[len(row) for row in a.device_of_stage_replica]}")
+        return out
+    flat = [i for row in a.device_of_stage_replica for i in row]
+    outside = [i for i in flat if not 0 <= i < cluster.num_devices]
+    if outside:
+        out.append(f"device indices {outside} outside 0..{cluster.num_devices - 1}")
+        return out
+    twice = sorted({i for i in flat if flat.count(i) > 1})
+    if twice:
+        out.append(f"devices used twice: {twice}")
+    for s, row in enumerate(a.device_of_stage_replica):
+        kinds = {cluster.devices[i].device_class for i in row}
+        if len(kinds) > 1:
+            out.append(f"stage {s}'s replicas run on different device classes {sorted(kinds)}")
+    return out
+
+
+def check_assignment(
+    problem: PartitionProblem, cluster: ClusterSpec, solution, *, rel_tol: float = 1e-6
+) -> CostBreakdown:
+    """Re-verify ``solution`` (a Solution) from scratch in floats, without CP-SAT.
+
+    Raises AssignmentError listing every violation: structure (stage count, empty stages,
+    backwards dependencies, devices used twice or mixed), memory over capacity, predicted
+    figures that differ from ``evaluate``, and an ILP objective that differs from the recomputed
+    step time by more than the integer rounding allows. Returns the recomputed breakdown.
+    """
+    a = solution.assignment
+    violations = structural_violations(problem, cluster, a, global_batch=solution.global_batch)
+    if violations:
+        raise AssignmentError(violations)
+    cost = evaluate(problem, cluster, a)
+    for s, st in enumerate(cost.stages):
+        if st.memory_bytes > st.capacity_bytes:
+            violations.append(f"memory over capacity: stage {s} needs {st.memory_bytes / 2**30:.3f} GiB, "
+                              f"its device holds {st.capacity_bytes / 2**30:.3f} GiB")
+
+    def close(x: float, y: float, tol: float) -> bool:
+        return abs(x - y) <= tol + rel_tol * max(abs(x), abs(y))
+
+    if not close(solution.step_time_s, cost.step_time_s, 0.0):
+        violations.append(f"predicted step_time_s {solution.step_time_s!r} != recomputed {cost.step_time_s!r}")
+    if len(solution.stages) != a.num_stages:
+        violations.append(f"{len(solution.stages)} predicted stages for num_stages={a.num_stages}")
+    else:
+        for s, (claimed, actual) in enumerate(zip(solution.stages, cost.stages)):
+            for field_name in ("compute_s", "comm_s", "params_bytes", "grads_bytes", "optimizer_bytes",
+                               "activations_bytes", "buffers_bytes", "capacity_bytes", "send_bytes"):
+                x, y = getattr(claimed, field_name), getattr(actual, field_name)
+                if not close(x, y, 0.0):
+                    violations.append(f"stage {s} predicted {field_name}={x!r}, recomputed {y!r}")
+    # The ILP objective is in integer time units, each coefficient rounded to the nearest unit.
+    unit = solution.time_unit_s
+    if solution.objective is not None and unit:
+        objective_s = solution.objective * unit
+        slack = solution.rounding_slack_units * unit
+        if solution.exact_links:
+            if abs(objective_s - cost.step_time_s) > slack + rel_tol * cost.step_time_s:
+                violations.append(f"objective mismatch: ILP objective {objective_s!r} s vs recomputed "
+                                  f"{cost.step_time_s!r} s (rounding allows {slack!r} s)")
+        elif objective_s < cost.step_time_s - slack - rel_tol * cost.step_time_s:
+            violations.append(f"objective mismatch: ILP objective {objective_s!r} s below recomputed "
+                              f"{cost.step_time_s!r} s although its links are conservative")
+        if solution.bound is not None and solution.bound > solution.objective:
+            violations.append(f"solver bound {solution.bound} exceeds objective {solution.objective}")
+    if violations:
+        raise AssignmentError(violations)
+    return cost

@@ -1,0 +1,241 @@
+"""The partition problem as plain numbers (no torch), and the assignment that answers it.
+
+Note [region accounting]
+    Regions are listed in a topological order; every edge goes from a lower to a higher index.
+    All per-sample quantities scale linearly with the microbatch size b.
+    A parameter shared by several regions (a tied embedding) is counted once, in the
+    ``param_bytes``/``grad_bytes``/``optimizer_bytes`` of the first region that uses it, and is
+    described again by a ``Tie``. When the tie's regions land on different stages, every other
+    stage that holds one of them keeps a replica (memory) and the replicas' gradients are summed
+    once per step (time); see ``evaluate`` in check.py.
+
+Note [time model]
+    ``region_times_s`` is the one place that turns a region into seconds on a device. By default
+    time = flops * b / device.flops_per_s. A calibration may give measured per-sample seconds by
+    device kind (``fwd_s_per_sample_by_kind``); then that wins for that kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from partitioner.cluster import ClusterSpec, DeviceSpec
+
+__all__ = [
+    "Region",
+    "Edge",
+    "Tie",
+    "PartitionProblem",
+    "Assignment",
+    "SCHEDULES",
+    "region_times_s",
+    "in_flight_microbatches",
+    "place_stages",
+]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or not value >= 0:
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"{owner}.{name}={value!r} must be {kind} >= 0")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A group of graph nodes; all figures are per sample of the microbatch."""
+
+    name: str
+    fwd_flops_per_sample: float
+    bwd_flops_per_sample: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes_per_sample: int
+    recompute_activation_bytes_per_sample: int
+    layer: int | None = None
+    # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
+    fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        owner = f"Region({self.name!r})"
+        for name in ("fwd_flops_per_sample", "bwd_flops_per_sample"):
+            _check_nonneg(owner, name, getattr(self, name), integer=False)
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
+                     "recompute_activation_bytes_per_sample"):
+            _check_nonneg(owner, name, getattr(self, name), integer=True)
+        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
+            raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")
+
+    @property
+    def static_bytes(self) -> int:
+        """Weights + gradients + optimizer state: memory held regardless of the schedule."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Activation bytes per sample flowing from region ``src`` to region ``dst`` (src < dst)."""
+
+    src: int
+    dst: int
+    bytes_per_sample: int
+
+    def __post_init__(self) -> None:
+        _check_nonneg(f"Edge({self.src}->{self.dst})", "bytes_per_sample", self.bytes_per_sample, integer=True)
+        if not self.src < self.dst:
+            raise ValueError(
+                f"Edge(src={self.src}, dst={self.dst}): src must be < dst (regions are listed in "
+                "topological order); reorder the regions"
+            )
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter shared by ``regions`` (counted in the first one's bytes; Note [region accounting]).
+
+    ``grad_bytes`` / ``optimizer_bytes`` default (None) to param_bytes scaled by the first
+    region's grad/param and optimizer/param ratios.
+    """
+
+    regions: tuple[int, ...]
+    param_bytes: int
+    grad_bytes: int | None = None
+    optimizer_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.regions, tuple):
+            object.__setattr__(self, "regions", tuple(self.regions))
+        if len(self.regions) < 2 or len(set(self.regions)) != len(self.regions):
+            raise ValueError(f"Tie.regions={self.regions!r} must name at least two distinct regions")
+        if list(self.regions) != sorted(self.regions):
+            object.__setattr__(self, "regions", tuple(sorted(self.regions)))
+        _check_nonneg("Tie", "param_bytes", self.param_bytes, integer=True)
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    regions: tuple[Region, ...]
+    edges: tuple[Edge, ...]
+    ties: tuple[Tie, ...] = ()
+    input_bytes_per_sample: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("regions", "edges", "ties"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not self.regions:
+            raise ValueError("PartitionProblem.regions=() is empty: a model has at least one region")
+        n = len(self.regions)
+        for e in self.edges:
+            if not (0 <= e.src < n and 0 <= e.dst < n):
+                raise ValueError(f"Edge({e.src}->{e.dst}) names a region outside 0..{n - 1}")
+        for t in self.ties:
+            bad = [r for r in t.regions if not 0 <= r < n]
+            if bad:
+                raise ValueError(f"Tie.regions={t.regions} names regions {bad} outside 0..{n - 1}")
+        _check_nonneg("PartitionProblem", "input_bytes_per_sample", self.input_bytes_per_sample, integer=True)
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.regions)
+
+    def is_chain(self) -> bool:
+        """True when every edge joins consecutive regions (r -> r+1)."""
+        return all(e.dst == e.src + 1 for e in self.edges)
+
+    def tie_bytes(self, tie: Tie) -> tuple[float, float, float]:
+        """(param, grad, optimizer) bytes of one replica of a tie (Note [region accounting])."""
+        first = self.regions[tie.regions[0]]
+        ratio_grad = first.grad_bytes / first.param_bytes if first.param_bytes else 1.0
+        ratio_opt = first.optimizer_bytes / first.param_bytes if first.param_bytes else 2.0
+        grad = tie.grad_bytes if tie.grad_bytes is not None else tie.param_bytes * ratio_grad
+        opt = tie.optimizer_bytes if tie.optimizer_bytes is not None else tie.param_bytes * ratio_opt
+        return float(tie.param_bytes), float(grad), float(opt)
+
+
+def region_times_s(region: Region, device: DeviceSpec, microbatch_size: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch of ``region`` on ``device`` (Note [time model])."""
+    fwd_override = (region.fwd_s_per_sample_by_kind or {}).get(device.kind)
+    bwd_override = (region.bwd_s_per_sample_by_kind or {}).get(device.kind)
+    fwd = fwd_override if fwd_override is not None else region.fwd_flops_per_sample / device.flops_per_s
+    bwd = bwd_override if bwd_override is not None else region.bwd_flops_per_sample / device.flops_per_s
+    return fwd * microbatch_size, bwd * microbatch_size
+
+
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at its peak.
+
+    GPipe runs every forward before any backward: all m. 1F1B warms up with p - s forwards on
+    stage s before its first backward, then alternates: min(p - s, m).
+    """
+    if schedule == "gpipe":
+        return num_microbatches
+    if schedule == "1f1b":
+        return min(num_stages - stage, num_microbatches)
+    raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A candidate answer: where every region runs and on which devices.
+
+    Rank layout (Note [rank layout]): rank = stage * dp + replica, so a stage's data-parallel
+    replicas are consecutive ranks (usually one node) and pipeline neighbours are dp ranks apart.
+    ``device_of_stage_replica[stage][replica]`` is the index in ``ClusterSpec.devices`` that
+    rank ``stage * dp + replica`` runs on.
+    """
+
+    stage_of_region: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    device_of_stage_replica: tuple[tuple[int, ...], ...]
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    schedule: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_of_region", tuple(self.stage_of_region))
+        object.__setattr__(self, "recompute", tuple(bool(x) for x in self.recompute))
+        object.__setattr__(self, "device_of_stage_replica", tuple(tuple(row) for row in self.device_of_stage_replica))
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return stage * self.dp + replica
+
+    def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+
+def place_stages(
+    cluster: ClusterSpec, num_stages: int, dp: int, stage_classes: "list[tuple] | None" = None
+) -> tuple[tuple[int, ...], ...]:
+    """Devices for every (stage, replica) (Note [rank layout] in Assignment).
+
+    Homogeneous (``stage_classes`` None): rank order = device order, so stage s replica r runs on
+    device s * dp + r. Heterogeneous: ``stage_classes[s]`` is the ``DeviceSpec.device_class`` of
+    stage s; each class's devices are handed out in (node, index) order, stage by stage, so a
+    stage's replicas share a node whenever the class has dp devices on one node.
+    """
+    if num_stages * dp > cluster.num_devices:
+        raise ValueError(
+            f"num_stages * dp = {num_stages} * {dp} = {num_stages * dp} exceeds the cluster's "
+            f"{cluster.num_devices} devices"
+        )
+    if stage_classes is None:
+        return tuple(tuple(s * dp + r for r in range(dp)) for s in range(num_stages))
+    free: dict[tuple, list[int]] = {}
+    for i, device in sorted(enumerate(cluster.devices), key=lambda item: (item[1].node, item[0])):
+        free.setdefault(device.device_class, []).append(i)
+    placement = []
+    for s, device_class in enumerate(stage_classes):
+        pool = free.get(device_class, [])
+        if len(pool) < dp:
+            raise ValueError(f"stage {s} needs {dp} devices of class {device_class}, only {len(pool)} left")
+        placement.append(tuple(pool[:dp]))
+        del pool[:dp]
+    return tuple(placement)

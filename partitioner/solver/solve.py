@@ -1,0 +1,354 @@
+"""solve(): enumerate pipeline depth x data-parallel degree x microbatch count, solve each
+candidate's CP-SAT model, keep the best plan, verify it.
+
+Note [rank layout]
+    rank = stage * dp + replica. A stage's data-parallel replicas are consecutive ranks, so the
+    gradient all-reduce (the big, per-step traffic) stays inside a node whenever dp divides the
+    node size, and pipeline neighbours (small, per-microbatch activations) are dp ranks apart
+    (Megatron-LM's order with pipeline outermost). On a homogeneous cluster rank r runs on device
+    r; on a heterogeneous one ``device_of_stage_replica[stage][replica]`` names the device.
+
+Note [candidate pruning]
+    Candidates are solved in increasing order of their lower bound (m - 1)·B_fluid + W (Note in
+    check.lower_bound_step_time_s; (m + p - 1)·W / p on identical devices). Once a plan is
+    known, a candidate whose lower bound exceeds its step time cannot win and is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from partitioner.cluster import GIB, ClusterSpec
+from partitioner.errors import PartitionInfeasibleError
+from partitioner.solver.baselines import BaselineCost, baseline_assignments, evaluate_baselines
+from partitioner.solver.chain_dp import solve_chain_dp
+from partitioner.solver.check import StageCost, TieCost, check_assignment, evaluate, lower_bound_step_time_s
+from partitioner.solver.model import CandidateModel, SolverConfig
+from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages
+
+__all__ = ["CandidateRecord", "Solution", "solve", "solve_candidate"]
+
+
+@dataclass(frozen=True)
+class CandidateRecord:
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    status: str                 # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, PRUNED
+    step_time_s: float | None
+    lower_bound_step_time_s: float
+    solve_time_s: float
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The chosen plan and every figure it was chosen by (Note [rank layout] for devices)."""
+
+    stage_of_region: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    device_of_stage_replica: tuple[tuple[int, ...], ...]
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    schedule: str
+    global_batch: int
+    # predicted, recomputed in floats by check.evaluate
+    stages: tuple[StageCost, ...]
+    step_time_s: float
+    bubble_fraction: float
+    lower_bound_step_time_s: float
+    ties: tuple[TieCost, ...]
+    # solver
+    status: str
+    objective: int | None        # in time units (time_unit_s)
+    bound: int | None
+    solve_time_s: float
+    time_unit_s: float
+    memory_unit_bytes: int
+    rounding_slack_units: float
+    exact_links: bool
+    baselines: Mapping[str, float] = field(default_factory=dict, compare=False)  # name -> step_time_s
+    baseline_details: Mapping[str, BaselineCost] = field(default_factory=dict, compare=False)
+    candidates: tuple[CandidateRecord, ...] = ()
+
+    @property
+    def assignment(self) -> Assignment:
+        return Assignment(
+            stage_of_region=self.stage_of_region,
+            recompute=self.recompute,
+            device_of_stage_replica=self.device_of_stage_replica,
+            num_stages=self.num_stages,
+            dp=self.dp,
+            num_microbatches=self.num_microbatches,
+            microbatch_size=self.microbatch_size,
+            schedule=self.schedule,
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages * self.dp
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return stage * self.dp + replica
+
+    def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+    def device_of_rank(self, rank: int) -> int:
+        stage, replica = divmod(rank, self.dp)
+        return self.device_of_stage_replica[stage][replica]
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.num_stages} stages x dp {self.dp}, {self.num_microbatches} microbatches of "
+            f"{self.microbatch_size}, {self.schedule}: step {self.step_time_s:.6g} s "
+            f"(lower bound {self.lower_bound_step_time_s:.6g} s, bubble {self.bubble_fraction:.1%}), "
+            f"solver {self.status} in {self.solve_time_s:.2f} s",
+            f"{'stage':>5} {'ranks':>12} {'regions':>9} {'compute_s':>11} {'comm_s':>10} {'mem_GiB':>8} {'cap_GiB':>8}",
+        ]
+        for s, st in enumerate(self.stages):
+            ranks = f"{self.rank_of(s, 0)}..{self.rank_of(s, self.dp - 1)}"
+            lines.append(f"{s:>5} {ranks:>12} {len(st.regions):>9} {st.compute_s:>11.4g} {st.comm_s:>10.3g} "
+                         f"{st.memory_bytes / GIB:>8.3f} {st.capacity_bytes / GIB:>8.2f}")
+        for name, base in self.baseline_details.items():
+            lines.append(f"baseline {name}: {base.step_time_s:.6g} s{'' if base.fits_memory else ' (does not fit memory)'}")
+        return "\n".join(lines)
+
+
+def _best_hint(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement, config):
+    """The cheapest memory-feasible plan among the baselines and the chain DP (no/all recompute),
+    as model variable values, or None."""
+    plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
+    for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                                  schedule=schedule, placement=placement).values():
+        plans.append((a.stage_of_region, a.recompute))
+    recompute_options = [(False,) * problem.num_regions]
+    if model.rec:
+        recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
+    for recompute in recompute_options:
+        dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
+                                   schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
+        if dp_result is not None:
+            plans.append((dp_result.stage_of_region, recompute))
+    stage_classes = [cluster.devices[row[0]].device_class for row in placement]
+    best = None
+    for stage_of_region, recompute in plans:
+        values = model.hint_values(stage_of_region, recompute, stage_classes)
+        if model.memory_binds and any(
+            expr.value(values) > model.class_capacity[stage_classes[s]] // model.mem_unit
+            for s, expr in enumerate(model.memory_exprs)
+        ):
+            continue
+        objective = model.objective.value(values)
+        if best is None or objective < best[0]:
+            best = (objective, values)
+    return None if best is None else best[1]
+
+
+def solve_candidate(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    dp: int,
+    num_microbatches: int,
+    global_batch: int,
+    schedule: str = "1f1b",
+    config: SolverConfig = SolverConfig(),
+) -> tuple[Solution | None, str, float]:
+    """Solve one (p, d, m): (verified Solution or None, solver status, solve seconds)."""
+    p, d, m = num_stages, dp, num_microbatches
+    b = global_batch // (d * m)
+    homogeneous = cluster.is_homogeneous
+    placement = place_stages(cluster, p, d) if homogeneous else None
+    model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                           schedule=schedule, config=config, placement=placement)
+    if config.use_hint:
+        # Hints on a heterogeneous cluster use the fastest class slots, in stage order.
+        hint_placement = placement or place_stages(cluster, p, d, _fastest_stage_classes(model, p))
+        values = _best_hint(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
+                            placement=hint_placement, config=config)
+        if values is not None:
+            model.add_hint(values)
+    result = model.solve()
+    if result.stage_of_region is None:
+        return None, result.status, result.solve_time_s
+    if placement is None:
+        placement = place_stages(cluster, p, d, list(result.stage_classes))
+    assignment = Assignment(
+        stage_of_region=result.stage_of_region, recompute=result.recompute, device_of_stage_replica=placement,
+        num_stages=p, dp=d, num_microbatches=m, microbatch_size=b, schedule=schedule,
+    )
+    cost = evaluate(problem, cluster, assignment)
+    solution = Solution(
+        stage_of_region=assignment.stage_of_region,
+        recompute=assignment.recompute,
+        device_of_stage_replica=placement,
+        num_stages=p, dp=d, num_microbatches=m, microbatch_size=b, schedule=schedule, global_batch=global_batch,
+        stages=cost.stages,
+        step_time_s=cost.step_time_s,
+        bubble_fraction=cost.bubble_fraction,
+        lower_bound_step_time_s=cost.lower_bound_step_time_s,
+        ties=cost.ties,
+        status=result.status,
+        objective=result.objective,
+        bound=result.bound,
+        solve_time_s=result.solve_time_s,
+        time_unit_s=model.time_unit_s,
+        memory_unit_bytes=model.mem_unit,
+        rounding_slack_units=result.rounding_slack_units,
+        exact_links=model.exact_links,
+    )
+    check_assignment(problem, cluster, solution)  # raises AssignmentError on any violation
+    return solution, result.status, result.solve_time_s
+
+
+def _fastest_stage_classes(model: CandidateModel, p: int) -> list[tuple]:
+    slots = [c for c in model.classes for _ in range(model.class_slots[c])]  # fastest first
+    return slots[:p]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config):
+    num_devices, n = cluster.num_devices, problem.num_regions
+    class_counts: dict[tuple, int] = {}
+    for device in cluster.devices:
+        class_counts[device.device_class] = class_counts.get(device.device_class, 0) + 1
+    stage_options = [num_stages] if num_stages is not None else range(1, min(num_devices, n) + 1)
+    out = []
+    for p in stage_options:
+        dp_options = [dp] if dp is not None else range(1, num_devices // p + 1)
+        for d in dp_options:
+            if global_batch % d or sum(k // d for k in class_counts.values()) < p:
+                continue
+            m_options = [microbatches] if microbatches is not None else _divisors(global_batch // d)
+            for m in m_options:
+                if global_batch % (d * m):
+                    continue
+                if microbatches is None and config.max_microbatches is not None and m > config.max_microbatches:
+                    continue
+                out.append((p, d, m))
+    return out
+
+
+def _validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule):
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not supported by the solver; use one of {SCHEDULES}")
+    for name, value in (("num_stages", num_stages), ("dp", dp), ("microbatches", microbatches)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
+    if num_stages is not None and num_stages > problem.num_regions:
+        raise ValueError(f"num_stages={num_stages} exceeds the model's {problem.num_regions} regions; "
+                         "use fewer stages or finer regions")
+    if num_stages is not None and dp is not None and num_stages * dp > cluster.num_devices:
+        raise ValueError(f"num_stages * dp = {num_stages} * {dp} = {num_stages * dp} exceeds the cluster's "
+                         f"{cluster.num_devices} devices; lower one of them or add devices")
+    if dp is not None and microbatches is not None and global_batch % (dp * microbatches):
+        raise ValueError(f"global_batch={global_batch} is not divisible by dp * microbatches = "
+                         f"{dp} * {microbatches}; choose values whose product divides it")
+
+
+def solve(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    global_batch: int,
+    *,
+    num_stages: int | None = None,
+    dp: int | None = None,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    config: SolverConfig | None = None,
+) -> Solution:
+    """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
+    (an argument given fixes it). Raises PartitionInfeasibleError when nothing fits memory."""
+    config = config if config is not None else SolverConfig()
+    _validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
+    candidates = _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config)
+    if not candidates:
+        raise ValueError(f"no (stages, dp, microbatches) combination fits {cluster.num_devices} devices and "
+                         f"global_batch={global_batch} with the given num_stages={num_stages}, dp={dp}, "
+                         f"microbatches={microbatches}")
+    bounded = sorted(
+        (lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                 microbatch_size=global_batch // (d * m)), p, d, m)
+        for p, d, m in candidates
+    )
+    start = time.perf_counter()
+    best: Solution | None = None
+    records: list[CandidateRecord] = []
+    for lower, p, d, m in bounded:
+        b = global_batch // (d * m)
+        if best is not None and lower > best.step_time_s * (1 + 1e-9):  # Note [candidate pruning]
+            records.append(CandidateRecord(p, d, m, b, "PRUNED", None, lower, 0.0))
+            continue
+        solution, status, seconds = solve_candidate(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                                    global_batch=global_batch, schedule=schedule, config=config)
+        records.append(CandidateRecord(p, d, m, b, status, solution.step_time_s if solution else None, lower, seconds))
+        if solution is not None and (best is None or solution.step_time_s < best.step_time_s):
+            best = solution
+    if best is None:
+        _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
+    baselines = evaluate_baselines(problem, cluster, num_stages=best.num_stages, dp=best.dp,
+                                   num_microbatches=best.num_microbatches, microbatch_size=best.microbatch_size,
+                                   schedule=schedule, placement=best.device_of_stage_replica)
+    return replace(best, baselines={name: cost.step_time_s for name, cost in baselines.items()},
+                   baseline_details=baselines, candidates=tuple(records),
+                   solve_time_s=time.perf_counter() - start)
+
+
+def _raise_infeasible(problem, cluster, global_batch, records, schedule, config) -> None:
+    """Find, among the failed candidates, the plan that overflows memory least, and say so."""
+    unknown = [r for r in records if r.status == "UNKNOWN"]
+    failed = [r for r in records if r.status == "INFEASIBLE"]
+    if not failed:
+        raise PartitionInfeasibleError(
+            f"no plan found within time_limit_s={config.time_limit_s} for any of {len(unknown)} candidates; "
+            "raise SolverConfig.time_limit_s or fix num_stages/dp/microbatches")
+
+    def rough_memory(r: CandidateRecord) -> float:  # per-stage memory if everything divided evenly
+        in_flight = r.num_microbatches if schedule == "gpipe" else min(r.num_stages, r.num_microbatches)
+        static = sum(x.static_bytes for x in problem.regions)
+        saved = sum(x.recompute_activation_bytes_per_sample if config.allow_recompute else x.activation_bytes_per_sample
+                    for x in problem.regions)
+        return (static + in_flight * r.microbatch_size * saved) / r.num_stages
+
+    tightest = None
+    for r in sorted(failed, key=rough_memory)[:4]:
+        placement = place_stages(cluster, r.num_stages, r.dp) if cluster.is_homogeneous else None
+        model = CandidateModel(problem, cluster, num_stages=r.num_stages, dp=r.dp, num_microbatches=r.num_microbatches,
+                               microbatch_size=r.microbatch_size, schedule=schedule, config=config,
+                               placement=placement, minimize_memory=True)
+        result = model.solve(time_limit_s=min(config.time_limit_s, 5.0))
+        if result.stage_of_region is None:
+            continue
+        placement = placement or place_stages(cluster, r.num_stages, r.dp, list(result.stage_classes))
+        cost = evaluate(problem, cluster, Assignment(
+            result.stage_of_region, result.recompute, placement, r.num_stages, r.dp, r.num_microbatches,
+            r.microbatch_size, schedule))
+        s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
+        ratio = stage.memory_bytes / stage.capacity_bytes
+        if tightest is None or ratio < tightest[0]:
+            tightest = (ratio, r, s, stage, any(result.recompute))
+    largest = max(d.memory_bytes for d in cluster.devices) / GIB
+    if tightest is None:
+        raise PartitionInfeasibleError(
+            f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
+            "add devices, enable recompute, or lower the microbatch size")
+    _, r, s, stage, used_recompute = tightest
+    raise PartitionInfeasibleError(
+        f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
+        f"microbatches={r.num_microbatches}, microbatch_size={r.microbatch_size}, {schedule}"
+        f"{', recompute on' if used_recompute else ''}) needs {stage.memory_bytes / GIB:.2f} GiB on stage {s}, "
+        f"whose device holds {stage.capacity_bytes / GIB:.2f} GiB; the largest device has {largest:.2f} GiB: "
+        "add devices, enable recompute, or lower the microbatch size"
+    )
