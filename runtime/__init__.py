@@ -1,1 +1,72 @@
-"""What generated programs import. Runs without the compiler: depends only on torch."""
+"""What generated programs import. Runs without the compiler: depends only on torch, safetensors and
+the standard library (never on ``partitioner`` or ``passes``).
+
+Modules
+-------
+launch     ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the one
+           call of every rank_<r>.py (env, process groups, training, final save)
+program    plan.json's "program" object: ``load_program``, ``validate_program``, ``Layout`` (groups),
+           ``rank_file_text`` / ``train_file_text`` / ``write_entry_files`` (the entry files' text)
+stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
+schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
+train      optimizer + LR schedule, dropout seeding, gradient sync, ``RankTrainer``
+reference  ``train_reference(...)``: the one-process oracle with the same math
+data       deterministic batches and losses of the built-in workloads
+
+The program folder (written by partitioner/codegen.py)
+------------------------------------------------------
+::
+
+    DIR/plan.json        JSON; the runtime reads its "plan_hash" and its "program" object (below)
+    DIR/stage_<k>.py     `import torch` + class Stage<k>(torch.nn.Module): no __init__ arguments, no
+                         parameters of its own; forward(self, *activations) reads parameters as
+                         attributes by their ORIGINAL dotted names (FX codegen style, e.g.
+                         `getattr(self.blocks, "0").attn.qkv.weight`). Module-level lists PARAMETERS
+                         (original names, in order), INPUTS, OUTPUTS (activation names), and
+                         optionally BUFFERS (original names of non-trained tensors, e.g. masks;
+                         loaded from the same weights file, never all-reduced). forward returns the
+                         single output, or a tuple of them in OUTPUTS order.
+    DIR/weights/stage_<k>.safetensors   initial values keyed by original names (params + buffers)
+    DIR/rank_<r>.py      one call: runtime.launch.main(<its folder>, rank=r)
+                         (text: runtime.program.rank_file_text(program, r))
+    DIR/train.py         torchrun entry: runs rank_<RANK>.py (text: runtime.program.train_file_text)
+    DIR/run/             written by the run: metrics.jsonl, final/ (below)
+
+The "program" object (JSON)::
+
+    world_size, num_stages, dp, num_microbatches (per replica), global_batch   ints
+    schedule            "gpipe" | "1f1b" | "interleaved" (several stages per rank)
+    device, backend     "cpu"/"gloo" or "cuda"/"nccl" (rank r runs on cuda:LOCAL_RANK)
+    ranks               [{"rank", "stages": [k...], "replica"}]; in each replica's pipeline (its ranks
+                        in ascending order) the rank at position j holds stages j, j+pp, j+2pp, ...
+                        (what torch.distributed.pipelining assumes; checked)
+    stages              [{"index", "module", "class", "params",
+                          "inputs"/"outputs": [{"name", "shape", "dtype", "batch_dim"}]}] with
+                        shapes for ONE microbatch = global_batch / (dp * num_microbatches) rows;
+                        stage k's inputs are stage k-1's outputs, in order (checked); stage 0's
+                        inputs are make_batch's args
+    ties                [{"param", "stages": [k...]}]: one parameter with a copy on several stages;
+                        its gradient is summed over the copies each step (then averaged over dp)
+    data                {"make_batch": ["module:function", {kwargs}], "loss_fn": [...]}; the module
+                        may also be a .py path relative to DIR. make_batch(step, global_batch) ->
+                        (args, target) with the target's batch on dim 0; loss_fn(output, target) is
+                        a mean over its microbatch
+    optimizer           {"name": "adamw", "lr", "betas", "eps", "weight_decay", "warmup_steps",
+                         "lr_schedule": "cosine"|"linear"|"constant", "total_steps",
+                         "min_lr_ratio" (optional, default 0)}
+    seed                int; collective_timeout_s: number (every collective and p2p op)
+    steps               optional: steps to train (default optimizer.total_steps)
+
+Outputs of a run (DIR/run unless main(run_dir=...))::
+
+    metrics.jsonl       rank 0, one line per step: {"step" (0-based, = make_batch's step), "loss"
+                        (exact fp32 value: mean over microbatches and replicas), "step_time_s",
+                        "samples_per_s", "lr" (the lr the step used)}
+    final/rank_<r>.safetensors         rank r's parameters, original names
+    final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"
+    final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state
+
+Launch: ``torchrun --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
+DIR/train.py`` (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts with gloo). A one-rank
+program also runs as ``python DIR/rank_0.py``.
+"""

@@ -1,0 +1,328 @@
+"""regions: group nodes along module boundaries into a DAG of regions (``partitioner.region``).
+
+Note [regions from the module tree]: torch.export stamps every call_function node with
+``nn_module_stack`` (module paths from the root down). The repeated blocks are the children of the
+ModuleList (or Sequential) whose numbered children cover the most nodes: ``blocks.3``,
+``transformer.h.3``, ``model.layers.3``, ``bert.encoder.layer.3``. Then, by granularity:
+
+- ``"block"``: everything before the first block node (in graph order) is ``embed``, each block
+  is ``block.<i>``, everything after the last block node is ``head`` (final norm, LM head, loss);
+  model-level ops between two blocks go with the block before them.
+- ``"sublayer"``: each block is split by its direct children. Norm children (type name contains
+  "Norm") go with the sublayer that follows them (pre-norm: ``ln_1`` with ``attn``); block-level
+  ops (residual adds) go with the sublayer before them. Names are ``block.<i>.<child>``
+  (``block.3.attn``, ``block.3.mlp``, ``block.3.self_attn`` - the child's attribute name).
+- ``"node"``: one region per call_function node (``block.<i>.<node>``, ``embed.<node>``,
+  ``head.<node>``).
+
+A model without numbered children falls back to its top-level children as units (model-level ops
+go with the unit before them).
+
+get_attr nodes join the region of their first user (a tied parameter used by several regions is
+reported by :func:`region_ties` and is not a data edge); placeholders join the first region, the
+output node the last. If module boundaries would make the region graph cyclic, the regions on a
+cycle are merged (strongly connected components), so the result is always a DAG; region ids are a
+topological order (ties broken by first node position), so every edge goes from a lower id to a
+higher one.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import networkx as nx
+import torch.fx as fx
+
+from partitioner import ir
+
+GRANULARITIES = ("block", "sublayer", "node")
+_CALL_SUFFIX = re.compile(r"@\d+$")
+
+
+@dataclass(frozen=True)
+class RegionCost:
+    """Costs of one region for one microbatch; FLOPs and bytes are sums over its nodes."""
+
+    region_id: int
+    name: str
+    layer: int | None  # the block index for block.<i>[.*] regions, else None
+    node_names: tuple[str, ...]
+    fwd_flops: int
+    bwd_flops: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    saved_activation_bytes: int
+    output_bytes: int  # bytes of this region's tensors consumed by other regions (each tensor once)
+
+
+@dataclass(frozen=True)
+class RegionTie:
+    """Module state (a tied parameter, a shared buffer) read by more than one region."""
+
+    name: str
+    bytes: int
+    regions: tuple[int, ...]  # the first is the region that owns it (where its bytes are counted)
+
+
+def _module_paths(node: fx.Node) -> list[tuple[str, str]]:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for value in stack.values():
+        path, kind = value if isinstance(value, tuple) else (str(value), "")
+        kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+        paths.append((_CALL_SUFFIX.sub("", path), kind))
+    return paths
+
+
+def _block_prefix(nodes: list[fx.Node]) -> str | None:
+    """The module path whose numbered children cover the most nodes (shallowest on ties)."""
+    covered: dict[str, set[fx.Node]] = {}
+    for node in nodes:
+        for path, _ in _module_paths(node):
+            parts = path.split(".") if path else []
+            for k, part in enumerate(parts):
+                if part.isdigit():
+                    covered.setdefault(".".join(parts[:k]), set()).add(node)
+    if not covered:
+        return None
+    return max(covered, key=lambda p: (len(covered[p]), -p.count(".") - (p != "")))
+
+
+def _block_position(node: fx.Node, prefix: str) -> tuple[int | None, str | None, bool]:
+    """(block index, direct child of the block or None, whether that child is a norm)."""
+    start = prefix + "." if prefix else ""
+    index, child, is_norm = None, None, False
+    for path, kind in _module_paths(node):
+        if not path.startswith(start):
+            continue
+        rest = path[len(start):].split(".")
+        if not rest[0].isdigit():
+            continue
+        index = int(rest[0])
+        if len(rest) >= 2 and child is None:
+            child = rest[1]
+            is_norm = "norm" in kind.rsplit(".", 1)[-1].lower()
+    return index, child, is_norm
+
+
+def _sublayer_owners(items: list[tuple[fx.Node, str | None, bool]]) -> dict[fx.Node, str | None]:
+    """Owner sublayer of each node of one block (Note [regions from the module tree])."""
+    owner: dict[fx.Node, str | None] = {}
+    for node, child, is_norm in items:
+        if child is not None and not is_norm:
+            owner[node] = child
+    # Norms: the next non-norm child after them.
+    upcoming = None
+    for node, child, is_norm in reversed(items):
+        if node in owner:
+            upcoming = owner[node]
+        elif child is not None:
+            owner[node] = upcoming
+    # Block-level ops: the sublayer before them.
+    last = None
+    for node, child, _ in items:
+        if owner.get(node) is not None:
+            last = owner[node]
+        else:
+            owner[node] = last
+    upcoming = None
+    for node, _, _ in reversed(items):  # block-level ops before any sublayer: the next one
+        if owner[node] is not None:
+            upcoming = owner[node]
+        else:
+            owner[node] = upcoming
+    return owner
+
+
+def _units(gm: fx.GraphModule, granularity: str) -> dict[fx.Node, str]:
+    """The unit (region name, before cycle merging) of each call_function node."""
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    prefix = _block_prefix(compute)
+    unit: dict[fx.Node, str] = {}
+    if prefix is None:  # no repeated blocks: top-level children
+        last = None
+        for node in compute:
+            paths = [p for p, _ in _module_paths(node) if p]
+            top = paths[0].split(".")[0] if paths else None
+            last = top if top is not None else last
+            unit[node] = last
+        first = next((u for u in unit.values() if u is not None), "model")
+        unit = {n: (u if u is not None else first) for n, u in unit.items()}
+        if granularity == "node":
+            unit = {n: f"{u}.{n.name}" for n, u in unit.items()}
+        return unit
+
+    positions = {node: _block_position(node, prefix) for node in compute}
+    in_block = [n for n in compute if positions[n][0] is not None]
+    order = {n: k for k, n in enumerate(compute)}
+    first_pos, last_pos = order[in_block[0]], order[in_block[-1]]
+
+    owners: dict[fx.Node, str | None] = {}
+    if granularity == "sublayer":
+        by_block: dict[int, list] = {}
+        for node in in_block:
+            index, child, is_norm = positions[node]
+            by_block.setdefault(index, []).append((node, child, is_norm))
+        for items in by_block.values():
+            owners.update(_sublayer_owners(items))
+
+    previous = None
+    for node in compute:
+        index = positions[node][0]
+        if index is not None:
+            name = f"block.{index}"
+            if granularity == "sublayer" and owners.get(node):
+                name += f".{owners[node]}"
+            previous = name
+        elif order[node] < first_pos:
+            name = "embed"
+        elif order[node] > last_pos:
+            name = "head"
+        else:
+            name = previous  # model-level op between blocks: with the block before it
+        unit[node] = f"{name}.{node.name}" if granularity == "node" else name
+    return unit
+
+
+def _data_inputs(node: fx.Node) -> list[fx.Node]:
+    return [m for m in node.all_input_nodes if m.op != "get_attr"]
+
+
+@ir.graph_pass(writes=(ir.REGION,))
+def annotate_regions(gm: fx.GraphModule, *, granularity: str = "block") -> fx.GraphModule:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    nodes = list(gm.graph.nodes)
+    position = {n: k for k, n in enumerate(nodes)}
+    unit = _units(gm, granularity)
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(set(unit.values()))
+    for node, dst in unit.items():
+        for src_node in _data_inputs(node):
+            if src_node in unit and unit[src_node] != dst:
+                graph.add_edge(unit[src_node], dst)
+    # Merge the regions on a cycle, then order the DAG topologically, first node position first.
+    condensed = nx.condensation(graph)
+    first_node: dict[str, int] = {}
+    for node, name in unit.items():
+        first_node[name] = min(first_node.get(name, position[node]), position[node])
+    members = condensed.graph["mapping"]  # unit -> component
+    component_key = {c: min(first_node[u] for u in condensed.nodes[c]["members"]) for c in condensed.nodes}
+    topo = list(nx.lexicographical_topological_sort(condensed, key=lambda c: component_key[c]))
+    region_id = {c: k for k, c in enumerate(topo)}
+    region_name = {}
+    for c in topo:
+        names = sorted(condensed.nodes[c]["members"], key=lambda u: first_node[u])
+        region_name[c] = "+".join(names)
+
+    assigned: dict[fx.Node, int] = {n: region_id[members[u]] for n, u in unit.items()}
+    last_region = len(topo) - 1 if topo else 0
+    for node in nodes:
+        if node.op == "placeholder":
+            assigned[node] = 0
+        elif node.op == "output":
+            assigned[node] = last_region
+    for node in nodes:
+        if node.op == "get_attr":
+            users = sorted((u for u in node.users if u in assigned), key=position.get)
+            assigned[node] = assigned[users[0]] if users else 0
+    names = {k: region_name[c] for c, k in region_id.items()} or {0: "model"}
+    for node in nodes:
+        rid = assigned[node]
+        ir.put(node, ir.REGION, ir.RegionMeta(region_id=rid, name=names[rid]))
+    return gm
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] == "block" and parts[1].split("+")[0].isdigit():
+        return int(parts[1].split("+")[0])
+    return None
+
+
+def _consumed_bytes(node: fx.Node, users: list[fx.Node]) -> int:
+    """Bytes of ``node``'s output that ``users`` read: for a tuple read only through getitem, the
+    elements they take; otherwise the whole output."""
+    if users and all(u.op == "call_function" and u.target is operator.getitem for u in users):
+        items = {u.args[1]: u for u in users}
+        return sum(ir.get(u, ir.SHAPE).output_bytes for u in items.values())
+    return ir.get(node, ir.SHAPE).output_bytes
+
+
+def region_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
+    """(src region, dst region, bytes): tensors produced in src and read in dst, each tensor once
+    per destination region; parameter reads (get_attr) are not edges (see :func:`region_ties`).
+    Edges carrying only non-tensor values have 0 bytes but are kept: they are dependencies."""
+    edges: dict[tuple[int, int], int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        src = ir.get(node, ir.REGION).region_id
+        by_dst: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            dst = ir.get(user, ir.REGION).region_id
+            if dst != src:
+                by_dst.setdefault(dst, []).append(user)
+        for dst, users in by_dst.items():
+            edges[(src, dst)] = edges.get((src, dst), 0) + _consumed_bytes(node, users)
+    return [(s, d, b) for (s, d), b in sorted(edges.items())]
+
+
+def region_ties(gm: fx.GraphModule) -> list[RegionTie]:
+    """Module state (get_attr targets) read from more than one region, e.g. GPT-2's tied
+    embedding / LM head. Bytes are counted (Note [who owns model state] in passes/memory.py) in
+    the first listed region only."""
+    regions_of: dict[str, list[int]] = {}
+    nbytes: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner = ir.get(node, ir.REGION).region_id
+        found = regions_of.setdefault(node.target, [])
+        for rid in [owner] + sorted(ir.get(u, ir.REGION).region_id for u in node.users):
+            if rid not in found:
+                found.append(rid)
+        nbytes[node.target] = ir.get(node, ir.SHAPE).output_bytes
+    return [RegionTie(name, nbytes[name], tuple(rids)) for name, rids in regions_of.items() if len(rids) > 1]
+
+
+def region_table(gm: fx.GraphModule) -> list[RegionCost]:
+    """One RegionCost per region, in region-id (topological) order. Needs shapes, flops, memory
+    and regions annotated."""
+    members: dict[int, list[fx.Node]] = {}
+    names: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        meta = ir.get(node, ir.REGION)
+        members.setdefault(meta.region_id, []).append(node)
+        names[meta.region_id] = meta.name
+    crossing: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        src = ir.get(node, ir.REGION).region_id
+        outside = [u for u in node.users if ir.get(u, ir.REGION).region_id != src]
+        if outside:
+            crossing[src] = crossing.get(src, 0) + _consumed_bytes(node, outside)
+    table = []
+    for rid in sorted(members):
+        nodes = members[rid]
+        flops = [ir.get(n, ir.FLOPS) for n in nodes]
+        memory = [ir.get(n, ir.MEMORY) for n in nodes]
+        table.append(RegionCost(
+            region_id=rid,
+            name=names[rid],
+            layer=_layer_of(names[rid]),
+            node_names=tuple(n.name for n in nodes),
+            fwd_flops=sum(f.fwd_flops for f in flops),
+            bwd_flops=sum(f.bwd_flops for f in flops),
+            param_bytes=sum(m.param_bytes for m in memory),
+            grad_bytes=sum(m.grad_bytes for m in memory),
+            optimizer_bytes=sum(m.optimizer_bytes for m in memory),
+            saved_activation_bytes=sum(m.saved_activation_bytes for m in memory),
+            output_bytes=crossing.get(rid, 0),
+        ))
+    return table

@@ -1,0 +1,120 @@
+"""Entry point of every generated rank program: ``runtime.launch.main(folder, rank=r)``.
+
+Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), checks it
+against the plan, initializes the process group with the plan's backend and collective timeout,
+creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
+
+Note [no hangs]: every collective and point-to-point operation runs under the plan's
+``collective_timeout_s`` (init_process_group and every new_group get it), so a dead peer surfaces
+as an exception in the survivors. On any error a rank prints the traceback and leaves with
+``os._exit(1)`` instead of unwinding through process-group destructors, which can block on the
+dead peer; torchrun's agent then tears down the remaining workers (and restarts them when
+``--max-restarts`` allows).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+from runtime.program import Layout, launch_command, load_program
+
+
+class LaunchError(ValueError):
+    """The process was started in a way that does not match the program (world size, rank)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_env(program: dict, folder: str, rank: int | None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment, checked against the plan."""
+    want = program["world_size"]
+    if "WORLD_SIZE" not in os.environ:
+        if want != 1:
+            raise LaunchError(f"this program needs {want} processes and WORLD_SIZE is not set: "
+                              f"launch it with `{launch_command(program, folder)}`")
+        # A one-rank program may run as a plain `python rank_0.py`.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    world = int(os.environ["WORLD_SIZE"])
+    if world != want:
+        raise LaunchError(f"the program was compiled for world_size={want} but WORLD_SIZE={world}: "
+                          f"launch it with `torchrun --nproc-per-node {want} "
+                          f"{os.path.join(folder, 'train.py')}`")
+    env_rank = int(os.environ.get("RANK", "0"))
+    if rank is not None and rank != env_rank:
+        raise LaunchError(f"rank_{rank}.py started as RANK={env_rank}: run train.py under torchrun, "
+                          "which picks rank_<RANK>.py for each worker")
+    return env_rank, world, int(os.environ.get("LOCAL_RANK", str(env_rank)))
+
+
+def main(folder: str, rank: int | None = None, *, steps: int | None = None,
+         run_dir: str | None = None, exit_on_error: bool = True) -> list[float] | None:
+    """Train this rank of the program in ``folder``; returns the per-step losses.
+
+    steps: number of steps (default: program "steps", else optimizer total_steps).
+    run_dir: where metrics.jsonl and final/ go (default DIR/run).
+    exit_on_error: on an exception print it and ``os._exit(1)`` (Note [no hangs]); False re-raises.
+    """
+    try:
+        return _main(folder, rank, steps=steps, run_dir=run_dir)
+    except Exception as exc:
+        if not exit_on_error:
+            raise
+        if not isinstance(exc, LaunchError):  # a launch mistake needs its message, not a traceback
+            traceback.print_exc()
+        who = os.environ.get("RANK", "?") if rank is None else rank
+        print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None):
+    folder = os.path.abspath(folder)
+    program = load_program(folder)
+    rank, world, local_rank = read_env(program, folder, rank)
+    # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
+    import torch
+    import torch.distributed as dist
+
+    from runtime.schedule import schedule_text
+    from runtime.train import RankTrainer, create_groups
+
+    steps = program["steps"] if steps is None else steps
+    run_dir = run_dir or os.path.join(folder, "run")
+    timeout = timedelta(seconds=float(program["collective_timeout_s"]))
+    torch.manual_seed(program["seed"] + rank)  # anything random outside stage forwards
+
+    if program["device"] == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(program["device"])
+    # A caller that already set up the default group (a test driver, a notebook) keeps it.
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(program["backend"], rank=rank, world_size=world, timeout=timeout)
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
+        raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
+                          f"{dist.get_world_size()}, the program wants rank {rank} of {world}")
+    # On an error nothing below is unwound politely: main() exits hard (Note [no hangs]).
+    layout = Layout.from_program(program)
+    groups = create_groups(layout, rank, timeout=timeout)
+    trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
+    if rank == 0:
+        print(f"program {program.get('plan_hash')}: {world} ranks, {program['num_stages']} "
+              f"stages x dp {program['dp']}, {steps} steps\n" + schedule_text(program), end="",
+              flush=True)
+    losses = trainer.run(steps)
+    trainer.save_final()
+    if owns_group:
+        dist.destroy_process_group()
+    return losses

@@ -1,0 +1,126 @@
+"""The one-process oracle: the unpartitioned model trained with exactly the runtime's math.
+
+Per step: batch = make_batch(step, global_batch), cut into ``num_microbatches`` consecutive
+microbatches along dim 0 (pass dp * program num_microbatches to match a data-parallel run: the
+runtime's global batch is cut into that many), loss_i = loss_fn(model(*args_i), target_i),
+backward of each loss_i, gradients divided by the number of microbatches (Note [loss scaling] in
+runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+
+from runtime.train import make_optimizer, microbatch_seed
+
+
+def _chain(stages: Sequence[torch.nn.Module]) -> Callable:
+    def run(step: int, mb: int, seed: int, *args):
+        x = args
+        for k, stage in enumerate(stages):
+            torch.manual_seed(microbatch_seed(seed, step, getattr(stage, "stage_index", k), mb))
+            x = stage(*x)
+            if not isinstance(x, tuple):
+                x = (x,)
+        return x[0] if len(x) == 1 else x
+
+    return run
+
+
+def tie_stage_parameters(stages: Sequence[torch.nn.Module]) -> None:
+    """Make parameters with the same original name in several stages one shared Parameter."""
+    seen: dict[str, torch.nn.Parameter] = {}
+    for stage in stages:
+        for name, p in list(stage.named_parameters()):
+            if name in seen and seen[name] is not p:
+                prefix, _, leaf = name.rpartition(".")
+                parent = stage.get_submodule(prefix) if prefix else stage
+                parent.register_parameter(leaf, seen[name])
+            else:
+                seen.setdefault(name, p)
+
+
+def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_batch: Callable,
+                    loss_fn: Callable, optimizer_cfg: dict, global_batch: int,
+                    num_microbatches: int, steps: int, seed: int = 0, *,
+                    batch_dims: Sequence[int] | None = None):
+    """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
+
+    model: the unpartitioned module, or the list of stage modules (``runtime.stage.build_stage``),
+        whose same-named parameters are tied and whose dropout then draws exactly the runtime's
+        masks (Note [dropout seeds] in runtime/train.py).
+    losses: per-step mean loss (Python floats of the fp32 values).
+    final_state_dict: original name -> tensor (aliases of a tied parameter all present).
+    optimizer_state: original name (aliases too) -> {"exp_avg", "exp_avg_sq", "step"}.
+    """
+    if global_batch % num_microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by "
+                         f"num_microbatches={num_microbatches}")
+    if isinstance(model, torch.nn.Module):
+        model = copy.deepcopy(model)
+        modules = [model]
+
+        def forward(step, mb, seed, *args):
+            torch.manual_seed(microbatch_seed(seed, step, 0, mb))
+            return model(*args)
+    else:
+        modules = list(copy.deepcopy(list(model)))
+        tie_stage_parameters(modules)
+        forward = _chain(modules)
+    for m in modules:
+        m.train()
+    named: dict[str, torch.nn.Parameter] = {}
+    for m in modules:
+        for n, p in m.named_parameters(remove_duplicate=False):
+            named.setdefault(n, p)
+    unique = list({id(p): p for p in named.values()}.values())
+    optimizer, lr_scheduler = make_optimizer(unique, optimizer_cfg)
+    losses = []
+    for step in range(steps):
+        args, target = make_batch(step, global_batch)
+        if isinstance(args, torch.Tensor):
+            args = (args,)
+        dims = list(batch_dims) if batch_dims is not None else [0] * len(args)
+        arg_chunks = [torch.tensor_split(a, num_microbatches, dim=d) for a, d in zip(args, dims)]
+        target_chunks = torch.tensor_split(target, num_microbatches, dim=0)
+        total = torch.zeros((), dtype=torch.float32)
+        for i in range(num_microbatches):
+            out = forward(step, i, seed, *(c[i] for c in arg_chunks))
+            loss = loss_fn(out, target_chunks[i])
+            loss.backward()
+            total += loss.detach().float()
+        for p in unique:
+            if p.grad is not None:
+                p.grad.div_(num_microbatches)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total / num_microbatches))
+    state = {n: p.detach().clone() for n, p in named.items()}
+    opt_state = {}
+    for n, p in named.items():
+        st = optimizer.state.get(p)
+        if st:
+            opt_state[n] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    return losses, state, opt_state
+
+
+def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None):
+    """The oracle of a program folder: its stage modules chained in one process, with the
+    program's data, loss, optimizer and seed (what ``partitioner verify`` compares against)."""
+    from runtime.program import load_program, resolve_callable
+    from runtime.stage import build_stage
+
+    program = load_program(folder)
+    stages = [build_stage(folder, k, "cpu") for k in range(program["num_stages"])]
+    data = program["data"]
+    return train_reference(
+        stages, resolve_callable(data["make_batch"], folder), resolve_callable(data["loss_fn"], folder),
+        program["optimizer"], program["global_batch"],
+        num_microbatches or program["dp"] * program["num_microbatches"], steps, program["seed"],
+        batch_dims=[a.get("batch_dim", 0) or 0 for a in program["stages"][0]["inputs"]])
+
+

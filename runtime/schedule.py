@@ -1,0 +1,160 @@
+"""Pipeline schedules: the plan's schedule name -> a torch.distributed.pipelining schedule, and
+the same schedule as printable text.
+
+Note [loss scaling]: each microbatch's loss is loss_fn(output, target) (a mean over the
+microbatch); the schedule sums microbatch gradients and divides by num_microbatches
+(``scale_grads=True``), and the data-parallel all-reduce then averages over replicas. With equal
+microbatches this is the gradient of the mean loss over the global batch, which is what
+``runtime.reference.train_reference`` computes in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+from runtime.stage import example_args
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                    "interleaved": ScheduleInterleaved1F1B}
+
+
+def pipeline_stage(module: torch.nn.Module, program: dict, stage_index: int,
+                   device: torch.device, group) -> PipelineStage:
+    """PipelineStage with input/output metadata from the plan (static mode: no shape inference,
+    no forward pass and no communication at construction or first step)."""
+    spec = program["stages"][stage_index]
+    return PipelineStage(
+        module, stage_index, program["num_stages"], device,
+        input_args=example_args(spec["inputs"], requires_grad=stage_index > 0),
+        output_args=example_args(spec["outputs"], requires_grad=True),
+        group=group)
+
+
+def _unwrap_single(loss_fn: Callable) -> Callable:
+    """The last stage's outputs go to loss_fn as the tensor when single, else as a tuple."""
+
+    def loss(output, target):
+        if isinstance(output, (tuple, list)) and len(output) == 1:
+            output = output[0]
+        return loss_fn(output, target)
+
+    return loss
+
+
+def build_schedule(stages: Sequence[PipelineStage], program: dict, loss_fn: Callable):
+    name = program["schedule"]
+    cls = SCHEDULE_CLASSES[name]
+    first = program["stages"][0]
+    # Stage 0's inputs are chunked into microbatches along their batch_dim (targets along dim 0).
+    chunk_spec = tuple(TensorChunkSpec(a.get("batch_dim", 0) or 0) for a in first["inputs"])
+    kwargs = dict(n_microbatches=program["num_microbatches"], loss_fn=_unwrap_single(loss_fn),
+                  args_chunk_spec=chunk_spec, scale_grads=True)
+    if name == "interleaved":
+        return cls(list(stages), **kwargs)
+    if len(stages) != 1:
+        raise ValueError(f"schedule {name!r} runs one stage per rank, but this rank holds "
+                         f"{len(stages)} stages: use schedule 'interleaved'")
+    return cls(stages[0], **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Printable schedule
+
+
+def _rank_orders(name: str, pp: int, num_stages: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Per pipeline position, the order of compute actions (kind "F"/"B", stage, microbatch) as
+    torch.distributed.pipelining executes them."""
+    orders = []
+    for pos in range(pp):
+        if name == "gpipe":
+            acts = [("F", pos, i) for i in range(m)] + [("B", pos, i) for i in range(m)]
+        elif name == "1f1b":
+            warm = min(m, num_stages - pos)
+            acts = [("F", pos, i) for i in range(warm)]
+            f, b = warm, 0
+            while b < m:
+                acts.append(("B", pos, b))
+                b += 1
+                if f < m:
+                    acts.append(("F", pos, f))
+                    f += 1
+        else:
+            acts = _interleaved_order(pos, pp, num_stages // pp, m)
+        orders.append(acts)
+    return orders
+
+
+def _interleaved_order(pos: int, pp: int, n_local: int, m: int) -> list[tuple[str, int, int]]:
+    # Ask torch's own Interleaved1F1B for its order without building stages or groups.
+    sched = object.__new__(ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, n_local, m
+    sched.number_of_rounds = max(1, m // pp)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    acts = []
+    for a in sched._calculate_single_rank_operations(pos):
+        if a is None:
+            continue
+        kind = getattr(a.computation_type, "value", str(a.computation_type))
+        if kind == "F":
+            acts.append(("F", a.stage_index, a.microbatch_index))
+        elif kind == "B":
+            acts.append(("B", a.stage_index, a.microbatch_index))
+    return acts
+
+
+def simulate(name: str, pp: int, num_stages: int, m: int) -> list[list[tuple[str, int, int] | None]]:
+    """Time slots (one forward or backward of one stage each) per pipeline position: every rank
+    runs its actions in order, each as soon as its inputs are ready (F needs the previous stage's
+    F of that microbatch; B needs its own F and the next stage's B)."""
+    orders = _rank_orders(name, pp, num_stages, m)
+    done: set[tuple[str, int, int]] = set()
+    nxt = [0] * pp
+    timeline: list[list] = [[] for _ in range(pp)]
+    total = sum(len(o) for o in orders)
+    while len(done) < total:
+        ran = []
+        for pos in range(pp):
+            act = orders[pos][nxt[pos]] if nxt[pos] < len(orders[pos]) else None
+            ready = act is not None and (
+                (act[0] == "F" and (act[1] == 0 or ("F", act[1] - 1, act[2]) in done)) or
+                (act[0] == "B" and ("F", act[1], act[2]) in done and
+                 (act[1] == num_stages - 1 or ("B", act[1] + 1, act[2]) in done)))
+            timeline[pos].append(act if ready else None)
+            if ready:
+                ran.append(act)
+                nxt[pos] += 1
+        if not ran:
+            raise RuntimeError(f"schedule {name} deadlocks in simulation: {orders}")
+        done.update(ran)
+    return timeline
+
+
+def schedule_text(program: dict) -> str:
+    """Which microbatch's forward (F) / backward (B) each rank runs in each time slot."""
+    name, p, m, dp = (program[k] for k in ("schedule", "num_stages", "num_microbatches", "dp"))
+    pipelines: dict[int, list[int]] = {}
+    for e in sorted(program["ranks"], key=lambda e: e["rank"]):
+        pipelines.setdefault(e["replica"], []).append(e["rank"])
+    pp = len(pipelines[0])
+    timeline = simulate(name, pp, p, m)
+    multi = p > pp
+    cells = [[("" if a is None else f"{a[0]}{a[2]}" + (f".s{a[1]}" if multi else ""))
+              for a in row] for row in timeline]
+    labels = ["rank " + ",".join(str(pipelines[rep][pos]) for rep in sorted(pipelines))
+              for pos in range(pp)]
+    width = max(3, max(len(c) for row in cells for c in row) + 1)
+    lw = max(len(s) for s in labels) + 2
+    n = len(timeline[0])
+    busy = sum(1 for row in timeline for a in row if a is not None)
+    lines = [f"{name}: {p} stages on {pp} ranks per pipeline, {m} microbatches, dp={dp} "
+             f"(replicas run the same timeline); one slot = one stage's F or B of one microbatch",
+             ("slot".ljust(lw) + "".join(str(i).ljust(width) for i in range(n))).rstrip()]
+    for label, row in zip(labels, cells):
+        lines.append(label.ljust(lw) + "".join((c or ".").ljust(width) for c in row).rstrip())
+    lines.append(f"{n} slots, bubble fraction {1 - busy / (n * pp):.2f}")
+    return "\n".join(lines) + "\n"

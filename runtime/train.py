@@ -1,0 +1,305 @@
+"""One rank's training: stages, schedule, optimizer, gradient synchronization, metrics, final save.
+
+The math is shared with ``runtime.reference`` (``make_optimizer``, ``lr_factor``,
+``microbatch_seed``), so the one-process oracle and the partitioned run differ only in where
+things run and in floating-point summation order.
+
+Note [dropout seeds]: before every stage forward of every microbatch the global RNG is seeded
+with ``microbatch_seed(seed, step, stage, global_microbatch)``, where global_microbatch =
+replica * num_microbatches + local index (the global batch is cut into dp * num_microbatches
+consecutive microbatches). Random ops (dropout) therefore draw masks that depend only on
+(step, stage, microbatch): the same under gpipe, 1f1b and interleaved, on any rank layout, and after
+a resume. ``train_reference`` reproduces them exactly when given the list of stage modules; given
+the unpartitioned model it seeds once per microbatch (as stage 0), which matches a model whose
+randomness all sits in stage 0 (or has none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from runtime.program import Layout, resolve_callable
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and learning-rate schedule (shared with the reference)
+
+
+def lr_factor(step: int, cfg: dict) -> float:
+    """Multiplier of cfg["lr"] at 0-based ``step``: linear warmup over warmup_steps (step 0 gets
+    1/warmup), then "cosine" (to min_lr_ratio at total_steps), "linear", or "constant"."""
+    warm = int(cfg.get("warmup_steps", 0))
+    if step < warm:
+        return (step + 1) / warm
+    kind = cfg.get("lr_schedule", "constant")
+    if kind == "constant":
+        return 1.0
+    floor = float(cfg.get("min_lr_ratio", 0.0))
+    progress = min(1.0, (step - warm) / max(1, int(cfg.get("total_steps", 1)) - warm))
+    if kind == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if kind == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    raise ValueError(f"lr_schedule {kind!r} is not one of 'cosine', 'linear', 'constant'")
+
+
+def make_optimizer(params, cfg: dict):
+    """AdamW over ``params`` (all with the same weight decay) and its LambdaLR schedule."""
+    name = cfg.get("name", "adamw").lower()
+    if name != "adamw":
+        raise ValueError(f"optimizer {name!r} is not supported (only 'adamw')")
+    opt = torch.optim.AdamW(list(params), lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.999))),
+                            eps=cfg.get("eps", 1e-8), weight_decay=cfg.get("weight_decay", 0.0),
+                            foreach=cfg.get("foreach"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    return opt, sched
+
+
+def microbatch_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
+    """See Note [dropout seeds]."""
+    return (((seed * 1_000_003 + step) * 1_009 + stage) * 1_000_033 + microbatch) % (2**63 - 1)
+
+
+class MicrobatchSeeder:
+    """Forward pre-hook that seeds the RNG per (step, stage, microbatch); see Note [dropout seeds].
+    Every schedule runs a stage's forwards in microbatch order, so counting calls gives the index."""
+
+    def __init__(self, seed: int, stage: int):
+        self.seed, self.stage, self.step, self.next_mb = seed, stage, 0, 0
+
+    def start(self, step: int, first_microbatch: int) -> None:
+        self.step, self.next_mb = step, first_microbatch
+
+    def __call__(self, module, args):
+        torch.manual_seed(microbatch_seed(self.seed, self.step, self.stage, self.next_mb))
+        self.next_mb += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient synchronization
+
+
+def _allreduce_flat_(tensors: list[torch.Tensor], group, *, divide_by: int,
+                     bucket_elems: int = 1 << 25) -> None:
+    """Sum ``tensors`` across ``group`` in place (one all-reduce per dtype bucket), then divide."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in group_tensors + [None]:
+            if t is not None and (size + t.numel() <= bucket_elems or not bucket):
+                bucket.append(t)
+                size += t.numel()
+                continue
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            if divide_by != 1:
+                flat.div_(divide_by)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket, size = ([t], t.numel()) if t is not None else ([], 0)
+
+
+@dataclass
+class Groups:
+    """This rank's process groups (None where the group would have one member)."""
+
+    pipeline: object
+    data_parallel: object | None
+    ties: list[object | None] = field(default_factory=list)  # per program tie
+
+
+def create_groups(layout: Layout, rank: int, *, timeout, backend: str | None = None) -> Groups:
+    """Create every group on every rank in one fixed order (Note [group order] in program.py)."""
+    replica = layout.replica_of_rank[rank]
+    pipeline = dp_group = None
+    ties: list = []
+    for rep, ranks in enumerate(layout.pipelines):
+        g = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+        if rep == replica:
+            pipeline = g
+    for ranks in layout.dp_groups:
+        if len(ranks) > 1:
+            g = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+            if rank in ranks:
+                dp_group = g
+    for per_replica in layout.tie_groups:
+        mine = None
+        for rep, ranks in enumerate(per_replica):
+            if len(ranks) > 1:
+                g = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+                if rep == replica:
+                    mine = g
+        ties.append(mine)
+    return Groups(pipeline, dp_group, ties)
+
+
+def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups) -> None:
+    """Tie gradients: sum over every copy (local copies, then across the tie group of this
+    replica). Then data-parallel: average every gradient over the replicas. Every rank runs the
+    ties in program order, then data parallelism, so the collectives never cross."""
+    params = [p for m in modules for p in m.parameters()]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for tie, group in zip(program.get("ties", []), groups.ties):
+        copies = [m.get_parameter(tie["param"]) for m in modules if m.stage_index in tie["stages"]]
+        if not copies:
+            continue
+        total = copies[0].grad.clone()
+        for c in copies[1:]:
+            total.add_(c.grad)
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        for c in copies:
+            c.grad.copy_(total)
+    if groups.data_parallel is not None:
+        _allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program["dp"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank's training loop
+
+
+class RankTrainer:
+    """Everything one rank needs to train: built once, then ``run`` steps."""
+
+    def __init__(self, folder: str, program: dict, rank: int, *, device: torch.device,
+                 groups: Groups, run_dir: str):
+        from runtime.schedule import build_schedule, pipeline_stage
+        from runtime.stage import build_stage
+
+        self.folder, self.program, self.rank, self.device = folder, program, rank, device
+        self.layout = Layout.from_program(program)
+        self.groups, self.run_dir = groups, run_dir
+        self.replica = self.layout.replica_of_rank[rank]
+        self.stage_ids = self.layout.stages_of_rank[rank]
+        self.num_stages = program["num_stages"]
+        self.modules = [build_stage(folder, s, device) for s in self.stage_ids]
+        self.seeders = []
+        for s, m in zip(self.stage_ids, self.modules):
+            seeder = MicrobatchSeeder(program["seed"], s)
+            m.register_forward_pre_hook(seeder)
+            self.seeders.append(seeder)
+            m.train()
+        self.pipe_stages = [pipeline_stage(m, program, s, device, groups.pipeline)
+                            for s, m in zip(self.stage_ids, self.modules)]
+        data = program["data"]
+        self.make_batch: Callable = resolve_callable(data["make_batch"], folder)
+        self.loss_fn: Callable = resolve_callable(data["loss_fn"], folder)
+        self.schedule = build_schedule(self.pipe_stages, program, self.loss_fn)
+        self.optimizer, self.lr_scheduler = make_optimizer(
+            [p for m in self.modules for p in m.parameters()], program["optimizer"])
+        self.is_first = 0 in self.stage_ids
+        self.is_last = self.num_stages - 1 in self.stage_ids
+        self.steps_done = 0
+
+    def _replica_rows(self, t: torch.Tensor, batch_dim: int) -> torch.Tensor:
+        rows = self.program["global_batch"] // self.program["dp"]
+        return t.narrow(batch_dim, self.replica * rows, rows).to(self.device)
+
+    def train_step(self, step: int) -> float:
+        """One optimizer step on global batch ``step``; returns the step's mean loss (on every rank)."""
+        program = self.program
+        m = program["num_microbatches"]
+        args, target = self.make_batch(step, program["global_batch"])
+        if isinstance(args, torch.Tensor):
+            args = (args,)
+        specs = program["stages"][0]["inputs"]
+        for seeder in self.seeders:
+            seeder.start(step, self.replica * m)
+        losses: list[torch.Tensor] = []
+        feed = [self._replica_rows(a, (sp.get("batch_dim", 0) or 0)) for a, sp in zip(args, specs)] \
+            if self.is_first else []
+        tgt = self._replica_rows(target, 0) if self.is_last else None
+        self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
+                           return_outputs=False)
+        sync_gradients(self.modules, program, self.groups)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The step's loss: mean over microbatches and replicas (one all-reduce over the world).
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last:
+            for item in losses:
+                loss_sum += item.detach().float()
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        self.steps_done = step + 1
+        return float(loss_sum / (m * program["dp"]))
+
+    def run(self, steps: int, *, start_step: int = 0, log: bool = True) -> list[float]:
+        program = self.program
+        losses = []
+        metrics = None
+        if self.rank == 0 and log:
+            os.makedirs(self.run_dir, exist_ok=True)
+            metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "w" if start_step == 0 else "a")
+        try:
+            for step in range(start_step, steps):
+                lr = float(self.lr_scheduler.get_last_lr()[0])
+                t0 = time.perf_counter()
+                loss = self.train_step(step)
+                dt = time.perf_counter() - t0
+                losses.append(loss)
+                if metrics is not None:
+                    rate = program["global_batch"] / dt
+                    metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt,
+                                              "samples_per_s": rate, "lr": lr}) + "\n")
+                    metrics.flush()
+                    print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step "
+                          f"{rate:.1f} samples/s", flush=True)
+        finally:
+            if metrics is not None:
+                metrics.close()
+        return losses
+
+    # --- state, keyed by original parameter names ---------------------------------------------
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Original name -> parameter (a tied parameter held twice on this rank appears once)."""
+        out: dict[str, torch.nn.Parameter] = {}
+        for m in self.modules:
+            for name in m.parameter_names:
+                out.setdefault(name, m.get_parameter(name))
+        return out
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        """(parameters, optimizer tensors "<name>.exp_avg"/"<name>.exp_avg_sq", JSON-able rest)."""
+        params = {n: p.detach().cpu().clone() for n, p in self.named_parameters().items()}
+        opt_tensors: dict[str, torch.Tensor] = {}
+        param_steps = {}
+        for n, p in self.named_parameters().items():
+            st = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    opt_tensors[f"{n}.{key}"] = st[key].detach().cpu().clone()
+            if "step" in st:
+                param_steps[n] = float(st["step"])
+        meta = {"rank": self.rank, "stages": list(self.stage_ids), "replica": self.replica,
+                "steps_done": self.steps_done, "param_steps": param_steps,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "plan_hash": self.program.get("plan_hash")}
+        return params, opt_tensors, meta
+
+    def save_final(self) -> None:
+        final = os.path.join(self.run_dir, "final")
+        os.makedirs(final, exist_ok=True)
+        params, opt_tensors, meta = self.state_tensors()
+        save_file(params, os.path.join(final, f"rank_{self.rank}.safetensors"))
+        save_file(opt_tensors, os.path.join(final, f"optim_rank_{self.rank}.safetensors"))
+        meta["lr_scheduler"] = {k: v for k, v in meta["lr_scheduler"].items()
+                                if isinstance(v, (int, float, str, list, type(None)))}
+        with open(os.path.join(final, f"optim_rank_{self.rank}.json"), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
