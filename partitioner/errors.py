@@ -27,9 +27,6 @@ class PartitionInfeasibleError(PartitionerError, ValueError):
     """No partition of the model fits the cluster's memory under the requested settings."""
 
 
-class PlanMismatchError(PartitionerError):
-    """A plan does not match the model, cluster or checkpoint it is applied to."""
-
-
-class CheckpointCorruptError(PartitionerError):
-    """A checkpoint shard is missing, truncated or inconsistent with its manifest."""
+# Raised by generated programs too, so they live in runtime (which never imports partitioner).
+# They are ValueErrors rather than PartitionerErrors for that reason.
+from runtime.errors import CheckpointCorruptError, PlanMismatchError  # noqa: E402

@@ -15,6 +15,12 @@ from typing import Any
 
 PLAN_VERSION = 1
 
+# Note [plans are deterministic]: the same workload, cluster and options give the same plan.json
+# and program folder, byte for byte. Wall-clock figures (how long the solver ran) differ between
+# runs, so they stay out of the hash and of plan.json; the folder keeps them in compile_stats.json,
+# which no other file names.
+TIMING_KEYS = ("solve_time_s",)
+
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
@@ -107,18 +113,28 @@ class Plan:
     def to_dict(self) -> dict:
         return _jsonable(asdict(self))
 
+    def stable_dict(self) -> dict:
+        """to_dict() without wall-clock figures (Note [plans are deterministic])."""
+        body = self.to_dict()
+        body["solver"] = {k: v for k, v in body["solver"].items() if k not in TIMING_KEYS}
+        return body
+
+    def timing(self) -> dict:
+        return {k: self.solver[k] for k in TIMING_KEYS if k in self.solver}
+
     def content_hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        blob = json.dumps(self.stable_dict(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_json(self) -> str:
-        body = self.to_dict()
+        body = self.stable_dict()
         body["plan_hash"] = self.content_hash()
         return json.dumps(body, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_dict(cls, body: dict) -> "Plan":
         body = dict(body)
+        body["solver"] = dict(body["solver"])
         stated = body.pop("plan_hash", None)
         body.pop("program", None)
         body.pop("files", None)
@@ -154,7 +170,12 @@ class Plan:
             body = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}): recompile the plan") from None
-        return cls.from_dict(body)
+        plan = cls.from_dict(body)
+        stats = path.parent / "compile_stats.json"
+        if stats.is_file():
+            plan.solver.update({k: v for k, v in json.loads(stats.read_text()).items() if k in TIMING_KEYS})
+        plan.solver.setdefault("solve_time_s", 0.0)
+        return plan
 
     # --- derived figures ---------------------------------------------------------------
     def rank_layout(self) -> list[dict]:

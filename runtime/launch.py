@@ -56,8 +56,20 @@ def read_env(program: dict, folder: str, rank: int | None) -> tuple[int, int, in
     return env_rank, world, int(os.environ.get("LOCAL_RANK", str(env_rank)))
 
 
+def parse_args(argv: list[str] | None) -> dict:
+    """Flags `partitioner run` and torchrun pass through train.py to every rank."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="train.py", description="train this program's rank")
+    parser.add_argument("--steps", type=int, help="train until this many steps are done")
+    parser.add_argument("--run-dir", help="where metrics.jsonl and final/ go (default DIR/run)")
+    known, _unknown = parser.parse_known_args(argv)
+    return {k: v for k, v in vars(known).items() if v is not None}
+
+
 def main(folder: str, rank: int | None = None, *, steps: int | None = None,
-         run_dir: str | None = None, exit_on_error: bool = True) -> list[float] | None:
+         run_dir: str | None = None, exit_on_error: bool = True,
+         argv: list[str] | None = None) -> list[float] | None:
     """Train this rank of the program in ``folder``; returns the per-step losses.
 
     steps: number of steps (default: program "steps", else optimizer total_steps).
@@ -65,6 +77,9 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     exit_on_error: on an exception print it and ``os._exit(1)`` (Note [no hangs]); False re-raises.
     """
     try:
+        flags = parse_args(sys.argv[1:] if argv is None else argv)
+        steps = flags.get("steps", steps)
+        run_dir = flags.get("run_dir", run_dir)
         return _main(folder, rank, steps=steps, run_dir=run_dir)
     except Exception as exc:
         if not exit_on_error:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from runtime.errors import PlanMismatchError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 _REQUIRED = ("world_size", "num_stages", "dp", "num_microbatches", "global_batch", "schedule",
@@ -29,9 +31,33 @@ def load_plan(folder: str) -> dict:
         return json.load(f)
 
 
+def verify_files(folder: str, plan: dict) -> None:
+    """Every file plan.json lists must hash to the listed sha256 (DESIGN section 7)."""
+    import hashlib
+
+    listed = plan.get("files")
+    if not listed:
+        return  # a hand-written folder (tests) lists no files
+    bad = []
+    for name, digest in sorted(listed.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            bad.append(f"{name} (missing)")
+            continue
+        with open(path, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != digest:
+                bad.append(f"{name} (changed)")
+    if bad:
+        raise PlanMismatchError(
+            f"{folder} does not match its plan {plan.get('plan_hash')}: {', '.join(bad[:5])}"
+            f"{' ...' if len(bad) > 5 else ''}; recompile with `partitioner compile ... -o {folder}`"
+        )
+
+
 def load_program(folder: str) -> dict:
     """plan.json's "program" object, validated, with defaults filled in (a new dict)."""
     plan = load_plan(folder)
+    verify_files(folder, plan)
     if "program" not in plan:
         raise ValueError(f"{folder}/plan.json has no \"program\" object (keys: {sorted(plan)})")
     program = dict(plan["program"])

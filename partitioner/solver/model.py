@@ -57,6 +57,7 @@ class SolverConfig:
     time_unit_s: float | None = None    # None: automatic (Note [ILP scaling])
     memory_unit_bytes: int = 1024
     random_seed: int = 0
+    deterministic: bool = True
     use_hint: bool = True
     max_microbatches: int | None = None  # cap on m when solve() enumerates it
     log_search: bool = False
@@ -539,6 +540,9 @@ class CandidateModel:
         params.max_time_in_seconds = time_limit_s or self.config.time_limit_s
         params.num_workers = self.config.num_workers
         params.random_seed = self.config.random_seed
+        # Same inputs must give the same plan (and the same program folder, byte for byte):
+        # interleaved search makes the parallel workers' result independent of thread timing.
+        params.interleave_search = self.config.deterministic
         params.log_search_progress = self.config.log_search
         start = time.perf_counter()
         status = solver.solve(self.model)
