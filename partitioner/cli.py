@@ -54,7 +54,7 @@ def cmd_compile(args) -> int:
         cluster = ClusterSpec.from_toml(args.cluster)
     else:
         cluster = ClusterSpec.homogeneous(args.devices, args.device)
-    training = {}
+    training = {"model_spec": args.model}  # lets `partitioner verify` rebuild the original model
     if args.checkpoint_every is not None:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:
@@ -133,6 +133,17 @@ def cmd_run(args) -> int:
     return subprocess.call(command, env=run_env())
 
 
+def cmd_verify(args) -> int:
+    from partitioner.verify import verify
+
+    folder = Path(args.dir)
+    if not (folder / "plan.json").is_file():
+        raise ValueError(f"{folder} has no plan.json: pass a folder written by `partitioner compile -o DIR`")
+    report = verify(folder, steps=args.steps)
+    print(report.text())
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partitioner", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
@@ -172,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=0)
     r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection)")
     r.set_defaults(func=cmd_run)
+
+    v = sub.add_parser("verify", help="train the program and the unpartitioned model side by side, compare",
+                       epilog=EXAMPLES["verify"], formatter_class=fmt)
+    v.add_argument("dir")
+    v.add_argument("--steps", type=int, default=3)
+    v.set_defaults(func=cmd_verify)
     return parser
 
 
@@ -185,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - user-facing boundary
         from partitioner.errors import PartitionerError
 
-        if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError)):
+        if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError, RuntimeError)):
             raise
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -144,25 +144,28 @@ def mlp(features: int = 32, hidden: int = 64, depth: int = 4, outputs: int = 8, 
 
 
 def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int, batch: int,
-        seed: int, attn: str, device: str) -> Workload:
+        seed: int, attn: str, device: str, dropout: float = 0.0) -> Workload:
     import transformers
 
     common = dict(use_cache=False, attn_implementation=attn)
     if kind == "gpt2":
         config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
-                                         n_positions=seq, bos_token_id=0, eos_token_id=0, **common)
+                                         n_positions=seq, bos_token_id=0, eos_token_id=0,
+                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common)
         cls = transformers.GPT2LMHeadModel
     elif kind == "llama":
         config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width,
                                           num_attention_heads=heads, num_key_value_heads=heads,
                                           intermediate_size=int(width * 8 / 3) // 8 * 8 or 8,
                                           vocab_size=vocab, max_position_embeddings=seq,
-                                          bos_token_id=0, eos_token_id=0, pad_token_id=0, **common)
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                          attention_dropout=dropout, **common)
         cls = transformers.LlamaForCausalLM
     elif kind == "bert":
         config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=width,
                                          num_attention_heads=heads, intermediate_size=4 * width,
                                          vocab_size=vocab, max_position_embeddings=seq, pad_token_id=0,
+                                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                                          **common)
         cls = transformers.BertForMaskedLM
     else:
@@ -170,7 +173,6 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls(config)
-    # Hugging Face initializes lazily in some versions; dropout off keeps the oracle deterministic.
     model.train()
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return Workload(
@@ -184,19 +186,22 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
     )
 
 
-def hf_gpt2(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu"):
+def hf_gpt2(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu",
+           dropout=0.0):
     return _hf("gpt2", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
-               seed=seed, attn=attn, device=device)
+               seed=seed, attn=attn, device=device, dropout=dropout)
 
 
-def hf_llama(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu"):
+def hf_llama(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu",
+           dropout=0.0):
     return _hf("llama", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
-               seed=seed, attn=attn, device=device)
+               seed=seed, attn=attn, device=device, dropout=dropout)
 
 
-def hf_bert(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu"):
+def hf_bert(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu",
+           dropout=0.0):
     return _hf("bert", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
-               seed=seed, attn=attn, device=device)
+               seed=seed, attn=attn, device=device, dropout=dropout)
 
 
 BUILTINS = {"gpt": gpt, "mlp": mlp, "hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "hf-bert": hf_bert}

@@ -1,0 +1,123 @@
+"""`partitioner verify`: the partitioned program against the one-process run of the same model.
+
+The program trains under torchrun exactly as a user runs it; the oracle trains the unpartitioned
+model in this process with the same data, loss, optimizer, learning-rate schedule and microbatch
+split. The verdict is the largest difference in per-step loss and in every final parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
+# the rounding of sums (data-parallel mean, gradient accumulation order), ~1e-7 in the loss.
+# Parameters get a looser bound: a parameter whose true gradient is zero (an attention key bias:
+# softmax ignores a per-row constant) receives pure rounding noise, which Adam's normalisation
+# turns into steps of up to lr. 1e-4 is a tenth of one step at the default lr of 1e-3.
+LOSS_TOLERANCE = 1e-5
+PARAM_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    steps: int
+    losses_program: tuple[float, ...]
+    losses_oracle: tuple[float, ...]
+    max_loss_diff: float
+    max_param_diff: float
+    worst_param: str
+    max_replica_diff: float
+    oracle: str  # "original model" or "stage chain"
+
+    @property
+    def ok(self) -> bool:
+        return (self.max_loss_diff <= LOSS_TOLERANCE and self.max_param_diff <= PARAM_TOLERANCE
+                and self.max_replica_diff == 0.0)
+
+    def text(self) -> str:
+        lines = [f"{'step':>4} {'program loss':>14} {'oracle loss':>14} {'diff':>10}"]
+        for i, (a, b) in enumerate(zip(self.losses_program, self.losses_oracle)):
+            lines.append(f"{i:>4} {a:>14.8f} {b:>14.8f} {abs(a - b):>10.2e}")
+        lines += [
+            f"oracle: {self.oracle} trained in one process",
+            f"largest loss difference {self.max_loss_diff:.3e}; largest parameter difference "
+            f"{self.max_param_diff:.3e} ({self.worst_param}); replicas differ by {self.max_replica_diff:.3e}",
+            f"verdict: {'PASS' if self.ok else 'FAIL'} (tolerance {LOSS_TOLERANCE:g} loss, {PARAM_TOLERANCE:g} parameters)",
+        ]
+        return "\n".join(lines)
+
+
+def read_program_run(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """Per-step losses, final parameters by original name, and the largest difference between copies."""
+    from safetensors.torch import load_file
+
+    losses: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        losses[row["step"]] = row["loss"]  # a resumed step overwrites the lost attempt's line
+    params: dict[str, torch.Tensor] = {}
+    replica_diff = 0.0
+    for path in sorted((run_dir / "final").glob("rank_*.safetensors")):
+        for name, tensor in load_file(str(path)).items():
+            if name in params:
+                replica_diff = max(replica_diff, float((params[name] - tensor).abs().max()))
+            else:
+                params[name] = tensor
+    return [losses[k] for k in sorted(losses)], params, replica_diff
+
+
+def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
+    from partitioner.cli import run_env, torchrun_command
+    from partitioner.plan import Plan
+    from runtime.program import load_program, resolve_callable
+    from runtime.reference import train_reference, train_reference_from_folder
+
+    folder = Path(folder).resolve()
+    plan = Plan.load(folder)
+    program = load_program(str(folder))
+    if workload is None and plan.training.get("model_spec"):
+        from partitioner.models import load_workload
+
+        workload = load_workload(plan.training["model_spec"])
+    with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
+        run_dir = Path(tmp) / "run"
+        command = torchrun_command(folder, plan.world_size, extra=["--steps", str(steps), "--run-dir", str(run_dir)])
+        try:
+            done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the program in {folder} did not finish {steps} steps in {timeout_s:.0f} s") from None
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+            raise RuntimeError(f"the program in {folder} failed (exit {done.returncode}):\n{tail}")
+        losses, params, replica_diff = read_program_run(run_dir)
+    num_microbatches = program["dp"] * program["num_microbatches"]
+    if workload is not None:
+        if workload.model.parameters().__next__().device.type == "meta":
+            raise ValueError("the workload's model is on the meta device: verify needs real weights; "
+                             "verify a smaller configuration of the same model")
+        data = program["data"]
+        ref_losses, ref_state, _ = train_reference(
+            workload.model, resolve_callable(data["make_batch"], str(folder)),
+            resolve_callable(data["loss_fn"], str(folder)), program["optimizer"], program["global_batch"],
+            num_microbatches, steps, program["seed"])
+        oracle = "original model"
+    else:
+        ref_losses, ref_state, _ = train_reference_from_folder(str(folder), steps)
+        oracle = "stage chain"
+    loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=float("inf"))
+    if len(losses) != len(ref_losses):
+        loss_diff = float("inf")
+    worst, param_diff = "-", 0.0
+    for name, tensor in params.items():
+        if name not in ref_state:
+            raise AssertionError(f"the program trained {name!r}, which the oracle model does not have")
+        diff = float((tensor - ref_state[name].to(tensor.dtype)).abs().max())
+        if diff > param_diff:
+            worst, param_diff = name, diff
+    return VerifyReport(steps, tuple(losses), tuple(ref_losses), loss_diff, param_diff, worst, replica_diff, oracle)
