@@ -63,6 +63,19 @@ def parse_args(argv: list[str] | None) -> dict:
     parser = argparse.ArgumentParser(prog="train.py", description="train this program's rank")
     parser.add_argument("--steps", type=int, help="train until this many steps are done")
     parser.add_argument("--run-dir", help="where metrics.jsonl and final/ go (default DIR/run)")
+    parser.add_argument("--checkpoint-dir", help="checkpoints go here (default DIR/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int,
+                        help="checkpoint every K steps (default: the program's checkpoint_every)")
+    parser.add_argument("--mtbf", help="mean time between failures (e.g. 6h): choose the interval "
+                        "by Young/Daly from the measured snapshot stall")
+    parser.add_argument("--keep-checkpoints", type=int, help="keep the newest N (default 3)")
+    parser.add_argument("--no-checkpoint", action="store_true", default=None,
+                        help="neither resume from nor write checkpoints")
+    parser.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (first attempt only)")
+    parser.add_argument("--fail-persist", help="RANK:STEP:BYTES: SIGKILL RANK after writing BYTES "
+                        "bytes of its shard of checkpoint STEP (first attempt only)")
+    parser.add_argument("--collective-timeout", type=float,
+                        help="seconds (default: the program's collective_timeout_s)")
     known, _unknown = parser.parse_known_args(argv)
     return {k: v for k, v in vars(known).items() if v is not None}
 
@@ -78,9 +91,9 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     """
     try:
         flags = parse_args(sys.argv[1:] if argv is None else argv)
-        steps = flags.get("steps", steps)
-        run_dir = flags.get("run_dir", run_dir)
-        return _main(folder, rank, steps=steps, run_dir=run_dir)
+        steps = flags.pop("steps", steps)
+        run_dir = flags.pop("run_dir", run_dir)
+        return _main(folder, rank, steps=steps, run_dir=run_dir, flags=flags)
     except Exception as exc:
         if not exit_on_error:
             raise
@@ -92,10 +105,34 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         os._exit(1)
 
 
-def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None):
+def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
+          flags: dict | None = None):
     folder = os.path.abspath(folder)
+    flags = flags or {}
     program = load_program(folder)
     rank, world, local_rank = read_env(program, folder, rank)
+    # Checkpoint and fault settings are checked before anything slow (and before training).
+    from runtime import checkpoint as ck
+    from runtime import faults
+
+    if "collective_timeout" in flags:
+        program["collective_timeout_s"] = flags["collective_timeout"]
+    use_ckpt = not flags.get("no_checkpoint")
+    ckpt_dir = os.path.abspath(flags.get("checkpoint_dir") or os.path.join(folder, "checkpoints"))
+    every = flags.get("checkpoint_every")
+    mtbf_s = ck.parse_duration_s(flags["mtbf"]) if "mtbf" in flags else None
+    if every is None and mtbf_s is None:
+        every = program.get("checkpoint_every") or 0
+        mtbf_s = None if every else program.get("mtbf_s")
+    if every is not None and every < 0:
+        raise ValueError(f"--checkpoint-every {every}: must be a positive number of steps")
+    keep = flags.get("keep_checkpoints", 3)
+    if keep < 1:
+        raise ValueError(f"--keep-checkpoints {keep}: keep at least 1")
+    fail_at = [faults.parse_fail_at(t) for t in flags.get("fail_at", [])]
+    fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
+    if use_ckpt:
+        ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
     import torch
     import torch.distributed as dist
@@ -128,7 +165,21 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         print(f"program {program.get('plan_hash')}: {world} ranks, {program['num_stages']} "
               f"stages x dp {program['dp']}, {steps} steps\n" + schedule_text(program), end="",
               flush=True)
-    losses = trainer.run(steps)
+    start_step = 0
+    checkpointer = None
+    if use_ckpt:
+        from runtime.recovery import Checkpointer, recover
+
+        start_step = recover(trainer, ckpt_dir)
+        checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
+                                    timeout=timeout, start_step=start_step,
+                                    persist_fault=fail_persist,
+                                    stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
+    losses = trainer.run(steps, start_step=min(start_step, steps),
+                         before_step=faults.step_hook(fail_at, rank, run_dir),
+                         after_step=checkpointer.after_step if checkpointer else None)
+    if checkpointer is not None:
+        checkpointer.finish()
     trainer.save_final()
     if owns_group:
         dist.destroy_process_group()

@@ -56,7 +56,12 @@ def make_optimizer(params, cfg: dict):
     name = cfg.get("name", "adamw").lower()
     if name != "adamw":
         raise ValueError(f"optimizer {name!r} is not supported (only 'adamw')")
-    opt = torch.optim.AdamW(list(params), lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.999))),
+    params = list(params)
+    if not params:
+        # A stage may hold no parameters (a parameter-free slice of the graph). A placeholder that
+        # never gets a gradient keeps the step loop and the learning-rate schedule uniform.
+        params = [torch.nn.Parameter(torch.zeros(0))]
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.999))),
                             eps=cfg.get("eps", 1e-8), weight_decay=cfg.get("weight_decay", 0.0),
                             foreach=cfg.get("foreach"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
@@ -173,6 +178,24 @@ def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups
 # The rank's training loop
 
 
+def _keep_metrics_before(path: str, start_step: int) -> None:
+    """Rewrite metrics.jsonl (atomically) without the lines of steps >= start_step."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < start_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError):
+                continue  # a line cut short by a crash
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class RankTrainer:
     """Everything one rank needs to train: built once, then ``run`` steps."""
 
@@ -239,15 +262,28 @@ class RankTrainer:
         self.steps_done = step + 1
         return float(loss_sum / (m * program["dp"]))
 
-    def run(self, steps: int, *, start_step: int = 0, log: bool = True) -> list[float]:
+    def run(self, steps: int, *, start_step: int = 0, log: bool = True,
+            before_step: Callable[[int], None] | None = None,
+            after_step: Callable[[int, float, float], None] | None = None) -> list[float]:
+        """Train steps start_step..steps-1; returns their losses.
+
+        before_step(step): called before each step (fault injection). after_step(step, loss,
+        step_time_s): called after each step, outside the timed region (checkpoint points).
+        Resuming (start_step > 0) keeps the metrics lines of steps before start_step and drops the
+        rest (steps re-run after a restart are written again)."""
         program = self.program
         losses = []
         metrics = None
         if self.rank == 0 and log:
             os.makedirs(self.run_dir, exist_ok=True)
-            metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "w" if start_step == 0 else "a")
+            path = os.path.join(self.run_dir, "metrics.jsonl")
+            if start_step > 0:
+                _keep_metrics_before(path, start_step)
+            metrics = open(path, "w" if start_step == 0 else "a")
         try:
             for step in range(start_step, steps):
+                if before_step is not None:
+                    before_step(step)
                 lr = float(self.lr_scheduler.get_last_lr()[0])
                 t0 = time.perf_counter()
                 loss = self.train_step(step)
@@ -256,10 +292,13 @@ class RankTrainer:
                 if metrics is not None:
                     rate = program["global_batch"] / dt
                     metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt,
-                                              "samples_per_s": rate, "lr": lr}) + "\n")
+                                              "samples_per_s": rate, "lr": lr,
+                                              "time_unix": time.time()}) + "\n")
                     metrics.flush()
                     print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step "
                           f"{rate:.1f} samples/s", flush=True)
+                if after_step is not None:
+                    after_step(step, loss, dt)
         finally:
             if metrics is not None:
                 metrics.close()
