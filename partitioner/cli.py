@@ -29,7 +29,9 @@ EXAMPLES = {
   partitioner inspect out --dot > plan.dot""",
     "run": """examples:
   partitioner run out --steps 20
-  partitioner run out --steps 50 --max-restarts 3""",
+  partitioner run out --steps 50 --max-restarts 3 --checkpoint-every 10
+  partitioner run out --steps 50 --mtbf 6h --checkpoint-dir /scratch/ckpt
+  partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill""",
     "verify": """examples:
   partitioner verify out --steps 3""",
 }
@@ -114,17 +116,41 @@ def run_env() -> dict:
 
 
 def cmd_run(args) -> int:
+    """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
+    DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
+    newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
     from partitioner.plan import Plan
+    from runtime.checkpoint import check_writable, parse_duration_s
+    from runtime.faults import parse_fail_at, parse_fail_persist
 
     folder = Path(args.dir)
     plan = Plan.load(folder)
-    extra = []
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder / "checkpoints"
+    check_writable(str(ckpt_dir))
+    extra = ["--checkpoint-dir", str(ckpt_dir.resolve())]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]
-    if args.checkpoint_dir:
-        extra += ["--checkpoint-dir", str(args.checkpoint_dir)]
+    if args.checkpoint_every is not None:
+        if args.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0")
+        extra += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.mtbf is not None:
+        parse_duration_s(args.mtbf)  # fail here, not in every worker
+        extra += ["--mtbf", args.mtbf]
+    if args.keep_checkpoints is not None:
+        if args.keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints {args.keep_checkpoints}: keep at least 1")
+        extra += ["--keep-checkpoints", str(args.keep_checkpoints)]
     for fault in args.fail_at or []:
+        parse_fail_at(fault)
         extra += ["--fail-at", fault]
+    if args.fail_persist:
+        parse_fail_persist(args.fail_persist)
+        extra += ["--fail-persist", args.fail_persist]
+    if args.collective_timeout is not None:
+        extra += ["--collective-timeout", str(args.collective_timeout)]
+    if args.run_dir:
+        extra += ["--run-dir", str(Path(args.run_dir).resolve())]
     command = torchrun_command(folder, plan.world_size, extra=extra, max_restarts=args.max_restarts)
     per_node = max(1, plan.world_size // 2)
     print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "
@@ -179,9 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     r.add_argument("dir")
     r.add_argument("--steps", type=int)
-    r.add_argument("--checkpoint-dir")
+    r.add_argument("--checkpoint-dir", help="where checkpoints go (default DIR/checkpoints)")
+    r.add_argument("--run-dir", help="where metrics.jsonl and final/ go (default DIR/run)")
+    every = r.add_mutually_exclusive_group()
+    every.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps (0: only the last)")
+    every.add_argument("--mtbf", help="mean time between failures (e.g. 6h): interval by Young/Daly")
+    r.add_argument("--keep-checkpoints", type=int, help="keep the newest N checkpoints (default 3)")
     r.add_argument("--max-restarts", type=int, default=0)
-    r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection)")
+    r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection, first attempt)")
+    r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
+                   "checkpoint STEP (fault injection, first attempt)")
+    r.add_argument("--collective-timeout", type=float, help="seconds (default: the plan's)")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="train the program and the unpartitioned model side by side, compare",
