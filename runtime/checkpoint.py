@@ -509,6 +509,35 @@ def load_for_rank(ckpt_dir: str, step: int, program: dict, rank: int, needed: li
     return LoadedCheckpoint(step, manifest, params, optim, param_steps, sched or {}, rng_tensors, rng_meta)
 
 
+def find_valid(ckpt_dir: str, program: dict, rank: int, needed: list[str], *, warn=None,
+               limit: int = 64) -> tuple[list[int], LoadedCheckpoint | None]:
+    """Steps of the checkpoints valid for ``rank`` (manifest and the shards it reads verify),
+    newest first, and the newest one loaded. ``warn(message)`` hears of every one skipped (a
+    partial or corrupt checkpoint, named); a checkpoint of another model raises
+    PlanMismatchError (``check_model``)."""
+    valid: list[int] = []
+    newest = None
+    for step in list_step_dirs(ckpt_dir)[:limit]:
+        where = os.path.join(ckpt_dir, step_dirname(step))
+        try:
+            manifest = read_manifest(ckpt_dir, step)
+        except CheckpointCorruptError as exc:
+            if warn:
+                warn(f"skipping checkpoint {where}: {exc}")
+            continue
+        check_model(manifest, program, where)
+        try:
+            loaded = load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
+        except CheckpointCorruptError as exc:
+            if warn:
+                warn(f"skipping checkpoint {where}: {exc}")
+            continue
+        valid.append(step)
+        if newest is None:
+            newest = loaded
+    return valid, newest
+
+
 def restore(trainer, ckpt: LoadedCheckpoint) -> None:
     """Put a loaded checkpoint into a RankTrainer (every copy of a tied parameter)."""
     seen: set[int] = set()

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from runtime import checkpoint as ck
-from runtime.errors import CheckpointCorruptError
 from runtime.faults import PersistFault, first_attempt
 
 _MAX_CANDIDATES = 64
@@ -48,36 +47,19 @@ def recover(trainer, ckpt_dir: str, *, group=None) -> int:
     start at (0 when there is none). Collective over ``group`` (default: the world)."""
     program, rank = trainer.program, trainer.rank
     needed = needed_params(trainer)
-    valid: list[int] = []
-    newest = None
-    for step in ck.list_step_dirs(ckpt_dir)[:_MAX_CANDIDATES]:
-        where = os.path.join(ckpt_dir, ck.step_dirname(step))
-        try:
-            manifest = ck.read_manifest(ckpt_dir, step)
-        except CheckpointCorruptError as exc:
-            _say(rank, f"warning: skipping checkpoint {where}: {exc}")
-            continue
-        ck.check_model(manifest, program, where)  # another model: refuse outright
-        try:
-            loaded = ck.load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
-        except CheckpointCorruptError as exc:
-            _say(rank, f"warning: skipping checkpoint {where}: {exc}")
-            continue
-        valid.append(step)
-        if newest is None:
-            newest = loaded
+    valid, newest = ck.find_valid(ckpt_dir, program, rank, needed, limit=_MAX_CANDIDATES,
+                                  warn=lambda msg: _say(rank, "warning: " + msg))
     mine = torch.full((_MAX_CANDIDATES,), -1, dtype=torch.int64)
     mine[:len(valid)] = torch.tensor(valid, dtype=torch.int64)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    common = set.intersection(*({int(s) for s in g.tolist() if s >= 0} for g in gathered))
-    if not common:
+    chosen = agree_newest([[int(s) for s in g.tolist() if s >= 0] for g in gathered])
+    if chosen is None:
         if rank == 0 and ck.list_step_dirs(ckpt_dir):
             _say(rank, f"warning: no valid checkpoint in {ckpt_dir}: starting from step 0")
         _discard_newer(ckpt_dir, -1, rank)
         return 0
-    chosen = max(common)
     if newest is None or newest.step != chosen:
         newest = ck.load_for_rank(ckpt_dir, chosen, program, rank, needed)
     ck.restore(trainer, newest)
@@ -90,6 +72,12 @@ def recover(trainer, ckpt_dir: str, *, group=None) -> int:
                    f"at step {chosen} ({how})")
     _discard_newer(ckpt_dir, chosen, rank)
     return chosen
+
+
+def agree_newest(valid_per_rank: list[list[int]]) -> int | None:
+    """The newest step every rank found valid (Note [recovery agreement]); None if there is none."""
+    common = set.intersection(*(set(v) for v in valid_per_rank)) if valid_per_rank else set()
+    return max(common) if common else None
 
 
 def _discard_newer(ckpt_dir: str, chosen: int, rank: int) -> None:
