@@ -29,14 +29,14 @@ from partitioner.workload import Workload
 
 
 def compile(workload, *, cluster, global_batch, **options):  # noqa: A001 - the product's verb
-    from partitioner.compile import compile_workload
+    from partitioner.compiler import compile_workload
 
     return compile_workload(workload, cluster=cluster, global_batch=global_batch, **options)
 
 
 def analyze(workload, *, granularity: str = "block"):
     """Trace and annotate a workload: returns (GraphModule, per-region cost table)."""
-    from partitioner.compile import analyze as _analyze
+    from partitioner.compiler import analyze as _analyze
 
     return _analyze(workload, granularity=granularity)
 

@@ -24,9 +24,11 @@ EXAMPLES = {
   partitioner compile mypkg.models:build -o out --cluster cluster.toml --stages 4 --dp 2
   partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
     "inspect": """examples:
-  partitioner inspect out                  # the per-stage table
-  partitioner inspect out/plan.json --json
-  partitioner inspect out --dot > plan.dot""",
+  partitioner inspect out                     # per-stage table, cut edges, balance, baselines
+  partitioner inspect out/plan.json --json    # DESIGN section 11 fields, for scripts
+  partitioner inspect out --dot | dot -Tsvg > plan.svg
+  partitioner inspect out --html report.html  # one self-contained page: stage graph, timeline, memory
+  partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs""",
     "run": """examples:
   partitioner run out --steps 20
   partitioner run out --steps 50 --max-restarts 3 --checkpoint-every 10
@@ -80,17 +82,37 @@ def cmd_compile(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from partitioner import report
     from partitioner.plan import Plan
-    from partitioner.report import inspect_json, table
 
     target = Path(args.target)
     if not target.exists():
         raise ValueError(f"{target}: no such file or folder; pass a program folder or its plan.json")
-    plan = Plan.load(target)
-    if args.json:
-        print(json.dumps(inspect_json(plan), indent=1))
+    if target.is_dir() and not (target / "plan.json").is_file():
+        raise ValueError(f"{target} has no plan.json: pass a program folder written by `partitioner compile`")
+    try:
+        plan = Plan.load(target)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # valid JSON, not a plan
+        name = target / "plan.json" if target.is_dir() else target
+        raise ValueError(f"{name} is not a plan ({type(exc).__name__}: {exc}); "
+                         "recompile it with `partitioner compile`") from None
+    if args.node is not None:
+        info = report.explain_node(plan, args.node)
+        text = report.to_json_text(info) if args.json else report.explain_text(info)
+    elif args.json:
+        text = report.to_json_text(report.inspect_json(plan))
+    elif args.dot:
+        text = report.dot(plan).rstrip("\n")
+    elif args.html:
+        path = report.write_html(plan, args.html)
+        print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser", file=sys.stderr)
+        return 0
     else:
-        print(table(plan))
+        text = report.table(plan)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `inspect ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -198,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="show a plan", epilog=EXAMPLES["inspect"], formatter_class=fmt)
     i.add_argument("target", help="program folder or plan.json")
-    i.add_argument("--json", action="store_true")
+    form = i.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="machine-readable (DESIGN section 11 fields and more)")
+    form.add_argument("--dot", action="store_true", help="the region graph coloured by stage, as Graphviz")
+    form.add_argument("--html", metavar="FILE", help="write one self-contained HTML page to FILE")
+    i.add_argument("--node", metavar="NAME", help="explain where graph node (or region) NAME sits and what "
+                   "moving it costs; with --json, as JSON")
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("run", help="train with a program folder on this host", epilog=EXAMPLES["run"],

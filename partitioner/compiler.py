@@ -1,5 +1,8 @@
 """compile(): the pipeline from a Workload to a Plan, one named step after another.
 
+(Named compiler.py, not compile.py: a submodule called `compile` would shadow the package's
+`partitioner.compile` function as soon as anything imported it.)
+
     traced   = trace the model (torch.export, symbolic_trace fallback)
     annotate = shapes → flops → memory → regions, each checked for what it declares
     problem  = the region graph as plain numbers, per sample
@@ -83,8 +86,8 @@ def build_problem(gm: fx.GraphModule, batch_size: int) -> sp.PartitionProblem:
         for r in table
     )
     problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in edges if src != dst)
-    ties = tuple(sp.Tie(regions=tuple(sorted(set(regs))), param_bytes=int(nbytes))
-                 for _name, nbytes, regs in region_ties(gm) if len(set(regs)) > 1)
+    ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes))
+                 for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
     return sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
                                input_bytes_per_sample=int(round(inputs / batch_size)))
@@ -222,7 +225,7 @@ def _param_elem_bytes(model: torch.nn.Module) -> int:
 def _ties(gm):
     from passes.regions import region_ties
 
-    return [(name, nbytes, tuple(sorted(set(regs)))) for name, nbytes, regs in region_ties(gm) if len(set(regs)) > 1]
+    return [(t.name, t.bytes, tuple(sorted(set(t.regions)))) for t in region_ties(gm) if len(set(t.regions)) > 1]
 
 
 def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int):

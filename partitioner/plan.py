@@ -199,7 +199,7 @@ class Plan:
                 "this Plan was loaded without its model; save the Plan returned by partitioner.compile(), "
                 "or run `partitioner compile MODEL -o DIR`"
             )
-        from partitioner.compile import save_program
+        from partitioner.compiler import save_program
 
         return save_program(self, folder)
 

@@ -1,0 +1,186 @@
+"""Compiled plans, run as generated programs under torchrun (gloo), against one-process training.
+
+The oracle is always the unpartitioned model trained in this process with the same data, loss,
+optimizer and microbatch split (runtime.reference.train_reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import partitioner
+from partitioner.cli import _free_port, run_env, torchrun_command
+from partitioner.cluster import ClusterSpec
+from partitioner.models import gpt, hf_gpt2
+from partitioner.verify import read_program_run
+from partitioner.workload import Workload
+from runtime import data
+from runtime.reference import train_reference
+
+STEPS = 3
+RUNNER = Path(__file__).parent / "_run_programs.py"
+
+
+class LongSkip(nn.Module):
+    """A tensor made first is read last: under 3 stages it crosses two boundaries."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h0 = self.inp(x)
+        h = h0
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+        return self.out(h + h0)
+
+
+def long_skip_workload() -> Workload:
+    torch.manual_seed(0)
+    return Workload(
+        model=LongSkip(), example_args=(torch.zeros(2, 8),), loss_fn=data.mse_loss,
+        make_batch=functools.partial(data.regression_batch, features=8, outputs=4, seed=0),
+        name="long-skip",
+        source={"make_batch": ("runtime.data:regression_batch", {"features": 8, "outputs": 4, "seed": 0}),
+                "loss_fn": ("runtime.data:mse_loss", {})},
+    )
+
+
+def tiny_gpt():
+    return gpt(layers=4, width=32, heads=2, vocab=64, seq=16)
+
+
+def compile_to(folder: Path, workload, *, devices, global_batch=8, **options):
+    plan = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(devices, "cpu"),
+                               global_batch=global_batch, **options)
+    plan.save(folder)
+    return plan
+
+
+def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> None:
+    """Train every folder in one torchrun of `world_size` workers (one import of torch each)."""
+    for folder in folders:
+        assert json.loads((folder / "plan.json").read_text())["program"]["world_size"] == world_size
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               str(RUNNER), "--steps", str(steps), *map(str, folders)]
+    done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def assert_matches_oracle(folder: Path, workload, steps: int = STEPS):
+    plan = partitioner.plan.Plan.load(folder)
+    program = json.loads((folder / "plan.json").read_text())["program"]
+    losses, params, replica_diff = read_program_run(folder / "run")
+    ref_losses, ref_state, _ = train_reference(
+        workload.model, workload.make_batch, workload.loss_fn, program["optimizer"], plan.global_batch,
+        plan.dp * plan.num_microbatches, steps, program["seed"])
+    assert len(losses) == steps
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    assert replica_diff == 0.0, "data-parallel replicas of a parameter diverged"
+    assert set(params) <= set(ref_state)
+    for name, tensor in params.items():
+        # atol 1e-4: see verify.PARAM_TOLERANCE (parameters with a zero true gradient drift by noise).
+        torch.testing.assert_close(tensor, ref_state[name], rtol=1e-4, atol=1e-4, msg=name)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("programs")
+    made = {
+        "gpt_2stage": compile_to(root / "gpt_2stage", tiny_gpt(), devices=2, num_stages=2, microbatches=4),
+        "hf_gpt2_2stage": compile_to(root / "hf_gpt2_2stage", hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16),
+                                     devices=2, num_stages=2, microbatches=4),
+        "gpt_2x2": compile_to(root / "gpt_2x2", tiny_gpt(), devices=4, num_stages=2, dp=2, microbatches=2),
+        "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
+                                  microbatches=4, granularity="node"),
+    }
+    run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage"])
+    run_folders(4, [root / "gpt_2x2"])
+    run_folders(3, [root / "skip_3stage"])
+    return root, made
+
+
+def test_two_stage_gpt_trains_like_one_process(folders):
+    root, _ = folders
+    assert_matches_oracle(root / "gpt_2stage", tiny_gpt())
+
+
+def test_two_by_two_gpt_trains_like_one_process(folders):
+    root, made = folders
+    plan = made["gpt_2x2"]
+    assert (plan.num_stages, plan.dp, plan.world_size) == (2, 2, 4)
+    assert_matches_oracle(root / "gpt_2x2", tiny_gpt())
+
+
+def test_hf_gpt2_with_tied_embeddings_trains_like_one_process(folders):
+    root, made = folders
+    plan = made["hf_gpt2_2stage"]
+    tie = [t for t in plan.ties if t.param in ("transformer.wte.weight", "lm_head.weight")]
+    assert tie, "GPT-2's embedding and head share one parameter: the plan must report the tie"
+    assert tie[0].placement == "replicated" and tie[0].stages == (0, 1)
+    assert_matches_oracle(root / "hf_gpt2_2stage", hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16))
+
+
+def test_skip_connection_across_two_boundaries_trains(folders):
+    root, made = folders
+    plan = made["skip_3stage"]
+    assert any(len(edge.boundaries) == 2 for edge in plan.cut_edges), plan.cut_edges
+    stage1 = (root / "skip_3stage" / "stage_1.py").read_text()
+    assert "INPUTS" in stage1
+    assert_matches_oracle(root / "skip_3stage", long_skip_workload())
+
+
+def test_two_compiles_give_byte_identical_folders(tmp_path):
+    for name in ("a", "b"):
+        compile_to(tmp_path / name, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
+    files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert files_a == files_b
+    # compile_stats.json holds the solver's wall-clock time (Note [plans are deterministic]).
+    differing = [str(f) for f in files_a if (tmp_path / "a" / f).read_bytes() != (tmp_path / "b" / f).read_bytes()]
+    assert differing in ([], ["compile_stats.json"])
+    for f in files_a:
+        if f.suffix == ".py":
+            text = (tmp_path / "a" / f).read_text()
+            compile(text, str(f), "exec")
+            imports = {line.split()[1].split(".")[0] for line in text.splitlines()
+                       if line.startswith(("import ", "from "))}
+            assert imports <= {"torch", "runtime"} | set(sys.stdlib_module_names), (f, imports)
+
+
+def test_edited_folder_is_refused(tmp_path):
+    from partitioner.errors import PlanMismatchError
+    from runtime.program import load_program
+
+    folder = tmp_path / "prog"
+    compile_to(folder, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
+    stage = folder / "stage_1.py"
+    stage.write_text(stage.read_text().replace("torch.ops.aten.gelu", "torch.ops.aten.relu", 1))
+    with pytest.raises(PlanMismatchError, match="stage_1.py"):
+        load_program(str(folder))
+    done = subprocess.run([sys.executable, "-m", "partitioner.cli", "run", str(folder), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, env=run_env())
+    assert done.returncode != 0
+    assert "stage_1.py (changed)" in done.stdout + done.stderr
+
+
+def test_wrong_world_size_is_a_clear_error(tmp_path):
+    folder = tmp_path / "prog"
+    compile_to(folder, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
+    command = torchrun_command(folder, 1, extra=["--steps", "1"])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=run_env())
+    assert done.returncode != 0
+    assert "world_size=2 but WORLD_SIZE=1" in done.stdout + done.stderr
