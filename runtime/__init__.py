@@ -12,6 +12,11 @@ schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_te
 train      optimizer + LR schedule, dropout seeding, gradient sync, ``RankTrainer``
 reference  ``train_reference(...)``: the one-process oracle with the same math
 data       deterministic batches and losses of the built-in workloads
+checkpoint the checkpoint format (Note [checkpoint format]), snapshot, crash-consistent persist
+           (Note [crash consistency]), verified loads, resharded loads, Young/Daly interval
+recovery   ``Checkpointer`` (checkpoint points, background persist, commit by rank 0) and
+           ``recover`` (start-up agreement on the newest valid checkpoint)
+faults     ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist RANK:STEP:BYTES``
 
 The program folder (written by partitioner/codegen.py)
 ------------------------------------------------------
@@ -31,6 +36,7 @@ The program folder (written by partitioner/codegen.py)
                          (text: runtime.program.rank_file_text(program, r))
     DIR/train.py         torchrun entry: runs rank_<RANK>.py (text: runtime.program.train_file_text)
     DIR/run/             written by the run: metrics.jsonl, final/ (below)
+    DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/checkpoint.py)
 
 The "program" object (JSON)::
 
@@ -56,15 +62,30 @@ The "program" object (JSON)::
                          "min_lr_ratio" (optional, default 0)}
     seed                int; collective_timeout_s: number (every collective and p2p op)
     steps               optional: steps to train (default optimizer.total_steps)
+    checkpoint_every    optional: checkpoint every K steps (0/absent: see mtbf_s, else only the last)
+    plan.json's top-level "model_fingerprint", "workload" and training "mtbf_s" are copied into
+    the program object by ``load_program`` (checkpoints record and check them)
 
 Outputs of a run (DIR/run unless main(run_dir=...))::
 
     metrics.jsonl       rank 0, one line per step: {"step" (0-based, = make_batch's step), "loss"
                         (exact fp32 value: mean over microbatches and replicas), "step_time_s",
-                        "samples_per_s", "lr" (the lr the step used)}
+                        "samples_per_s", "lr" (the lr the step used), "time_unix"}; a resumed run
+                        keeps the lines of the steps before its resume step and rewrites the rest
     final/rank_<r>.safetensors         rank r's parameters, original names
     final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"
     final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state
+
+    checkpoint_stats_rank_<r>.jsonl    per checkpoint: step, stall_s, persist_s, bytes (commit_s on 0)
+    checkpoint_interval.json           the Young/Daly choice, when --mtbf chose it
+    faults.jsonl                       injected faults that fired (rank, step, mode, time_unix)
+
+Flags of train.py / rank_<r>.py (``launch.parse_args``): --steps N, --run-dir D,
+--checkpoint-dir D (default DIR/checkpoints; must be writable, checked before training),
+--checkpoint-every K, --mtbf 6h, --keep-checkpoints N (default 3), --no-checkpoint,
+--fail-at RANK:STEP[:MODE], --fail-persist RANK:STEP:BYTES, --collective-timeout S. Every run
+resumes from the newest checkpoint valid on every rank in the checkpoint directory and leaves a
+committed checkpoint of its last step there.
 
 Launch: ``torchrun --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
 DIR/train.py`` (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts with gloo). A one-rank
