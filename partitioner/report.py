@@ -366,7 +366,9 @@ def timeline(plan: Plan) -> dict:
         if not progressed:  # simulate() already proved the order deadlock-free
             raise AssertionError(f"timeline of {plan.schedule} stalled")
     assert all(rank_of_stage[b["stage"]] == b["rank_position"] for b in bars)
-    return {"ranks": ranks, "bars": bars, "makespan_s": max(free) if bars else 0.0}
+    # Data-parallel replicas run the same timeline: a row stands for every replica's rank.
+    labels = [",".join(map(str, next(s.ranks for s in plan.stages if s.ranks[0] == r))) for r in ranks]
+    return {"ranks": ranks, "rank_labels": labels, "bars": bars, "makespan_s": max(free) if bars else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,14 +443,15 @@ def _svg_stage_graph(plan: Plan) -> str:
 
 def _svg_timeline(plan: Plan, tl: dict) -> str:
     ranks, bars, makespan = tl["ranks"], tl["bars"], tl["makespan_s"]
-    label_w, row_h, width = 80, 30, 1240
+    label_w = 80 if max(len(x) for x in tl["rank_labels"]) < 6 else 140
+    row_h, width = 30, 1240
     plot_w = width - label_w - 20
     height = len(ranks) * row_h + 50
     scale = plot_w / makespan if makespan > 0 else 0.0
     parts = []
-    for pos, rank in enumerate(ranks):
+    for pos, label in enumerate(tl["rank_labels"]):
         y = 10 + pos * row_h
-        parts.append(f'<text x="4" y="{y + 19}" font-size="12">rank {rank}</text>'
+        parts.append(f'<text x="4" y="{y + 19}" font-size="12">rank{"s" if "," in label else ""} {_e(label)}</text>'
                      f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{row_h - 4}" fill="#f3f3f3"/>')
     for bar in bars:
         x = label_w + bar["start_s"] * scale
@@ -628,11 +631,18 @@ def write_html(plan: Plan, path: str | Path) -> Path:
 
 
 def _cut_per_sample(plan: Plan) -> list[float]:
-    cut = [0.0] * max(plan.num_stages - 1, 0)
-    for e in plan.cut_edges:
-        for b in e.boundaries:
-            cut[b] += e.bytes_per_microbatch / plan.microbatch_size
-    return cut
+    """Bytes per sample crossing each boundary: the stage's send figure, which the cost model
+    computed (the cut edges' own byte counts are a per-tensor listing; see _cut_edge_scale)."""
+    return [s.send_bytes / plan.microbatch_size for s in plan.stages[:-1]]
+
+
+def _cut_edge_scale(plan: Plan) -> float:
+    """Factor that makes the cut edges' bytes add up to the stages' send bytes. It is 1 when the
+    plan is self-consistent; a plan whose cut edges were measured at another batch size than the
+    microbatch (the traced example batch) is priced by what the cost model used."""
+    recorded = sum(e.bytes_per_microbatch * len(e.boundaries) for e in plan.cut_edges)
+    truth = sum(s.send_bytes for s in plan.stages)
+    return truth / recorded if recorded > 0 and truth > 0 else 1.0
 
 
 def rebuild_problem(plan: Plan, *, boundary_estimate: dict[tuple[int, int], float] | None = None):
@@ -668,9 +678,10 @@ def rebuild_problem(plan: Plan, *, boundary_estimate: dict[tuple[int, int], floa
             recompute_activation_bytes_per_sample=saved_left[r.stage] if r.recompute else int(r.activation_bytes),
             layer=r.layer))
     edges: dict[tuple[int, int], float] = {}
+    scale = _cut_edge_scale(plan)
     for e in plan.cut_edges:
         edges[(e.src_region, e.dst_region)] = edges.get((e.src_region, e.dst_region), 0.0) + \
-            e.bytes_per_microbatch / b
+            e.bytes_per_microbatch * scale / b
     for i in range(len(regions) - 1):
         if (i, i + 1) not in edges:
             # Crossing a boundary now but not recorded: it carries nothing (the plan lists every cut).
@@ -776,7 +787,10 @@ def explain_node(plan: Plan, name: str) -> dict:
         out["moves"].append(move)
         if len(moved) == len(members):
             move["possible"] = False
-            move["why_not"] = f"stage {stage.index} would be empty (the plan has {plan.num_stages} stages)"
+            move["why_not"] = (f"stage {stage.index} would be empty (the plan has {plan.num_stages} stages)"
+                               if len(moved) == 1 else
+                               f"stages stay contiguous, so {_held(move['regions'])} would all move and "
+                               f"stage {stage.index} would be empty")
             continue
         if direction == "later":
             key, boundary = (moved[0] - 1, moved[0]), stage.index
