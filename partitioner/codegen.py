@@ -61,6 +61,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         *preamble,
         "",
         f"PARAMETERS = {json.dumps(stage.params, indent=4)}",
+        f"BUFFERS = {json.dumps(stage.buffers, indent=4)}  # read, never trained",
         f"INPUTS = {json.dumps([v.name for v in stage.inputs])}",
         f"OUTPUTS = {json.dumps([v.name for v in stage.outputs])}",
         "",
@@ -177,7 +178,8 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
 
             (tmp / "weights").mkdir()
             for stage in stages:
-                tensors = {name: state[name].detach().to("cpu").contiguous().clone() for name in stage.params}
+                tensors = {name: state[name].detach().to("cpu").contiguous().clone()
+                           for name in stage.params + stage.buffers}
                 save_file(tensors, str(tmp / "weights" / f"stage_{stage.index}.safetensors"),
                           metadata={"plan_hash": plan_hash})
         digests = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}

@@ -183,7 +183,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
                activation_bytes=problem.regions[r].activation_bytes_per_sample)
         for r in range(problem.num_regions)
     )
-    cut_edges = tuple(_cut_edges(gm, stage_of, b))
+    cut_edges = tuple(_cut_edges(gm, stage_of, b, workload.example_batch_size))
     ties = tuple(
         Tie(param=name, stages=tuple(sorted({stage_of[r] for r in regs})),
             placement="colocated" if len({stage_of[r] for r in regs}) == 1 else "replicated",
@@ -228,8 +228,11 @@ def _ties(gm):
     return [(t.name, t.bytes, tuple(sorted(set(t.regions)))) for t in region_ties(gm) if len(set(t.regions)) > 1]
 
 
-def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int):
-    """Every tensor that crosses a stage boundary, with the boundaries it crosses."""
+def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, example_batch: int):
+    """Every tensor that crosses a stage boundary, with the boundaries it crosses.
+
+    The graph was traced at the example batch; shapes and bytes are restated per microbatch
+    (a leading dimension equal to the example batch is the batch dimension)."""
     region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
     grouped: dict[tuple[int, int], list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -243,8 +246,16 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int):
                       key=lambda r: stage_of_region[r])
             grouped.setdefault((src, dst), []).append(node)
     for (src, dst), nodes in sorted(grouped.items()):
-        shapes = [tuple(ir.get(n, ir.SHAPE).shape or ()) for n in nodes]
-        total = sum(ir.get(n, ir.SHAPE).output_bytes for n in nodes)
+        shapes, total = [], 0
+        for n in nodes:
+            meta = ir.get(n, ir.SHAPE)
+            shape = tuple(meta.shape or ())
+            if shape and shape[0] == example_batch:
+                shapes.append((microbatch_size,) + shape[1:])
+                total += meta.output_bytes * microbatch_size // example_batch
+            else:
+                shapes.append(shape)
+                total += meta.output_bytes
         yield CutEdge(src_region=src, dst_region=dst, tensors=tuple(n.name for n in nodes), shapes=tuple(shapes),
                       bytes_per_microbatch=int(total), boundaries=tuple(range(stage_of_region[src], stage_of_region[dst])))
 
@@ -281,7 +292,10 @@ def _example_at(workload: Workload, microbatch_size: int) -> tuple:
 def program_spec(plan: Plan, stages, workload: Workload) -> dict:
     """The "program" object of plan.json: everything the runtime reads (runtime/__init__.py)."""
     def values(vs):
-        return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype, "batch_dim": 0} for v in vs]
+        # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
+        # positions) is the same for every sample: it crosses whole, never split by batch.
+        return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype,
+                 "batch_dim": 0 if v.shape and v.shape[0] == plan.microbatch_size else None} for v in vs]
 
     missing = [k for k in ("make_batch", "loss_fn") if k not in workload.source]
     if missing:
@@ -311,6 +325,13 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
     }
 
 
+def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
+    value = gm
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def save_program(plan: Plan, folder) -> Path:
     from partitioner.codegen import write_program
     from partitioner.split import split_graph
@@ -328,5 +349,8 @@ def save_program(plan: Plan, folder) -> Path:
         node_stage[node.name] = stage_of_name[name]
     stages = split_graph(gm, node_stage, plan.num_stages)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
-    state = None if on_meta else dict(workload.model.state_dict(keep_vars=False))
+    # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
+    # not) and constants export lifted, under the names the stage files use.
+    state = None if on_meta else {
+        name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
     return write_program(folder, plan=plan, stages=stages, program=program_spec(plan, stages, workload), state=state)

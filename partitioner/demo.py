@@ -1,41 +1,57 @@
-"""`make demo`: the main job end to end on the built-in GPT.
+"""`make demo`: the main job end to end on the built-in GPT, as a user would type it.
 
-compile for 4 CPU ranks → print the plan → write the program folder → train it with torchrun →
-compare against the one-process run of the same model.
+    partitioner compile gpt:... -o out/demo --devices 4 --global-batch 16 --checkpoint-every 5
+    partitioner inspect out/demo                       (the per-stage table)
+    partitioner inspect out/demo --html out/demo-report.html
+    partitioner run out/demo --steps 30 --max-restarts 1 --fail-at 1:12:kill
+    partitioner verify out/demo --steps 3
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 MODEL = "gpt:layers=4,width=128,heads=4,vocab=512,seq=64"
+OUT = Path("out")
+STEPS = 30
+FAIL_AT = "1:12:kill"
 
 
-def region_table_text(rows) -> str:
-    lines = [f"{'region':<14} {'nodes':>6} {'fwd MFLOP':>10} {'bwd MFLOP':>10} {'params KiB':>11} {'saved KiB':>10}"]
-    for r in rows:
-        lines.append(f"{r.name:<14} {len(r.node_names):>6} {r.fwd_flops / 1e6:>10.2f} {r.bwd_flops / 1e6:>10.2f} "
-                     f"{r.param_bytes / 1024:>11.1f} {r.saved_activation_bytes / 1024:>10.1f}")
-    total_f = sum(r.fwd_flops for r in rows)
-    total_b = sum(r.bwd_flops for r in rows)
-    lines.append(f"{'total':<14} {sum(len(r.node_names) for r in rows):>6} {total_f / 1e6:>10.2f} {total_b / 1e6:>10.2f} "
-                 f"{sum(r.param_bytes for r in rows) / 1024:>11.1f} {sum(r.saved_activation_bytes for r in rows) / 1024:>10.1f}")
-    return "\n".join(lines)
+def banner(text: str) -> None:
+    print(f"\n=== {text}", flush=True)
+
+
+def cli(*argv: str) -> int:
+    from partitioner.cli import main
+
+    print("$ partitioner " + " ".join(argv), flush=True)
+    code = main(list(argv))
+    if code:
+        raise SystemExit(f"demo: `partitioner {' '.join(argv)}` exited {code}")
+    return code
 
 
 def main() -> int:
-    import partitioner
-    from partitioner.models import load_workload
-
-    workload = load_workload(MODEL)
-    print(f"== analyze {MODEL}")
     started = time.perf_counter()
-    _gm, rows = partitioner.analyze(workload)
-    print(region_table_text(rows))
-    print(f"(traced and annotated in {time.perf_counter() - started:.2f} s)\n")
+    folder = OUT / "demo"
+    if folder.exists():
+        shutil.rmtree(folder)
+    banner(f"compile the built-in GPT ({MODEL}) for 4 CPU ranks")
+    cli("compile", MODEL, "-o", str(folder), "--devices", "4", "--global-batch", "16", "--checkpoint-every", "5", "-q")
+    banner("inspect the plan")
+    cli("inspect", str(folder))
+    report = OUT / "demo-report.html"
+    cli("inspect", str(folder), "--html", str(report))
+    print(f"open {report.resolve()} in a browser: stage graph, pipeline timeline, memory bars")
+    banner(f"train {STEPS} steps; rank {FAIL_AT.split(':')[0]} is killed at step {FAIL_AT.split(':')[1]} "
+           "and the job recovers from the last checkpoint")
+    cli("run", str(folder), "--steps", str(STEPS), "--max-restarts", "1", "--fail-at", FAIL_AT)
+    banner("verify: the partitioned program against the unpartitioned model trained in one process")
+    cli("verify", str(folder), "--steps", "3")
+    print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0
 
 

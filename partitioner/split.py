@@ -37,7 +37,8 @@ class StageGraph:
     gm: fx.GraphModule
     inputs: list[Value]
     outputs: list[Value]
-    params: list[str]  # original dotted names, in first-use order
+    params: list[str]  # trained parameters: original dotted names, in first-use order
+    buffers: list[str]  # state read but not trained (buffers, lifted constants, frozen parameters)
 
 
 def _value(node: fx.Node) -> Value:
@@ -48,6 +49,13 @@ def _value(node: fx.Node) -> Value:
             "keep it on one stage (merge its producer and consumers into one region)"
         )
     return Value(node.name, tuple(int(s) for s in val.shape), str(val.dtype))
+
+
+def _is_trained(gm: fx.GraphModule, target: str) -> bool:
+    prefix, _, leaf = target.rpartition(".")
+    owner = gm.get_submodule(prefix) if prefix else gm
+    value = owner._parameters.get(leaf)
+    return isinstance(value, torch.nn.Parameter) and value.requires_grad
 
 
 def _user_frames(stack_trace: str | None) -> str | None:
@@ -117,12 +125,13 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
                 and made_on.get(n.name) == index]
         # Parameters first, in first-use order: the stage file opens with the weights it holds.
         params: list[str] = []
+        buffers: list[str] = []
         for node in mine:
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr" and arg.name not in env:
                     env[arg.name] = graph.get_attr(arg.target)
                     env[arg.name].meta = dict(arg.meta)
-                    params.append(arg.target)
+                    (params if _is_trained(gm, arg.target) else buffers).append(arg.target)
         for node in mine:
             new = graph.node_copy(node, lambda n: env[n.name])
             new.meta["stack_trace"] = _user_frames(node.meta.get("stack_trace"))
@@ -140,8 +149,14 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
         else:
             crossing = [n for n in compute if made_on[n.name] <= index < last_read[n.name]]
             outputs = [_value(n) for n in crossing]
-            graph.output(tuple(env[n.name] for n in crossing) if len(crossing) > 1 else env[crossing[0].name]
-                         if crossing else ())
+            # Sends need dense tensors (an expanded mask is a view); contiguous() is free when
+            # the tensor already is.
+            sent = []
+            for n in crossing:
+                dense = graph.call_method("contiguous", (env[n.name],))
+                dense.meta = dict(env[n.name].meta)
+                sent.append(dense)
+            graph.output(tuple(sent) if len(sent) > 1 else sent[0] if sent else ())
         stage_gm = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
-        stages.append(StageGraph(index, stage_gm, [_value(n) for n in inputs], outputs, params))
+        stages.append(StageGraph(index, stage_gm, [_value(n) for n in inputs], outputs, params, buffers))
     return stages

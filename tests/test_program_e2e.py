@@ -19,7 +19,7 @@ import torch.nn as nn
 import partitioner
 from partitioner.cli import _free_port, run_env, torchrun_command
 from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt, hf_gpt2
+from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama
 from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
@@ -55,6 +55,10 @@ def long_skip_workload() -> Workload:
         source={"make_batch": ("runtime.data:regression_batch", {"features": 8, "outputs": 4, "seed": 0}),
                 "loss_fn": ("runtime.data:mse_loss", {})},
     )
+
+
+def hf_tiny(builder):
+    return builder(layers=2, width=32, heads=2, vocab=64, seq=16)
 
 
 def tiny_gpt():
@@ -103,11 +107,15 @@ def folders(tmp_path_factory):
         "gpt_2stage": compile_to(root / "gpt_2stage", tiny_gpt(), devices=2, num_stages=2, microbatches=4),
         "hf_gpt2_2stage": compile_to(root / "hf_gpt2_2stage", hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16),
                                      devices=2, num_stages=2, microbatches=4),
+        "hf_llama_2stage": compile_to(root / "hf_llama_2stage", hf_tiny(hf_llama), devices=2, num_stages=2,
+                                      microbatches=4),
+        "hf_bert_2stage": compile_to(root / "hf_bert_2stage", hf_tiny(hf_bert), devices=2, num_stages=2,
+                                     microbatches=4),
         "gpt_2x2": compile_to(root / "gpt_2x2", tiny_gpt(), devices=4, num_stages=2, dp=2, microbatches=2),
         "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
                                   microbatches=4, granularity="node"),
     }
-    run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage"])
+    run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage", root / "hf_bert_2stage"])
     run_folders(4, [root / "gpt_2x2"])
     run_folders(3, [root / "skip_3stage"])
     return root, made
@@ -132,6 +140,13 @@ def test_hf_gpt2_with_tied_embeddings_trains_like_one_process(folders):
     assert tie, "GPT-2's embedding and head share one parameter: the plan must report the tie"
     assert tie[0].placement == "replicated" and tie[0].stages == (0, 1)
     assert_matches_oracle(root / "hf_gpt2_2stage", hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16))
+
+
+@pytest.mark.parametrize("name, builder", [("hf_llama_2stage", hf_llama), ("hf_bert_2stage", hf_bert)])
+def test_hf_llama_and_bert_train_like_one_process(folders, name, builder):
+    """Llama sends batch-independent rotary tables between stages, BERT an expanded mask (a view)."""
+    root, _ = folders
+    assert_matches_oracle(root / name, hf_tiny(builder))
 
 
 def test_skip_connection_across_two_boundaries_trains(folders):

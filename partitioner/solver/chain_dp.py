@@ -23,7 +23,7 @@ from partitioner.cluster import ClusterSpec
 from partitioner.solver.check import evaluate, plan_links
 from partitioner.solver.problem import Assignment, PartitionProblem, in_flight_microbatches, region_times_s
 
-__all__ = ["ChainDPResult", "solve_chain_dp"]
+__all__ = ["ChainDPResult", "solve_chain_dp", "chain_lower_bound_s", "has_chain_backbone"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +158,88 @@ def solve_chain_dp(
     )
     cost = evaluate(problem, cluster, assignment)
     return ChainDPResult(best_stages, cost.pipeline_s, cost.step_time_s, assignment)
+
+
+def chain_lower_bound_s(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    schedule: str,
+    placement: tuple[tuple[int, ...], ...],
+    allow_recompute: bool = True,
+) -> float:
+    """A lower bound on the pipeline time (m - 1) * max_s T_s + sum_s T_s of every plan, valid when
+    every plan is a contiguous split (the regions form a chain backbone r -> r + 1; inf otherwise
+    is *not* returned: callers check ``has_chain_backbone``). Note [candidate pruning] in solve.py.
+
+    Stage s holding regions i..j-1 costs at least its compute and comm (exact for contiguous
+    splits) plus fractional recompute: memory over capacity D must be saved, each saved byte
+    costing at least the cheapest fwd-seconds-per-saved-byte of any region (inf when even full
+    recompute of the segment does not fit). Then B* = the smallest achievable bottleneck (bisection
+    over the DP) and S = the smallest achievable sum give (m - 1) * B* + S.
+    """
+    n, p, b, m = problem.num_regions, num_stages, microbatch_size, num_microbatches
+    if n < p:
+        return np.inf
+    boundary, _, _ = plan_links(cluster, placement)
+    cut_at = np.zeros(n + 1)
+    for e in problem.edges:
+        cut_at[e.src + 1 : e.dst + 1] += e.bytes_per_sample
+    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
+    act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
+    saving = np.concatenate([[0.0], np.cumsum([
+        max(r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample, 0) if allow_recompute else 0
+        for r in problem.regions])])
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    times = []
+    for s in range(p):
+        device = cluster.devices[placement[s][0]]
+        capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
+        per_region = [region_times_s(r, device, b) for r in problem.regions]
+        rates = [f / (r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample)
+                 for r, (f, _) in zip(problem.regions, per_region)
+                 if r.activation_bytes_per_sample > r.recompute_activation_bytes_per_sample]
+        rate = min(rates) if rates else 0.0
+        compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
+        t = compute[None, :] - compute[:, None]
+        incoming = np.zeros((n + 1, n + 1))
+        if s > 0:
+            t += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
+            incoming += cut_at[:, None]
+        else:
+            incoming += problem.input_bytes_per_sample
+        if s < p - 1:
+            t += (boundary[s].latency_s + b * cut_at / boundary[s].bandwidth_bytes_per_s)[None, :]
+            incoming += cut_at[None, :]
+        k = in_flight_microbatches(schedule, s, p, m)
+        over = (static[None, :] - static[:, None] + k * b * (act[None, :] - act[:, None])
+                + 2.0 * b * incoming - capacity)
+        savable = k * b * (saving[None, :] - saving[:, None])
+        ok = upper & (over <= savable)
+        if s == 0:
+            ok[1:, :] = False
+        if s == p - 1:
+            ok[:, :n] = False
+        t = t + rate * np.maximum(over, 0.0) / (k * b)
+        times.append(np.where(ok, t, np.inf))
+    sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
+    if stages is None:
+        return np.inf
+    caps = np.unique(np.concatenate([t[np.isfinite(t)] for t in times]))
+    lo, hi = 0, len(caps) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sum_under_cap(times, caps[mid], n)[1] is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float((m - 1) * caps[lo] + sum_floor)
+
+
+def has_chain_backbone(problem: PartitionProblem) -> bool:
+    """True when edges r -> r + 1 join every consecutive pair: every valid plan is contiguous."""
+    pairs = {(e.src, e.dst) for e in problem.edges}
+    return all((r, r + 1) in pairs for r in range(problem.num_regions - 1))

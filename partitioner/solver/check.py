@@ -36,6 +36,7 @@ from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
     in_flight_microbatches,
+    place_stages,
     region_times_s,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "evaluate",
     "check_assignment",
     "lower_bound_step_time_s",
+    "candidate_lower_bound_s",
     "structural_violations",
     "plan_links",
 ]
@@ -174,6 +176,81 @@ def lower_bound_step_time_s(
     inverse = sum(1.0 / w for w in works if w > 0)
     fluid = 1.0 / inverse if inverse > 0 else 0.0
     return (num_microbatches - 1) * fluid + min(works)
+
+
+def candidate_lower_bound_s(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    dp: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    schedule: str,
+    allow_recompute: bool = True,
+) -> float:
+    """A lower bound on ``evaluate``'s step time over every plan of one candidate (p, d, m, b),
+    for pruning the enumeration (Note [candidate pruning] in solve.py); inf when no plan fits.
+
+    * Forced recompute (fluid): stage s holds static_s + k_s * b * saved_s <= capacity with
+      k_s = in-flight microbatches, so sum_s saved_s <= max over static splits of
+      sum_s (capacity - static_s) / (k_s * b) (static goes to the largest k_s first). The excess
+      of sum_r activation bytes over that budget must be saved by recomputing; the cheapest
+      fractional way (fwd seconds per saved byte) costs R seconds per microbatch.
+    * Time: sum_s T_s >= W + R + the boundaries' latencies (both directions); homogeneous
+      B >= sum_s T_s / p, so the pipeline is >= (m + p - 1) / p * sum_s T_s. Heterogeneous:
+      ``lower_bound_step_time_s`` + R.
+    * All-reduce (d > 1): some stage holds >= 1/p of the gradients: 2 (d - 1) (G / (p d bw) + lat)
+      with the fastest data-parallel link.
+    """
+    p, d, m, b = num_stages, dp, num_microbatches, microbatch_size
+    homogeneous = cluster.is_homogeneous
+    fastest = max(cluster.devices, key=lambda dev: dev.flops_per_s)
+    capacity = max(dev.memory_bytes for dev in cluster.devices)
+    in_flight = sorted((in_flight_microbatches(schedule, s, p, m) for s in range(p)), reverse=True)
+    static_left = float(sum(r.static_bytes for r in problem.regions))
+    budget = 0.0  # saved activation bytes per sample the stages can hold at best
+    for k in in_flight:  # receive buffers (>= 0) are left out: still a bound
+        static = min(capacity, static_left)
+        static_left -= static
+        budget += (capacity - static) / (k * b)
+    if static_left > 0:
+        return math.inf
+    excess = sum(r.activation_bytes_per_sample for r in problem.regions) - budget
+    recompute_s = 0.0
+    if excess > 0:
+        if not allow_recompute:
+            return math.inf
+        options = []
+        for r in problem.regions:
+            saving = r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample
+            if saving > 0:
+                options.append((region_times_s(r, fastest, b)[0] / saving, saving))
+        for per_byte, saving in sorted(options):
+            take = min(saving, excess)
+            recompute_s += per_byte * take
+            excess -= take
+            if excess <= 0:
+                break
+        if excess > 0:
+            return math.inf
+    bound = lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                    microbatch_size=b) + recompute_s
+    if homogeneous:
+        placement = place_stages(cluster, p, d)
+        boundary, dp_links, _ = plan_links(cluster, placement)
+        work = sum(sum(region_times_s(r, fastest, b)) for r in problem.regions)
+        total = work + recompute_s + 2 * sum(link.latency_s for link in boundary)
+        bound = max(bound, (m + p - 1) / p * total)
+        links = [link for link in dp_links if link is not None]
+    else:
+        links = [cluster.intra_node_link] if d > 1 else []
+    if d > 1 and links:
+        grads = sum(r.grad_bytes for r in problem.regions)
+        bandwidth = max(link.bandwidth_bytes_per_s for link in links)
+        latency = min(link.latency_s for link in links)
+        bound += 2 * (d - 1) * (grads / (p * d * bandwidth) + latency)
+    return bound
 
 
 def evaluate(
