@@ -25,7 +25,15 @@ from partitioner.errors import (
     PlanMismatchError,
     TraceError,
 )
-from partitioner.workload import Workload
+
+
+def __getattr__(name):
+    # Workload imports torch (seconds); `partitioner inspect` and the solver never need it.
+    if name == "Workload":
+        from partitioner.workload import Workload
+
+        return Workload
+    raise AttributeError(f"module 'partitioner' has no attribute {name!r}")
 
 
 def compile(workload, *, cluster, global_batch, **options):  # noqa: A001 - the product's verb
