@@ -348,6 +348,11 @@ def prune(ckpt_dir: str, *, keep: int, newest: int, fault: FaultPoint | None = N
     doomed += [s for s in list_step_dirs(ckpt_dir) if s < newest and s not in committed]
     for s in sorted(set(doomed)):
         remove_checkpoint(ckpt_dir, s, fault)
+    for name in os.listdir(ckpt_dir):  # set aside by recovery (runtime/recovery.py), now superseded
+        m = _STEP_DIR.match(name.removeprefix("discarded_"))
+        if name.startswith("discarded_") and m and int(m.group(1)) <= newest:
+            _fault(fault).op(f"rmtree {name}")
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
     return sorted(set(doomed))
 
 

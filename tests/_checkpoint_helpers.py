@@ -66,9 +66,21 @@ def trainers_at(folder: str, steps: int) -> list[FakeTrainer]:
     return out
 
 
+def random_point(rng, trial: int, total_bytes: int, total_ops: int, shard_bytes: int) -> dict:
+    """A kill point for ``killed_commit``, cycling over three kinds: a random byte of the shards,
+    a random byte of the manifest (after every shard byte), a random operation."""
+    kind = trial % 3
+    if kind == 0:
+        return {"after_bytes": rng.randrange(1, shard_bytes + 1)}
+    if kind == 1:
+        # (the manifest's length varies by a few bytes with its timestamp: stay clear of its end)
+        return {"after_bytes": rng.randrange(shard_bytes + 1, total_bytes - 16)}
+    return {"before_op": rng.randrange(0, total_ops)}
+
+
 def count_commit(ckpt_dir: str, snaps, program, *, keep: int) -> tuple[int, int]:
     """(bytes, operations) one commit_local performs from the state ``ckpt_dir`` is in (done on a
-    scratch copy)."""
+    scratch copy); the shards are the first sum(len(ck.serialize(s))) of those bytes."""
     scratch = ckpt_dir.rstrip("/") + ".count"
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(ckpt_dir, scratch)
@@ -84,6 +96,8 @@ def killed_commit(ckpt_dir: str, snaps, program, *, keep: int, after_bytes=None,
     died there (False: the point lay beyond the end and the commit finished)."""
     pid = os.fork()
     if pid == 0:  # child: no pytest teardown, no atexit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)  # the "[fault] killing ..." line, once per trial
         try:
             ck.commit_local(ckpt_dir, snaps, program, keep=keep,
                             fault=ck.FaultPoint(after_bytes=after_bytes, before_op=before_op))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _checkpoint_helpers import (FakeTrainer, count_commit, killed_commit, newest_for_all,
-                                 same_state, set_plan_fields, trainers_at)
+                                 random_point, same_state, set_plan_fields, trainers_at)
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import faults
@@ -89,7 +89,7 @@ def test_loading_never_unpickles(two_rank, tmp_path):
 
 def test_crash_consistency_sigkill_at_60_random_points(two_rank, tmp_path):
     """The persist of checkpoint 3 (shards of both ranks, manifest, pruning with keep=2) is
-    SIGKILLed at 60 seeded random points (bytes written or operations done); afterwards recovery
+    SIGKILLed at 60 seeded random points (a byte of a shard, a byte of the manifest, or an operation); afterwards recovery
     yields checkpoint 2 or checkpoint 3, exactly as snapshotted, never a mix; and a new persist
     over the debris commits."""
     program = load_program(two_rank)
@@ -102,13 +102,13 @@ def test_crash_consistency_sigkill_at_60_random_points(two_rank, tmp_path):
     _advance(trainers, 2)
     new = _snaps(trainers)
     total_bytes, total_ops = count_commit(base, new, program, keep=2)
+    shard_bytes = sum(len(ck.serialize(s)) for s in new)
     rng = random.Random(20240611)
     outcomes = {2: 0, 3: 0}
     for trial in range(60):
         work = str(tmp_path / f"t{trial}")
         shutil.copytree(base, work)
-        point = ({"after_bytes": rng.randrange(1, total_bytes + 1)} if trial % 2 else
-                 {"before_op": rng.randrange(0, total_ops)})
+        point = random_point(rng, trial, total_bytes, total_ops, shard_bytes)
         assert killed_commit(work, new, program, keep=2, **point), point
         step, loads = newest_for_all(work, program)
         assert step in (2, 3), (point, step)
