@@ -325,6 +325,42 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
     }
 
 
+def init_recipes(model: torch.nn.Module, stages) -> dict:
+    """How each rank draws the initial value of a parameter it holds (runtime/materialize.py).
+
+    Linear layers and Embeddings follow torch's defaults; Hugging Face models their
+    `initializer_range` normal; norms start at one (weights) and zero (biases)."""
+    from runtime.materialize import fan_in_bound
+
+    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    recipes = {}
+    for stage in stages:
+        for name in stage.params + stage.buffers:
+            prefix, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(prefix) if prefix else model
+            value = getattr(owner, leaf)
+            base = {"shape": list(value.shape), "dtype": str(value.dtype)}
+            kind = type(owner).__name__.lower()
+            if name in dict(model.named_buffers()):
+                raise ValueError(
+                    f"buffer {name!r} of a meta-device model cannot be materialized by the ranks: "
+                    "build the model on cpu, or register it as a constant the forward computes")
+            if "norm" in kind:
+                recipes[name] = {**base, "init": "ones" if leaf == "weight" else "zeros"}
+            elif leaf == "bias":
+                recipes[name] = ({**base, "init": "zeros"} if std is not None else
+                                 {**base, "init": "uniform", "bound": fan_in_bound(getattr(owner, "in_features", 1))})
+            elif std is not None:
+                recipes[name] = {**base, "init": "normal", "std": std}
+            elif isinstance(owner, torch.nn.Linear):
+                recipes[name] = {**base, "init": "uniform", "bound": fan_in_bound(owner.in_features)}
+            elif isinstance(owner, torch.nn.Embedding):
+                recipes[name] = {**base, "init": "normal", "std": 1.0}
+            else:
+                recipes[name] = {**base, "init": "normal", "std": 0.02}
+    return recipes
+
+
 def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
     value = gm
     for part in dotted.split("."):
@@ -349,8 +385,11 @@ def save_program(plan: Plan, folder) -> Path:
         node_stage[node.name] = stage_of_name[name]
     stages = split_graph(gm, node_stage, plan.num_stages)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
+    program = program_spec(plan, stages, workload)
+    if on_meta:
+        program["init"] = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.
     state = None if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
-    return write_program(folder, plan=plan, stages=stages, program=program_spec(plan, stages, workload), state=state)
+    return write_program(folder, plan=plan, stages=stages, program=program, state=state)

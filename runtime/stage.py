@@ -59,7 +59,19 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
                              "take parameters only from PARAMETERS")
     if weights is None:
         wpath = os.path.join(folder, "weights", f"stage_{stage_index}.safetensors")
-        weights = load_file(wpath) if (param_names or buffer_names) else {}
+        if not (param_names or buffer_names):
+            weights = {}
+        elif os.path.isfile(wpath):
+            weights = load_file(wpath)
+        else:  # compiled on the meta device (Note [materialize per rank] in runtime/materialize.py)
+            from runtime.materialize import materialize_all
+            from runtime.program import load_plan
+
+            program = load_plan(folder)["program"]
+            init = program.get("init")
+            if not init:
+                raise StageFileError(f"{wpath} is missing and the program has no init recipes: recompile")
+            weights = materialize_all(param_names + buffer_names, init["params"], init["seed"])
     absent = [n for n in param_names + buffer_names if n not in weights]
     if absent:
         raise StageFileError(f"weights for stage {stage_index} lack {absent[:5]} "
