@@ -86,3 +86,31 @@ def test_every_violation_is_listed_at_once():
     bad = replace(solution, stage_of_region=(1, 1, 0, 0), device_of_stage_replica=((1,), (1,)))
     text = violations(problem, cluster, bad)
     assert "dependency backwards" in text and "devices used twice" in text
+
+
+def test_objective_is_the_plans_own_when_cp_sat_leaves_the_bottleneck_loose(monkeypatch):
+    """Regression (Llama-70B, 30 stages x dp 2 x 256 microbatches): a time-limited FEASIBLE
+    solution kept ``bottleneck`` (an epigraph variable, >= every stage time) at the hint's value,
+    above the returned plan's slowest stage; objective_value then overstated the plan by
+    (m - 1) x the excess and check_assignment reported an objective mismatch. Here the loose
+    bottleneck is forced, so every solution has it (Note [tight objective] in model.py)."""
+    from partitioner.solver import solve_candidate
+    from partitioner.solver.model import CandidateModel
+
+    original = CandidateModel.solve
+
+    def loose_solve(self, *args, **kwargs):
+        self.model.add(self.bottleneck >= 2 * sum(self.work_min_u) + 10**6)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CandidateModel, "solve", loose_solve)
+    regions = tuple(Region(f"r{i}", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8) for i in range(4))
+    problem = PartitionProblem(regions, tuple(Edge(i, i + 1, 1000) for i in range(3)))
+    cluster = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2}]})
+    solution, status, _ = solve_candidate(problem, cluster, num_stages=2, dp=1, num_microbatches=8,
+                                          global_batch=8, config=SolverConfig(time_limit_s=5, use_hint=False))
+    assert solution is not None  # solve_candidate ran check_assignment: no objective mismatch
+    cost = check_assignment(problem, cluster, solution)
+    assert abs(solution.objective * solution.time_unit_s - cost.step_time_s) <= (
+        solution.rounding_slack_units * solution.time_unit_s)
+    assert solution.bound <= solution.objective

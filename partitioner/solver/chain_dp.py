@@ -15,6 +15,7 @@ Note [chain DP]
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,9 +177,11 @@ def chain_lower_bound_s(
     is *not* returned: callers check ``has_chain_backbone``). Note [candidate pruning] in solve.py.
 
     Stage s holding regions i..j-1 costs at least its compute and comm (exact for contiguous
-    splits) plus fractional recompute: memory over capacity D must be saved, each saved byte
-    costing at least the cheapest fwd-seconds-per-saved-byte of any region (inf when even full
-    recompute of the segment does not fit). Then B* = the smallest achievable bottleneck (bisection
+    splits) plus fractional recompute: N = (memory over capacity) / (in-flight * b) saved bytes
+    per sample are needed (inf when recomputing the whole segment does not save them); by LP
+    duality the cheapest fractional choice costs max over prices tau of
+    tau * N - sum_{r in segment, rate_r < tau} (tau - rate_r) * saving_r, rate_r = fwd seconds per
+    saved byte; any set of tau gives a bound (we use the regions' distinct rates). Then B* = the smallest achievable bottleneck (bisection
     over the DP) and S = the smallest achievable sum give (m - 1) * B* + S.
     """
     n, p, b, m = problem.num_regions, num_stages, microbatch_size, num_microbatches
@@ -199,10 +202,11 @@ def chain_lower_bound_s(
         device = cluster.devices[placement[s][0]]
         capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
         per_region = [region_times_s(r, device, b) for r in problem.regions]
-        rates = [f / (r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample)
-                 for r, (f, _) in zip(problem.regions, per_region)
-                 if r.activation_bytes_per_sample > r.recompute_activation_bytes_per_sample]
-        rate = min(rates) if rates else 0.0
+        savings = np.diff(saving)
+        rates = np.array([f / sv if sv > 0 else np.inf for (f, _), sv in zip(per_region, savings)])
+        taus = sorted({float(x) for x in rates if np.isfinite(x) and x > 0})
+        if len(taus) > 16:  # any subset of prices is still a bound
+            taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
         compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
         t = compute[None, :] - compute[:, None]
         incoming = np.zeros((n + 1, n + 1))
@@ -223,7 +227,12 @@ def chain_lower_bound_s(
             ok[1:, :] = False
         if s == p - 1:
             ok[:, :n] = False
-        t = t + rate * np.maximum(over, 0.0) / (k * b)
+        needed = np.maximum(over, 0.0) / (k * b)
+        recompute_s = np.zeros_like(needed)
+        for tau in taus:
+            discount = np.concatenate([[0.0], np.cumsum(np.where(rates < tau, tau - rates, 0.0) * savings)])
+            recompute_s = np.maximum(recompute_s, tau * needed - (discount[None, :] - discount[:, None]))
+        t = t + recompute_s
         times.append(np.where(ok, t, np.inf))
     sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
     if stages is None:

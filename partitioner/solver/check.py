@@ -49,6 +49,7 @@ __all__ = [
     "check_assignment",
     "lower_bound_step_time_s",
     "candidate_lower_bound_s",
+    "allreduce_lower_bound_s",
     "structural_violations",
     "plan_links",
 ]
@@ -238,19 +239,29 @@ def candidate_lower_bound_s(
                                     microbatch_size=b) + recompute_s
     if homogeneous:
         placement = place_stages(cluster, p, d)
-        boundary, dp_links, _ = plan_links(cluster, placement)
+        boundary, _, _ = plan_links(cluster, placement)
         work = sum(sum(region_times_s(r, fastest, b)) for r in problem.regions)
         total = work + recompute_s + 2 * sum(link.latency_s for link in boundary)
         bound = max(bound, (m + p - 1) / p * total)
-        links = [link for link in dp_links if link is not None]
+    return bound + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)
+
+
+def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, num_stages: int, dp: int) -> float:
+    """Some stage holds >= 1/p of the gradients: 2 (d - 1) (G / (p d bw) + latency) with the
+    fastest data-parallel link of the candidate (any link on a heterogeneous cluster)."""
+    p, d = num_stages, dp
+    if d == 1:
+        return 0.0
+    if cluster.is_homogeneous:
+        links = [link for link in plan_links(cluster, place_stages(cluster, p, d))[1] if link is not None]
     else:
-        links = [cluster.intra_node_link] if d > 1 else []
-    if d > 1 and links:
-        grads = sum(r.grad_bytes for r in problem.regions)
-        bandwidth = max(link.bandwidth_bytes_per_s for link in links)
-        latency = min(link.latency_s for link in links)
-        bound += 2 * (d - 1) * (grads / (p * d * bandwidth) + latency)
-    return bound
+        links = [cluster.intra_node_link, cluster.inter_node_link]
+    if not links:
+        return 0.0
+    grads = sum(r.grad_bytes for r in problem.regions)
+    bandwidth = max(link.bandwidth_bytes_per_s for link in links)
+    latency = min(link.latency_s for link in links)
+    return 2 * (d - 1) * (grads / (p * d * bandwidth) + latency)
 
 
 def evaluate(

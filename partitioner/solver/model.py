@@ -69,6 +69,7 @@ class SolverConfig:
     deterministic: bool = True
     use_hint: bool = True
     max_microbatches: int | None = None  # cap on m when solve() enumerates it
+    total_time_limit_s: float | None = 30.0  # whole enumeration (Note [candidate pruning]); None: none
     log_search: bool = False
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class SolverConfig:
             raise ValueError(f"SolverConfig.time_unit_s={self.time_unit_s!r} must be > 0 or None (automatic)")
         if not (isinstance(self.memory_unit_bytes, int) and self.memory_unit_bytes >= 1):
             raise ValueError(f"SolverConfig.memory_unit_bytes={self.memory_unit_bytes!r} must be an int >= 1")
+        if self.total_time_limit_s is not None and not self.total_time_limit_s > 0:
+            raise ValueError(f"SolverConfig.total_time_limit_s={self.total_time_limit_s!r} must be > 0 or None")
         if self.max_microbatches is not None and not (isinstance(self.max_microbatches, int) and self.max_microbatches >= 1):
             raise ValueError(f"SolverConfig.max_microbatches={self.max_microbatches!r} must be an int >= 1 or None")
 
@@ -488,6 +491,18 @@ class CandidateModel:
             model.add(self.objective.expr() <= objective)
             self._fix_by_bottleneck_cap(objective)
         return objective
+
+    def cap_objective(self, cap_units: int) -> None:
+        """objective <= cap_units, and the stage fixings it implies (Note [search help])."""
+        if not self.minimize_memory:
+            self.model.add(self.objective.expr() <= cap_units)
+            self._fix_by_bottleneck_cap(cap_units)
+
+    def max_rounding_s(self) -> float:
+        """An upper bound, in seconds, on ``_rounding_slack`` of any plan of this candidate."""
+        pr, p, m = self.problem, self.p, self.m
+        terms = 3 * pr.num_regions + 2 * (len(pr.edges) + 1)
+        return (0.5 * ((m - 1) * terms + p * terms + terms + 1 + len(pr.ties) * (p + 1)) + 1) * self.time_unit_s
 
     def _all_vars(self):
         for row in self.upto:

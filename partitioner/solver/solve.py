@@ -9,13 +9,28 @@ Note [rank layout]
     r; on a heterogeneous one ``device_of_stage_replica[stage][replica]`` names the device.
 
 Note [candidate pruning]
-    Candidates are solved in increasing order of their lower bound (m - 1)·B_fluid + W (Note in
-    check.lower_bound_step_time_s; (m + p - 1)·W / p on identical devices). Once a plan is
-    known, a candidate whose lower bound exceeds its step time cannot win and is skipped.
+    Every candidate gets a cheap lower bound (check.candidate_lower_bound_s: fluid bubble +
+    memory-forced recompute + all-reduce). Candidates are taken from a priority queue by their
+    best known bound; a candidate popped with only the cheap bound gets the strong one first
+    (chain_dp.chain_lower_bound_s: an exact DP over contiguous splits with fractional recompute,
+    valid when every plan is contiguous, i.e. a chain backbone, on one device class) and goes
+    back in the queue; one popped with its strong bound is solved by CP-SAT, capped at the
+    incumbent. The loop stops when the smallest bound left reaches the incumbent's step time:
+    every candidate not solved is then PRUNED by a bound, and the plan is the optimum over the
+    enumerated space (to CP-SAT's own status). An infinite bound proves the candidate cannot fit
+    memory (INFEASIBLE, no CP-SAT call).
+
+    ``SolverConfig.total_time_limit_s`` caps the enumeration (a candidate's first CP-SAT pass gets
+    time_limit_s / 4; one left at that limit is queued again by its bound for a capped pass of
+    time_limit_s; never more than the time left). Candidates left when it runs out are SKIPPED; the Solution is
+    then the best found, its ``status`` FEASIBLE and its ``bound`` the smallest proven bound over
+    every candidate (CP-SAT's for the solved ones, ours for the rest), so the plan's gap states
+    how far from the enumerated optimum it can be.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -24,8 +39,15 @@ from typing import Mapping
 from partitioner.cluster import GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver.baselines import BaselineCost, baseline_assignments, evaluate_baselines
-from partitioner.solver.chain_dp import solve_chain_dp
-from partitioner.solver.check import StageCost, TieCost, check_assignment, evaluate, lower_bound_step_time_s
+from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
+from partitioner.solver.check import (
+    StageCost,
+    TieCost,
+    allreduce_lower_bound_s,
+    candidate_lower_bound_s,
+    check_assignment,
+    evaluate,
+)
 from partitioner.solver.model import CandidateModel, SolverConfig
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages
 
@@ -38,7 +60,7 @@ class CandidateRecord:
     dp: int
     num_microbatches: int
     microbatch_size: int
-    status: str                 # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, PRUNED
+    status: str                 # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, PRUNED, SKIPPED
     step_time_s: float | None
     lower_bound_step_time_s: float
     solve_time_s: float
@@ -160,8 +182,13 @@ def solve_candidate(
     global_batch: int,
     schedule: str = "1f1b",
     config: SolverConfig = SolverConfig(),
+    time_limit_s: float | None = None,
+    incumbent_s: float | None = None,
 ) -> tuple[Solution | None, str, float]:
-    """Solve one (p, d, m): (verified Solution or None, solver status, solve seconds)."""
+    """Solve one (p, d, m): (verified Solution or None, solver status, solve seconds).
+
+    ``incumbent_s``: a plan of that step time is already known; the model then only looks for
+    plans whose objective can be below it (INFEASIBLE then means: cannot beat it)."""
     p, d, m = num_stages, dp, num_microbatches
     b = global_batch // (d * m)
     homogeneous = cluster.is_homogeneous
@@ -175,7 +202,10 @@ def solve_candidate(
                             placement=hint_placement, config=config)
         if values is not None:
             model.add_hint(values)
-    result = model.solve()
+    if incumbent_s is not None:
+        # objective <= incumbent + the rounding any plan's objective may carry (Note [ILP scaling])
+        model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
+    result = model.solve(time_limit_s)
     if result.stage_of_region is None:
         return None, result.status, result.solve_time_s
     if placement is None:
@@ -278,31 +308,84 @@ def solve(
         raise ValueError(f"no (stages, dp, microbatches) combination fits {cluster.num_devices} devices and "
                          f"global_batch={global_batch} with the given num_stages={num_stages}, dp={dp}, "
                          f"microbatches={microbatches}")
-    bounded = sorted(
-        (lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
-                                 microbatch_size=global_batch // (d * m)), p, d, m)
-        for p, d, m in candidates
-    )
+    homogeneous = cluster.is_homogeneous
+    chain = has_chain_backbone(problem)
+
+    def cheap_bound(p, d, m):
+        return candidate_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                       microbatch_size=global_batch // (d * m), schedule=schedule,
+                                       allow_recompute=config.allow_recompute)
+
+    def strong_bound(p, d, m, cheap):
+        if not (homogeneous and chain) or not math.isfinite(cheap):
+            return cheap
+        b = global_batch // (d * m)
+        pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
+                                       schedule=schedule, placement=place_stages(cluster, p, d),
+                                       allow_recompute=config.allow_recompute)
+        return max(cheap, pipeline + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d))
+
+    # (bound, strong?, p, d, m, tries); Note [candidate pruning]
+    queue = [(cheap_bound(p, d, m), False, p, d, m, 0) for p, d, m in candidates]
+    heapq.heapify(queue)
     start = time.perf_counter()
+    deadline = None if config.total_time_limit_s is None else start + config.total_time_limit_s
     best: Solution | None = None
     records: list[CandidateRecord] = []
-    for lower, p, d, m in bounded:
+    proven: list[float] = []  # lower bounds (s) of candidates left open (SKIPPED, time limit)
+    unresolved: dict[tuple[int, int, int], float] = {}  # solved at the time limit: its bound (s)
+    while queue:
+        lower, strong, p, d, m, tries = queue[0]
         b = global_batch // (d * m)
-        if best is not None and lower > best.step_time_s * (1 + 1e-9):  # Note [candidate pruning]
-            records.append(CandidateRecord(p, d, m, b, "PRUNED", None, lower, 0.0))
+        if best is not None and lower >= best.step_time_s * (1 - 1e-9):
+            break  # every bound left is at least the incumbent: all PRUNED below
+        heapq.heappop(queue)
+        if not math.isfinite(lower):  # cannot fit memory even fractionally
+            records.append(CandidateRecord(p, d, m, b, "INFEASIBLE", None, lower, 0.0))
             continue
-        solution, status, seconds = solve_candidate(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
-                                                    global_batch=global_batch, schedule=schedule, config=config)
+        if not strong:
+            heapq.heappush(queue, (strong_bound(p, d, m, lower), True, p, d, m, 0))
+            continue
+        left = None if deadline is None else deadline - time.perf_counter()
+        if best is not None and left is not None and left < 0.2:
+            records.append(CandidateRecord(p, d, m, b, "SKIPPED", None, lower, 0.0))
+            proven.append(lower)
+            continue
+        # A first pass gets a quarter of time_limit_s (an incumbent early prunes the most); a
+        # candidate left at that limit is queued again by its bound for the full limit.
+        limit = config.time_limit_s / 4 if tries == 0 else config.time_limit_s
+        limit = limit if left is None or best is None else min(limit, left)
+        solution, status, seconds = solve_candidate(
+            problem, cluster, num_stages=p, dp=d, num_microbatches=m, global_batch=global_batch,
+            schedule=schedule, config=config, time_limit_s=limit,
+            incumbent_s=None if best is None else best.step_time_s)
         records.append(CandidateRecord(p, d, m, b, status, solution.step_time_s if solution else None, lower, seconds))
+        unresolved.pop((p, d, m), None)
+        if status in ("FEASIBLE", "UNKNOWN"):  # time limit: it may still hold a better plan
+            bound = max(lower, solution.bound * solution.time_unit_s if solution is not None else lower)
+            unresolved[(p, d, m)] = bound
+            if tries == 0:  # once more, later, capped at the incumbent then
+                heapq.heappush(queue, (bound, True, p, d, m, 1))
         if solution is not None and (best is None or solution.step_time_s < best.step_time_s):
             best = solution
+    proven.extend(bound for key, bound in unresolved.items() if key != (best.num_stages, best.dp, best.num_microbatches)
+                  if best is not None)
+    for lower, _, p, d, m, _ in queue:
+        if (p, d, m) not in unresolved:
+            records.append(CandidateRecord(p, d, m, global_batch // (d * m), "PRUNED", None, lower, 0.0))
     if best is None:
         _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
     baselines = evaluate_baselines(problem, cluster, num_stages=best.num_stages, dp=best.dp,
                                    num_microbatches=best.num_microbatches, microbatch_size=best.microbatch_size,
                                    schedule=schedule, placement=best.device_of_stage_replica)
+    status, bound = best.status, best.bound
+    slack_s = best.rounding_slack_units * best.time_unit_s
+    open_bounds = [x for x in proven if x < best.step_time_s - slack_s]
+    if open_bounds:  # best found; the enumerated optimum may be as low as the smallest open bound
+        status = "FEASIBLE"
+        bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
     return replace(best, baselines={name: cost.step_time_s for name, cost in baselines.items()},
-                   baseline_details=baselines, candidates=tuple(records),
+                   baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
                    solve_time_s=time.perf_counter() - start)
 
 
