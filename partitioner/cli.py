@@ -22,6 +22,8 @@ EXAMPLES = {
   partitioner compile gpt -o out --devices 4
   partitioner compile gpt:layers=12,width=256 -o out --devices 8 --device h100 --global-batch 64
   partitioner compile mypkg.models:build -o out --cluster cluster.toml --stages 4 --dp 2
+  partitioner compile gpt -o out --devices 4 --calibrate --profile-out cpu.profile.json
+  partitioner compile gpt:layers=8 -o out8 --devices 4 --profile cpu.profile.json
   partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
     "inspect": """examples:
   partitioner inspect out                     # per-stage table, cut edges, balance, baselines
@@ -64,6 +66,16 @@ def cmd_compile(args) -> int:
     if args.mtbf is not None:
         training["mtbf_s"] = _parse_duration_s(args.mtbf)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True))
+    from partitioner.calibrate import CalibrationConfig, DeviceProfile
+
+    profiles = [DeviceProfile.load(path) for path in args.profile or []]
+    calibration = None
+    if args.calibrate:
+        out = args.profile_out or f"{str(args.output).rstrip('/')}.profile.json"
+        calibration = CalibrationConfig(repeats=args.calibrate_repeats, warmup=min(3, args.calibrate_repeats),
+                                        threads=args.calibrate_threads or None, profile_out=out)
+    elif args.profile_out:
+        raise ValueError("--profile-out names where --calibrate saves its fit: add --calibrate")
     say(f"model {args.model}")
     workload = load_workload(args.model)
     started = time.perf_counter()
@@ -71,6 +83,7 @@ def cmd_compile(args) -> int:
         workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
         microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
         training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
+        profiles=profiles, calibrate=calibration,
     )
     say(f"write {args.output}")
     plan.save(args.output)
@@ -215,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     group = c.add_mutually_exclusive_group()
     group.add_argument("--checkpoint-every", type=int)
     group.add_argument("--mtbf", help="mean time between failures (e.g. 6h): picks the checkpoint interval")
+    c.add_argument("--calibrate", action="store_true", help="measure every region on this machine, fit the "
+                   "time model for its device kind and compile with it (see --profile-out)")
+    c.add_argument("--profile-out", metavar="FILE", help="where --calibrate saves the fitted profile "
+                   "(default: OUTPUT.profile.json beside the program folder)")
+    c.add_argument("--profile", metavar="FILE", action="append", help="a fitted device profile (JSON from "
+                   "--calibrate) pricing regions on its device kind; repeat for several kinds")
+    c.add_argument("--calibrate-repeats", type=int, default=10, help="timed repeats per region (median)")
+    c.add_argument("--calibrate-threads", type=int, default=1, help="torch threads while measuring on CPU "
+                   "(default 1, what `partitioner run` gives each rank; 0 = leave as is)")
     c.add_argument("-q", "--quiet", action="store_true")
     c.set_defaults(func=cmd_compile)
 

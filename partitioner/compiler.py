@@ -5,7 +5,8 @@
 
     traced   = trace the model (torch.export, symbolic_trace fallback)
     annotate = shapes → flops → memory → regions, each checked for what it declares
-    problem  = the region graph as plain numbers, per sample
+    profile  = (optional) measure regions here and fit the time model (partitioner/calibrate.py)
+    problem  = the region graph as plain numbers, per sample, priced by the fitted profiles if any
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
     plan     = the frozen Plan, with the baselines beside it
 """
@@ -61,8 +62,13 @@ def analyze(workload: Workload, *, granularity: str = "block"):
     return gm, region_table(gm)
 
 
-def build_problem(gm: fx.GraphModule, batch_size: int) -> sp.PartitionProblem:
-    """The region graph as plain numbers per sample (costs are linear in the microbatch size)."""
+def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.PartitionProblem:
+    """The region graph as plain numbers per sample (costs are linear in the microbatch size).
+
+    ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
+    time model on their kind (Note [the fitted time model] in partitioner/calibrate.py)."""
+    from partitioner.calibrate import apply_profiles
+
     from passes.regions import region_edges, region_table, region_ties
 
     table = region_table(gm)
@@ -89,8 +95,9 @@ def build_problem(gm: fx.GraphModule, batch_size: int) -> sp.PartitionProblem:
     ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
-    return sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
-                               input_bytes_per_sample=int(round(inputs / batch_size)))
+    problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
+                                  input_bytes_per_sample=int(round(inputs / batch_size)))
+    return apply_profiles(problem, gm, batch_size, profiles)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -120,6 +127,8 @@ def compile_workload(
     optimizer: str = "adamw",
     training: dict | None = None,
     solver_config=None,
+    profiles=(),
+    calibrate=None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     from partitioner.solver.solve import solve
@@ -130,7 +139,12 @@ def compile_workload(
     traced = trace(workload.model, workload.example_args, workload.example_kwargs)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
     gm = annotate(traced, granularity=granularity, optimizer=optimizer)
-    problem = build_problem(gm, workload.example_batch_size)
+    profiles = list(profiles)
+    if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
+        _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
+        measured = calibrate.run(workload, gm, progress=progress)
+        profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
+    problem = build_problem(gm, workload.example_batch_size, profiles=profiles)
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
     solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
                      schedule=schedule, config=solver_config)
