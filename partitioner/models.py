@@ -252,7 +252,11 @@ def load_workload(spec: str) -> Workload:
     function = getattr(module, rest, None)
     if function is None:
         raise ValueError(f"MODEL {spec!r}: {name} has no function {rest!r}")
-    workload = function()
+    try:
+        workload = function()
+    except Exception as exc:  # noqa: BLE001 - the user's builder; report it in their terms
+        raise ValueError(f"MODEL {spec!r}: {rest}() raised {type(exc).__name__}: {exc}; it must build "
+                         "and return a Workload when called with no arguments") from exc
     if not isinstance(workload, Workload):
         raise ValueError(f"MODEL {spec!r}: {rest}() returned {type(workload).__name__}, expected a Workload")
     return workload
