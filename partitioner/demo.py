@@ -1,6 +1,6 @@
 """`make demo`: the main job end to end on the built-in GPT, as a user would type it.
 
-    partitioner compile gpt:... -o out/demo --devices 4 --global-batch 16 --checkpoint-every 5
+    partitioner compile gpt:... -o out/demo --devices 4 --stages 2 --global-batch 16 --checkpoint-every 5
     partitioner inspect out/demo                       (the per-stage table)
     partitioner inspect out/demo --html out/demo-report.html
     partitioner run out/demo --steps 30 --max-restarts 1 --fail-at 1:12:kill
@@ -40,7 +40,9 @@ def main() -> int:
     if folder.exists():
         shutil.rmtree(folder)
     banner(f"compile the built-in GPT ({MODEL}) for 4 CPU ranks")
-    cli("compile", MODEL, "-o", str(folder), "--devices", "4", "--global-batch", "16", "--checkpoint-every", "5", "-q")
+    # Two stages so the demo shows a pipeline; the solver picks data parallelism and microbatches.
+    cli("compile", MODEL, "-o", str(folder), "--devices", "4", "--stages", "2", "--global-batch", "16",
+        "--checkpoint-every", "5", "-q")
     banner("inspect the plan")
     cli("inspect", str(folder))
     report = OUT / "demo-report.html"

@@ -87,7 +87,9 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         workload = load_workload(plan.training["model_spec"])
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
-        command = torchrun_command(folder, plan.world_size, extra=["--steps", str(steps), "--run-dir", str(run_dir)])
+        # A fresh checkpoint directory: the program must train from step 0, not resume a run.
+        command = torchrun_command(folder, plan.world_size, extra=[
+            "--steps", str(steps), "--run-dir", str(run_dir), "--checkpoint-dir", str(Path(tmp) / "checkpoints")])
         try:
             done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -44,7 +44,8 @@ def test_build_stage_errors(tmp_path):
     with pytest.raises(StageFileError, match="no class Stage1"):
         build_stage(str(tmp_path), 1)
     os.remove(tmp_path / "weights" / "stage_0.safetensors")
-    with pytest.raises(FileNotFoundError):
+    # a missing weights file is only fine for a program compiled on the meta device (init recipes)
+    with pytest.raises(StageFileError, match="stage_0.safetensors is missing and the program has no init"):
         build_stage(str(tmp_path), 0)
 
 
