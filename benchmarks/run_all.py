@@ -200,7 +200,9 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
     if cost:
         lines += ["", "**Cost model accuracy** (per-stage forward+backward time of one microbatch and per-rank "
                   "peak memory, predicted vs measured; median / worst relative error over the stages of 2- and "
-                  "4-stage plans; `benchmarks/cost_model_accuracy.py` states the methods):", "",
+                  "4-stage plans; `benchmarks/cost_model_accuracy.py` states the methods). \"calibrated\" is "
+                  "the profile `partitioner compile MODEL --calibrate --profile-out cpu.profile.json` fits "
+                  "here (reuse it with `--profile cpu.profile.json`):", "",
                   "| model | stages measured | time, datasheet model | time, calibrated | time, profile fitted on GPT "
                   "| peak memory |", "|---|---|---|---|---|---|"]
         for model, e in cost["summary"].items():
@@ -242,15 +244,33 @@ def update_readme(section: str) -> None:
     start = text.index("## Results\n")
     end = text.find("\n## ", start + 1)
     end = len(text) if end < 0 else end + 1
-    body = "## Results\n\n" + section + "\n"
+    old = text[start:end]
+    # Keep the paragraph on what the tests assert (it is not a measurement of this run).
+    keep = old[old.index("Correctness is what the tests assert"):].rstrip() + "\n\n" if \
+        "Correctness is what the tests assert" in old else ""
+    body = "## Results\n\n" + keep + section + "\n"
     readme.write_text(text[:start] + body + text[end:])
+
+
+def write_outputs(results: dict, *, readme: bool) -> list[str]:
+    images = plots(results)
+    (RESULTS / "summary.md").write_text("# Benchmark results\n\n" + summary_markdown(results, images, ""))
+    if readme:
+        update_readme(summary_markdown(results, images, "benchmarks/results/"))
+    return images
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only these benchmarks (README left alone)")
+    parser.add_argument("--render", action="store_true", help="run nothing: redraw the summary, plots and "
+                        "README section from benchmarks/results/results.json")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        results = json.loads((RESULTS / "results.json").read_text())
+        write_outputs(results, readme=True)
+        return 0
     chosen = [b for b in BENCHMARKS if not args.only or b[0] in args.only]
     started = time.perf_counter()
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -269,11 +289,8 @@ def main() -> int:
                        "machine": platform.machine(), "python": platform.python_version(),
                        "load_before": load_before, "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
                        "total_s": time.perf_counter() - started}
-    images = plots(results)
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
-    (RESULTS / "summary.md").write_text("# Benchmark results\n\n" + summary_markdown(results, images, ""))
-    if not args.only:
-        update_readme(summary_markdown(results, images, "benchmarks/results/"))
+    images = write_outputs(results, readme=not args.only)
     failed = [b["name"] for b in results["benchmarks"] if b["status"] != "ok"]
     print(f"[bench] {len(chosen)} benchmarks in {results['meta']['total_s'] / 60:.1f} min; wrote "
           f"{RESULTS.relative_to(ROOT)}/results.json, summary.md, {', '.join(images) or 'no plots'}"
