@@ -30,12 +30,15 @@ EXAMPLES = {
   partitioner inspect out/plan.json --json    # DESIGN section 11 fields, for scripts
   partitioner inspect out --dot | dot -Tsvg > plan.svg
   partitioner inspect out --html report.html  # one self-contained page: stage graph, timeline, memory
-  partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs""",
+  partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs
+  partitioner inspect out --checkpoints       # out/checkpoints: valid or why not, and what a resume picks
+  partitioner inspect /scratch/ckpt --json    # any checkpoint folder (or one step_N in it)""",
     "run": """examples:
   partitioner run out --steps 20
   partitioner run out --steps 50 --max-restarts 3 --checkpoint-every 10
   partitioner run out --steps 50 --mtbf 6h --checkpoint-dir /scratch/ckpt
-  partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill""",
+  partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill
+  partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
     "verify": """examples:
   partitioner verify out --steps 3""",
 }
@@ -65,7 +68,9 @@ def cmd_compile(args) -> int:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:
         training["mtbf_s"] = _parse_duration_s(args.mtbf)
-    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True))
+    from partitioner.progress import CompileProgress
+
+    say = CompileProgress(quiet=args.quiet, verbose=args.verbose)  # steps, times and the solver, on stderr
     from partitioner.calibrate import CalibrationConfig, DeviceProfile
 
     profiles = [DeviceProfile.load(path) for path in args.profile or []]
@@ -87,10 +92,51 @@ def cmd_compile(args) -> int:
     )
     say(f"write {args.output}")
     plan.save(args.output)
+    say.close()
     if not args.quiet:
         print(plan.summary())
         print(f"\nwrote {args.output} in {time.perf_counter() - started:.1f} s; "
               f"run it: partitioner run {args.output} --steps 20")
+    return 0
+
+
+def _checkpoint_target(target: Path, checkpoints: bool):
+    """(checkpoint dir, program or None, one step or None) when TARGET names checkpoints: a folder
+    of step_N dirs, one step_N dir (or its manifest.json), or a program folder with --checkpoints."""
+    from partitioner import checkpoint_report as cr
+
+    def program_near(folder: Path):  # DIR/checkpoints of a program folder: check the model too
+        return cr.program_of(folder.parent) if (folder.parent / "plan.json").is_file() else None
+
+    if target.is_file() and target.name == "manifest.json":
+        target = target.parent
+    if target.is_file() and checkpoints:  # plan.json --checkpoints
+        return target.parent / "checkpoints", cr.program_of(target.parent), None
+    if not target.is_dir():
+        return None
+    if cr.is_step_dir(target):
+        return target.parent, program_near(target.parent), int(target.name.removeprefix("step_"))
+    if (target / "plan.json").is_file():
+        return (target / "checkpoints", cr.program_of(target), None) if checkpoints else None
+    if checkpoints or cr.is_checkpoint_dir(target):
+        return target, program_near(target), None
+    return None
+
+
+def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
+    from partitioner import checkpoint_report as cr
+    from partitioner import report
+
+    for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
+        if given:
+            raise ValueError(f"{flag} shows a plan, and {args.target} names checkpoints: list them as a table "
+                             "or with --json, or pass the program folder for the plan")
+    listing = cr.scan(ckpt_dir, program=program, step=step)
+    text = report.to_json_text(listing) if args.json else cr.text(listing)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -101,8 +147,12 @@ def cmd_inspect(args) -> int:
     target = Path(args.target)
     if not target.exists():
         raise ValueError(f"{target}: no such file or folder; pass a program folder or its plan.json")
+    found = _checkpoint_target(target, args.checkpoints)
+    if found is not None:
+        return _inspect_checkpoints(args, *found)
     if target.is_dir() and not (target / "plan.json").is_file():
-        raise ValueError(f"{target} has no plan.json: pass a program folder written by `partitioner compile`")
+        raise ValueError(f"{target} has no plan.json: pass a program folder written by `partitioner compile` "
+                         "(or a checkpoint folder, one with step_* directories)")
     try:
         plan = Plan.load(target)
     except (KeyError, TypeError, AttributeError, IndexError) as exc:  # valid JSON, not a plan
@@ -122,6 +172,11 @@ def cmd_inspect(args) -> int:
         return 0
     else:
         text = report.table(plan)
+        from partitioner.checkpoint_report import is_checkpoint_dir
+
+        if target.is_dir() and is_checkpoint_dir(target / "checkpoints"):
+            print(f"checkpoints in {target / 'checkpoints'}: partitioner inspect {target} --checkpoints",
+                  file=sys.stderr)
     try:
         print(text, flush=True)
     except BrokenPipeError:  # `inspect ... | head`: the reader has what it wanted
@@ -186,11 +241,16 @@ def cmd_run(args) -> int:
         extra += ["--collective-timeout", str(args.collective_timeout)]
     if args.run_dir:
         extra += ["--run-dir", str(Path(args.run_dir).resolve())]
+    if args.quiet:
+        extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
+    elif args.log_every:
+        raise ValueError(f"--log-every {args.log_every} thins the step lines of --quiet: add --quiet")
     command = torchrun_command(folder, plan.world_size, extra=extra, max_restarts=args.max_restarts)
     per_node = max(1, plan.world_size // 2)
-    print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "
-          f"--nproc-per-node {per_node} --node-rank $NODE_RANK --rdzv-backend c10d "
-          f"--rdzv-endpoint $MASTER_HOST:29500 {folder / 'train.py'}", file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "
+              f"--nproc-per-node {per_node} --node-rank $NODE_RANK --rdzv-backend c10d "
+              f"--rdzv-endpoint $MASTER_HOST:29500 {folder / 'train.py'}", file=sys.stderr, flush=True)
     return subprocess.call(command, env=run_env())
 
 
@@ -237,17 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibrate-repeats", type=int, default=10, help="timed repeats per region (median)")
     c.add_argument("--calibrate-threads", type=int, default=1, help="torch threads while measuring on CPU "
                    "(default 1, what `partitioner run` gives each rank; 0 = leave as is)")
-    c.add_argument("-q", "--quiet", action="store_true")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr, no summary")
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", help="show a plan", epilog=EXAMPLES["inspect"], formatter_class=fmt)
-    i.add_argument("target", help="program folder or plan.json")
+    i.add_argument("target", help="program folder, plan.json, or a checkpoint folder (or one step_N in it)")
     form = i.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="machine-readable (DESIGN section 11 fields and more)")
     form.add_argument("--dot", action="store_true", help="the region graph coloured by stage, as Graphviz")
     form.add_argument("--html", metavar="FILE", help="write one self-contained HTML page to FILE")
     i.add_argument("--node", metavar="NAME", help="explain where graph node (or region) NAME sits and what "
                    "moving it costs; with --json, as JSON")
+    i.add_argument("--checkpoints", action="store_true", help="list the checkpoints of the program folder "
+                   "(DIR/checkpoints): valid or why not, size, plan, and which one a resume picks; a checkpoint "
+                   "folder or one step_N folder as TARGET lists without this flag")
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("run", help="train with a program folder on this host", epilog=EXAMPLES["run"],
@@ -265,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
                    "checkpoint STEP (fault injection, first attempt)")
     r.add_argument("--collective-timeout", type=float, help="seconds (default: the plan's)")
+    r.add_argument("-q", "--quiet", action="store_true", help="rank 0 prints every Nth step and the final "
+                   "summary only (no schedule table)")
+    r.add_argument("--log-every", type=int, metavar="N", help="with --quiet: the step lines' interval "
+                   "(default: about 10 lines per run)")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="train the program and the unpartitioned model side by side, compare",
@@ -272,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir")
     v.add_argument("--steps", type=int, default=3)
     v.set_defaults(func=cmd_verify)
+    for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
+        each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="show tracebacks on errors (compile: and the solver's per-candidate lines)")
     return parser
 
 
@@ -284,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - user-facing boundary
         from partitioner.errors import PartitionerError
+        from partitioner.progress import end_open_lines
 
+        end_open_lines()
         if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError, RuntimeError)):
             raise
         print(f"error: {exc}", file=sys.stderr)

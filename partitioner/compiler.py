@@ -129,8 +129,11 @@ def compile_workload(
     solver_config=None,
     profiles=(),
     calibrate=None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[object], None] | None = None,
 ) -> Plan:
+    """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
+    ...", "solve: ..."; the first word names the step) and, during the solve, with
+    solver.solve.SolveProgress updates (str() of one is a status line)."""
     from partitioner.solver.solve import solve
 
     if not isinstance(global_batch, int) or global_batch < 1:
@@ -147,7 +150,7 @@ def compile_workload(
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles)
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
     solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
-                     schedule=schedule, config=solver_config)
+                     schedule=schedule, config=solver_config, progress=progress)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
                      training={**DEFAULT_TRAINING, **(training or {})})
     object.__setattr__(plan, "_artifacts", Artifacts(workload, granularity,

@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None) -> dict:
                         "bytes of its shard of checkpoint STEP (first attempt only)")
     parser.add_argument("--collective-timeout", type=float,
                         help="seconds (default: the program's collective_timeout_s)")
+    parser.add_argument("--quiet", action="store_true", default=None,
+                        help="rank 0 prints every Nth step (--log-every) and the final summary only")
+    parser.add_argument("--log-every", type=int, help="with --quiet: print every Nth step (default: "
+                        "about 10 lines per run)")
     known, _unknown = parser.parse_known_args(argv)
     return {k: v for k, v in vars(known).items() if v is not None}
 
@@ -161,10 +165,11 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     layout = Layout.from_program(program)
     groups = create_groups(layout, rank, timeout=timeout)
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
+    quiet = bool(flags.get("quiet"))
     if rank == 0:
         print(f"program {program.get('plan_hash')}: {world} ranks, {program['num_stages']} "
-              f"stages x dp {program['dp']}, {steps} steps\n" + schedule_text(program), end="",
-              flush=True)
+              f"stages x dp {program['dp']}, {steps} steps\n" + ("" if quiet else schedule_text(program)),
+              end="", flush=True)
     start_step = 0
     checkpointer = None
     if use_ckpt:
@@ -175,7 +180,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                     timeout=timeout, start_step=start_step,
                                     persist_fault=fail_persist,
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
-    losses = trainer.run(steps, start_step=min(start_step, steps),
+    log_every = (flags.get("log_every") or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
+    losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
                          before_step=faults.step_hook(fail_at, rank, run_dir),
                          after_step=checkpointer.after_step if checkpointer else None)
     if checkpointer is not None:

@@ -262,17 +262,20 @@ class RankTrainer:
         self.steps_done = step + 1
         return float(loss_sum / (m * program["dp"]))
 
-    def run(self, steps: int, *, start_step: int = 0, log: bool = True,
+    def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,
             before_step: Callable[[int], None] | None = None,
             after_step: Callable[[int, float, float], None] | None = None) -> list[float]:
         """Train steps start_step..steps-1; returns their losses.
 
         before_step(step): called before each step (fault injection). after_step(step, loss,
         step_time_s): called after each step, outside the timed region (checkpoint points).
+        log_every: rank 0 prints the step line of every Nth step (and of the first and last), then
+        a one-line summary of the run.
         Resuming (start_step > 0) keeps the metrics lines of steps before start_step and drops the
         rest (steps re-run after a restart are written again)."""
         program = self.program
         losses = []
+        times: list[float] = []
         metrics = None
         if self.rank == 0 and log:
             os.makedirs(self.run_dir, exist_ok=True)
@@ -295,13 +298,19 @@ class RankTrainer:
                                               "samples_per_s": rate, "lr": lr,
                                               "time_unix": time.time()}) + "\n")
                     metrics.flush()
-                    print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step "
-                          f"{rate:.1f} samples/s", flush=True)
+                    times.append(dt)
+                    if (step + 1) % log_every == 0 or step in (start_step, steps - 1):
+                        print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step "
+                              f"{rate:.1f} samples/s", flush=True)
                 if after_step is not None:
                     after_step(step, loss, dt)
         finally:
             if metrics is not None:
                 metrics.close()
+        if metrics is not None and losses:
+            mean = sum(times) / len(times)
+            print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                  f"{mean:.3f} s/step, {program['global_batch'] / mean:.1f} samples/s", flush=True)
         return losses
 
     # --- state, keyed by original parameter names ---------------------------------------------

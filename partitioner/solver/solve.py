@@ -34,7 +34,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 from partitioner.cluster import GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
@@ -51,7 +51,7 @@ from partitioner.solver.check import (
 from partitioner.solver.model import CandidateModel, SolverConfig
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages
 
-__all__ = ["CandidateRecord", "Solution", "solve", "solve_candidate"]
+__all__ = ["CandidateRecord", "Solution", "SolveProgress", "solve", "solve_candidate"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,44 @@ class CandidateRecord:
     step_time_s: float | None
     lower_bound_step_time_s: float
     solve_time_s: float
+
+
+@dataclass(frozen=True)
+class SolveProgress:
+    """One update of solve()'s enumeration, handed to its ``progress`` callback; str() is a
+    status line, ``candidate_line()`` the line of the candidate just finished (if any)."""
+
+    done: int                        # candidates finished: solved, infeasible, skipped or pruned
+    total: int
+    incumbent_s: float | None        # the best plan's step time so far
+    incumbent: tuple[int, int, int] | None  # its (stages, dp, microbatches)
+    bound_s: float | None            # lower bound on the best step time over every candidate
+    elapsed_s: float
+    candidate: CandidateRecord | None = None
+    finished: bool = False
+    status: str | None = None        # the Solution's status, when finished
+
+    def __str__(self) -> str:
+        text = f"solve: {self.done}/{self.total} candidates"
+        if self.incumbent_s is not None:
+            p, d, m = self.incumbent
+            text += f", best {self.incumbent_s * 1e3:.4g} ms ({p} stage{'s' * (p > 1)} x dp {d}, {m} microbatch" \
+                    f"{'es' * (m > 1)})"
+        if self.bound_s is not None and math.isfinite(self.bound_s):
+            text += f", bound {self.bound_s * 1e3:.4g} ms"
+        if self.incumbent_s and self.bound_s is not None and math.isfinite(self.bound_s):
+            text += f" (gap {max(0.0, 1 - self.bound_s / self.incumbent_s):.1%})"
+        return text + (f", {self.status}" if self.finished and self.status else "")
+
+    def candidate_line(self) -> str | None:
+        r = self.candidate
+        if r is None:
+            return None
+        time_s = "-" if r.step_time_s is None else f"{r.step_time_s * 1e3:.4g} ms"
+        return (f"candidate {r.num_stages} stage{'s' * (r.num_stages > 1)} x dp {r.dp}, {r.num_microbatches} "
+                f"microbatch{'es' * (r.num_microbatches > 1)} of "
+                f"{r.microbatch_size}: {r.status}, step {time_s}, bound {r.lower_bound_step_time_s * 1e3:.4g} ms, "
+                f"{r.solve_time_s:.2f} s")
 
 
 @dataclass(frozen=True)
@@ -298,9 +336,13 @@ def solve(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     config: SolverConfig | None = None,
+    progress: Callable[[SolveProgress], None] | None = None,
 ) -> Solution:
     """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
-    (an argument given fixes it). Raises PartitionInfeasibleError when nothing fits memory."""
+    (an argument given fixes it). Raises PartitionInfeasibleError when nothing fits memory.
+
+    ``progress(SolveProgress)``, if given, hears of the start, of every candidate finished (with
+    the incumbent and the bound so far) and of the end; it does not change the result."""
     config = config if config is not None else SolverConfig()
     _validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
     candidates = _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config)
@@ -334,6 +376,23 @@ def solve(
     records: list[CandidateRecord] = []
     proven: list[float] = []  # lower bounds (s) of candidates left open (SKIPPED, time limit)
     unresolved: dict[tuple[int, int, int], float] = {}  # solved at the time limit: its bound (s)
+    done: set[tuple[int, int, int]] = set()
+
+    def report(record: CandidateRecord | None = None, *, finished: bool = False, status=None, bound_s=None) -> None:
+        if progress is None:
+            return
+        if bound_s is None:
+            open_bounds = [queue[0][0]] if queue else []
+            open_bounds += list(unresolved.values()) + ([best.step_time_s] if best is not None else [])
+            bound_s = min(open_bounds) if open_bounds else None
+        progress(SolveProgress(
+            done=len(candidates) if finished else len(done), total=len(candidates),
+            incumbent_s=None if best is None else best.step_time_s,
+            incumbent=None if best is None else (best.num_stages, best.dp, best.num_microbatches),
+            bound_s=bound_s, elapsed_s=time.perf_counter() - start, candidate=record, finished=finished,
+            status=status))
+
+    report()
     while queue:
         lower, strong, p, d, m, tries = queue[0]
         b = global_batch // (d * m)
@@ -342,6 +401,8 @@ def solve(
         heapq.heappop(queue)
         if not math.isfinite(lower):  # cannot fit memory even fractionally
             records.append(CandidateRecord(p, d, m, b, "INFEASIBLE", None, lower, 0.0))
+            done.add((p, d, m))
+            report(records[-1])
             continue
         if not strong:
             heapq.heappush(queue, (strong_bound(p, d, m, lower), True, p, d, m, 0))
@@ -350,6 +411,8 @@ def solve(
         if best is not None and left is not None and left < 0.2:
             records.append(CandidateRecord(p, d, m, b, "SKIPPED", None, lower, 0.0))
             proven.append(lower)
+            done.add((p, d, m))
+            report(records[-1])
             continue
         # A first pass gets a quarter of time_limit_s (an incumbent early prunes the most); a
         # candidate left at that limit is queued again by its bound for the full limit.
@@ -366,8 +429,11 @@ def solve(
             unresolved[(p, d, m)] = bound
             if tries == 0:  # once more, later, capped at the incumbent then
                 heapq.heappush(queue, (bound, True, p, d, m, 1))
+        if not (tries == 0 and status in ("FEASIBLE", "UNKNOWN")):
+            done.add((p, d, m))
         if solution is not None and (best is None or solution.step_time_s < best.step_time_s):
             best = solution
+        report(records[-1])
     proven.extend(bound for key, bound in unresolved.items() if key != (best.num_stages, best.dp, best.num_microbatches)
                   if best is not None)
     for lower, _, p, d, m, _ in queue:
@@ -384,6 +450,8 @@ def solve(
     if open_bounds:  # best found; the enumerated optimum may be as low as the smallest open bound
         status = "FEASIBLE"
         bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
+    report(finished=True, status=status,
+           bound_s=best.step_time_s * bound / best.objective if best.objective else best.step_time_s)
     return replace(best, baselines={name: cost.step_time_s for name, cost in baselines.items()},
                    baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
                    solve_time_s=time.perf_counter() - start)
