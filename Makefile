@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) -m partitioner.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -x -q --durations=10
+	$(PY) -m pytest -x --durations=10
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
