@@ -42,7 +42,7 @@ BENCHMARKS = [
     ("trace_large", ["benchmarks/trace_large.py"], 180),
     ("compile_large", ["benchmarks/compile_large.py"], 240),
     ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 480),
-    ("runtime_overhead", ["benchmarks/runtime_overhead.py"], 300),
+    ("runtime_overhead", ["benchmarks/runtime_overhead.py"], 600),
     ("checkpoint_overhead", ["benchmarks/checkpoint_overhead.py"], 300),
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
@@ -246,8 +246,10 @@ def update_readme(section: str) -> None:
     end = len(text) if end < 0 else end + 1
     old = text[start:end]
     # Keep the paragraph on what the tests assert (it is not a measurement of this run).
-    keep = old[old.index("Correctness is what the tests assert"):].rstrip() + "\n\n" if \
-        "Correctness is what the tests assert" in old else ""
+    keep = ""
+    if "Correctness is what the tests assert" in old:
+        paragraph = old[old.index("Correctness is what the tests assert"):]
+        keep = paragraph.split("\n\n", 1)[0].rstrip() + "\n\n"  # that paragraph only
     body = "## Results\n\n" + keep + section + "\n"
     readme.write_text(text[:start] + body + text[end:])
 
