@@ -104,6 +104,9 @@ def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str) -> Non
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        # A step ends when every rank has finished it (under 1F1B the first stage runs the last
+        # backward): the generated program's step time also ends at an all-ranks reduction.
+        dist.barrier()
         times.append(time.perf_counter() - start)
     if rank == world - 1:
         Path(out_path).write_text(json.dumps(times))
