@@ -152,16 +152,21 @@ def test_killed_rank_resumes_bit_exact(plans, two_rank_jobs, four_rank_jobs, nam
     # make it step 0, which must be bit-exact too)
 
 
+def _assert_params_close(params, state):
+    """Every rank's final parameters against the one-process reference (key bias: PARAM_TOL)."""
+    for part in params:
+        for name, value in part.items():
+            tol = PARAM_TOL if name.endswith("attn.qkv.bias") else dict(rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(value, state[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_reshard_four_stages_to_two_by_two(plans, four_rank_jobs):
     assert "resharded from plan" in four_rank_jobs.stderr
     losses = _losses(os.path.join(plans["p4"], "run")) + _losses(os.path.join(plans["p22"], "run"), 4)
     want, state, _ = train_reference_from_folder(plans["p22"], STEPS)
     torch.testing.assert_close(losses, want, **TOL)
     params, _ = _finals(os.path.join(plans["p22"], "run"), 4)
-    for part in params:
-        for name, value in part.items():
-            tol = PARAM_TOL if name.endswith("attn.qkv.bias") else dict(rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(value, state[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_params_close(params, state)
 
 
 def test_reshard_two_stages_to_three(plans, two_rank_jobs):
@@ -173,10 +178,7 @@ def test_reshard_two_stages_to_three(plans, two_rank_jobs):
     want, state, _ = train_reference_from_folder(plans["p3"], STEPS)
     torch.testing.assert_close(losses, want, **TOL)
     params, _ = _finals(os.path.join(plans["p3"], "run"), 3)
-    for part in params:
-        for name, value in part.items():
-            tol = PARAM_TOL if name.endswith("attn.qkv.bias") else dict(rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(value, state[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_params_close(params, state)
 
 
 def test_run_refuses_an_unwritable_checkpoint_dir(plans, tmp_path, capsys):

@@ -35,13 +35,38 @@ class ChainDPResult:
     assignment: Assignment
 
 
+def _cut_bytes(problem: PartitionProblem) -> np.ndarray:
+    """cut_at[j]: bytes per sample crossing a cut placed before region j (skip edges included)."""
+    cut_at = np.zeros(problem.num_regions + 1)
+    for e in problem.edges:
+        cut_at[e.src + 1 : e.dst + 1] += e.bytes_per_sample
+    return cut_at
+
+
+def _segment_comm(problem, boundary, cut_at, s, p, b):
+    """For stage s holding regions i..j-1: (send/receive seconds, receive bytes per sample), [i, j].
+
+    The stage receives over boundary s-1 at its start (the model inputs on stage 0) and sends
+    over boundary s at its end (Note [cost model] in check.py)."""
+    n = problem.num_regions
+    comm = np.zeros((n + 1, n + 1))
+    incoming = np.zeros((n + 1, n + 1))
+    if s > 0:
+        comm += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
+        incoming += cut_at[:, None]
+    else:
+        incoming += problem.input_bytes_per_sample
+    if s < p - 1:
+        comm += (boundary[s].latency_s + b * cut_at / boundary[s].bandwidth_bytes_per_s)[None, :]
+        incoming += cut_at[None, :]
+    return comm, incoming
+
+
 def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch_size, schedule, recompute):
     """time[s][i, j] and fits[s][i, j] for stage s holding regions i..j-1 (inf / False when i >= j)."""
     n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
     boundary, _, _ = plan_links(cluster, placement)
-    cut_at = np.zeros(n + 1)  # bytes per sample crossing a cut placed before region j
-    for e in problem.edges:
-        cut_at[e.src + 1 : e.dst + 1] += e.bytes_per_sample
+    cut_at = _cut_bytes(problem)
     static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
     saved = np.concatenate([[0.0], np.cumsum([
         r.recompute_activation_bytes_per_sample if rc else r.activation_bytes_per_sample
@@ -57,15 +82,8 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
             per_region.append(fwd + bwd + (fwd if rc else 0.0))
         compute = np.concatenate([[0.0], np.cumsum(per_region)])
         t = compute[None, :] - compute[:, None]
-        incoming = np.zeros((n + 1, n + 1))
-        if s > 0:
-            t += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
-            incoming += cut_at[:, None]
-        else:
-            incoming += problem.input_bytes_per_sample
-        if s < p - 1:
-            t += (boundary[s].latency_s + b * cut_at / boundary[s].bandwidth_bytes_per_s)[None, :]
-            incoming += cut_at[None, :]
+        comm, incoming = _segment_comm(problem, boundary, cut_at, s, p, b)
+        t += comm
         memory = (static[None, :] - static[:, None]
                   + in_flight_microbatches(schedule, s, p, m) * b * (saved[None, :] - saved[:, None])
                   + 2.0 * b * incoming)
@@ -188,9 +206,7 @@ def chain_lower_bound_s(
     if n < p:
         return np.inf
     boundary, _, _ = plan_links(cluster, placement)
-    cut_at = np.zeros(n + 1)
-    for e in problem.edges:
-        cut_at[e.src + 1 : e.dst + 1] += e.bytes_per_sample
+    cut_at = _cut_bytes(problem)
     static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
     act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
     saving = np.concatenate([[0.0], np.cumsum([
@@ -209,15 +225,8 @@ def chain_lower_bound_s(
             taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
         compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
         t = compute[None, :] - compute[:, None]
-        incoming = np.zeros((n + 1, n + 1))
-        if s > 0:
-            t += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
-            incoming += cut_at[:, None]
-        else:
-            incoming += problem.input_bytes_per_sample
-        if s < p - 1:
-            t += (boundary[s].latency_s + b * cut_at / boundary[s].bandwidth_bytes_per_s)[None, :]
-            incoming += cut_at[None, :]
+        comm, incoming = _segment_comm(problem, boundary, cut_at, s, p, b)
+        t += comm
         k = in_flight_microbatches(schedule, s, p, m)
         over = (static[None, :] - static[:, None] + k * b * (act[None, :] - act[:, None])
                 + 2.0 * b * incoming - capacity)
