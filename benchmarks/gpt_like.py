@@ -16,7 +16,8 @@ Formulas (per sample = one sequence of s tokens):
 * saved activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation",
   no tensor parallelism): s·h·34 + 5·a·s^2 bytes; split here as attention (with its norm)
   13·s·h + 5·a·s^2 and MLP (with its norm) 21·s·h. GPT only: for SwiGLU the MLP keeps
-  (2 + 2 + 3·f/h·2)·s·h. Recomputing a region keeps only its input, 2·s·h bytes.
+  4·s·h + 6·s·f (its input twice, then gate, up and their product at width f). Recomputing a
+  region keeps only its input, 2·s·h bytes.
 * edges: the residual stream, 2·s·h bytes, between consecutive regions; logits are saved in
   fp32 for the loss (4·s·V bytes on the head).
 """
@@ -69,9 +70,21 @@ def gpt_like_problem(
     attn_flops = 2 * attn_params * s + 4 * s * s * h
     mlp_flops = 2 * mlp_params * s
     attn_saved = 13 * s * h + 5 * a * s * s
-    mlp_saved = (4 + 6 * f // h) * s * h if swiglu else 21 * s * h
+    mlp_saved = 4 * s * h + 6 * s * f if swiglu else 21 * s * h
 
     regions = [_region("embed", V * h + (0 if swiglu else s * h), 0.0, residual, residual)]
+    if granularity == "op":
+        edges: list[Edge] = []
+        core_saved = attn_saved - 13 * s * h
+        previous = 0
+        for layer in range(layers):
+            previous = _op_layer(regions, edges, previous, layer, h=h, s=s, f=f, h_kv=h_kv, swiglu=swiglu,
+                                 core_saved=core_saved)
+        head_params = 0 if tied else V * h
+        regions.append(_region("head", head_params + h, 2 * s * h * V, residual + 4 * s * V, residual + 4 * s * V))
+        edges.append(Edge(previous, len(regions) - 1, residual))
+        ties = (Tie(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
+        return PartitionProblem(regions=tuple(regions), edges=tuple(edges), ties=ties, input_bytes_per_sample=8 * s)
     for layer in range(layers):
         if granularity == "fine":
             regions.append(_region(f"layers.{layer}.attn", attn_params, attn_flops, attn_saved, residual, layer))
@@ -80,12 +93,43 @@ def gpt_like_problem(
             regions.append(_region(f"layers.{layer}", attn_params + mlp_params, attn_flops + mlp_flops,
                                    attn_saved + mlp_saved, residual, layer))
         else:
-            raise ValueError(f"granularity={granularity!r} must be 'fine' or 'block'")
+            raise ValueError(f"granularity={granularity!r} must be 'op', 'fine' or 'block'")
     head_params = 0 if tied else V * h
     regions.append(_region("head", head_params + h, 2 * s * h * V, residual + 4 * s * V, residual + 4 * s * V))
     edges = tuple(Edge(i, i + 1, residual) for i in range(len(regions) - 1))
     ties = (Tie(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
     return PartitionProblem(regions=tuple(regions), edges=edges, ties=ties, input_bytes_per_sample=8 * s)
+
+
+def _op_layer(regions: list, edges: list, previous: int, layer: int, *, h, s, f, h_kv, swiglu, core_saved) -> int:
+    """One block at "op" granularity, as passes/regions.py cuts a real one: a region per matmul
+    (Llama: q, k, v, attention core, o | gate, up, down; GPT: fused qkv, core, proj | fc, proj),
+    the norm with its sublayer's first matmul, the residual add with its last. Saved bytes add up
+    to the "fine" regions'; edges are the tensors a real graph passes between those regions."""
+    res = 2 * s * h
+
+    def add(name, params, fwd_flops, saved, inputs) -> int:
+        recompute_saved = sum(b for _, b in inputs)  # a recomputed region keeps its inputs
+        regions.append(_region(f"layers.{layer}.{name}", params, fwd_flops, saved, recompute_saved, layer))
+        rid = len(regions) - 1
+        edges.extend(Edge(src, rid, b) for src, b in inputs)
+        return rid
+
+    if swiglu:
+        q = add("q", h * h, 2 * h * h * s, 4 * s * h, [(previous, res)])
+        k = add("k", h * h_kv, 2 * h * h_kv * s, 0, [(q, res)])
+        v = add("v", h * h_kv, 2 * h * h_kv * s, 0, [(q, res)])
+        core = add("core", 0, 4 * s * s * h, 2 * s * h + 4 * s * h_kv + core_saved,
+                   [(q, res), (k, 2 * s * h_kv), (v, 2 * s * h_kv)])
+        o = add("o", h * h, 2 * h * h * s, 3 * s * h, [(core, res), (previous, res)])
+        gate = add("gate", h * f, 2 * h * f * s, 4 * s * h + 2 * s * f, [(o, res)])
+        up = add("up", h * f, 2 * h * f * s, 2 * s * f, [(gate, res + 2 * s * f)])
+        return add("down", h * f, 2 * h * f * s, 2 * s * f, [(up, 2 * s * f), (o, res)])
+    qkv = add("qkv", 3 * h * h, 6 * h * h * s, 4 * s * h, [(previous, res)])
+    core = add("core", 0, 4 * s * s * h, 6 * s * h + core_saved, [(qkv, 3 * res)])
+    o = add("proj", h * h, 2 * h * h * s, 3 * s * h, [(core, res), (previous, res)])
+    fc = add("fc", h * f, 2 * h * f * s, 4 * s * h, [(o, res)])
+    return add("mlp_proj", h * f, 2 * h * f * s, 21 * s * h - 4 * s * h, [(fc, 2 * s * f), (o, res)])
 
 
 def gpt2_small(granularity: str = "fine") -> PartitionProblem:

@@ -12,6 +12,14 @@ ModuleList (or Sequential) whose numbered children cover the most nodes: ``block
   "Norm") go with the sublayer that follows them (pre-norm: ``ln_1`` with ``attn``); block-level
   ops (residual adds) go with the sublayer before them. Names are ``block.<i>.<child>``
   (``block.3.attn``, ``block.3.mlp``, ``block.3.self_attn`` - the child's attribute name).
+- ``"op"``: each sublayer is split further at its matmuls: a matmul-like node (linear, mm,
+  bmm, attention) starts a new region and the cheap ops after it (reshapes, rotary embedding,
+  activations, the residual add) follow it; the ops before a sublayer's first matmul (its norm)
+  go with that matmul. Names are ``block.<i>.<child>.<module>`` (``block.3.self_attn.q_proj``,
+  ``block.3.mlp.down_proj``; the node's name where no submodule owns the op). Region ids stay
+  monotone in graph order, so the result is a DAG without merging. With a sublayer near a third
+  of a block, the stages of a deep pipeline can only differ by whole sublayers; matmul-sized
+  regions let the solver balance them (benchmarks/partition_quality.py measures the gain).
 - ``"node"``: one region per call_function node (``block.<i>.<node>``, ``embed.<node>``,
   ``head.<node>``).
 
@@ -37,7 +45,7 @@ import torch.fx as fx
 
 from partitioner import ir
 
-GRANULARITIES = ("block", "sublayer", "node")
+GRANULARITIES = ("block", "sublayer", "op", "node")
 _CALL_SUFFIX = re.compile(r"@\d+$")
 
 
@@ -161,7 +169,7 @@ def _units(gm: fx.GraphModule, granularity: str) -> dict[fx.Node, str]:
     first_pos, last_pos = order[in_block[0]], order[in_block[-1]]
 
     owners: dict[fx.Node, str | None] = {}
-    if granularity == "sublayer":
+    if granularity in ("sublayer", "op"):
         by_block: dict[int, list] = {}
         for node in in_block:
             index, child, is_norm = positions[node]
@@ -169,13 +177,16 @@ def _units(gm: fx.GraphModule, granularity: str) -> dict[fx.Node, str]:
         for items in by_block.values():
             owners.update(_sublayer_owners(items))
 
+    op_label = _op_labels(in_block, positions, owners, prefix) if granularity == "op" else {}
     previous = None
     for node in compute:
         index = positions[node][0]
         if index is not None:
             name = f"block.{index}"
-            if granularity == "sublayer" and owners.get(node):
+            if granularity in ("sublayer", "op") and owners.get(node):
                 name += f".{owners[node]}"
+                if node in op_label:
+                    name += f".{op_label[node]}"
             previous = name
         elif order[node] < first_pos:
             name = "embed"
@@ -185,6 +196,49 @@ def _units(gm: fx.GraphModule, granularity: str) -> dict[fx.Node, str]:
             name = previous  # model-level op between blocks: with the block before it
         unit[node] = f"{name}.{node.name}" if granularity == "node" else name
     return unit
+
+
+_MATMUL_OPS = ("linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "conv", "convolution",
+               "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    target = node.target
+    name = getattr(target, "__name__", str(target))  # "linear.default", "scaled_dot_product_attention"
+    return node.op == "call_function" and name.split(".")[0] in _MATMUL_OPS
+
+
+def _op_labels(in_block: list[fx.Node], positions, owners, prefix: str) -> dict[fx.Node, str]:
+    """For ``"op"`` granularity: the label of the matmul each block node follows (Note [regions
+    from the module tree]); nodes before their sublayer's first matmul get that first matmul's."""
+    by_sublayer: dict[tuple, list[fx.Node]] = {}
+    for node in in_block:
+        if owners.get(node):
+            by_sublayer.setdefault((positions[node][0], owners[node]), []).append(node)
+    labels: dict[fx.Node, str] = {}
+    for (index, child), nodes in by_sublayer.items():
+        base = f"{prefix}.{index}.{child}." if prefix else f"{index}.{child}."
+        used: set[str] = set()
+        current, pending = None, []
+        for node in nodes:
+            if _is_matmul(node):
+                owner = max((p for p, _ in _module_paths(node) if p.startswith(base)), key=len, default="")
+                label = (owner[len(base):].replace(".", "_") if owner
+                         else getattr(node.target, "__name__", node.name).split(".")[0])
+                if label in used:
+                    label = f"{label}_{sum(1 for u in used if u.startswith(label))}"
+                used.add(label)
+                current = label
+                for waiting in pending:
+                    labels[waiting] = label
+                pending = []
+            if current is None:
+                pending.append(node)
+            else:
+                labels[node] = current
+        # A sublayer without a matmul keeps its sublayer name (no label).
+    return labels
 
 
 def _data_inputs(node: fx.Node) -> list[fx.Node]:

@@ -52,7 +52,8 @@ def lr_factor(step: int, cfg: dict) -> float:
 
 
 def make_optimizer(params, cfg: dict):
-    """AdamW over ``params`` (all with the same weight decay) and its LambdaLR schedule."""
+    """AdamW over ``params`` (all with the same weight decay) and its LambdaLR schedule.
+    cfg["fused"] (default: on where torch has the kernel) or cfg["foreach"] pick the kernel."""
     name = cfg.get("name", "adamw").lower()
     if name != "adamw":
         raise ValueError(f"optimizer {name!r} is not supported (only 'adamw')")
@@ -61,9 +62,15 @@ def make_optimizer(params, cfg: dict):
         # A stage may hold no parameters (a parameter-free slice of the graph). A placeholder that
         # never gets a gradient keeps the step loop and the learning-rate schedule uniform.
         params = [torch.nn.Parameter(torch.zeros(0))]
+    # The fused kernel (one pass over each parameter's four tensors) is ~3x faster than torch's
+    # default per-parameter loop on CPU; the oracle uses this same function, so results agree.
+    fused = cfg.get("fused")
+    if fused is None:
+        fused = cfg.get("foreach") is None and all(
+            p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.999))),
                             eps=cfg.get("eps", 1e-8), weight_decay=cfg.get("weight_decay", 0.0),
-                            foreach=cfg.get("foreach"))
+                            foreach=cfg.get("foreach"), fused=bool(fused) or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched
 

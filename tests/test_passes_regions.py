@@ -74,7 +74,7 @@ def check_sums(gm, table) -> None:
 
 
 @pytest.mark.parametrize("key", ["gpt12", "gpt2", "llama", "bert", "mlp"])
-@pytest.mark.parametrize("granularity", ["block", "sublayer", "node"])
+@pytest.mark.parametrize("granularity", ["block", "sublayer", "op", "node"])
 def test_regions_partition_the_graph_into_a_dag(key, granularity):
     _, gm = traced(key)
     table = regions_of(gm, granularity)
@@ -124,6 +124,29 @@ def test_sublayers_of_llama_and_bert():
     _, gm = traced("bert")
     names = [r.name for r in regions_of(gm, "sublayer")]
     assert names[1:4] == ["block.0.attention", "block.0.intermediate", "block.0.output"]
+
+
+def test_op_granularity_splits_sublayers_at_their_matmuls():
+    """Each projection and the attention core get a region; the norm joins the first matmul of
+    its sublayer, the residual add the last."""
+    _, gm = traced("llama")
+    table = regions_of(gm, "op")
+    names = [r.name for r in table]
+    assert names[:9] == ["embed"] + [f"block.0.self_attn.{m}" for m in
+                                     ("q_proj", "k_proj", "v_proj", "scaled_dot_product_attention", "o_proj")] + \
+        [f"block.0.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+    assert names[-1] == "head" and len(table) == 2 + 3 * 8
+    by_name = {r.name: r for r in table}
+    assert any("norm" in n or "rsqrt" in n or "pow" in n for n in by_name["block.0.self_attn.q_proj"].node_names)
+    assert by_name["block.1.mlp.gate_proj"].fwd_flops == by_name["block.1.mlp.up_proj"].fwd_flops > 0
+    sublayer = {r.name: r for r in regions_of(gm, "sublayer")}
+    ops = [r for r in table if r.name.startswith("block.1.self_attn.")]
+    assert sum(r.fwd_flops for r in ops) == sublayer["block.1.self_attn"].fwd_flops
+    # GPT-2's fused qkv projection (Conv1D) is one region, the attention core another.
+    _, gm2 = traced("gpt2")
+    names2 = [r.name for r in regions_of(gm2, "op")]
+    assert names2[1:6] == ["block.0.attn.c_attn", "block.0.attn.scaled_dot_product_attention",
+                           "block.0.attn.c_proj", "block.0.mlp.c_fc", "block.0.mlp.c_proj"]
 
 
 def test_node_granularity_is_one_region_per_compute_node():

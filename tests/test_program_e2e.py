@@ -110,7 +110,7 @@ def folders(tmp_path_factory):
         "hf_llama_2stage": compile_to(root / "hf_llama_2stage", hf_tiny(hf_llama), devices=2, num_stages=2,
                                       microbatches=4),
         "hf_bert_2stage": compile_to(root / "hf_bert_2stage", hf_tiny(hf_bert), devices=2, num_stages=2,
-                                     microbatches=4),
+                                     microbatches=4, granularity="op"),
         "gpt_2x2": compile_to(root / "gpt_2x2", tiny_gpt(), devices=4, num_stages=2, dp=2, microbatches=2),
         "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
                                   microbatches=4, granularity="node"),
@@ -147,6 +147,15 @@ def test_hf_llama_and_bert_train_like_one_process(folders, name, builder):
     """Llama sends batch-independent rotary tables between stages, BERT an expanded mask (a view)."""
     root, _ = folders
     assert_matches_oracle(root / name, hf_tiny(builder))
+
+
+def test_op_granularity_cut_inside_attention_trains(folders):
+    """At "op" granularity the solver may cut between two projections of one attention (BERT's
+    query on stage 0, key onward on stage 1): the query, the mask and the residual all cross."""
+    _, made = folders
+    plan = made["hf_bert_2stage"]
+    last0, first1 = plan.stages[0].region_names[-1], plan.stages[1].region_names[0]
+    assert last0.rsplit(".", 1)[0] == first1.rsplit(".", 1)[0], (last0, first1)  # one sublayer, two stages
 
 
 def test_skip_connection_across_two_boundaries_trains(folders):

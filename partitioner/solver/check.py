@@ -150,12 +150,16 @@ def lower_bound_step_time_s(
     microbatch_size: int,
     stage_devices: list[int] | None = None,
 ) -> float:
-    """(m - 1) * B_fluid + W_fastest, a lower bound on step time for any partition.
+    """The step time of the best perfectly divisible model: a lower bound for any partition.
 
-    W_k is the per-microbatch work of the whole model on a device of class k. A perfectly
-    divisible model on stages with works W_s has bottleneck 1 / sum_s(1 / W_s), and sum of stage
-    times >= W on the fastest device. Homogeneous: (m + p - 1) * W / p. Without
-    ``stage_devices`` (one device per stage) the fastest stage slots the cluster offers are used.
+    W_s is the per-microbatch work of the whole model on stage s's device. Stage s takes a
+    fraction f_s of it (sum f_s = 1) in T_s >= f_s * W_s, so the pipeline (m - 1) * B + sum_s T_s
+    with B = max_s T_s is at least the optimum of that linear program: convex and piecewise
+    linear in B, its minimum sits where the k fastest stages are exactly full, B_k =
+    1 / sum_{i < k} (1 / W_(i)) (fastest first), giving min_k (m - 1 + k) * B_k. Homogeneous:
+    (m + p - 1) * W / p, the bound of perfectly balanced stages; heterogeneous with m large:
+    balanced stages too, (m + p - 1) * B_p. Without ``stage_devices`` (one device per stage) the
+    fastest stage slots the cluster offers are used.
     """
     b = microbatch_size
     work_by_class: dict[tuple, float] = {}
@@ -174,9 +178,14 @@ def lower_bound_step_time_s(
         works = slots[:num_stages]
         if len(works) < num_stages:
             return math.inf
-    inverse = sum(1.0 / w for w in works if w > 0)
-    fluid = 1.0 / inverse if inverse > 0 else 0.0
-    return (num_microbatches - 1) * fluid + min(works)
+    best = math.inf
+    inverse = 0.0
+    for k, w in enumerate(sorted(works), start=1):
+        if w <= 0:
+            return 0.0
+        inverse += 1.0 / w
+        best = min(best, (num_microbatches - 1 + k) / inverse)
+    return best
 
 
 def candidate_lower_bound_s(
