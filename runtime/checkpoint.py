@@ -54,6 +54,7 @@ FORMAT = "partitioner-checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{9,})$")
 CHUNK_BYTES = 1 << 20
+READS = {"shards": 0}  # shard files read by this process (a recovery reports how many it read)
 
 
 def step_dirname(step: int) -> str:
@@ -415,6 +416,7 @@ def check_model(manifest: dict, program: dict, where: str) -> None:
 def read_shard(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of one shard listed in ``manifest``, after checking size and sha256."""
     path = os.path.join(ckpt_dir, step_dirname(manifest["step"]), entry["file"])
+    READS["shards"] += 1
     try:
         with open(path, "rb") as fh:
             data = fh.read()

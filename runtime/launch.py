@@ -74,6 +74,18 @@ def parse_args(argv: list[str] | None) -> dict:
     parser.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (first attempt only)")
     parser.add_argument("--fail-persist", help="RANK:STEP:BYTES: SIGKILL RANK after writing BYTES "
                         "bytes of its shard of checkpoint STEP (first attempt only)")
+    parser.add_argument("--memory-tier", choices=["off", "auto", "none", "copy", "parity"],
+                        help="in-memory checkpoints in host shared memory, with redundancy across hosts: "
+                        "none (own host only), copy (a peer holds a full copy), parity (XOR over a group); "
+                        "default: the program's choice (off if it has none)")
+    parser.add_argument("--memory-every", type=int, help="memory snapshot every K steps (default 1)")
+    parser.add_argument("--parity-group", type=int, help="hosts per parity group (default: the plan's)")
+    parser.add_argument("--hosts", help="host of each rank, e.g. 0,0,1,1 (default $PARTITIONER_HOSTS, else "
+                        "LOCAL_WORLD_SIZE ranks to a host)")
+    parser.add_argument("--memory-dir", help="the memory tier's shared-memory folder (default "
+                        "/dev/shm/partitioner-<id of checkpoint dir and plan>)")
+    parser.add_argument("--fail-host", action="append", help="HOST:STEP: kill every rank of HOST before "
+                        "STEP and wipe its memory tier (first attempt only)")
     parser.add_argument("--collective-timeout", type=float,
                         help="seconds (default: the program's collective_timeout_s)")
     parser.add_argument("--quiet", action="store_true", default=None,
@@ -82,6 +94,21 @@ def parse_args(argv: list[str] | None) -> dict:
                         "about 10 lines per run)")
     known, _unknown = parser.parse_known_args(argv)
     return {k: v for k, v in vars(known).items() if v is not None}
+
+
+def _chain(*hooks):
+    """One hook calling each of ``hooks`` (None ones skipped) in order."""
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def call(*args):
+        for h in hooks:
+            h(*args)
+
+    return call
 
 
 def main(folder: str, rank: int | None = None, *, steps: int | None = None,
@@ -135,6 +162,9 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         raise ValueError(f"--keep-checkpoints {keep}: keep at least 1")
     fail_at = [faults.parse_fail_at(t) for t in flags.get("fail_at", [])]
     fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
+    from runtime import memtier
+
+    memory_settings = memtier.settings_from(program, flags) if use_ckpt else None
     if use_ckpt:
         ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
@@ -175,17 +205,29 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if use_ckpt:
         from runtime.recovery import Checkpointer, recover
 
-        start_step = recover(trainer, ckpt_dir)
+        memory = None
+        if memory_settings is not None:  # created before the Checkpointer's group, on every rank
+            memory = memtier.MemoryTier(trainer, memory_settings, ckpt_dir=ckpt_dir, timeout=timeout,
+                                        run_dir=run_dir)
+            start_step = memtier.recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
+        else:
+            start_step = recover(trainer, ckpt_dir)
         checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
                                     timeout=timeout, start_step=start_step,
                                     persist_fault=fail_persist,
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
+    before_step = faults.step_hook(fail_at, rank, run_dir)
+    after_step = checkpointer.after_step if checkpointer else None
+    if use_ckpt and memory is not None:
+        before_step = _chain(memory.fault_hook(), before_step)
+        after_step = _chain(memory.after_step, after_step)
     log_every = (flags.get("log_every") or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
     losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
-                         before_step=faults.step_hook(fail_at, rank, run_dir),
-                         after_step=checkpointer.after_step if checkpointer else None)
+                         before_step=before_step, after_step=after_step)
     if checkpointer is not None:
         checkpointer.finish()
+        if memory is not None:
+            memory.finish()  # after the last disk checkpoint is committed: then the memory tier goes
     trainer.save_final()
     if owns_group:
         dist.destroy_process_group()
