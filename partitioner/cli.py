@@ -68,6 +68,9 @@ def cmd_compile(args) -> int:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:
         training["mtbf_s"] = _parse_duration_s(args.mtbf)
+    if args.memory_tier is not None:
+        training["memory_tier"] = {"mode": args.memory_tier, **({"group_size": args.parity_group}
+                                                               if args.parity_group else {})}
     from partitioner.progress import CompileProgress
 
     say = CompileProgress(quiet=args.quiet, verbose=args.verbose)  # steps, times and the solver, on stderr
@@ -288,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = c.add_mutually_exclusive_group()
     group.add_argument("--checkpoint-every", type=int)
     group.add_argument("--mtbf", help="mean time between failures (e.g. 6h): picks the checkpoint interval")
+    c.add_argument("--memory-tier", choices=["auto", "none", "copy", "parity"], help="in-memory checkpoints "
+                   "every step with redundancy across nodes (auto: none on one node, copy on two, parity on "
+                   "more); the plan says what it costs in host memory")
+    c.add_argument("--parity-group", type=int, help="nodes per parity group (default min(nodes, 4))")
     c.add_argument("--calibrate", action="store_true", help="measure every region on this machine, fit the "
                    "time model for its device kind and compile with it (see --profile-out)")
     c.add_argument("--profile-out", metavar="FILE", help="where --calibrate saves the fitted profile "

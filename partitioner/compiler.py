@@ -69,7 +69,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
     time model on their kind (Note [the fitted time model] in partitioner/calibrate.py)."""
     from partitioner.calibrate import apply_profiles
 
-    from passes.regions import region_edges, region_table, region_ties
+    from passes.regions import region_cut_edges, region_edges, region_table, region_ties
 
     table = region_table(gm)
     edges = region_edges(gm)
@@ -91,7 +91,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
         )
         for r in table
     )
-    problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in edges if src != dst)
+    problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in region_cut_edges(gm))
     ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
@@ -207,6 +207,9 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             cost_s=next((t.cost_s for t in cost.ties if set(t.regions) == set(regs)), 0.0))
         for name, _nbytes, regs in _ties(gm)
     )
+    if training.get("memory_tier") is not None:
+        training = {**training, "memory_tier": memory_tier_choice(training["memory_tier"], stages, cluster,
+                                                                  assignment)}
     step = cost.step_time_s
     return Plan(
         workload=workload.name,
@@ -231,6 +234,30 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         cluster=cluster.to_dict(),
         training=training,
     )
+
+
+def memory_tier_choice(request, stages, cluster, assignment) -> dict:
+    """The memory tier's redundancy for this layout (runtime/memtier.py, Note [redundancy]): ranks
+    grouped one per node, the i-th rank of each node by (stages, replica) so that group members hold
+    the same stage; mode "auto" is none on one node, copy on two, parity on more. Says what it
+    costs in host memory: shard = parameters + optimizer state of the rank's stages, two slots."""
+    from runtime.memtier import memory_cost, plan_redundancy
+
+    request = {"mode": request} if isinstance(request, str) else dict(request)
+    world = assignment.num_stages * assignment.dp
+    hosts, keys, shard = [0] * world, [((), 0)] * world, [0] * world
+    for s, stage in enumerate(stages):
+        for rep in range(assignment.dp):
+            rank = assignment.rank_of(s, rep)
+            hosts[rank] = cluster.devices[assignment.device_of_stage_replica[s][rep]].node
+            keys[rank] = (keys[rank][0] + (s,), rep)
+            shard[rank] += stage.memory.params_bytes + stage.memory.optimizer_bytes
+    red = plan_redundancy(hosts, keys, mode=request.get("mode", "auto"), group_size=request.get("group_size"))
+    cost = memory_cost(red, shard)
+    return {"mode": red.mode, "requested": request.get("mode", "auto"), "every": int(request.get("every", 1)),
+            "group_size": red.to_dict()["group_size"], "hosts": hosts, "groups": [list(g) for g in red.groups],
+            "shard_bytes": shard, "own_bytes": cost["own_bytes"], "redundancy_bytes": cost["redundancy_bytes"],
+            "per_host_bytes": cost["per_host_bytes"]}
 
 
 def _param_elem_bytes(model: torch.nn.Module) -> int:
@@ -339,6 +366,8 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
         "seed": plan.training["seed"],
         "collective_timeout_s": plan.training["collective_timeout_s"],
         "checkpoint_every": plan.training.get("checkpoint_every", 0),
+        **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}
+           if plan.training.get("memory_tier") else {}),
     }
 
 

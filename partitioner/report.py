@@ -193,7 +193,22 @@ def table(plan: Plan) -> str:
     for t in plan.ties:
         lines.append(f"tied parameter {t.param}: {t.placement} on stages {list(t.stages)}, "
                      f"costs {_ms(t.cost_s)} ms/step")
+    if plan.training.get("memory_tier"):
+        lines.append(memory_tier_line(plan.training["memory_tier"]))
     return "\n".join(lines)
+
+
+def memory_tier_line(choice: dict) -> str:
+    """The plan's memory tier: redundancy, groups, and the host memory it costs."""
+    unit, scale = _byte_unit(max(choice["per_host_bytes"] + [1]))
+    what = {"none": "no redundancy (one host: covers worker crashes, not a lost host)",
+            "copy": "full copy on a peer host", "parity": f"XOR parity over groups of {choice['group_size']} hosts"}
+    extra = [r / s for r, s in zip(choice["redundancy_bytes"], choice["own_bytes"]) if s]
+    return (f"memory tier     every {choice['every']} step(s), {what.get(choice['mode'], choice['mode'])}"
+            + (f", groups {choice['groups']}" if choice["mode"] != "none" else "")
+            + f"; host memory {', '.join(f'{b / scale:.1f}' for b in choice['per_host_bytes'])} {unit} per host"
+            + (f" (redundancy {max(extra):.2f} x the own snapshots)" if extra and choice["mode"] != "none" else "")
+            + " (two slots each)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +260,7 @@ def inspect_json(plan: Plan) -> dict:
                      "param_bytes": r.param_bytes, "activation_bytes_per_sample": r.activation_bytes,
                      "nodes": list(r.nodes)} for r in plan.regions],
         "baselines": {name: {"step_time_s": b.get("step_time_s")} for name, b in plan.baselines.items()},
+        **({"memory_tier": plan.training["memory_tier"]} if plan.training.get("memory_tier") else {}),
     }
 
 
