@@ -105,31 +105,35 @@ def _op_layer(regions: list, edges: list, previous: int, layer: int, *, h, s, f,
     """One block at "op" granularity, as passes/regions.py cuts a real one: a region per matmul
     (Llama: q, k, v, attention core, o | gate, up, down; GPT: fused qkv, core, proj | fc, proj),
     the norm with its sublayer's first matmul, the residual add with its last. Saved bytes add up
-    to the "fine" regions'; edges are the tensors a real graph passes between those regions."""
+    to the "fine" regions'. Edges as passes.regions.region_cut_edges prices them: a tensor read by
+    several regions (the residual stream by a norm and an add, the normed input by q, k and v) is
+    priced once, on the edge to its last reader, with 0-byte edges to the others."""
     res = 2 * s * h
 
-    def add(name, params, fwd_flops, saved, inputs) -> int:
-        recompute_saved = sum(b for _, b in inputs)  # a recomputed region keeps its inputs
-        regions.append(_region(f"layers.{layer}.{name}", params, fwd_flops, saved, recompute_saved, layer))
+    def add(name, params, fwd_flops, saved, inputs, input_bytes) -> int:
+        # a recomputed region keeps its inputs (input_bytes: each tensor once)
+        regions.append(_region(f"layers.{layer}.{name}", params, fwd_flops, saved, input_bytes, layer))
         rid = len(regions) - 1
         edges.extend(Edge(src, rid, b) for src, b in inputs)
         return rid
 
     if swiglu:
-        q = add("q", h * h, 2 * h * h * s, 4 * s * h, [(previous, res)])
-        k = add("k", h * h_kv, 2 * h * h_kv * s, 0, [(q, res)])
-        v = add("v", h * h_kv, 2 * h * h_kv * s, 0, [(q, res)])
+        q = add("q", h * h, 2 * h * h * s, 4 * s * h, [(previous, 0)], res)
+        k = add("k", h * h_kv, 2 * h * h_kv * s, 0, [(q, 0)], res)
+        v = add("v", h * h_kv, 2 * h * h_kv * s, 0, [(q, res), (k, 0)], res)
         core = add("core", 0, 4 * s * s * h, 2 * s * h + 4 * s * h_kv + core_saved,
-                   [(q, res), (k, 2 * s * h_kv), (v, 2 * s * h_kv)])
-        o = add("o", h * h, 2 * h * h * s, 3 * s * h, [(core, res), (previous, res)])
-        gate = add("gate", h * f, 2 * h * f * s, 4 * s * h + 2 * s * f, [(o, res)])
-        up = add("up", h * f, 2 * h * f * s, 2 * s * f, [(gate, res + 2 * s * f)])
-        return add("down", h * f, 2 * h * f * s, 2 * s * f, [(up, 2 * s * f), (o, res)])
-    qkv = add("qkv", 3 * h * h, 6 * h * h * s, 4 * s * h, [(previous, res)])
-    core = add("core", 0, 4 * s * s * h, 6 * s * h + core_saved, [(qkv, 3 * res)])
-    o = add("proj", h * h, 2 * h * h * s, 3 * s * h, [(core, res), (previous, res)])
-    fc = add("fc", h * f, 2 * h * f * s, 4 * s * h, [(o, res)])
-    return add("mlp_proj", h * f, 2 * h * f * s, 21 * s * h - 4 * s * h, [(fc, 2 * s * f), (o, res)])
+                   [(q, res), (k, 2 * s * h_kv), (v, 2 * s * h_kv)], res + 4 * s * h_kv)
+        o = add("o", h * h, 2 * h * h * s, 3 * s * h, [(core, res), (previous, res), (q, 0)], 2 * res)
+        gate = add("gate", h * f, 2 * h * f * s, 4 * s * h + 2 * s * f, [(o, 0)], res)
+        up = add("up", h * f, 2 * h * f * s, 2 * s * f, [(gate, res + 2 * s * f)], res + 2 * s * f)
+        return add("down", h * f, 2 * h * f * s, 2 * s * f, [(up, 2 * s * f), (o, res), (gate, 0)],
+                   2 * s * f + res)
+    qkv = add("qkv", 3 * h * h, 6 * h * h * s, 4 * s * h, [(previous, 0)], res)
+    core = add("core", 0, 4 * s * s * h, 6 * s * h + core_saved, [(qkv, 3 * res)], 3 * res)
+    o = add("proj", h * h, 2 * h * h * s, 3 * s * h, [(core, res), (previous, res), (qkv, 0)], 2 * res)
+    fc = add("fc", h * f, 2 * h * f * s, 4 * s * h, [(o, 0)], res)
+    return add("mlp_proj", h * f, 2 * h * f * s, 21 * s * h - 4 * s * h, [(fc, 2 * s * f), (o, res)],
+               2 * s * f + res)
 
 
 def gpt2_small(granularity: str = "fine") -> PartitionProblem:

@@ -326,6 +326,41 @@ def region_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
     return [(s, d, b) for (s, d), b in sorted(edges.items())]
 
 
+def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
+    """Edges for pricing stage boundaries: each tensor once per boundary it crosses.
+
+    A tensor read in several regions (Llama's normed input by q, k and v; the residual stream by
+    a norm and, later, by the add) is sent across a boundary once, then forwarded (Note [stages
+    talk only to their neighbours] in partitioner/split.py). So each tensor becomes one edge to
+    its last reader (highest region id) carrying its bytes, 0-byte edges to its other readers,
+    and 0-byte edges from those readers to the last one: that ordering (no reader on a later
+    stage than the last) makes "crosses boundary k" the same test for the tensor as for its one
+    priced edge. Same (src, dst) pairs summed; sorted."""
+    edges: dict[tuple[int, int], int] = {}
+
+    def add(src: int, dst: int, num_bytes: int) -> None:
+        edges[(src, dst)] = edges.get((src, dst), 0) + num_bytes
+
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        src = ir.get(node, ir.REGION).region_id
+        by_dst: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            dst = ir.get(user, ir.REGION).region_id
+            if dst != src:
+                by_dst.setdefault(dst, []).append(user)
+        if not by_dst:
+            continue
+        last = max(by_dst)
+        add(src, last, max(_consumed_bytes(node, users) for users in by_dst.values()))
+        for dst in by_dst:
+            if dst != last:
+                add(src, dst, 0)
+                add(dst, last, 0)
+    return [(s, d, b) for (s, d), b in sorted(edges.items())]
+
+
 def region_ties(gm: fx.GraphModule) -> list[RegionTie]:
     """Module state (get_attr targets) read from more than one region, e.g. GPT-2's tied
     embedding / LM head. Bytes are counted (Note [who owns model state] in passes/memory.py) in

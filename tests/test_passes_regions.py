@@ -179,6 +179,23 @@ def test_edges_count_each_tensor_once_per_destination():
     assert edges[(0, 1)] == residual + edges[(0, 2)]
 
 
+def test_cut_edges_price_each_tensor_once_per_boundary():
+    """The rotary tables go from the embedding to every block: priced on one edge to the last
+    block, so a boundary between blocks pays them once, as the forwarding runtime sends them."""
+    _, gm = traced("llama")
+    regions_of(gm, "block")
+    per_destination = {(s, d): b for s, d, b in passes.region_edges(gm)}
+    cut = {(s, d): b for s, d, b in passes.region_cut_edges(gm)}
+    tables = per_destination[(0, 2)]
+    last_block = max(d for _, d in per_destination if d < len(regions_of(gm, "block")) - 1)
+    assert cut[(0, last_block)] == tables and cut[(0, 2)] == 0 and cut[(1, last_block)] == 0
+    assert cut[(0, 1)] == per_destination[(0, 1)] - tables  # the residual stream only
+    crossing = lambda edges, k: sum(b for (s, d), b in edges.items() if s <= k < d)  # noqa: E731
+    assert crossing(per_destination, 1) - crossing(cut, 1) == tables  # counted twice before, once now
+    # Every reader still depends on the producer, so the region DAG is unchanged.
+    assert {(s, d) for (s, d) in cut if (s, d) in per_destination} == set(per_destination)
+
+
 class Ping(nn.Module):
     """A block whose ``attn`` child runs twice around ``mlp``: attn -> mlp -> attn is a cycle."""
 

@@ -180,9 +180,8 @@ class Solution:
         return "\n".join(lines)
 
 
-def _best_hint(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement, config):
-    """The cheapest memory-feasible plan among the baselines and the chain DP (no/all recompute),
-    as model variable values, or None."""
+def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement):
+    """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute)."""
     plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
     for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                                   schedule=schedule, placement=placement).values():
@@ -195,6 +194,11 @@ def _best_hint(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule,
                                    schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
         if dp_result is not None:
             plans.append((dp_result.stage_of_region, recompute))
+    return plans
+
+
+def _best_hint(model: CandidateModel, plans, cluster, placement):
+    """The hint plan of smallest model objective that fits memory, as model variable values, or None."""
     stage_classes = [cluster.devices[row[0]].device_class for row in placement]
     best = None
     for stage_of_region, recompute in plans:
@@ -233,26 +237,43 @@ def solve_candidate(
     placement = place_stages(cluster, p, d) if homogeneous else None
     model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                            schedule=schedule, config=config, placement=placement)
+    plans: list = []
+    # Hints on a heterogeneous cluster use the fastest class slots, in stage order.
+    hint_placement = placement or place_stages(cluster, p, d, _fastest_stage_classes(model, p))
     if config.use_hint:
-        # Hints on a heterogeneous cluster use the fastest class slots, in stage order.
-        hint_placement = placement or place_stages(cluster, p, d, _fastest_stage_classes(model, p))
-        values = _best_hint(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
-                            placement=hint_placement, config=config)
+        plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
+                            placement=hint_placement)
+        values = _best_hint(model, plans, cluster, hint_placement)
         if values is not None:
             model.add_hint(values)
     if incumbent_s is not None:
         # objective <= incumbent + the rounding any plan's objective may carry (Note [ILP scaling])
         model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
     result = model.solve(time_limit_s)
-    if result.stage_of_region is None:
+    status, objective, bound = result.status, result.objective, result.bound
+    assignment = cost = None
+    if result.stage_of_region is not None:
+        assignment = Assignment(
+            stage_of_region=result.stage_of_region, recompute=result.recompute,
+            device_of_stage_replica=placement or place_stages(cluster, p, d, list(result.stage_classes)),
+            num_stages=p, dp=d, num_microbatches=m, microbatch_size=b, schedule=schedule,
+        )
+        cost = evaluate(problem, cluster, assignment)
+    if not model.exact_links:
+        # The model prices every boundary with the slowest link (Note [heterogeneous devices]), so
+        # a hint may cost less than the model's optimum once its real links are known: keep the
+        # cheaper plan in exact figures (a FEASIBLE plan, with no objective to check against).
+        for stage_of_region, recompute in plans:
+            hint = Assignment(stage_of_region=stage_of_region, recompute=recompute,
+                              device_of_stage_replica=hint_placement, num_stages=p, dp=d, num_microbatches=m,
+                              microbatch_size=b, schedule=schedule)
+            hint_cost = evaluate(problem, cluster, hint)
+            if hint_cost.fits_memory and (cost is None or hint_cost.step_time_s < cost.step_time_s):
+                assignment, cost, status, objective = hint, hint_cost, "FEASIBLE", None
+                bound = bound if bound is not None else 0
+    if assignment is None:
         return None, result.status, result.solve_time_s
-    if placement is None:
-        placement = place_stages(cluster, p, d, list(result.stage_classes))
-    assignment = Assignment(
-        stage_of_region=result.stage_of_region, recompute=result.recompute, device_of_stage_replica=placement,
-        num_stages=p, dp=d, num_microbatches=m, microbatch_size=b, schedule=schedule,
-    )
-    cost = evaluate(problem, cluster, assignment)
+    placement = assignment.device_of_stage_replica
     solution = Solution(
         stage_of_region=assignment.stage_of_region,
         recompute=assignment.recompute,
@@ -263,9 +284,9 @@ def solve_candidate(
         bubble_fraction=cost.bubble_fraction,
         lower_bound_step_time_s=cost.lower_bound_step_time_s,
         ties=cost.ties,
-        status=result.status,
-        objective=result.objective,
-        bound=result.bound,
+        status=status,
+        objective=objective,
+        bound=bound,
         solve_time_s=result.solve_time_s,
         time_unit_s=model.time_unit_s,
         memory_unit_bytes=model.mem_unit,
@@ -273,7 +294,7 @@ def solve_candidate(
         exact_links=model.exact_links,
     )
     check_assignment(problem, cluster, solution)  # raises AssignmentError on any violation
-    return solution, result.status, result.solve_time_s
+    return solution, status, result.solve_time_s
 
 
 def _fastest_stage_classes(model: CandidateModel, p: int) -> list[tuple]:
