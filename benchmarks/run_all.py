@@ -45,6 +45,7 @@ BENCHMARKS = [
     ("runtime_overhead", ["benchmarks/runtime_overhead.py"], 600),
     ("checkpoint_overhead", ["benchmarks/checkpoint_overhead.py"], 300),
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
+    ("memory_tier", ["benchmarks/memory_tier.py"], 600),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14

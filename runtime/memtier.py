@@ -21,9 +21,14 @@ never the one being written. A job that finishes cleanly removes its memory tier
 
 Note [memory snapshot]: the layout of a rank's shard (tensor names, shapes, dtypes, the offsets of
 a safetensors file with a header padded to a fixed capacity) is fixed at the first snapshot, so a
-snapshot is one copy of each state tensor into the preallocated shared-memory file (the stall),
-then, in a background thread, the sha256, the commit record and the redundancy exchange. The next
-snapshot first joins the previous background work (its wait counts as stall and is recorded).
+snapshot is one copy of each state tensor into the preallocated shared-memory file. At the step
+boundary only the RNG states and the JSON state are captured; the copy runs in a background thread
+while the next step's forward and backward run (they only read the parameters), and the optimizer
+waits for it in a step pre-hook before it changes anything (CheckFreq's pipelined snapshot). Then,
+in the same thread, the sha256, the commit record and the redundancy exchange. The next snapshot
+first joins the previous background work. The stall (recorded per snapshot in
+RUN_DIR/memory_stats_rank_<r>.jsonl) is the boundary work plus any wait, at the boundary or
+before the optimizer step.
 
 Note [redundancy]: ranks are grouped one per host (``plan_redundancy``: hosts in groups of g, the
 i-th rank of each host by (stages, replica), so group members hold the same stage and equal-sized
@@ -243,9 +248,9 @@ def survivor_piece(shard: torch.Tensor, parity: torch.Tensor, i: int, lost: int,
     return torch.cat([parity if k == i else chunk_for(shard, i, k, c) for k in other_members(g, lost)])
 
 
-def reconstruct(pieces: list[torch.Tensor], nbytes: int) -> bytes:
+def reconstruct(pieces: list[torch.Tensor], nbytes: int) -> bytearray:
     """Member ``lost``'s shard from every survivor's ``survivor_piece``."""
-    return bytes(xor_all(pieces)[:nbytes].numpy())
+    return bytearray(xor_all(pieces)[:nbytes].numpy().tobytes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +316,8 @@ class Slot:
             fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 os.ftruncate(fd, max(nbytes, 1))
-                self._map = mmap.mmap(fd, max(nbytes, 1))
+                # populated now (pages allocated and mapped), not page by page during a snapshot
+                self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             finally:
                 os.close(fd)
             self._size = nbytes
@@ -319,9 +325,13 @@ class Slot:
         return self.tensor
 
     def read(self, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of the data file (a private mapping: no copy until written)."""
-        with open(self.data_path, "rb") as fh:
-            m = mmap.mmap(fh.fileno(), nbytes, access=mmap.ACCESS_COPY)
+        """The first ``nbytes`` of the data file, mapped (no copy; the caller only reads it: it is
+        writable only because torch.frombuffer wants a writable buffer)."""
+        fd = os.open(self.data_path, os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
         return memoryview(m)[:nbytes]
 
     def verify(self, rec: dict) -> memoryview | None:
@@ -422,16 +432,46 @@ class ShardLayout:
         return out
 
 
+_ST_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def parse_shard(data) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) of a safetensors shard held in a writable buffer, without copying: the
+    tensors are views of ``data`` (restore copies them into the trainer). JSON only, never pickle;
+    offsets are checked like safetensors does (contiguous, inside the buffer, sizes match)."""
+    view = memoryview(data).cast("B")
+    header_len = int.from_bytes(view[:8], "little")
+    if not 0 < header_len <= len(view) - 8:
+        raise ValueError(f"header length {header_len} does not fit {len(view)} bytes")
+    header = json.loads(bytes(view[8:8 + header_len]))
+    meta = json.loads(header.pop("__metadata__")["meta"])
+    start, end = 8 + header_len, 0
+    raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.zeros(0, dtype=torch.uint8)
+    tensors = {}
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        lo, hi = info["data_offsets"]
+        dtype = _ST_BY_NAME[info["dtype"]]
+        shape = [int(x) for x in info["shape"]]
+        if lo != end or hi < lo or start + hi > len(view) or (hi - lo) != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"tensor {name!r} has offsets {lo}..{hi} after {end}")
+        end = hi
+        piece = raw[start + lo:start + hi]
+        if (start + lo) % piece.element_size() == 0 and piece.numel():
+            tensors[name] = piece.view(dtype).view(shape)
+        elif not piece.numel():
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:  # not aligned to its element size: a copy
+            tensors[name] = torch.frombuffer(bytearray(piece.numpy().tobytes()), dtype=dtype).view(shape)
+    if start + end != len(view):
+        raise ValueError(f"the tensors end at byte {start + end}, the buffer has {len(view)}")
+    return tensors, meta
+
+
 def loaded_from_bytes(data, *, step: int, program: dict, rank: int, needed: list[str],
                       where: str) -> ck.LoadedCheckpoint:
     """A verified own shard (memory tier bytes) as runtime.checkpoint's LoadedCheckpoint."""
-    from safetensors.torch import load as st_load
-
-    data = bytes(data)
     try:
-        tensors = st_load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["meta"])
+        tensors, meta = parse_shard(data)
     except Exception as exc:  # noqa: BLE001 - any parse failure is corruption
         raise ck.CheckpointCorruptError(f"{where} does not parse ({exc})") from None
     if meta.get("step") != step or meta.get("rank") != rank or meta.get("plan_hash") != program.get("plan_hash"):
@@ -447,7 +487,7 @@ def loaded_from_bytes(data, *, step: int, program: dict, rank: int, needed: list
             optim[name] = st
         if name in meta.get("param_steps", {}):
             param_steps[name] = meta["param_steps"][name]
-    rng = {k: v for k, v in tensors.items() if k.startswith("rng/")}
+    rng = {k: v.clone() for k, v in tensors.items() if k.startswith("rng/")}  # set_rng_state wants its own
     manifest = {"step": step, "plan_hash": program.get("plan_hash"), "world_size": program["world_size"],
                 "num_stages": program["num_stages"], "dp": program["dp"]}
     return ck.LoadedCheckpoint(step, manifest, params, optim, param_steps, meta.get("lr_scheduler") or {},
@@ -477,8 +517,17 @@ class LocalStore:
 
     def snapshot(self, trainer) -> tuple[Slot, int, float]:
         """Copy the trainer's state into the older own slot (invalidated first). Returns (slot,
-        bytes, seconds): the stall. ``commit_own`` hashes and commits it."""
+        bytes, seconds). ``commit_own`` hashes and commits it."""
         t0 = time.perf_counter()
+        slot, nbytes, copy = self.prepare(trainer)
+        copy()
+        return slot, nbytes, time.perf_counter() - t0
+
+    def prepare(self, trainer):
+        """Everything of a snapshot that must happen at the step boundary: the RNG states and the
+        JSON state captured, the older slot invalidated. Returns (slot, bytes, copy), where
+        ``copy()`` copies the tensors into the slot; it may run later, in another thread, as long
+        as it is done before the optimizer next changes them (Note [memory snapshot])."""
         tensors, meta = state_tensors(trainer)
         header = self.layout.header(meta) if self.layout is not None and self.layout.matches(tensors) else None
         if header is None:  # first snapshot, or the state changed shape / outgrew the header
@@ -487,18 +536,22 @@ class LocalStore:
             header = self.layout.header(meta)
         slot = pick_slot(self.own)
         slot.invalidate()
-        buf = slot.writable(self.layout.total_bytes)
-        key = (self.own.index(slot), buf.data_ptr())
-        if key not in self._views:  # (re)built when the layout or the mapping changed
-            self._views = {k: v for k, v in self._views.items() if k[0] != key[0]}
-            self._views[key] = self.layout.views(buf)
-        views = self._views[key]
-        buf[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        with torch.no_grad():
-            for name, t in tensors:
-                if t.numel():
-                    views[name].copy_(t)
-        return slot, self.layout.total_bytes, time.perf_counter() - t0
+        layout = self.layout
+
+        def copy() -> None:
+            buf = slot.writable(layout.total_bytes)  # allocated (and populated) on first use
+            key = (self.own.index(slot), buf.data_ptr())
+            if key not in self._views:  # (re)built when the layout or the mapping changed
+                self._views = {k: v for k, v in self._views.items() if k[0] != key[0]}
+                self._views[key] = layout.views(buf)
+            views = self._views[key]
+            buf[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            with torch.no_grad():
+                for name, t in tensors:
+                    if t.numel():
+                        views[name].copy_(t)
+
+        return slot, self.layout.total_bytes, copy
 
     def commit_own(self, slot: Slot, step: int, nbytes: int) -> str:
         sha = hashlib.sha256(memoryview(slot._map)[:nbytes]).hexdigest()
@@ -673,6 +726,9 @@ class MemoryTier:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.stats: list[dict] = []
+        self._copied: threading.Event | None = None
+        self._stat: dict = {}
+        trainer.optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.recovery: RecoveryResult | None = None
         marker = os.path.join(self.root, f"lost_host_{self.red.hosts[self.rank]}")
         if os.path.exists(marker):  # fault injection: this host was lost; its memory goes with it
@@ -694,16 +750,35 @@ class MemoryTier:
             self.snapshot(done)
 
     def snapshot(self, done: int) -> float:
+        """Note [memory snapshot]: at the step boundary, join the previous background work and
+        capture what is not a tensor; the copy into shared memory runs in the background thread,
+        overlapping the next step's forward and backward, and the optimizer's next step waits for
+        it (a step pre-hook) before it changes a parameter. Returns the stall so far."""
         t0 = time.perf_counter()
         self._join()
         waited = time.perf_counter() - t0
-        slot, nbytes, copy_s = self.store.snapshot(self.trainer)
-        stat = {"step": done, "rank": self.rank, "stall_s": waited + copy_s, "copy_s": copy_s,
-                "join_wait_s": waited, "bytes": nbytes}
-        self.thread = threading.Thread(target=self._background, args=(slot, done, nbytes, stat), daemon=True,
-                                       name=f"memory-tier-{done}")
+        slot, nbytes, copy = self.store.prepare(self.trainer)
+        stat = {"step": done, "rank": self.rank, "join_wait_s": waited, "boundary_s": time.perf_counter() - t0 - waited,
+                "optimizer_wait_s": 0.0, "bytes": nbytes}
+        stat["stall_s"] = waited + stat["boundary_s"]
+        self._copied = threading.Event()
+        self._stat = stat
+        self.thread = threading.Thread(target=self._background, args=(slot, done, nbytes, copy, stat, self._copied),
+                                       daemon=True, name=f"memory-tier-{done}")
         self.thread.start()
         return stat["stall_s"]
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer changes parameters and Adam state in place: the copy must be done."""
+        copied = self._copied
+        if copied is None or copied.is_set():
+            return
+        t0 = time.perf_counter()
+        if not copied.wait(timeout=self.timeout.total_seconds() if self.timeout else 600):
+            raise RuntimeError(f"rank {self.rank}: the memory snapshot's copy did not finish")
+        waited = time.perf_counter() - t0
+        self._stat["optimizer_wait_s"] += waited
+        self._stat["stall_s"] += waited
 
     def _join(self) -> None:
         if self.thread is not None:
@@ -713,8 +788,14 @@ class MemoryTier:
             err, self.error = self.error, None
             raise RuntimeError(f"rank {self.rank}: memory tier snapshot failed: {err}") from err
 
-    def _background(self, slot: Slot, step: int, nbytes: int, stat: dict) -> None:
+    def _background(self, slot: Slot, step: int, nbytes: int, copy, stat: dict, copied: threading.Event) -> None:
         try:
+            t0 = time.perf_counter()
+            try:
+                copy()
+            finally:
+                copied.set()
+                stat["copy_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             sha = self.store.commit_own(slot, step, nbytes)
             stat["hash_s"] = time.perf_counter() - t0
@@ -755,11 +836,10 @@ class MemoryTier:
             works.append(dist.irecv(buf, src=owner, group=self.group, tag=1))
             for w in works:
                 w.wait()
-            got = hashlib.sha256(memoryview(held._map)[:sizes[owner]]).hexdigest()
-            if got != shas[owner]:
-                raise RuntimeError(f"the copy of rank {owner}'s step {step} arrived corrupt")
-            held.commit({"kind": "copy", "owner": owner, "step": step, "bytes": sizes[owner], "sha256": got,
-                         "plan_hash": self.store.plan_hash})
+            # committed under the owner's sha256 (not hashed again here): a recovery that uses the
+            # copy hashes what it received against it, as every tier is checked
+            held.commit({"kind": "copy", "owner": owner, "step": step, "bytes": sizes[owner],
+                         "sha256": shas[owner], "plan_hash": self.store.plan_hash})
             return
         g = red.group_of(me)
         i = g.index(me)
@@ -956,7 +1036,7 @@ class MemoryTier:
         if tiers[me] == "peer":
             head, buf = recvs[0][2], recvs[0][3]
             sha = bytes(int(x) for x in head[1:].tolist()).hex()
-            data = bytes(buf.numpy())
+            data = memoryview(buf.numpy())
             if int(head[0]) != len(data) or hashlib.sha256(data).hexdigest() != sha:
                 bad.add(me)
             else:
@@ -1021,6 +1101,9 @@ def recover_any(trainer, ckpt_dir: str, tier: MemoryTier | None, *, run_dir: str
     RUN_DIR/recovery.jsonl."""
     from runtime.recovery import recover
 
+    import torch.distributed as dist
+
+    dist.barrier()  # the ranks come up at different times: time the recovery, not the start-up skew
     t0 = time.perf_counter()
     reads0 = ck.READS["shards"]
     result = tier.recover(ckpt_dir) if tier is not None else None

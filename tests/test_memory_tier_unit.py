@@ -202,3 +202,20 @@ def test_settings_from_program_and_flags():
     assert s.fail_hosts == ((1, 3, 0), (2, 5, 1)) and s.hosts == "0,0,1,1"
     with pytest.raises(ValueError, match="HOST:STEP"):
         mt.settings_from({}, {"memory_tier": "copy", "fail_host": ["x"]})
+
+
+def test_shards_parse_without_copy_or_pickle_and_refuse_bad_offsets(two_rank, tmp_path):
+    from safetensors.torch import save
+
+    trainer = trainers_at(two_rank, 1)[0]
+    snap = ck.snapshot(trainer)
+    data = bytearray(ck.serialize(snap))  # a shard as the disk tier writes it (st_save's layout)
+    tensors, meta = mt.parse_shard(data)
+    assert meta["step"] == 1 and sorted(tensors) == sorted(snap.tensors)
+    for name, value in snap.tensors.items():
+        assert torch.equal(tensors[name], value), name
+    odd = bytearray(save({"a": torch.arange(3, dtype=torch.uint8), "b": torch.ones(2)}, metadata={"meta": "{}"}))
+    got, _ = mt.parse_shard(odd)
+    assert torch.equal(got["b"], torch.ones(2)) and torch.equal(got["a"], torch.arange(3, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        mt.parse_shard(data[:-4])  # truncated
