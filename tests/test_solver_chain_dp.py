@@ -72,3 +72,33 @@ def test_min_max_split_and_uniform_split_by_hand():
     # 5 blocks on 2 stages: 3 + 2, embedding first, head last
     assert uniform_split(problem, 2) == (0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)
     assert uniform_split(problem, 6) is None
+
+
+def layered_chain(layers: int) -> PartitionProblem:
+    """Alternating attention-like and MLP-like regions, each able to recompute down to its input."""
+    regions = []
+    for i in range(layers):
+        regions.append(Region(f"attn{i}", 2e9, 4e9, 2 * MIB, 2 * MIB, 12 * MIB, 40 * MIB, 4 * MIB))
+        regions.append(Region(f"mlp{i}", 4e9, 8e9, 4 * MIB, 4 * MIB, 24 * MIB, 30 * MIB, 4 * MIB))
+    edges = tuple(Edge(i, i + 1, 4 * MIB) for i in range(len(regions) - 1))
+    return PartitionProblem(tuple(regions), edges, input_bytes_per_sample=MIB)
+
+
+@pytest.mark.parametrize("capacity_mib", [300, 400, 550])
+def test_greedy_recompute_dp_fits_memory_and_matches_the_ilp(capacity_mib):
+    """The greedy-recompute DP (the ILP's hint) gives a plan that fits memory, recomputes only
+    where a stage needs it, and on a layered chain costs what the ILP proves optimal."""
+    problem = layered_chain(8)
+    cluster = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 4, "memory_bytes": capacity_mib * MIB}]})
+    greedy = solve_chain_dp(problem, cluster, num_stages=4, num_microbatches=8, microbatch_size=1, recompute="greedy")
+    assert greedy is not None
+    cost = evaluate(problem, cluster, greedy.assignment)
+    assert cost.fits_memory
+    none = solve_chain_dp(problem, cluster, num_stages=4, num_microbatches=8, microbatch_size=1)
+    if none is not None:  # recompute is only worth it under memory pressure
+        assert greedy.step_time_s <= none.step_time_s + 1e-12
+    solution, status, _ = solve_candidate(problem, cluster, num_stages=4, dp=1, num_microbatches=8, global_batch=8,
+                                          config=SolverConfig(use_hint=False))
+    assert status == "OPTIMAL"
+    assert greedy.step_time_s == pytest.approx(solution.step_time_s, rel=1e-6)
+    assert any(greedy.assignment.recompute) == any(solution.recompute)

@@ -97,6 +97,60 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
     return times
 
 
+def _recompute_groups(problem, device, b):
+    """Regions that recomputing saves bytes on, grouped by (fwd seconds, saved bytes per sample),
+    cheapest per byte first: [(fwd_s, saving, region ids)]."""
+    groups: dict[tuple[float, int], list[int]] = {}
+    for r, region in enumerate(problem.regions):
+        saving = region.activation_bytes_per_sample - region.recompute_activation_bytes_per_sample
+        if saving > 0:
+            groups.setdefault((region_times_s(region, device, b)[0], saving), []).append(r)
+    return sorted(((f, sv, ids) for (f, sv), ids in groups.items()), key=lambda g: g[0] / g[1])
+
+
+def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_size, schedule):
+    """Like ``_segment_tables``, each segment recomputing the fewest, cheapest-per-byte regions
+    that make it fit (Note [greedy recompute]): time[s][i, j], and take[s][g][i, j], the number of
+    regions of group g recomputed."""
+    n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
+    boundary, _, _ = plan_links(cluster, placement)
+    cut_at = _cut_bytes(problem)
+    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
+    act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    times, takes, groups_of = [], [], []
+    for s in range(p):
+        device = cluster.devices[placement[s][0]]
+        capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
+        compute = np.concatenate([[0.0], np.cumsum([sum(region_times_s(r, device, b)) for r in problem.regions])])
+        t = compute[None, :] - compute[:, None]
+        comm, incoming = _segment_comm(problem, boundary, cut_at, s, p, b)
+        t += comm
+        k = in_flight_microbatches(schedule, s, p, m)
+        over = static[None, :] - static[:, None] + k * b * (act[None, :] - act[:, None]) + 2.0 * b * incoming - capacity
+        remaining = np.maximum(over, 0.0) / (k * b)  # saved bytes per sample still to free
+        groups = _recompute_groups(problem, device, b)
+        take_s = []
+        for fwd_s, saving, ids in groups:
+            member = np.zeros(n + 1)
+            member[np.array(ids) + 1] = 1.0
+            prefix = np.cumsum(member)
+            count = prefix[None, :] - prefix[:, None]
+            take = np.clip(np.ceil(remaining / saving - 1e-9), 0.0, np.maximum(count, 0.0))
+            t = t + take * fwd_s
+            remaining = remaining - take * saving
+            take_s.append(take)
+        ok = upper & (remaining <= 0)
+        if s == 0:
+            ok[1:, :] = False
+        if s == p - 1:
+            ok[:, :n] = False
+        times.append(np.where(ok, t, np.inf))
+        takes.append(take_s)
+        groups_of.append(groups)
+    return times, takes, groups_of
+
+
 def _min_sum_under_cap(times, cap, n):
     """min sum_s T_s with every T_s <= cap: (value, stage_of_region) or (inf, None)."""
     p = len(times)
@@ -130,21 +184,34 @@ def solve_chain_dp(
     microbatch_size: int,
     schedule: str = "1f1b",
     placement: tuple[tuple[int, ...], ...] | None = None,
-    recompute: tuple[bool, ...] | None = None,
+    recompute: tuple[bool, ...] | str | None = None,
     max_caps: int | None = None,
 ) -> ChainDPResult | None:
     """Best contiguous split for fixed p, m (Note [chain DP]); None if none fits memory.
 
     ``placement`` defaults to one pipeline on devices 0..p-1. ``max_caps`` stops after that many
     candidate caps (then the result is a heuristic, used for ILP hints on large problems).
+    ``recompute``: a fixed choice per region (default none), or "greedy": each stage recomputes
+    what it needs to fit (Note [greedy recompute]).
+
+    Note [greedy recompute]: a segment over its memory recomputes regions cheapest per saved
+    byte first (fwd seconds / bytes saved, regions of equal cost as a group), as many as it takes.
+    That is the fractional knapsack's order rounded up to whole regions, so not always the
+    cheapest set; the plans it gives are hints, and on layered models (a few region shapes
+    repeated) they are usually the optimum, which lets CP-SAT prove it in a fraction of the time.
     """
     n, p, m = problem.num_regions, num_stages, num_microbatches
     if n < p:
         return None
     placement = placement or tuple((s,) for s in range(p))
-    recompute = recompute or (False,) * n
-    times = _segment_tables(problem, cluster, placement, num_microbatches=m,
-                            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute)
+    greedy = recompute == "greedy"
+    if greedy:
+        times, takes, groups_of = _greedy_tables(problem, cluster, placement, num_microbatches=m,
+                                                 microbatch_size=microbatch_size, schedule=schedule)
+    else:
+        recompute = recompute or (False,) * n
+        times = _segment_tables(problem, cluster, placement, num_microbatches=m,
+                                microbatch_size=microbatch_size, schedule=schedule, recompute=recompute)
     sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
     if stages is None:
         return None
@@ -170,6 +237,15 @@ def solve_chain_dp(
             best_value, best_stages = (m - 1) * cap + value, stages
     if best_stages is None:
         return None
+    if greedy:
+        chosen = [False] * n
+        for st in range(p):
+            segment = [r for r in range(n) if best_stages[r] == st]
+            i, j = segment[0], segment[-1] + 1
+            for (_, _, ids), take in zip(groups_of[st], takes[st]):
+                for r in [r for r in ids if i <= r < j][:int(take[i, j])]:
+                    chosen[r] = True
+        recompute = tuple(chosen)
     assignment = Assignment(
         stage_of_region=best_stages, recompute=recompute, device_of_stage_replica=placement,
         num_stages=p, dp=len(placement[0]), num_microbatches=m, microbatch_size=microbatch_size,

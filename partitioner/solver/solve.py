@@ -186,14 +186,15 @@ def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule
     for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                                   schedule=schedule, placement=placement).values():
         plans.append((a.stage_of_region, a.recompute))
-    recompute_options = [(False,) * problem.num_regions]
+    recompute_options: list = [(False,) * problem.num_regions]
     if model.rec:
         recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
+        recompute_options.append("greedy")
     for recompute in recompute_options:
         dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
                                    schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
         if dp_result is not None:
-            plans.append((dp_result.stage_of_region, recompute))
+            plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))
     return plans
 
 
