@@ -72,8 +72,11 @@ def generated_program(folder: Path, steps: int) -> float:
     from partitioner.plan import Plan
 
     plan = Plan.load(folder)
-    run_dir = folder / "bench-run"
-    command = torchrun_command(folder, plan.world_size, extra=["--steps", str(steps), "--run-dir", str(run_dir)])
+    # Fresh run and checkpoint folders each time: the program would otherwise resume from the
+    # previous run's checkpoint and train fewer steps (or none).
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-run-", dir=folder))
+    command = torchrun_command(folder, plan.world_size, extra=["--steps", str(steps), "--run-dir", str(run_dir),
+                                                               "--checkpoint-dir", str(run_dir / "checkpoints")])
     done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
@@ -171,9 +174,11 @@ def main() -> int:
                 "hand2": lambda: handwritten_pipeline(args.steps, split_at),
                 "ours2": lambda: generated_program(two, args.steps)}
         best = {name: float("inf") for name in runs}
+        rounds: dict[str, list[float]] = {name: [] for name in runs}
         for _round in range(args.rounds):
             for name, run in runs.items():
-                best[name] = min(best[name], run())
+                rounds[name].append(run())
+                best[name] = min(best[name], rounds[name][-1])
         eager_s, ours1_s, hand2_s, ours2_s = best["eager"], best["ours1"], best["hand2"], best["ours2"]
     print(f"model {MODEL}, global batch {GLOBAL_BATCH}, {MICROBATCHES} microbatches, "
           f"median of {args.steps - WARMUP} steps after {WARMUP} warm-up, best of {args.rounds} alternating rounds")
@@ -181,6 +186,8 @@ def main() -> int:
     for name, t in (("plain eager loop (1 process)", eager_s), ("generated 1-stage program", ours1_s),
                     (f"hand-written pipelining, split at {split_at}", hand2_s), ("generated 2-stage program", ours2_s)):
         print(f"{name:<44} {t * 1e3:>9.2f} {GLOBAL_BATCH / t:>10.1f}")
+    print("every round's median, ms: " + "; ".join(f"{name} " + " ".join(f"{t * 1e3:.0f}" for t in times)
+                                                 for name, times in rounds.items()))
     r1, r2 = eager_s / ours1_s, hand2_s / ours2_s
     print(f"ratio 1-stage program / eager loop (throughput): {r1:.3f} (target >= 0.95)")
     print(f"ratio 2-stage program / hand-written pipelining (throughput): {r2:.3f} (target >= 1.0)")
