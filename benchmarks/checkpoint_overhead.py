@@ -19,41 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int = 900):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
-           "--max-restarts", str(max_restarts), *args]
-    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        sys.exit(f"torchrun failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return result
-
-
-def _rows(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torchrun import DRIVER, REPO  # noqa: E402
+from _torchrun import rows as _rows  # noqa: E402
+from _torchrun import torchrun as _torchrun  # noqa: E402
 
 
 def raw_fsync_throughput(directory: str, total_mib: int = 64, chunk_mib: int = 1) -> float:

@@ -19,46 +19,17 @@ by side in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import uuid
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int = 900):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
-           "--max-restarts", str(max_restarts), *args]
-    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        sys.exit(f"torchrun failed:\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}")
-    return result
-
-
-def _rows(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torchrun import DRIVER  # noqa: E402
+from _torchrun import rows as _rows  # noqa: E402
+from _torchrun import torchrun as _torchrun  # noqa: E402
 
 
 def _compile(model_fn, folder: str, *, stages: int, nodes: int, mode: str):
