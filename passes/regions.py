@@ -312,6 +312,14 @@ def region_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
     per destination region; parameter reads (get_attr) are not edges (see :func:`region_ties`).
     Edges carrying only non-tensor values have 0 bytes but are kept: they are dependencies."""
     edges: dict[tuple[int, int], int] = {}
+    for node, src, by_dst in _readers(gm):
+        for dst, users in by_dst.items():
+            edges[(src, dst)] = edges.get((src, dst), 0) + _consumed_bytes(node, users)
+    return [(s, d, b) for (s, d), b in sorted(edges.items())]
+
+
+def _readers(gm: fx.GraphModule):
+    """(node, its region, {other region: the node's users there}) for every value-producing node."""
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "output"):
             continue
@@ -321,9 +329,7 @@ def region_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
             dst = ir.get(user, ir.REGION).region_id
             if dst != src:
                 by_dst.setdefault(dst, []).append(user)
-        for dst, users in by_dst.items():
-            edges[(src, dst)] = edges.get((src, dst), 0) + _consumed_bytes(node, users)
-    return [(s, d, b) for (s, d), b in sorted(edges.items())]
+        yield node, src, by_dst
 
 
 def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
@@ -341,15 +347,7 @@ def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
     def add(src: int, dst: int, num_bytes: int) -> None:
         edges[(src, dst)] = edges.get((src, dst), 0) + num_bytes
 
-    for node in gm.graph.nodes:
-        if node.op in ("get_attr", "output"):
-            continue
-        src = ir.get(node, ir.REGION).region_id
-        by_dst: dict[int, list[fx.Node]] = {}
-        for user in node.users:
-            dst = ir.get(user, ir.REGION).region_id
-            if dst != src:
-                by_dst.setdefault(dst, []).append(user)
+    for node, src, by_dst in _readers(gm):
         if not by_dst:
             continue
         last = max(by_dst)

@@ -151,6 +151,24 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
     return times, takes, groups_of
 
 
+def _feasible_caps(times, n):
+    """(smallest sum of stage times, the achievable stage times from the smallest feasible cap
+    up, ascending) or None when no split fits. Feasibility is monotone in the cap, so the
+    smallest feasible one (the min-max split's bottleneck) is found by bisection."""
+    sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
+    if stages is None:
+        return None
+    caps = np.unique(np.concatenate([t[np.isfinite(t)] for t in times]))
+    lo, hi = 0, len(caps) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _min_sum_under_cap(times, caps[mid], n)[1] is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(sum_floor), caps[lo:]
+
+
 def _min_sum_under_cap(times, cap, n):
     """min sum_s T_s with every T_s <= cap: (value, stage_of_region) or (inf, None)."""
     p = len(times)
@@ -212,21 +230,13 @@ def solve_chain_dp(
         recompute = recompute or (False,) * n
         times = _segment_tables(problem, cluster, placement, num_microbatches=m,
                                 microbatch_size=microbatch_size, schedule=schedule, recompute=recompute)
-    sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
-    if stages is None:
+    found = _feasible_caps(times, n)
+    if found is None:
         return None
-    caps = np.unique(np.concatenate([t[np.isfinite(t)] for t in times]))
-    # Feasibility is monotone in the cap: bisect for the smallest feasible one (the min-max split).
-    lo, hi = 0, len(caps) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _min_sum_under_cap(times, caps[mid], n)[1] is not None:
-            hi = mid
-        else:
-            lo = mid + 1
+    sum_floor, caps = found
     best_value, best_stages = np.inf, None
     tried = 0
-    for cap in caps[lo:]:
+    for cap in caps:
         if (m - 1) * cap + sum_floor >= best_value:
             break
         if max_caps is not None and tried >= max_caps and best_stages is not None:
@@ -319,18 +329,11 @@ def chain_lower_bound_s(
             recompute_s = np.maximum(recompute_s, tau * needed - (discount[None, :] - discount[:, None]))
         t = t + recompute_s
         times.append(np.where(ok, t, np.inf))
-    sum_floor, stages = _min_sum_under_cap(times, np.inf, n)
-    if stages is None:
+    found = _feasible_caps(times, n)
+    if found is None:
         return np.inf
-    caps = np.unique(np.concatenate([t[np.isfinite(t)] for t in times]))
-    lo, hi = 0, len(caps) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _min_sum_under_cap(times, caps[mid], n)[1] is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    return float((m - 1) * caps[lo] + sum_floor)
+    sum_floor, caps = found
+    return float((m - 1) * caps[0] + sum_floor)
 
 
 def has_chain_backbone(problem: PartitionProblem) -> bool:
