@@ -45,6 +45,16 @@ class FakeTrainer:
         self.steps_done += 1
 
 
+def assert_trains_identically(trainer: FakeTrainer, fresh: FakeTrainer, step: int) -> None:
+    """One more identical step on both: bit-identical parameters and Adam state."""
+    trainer.fake_step(step)
+    fresh.fake_step(step)
+    for (n, p), (_, q) in zip(trainer.named_parameters().items(), fresh.named_parameters().items()):
+        assert torch.equal(p, q), n
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(trainer.optimizer.state[p][key], fresh.optimizer.state[q][key]), (n, key)
+
+
 def set_plan_fields(folder: str, **fields) -> None:
     """Edit plan.json's top level (hand-written test folders have no fingerprint)."""
     path = os.path.join(folder, "plan.json")

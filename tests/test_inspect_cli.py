@@ -35,7 +35,7 @@ def inspect(capsys, *argv):
 def assert_short_error(rc, out, err, *needles):
     assert rc != 0 and out == ""
     lines = err.strip().splitlines()
-    assert 1 <= len(lines) <= 2 and lines[0].startswith("error: "), err
+    assert lines and len(lines) <= 2 and lines[0].startswith("error: "), err
     for needle in needles:
         assert re.search(needle, err), (needle, err)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _checkpoint_helpers import FakeTrainer, set_plan_fields, trainers_at
+from _checkpoint_helpers import FakeTrainer, assert_trains_identically, set_plan_fields, trainers_at
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import memtier as mt
@@ -65,12 +65,7 @@ def test_snapshot_round_trip_is_bit_exact_and_a_valid_shard(two_rank, tmp_path):
     ck.restore(fresh, loaded)
     assert fresh.steps_done == 3 and fresh.lr_scheduler.last_epoch == trainer.lr_scheduler.last_epoch
     assert random.random() == want_py and torch.equal(torch.rand(2), want_torch)  # RNG states too
-    trainer.fake_step(42)
-    fresh.fake_step(42)
-    for (n, p), (_, q) in zip(trainer.named_parameters().items(), fresh.named_parameters().items()):
-        assert torch.equal(p, q), n
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(trainer.optimizer.state[p][key], fresh.optimizer.state[q][key]), (n, key)
+    assert_trains_identically(trainer, fresh, 42)
 
 
 def test_slots_alternate_and_are_whole_or_absent(two_rank, tmp_path):
