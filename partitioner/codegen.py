@@ -9,7 +9,8 @@ DIR/weights/stage_<k>.safetensors   initial parameters keyed by their original n
 DIR/README.md          how to run it here and on N nodes
 ```
 Same inputs give the same bytes: nothing here reads the clock, and every mapping is sorted or
-in graph order. Generated files import only torch and runtime.
+in graph order. Generated files import only torch and runtime, and the modules that register
+custom ops a stage calls (Note [custom ops travel]).
 """
 
 from __future__ import annotations
@@ -38,8 +39,49 @@ _GLOBAL_DEFS = {
 }
 
 
+# Op namespaces torch itself registers: a stage calling them needs only `import torch`.
+_TORCH_NAMESPACES = {"aten", "prims", "prim", "quantized", "_quantized", "c10d", "c10d_functional",
+                     "_c10d_functional", "_c10d_functional_autograd", "_dtensor", "higher_order",
+                     "profiler", "rngprims", "inductor", "debugprims", "mkldnn", "mkl", "onednn"}
+
+
+def op_modules(gm: fx.GraphModule) -> list[str]:
+    """The Python modules that register every op namespace ``gm`` calls outside torch's own.
+
+    Note [custom ops travel]: an op such as ``torch.ops.transformers.grouped_mm_fallback`` (the
+    MoE kernel of Hugging Face transformers) exists only once the module that defines it has run,
+    and a torchrun worker imports nothing but the stage file. The stage file therefore imports,
+    for each such op, the module its ``torch.library.custom_op`` definition lives in, or else the
+    package named like the namespace. An op with neither is refused here, at compile time."""
+    from torch._library.custom_ops import OPDEFS
+
+    modules: set[str] = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        namespace = getattr(target, "namespace", None)
+        if node.op != "call_function" or namespace is None or namespace in _TORCH_NAMESPACES:
+            continue
+        qualname = target.name().split(".")[0]  # "ns::op" (the overload is not part of the key)
+        definition = OPDEFS.get(qualname)
+        module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
+        if module is None or module == "__main__":
+            import importlib.util
+
+            module = namespace if importlib.util.find_spec(namespace) is not None else None
+        if module is None:
+            raise ValueError(
+                f"node {node.name!r} calls the custom op {qualname}, and no importable module registers "
+                f"it (no torch.library.custom_op definition in an importable module, no package "
+                f"named {namespace!r}): define the op with torch.library.custom_op in an importable "
+                "module so that the generated stage file can import it")
+        modules.add(module)
+    return sorted(modules)
+
+
 def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
     code = stage.gm.graph.python_code("self", verbose=True)
+    custom_op_imports = [f"import {m}  # registers torch.ops it calls (Note [custom ops travel])"
+                         for m in op_modules(stage.gm)]
     preamble = []
     used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", code.src))
     for name in sorted(set(code.globals) & used):
@@ -58,6 +100,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         "against the sha256 listed in plan.json.",
         '"""',
         "import torch",
+        *custom_op_imports,
         *preamble,
         "",
         f"PARAMETERS = {json.dumps(stage.params, indent=4)}",

@@ -144,7 +144,7 @@ def mlp(features: int = 32, hidden: int = 64, depth: int = 4, outputs: int = 8, 
 
 
 def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int, batch: int,
-        seed: int, attn: str, device: str, dropout: float = 0.0) -> Workload:
+        seed: int, attn: str, device: str, dropout: float = 0.0, experts: int = 4, top_k: int = 2) -> Workload:
     import transformers
 
     common = dict(use_cache=False, attn_implementation=attn)
@@ -168,8 +168,19 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
                                          hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                                          **common)
         cls = transformers.BertForMaskedLM
+    elif kind == "qwen2-moe":
+        # A mixture of experts: its expert matmuls run through transformers' own custom op
+        # (Note [custom ops travel] in partitioner/codegen.py).
+        config = transformers.Qwen2MoeConfig(num_hidden_layers=layers, hidden_size=width,
+                                             num_attention_heads=heads, num_key_value_heads=heads,
+                                             intermediate_size=2 * width, moe_intermediate_size=width // 2,
+                                             shared_expert_intermediate_size=width, num_experts=experts,
+                                             num_experts_per_tok=top_k, vocab_size=vocab,
+                                             max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+                                             pad_token_id=0, attention_dropout=dropout, **common)
+        cls = transformers.Qwen2MoeForCausalLM
     else:
-        raise ValueError(f"unknown Hugging Face model kind {kind!r}: use gpt2, llama or bert")
+        raise ValueError(f"unknown Hugging Face model kind {kind!r}: use gpt2, llama, bert or qwen2-moe")
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls(config)
@@ -204,7 +215,14 @@ def hf_bert(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, att
                seed=seed, attn=attn, device=device, dropout=dropout)
 
 
-BUILTINS = {"gpt": gpt, "mlp": mlp, "hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "hf-bert": hf_bert}
+def hf_qwen2_moe(layers=2, width=64, heads=4, vocab=256, seq=32, batch=2, seed=0, attn="sdpa", device="cpu",
+                 dropout=0.0, experts=4, top_k=2):
+    return _hf("qwen2-moe", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, batch=batch,
+               seed=seed, attn=attn, device=device, dropout=dropout, experts=experts, top_k=top_k)
+
+
+BUILTINS = {"gpt": gpt, "mlp": mlp, "hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "hf-bert": hf_bert,
+            "hf-qwen2-moe": hf_qwen2_moe}
 
 
 def _parse_value(text: str):

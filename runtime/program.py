@@ -91,6 +91,12 @@ def validate_program(program: dict) -> None:
     for i, st in enumerate(program["stages"]):
         if st["index"] != i:
             raise ValueError(f"stages[{i}] has index {st['index']}: stages must be listed in order")
+    # Note [only runnable plans] in partitioner/solver/problem.py: the solver never emits these,
+    # but a hand-edited or hand-written program must fail here, in words, not inside every rank.
+    if program["schedule"] == "1f1b" and m < p:
+        raise ValueError(f"schedule 1f1b needs num_microbatches >= num_stages (torch's Schedule1F1B), "
+                         f"got {m} microbatches for {p} stages: recompile with --microbatches {p} or more, "
+                         "or --schedule gpipe")
     if len(program["ranks"]) != world:
         raise ValueError(f"world_size={world} but {len(program['ranks'])} rank entries")
     b = program["global_batch"]
@@ -120,7 +126,12 @@ def validate_program(program: dict) -> None:
         if lacking:
             raise ValueError(f"tie of {tie['param']!r} names stages {lacking}, "
                              "which do not list it in params")
-    Layout.from_program(program)  # raises if the rank layout is inconsistent
+    layout = Layout.from_program(program)  # raises if the rank layout is inconsistent
+    rounds = max(1, m // layout.pp_size)
+    if program["schedule"] == "interleaved" and m % rounds:
+        raise ValueError(f"schedule interleaved needs num_microbatches to be a multiple of its rounds "
+                         f"(max(1, {m} // {layout.pp_size} pipeline ranks) = {rounds}), got {m}: choose "
+                         f"a multiple of {layout.pp_size} microbatches")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch.nn as nn
 import partitioner
 from partitioner.cli import _free_port, run_env, torchrun_command
 from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama
+from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
 from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
@@ -59,6 +59,11 @@ def long_skip_workload() -> Workload:
 
 def hf_tiny(builder):
     return builder(layers=2, width=32, heads=2, vocab=64, seq=16)
+
+
+def hf_tiny_moe():
+    """Qwen2-MoE, 4 experts, top-2: its experts run through transformers' own custom op."""
+    return hf_qwen2_moe(layers=2, width=32, heads=2, vocab=64, seq=16, experts=4, top_k=2)
 
 
 def tiny_gpt():
@@ -112,10 +117,12 @@ def folders(tmp_path_factory):
         "hf_bert_2stage": compile_to(root / "hf_bert_2stage", hf_tiny(hf_bert), devices=2, num_stages=2,
                                      microbatches=4, granularity="op"),
         "gpt_2x2": compile_to(root / "gpt_2x2", tiny_gpt(), devices=4, num_stages=2, dp=2, microbatches=2),
+        "moe_2stage": compile_to(root / "moe_2stage", hf_tiny_moe(), devices=2, num_stages=2, microbatches=2),
         "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
                                   microbatches=4, granularity="node"),
     }
-    run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage", root / "hf_bert_2stage"])
+    run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage", root / "hf_bert_2stage",
+                    root / "moe_2stage"])
     run_folders(4, [root / "gpt_2x2"])
     run_folders(3, [root / "skip_3stage"])
     return root, made
@@ -147,6 +154,18 @@ def test_hf_llama_and_bert_train_like_one_process(folders, name, builder):
     """Llama sends batch-independent rotary tables between stages, BERT an expanded mask (a view)."""
     root, _ = folders
     assert_matches_oracle(root / name, hf_tiny(builder))
+
+
+def test_mixture_of_experts_stage_files_import_their_custom_op_and_train_like_one_process(folders):
+    """Note [custom ops travel]: the stage files call torch.ops.transformers.*, which exists only
+    once transformers' MoE module has run; a torchrun worker imports nothing else."""
+    root, _ = folders
+    for k in (0, 1):
+        text = (root / "moe_2stage" / f"stage_{k}.py").read_text()
+        if "torch.ops.transformers." in text:
+            assert "\nimport transformers.integrations.moe" in text, text[:800]
+    assert any("torch.ops.transformers." in (root / "moe_2stage" / f"stage_{k}.py").read_text() for k in (0, 1))
+    assert_matches_oracle(root / "moe_2stage", hf_tiny_moe())
 
 
 def test_op_granularity_cut_inside_attention_trains(folders):

@@ -38,6 +38,7 @@ from partitioner.solver.problem import (
     in_flight_microbatches,
     place_stages,
     region_times_s,
+    schedule_refusal,
 )
 
 __all__ = [
@@ -387,6 +388,8 @@ def structural_violations(
         return out
     if a.schedule not in SCHEDULES:
         out.append(f"schedule={a.schedule!r} is not one of {SCHEDULES}")
+    elif (refusal := schedule_refusal(a.schedule, p, a.num_microbatches)) is not None:
+        out.append(refusal)
     if global_batch is not None and a.microbatch_size * d * a.num_microbatches != global_batch:
         out.append(f"microbatch_size * dp * num_microbatches = {a.microbatch_size} * {d} * "
                    f"{a.num_microbatches} != global_batch {global_batch}")

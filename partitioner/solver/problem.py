@@ -29,12 +29,29 @@ __all__ = [
     "PartitionProblem",
     "Assignment",
     "SCHEDULES",
+    "schedule_refusal",
     "region_times_s",
     "in_flight_microbatches",
     "place_stages",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> str | None:
+    """Why torch.distributed.pipelining would refuse this (schedule, stages, microbatches), or None.
+
+    Note [only runnable plans]: every constraint the runtime's schedules impose is a constraint of
+    the solver, so a plan never dies at the first step. torch 2.13's ``Schedule1F1B`` raises when
+    ``n_microbatches < num_stages`` (its warm-up sends one microbatch per later stage);
+    ``ScheduleGPipe`` takes any count; interleaved schedules (which the solver does not price yet)
+    need the microbatches to be a multiple of their rounds (runtime/program.py checks that).
+    The runtime checks the same rule at start-up (runtime/program.py validate_program).
+    """
+    if schedule == "1f1b" and num_microbatches < num_stages:
+        return (f"schedule 1f1b needs microbatches >= stages (torch's Schedule1F1B), got "
+                f"{num_microbatches} microbatches for {num_stages} stages")
+    return None
 
 
 def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:

@@ -49,7 +49,7 @@ from partitioner.solver.check import (
     evaluate,
 )
 from partitioner.solver.model import CandidateModel, SolverConfig
-from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages
+from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages, schedule_refusal
 
 __all__ = ["CandidateRecord", "Solution", "SolveProgress", "solve", "solve_candidate"]
 
@@ -307,7 +307,9 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config):
+def _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule="1f1b"):
+    """Every (stages, dp, microbatches) the devices, the batch and the schedule admit (Note [only
+    runnable plans] in problem.py)."""
     num_devices, n = cluster.num_devices, problem.num_regions
     class_counts: dict[tuple, int] = {}
     for device in cluster.devices:
@@ -324,6 +326,8 @@ def _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, co
                 if global_batch % (d * m):
                     continue
                 if microbatches is None and config.max_microbatches is not None and m > config.max_microbatches:
+                    continue
+                if schedule_refusal(schedule, p, m) is not None:
                     continue
                 out.append((p, d, m))
     return out
@@ -346,6 +350,11 @@ def _validate_request(problem, cluster, global_batch, num_stages, dp, microbatch
     if dp is not None and microbatches is not None and global_batch % (dp * microbatches):
         raise ValueError(f"global_batch={global_batch} is not divisible by dp * microbatches = "
                          f"{dp} * {microbatches}; choose values whose product divides it")
+    if num_stages is not None and microbatches is not None and schedule in SCHEDULES:
+        refusal = schedule_refusal(schedule, num_stages, microbatches)
+        if refusal is not None:
+            raise ValueError(f"{refusal}: use --microbatches {num_stages} or more, fewer stages, "
+                             "or --schedule gpipe")
 
 
 def solve(
@@ -367,11 +376,12 @@ def solve(
     the incumbent and the bound so far) and of the end; it does not change the result."""
     config = config if config is not None else SolverConfig()
     _validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
-    candidates = _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config)
+    candidates = _candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
         raise ValueError(f"no (stages, dp, microbatches) combination fits {cluster.num_devices} devices and "
                          f"global_batch={global_batch} with the given num_stages={num_stages}, dp={dp}, "
-                         f"microbatches={microbatches}")
+                         f"microbatches={microbatches} under schedule {schedule} (which needs microbatches >= "
+                         "stages for 1f1b): raise the global batch, fix fewer stages, or use --schedule gpipe")
     homogeneous = cluster.is_homogeneous
     chain = has_chain_backbone(problem)
 
