@@ -6,14 +6,14 @@ Every error path prints one or two lines naming the value and the fix, and exits
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from runtime.checkpoint import parse_duration_s
+from runtime.torchrun import run_env, torchrun_command
 
 EXIT_USAGE = 2
 
@@ -44,13 +44,6 @@ EXAMPLES = {
 }
 
 
-def _parse_duration_s(text: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([smhd]?)\s*", text)
-    if not match:
-        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-
-
 def cmd_compile(args) -> int:
     import partitioner
     from partitioner.cluster import ClusterSpec
@@ -67,7 +60,7 @@ def cmd_compile(args) -> int:
     if args.checkpoint_every is not None:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:
-        training["mtbf_s"] = _parse_duration_s(args.mtbf)
+        training["mtbf_s"] = parse_duration_s(args.mtbf)
     if args.memory_tier is not None:
         training["memory_tier"] = {"mode": args.memory_tier, **({"group_size": args.parity_group}
                                                                if args.parity_group else {})}
@@ -187,33 +180,12 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_command(folder: Path, world_size: int, *, extra: list[str], max_restarts: int = 0) -> list[str]:
-    """Single host: everything binds to 127.0.0.1 (DESIGN section 7)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-            "--max-restarts", str(max_restarts), str(folder / "train.py"), *extra]
-
-
-def run_env() -> dict:
-    env = dict(os.environ)
-    # torchrun restarts with gloo hang on a stale shared store unless this is set (DESIGN section 2).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def cmd_run(args) -> int:
     """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
     from partitioner.plan import Plan
-    from runtime.checkpoint import check_writable, parse_duration_s
+    from runtime.checkpoint import check_writable
     from runtime.faults import parse_fail_at, parse_fail_persist
 
     folder = Path(args.dir)
@@ -248,7 +220,7 @@ def cmd_run(args) -> int:
         extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
     elif args.log_every:
         raise ValueError(f"--log-every {args.log_every} thins the step lines of --quiet: add --quiet")
-    command = torchrun_command(folder, plan.world_size, extra=extra, max_restarts=args.max_restarts)
+    command = torchrun_command(folder / "train.py", plan.world_size, args=extra, max_restarts=args.max_restarts)
     per_node = max(1, plan.world_size // 2)
     if not args.quiet:
         print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "

@@ -21,17 +21,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _runtime_folders import REPO, child_env, free_port
+from _runtime_folders import REPO, child_env
 from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
+from runtime.torchrun import torchrun_command
 
 STEPS, EVERY, WORLD = 6, 2, 4
 DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
@@ -54,8 +54,7 @@ def job(tmp_path_factory):
             *common, "--hosts", "0,1,2,3", "--memory-tier", "parity", "--parity-group", "4",
             "--run-dir", f"{root}/B", "--checkpoint-dir", f"{root}/ck_B", "--memory-dir", f"{shm}-B",
             "--fail-host", "2:3:2", "--fail-host", "0:5:3", "--fail-host", "1:5:3"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "4", *args]
+    cmd = torchrun_command(args[0], WORLD, args=args[1:], max_restarts=4)
     try:
         result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=400)
     finally:
