@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from runtime.program import write_entry_files
+from runtime.entry_files import write_entry_files
 from runtime.torchrun import run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,7 +205,7 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
                "steps": steps}
     with open(os.path.join(folder, "plan.json"), "w") as f:
         json.dump({"plan_hash": "test-" + schedule, "program": program}, f, indent=1)
-    write_entry_files(folder, program)
+    write_entry_files(folder, program, plan_hash="test-" + schedule)
     return program
 
 
