@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from partitioner import inspect
+from partitioner.inspect import checkpoints as checkpoint_listing
 from runtime.checkpoint import parse_duration_s
 from runtime.torchrun import run_env, torchrun_command
 
@@ -99,36 +101,31 @@ def cmd_compile(args) -> int:
 def _checkpoint_target(target: Path, checkpoints: bool):
     """(checkpoint dir, program or None, one step or None) when TARGET names checkpoints: a folder
     of step_N dirs, one step_N dir (or its manifest.json), or a program folder with --checkpoints."""
-    from partitioner import checkpoint_report as cr
-
     def program_near(folder: Path):  # DIR/checkpoints of a program folder: check the model too
-        return cr.program_of(folder.parent) if (folder.parent / "plan.json").is_file() else None
+        return checkpoint_listing.program_of(folder.parent) if (folder.parent / "plan.json").is_file() else None
 
     if target.is_file() and target.name == "manifest.json":
         target = target.parent
     if target.is_file() and checkpoints:  # plan.json --checkpoints
-        return target.parent / "checkpoints", cr.program_of(target.parent), None
+        return target.parent / "checkpoints", checkpoint_listing.program_of(target.parent), None
     if not target.is_dir():
         return None
-    if cr.is_step_dir(target):
+    if checkpoint_listing.is_step_dir(target):
         return target.parent, program_near(target.parent), int(target.name.removeprefix("step_"))
     if (target / "plan.json").is_file():
-        return (target / "checkpoints", cr.program_of(target), None) if checkpoints else None
-    if checkpoints or cr.is_checkpoint_dir(target):
+        return (target / "checkpoints", checkpoint_listing.program_of(target), None) if checkpoints else None
+    if checkpoints or checkpoint_listing.is_checkpoint_dir(target):
         return target, program_near(target), None
     return None
 
 
 def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
-    from partitioner import checkpoint_report as cr
-    from partitioner import report
-
     for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
         if given:
             raise ValueError(f"{flag} shows a plan, and {args.target} names checkpoints: list them as a table "
                              "or with --json, or pass the program folder for the plan")
-    listing = cr.scan(ckpt_dir, program=program, step=step)
-    text = report.to_json_text(listing) if args.json else cr.text(listing)
+    listing = checkpoint_listing.scan(ckpt_dir, program=program, step=step)
+    text = inspect.to_json_text(listing) if args.json else checkpoint_listing.text(listing)
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -137,7 +134,6 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from partitioner import report
     from partitioner.plan import Plan
 
     target = Path(args.target)
@@ -156,21 +152,19 @@ def cmd_inspect(args) -> int:
         raise ValueError(f"{name} is not a plan ({type(exc).__name__}: {exc}); "
                          "recompile it with `partitioner compile`") from None
     if args.node is not None:
-        info = report.explain_node(plan, args.node)
-        text = report.to_json_text(info) if args.json else report.explain_text(info)
+        info = inspect.explain_node(plan, args.node, *inspect.load_priced(target))
+        text = inspect.to_json_text(info) if args.json else inspect.explain_text(info)
     elif args.json:
-        text = report.to_json_text(report.inspect_json(plan))
+        text = inspect.to_json_text(inspect.inspect_json(plan))
     elif args.dot:
-        text = report.dot(plan).rstrip("\n")
+        text = inspect.dot(plan).rstrip("\n")
     elif args.html:
-        path = report.write_html(plan, args.html)
+        path = inspect.write_html(plan, args.html)
         print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser", file=sys.stderr)
         return 0
     else:
-        text = report.table(plan)
-        from partitioner.checkpoint_report import is_checkpoint_dir
-
-        if target.is_dir() and is_checkpoint_dir(target / "checkpoints"):
+        text = inspect.table(plan)
+        if target.is_dir() and checkpoint_listing.is_checkpoint_dir(target / "checkpoints"):
             print(f"checkpoints in {target / 'checkpoints'}: partitioner inspect {target} --checkpoints",
                   file=sys.stderr)
     try:

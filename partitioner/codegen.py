@@ -1,7 +1,8 @@
 """Plan + traced graph → the program folder (DESIGN section 6).
 
 ```
-DIR/plan.json          the plan, its hash, the "program" the runtime reads, and every file's sha256
+DIR/plan.json          the plan, its hash, the "program" the runtime reads, every file's sha256, and
+                       the solver's problem and assignment (what `inspect --node` prices moves with)
 DIR/stage_<k>.py       stage k's forward as FX emits it, with the user's source lines as comments
 DIR/rank_<r>.py        rank r: its stages, its pipeline and data-parallel peers, one call into runtime
 DIR/train.py           the torchrun entry: runs rank_<RANK>.py (both: runtime/entry_files.py)
@@ -26,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from partitioner.plan import Plan
+from partitioner.solver import serialize
 from partitioner.split import StageGraph
 from runtime.entry_files import entry_files
 
@@ -144,6 +146,10 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         body["plan_hash"] = plan_hash
         body["program"] = program
         body["files"] = digests
+        artifacts = getattr(plan, "_artifacts", None)  # a Plan from compile() carries what the solver saw
+        if artifacts is not None and artifacts.problem is not None:
+            body["problem"] = serialize.to_dict(artifacts.problem)
+            body["assignment"] = serialize.to_dict(artifacts.assignment)
         (tmp / "plan.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         # Wall-clock figures: the one file two compiles may differ in (Note [plans are deterministic]).
         (tmp / "compile_stats.json").write_text(json.dumps(plan.timing(), indent=1, sort_keys=True) + "\n")
