@@ -160,3 +160,11 @@ def test_console_script_exit_status(folder):
                          timeout=120)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "missing.json: no such file or folder" in bad.stderr
+
+
+def test_python_dash_m_partitioner_is_the_partitioner_command(folder):
+    """Where the console script is not on PATH (a bare venv, a cluster image), `python -m partitioner`."""
+    done = subprocess.run([sys.executable, "-m", "partitioner", "inspect", str(folder)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"plan {Plan.load(folder).content_hash()}")
