@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 
-from runtime.torchrun import run_env, torchrun_command
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
+DRIVER = RUN_MANY  # several program folders in the same workers
 
 
 def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int = 900):

@@ -24,11 +24,16 @@ def free_port() -> int:
 
 def torchrun_command(script: str | Path, nproc: int, *, args: Sequence[str] = (),
                      max_restarts: int = 0) -> list[str]:
-    """``torchrun`` of ``script`` with ``nproc`` workers on this host; everything binds to
-    127.0.0.1 (DESIGN section 7)."""
+    """``torchrun`` of ``script`` (a .py path, or ``-m package.module``) with ``nproc`` workers on
+    this host; everything binds to 127.0.0.1 (DESIGN section 7)."""
+    target = ["-m", str(script)[3:]] if str(script).startswith("-m ") else [str(script)]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-            "--max-restarts", str(max_restarts), str(script), *map(str, args)]
+            "--max-restarts", str(max_restarts), *target, *map(str, args)]
+
+
+# The entry that trains several folders in the same workers (runtime/run_many.py).
+RUN_MANY = "-m runtime.run_many"
 
 
 def command_text(nproc: int, script: str) -> str:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from runtime.entry_files import write_entry_files
-from runtime.torchrun import run_env, torchrun_command
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,10 +280,11 @@ def child_env() -> dict:
 
 def torchrun(folder, nproc, *, timeout=120, also=()):
     """Run DIR/train.py under torchrun (how users run it). ``also``: more folders of the same world
-    size, trained after ``folder`` in the same workers (through tests/_run_programs.py)."""
-    entry = [os.path.join(folder, "train.py")] if not also else \
-        [os.path.join(REPO, "tests", "_run_programs.py"), folder, *also]
-    cmd = torchrun_command(entry[0], nproc, args=entry[1:])
+    size, trained after ``folder`` in the same workers (runtime/run_many.py)."""
+    if also:
+        cmd = torchrun_command(RUN_MANY, nproc, args=[folder] + [arg for more in also for arg in ("--", more)])
+    else:
+        cmd = torchrun_command(os.path.join(folder, "train.py"), nproc)
     return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,6 +1,6 @@
 """The memory tier in one real torchrun job (gloo, 4 ranks) of a compiled 2 x 2 GPT program with
 dropout, whose plan chose the memory tier (2 nodes: a full copy on the peer node). The job trains
-three runs of the same program, one after another in the same workers (tests/_run_checkpoint_programs.py),
+three runs of the same program, one after another in the same workers (runtime/run_many.py),
 and torchrun restarts it after each failure (--max-restarts 4); a finished run re-entered after a
 restart resumes at its last step and trains nothing:
 
@@ -27,14 +27,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _runtime_folders import REPO, child_env
+from _runtime_folders import child_env
 from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
-from runtime.torchrun import torchrun_command
+from runtime.torchrun import RUN_MANY, torchrun_command
 
 STEPS, EVERY, WORLD = 6, 2, 4
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def job(tmp_path_factory):
     plan.save(folder)
     shm = f"/dev/shm/partitioner-test-{uuid.uuid4().hex[:8]}" if os.path.isdir("/dev/shm") else f"{root}/shm"
     common = [folder, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--quiet"]
-    args = [DRIVER,
+    args = [RUN_MANY,
             *common, "--memory-tier", "off", "--run-dir", f"{root}/ref", "--checkpoint-dir", f"{root}/ck_ref", "--",
             *common, "--hosts", "0,0,1,1", "--run-dir", f"{root}/A", "--checkpoint-dir", f"{root}/ck_A",
             "--memory-dir", f"{shm}-A", "--fail-at", "1:3:kill", "--fail-host", "1:5:1", "--",

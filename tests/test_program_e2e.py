@@ -23,10 +23,9 @@ from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
 from runtime.reference import train_reference
-from runtime.torchrun import run_env, torchrun_command
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 STEPS = 3
-RUNNER = Path(__file__).parent / "_run_programs.py"
 
 
 class LongSkip(nn.Module):
@@ -76,7 +75,8 @@ def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> Non
     """Train every folder in one torchrun of `world_size` workers (one import of torch each)."""
     for folder in folders:
         assert json.loads((folder / "plan.json").read_text())["program"]["world_size"] == world_size
-    command = torchrun_command(RUNNER, world_size, args=["--steps", str(steps), *map(str, folders)])
+    jobs = [arg for folder in folders for arg in ("--", str(folder), "--steps", str(steps))]
+    command = torchrun_command(RUN_MANY, world_size, args=jobs[1:])
     done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
