@@ -1,6 +1,8 @@
 """partitioner compile | inspect | run | verify.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
+Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
+answer without importing torch (seconds on a small machine).
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-from partitioner import inspect
-from partitioner.inspect import checkpoints as checkpoint_listing
-from runtime.checkpoint import parse_duration_s
 from runtime.torchrun import run_env, torchrun_command
 
 EXIT_USAGE = 2
@@ -51,6 +50,7 @@ def cmd_compile(args) -> int:
     from partitioner.cluster import ClusterSpec
     from partitioner.models import load_workload
     from partitioner.solver.solve import SolverConfig
+    from runtime.checkpoint import parse_duration_s
 
     if args.cluster:
         if not Path(args.cluster).is_file():
@@ -101,6 +101,8 @@ def cmd_compile(args) -> int:
 def _checkpoint_target(target: Path, checkpoints: bool):
     """(checkpoint dir, program or None, one step or None) when TARGET names checkpoints: a folder
     of step_N dirs, one step_N dir (or its manifest.json), or a program folder with --checkpoints."""
+    from partitioner.inspect import checkpoints as checkpoint_listing
+
     def program_near(folder: Path):  # DIR/checkpoints of a program folder: check the model too
         return checkpoint_listing.program_of(folder.parent) if (folder.parent / "plan.json").is_file() else None
 
@@ -120,6 +122,9 @@ def _checkpoint_target(target: Path, checkpoints: bool):
 
 
 def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
+    from partitioner import inspect
+    from partitioner.inspect import checkpoints as checkpoint_listing
+
     for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
         if given:
             raise ValueError(f"{flag} shows a plan, and {args.target} names checkpoints: list them as a table "
@@ -134,6 +139,8 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from partitioner import inspect
+    from partitioner.inspect import checkpoints as checkpoint_listing
     from partitioner.plan import Plan
 
     target = Path(args.target)

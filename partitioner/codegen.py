@@ -22,14 +22,18 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from partitioner.plan import Plan
 from partitioner.solver import serialize
 from partitioner.split import StageGraph
 from runtime.entry_files import entry_files
+
+if TYPE_CHECKING:  # annotations only: Plan.save() imports the compiler, which imports this
+    from partitioner.plan import Plan
+
 
 # Names FX code may use besides `torch`, and how a generated file defines them.
 _GLOBAL_DEFS = {

@@ -9,8 +9,11 @@ program    plan.json's "program" object: ``load_program``, ``validate_program``,
 entry_files the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``), one
            emitter for codegen and hand-made test folders
 torchrun   ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
+run_many   torchrun entry training several folders in the same workers (tests, benchmarks)
+checkpoint_drills  one-process drills of the checkpoint protocol (tests, benchmarks; never a program)
 stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
-schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
+schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)`` and
+           ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
 train      optimizer + LR schedule, dropout seeding, gradient sync, ``RankTrainer``
 reference  ``train_reference(...)``: the one-process oracle with the same math
 data       deterministic batches and losses of the built-in workloads

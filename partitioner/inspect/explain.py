@@ -14,13 +14,17 @@ import dataclasses
 import difflib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partitioner.cluster import ClusterSpec
 from partitioner.inspect.units import held, human_bytes, ms, si
-from partitioner.plan import Plan
 from partitioner.solver.check import evaluate, structural_violations
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
 
 COST_MODEL = ("the solver's own cost model on the problem plan.json stores (Note [priced moves] in "
               "partitioner/inspect/explain.py)")

@@ -3,8 +3,13 @@ the HTML page."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from partitioner.inspect.units import escape, held, human_bytes, ms, si, stage_colour
-from partitioner.plan import Plan
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
 
 def region_graph_edges(plan: Plan) -> list[tuple[int, int, str]]:
     """(src, dst, kind) for drawing: "cut" edges from the plan, and "stage" edges joining

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING
 
 from partitioner.inspect.table import balance, samples_per_s
-from partitioner.plan import Plan
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
 
 def inspect_json(plan: Plan) -> dict:
     """The fields DESIGN section 11 promises, and more beside them (never fewer, never renamed)."""

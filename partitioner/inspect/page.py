@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partitioner.inspect.graph import svg_stage_graph
 from partitioner.inspect.table import balance, samples_per_s
 from partitioner.inspect.timeline import svg_timeline, timeline
 from partitioner.inspect.units import escape, held, human_bytes, ms, si, stage_colour
-from partitioner.plan import Plan
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
 
 MEMORY_PARTS = (("weights", "params_bytes", "#4e79a7"), ("gradients", "grads_bytes", "#59a14f"),
                 ("optimizer", "optimizer_bytes", "#edc948"), ("activations", "activations_bytes", "#e15759"),

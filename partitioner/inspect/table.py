@@ -3,8 +3,13 @@ step, balance, solver, baselines, cut edges, ties and the memory tier."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from partitioner.inspect.units import GIB, byte_unit, held, ms, render_columns, si
-from partitioner.plan import Plan
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
 
 def balance(plan: Plan) -> dict:
     times = [s.predicted_time_s for s in plan.stages]

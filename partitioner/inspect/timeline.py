@@ -5,9 +5,13 @@ each stage's predicted time as its durations."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from partitioner.inspect.units import escape, ms, stage_colour
-from partitioner.plan import Plan
-from runtime.schedule import timed_actions
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
 
 def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float]]:
     """Per stage, (forward, backward) seconds of one microbatch: the stage's predicted time (compute
@@ -28,6 +32,10 @@ def timeline(plan: Plan) -> dict:
     backward (B) of every microbatch as [start, end) seconds (``runtime.schedule.timed_actions``:
     torch.distributed.pipelining's order; F of stage s waits for F of stage s-1, B of stage s for
     its own F and B of stage s+1)."""
+    # Here, not at the top: runtime.schedule imports torch.distributed.pipelining (seconds), and
+    # only the HTML page draws a timeline.
+    from runtime.schedule import timed_actions
+
     ranks = []
     for s in plan.stages:
         if s.ranks[0] not in ranks:
