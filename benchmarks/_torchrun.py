@@ -1,35 +1,27 @@
-"""What the torchrun-driven benchmarks share: a free port, the environment, a launch, JSONL rows."""
+"""What the torchrun-driven benchmarks share: a launch that stops the benchmark on failure, JSONL rows.
+
+The command, its environment and the port come from runtime/torchrun.py, like every launch.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_env() -> dict:
-    """One thread per process, a fresh rendezvous store per job, this checkout importable."""
-    return dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+DRIVER = RUN_MANY  # several program folders in the same workers
 
 
 def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, timeout: int = 900):
-    """Run a job of ``nproc`` workers; exit with its output's tail if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           "--max-restarts", str(max_restarts), *args]
-    result = subprocess.run(cmd, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+    """Run a job of ``nproc`` workers (``args``: the script, then its flags); exit with its
+    output's tail if it fails."""
+    script, *flags = args
+    cmd = torchrun_command(script, nproc, args=flags, max_restarts=max_restarts)
+    result = subprocess.run(cmd, env=run_env(pythonpath=REPO), capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         sys.exit(f"torchrun failed:\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}")
     return result

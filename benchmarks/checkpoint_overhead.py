@@ -50,11 +50,10 @@ def raw_fsync_throughput(directory: str, total_mib: int = 64, chunk_mib: int = 1
 
 def idle_persist_throughput(folder: str, root: str, reps: int = 3) -> float:
     """Bytes/s of persisting rank 0's shard with nothing else running (median of ``reps``)."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
     import torch
 
-    from _checkpoint_helpers import FakeTrainer
     from runtime import checkpoint as ck
+    from runtime.checkpoint_drills import FakeTrainer
 
     torch.set_num_threads(1)
     trainer = FakeTrainer(folder, 0)

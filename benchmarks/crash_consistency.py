@@ -23,14 +23,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import torch
 
-import torch  # noqa: E402
-
-from _checkpoint_helpers import (count_commit, killed_commit, newest_for_all,  # noqa: E402
-                                 random_point, same_state, trainers_at)
-from runtime import checkpoint as ck  # noqa: E402
-from runtime.program import load_program  # noqa: E402
+from runtime import checkpoint as ck
+from runtime.checkpoint_drills import count_commit, killed_commit, newest_for_all, random_point, same_state, trainers_at
+from runtime.program import load_program
 
 
 def main() -> int:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.torchrun import run_env, torchrun_command
+
 MODEL = "gpt:layers=4,width=256,heads=4,vocab=2048,seq=128"
 GLOBAL_BATCH = 16
 MICROBATCHES = 4
@@ -68,15 +70,14 @@ def eager_loop(steps: int) -> float:
 
 
 def generated_program(folder: Path, steps: int) -> float:
-    from partitioner.cli import run_env, torchrun_command
     from partitioner.plan import Plan
 
     plan = Plan.load(folder)
     # Fresh run and checkpoint folders each time: the program would otherwise resume from the
     # previous run's checkpoint and train fewer steps (or none).
     run_dir = Path(tempfile.mkdtemp(prefix="bench-run-", dir=folder))
-    command = torchrun_command(folder, plan.world_size, extra=["--steps", str(steps), "--run-dir", str(run_dir),
-                                                               "--checkpoint-dir", str(run_dir / "checkpoints")])
+    command = torchrun_command(folder / "train.py", plan.world_size, args=[
+        "--steps", str(steps), "--run-dir", str(run_dir), "--checkpoint-dir", str(run_dir / "checkpoints")])
     done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
@@ -123,13 +124,10 @@ def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str) -> Non
 
 
 def handwritten_pipeline(steps: int, split_at: str) -> float:
-    from partitioner.cli import run_env, _free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", __file__, "--worker", "--steps", str(steps),
-                   "--split-at", split_at, "--out", str(out)]
+        command = torchrun_command(__file__, 2, args=["--worker", "--steps", str(steps), "--split-at", split_at,
+                                                      "--out", str(out)])
         done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])

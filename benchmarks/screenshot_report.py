@@ -25,7 +25,7 @@ MAX_PNG_BYTES = 300 * 1024
 
 def main() -> int:
     import partitioner
-    from partitioner import report
+    from partitioner import inspect
     from partitioner.cluster import ClusterSpec
     from partitioner.models import load_workload
 
@@ -34,7 +34,7 @@ def main() -> int:
     started = time.perf_counter()
     plan = partitioner.compile(load_workload(MODEL), cluster=ClusterSpec.homogeneous(4, "cpu"), global_batch=16,
                                 num_stages=4)
-    page = report.write_html(plan, docs / "report.html")
+    page = inspect.write_html(plan, docs / "report.html")
     print(f"compiled {MODEL} in {time.perf_counter() - started:.1f} s: {plan.num_stages} stages x dp {plan.dp}, "
           f"{plan.num_microbatches} microbatches; wrote {page} ({page.stat().st_size / 1024:.0f} KiB)")
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

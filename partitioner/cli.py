@@ -1,19 +1,20 @@
 """partitioner compile | inspect | run | verify.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
+Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
+answer without importing torch (seconds on a small machine).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from runtime.torchrun import run_env, torchrun_command
 
 EXIT_USAGE = 2
 
@@ -44,18 +45,12 @@ EXAMPLES = {
 }
 
 
-def _parse_duration_s(text: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([smhd]?)\s*", text)
-    if not match:
-        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-
-
 def cmd_compile(args) -> int:
     import partitioner
     from partitioner.cluster import ClusterSpec
     from partitioner.models import load_workload
     from partitioner.solver.solve import SolverConfig
+    from runtime.checkpoint import parse_duration_s
 
     if args.cluster:
         if not Path(args.cluster).is_file():
@@ -67,7 +62,7 @@ def cmd_compile(args) -> int:
     if args.checkpoint_every is not None:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:
-        training["mtbf_s"] = _parse_duration_s(args.mtbf)
+        training["mtbf_s"] = parse_duration_s(args.mtbf)
     if args.memory_tier is not None:
         training["memory_tier"] = {"mode": args.memory_tier, **({"group_size": args.parity_group}
                                                                if args.parity_group else {})}
@@ -106,36 +101,36 @@ def cmd_compile(args) -> int:
 def _checkpoint_target(target: Path, checkpoints: bool):
     """(checkpoint dir, program or None, one step or None) when TARGET names checkpoints: a folder
     of step_N dirs, one step_N dir (or its manifest.json), or a program folder with --checkpoints."""
-    from partitioner import checkpoint_report as cr
+    from partitioner.inspect import checkpoints as checkpoint_listing
 
     def program_near(folder: Path):  # DIR/checkpoints of a program folder: check the model too
-        return cr.program_of(folder.parent) if (folder.parent / "plan.json").is_file() else None
+        return checkpoint_listing.program_of(folder.parent) if (folder.parent / "plan.json").is_file() else None
 
     if target.is_file() and target.name == "manifest.json":
         target = target.parent
     if target.is_file() and checkpoints:  # plan.json --checkpoints
-        return target.parent / "checkpoints", cr.program_of(target.parent), None
+        return target.parent / "checkpoints", checkpoint_listing.program_of(target.parent), None
     if not target.is_dir():
         return None
-    if cr.is_step_dir(target):
+    if checkpoint_listing.is_step_dir(target):
         return target.parent, program_near(target.parent), int(target.name.removeprefix("step_"))
     if (target / "plan.json").is_file():
-        return (target / "checkpoints", cr.program_of(target), None) if checkpoints else None
-    if checkpoints or cr.is_checkpoint_dir(target):
+        return (target / "checkpoints", checkpoint_listing.program_of(target), None) if checkpoints else None
+    if checkpoints or checkpoint_listing.is_checkpoint_dir(target):
         return target, program_near(target), None
     return None
 
 
 def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
-    from partitioner import checkpoint_report as cr
-    from partitioner import report
+    from partitioner import inspect
+    from partitioner.inspect import checkpoints as checkpoint_listing
 
     for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
         if given:
             raise ValueError(f"{flag} shows a plan, and {args.target} names checkpoints: list them as a table "
                              "or with --json, or pass the program folder for the plan")
-    listing = cr.scan(ckpt_dir, program=program, step=step)
-    text = report.to_json_text(listing) if args.json else cr.text(listing)
+    listing = checkpoint_listing.scan(ckpt_dir, program=program, step=step)
+    text = inspect.to_json_text(listing) if args.json else checkpoint_listing.text(listing)
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -144,7 +139,8 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from partitioner import report
+    from partitioner import inspect
+    from partitioner.inspect import checkpoints as checkpoint_listing
     from partitioner.plan import Plan
 
     target = Path(args.target)
@@ -163,21 +159,19 @@ def cmd_inspect(args) -> int:
         raise ValueError(f"{name} is not a plan ({type(exc).__name__}: {exc}); "
                          "recompile it with `partitioner compile`") from None
     if args.node is not None:
-        info = report.explain_node(plan, args.node)
-        text = report.to_json_text(info) if args.json else report.explain_text(info)
+        info = inspect.explain_node(plan, args.node, *inspect.load_priced(target))
+        text = inspect.to_json_text(info) if args.json else inspect.explain_text(info)
     elif args.json:
-        text = report.to_json_text(report.inspect_json(plan))
+        text = inspect.to_json_text(inspect.inspect_json(plan))
     elif args.dot:
-        text = report.dot(plan).rstrip("\n")
+        text = inspect.dot(plan).rstrip("\n")
     elif args.html:
-        path = report.write_html(plan, args.html)
+        path = inspect.write_html(plan, args.html)
         print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser", file=sys.stderr)
         return 0
     else:
-        text = report.table(plan)
-        from partitioner.checkpoint_report import is_checkpoint_dir
-
-        if target.is_dir() and is_checkpoint_dir(target / "checkpoints"):
+        text = inspect.table(plan)
+        if target.is_dir() and checkpoint_listing.is_checkpoint_dir(target / "checkpoints"):
             print(f"checkpoints in {target / 'checkpoints'}: partitioner inspect {target} --checkpoints",
                   file=sys.stderr)
     try:
@@ -187,33 +181,12 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_command(folder: Path, world_size: int, *, extra: list[str], max_restarts: int = 0) -> list[str]:
-    """Single host: everything binds to 127.0.0.1 (DESIGN section 7)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-            "--max-restarts", str(max_restarts), str(folder / "train.py"), *extra]
-
-
-def run_env() -> dict:
-    env = dict(os.environ)
-    # torchrun restarts with gloo hang on a stale shared store unless this is set (DESIGN section 2).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def cmd_run(args) -> int:
     """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
     from partitioner.plan import Plan
-    from runtime.checkpoint import check_writable, parse_duration_s
+    from runtime.checkpoint import check_writable
     from runtime.faults import parse_fail_at, parse_fail_persist
 
     folder = Path(args.dir)
@@ -248,7 +221,7 @@ def cmd_run(args) -> int:
         extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
     elif args.log_every:
         raise ValueError(f"--log-every {args.log_every} thins the step lines of --quiet: add --quiet")
-    command = torchrun_command(folder, plan.world_size, extra=extra, max_restarts=args.max_restarts)
+    command = torchrun_command(folder / "train.py", plan.world_size, args=extra, max_restarts=args.max_restarts)
     per_node = max(1, plan.world_size // 2)
     if not args.quiet:
         print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "

@@ -107,11 +107,14 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 @dataclass
 class Artifacts:
-    """What Plan.save needs besides the plan: the workload to re-trace at the microbatch size."""
+    """What Plan.save needs besides the plan: the workload to re-trace at the microbatch size, and
+    the solver's problem and assignment, which plan.json keeps for `inspect --node`."""
 
     workload: Workload
     granularity: str
     region_names: list[str] = field(default_factory=list)
+    problem: sp.PartitionProblem | None = None
+    assignment: sp.Assignment | None = None
 
 
 def compile_workload(
@@ -153,8 +156,8 @@ def compile_workload(
                      schedule=schedule, config=solver_config, progress=progress)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
                      training={**DEFAULT_TRAINING, **(training or {})})
-    object.__setattr__(plan, "_artifacts", Artifacts(workload, granularity,
-                                                     [r.name for r in problem.regions]))
+    object.__setattr__(plan, "_artifacts", Artifacts(workload, granularity, [r.name for r in problem.regions],
+                                                     problem, solution.assignment))
     return plan
 
 

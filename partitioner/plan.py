@@ -138,6 +138,8 @@ class Plan:
         stated = body.pop("plan_hash", None)
         body.pop("program", None)
         body.pop("files", None)
+        body.pop("problem", None)  # the solver's problem and answer, kept beside the plan for inspect
+        body.pop("assignment", None)
         if body.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}: recompile the plan")
         plan = cls(
@@ -188,7 +190,7 @@ class Plan:
         return [layout[r] for r in sorted(layout)]
 
     def summary(self) -> str:
-        from partitioner.report import table
+        from partitioner.inspect import table
 
         return table(self)
 

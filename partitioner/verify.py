@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.torchrun import run_env, torchrun_command
+
 # Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
 # the rounding of sums (data-parallel mean, gradient accumulation order), ~1e-7 in the loss.
 # Parameters get a looser bound: a parameter whose true gradient is zero (an attention key bias:
@@ -73,7 +75,6 @@ def read_program_run(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor
 
 
 def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
-    from partitioner.cli import run_env, torchrun_command
     from partitioner.plan import Plan
     from runtime.program import load_program, resolve_callable
     from runtime.reference import train_reference, train_reference_from_folder
@@ -88,7 +89,7 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
-        command = torchrun_command(folder, plan.world_size, extra=[
+        command = torchrun_command(folder / "train.py", plan.world_size, args=[
             "--steps", str(steps), "--run-dir", str(run_dir), "--checkpoint-dir", str(Path(tmp) / "checkpoints")])
         try:
             done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=timeout_s)

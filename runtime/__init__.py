@@ -5,10 +5,15 @@ Modules
 -------
 launch     ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the one
            call of every rank_<r>.py (env, process groups, training, final save)
-program    plan.json's "program" object: ``load_program``, ``validate_program``, ``Layout`` (groups),
-           ``rank_file_text`` / ``train_file_text`` / ``write_entry_files`` (the entry files' text)
+program    plan.json's "program" object: ``load_program``, ``validate_program``, ``Layout`` (groups)
+entry_files the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``), one
+           emitter for codegen and hand-made test folders
+torchrun   ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
+run_many   torchrun entry training several folders in the same workers (tests, benchmarks)
+checkpoint_drills  one-process drills of the checkpoint protocol (tests, benchmarks; never a program)
 stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
-schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
+schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)`` and
+           ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
 train      optimizer + LR schedule, dropout seeding, gradient sync, ``RankTrainer``
 reference  ``train_reference(...)``: the one-process oracle with the same math
 data       deterministic batches and losses of the built-in workloads
@@ -33,8 +38,9 @@ The program folder (written by partitioner/codegen.py)
                          single output, or a tuple of them in OUTPUTS order.
     DIR/weights/stage_<k>.safetensors   initial values keyed by original names (params + buffers)
     DIR/rank_<r>.py      one call: runtime.launch.main(<its folder>, rank=r)
-                         (text: runtime.program.rank_file_text(program, r))
-    DIR/train.py         torchrun entry: runs rank_<RANK>.py (text: runtime.program.train_file_text)
+                         (text: runtime.entry_files.rank_file_text(program, r))
+    DIR/train.py         torchrun entry: runs rank_<RANK>.py; without RANK it exits naming the
+                         torchrun line (text: runtime.entry_files.train_file_text)
     DIR/run/             written by the run: metrics.jsonl, final/ (below)
     DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/checkpoint.py)
 

@@ -15,22 +15,16 @@ dead peer; torchrun's agent then tears down the remaining workers (and restarts 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
 
-from runtime.program import Layout, launch_command, load_program
+from runtime.program import Layout, load_program
+from runtime.torchrun import command_text, free_port
 
 
 class LaunchError(ValueError):
     """The process was started in a way that does not match the program (world size, rank)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_env(program: dict, folder: str, rank: int | None) -> tuple[int, int, int]:
@@ -39,11 +33,11 @@ def read_env(program: dict, folder: str, rank: int | None) -> tuple[int, int, in
     if "WORLD_SIZE" not in os.environ:
         if want != 1:
             raise LaunchError(f"this program needs {want} processes and WORLD_SIZE is not set: "
-                              f"launch it with `{launch_command(program, folder)}`")
+                              f"launch it with `{command_text(want, os.path.join(folder, 'train.py'))}`")
         # A one-rank program may run as a plain `python rank_0.py`.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     world = int(os.environ["WORLD_SIZE"])
     if world != want:
         raise LaunchError(f"the program was compiled for world_size={want} but WORLD_SIZE={world}: "

@@ -236,49 +236,6 @@ def import_path(path: str, name: str | None = None):
     return module
 
 
-def launch_command(program: dict, folder: str = "DIR") -> str:
-    return (f"torchrun --nproc-per-node {program['world_size']} --rdzv-backend c10d "
-            f"--rdzv-endpoint 127.0.0.1:29500 {os.path.join(folder, 'train.py')}")
-
-
-def rank_file_text(program: dict, rank: int) -> str:
-    """The exact text of DIR/rank_<rank>.py (codegen may write it verbatim)."""
-    entry = next(e for e in program["ranks"] if e["rank"] == rank)
-    return (
-        f'"""Rank {rank} of {program["world_size"]}: stages {entry["stages"]}, data-parallel '
-        f'replica {entry["replica"]}.\n\n'
-        f'Launch all ranks with: {launch_command(program)}\n"""\n'
-        "import os\n\n"
-        "import runtime.launch\n\n"
-        'if __name__ == "__main__":\n'
-        f"    runtime.launch.main(os.path.dirname(os.path.abspath(__file__)), rank={rank})\n")
-
-
-def train_file_text(program: dict) -> str:
-    """The exact text of DIR/train.py, the torchrun entry."""
-    return (
-        f'"""torchrun entry: runs rank_<RANK>.py in each worker.\n\n'
-        f'    {launch_command(program)}\n"""\n'
-        "import os\n"
-        "import runpy\n"
-        "import sys\n\n"
-        "here = os.path.dirname(os.path.abspath(__file__))\n"
-        'rank = os.environ.get("RANK")\n'
-        "if rank is None:\n"
-        f'    sys.exit("train.py runs under torchrun: torchrun --nproc-per-node '
-        f'{program["world_size"]} " + os.path.join(here, "train.py"))\n'
-        'runpy.run_path(os.path.join(here, f"rank_{int(rank)}.py"), run_name="__main__")\n')
-
-
-def write_entry_files(folder: str, program: dict) -> None:
-    """Write rank_<r>.py for every rank and train.py (what codegen emits; tests use it too)."""
-    for r in range(program["world_size"]):
-        with open(os.path.join(folder, f"rank_{r}.py"), "w") as f:
-            f.write(rank_file_text(program, r))
-    with open(os.path.join(folder, "train.py"), "w") as f:
-        f.write(train_file_text(program))
-
-
 def tensor_dtype(name: str):
     import torch
 

@@ -107,30 +107,53 @@ def _interleaved_order(pos: int, pp: int, n_local: int, m: int) -> list[tuple[st
     return acts
 
 
-def simulate(name: str, pp: int, num_stages: int, m: int) -> list[list[tuple[str, int, int] | None]]:
-    """Time slots (one forward or backward of one stage each) per pipeline position: every rank
-    runs its actions in order, each as soon as its inputs are ready (F needs the previous stage's
-    F of that microbatch; B needs its own F and the next stage's B)."""
+Action = tuple[str, int, int]  # (kind "F"/"B", stage, microbatch)
+
+
+def timed_actions(name: str, pp: int, num_stages: int, m: int,
+                  seconds: Callable[[str, int], float] | None = None) -> list[tuple[int, Action, float, float]]:
+    """Every compute action of one step as (pipeline position, action, start, end): each rank runs
+    its actions in torch.distributed.pipelining's order, each as soon as its inputs are ready (F
+    needs the previous stage's F of that microbatch; B needs its own F and the next stage's B).
+    ``seconds(kind, stage)`` is an action's duration (default 1: time counts slots). Listed in the
+    order they are resolved, which a drawing may rely on to be stable."""
     orders = _rank_orders(name, pp, num_stages, m)
-    done: set[tuple[str, int, int]] = set()
+    duration = seconds or (lambda kind, stage: 1.0)
+    end: dict[Action, float] = {}
+    free = [0.0] * pp
     nxt = [0] * pp
-    timeline: list[list] = [[] for _ in range(pp)]
-    total = sum(len(o) for o in orders)
-    while len(done) < total:
-        ran = []
+    out = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
         for pos in range(pp):
-            act = orders[pos][nxt[pos]] if nxt[pos] < len(orders[pos]) else None
-            ready = act is not None and (
-                (act[0] == "F" and (act[1] == 0 or ("F", act[1] - 1, act[2]) in done)) or
-                (act[0] == "B" and ("F", act[1], act[2]) in done and
-                 (act[1] == num_stages - 1 or ("B", act[1] + 1, act[2]) in done)))
-            timeline[pos].append(act if ready else None)
-            if ready:
-                ran.append(act)
+            while nxt[pos] < len(orders[pos]):
+                act = orders[pos][nxt[pos]]
+                kind, stage, mb = act
+                deps = [("F", stage - 1, mb)] if kind == "F" and stage > 0 else []
+                if kind == "B":
+                    deps = [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < num_stages - 1 else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[pos]] + [end[d] for d in deps])
+                end[act] = free[pos] = start + duration(kind, stage)
+                out.append((pos, act, start, end[act]))
                 nxt[pos] += 1
-        if not ran:
+                remaining -= 1
+                progressed = True
+        if not progressed:
             raise RuntimeError(f"schedule {name} deadlocks in simulation: {orders}")
-        done.update(ran)
+    return out
+
+
+def simulate(name: str, pp: int, num_stages: int, m: int) -> list[list[Action | None]]:
+    """Time slots (one forward or backward of one stage each) per pipeline position: the actions
+    of ``timed_actions`` at unit duration, None where a rank waits."""
+    actions = timed_actions(name, pp, num_stages, m)
+    slots = int(max(finish for _pos, _act, _start, finish in actions))
+    timeline: list[list[Action | None]] = [[None] * slots for _ in range(pp)]
+    for pos, act, start, _finish in actions:
+        timeline[pos][int(start)] = act
     return timeline
 
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from runtime.program import write_entry_files
+from runtime.entry_files import write_entry_files
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -206,7 +205,7 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
                "steps": steps}
     with open(os.path.join(folder, "plan.json"), "w") as f:
         json.dump({"plan_hash": "test-" + schedule, "program": program}, f, indent=1)
-    write_entry_files(folder, program)
+    write_entry_files(folder, program, plan_hash="test-" + schedule)
     return program
 
 
@@ -274,25 +273,18 @@ def gpt_folder(folder, *, splits, ranks, dp=1, num_microbatches=2, global_batch=
 # Running and reading back
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return env
+    """run_env with this checkout first on PYTHONPATH: workers import the code under test."""
+    return run_env(pythonpath=REPO)
 
 
 def torchrun(folder, nproc, *, timeout=120, also=()):
     """Run DIR/train.py under torchrun (how users run it). ``also``: more folders of the same world
-    size, trained after ``folder`` in the same workers (through tests/_run_programs.py)."""
-    entry = [os.path.join(folder, "train.py")] if not also else \
-        [os.path.join(REPO, "tests", "_run_programs.py"), folder, *also]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *entry]
+    size, trained after ``folder`` in the same workers (runtime/run_many.py)."""
+    if also:
+        cmd = torchrun_command(RUN_MANY, nproc, args=[folder] + [arg for more in also for arg in ("--", more)])
+    else:
+        cmd = torchrun_command(os.path.join(folder, "train.py"), nproc)
     return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 

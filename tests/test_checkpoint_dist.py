@@ -20,11 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _runtime_folders import REPO, child_env, free_port, one_thread  # noqa: F401
+from _runtime_folders import child_env, one_thread  # noqa: F401
 from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
 from runtime.reference import train_reference_from_folder
+from runtime.torchrun import RUN_MANY as DRIVER
+from runtime.torchrun import torchrun_command
 
 STEPS, EVERY = 6, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -32,7 +34,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # arithmetic, so Adam normalizes summation-order noise (1e-9) into updates of lr-size; compare those
 # to lr * steps.
 PARAM_TOL = dict(rtol=1e-4, atol=1e-3 * STEPS)
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
 CLI = os.path.join(os.path.dirname(sys.executable), "partitioner")
 
 
@@ -55,9 +56,7 @@ def plans(tmp_path_factory):
 
 
 def _torchrun(nproc, args, *, timeout=150, max_restarts=0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           "--max-restarts", str(max_restarts), *args]
+    cmd = torchrun_command(args[0], nproc, args=args[1:], max_restarts=max_restarts)
     return _check(subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout))
 
 

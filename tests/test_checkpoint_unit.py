@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-from _checkpoint_helpers import (FakeTrainer, assert_trains_identically, count_commit, killed_commit, newest_for_all,
-                                 random_point, same_state, set_plan_fields, trainers_at)
+from _checkpoint_helpers import assert_trains_identically, set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import faults
+from runtime.checkpoint_drills import FakeTrainer, count_commit, killed_commit, newest_for_all, random_point, same_state, trainers_at
 from runtime.errors import PlanMismatchError
 from runtime.program import load_program
 from runtime.recovery import agree_newest

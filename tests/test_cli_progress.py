@@ -11,10 +11,11 @@ import re
 
 import pytest
 
-from _checkpoint_helpers import set_plan_fields, trainers_at
+from _checkpoint_helpers import set_plan_fields
 from _runtime_folders import mlp_folder
 from partitioner.cli import build_parser, main
 from runtime import checkpoint as ck
+from runtime.checkpoint_drills import trainers_at
 from runtime.program import load_program
 
 FINGERPRINT = "mlp-8-32-32-32-4"

@@ -83,11 +83,28 @@ def test_node_explains_and_prices_moves(capsys, folder):
     assert re.search(r"move to stage 1 \(block\.0 \.\. block\.1 \(2\)\): step [\d.]+ ms \(\+", out)
     rc, out, _ = inspect(capsys, folder, "--node", "block.1", "--json")
     info = json.loads(out)
-    # The cost model rebuilt from plan.json reproduces the plan's own step time for a GPT.
-    assert info["rebuilt_error"] < 1e-6
+    # The solver's problem stored in plan.json reprices the plan to its own step time.
+    assert info["repriced_error"] < 1e-6
     (move,) = info["moves"]
     assert move["to_stage"] == 1 and move["possible"] and move["change"] > 0  # the solver proved optimality
     assert info["verdict"].startswith("stays on stage 0")
+
+
+def test_node_on_a_plan_without_the_solver_problem_says_recompile(capsys, folder, tmp_path):
+    body = json.loads((folder / "plan.json").read_text())
+    del body["problem"], body["assignment"]  # what compilers before the problem was kept wrote
+    (tmp_path / "plan.json").write_text(json.dumps(body))
+    assert_short_error(*inspect(capsys, tmp_path, "--node", "linear_3"), r"plan\.json has no problem or assignment",
+                       "recompile it with `partitioner compile`")
+    rc, out, _ = inspect(capsys, tmp_path)  # every other view still reads it
+    assert rc == 0 and out.startswith("plan ")
+
+
+def test_plan_json_is_byte_deterministic(folder, tmp_path):
+    again = tmp_path / "again"
+    partitioner.compile(gpt(layers=4, width=32, heads=2, vocab=64, seq=16), cluster=ClusterSpec.homogeneous(2, "cpu"),
+                        global_batch=8, num_stages=2, microbatches=4).save(again)
+    assert (again / "plan.json").read_bytes() == (folder / "plan.json").read_bytes()
 
 
 def test_missing_path(capsys, tmp_path):
@@ -143,3 +160,11 @@ def test_console_script_exit_status(folder):
                          timeout=120)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "missing.json: no such file or folder" in bad.stderr
+
+
+def test_python_dash_m_partitioner_is_the_partitioner_command(folder):
+    """Where the console script is not on PATH (a bare venv, a cluster image), `python -m partitioner`."""
+    done = subprocess.run([sys.executable, "-m", "partitioner", "inspect", str(folder)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"plan {Plan.load(folder).content_hash()}")

@@ -1,6 +1,7 @@
 """The inspection face on a Plan built by hand: the table, the JSON and the DOT are pinned against
 golden files (regenerate with UPDATE_GOLDEN=1 after a deliberate change and review the diff); the
-HTML page is self-contained; the timeline follows the schedule."""
+HTML page is self-contained; the timeline follows the schedule; --node prices moves with the solver's
+cost model on the solver's problem."""
 
 import json
 import os
@@ -9,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from partitioner import report
+from partitioner import inspect as report
 from partitioner.cluster import ClusterSpec
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
+from partitioner.solver import problem as sp
+from partitioner.solver import serialize
+from partitioner.solver.check import evaluate
 
 GOLDEN = Path(__file__).parent / "golden"
 KIB, GIB = 2**10, 2**30
@@ -70,6 +74,19 @@ def hand_plan() -> Plan:
         baselines={"param_balanced": {"step_time_s": 1.5e-3}, "uniform": {"step_time_s": 1.3e-3}},
         cluster=ClusterSpec.homogeneous(3, "cpu").to_dict(),
     )
+
+
+def hand_problem() -> tuple[sp.PartitionProblem, sp.Assignment]:
+    """The solver's view of hand_plan(): its regions, the chain and the skip edge, the tie."""
+    figures = [(r.name, r.flops_fwd, r.param_bytes, r.activation_bytes, r.layer) for r in hand_plan().regions]
+    regions = tuple(sp.Region(name, fwd, 2 * fwd, params, params, 2 * params, act, act // 4 if name == "block.1" else act,
+                              layer=layer) for name, fwd, params, act, layer in figures)
+    edges = tuple(sp.Edge(i, i + 1, 512) for i in range(4)) + (sp.Edge(0, 4, 512),)
+    problem = sp.PartitionProblem(regions, edges, ties=(sp.Tie((0, 4), 2048),), input_bytes_per_sample=64)
+    assignment = sp.Assignment(stage_of_region=(0, 0, 1, 1, 2), recompute=(False, False, True, False, False),
+                               device_of_stage_replica=((0,), (1,), (2,)), num_stages=3, dp=1, num_microbatches=4,
+                               microbatch_size=2, schedule="1f1b")
+    return problem, assignment
 
 
 def check_golden(name: str, text: str) -> None:
@@ -161,18 +178,31 @@ def test_timeline_follows_dependencies(plan):
 
 def test_explain_unknown_node_lists_close_matches(plan):
     with pytest.raises(ValueError, match=r"'block_1_lnear'.*close matches: block_1_linear"):
-        report.explain_node(plan, "block_1_lnear")
+        report.explain_node(plan, "block_1_lnear", *hand_problem())
 
 
 def test_explain_middle_region_prices_both_neighbours(plan):
-    info = report.explain_node(plan, "block_2_add")
+    problem, assignment = hand_problem()
+    info = report.explain_node(plan, "block_2_add", problem, assignment)
     assert info["region"]["name"] == "block.2" and info["stage"]["index"] == 1
     assert info["neighbours"] == {"before": {"region": "block.1", "stage": 1},
                                   "after": {"region": "head", "stage": 2}}
     earlier, later = info["moves"]
     assert earlier["to_stage"] == 0 and earlier["possible"] is False  # would empty stage 1
     assert later["to_stage"] == 2 and later["regions"] == ["block.2"] and later["possible"] is True
-    assert later["stage_times_s"][2] > plan.stages[2].predicted_time_s  # stage 2 took block.2's work
-    assert info["rebuilt_error"] > 0.01 and "rough guide" in info["verdict"]  # hand figures: not the model's
+    now = evaluate(problem, ClusterSpec.from_dict(plan.cluster), assignment)
+    assert later["stage_times_s"][2] > now.stages[2].time_s  # stage 2 took block.2's work
+    assert info["repriced_error"] > 0.01 and "disagree" in info["verdict"]  # hand figures: not the model's
     text = report.explain_text(info)
     assert "move to stage 2 (block.2)" in text and "verdict" in text
+
+
+def test_solver_problem_round_trips_through_json_and_tolerates_added_fields():
+    problem, assignment = hand_problem()
+    body = json.loads(json.dumps(serialize.to_dict(problem)))
+    body["regions"][0]["a_field_from_a_newer_compiler"] = 1
+    assert serialize.problem_from_dict(body) == problem
+    assert serialize.assignment_from_dict(json.loads(json.dumps(serialize.to_dict(assignment)))) == assignment
+    del body["regions"][1]["param_bytes"]
+    with pytest.raises(ValueError, match=r"problem\.regions\[1\] lacks fields Region needs.*recompile"):
+        serialize.problem_from_dict(body)

@@ -1,6 +1,6 @@
 """The memory tier in one real torchrun job (gloo, 4 ranks) of a compiled 2 x 2 GPT program with
 dropout, whose plan chose the memory tier (2 nodes: a full copy on the peer node). The job trains
-three runs of the same program, one after another in the same workers (tests/_run_checkpoint_programs.py),
+three runs of the same program, one after another in the same workers (runtime/run_many.py),
 and torchrun restarts it after each failure (--max-restarts 4); a finished run re-entered after a
 restart resumes at its last step and trains nothing:
 
@@ -21,20 +21,19 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _runtime_folders import REPO, child_env, free_port
+from _runtime_folders import child_env
 from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
+from runtime.torchrun import RUN_MANY, torchrun_command
 
 STEPS, EVERY, WORLD = 6, 2, 4
-DRIVER = os.path.join(REPO, "tests", "_run_checkpoint_programs.py")
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +46,14 @@ def job(tmp_path_factory):
     plan.save(folder)
     shm = f"/dev/shm/partitioner-test-{uuid.uuid4().hex[:8]}" if os.path.isdir("/dev/shm") else f"{root}/shm"
     common = [folder, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--quiet"]
-    args = [DRIVER,
+    args = [RUN_MANY,
             *common, "--memory-tier", "off", "--run-dir", f"{root}/ref", "--checkpoint-dir", f"{root}/ck_ref", "--",
             *common, "--hosts", "0,0,1,1", "--run-dir", f"{root}/A", "--checkpoint-dir", f"{root}/ck_A",
             "--memory-dir", f"{shm}-A", "--fail-at", "1:3:kill", "--fail-host", "1:5:1", "--",
             *common, "--hosts", "0,1,2,3", "--memory-tier", "parity", "--parity-group", "4",
             "--run-dir", f"{root}/B", "--checkpoint-dir", f"{root}/ck_B", "--memory-dir", f"{shm}-B",
             "--fail-host", "2:3:2", "--fail-host", "0:5:3", "--fail-host", "1:5:3"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "4", *args]
+    cmd = torchrun_command(args[0], WORLD, args=args[1:], max_restarts=4)
     try:
         result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=400)
     finally:

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _checkpoint_helpers import FakeTrainer, assert_trains_identically, set_plan_fields, trainers_at
+from _checkpoint_helpers import assert_trains_identically, set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import memtier as mt
+from runtime.checkpoint_drills import FakeTrainer, trainers_at
 from runtime.program import load_program
 
 

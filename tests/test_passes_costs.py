@@ -94,7 +94,7 @@ def test_sdpa_model_totals_the_flops_of_its_eager_twin(family):
 
 
 def passes_sdpa(node) -> bool:
-    from passes._simulate import is_sdpa
+    from passes.flops import is_sdpa
 
     return is_sdpa(node) and ir.get(node, ir.FLOPS).fwd_flops > 0
 

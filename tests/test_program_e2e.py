@@ -17,16 +17,15 @@ import torch
 import torch.nn as nn
 
 import partitioner
-from partitioner.cli import _free_port, run_env, torchrun_command
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
 from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
 from runtime.reference import train_reference
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 STEPS = 3
-RUNNER = Path(__file__).parent / "_run_programs.py"
 
 
 class LongSkip(nn.Module):
@@ -81,9 +80,8 @@ def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> Non
     """Train every folder in one torchrun of `world_size` workers (one import of torch each)."""
     for folder in folders:
         assert json.loads((folder / "plan.json").read_text())["program"]["world_size"] == world_size
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-               str(RUNNER), "--steps", str(steps), *map(str, folders)]
+    jobs = [arg for folder in folders for arg in ("--", str(folder), "--steps", str(steps))]
+    command = torchrun_command(RUN_MANY, world_size, args=jobs[1:])
     done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
@@ -223,7 +221,7 @@ def test_edited_folder_is_refused(tmp_path):
 def test_wrong_world_size_is_a_clear_error(tmp_path):
     folder = tmp_path / "prog"
     compile_to(folder, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
-    command = torchrun_command(folder, 1, extra=["--steps", "1"])
+    command = torchrun_command(folder / "train.py", 1, args=["--steps", "1"])
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=run_env())
     assert done.returncode != 0
     assert "world_size=2 but WORLD_SIZE=1" in done.stdout + done.stderr

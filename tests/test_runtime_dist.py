@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
-from _runtime_folders import (OPTIMIZER, child_env, free_port, gpt_folder, mlp_folder,  # noqa: F401
+from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # noqa: F401
                               one_thread, skip_folder,
                               read_final, read_metrics, torchrun)
 from runtime.data import causal_lm_loss, mse_loss, regression_batch, token_batch
 from runtime.reference import train_reference, train_reference_from_folder
+from runtime.torchrun import free_port
 from runtime.train import lr_factor
 from safetensors.torch import load_file
 

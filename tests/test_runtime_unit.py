@@ -136,6 +136,26 @@ def test_entry_files_compile(tmp_path):
         py_compile.compile(str(tmp_path / name), doraise=True)
 
 
+def test_entry_files_name_each_ranks_stages_and_peers(tmp_path):
+    mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([0], 1), ([1], 0), ([1], 1)], dp=2,
+               num_microbatches=2)
+    text = (tmp_path / "rank_2.py").read_text()
+    assert "Rank 2 of 4: stage(s) [1] of 2, data-parallel replica 0 of 2." in text
+    assert "PIPELINE_RANKS = [0, 2]" in text and "DATA_PARALLEL_RANKS = [2, 3]" in text
+    assert "plan test-1f1b" in text
+
+
+def test_train_py_without_rank_exits_naming_torchrun(tmp_path):
+    """Started by hand, train.py must not guess rank 0 and wait for peers that never come."""
+    mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
+    env = {k: v for k, v in child_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, str(tmp_path / "train.py")], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "RANK is not set" in proc.stderr and "torchrun --nproc-per-node 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_wrong_world_size_is_a_clear_error(tmp_path, monkeypatch):
     mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
     monkeypatch.setenv("WORLD_SIZE", "3")

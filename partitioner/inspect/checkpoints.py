@@ -19,8 +19,10 @@ import re
 import time
 from pathlib import Path
 
+from partitioner.inspect.units import human_bytes, render_columns
 from runtime import checkpoint as ck
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
+from runtime.program import load_plan
 
 _STEP = re.compile(r"^step_(\d{9,})$")
 _RESUME_LIMIT = 64  # runtime.recovery._MAX_CANDIDATES: a resume looks at the newest 64 only
@@ -42,8 +44,6 @@ def is_checkpoint_dir(path: str | Path) -> bool:
 
 def program_of(folder: str | Path) -> dict:
     """What check_model compares, from a program folder's plan.json (no file hashing)."""
-    from runtime.program import load_plan
-
     plan = load_plan(str(folder))
     program = dict(plan.get("program") or {})
     for key in ("plan_hash", "model_fingerprint", "workload"):
@@ -184,8 +184,6 @@ def _created(unix: float | None) -> str:
 
 
 def text(listing: dict) -> str:
-    from partitioner.report import _render_columns, human_bytes
-
     entries = listing["checkpoints"]
     valid = sum(e["valid"] for e in entries)
     head = f"checkpoints in {listing['checkpoint_dir']}"
@@ -204,7 +202,7 @@ def text(listing: dict) -> str:
             rows.append([("> " if e["resume"] else "  ") + str(e["step"]), e["status"], human_bytes(e["bytes"]),
                          plan, str(e["workload"] or "-"), str(e["world_size"] or "-"), layout,
                          str(e["shards"] if e["shards"] is not None else "-"), _created(e["created_unix"])])
-        table = _render_columns(["  step", "status", "size", "plan", "workload", "ranks", "stages x dp", "shards",
+        table = render_columns(["  step", "status", "size", "plan", "workload", "ranks", "stages x dp", "shards",
                                  "created"], [""] * 9, rows, "><><<>>><")
         lines.append(table[0])
         for e, row in zip(entries, table[1:]):

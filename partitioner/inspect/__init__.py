@@ -1,0 +1,30 @@
+"""Plans and checkpoints for people: what `partitioner inspect` prints, one module per view.
+
+Everything here reads plan.json or a checkpoint folder only (plain data, no model, nothing
+executed): a plan copied off a cluster can be inspected anywhere.
+
+    units        SI counts, byte units, milliseconds, padded columns, stage colours
+    table        the terminal table (`inspect DIR`, ``Plan.summary()``)
+    json_view    `inspect --json` (DESIGN section 11 fields and more)
+    graph        the region graph coloured by stage: Graphviz (`--dot`) and the page's SVG
+    timeline     the predicted pipeline timeline (runtime/schedule.py's simulation, timed)
+    page         `inspect --html`: one self-contained page
+    explain      `inspect --node`: where a node sits and what moving it costs, priced by the
+                 solver on the problem plan.json stores
+    checkpoints  `inspect CKPT_DIR` / `--checkpoints`: valid or why not, and what a resume picks
+"""
+
+from partitioner.inspect import checkpoints
+from partitioner.inspect.explain import explain_node, explain_text, find_region, load_priced
+from partitioner.inspect.graph import dot, region_graph_edges
+from partitioner.inspect.json_view import inspect_json, to_json_text
+from partitioner.inspect.page import html_page, write_html
+from partitioner.inspect.table import balance, memory_tier_line, samples_per_s, table
+from partitioner.inspect.timeline import timeline
+from partitioner.inspect.units import human_bytes
+
+__all__ = [
+    "balance", "checkpoints", "dot", "explain_node", "explain_text", "find_region", "html_page", "human_bytes",
+    "inspect_json", "load_priced", "memory_tier_line", "region_graph_edges", "samples_per_s", "table",
+    "timeline", "to_json_text", "write_html",
+]

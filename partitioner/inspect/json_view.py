@@ -1,0 +1,67 @@
+"""`partitioner inspect --json`: the fields DESIGN section 11 promises, and strict JSON text."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+from partitioner.inspect.table import balance, samples_per_s
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
+
+def inspect_json(plan: Plan) -> dict:
+    """The fields DESIGN section 11 promises, and more beside them (never fewer, never renamed)."""
+    stages = []
+    for s in plan.stages:
+        m = s.memory
+        stages.append({
+            # DESIGN 11
+            "index": s.index, "ranks": list(s.ranks), "device": s.device, "regions": list(s.region_names),
+            "params": s.params, "flops_fwd": s.flops_fwd, "flops_bwd": s.flops_bwd,
+            "predicted_time_s": s.predicted_time_s, "peak_memory_bytes": s.peak_memory_bytes,
+            "memory_capacity_bytes": s.memory_capacity_bytes, "send_bytes": s.send_bytes,
+            # extensions
+            "region_ids": list(s.regions), "compute_time_s": s.compute_time_s, "comm_time_s": s.comm_time_s,
+            "memory": {"params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes,
+                       "optimizer_bytes": m.optimizer_bytes, "activations_bytes": m.activations_bytes,
+                       "buffers_bytes": m.buffers_bytes},
+        })
+    predicted = {k: plan.predicted[k] for k in ("step_time_s", "bubble_fraction", "lower_bound_step_time_s")}
+    predicted["samples_per_s"] = samples_per_s(plan)
+    solver = {k: plan.solver.get(k) for k in ("status", "objective", "bound", "solve_time_s")}
+    solver["gap"] = plan.solver.get("gap", 0.0)
+    return {
+        "plan_hash": plan.content_hash(),
+        "workload": plan.workload,
+        "num_stages": plan.num_stages,
+        "dp": plan.dp,
+        "microbatches": plan.num_microbatches,
+        "microbatch_size": plan.microbatch_size,
+        "global_batch": plan.global_batch,
+        "schedule": plan.schedule,
+        "world_size": plan.world_size,
+        "predicted": predicted,
+        "balance": balance(plan),
+        "solver": solver,
+        "stages": stages,
+        "cut_edges": [{"src_region": e.src_region, "dst_region": e.dst_region, "tensors": list(e.tensors),
+                       "shapes": [list(x) for x in e.shapes], "bytes_per_microbatch": e.bytes_per_microbatch,
+                       "boundaries": list(e.boundaries)} for e in plan.cut_edges],
+        "ties": [{"param": t.param, "stages": list(t.stages), "placement": t.placement, "cost_s": t.cost_s}
+                 for t in plan.ties],
+        "regions": [{"id": r.id, "name": r.name, "stage": r.stage, "layer": r.layer, "recompute": r.recompute,
+                     "flops_fwd_per_sample": r.flops_fwd, "flops_bwd_per_sample": r.flops_bwd,
+                     "param_bytes": r.param_bytes, "activation_bytes_per_sample": r.activation_bytes,
+                     "nodes": list(r.nodes)} for r in plan.regions],
+        "baselines": {name: {"step_time_s": b.get("step_time_s")} for name, b in plan.baselines.items()},
+        **({"memory_tier": plan.training["memory_tier"]} if plan.training.get("memory_tier") else {}),
+    }
+
+
+def to_json_text(value) -> str:
+    return json.dumps(value, indent=1, allow_nan=False, default=lambda v: None if isinstance(v, float) and
+                      not math.isfinite(v) else str(v))
+

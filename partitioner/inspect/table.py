@@ -1,0 +1,119 @@
+"""The terminal table `partitioner inspect DIR` and `Plan.summary()` print: stages, predicted
+step, balance, solver, baselines, cut edges, ties and the memory tier."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from partitioner.inspect.units import GIB, byte_unit, held, ms, render_columns, si
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+    from partitioner.plan import Plan
+
+
+def balance(plan: Plan) -> dict:
+    times = [s.predicted_time_s for s in plan.stages]
+    mems = [s.peak_memory_bytes for s in plan.stages]
+    mean_t = sum(times) / len(times)
+    mean_m = sum(mems) / len(mems)
+    return {"time_max_over_mean": max(times) / mean_t if mean_t > 0 else 1.0,
+            "memory_max_over_mean": max(mems) / mean_m if mean_m > 0 else 1.0}
+
+
+def samples_per_s(plan: Plan) -> float:
+    step = plan.predicted["step_time_s"]
+    return plan.predicted.get("samples_per_s") or (plan.global_batch / step if step > 0 else 0.0)
+
+
+def table(plan: Plan) -> str:
+    p = plan.predicted
+    lines = [
+        f"plan {plan.content_hash()}  {plan.workload}",
+        f"{plan.num_stages} stage(s) x {plan.dp} data-parallel = {plan.world_size} rank(s); "
+        f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch}); "
+        f"schedule {plan.schedule}",
+        "",
+    ]
+    mem_unit, mem_scale = byte_unit(max(s.peak_memory_bytes for s in plan.stages))
+    send_unit, send_scale = byte_unit(max([s.send_bytes for s in plan.stages] + [1]))
+    header = ["stage", "ranks", "device", "regions held", "params", "fwd FLOP", "bwd FLOP", "compute",
+              "comm", "time", "weights", "grads", "optim", "activ", "buffers", "peak", "capacity", "used",
+              "send"]
+    units = ["", "", "", "", "", "/mb", "/mb", "ms/mb", "ms/mb", "ms/mb", mem_unit, mem_unit, mem_unit,
+             mem_unit, mem_unit, mem_unit, "GiB", "%", f"{send_unit}/mb"]
+    align = "><<<>>>>>>>>>>>>>>>"
+    rows = []
+    for s in plan.stages:
+        m = s.memory
+        mem = [f"{b / mem_scale:.1f}" for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
+                                                m.activations_bytes, m.buffers_bytes, s.peak_memory_bytes)]
+        used = 100.0 * s.peak_memory_bytes / s.memory_capacity_bytes if s.memory_capacity_bytes else 0.0
+        rows.append([str(s.index), ",".join(map(str, s.ranks)), s.device, held(s.region_names), si(s.params),
+                     si(s.flops_fwd), si(s.flops_bwd), ms(s.compute_time_s), ms(s.comm_time_s),
+                     ms(s.predicted_time_s), *mem, f"{s.memory_capacity_bytes / GIB:.1f}",
+                     "<0.01" if used < 0.01 else f"{used:.2f}" if used < 10 else f"{used:.1f}",
+                     f"{s.send_bytes / send_scale:.1f}" if s.send_bytes else "-"])
+    lines += render_columns(header, units, rows, align)
+
+    bal = balance(plan)
+    solver = plan.solver
+    lower = p["lower_bound_step_time_s"]
+    lines += [
+        "",
+        f"predicted step  {ms(p['step_time_s'])} ms, {samples_per_s(plan):.1f} samples/s, "
+        f"bubble {p['bubble_fraction'] * 100:.1f}%, lower bound {ms(lower)} ms"
+        + (f" (step is {p['step_time_s'] / lower:.2f}x it)" if lower > 0 else ""),
+        f"balance         max/mean stage time {bal['time_max_over_mean']:.3f}, "
+        f"max/mean peak memory {bal['memory_max_over_mean']:.3f}",
+        f"solver          {solver['status']}, objective {solver['objective']:.6g}, bound {solver['bound']:.6g}, "
+        f"gap {solver.get('gap', 0.0) * 100:.2f}%, {solver.get('solve_time_s', 0.0):.2f} s",
+    ]
+
+    base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
+    for name in ("uniform", "param_balanced"):
+        t = (plan.baselines.get(name) or {}).get("step_time_s")
+        if t:
+            base_rows.append([name, ms(t), f"{plan.global_batch / t:.1f}", f"{t / p['step_time_s']:.2f}x"])
+        elif name in plan.baselines:
+            base_rows.append([name, "-", "-", "n/a"])
+    lines += ["", "baselines (same cost model)"]
+    lines += ["  " + x for x in render_columns(["split", "step", "samples/s", "vs ours"],
+                                                 ["", "ms", "", "time"], base_rows, "<>>>")]
+
+    lines += ["", "cut edges"]
+    if plan.cut_edges:
+        names = {r.id: r.name for r in plan.regions}
+        cut_unit, cut_scale = byte_unit(max(e.bytes_per_microbatch for e in plan.cut_edges))
+        cut_rows = []
+        for e in plan.cut_edges:
+            for i, (tensor, shape) in enumerate(zip(e.tensors, e.shapes)):
+                first = i == 0
+                cut_rows.append([
+                    tensor, "x".join(map(str, shape)) or "scalar",
+                    f"{e.bytes_per_microbatch / cut_scale:.1f}" if first else "",
+                    f"{names.get(e.src_region, e.src_region)} -> {names.get(e.dst_region, e.dst_region)}" if first else "",
+                    ",".join(f"{b}|{b + 1}" for b in e.boundaries) if first else ""])
+        lines += ["  " + x for x in render_columns(["tensor", "shape", "bytes", "regions", "boundaries"],
+                                                     ["", "", f"{cut_unit}/mb", "", ""], cut_rows, "<<><<")]
+    else:
+        lines.append("  none (one stage)")
+    for t in plan.ties:
+        lines.append(f"tied parameter {t.param}: {t.placement} on stages {list(t.stages)}, "
+                     f"costs {ms(t.cost_s)} ms/step")
+    if plan.training.get("memory_tier"):
+        lines.append(memory_tier_line(plan.training["memory_tier"]))
+    return "\n".join(lines)
+
+
+def memory_tier_line(choice: dict) -> str:
+    """The plan's memory tier: redundancy, groups, and the host memory it costs."""
+    unit, scale = byte_unit(max(choice["per_host_bytes"] + [1]))
+    what = {"none": "no redundancy (one host: covers worker crashes, not a lost host)",
+            "copy": "full copy on a peer host", "parity": f"XOR parity over groups of {choice['group_size']} hosts"}
+    extra = [r / s for r, s in zip(choice["redundancy_bytes"], choice["own_bytes"]) if s]
+    return (f"memory tier     every {choice['every']} step(s), {what.get(choice['mode'], choice['mode'])}"
+            + (f", groups {choice['groups']}" if choice["mode"] != "none" else "")
+            + f"; host memory {', '.join(f'{b / scale:.1f}' for b in choice['per_host_bytes'])} {unit} per host"
+            + (f" (redundancy {max(extra):.2f} x the own snapshots)" if extra and choice["mode"] != "none" else "")
+            + " (two slots each)")
+

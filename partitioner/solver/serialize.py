@@ -1,0 +1,49 @@
+"""The solver's problem and answer as plain JSON: what plan.json keeps beside the plan so that
+`partitioner inspect --node` prices moves with the solver's own cost model (Note [priced moves]
+in partitioner/inspect/explain.py).
+
+Generic on purpose: fields are read by the dataclasses' own names, so a field added to Region,
+Edge, Tie or Assignment later needs no change here. A reader ignores keys it does not know (a
+newer plan.json) and leaves fields the JSON lacks at their defaults (an older one); a field
+without a default that the JSON lacks means the file predates it, and the fix is to recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from partitioner.solver.problem import Assignment, Edge, PartitionProblem, Region, Tie
+
+# Which dataclass each list-valued field holds, for the nested types.
+_ITEMS = {PartitionProblem: {"regions": Region, "edges": Edge, "ties": Tie}}
+
+
+def to_dict(value) -> dict:
+    """A PartitionProblem or an Assignment as JSON-ready plain data (every number exact)."""
+    return dataclasses.asdict(value)
+
+
+def _build(cls, body: dict[str, Any], where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    nested = _ITEMS.get(cls, {})
+    kwargs = {}
+    for name, value in body.items():
+        if name not in known:
+            continue  # written by a newer compiler: not needed to price this plan
+        if name in nested:
+            value = tuple(_build(nested[name], item, f"{where}.{name}[{i}]") for i, item in enumerate(value))
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{where} lacks fields {cls.__name__} needs ({exc}): the plan was written by an "
+                         "older compiler; recompile it with `partitioner compile`") from None
+
+
+def problem_from_dict(body: dict, where: str = "problem") -> PartitionProblem:
+    return _build(PartitionProblem, body, where)
+
+
+def assignment_from_dict(body: dict, where: str = "assignment") -> Assignment:
+    return _build(Assignment, body, where)
