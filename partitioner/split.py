@@ -15,8 +15,10 @@ in-place op on the buffer's get_attr node: ``aten.add_(bn.num_batches_tracked, 1
 statistics inside the kernel although its schema does not say so (``mutated_buffers`` knows these
 ops by name). The stage holding the buffer runs that node on its own registered buffer, so the
 update happens where the buffer lives, once per microbatch in microbatch order, as in the
-unpartitioned model. A mutated buffer must have all its readers on one stage: a copy on another
-stage would never see the update, so ``check_mutable_buffers`` refuses such a plan. The stage file
+unpartitioned model. A read after the update uses the update's result (export threads it through
+the in-place node), an activation that crosses stages like any other; but every direct reader of
+the buffer must be on the updating stage: a copy on another stage would never see the update, so
+``check_mutable_buffers`` refuses such a plan. The stage file
 lists these buffers in MUTABLE_BUFFERS; the runtime checkpoints them (runtime/checkpoint.py) and
 keeps them equal across data-parallel replicas (Note [buffers across replicas] in runtime/train.py).
 """
@@ -124,8 +126,8 @@ def mutated_buffers(gm: fx.GraphModule) -> dict[str, list[str]]:
 
 
 def check_mutable_buffers(gm: fx.GraphModule, node_stage: dict[str, int]) -> None:
-    """Every reader of a buffer the forward updates is on one stage (Note [mutable buffers]);
-    raises ValueError naming the buffer, its stages and the fix."""
+    """Every direct reader of a buffer the forward updates is on one stage (Note [mutable
+    buffers]); raises ValueError naming the buffer, its stages and the fix."""
     node_stage = normalize_stages(gm, node_stage)
     mutated = mutated_buffers(gm)
     for node in gm.graph.nodes:
@@ -139,7 +141,8 @@ def check_mutable_buffers(gm: fx.GraphModule, node_stage: dict[str, int]) -> Non
                 f"buffer {node.target!r} is updated in place by {mutated[node.target]} and read on stages "
                 f"{stages} ({where}): a copy on another stage would never see the update. Keep its "
                 "readers in one region (compile with a coarser --granularity, e.g. block), or make the "
-                "model read the buffer in one module")
+                "model read it in one module, or only after updating it (the updated value then "
+                "travels to later stages as an activation)")
 
 
 def _user_frames(stack_trace: str | None) -> str | None:
