@@ -21,6 +21,8 @@ the buffer must be on the updating stage: a copy on another stage would never se
 ``check_mutable_buffers`` refuses such a plan. The stage file
 lists these buffers in MUTABLE_BUFFERS; the runtime checkpoints them (runtime/checkpoint.py) and
 keeps them equal across data-parallel replicas (Note [buffers across replicas] in runtime/train.py).
+A region recomputed in backward would run its updates a second time: recompute must leave such
+regions out, or put the buffers back after the second forward.
 """
 
 from __future__ import annotations
