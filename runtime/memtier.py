@@ -22,9 +22,9 @@ never the one being written. A job that finishes cleanly removes its memory tier
 Note [memory snapshot]: the layout of a rank's shard (tensor names, shapes, dtypes, the offsets of
 a safetensors file with a header padded to a fixed capacity) is fixed at the first snapshot, so a
 snapshot is one copy of each state tensor into the preallocated shared-memory file. At the step
-boundary only the RNG states and the JSON state are captured; the copy runs in a background thread
-while the next step's forward and backward run (they only read the parameters), and the optimizer
-waits for it in a step pre-hook before it changes anything (CheckFreq's pipelined snapshot). Then,
+boundary only the RNG states, the mutable buffers (the forward changes them) and the JSON state
+are captured (``ck.state_entries``); the copy runs in a background thread while the next step's
+forward and backward run (they only read the parameters), and the optimizer waits for it in a step pre-hook before it changes anything (CheckFreq's pipelined snapshot). Then,
 in the same thread, the sha256, the commit record and the redundancy exchange. The next snapshot
 first joins the previous background work. The stall (recorded per snapshot in
 RUN_DIR/memory_stats_rank_<r>.jsonl) is the boundary work plus any wait, at the boundary or
