@@ -216,3 +216,34 @@ def test_buffer_updated_on_one_stage_and_read_on_another_is_refused():
     with pytest.raises(ValueError, match=r"buffer 'count' is updated in place .* read on stages \[0, 1\]"):
         check_mutable_buffers(gm, stage_of)
     check_mutable_buffers(gm, {n: 0 for n in stage_of})  # one stage: fine
+
+
+def test_a_mutable_buffer_on_two_stages_is_refused_at_load(runs):
+    from runtime.program import validate_program
+
+    root, _, _ = runs
+    program = load_program(str(root / "two"))
+    program["stages"][0]["mutable_buffers"] = ["bn1.running_mean"]
+    with pytest.raises(ValueError, match=r"mutable buffer 'bn1.running_mean' is listed by stages 0 and 1"):
+        validate_program(program)
+
+
+def test_a_held_buffer_costs_memory_not_time():
+    """The solver's check holds a buffer on every stage that reads it (its bytes on each) but
+    prices no gradient sum for it, unlike a tied parameter."""
+    from partitioner.solver import problem as sp
+    from partitioner.solver.check import evaluate
+
+    regions = tuple(sp.Region(name=f"r{i}", fwd_flops_per_sample=1e6, bwd_flops_per_sample=2e6, param_bytes=1000,
+                              grad_bytes=1000, optimizer_bytes=2000, activation_bytes_per_sample=10,
+                              recompute_activation_bytes_per_sample=10)
+                    for i in range(2))
+    split = sp.Assignment(stage_of_region=(0, 1), recompute=(False, False), device_of_stage_replica=((0,), (1,)),
+                          num_stages=2, dp=1, num_microbatches=2, microbatch_size=1, schedule="1f1b")
+    costs = {}
+    for kind, tie in (("param", sp.Tie((0, 1), 400)), ("buffer", sp.Tie((0, 1), 400, grad_bytes=0, optimizer_bytes=0))):
+        problem = sp.PartitionProblem(regions=regions, edges=(sp.Edge(0, 1, 10),), ties=(tie,))
+        costs[kind] = evaluate(problem, ClusterSpec.homogeneous(2, "cpu"), split)
+    assert costs["buffer"].ties[0].cost_s == 0.0 < costs["param"].ties[0].cost_s
+    held = costs["buffer"].stages[1]
+    assert (held.params_bytes, held.grads_bytes, held.optimizer_bytes) == (1400, 1000, 2000)
