@@ -92,7 +92,10 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
         for r in table
     )
     problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in region_cut_edges(gm))
-    ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes))
+    # A buffer read by regions on several stages costs each holder its bytes and nothing else:
+    # no gradient, no optimizer state, no sum (Note [stages talk only to their neighbours]).
+    ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes),
+                        **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
     problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
@@ -164,12 +167,15 @@ def compile_workload(
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
     from passes.regions import region_table
     from partitioner.solver.check import evaluate
+    from partitioner.split import check_mutable_buffers
 
     assignment = solution.assignment
     cost = evaluate(problem, cluster, assignment)
     table = region_table(gm)
     b = assignment.microbatch_size
     stage_of = assignment.stage_of_region
+    # Refused here, not when the folder is written: a plan the program cannot keep is no plan.
+    check_mutable_buffers(gm, {n.name: stage_of[ir.get(n, ir.REGION).region_id] for n in gm.graph.nodes})
     stages = []
     for s, sc in enumerate(cost.stages):
         regs = tuple(r for r in range(problem.num_regions) if stage_of[r] == s)
@@ -272,7 +278,10 @@ def _param_elem_bytes(model: torch.nn.Module) -> int:
 def _ties(gm):
     from passes.regions import region_ties
 
-    return [(t.name, t.bytes, tuple(sorted(set(t.regions)))) for t in region_ties(gm) if len(set(t.regions)) > 1]
+    # Only trained parameters are ties: their copies' gradients are summed. A buffer read on two
+    # stages is simply held by both (Note [stages talk only to their neighbours] in split.py).
+    return [(t.name, t.bytes, tuple(sorted(set(t.regions)))) for t in region_ties(gm)
+            if len(set(t.regions)) > 1 and t.trainable]
 
 
 def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, example_batch: int):
@@ -361,7 +370,8 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
         "backend": "gloo" if plan.device_type == "cpu" else "nccl",
         "ranks": plan.rank_layout(),
         "stages": [{"index": s.index, "module": f"stage_{s.index}", "class": f"Stage{s.index}",
-                    "params": list(s.params), "inputs": values(s.inputs), "outputs": values(s.outputs)}
+                    "params": list(s.params), "mutable_buffers": list(s.mutable_buffers),
+                    "inputs": values(s.inputs), "outputs": values(s.outputs)}
                    for s in stages],
         "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
         "data": {"make_batch": list(workload.source["make_batch"]), "loss_fn": list(workload.source["loss_fn"])},

@@ -6,11 +6,28 @@ connection) is therefore an output of every stage from j to k − 1 and an input
 j + 1 to k: it is forwarded stage by stage, and the solver pays its bytes at every boundary it
 crosses (DESIGN section 5). Parameters are never sent: each stage reads the parameters it uses
 itself, by their original names, and a parameter used on two stages (a tied embedding) is held by
-both, its gradients summed by the runtime.
+both, its gradients summed by the runtime. A buffer read on two stages is likewise held by both; it
+is not a tie (nothing to sum), see Note [mutable buffers].
+
+Note [mutable buffers]: torch.export (non-strict, training mode) keeps a buffer update as an
+in-place op on the buffer's get_attr node: ``aten.add_(bn.num_batches_tracked, 1)``, and
+``aten.batch_norm(x, w, b, bn.running_mean, bn.running_var, True, ...)``, which updates the running
+statistics inside the kernel although its schema does not say so (``mutated_buffers`` knows these
+ops by name). The stage holding the buffer runs that node on its own registered buffer, so the
+update happens where the buffer lives, once per microbatch in microbatch order, as in the
+unpartitioned model. A read after the update uses the update's result (export threads it through
+the in-place node), an activation that crosses stages like any other; but every direct reader of
+the buffer must be on the updating stage: a copy on another stage would never see the update, so
+``check_mutable_buffers`` refuses such a plan. The stage file
+lists these buffers in MUTABLE_BUFFERS; the runtime checkpoints them (runtime/checkpoint.py) and
+keeps them equal across data-parallel replicas (Note [buffers across replicas] in runtime/train.py).
+A region recomputed in backward would run its updates a second time: recompute must leave such
+regions out, or put the buffers back after the second forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from dataclasses import dataclass
@@ -39,6 +56,7 @@ class StageGraph:
     outputs: list[Value]
     params: list[str]  # trained parameters: original dotted names, in first-use order
     buffers: list[str]  # state read but not trained (buffers, lifted constants, frozen parameters)
+    mutable_buffers: list[str] = dataclasses.field(default_factory=list)  # the buffers forward updates
 
 
 def _value(node: fx.Node) -> Value:
@@ -56,6 +74,77 @@ def _is_trained(gm: fx.GraphModule, target: str) -> bool:
     owner = gm.get_submodule(prefix) if prefix else gm
     value = owner._parameters.get(leaf)
     return isinstance(value, torch.nn.Parameter) and value.requires_grad
+
+
+# Ops that update running statistics (args 3 and 4) when their training flag (arg 5) is set,
+# although their schemas do not mark the arguments as written (Note [mutable buffers]).
+_RUNNING_STATS_OPS = {torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                      torch.ops.aten.instance_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+                      torch.ops.aten.miopen_batch_norm.default}
+
+
+def _written_args(node: fx.Node) -> list:
+    """The arguments ``node`` writes in place."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    if target in _RUNNING_STATS_OPS:
+        args = list(node.args) + [None] * 6
+        return [args[3], args[4]] if args[5] else []
+    written = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            written.append(value)
+    return written
+
+
+def _base_attr(value) -> fx.Node | None:
+    """The get_attr node ``value`` is, or is a view of (through ops whose first argument aliases
+    their output: view, reshape, select, slicing)."""
+    while isinstance(value, fx.Node):
+        if value.op == "get_attr":
+            return value
+        target = value.target
+        if value.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            return None
+        first = target._schema.arguments[0] if target._schema.arguments else None
+        returns = target._schema.returns
+        if first is None or first.alias_info is None or not returns or returns[0].alias_info is None:
+            return None
+        value = value.args[0]
+    return None
+
+
+def mutated_buffers(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """Buffer target -> the nodes that update it in place, in graph order (Note [mutable buffers])."""
+    out: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        for value in _written_args(node):
+            attr = _base_attr(value)
+            if attr is not None:
+                out.setdefault(attr.target, []).append(node.name)
+    return out
+
+
+def check_mutable_buffers(gm: fx.GraphModule, node_stage: dict[str, int]) -> None:
+    """Every direct reader of a buffer the forward updates is on one stage (Note [mutable
+    buffers]); raises ValueError naming the buffer, its stages and the fix."""
+    node_stage = normalize_stages(gm, node_stage)
+    mutated = mutated_buffers(gm)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in mutated:
+            continue
+        readers = {u.name: node_stage[u.name] for u in node.users if u.name in node_stage}
+        stages = sorted(set(readers.values()))
+        if len(stages) > 1:
+            where = ", ".join(f"{name} on stage {readers[name]}" for name in sorted(readers, key=readers.get))
+            raise ValueError(
+                f"buffer {node.target!r} is updated in place by {mutated[node.target]} and read on stages "
+                f"{stages} ({where}): a copy on another stage would never see the update. Keep its "
+                "readers in one region (compile with a coarser --granularity, e.g. block), or make the "
+                "model read it in one module, or only after updating it (the updated value then "
+                "travels to later stages as an activation)")
 
 
 def _user_frames(stack_trace: str | None) -> str | None:
@@ -83,6 +172,8 @@ def normalize_stages(gm: fx.GraphModule, node_stage: dict[str, int]) -> dict[str
 
 
 def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int) -> list[StageGraph]:
+    check_mutable_buffers(gm, node_stage)
+    mutated = mutated_buffers(gm)
     node_stage = normalize_stages(gm, node_stage)
     nodes = [n for n in gm.graph.nodes if not (n.op == "call_function" and n.target in _DROPPED_TARGETS)]
     compute = [n for n in nodes if n.op in ("placeholder", "call_function", "call_method", "call_module")]
@@ -158,5 +249,6 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
                 sent.append(dense)
             graph.output(tuple(sent) if len(sent) > 1 else sent[0] if sent else ())
         stage_gm = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
-        stages.append(StageGraph(index, stage_gm, [_value(n) for n in inputs], outputs, params, buffers))
+        stages.append(StageGraph(index, stage_gm, [_value(n) for n in inputs], outputs, params, buffers,
+                                 [name for name in buffers if name in mutated]))
     return stages

@@ -2,7 +2,9 @@
 
 The program trains under torchrun exactly as a user runs it; the oracle trains the unpartitioned
 model in this process with the same data, loss, optimizer, learning-rate schedule and microbatch
-split. The verdict is the largest difference in per-step loss and in every final parameter.
+split. The verdict is the largest difference in per-step loss, in every final parameter and in
+every buffer the forward updates (BatchNorm running statistics; final/buffers_rank_<r>), and
+whether data-parallel replicas hold identical copies of both.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from runtime.torchrun import run_env, torchrun_command
 # turns into steps of up to lr. 1e-4 is a tenth of one step at the default lr of 1e-3.
 LOSS_TOLERANCE = 1e-5
 PARAM_TOLERANCE = 1e-4
+# Running statistics average activations made from those parameters: compared relative to their
+# size (|diff| / max(1, |oracle|)), and counters (num_batches_tracked) must agree exactly.
+BUFFER_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,13 @@ class VerifyReport:
     worst_param: str
     max_replica_diff: float
     oracle: str  # "original model" or "stage chain"
+    max_buffer_diff: float = 0.0  # relative: |diff| / max(1, |oracle|)
+    worst_buffer: str = "-"
 
     @property
     def ok(self) -> bool:
         return (self.max_loss_diff <= LOSS_TOLERANCE and self.max_param_diff <= PARAM_TOLERANCE
-                and self.max_replica_diff == 0.0)
+                and self.max_buffer_diff <= BUFFER_TOLERANCE and self.max_replica_diff == 0.0)
 
     def text(self) -> str:
         lines = [f"{'step':>4} {'program loss':>14} {'oracle loss':>14} {'diff':>10}"]
@@ -49,39 +56,54 @@ class VerifyReport:
         lines += [
             f"oracle: {self.oracle} trained in one process",
             f"largest loss difference {self.max_loss_diff:.3e}; largest parameter difference "
-            f"{self.max_param_diff:.3e} ({self.worst_param}); replicas differ by {self.max_replica_diff:.3e}",
-            f"verdict: {'PASS' if self.ok else 'FAIL'} (tolerance {LOSS_TOLERANCE:g} loss, {PARAM_TOLERANCE:g} parameters)",
+            f"{self.max_param_diff:.3e} ({self.worst_param}); largest buffer difference "
+            f"{self.max_buffer_diff:.3e} ({self.worst_buffer}); replicas differ by {self.max_replica_diff:.3e}",
+            f"verdict: {'PASS' if self.ok else 'FAIL'} (tolerance {LOSS_TOLERANCE:g} loss, {PARAM_TOLERANCE:g} "
+            f"parameters, {BUFFER_TOLERANCE:g} buffers)",
         ]
         return "\n".join(lines)
 
 
-def read_program_run(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], float]:
-    """Per-step losses, final parameters by original name, and the largest difference between copies."""
+def _read_finals(run_dir: Path, pattern: str) -> tuple[dict[str, torch.Tensor], float]:
+    """Tensors of every final/<pattern> file by original name, and the largest difference between
+    two ranks' copies of one name (data-parallel replicas, tied copies)."""
     from safetensors.torch import load_file
 
+    tensors: dict[str, torch.Tensor] = {}
+    replica_diff = 0.0
+    for path in sorted((Path(run_dir) / "final").glob(pattern)):
+        for name, tensor in load_file(str(path)).items():
+            if name in tensors:
+                replica_diff = max(replica_diff, float((tensors[name] - tensor).abs().max()))
+            else:
+                tensors[name] = tensor
+    return tensors, replica_diff
+
+
+def read_program_run(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """Per-step losses, final parameters by original name, and the largest difference between
+    copies (of a parameter or of a mutable buffer)."""
     losses: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         losses[row["step"]] = row["loss"]  # a resumed step overwrites the lost attempt's line
-    params: dict[str, torch.Tensor] = {}
-    replica_diff = 0.0
-    for path in sorted((run_dir / "final").glob("rank_*.safetensors")):
-        for name, tensor in load_file(str(path)).items():
-            if name in params:
-                replica_diff = max(replica_diff, float((params[name] - tensor).abs().max()))
-            else:
-                params[name] = tensor
-    return [losses[k] for k in sorted(losses)], params, replica_diff
+    params, param_diff = _read_finals(run_dir, "rank_*.safetensors")
+    _, buffer_diff = _read_finals(run_dir, "buffers_rank_*.safetensors")
+    return [losses[k] for k in sorted(losses)], params, max(param_diff, buffer_diff)
+
+
+def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The final mutable buffers (running statistics) by original name."""
+    return _read_finals(run_dir, "buffers_rank_*.safetensors")[0]
 
 
 def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
     from partitioner.plan import Plan
-    from runtime.program import load_program, resolve_callable
-    from runtime.reference import train_reference, train_reference_from_folder
+    from runtime.program import load_program
 
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
-    program = load_program(str(folder))
+    load_program(str(folder))  # an edited or broken folder is refused before anything starts
     if workload is None and plan.training.get("model_spec"):
         from partitioner.models import load_workload
 
@@ -98,7 +120,18 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
             raise RuntimeError(f"the program in {folder} failed (exit {done.returncode}):\n{tail}")
-        losses, params, replica_diff = read_program_run(run_dir)
+        return compare_run(folder, run_dir, steps=steps, workload=workload)
+
+
+def compare_run(folder: str | Path, run_dir: str | Path, *, steps: int, workload=None) -> VerifyReport:
+    """The program's run in ``run_dir`` (metrics.jsonl, final/) against the oracle trained here."""
+    from runtime.program import load_program, resolve_callable
+    from runtime.reference import train_reference, train_reference_from_folder
+
+    folder = Path(folder).resolve()
+    program = load_program(str(folder))
+    losses, params, replica_diff = read_program_run(Path(run_dir))
+    buffers = read_program_buffers(Path(run_dir))
     num_microbatches = program["dp"] * program["num_microbatches"]
     if workload is not None:
         if workload.model.parameters().__next__().device.type == "meta":
@@ -108,7 +141,7 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         ref_losses, ref_state, _ = train_reference(
             workload.model, resolve_callable(data["make_batch"], str(folder)),
             resolve_callable(data["loss_fn"], str(folder)), program["optimizer"], program["global_batch"],
-            num_microbatches, steps, program["seed"])
+            num_microbatches, steps, program["seed"], replicas=program["dp"])
         oracle = "original model"
     else:
         ref_losses, ref_state, _ = train_reference_from_folder(str(folder), steps)
@@ -123,4 +156,13 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         diff = float((tensor - ref_state[name].to(tensor.dtype)).abs().max())
         if diff > param_diff:
             worst, param_diff = name, diff
-    return VerifyReport(steps, tuple(losses), tuple(ref_losses), loss_diff, param_diff, worst, replica_diff, oracle)
+    worst_buffer, buffer_diff = "-", 0.0
+    for name, tensor in buffers.items():
+        if name not in ref_state:
+            raise AssertionError(f"the program updated buffer {name!r}, which the oracle model does not have")
+        want = ref_state[name].to(torch.float64)
+        diff = float(((tensor.to(torch.float64) - want).abs() / want.abs().clamp(min=1.0)).max())
+        if diff > buffer_diff:
+            worst_buffer, buffer_diff = name, diff
+    return VerifyReport(steps, tuple(losses), tuple(ref_losses), loss_diff, param_diff, worst, replica_diff, oracle,
+                        buffer_diff, worst_buffer)

@@ -73,6 +73,9 @@ class RegionTie:
     name: str
     bytes: int
     regions: tuple[int, ...]  # the first is the region that owns it (where its bytes are counted)
+    # A trained parameter's copies have their gradients summed; anything else (a buffer, a frozen
+    # parameter, a lifted constant) is only held by each stage that reads it.
+    trainable: bool = True
 
 
 def _module_paths(node: fx.Node) -> list[tuple[str, str]]:
@@ -374,7 +377,18 @@ def region_ties(gm: fx.GraphModule) -> list[RegionTie]:
             if rid not in found:
                 found.append(rid)
         nbytes[node.target] = ir.get(node, ir.SHAPE).output_bytes
-    return [RegionTie(name, nbytes[name], tuple(rids)) for name, rids in regions_of.items() if len(rids) > 1]
+    return [RegionTie(name, nbytes[name], tuple(rids), _is_trainable(gm, name))
+            for name, rids in regions_of.items() if len(rids) > 1]
+
+
+def _is_trainable(gm: fx.GraphModule, target: str) -> bool:
+    prefix, _, leaf = target.rpartition(".")
+    try:
+        owner = gm.get_submodule(prefix) if prefix else gm
+    except AttributeError:
+        return False
+    value = owner._parameters.get(leaf)
+    return value is not None and value.requires_grad
 
 
 def region_table(gm: fx.GraphModule) -> list[RegionCost]:

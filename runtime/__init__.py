@@ -34,8 +34,12 @@ The program folder (written by partitioner/codegen.py)
                          `getattr(self.blocks, "0").attn.qkv.weight`). Module-level lists PARAMETERS
                          (original names, in order), INPUTS, OUTPUTS (activation names), and
                          optionally BUFFERS (original names of non-trained tensors, e.g. masks;
-                         loaded from the same weights file, never all-reduced). forward returns the
-                         single output, or a tuple of them in OUTPUTS order.
+                         loaded from the same weights file, never all-reduced; a buffer read on
+                         two stages is listed by both) and MUTABLE_BUFFERS (the subset forward
+                         updates in place, e.g. BatchNorm running statistics: checkpointed and
+                         broadcast from replica 0 after each step; Note [mutable buffers] in
+                         partitioner/split.py). forward returns the single output, or a tuple of
+                         them in OUTPUTS order.
     DIR/weights/stage_<k>.safetensors   initial values keyed by original names (params + buffers)
     DIR/rank_<r>.py      one call: runtime.launch.main(<its folder>, rank=r)
                          (text: runtime.entry_files.rank_file_text(program, r))
@@ -52,12 +56,13 @@ The "program" object (JSON)::
     ranks               [{"rank", "stages": [k...], "replica"}]; in each replica's pipeline (its ranks
                         in ascending order) the rank at position j holds stages j, j+pp, j+2pp, ...
                         (what torch.distributed.pipelining assumes; checked)
-    stages              [{"index", "module", "class", "params",
+    stages              [{"index", "module", "class", "params", "mutable_buffers" (optional;
+                          each name on one stage only, checked),
                           "inputs"/"outputs": [{"name", "shape", "dtype", "batch_dim"}]}] with
                         shapes for ONE microbatch = global_batch / (dp * num_microbatches) rows;
                         stage k's inputs are stage k-1's outputs, in order (checked); stage 0's
                         inputs are make_batch's args
-    ties                [{"param", "stages": [k...]}]: one parameter with a copy on several stages;
+    ties                [{"param", "stages": [k...]}]: one trained parameter with a copy on several stages;
                         its gradient is summed over the copies each step (then averaged over dp)
     data                {"make_batch": ["module:function", {kwargs}], "loss_fn": [...]}; the module
                         may also be a .py path relative to DIR. make_batch(step, global_batch) ->
@@ -81,6 +86,7 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
     final/rank_<r>.safetensors         rank r's parameters, original names
     final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"
     final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state
+    final/buffers_rank_<r>.safetensors rank r's mutable buffers (running statistics), original names
 
     checkpoint_stats_rank_<r>.jsonl    per checkpoint: step, stall_s, persist_s, bytes (commit_s on 0)
     checkpoint_interval.json           the Young/Daly choice, when --mtbf chose it

@@ -9,14 +9,17 @@ step's make_batch index) in its own directory::
     CKPT/step_000000042/manifest.json                  the commit record, written last
 
 A shard is a safetensors file: tensors "param/<name>", "optim/<name>/exp_avg",
-"optim/<name>/exp_avg_sq" (original parameter names, so any partition can read them),
+"optim/<name>/exp_avg_sq", "buffer/<name>" (original names, so any partition can read them;
+buffers are those the forward updates, Note [mutable buffers] in partitioner/split.py),
 "rng/torch_cpu", "rng/cuda_<i>", "rng/numpy_keys"; its metadata "meta" is JSON: format, step,
-rank, stages, replica, plan_hash, model_fingerprint, params (names), param_steps (AdamW step per
-parameter), lr_scheduler (LambdaLR's JSON-able state), python_random, numpy_random.
+rank, stages, replica, plan_hash, model_fingerprint, params (names), buffers (names), param_steps
+(AdamW step per parameter), lr_scheduler (LambdaLR's JSON-able state), python_random,
+numpy_random. ``state_entries`` is the one definition of a shard's contents; the memory tier
+(runtime/memtier.py) writes the same format through it.
 
 manifest.json: {"format", "step", "plan_hash", "model_fingerprint", "workload", "world_size",
 "num_stages", "dp", "created_unix", "shards": [{"file", "rank", "stages", "replica", "params",
-"bytes", "sha256"}], "manifest_sha256"} where manifest_sha256 hashes the canonical JSON
+"buffers", "bytes", "sha256"}], "manifest_sha256"} where manifest_sha256 hashes the canonical JSON
 (sort_keys, no spaces) of every other key. A directory without a manifest, or whose manifest or
 shards fail their hashes, is not a checkpoint. Loading parses JSON and safetensors only (never
 pickle).
@@ -241,30 +244,43 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
                              has_gauss, cached))
 
 
-def snapshot(trainer) -> Snapshot:
-    """Copy a RankTrainer's state to host memory, keyed by original parameter names."""
-    t0 = time.perf_counter()
-    tensors: dict[str, torch.Tensor] = {}
-    names = []
-    param_steps = {}
+def state_entries(trainer) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """A RankTrainer's shard, by tensor name (Note [checkpoint format]), and its meta: the one
+    definition both writers use (``snapshot`` and the memory tier's preallocated copy).
+    Parameters and Adam state are the live tensors: the caller copies them before the optimizer
+    next runs. Mutable buffers are copied now, because the next forward updates them while a
+    background copy may still be running."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    names, param_steps = [], {}
+    for name, p in trainer.named_parameters().items():
+        names.append(name)
+        tensors.append((f"param/{name}", p.detach()))
+        st = trainer.optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors.append((f"optim/{name}/{key}", st[key].detach()))
+        if "step" in st:
+            param_steps[name] = float(st["step"])
+    buffers = trainer.named_mutable_buffers()
     with torch.no_grad():
-        for name, p in trainer.named_parameters().items():
-            names.append(name)
-            tensors[f"param/{name}"] = p.detach().to("cpu", copy=True)
-            st = trainer.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    tensors[f"optim/{name}/{key}"] = st[key].detach().to("cpu", copy=True)
-            if "step" in st:
-                param_steps[name] = float(st["step"])
+        tensors += [(f"buffer/{name}", b.detach().to("cpu", copy=True)) for name, b in buffers.items()]
     rng_tensors, rng_meta = capture_rng()
-    tensors.update(rng_tensors)
+    tensors += sorted(rng_tensors.items())
     program = trainer.program
     meta = {"format": FORMAT, "step": trainer.steps_done, "rank": trainer.rank,
             "stages": list(trainer.stage_ids), "replica": trainer.replica,
             "plan_hash": program.get("plan_hash"), "model_fingerprint": program.get("model_fingerprint"),
-            "params": names, "param_steps": param_steps,
+            "params": names, "buffers": list(buffers), "param_steps": param_steps,
             "lr_scheduler": _json_scheduler_state(trainer.lr_scheduler), **rng_meta}
+    return tensors, meta
+
+
+def snapshot(trainer) -> Snapshot:
+    """Copy a RankTrainer's state to host memory, keyed by original names."""
+    t0 = time.perf_counter()
+    entries, meta = state_entries(trainer)
+    with torch.no_grad():
+        tensors = {name: t.to("cpu", copy=True) for name, t in entries}
     snap = Snapshot(trainer.steps_done, trainer.rank, tensors, meta)
     snap.stall_s = time.perf_counter() - t0
     return snap
@@ -308,9 +324,10 @@ def manifest_for(step: int, shards: list[ShardInfo], program: dict) -> dict:
     for info in sorted(shards, key=lambda s: s.rank):
         entry = by_rank[info.rank]
         params = list(dict.fromkeys(n for k in sorted(entry["stages"]) for n in stages[k]["params"]))
+        buffers = [n for k in sorted(entry["stages"]) for n in stages[k].get("mutable_buffers", [])]
         entries.append({"file": info.file, "rank": info.rank, "stages": sorted(entry["stages"]),
-                        "replica": entry["replica"], "params": params, "bytes": info.bytes,
-                        "sha256": info.sha256})
+                        "replica": entry["replica"], "params": params, "buffers": buffers,
+                        "bytes": info.bytes, "sha256": info.sha256})
     manifest = {"format": FORMAT, "step": step, "plan_hash": program.get("plan_hash"),
                 "model_fingerprint": program.get("model_fingerprint"),
                 "workload": program.get("workload"), "world_size": program["world_size"],
@@ -437,11 +454,23 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, to
     return tensors, meta
 
 
+def state_names(program: dict, stages) -> list[str]:
+    """What a rank holding ``stages`` of ``program`` reads from a checkpoint: its parameters, then
+    its mutable buffers (original names, each once)."""
+    entries = [program["stages"][k] for k in sorted(stages)]
+    return list(dict.fromkeys([n for st in entries for n in st["params"]]
+                              + [n for st in entries for n in st.get("mutable_buffers", [])]))
+
+
+def _holds(entry: dict, name: str) -> bool:
+    return name in entry["params"] or name in entry.get("buffers", ())
+
+
 @dataclass
 class ShardChoice:
-    """Which shards of a checkpoint one rank reads: ``param_source`` maps each parameter name it
-    needs to a shard entry; ``own`` is the entry written by the same rank of the same plan (RNG
-    states), or None after a reshard."""
+    """Which shards of a checkpoint one rank reads: ``param_source`` maps each parameter (or
+    mutable buffer) name it needs to a shard entry; ``own`` is the entry written by the same rank
+    of the same plan (RNG states), or None after a reshard."""
 
     param_source: dict[str, dict]
     own: dict | None
@@ -457,13 +486,13 @@ def choose_shards(manifest: dict, program: dict, rank: int, needed: list[str]) -
     own = next((e for e in entries if e["rank"] == rank), None) if same_plan else None
     source: dict[str, dict] = {}
     for name in needed:
-        if own is not None and name in own["params"]:
+        if own is not None and _holds(own, name):
             source[name] = own
             continue
-        holder = next((e for e in entries if name in e["params"]), None)
+        holder = next((e for e in entries if _holds(e, name)), None)
         if holder is None:
             raise CheckpointCorruptError(
-                f"checkpoint step {manifest['step']} holds no shard with parameter {name!r}")
+                f"checkpoint step {manifest['step']} holds no shard with parameter or buffer {name!r}")
         source[name] = holder
     chosen = {e["rank"]: e for e in source.values()}
     if own is not None:
@@ -481,6 +510,25 @@ class LoadedCheckpoint:
     lr_scheduler: dict
     rng_tensors: dict[str, torch.Tensor] | None  # None after a reshard
     rng_meta: dict | None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # mutable buffers, original names
+
+
+def take_state(loaded: LoadedCheckpoint, name: str, tensors: dict[str, torch.Tensor], meta: dict,
+               where: str) -> None:
+    """Put parameter ``name`` (with its Adam state) or mutable buffer ``name`` of one shard into
+    ``loaded``: the one reader of a shard's state, for the disk and the memory tier."""
+    if f"param/{name}" in tensors:
+        loaded.params[name] = tensors[f"param/{name}"]
+        st = {k: tensors[f"optim/{name}/{k}"] for k in ("exp_avg", "exp_avg_sq")
+              if f"optim/{name}/{k}" in tensors}
+        if st:
+            loaded.optim[name] = st
+        if name in meta.get("param_steps", {}):
+            loaded.param_steps[name] = meta["param_steps"][name]
+    elif f"buffer/{name}" in tensors:
+        loaded.buffers[name] = tensors[f"buffer/{name}"]
+    else:
+        raise CheckpointCorruptError(f"{where} lacks parameter or buffer {name!r}")
 
 
 def load_for_rank(ckpt_dir: str, step: int, program: dict, rank: int, needed: list[str],
@@ -490,30 +538,21 @@ def load_for_rank(ckpt_dir: str, step: int, program: dict, rank: int, needed: li
     check_model(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
     choice = choose_shards(manifest, program, rank, needed)
     read = {e["rank"]: read_shard(ckpt_dir, manifest, e) for e in choice.entries}
-    params, optim, param_steps = {}, {}, {}
+    loaded = LoadedCheckpoint(step, manifest, {}, {}, {}, {}, None, None)
     sched = None
     for name in needed:
         tensors, meta = read[choice.param_source[name]["rank"]]
-        if f"param/{name}" not in tensors:
-            raise CheckpointCorruptError(f"shard {choice.param_source[name]['file']} of step {step} "
-                                         f"lacks parameter {name!r}")
-        params[name] = tensors[f"param/{name}"]
-        st = {k: tensors[f"optim/{name}/{k}"] for k in ("exp_avg", "exp_avg_sq")
-              if f"optim/{name}/{k}" in tensors}
-        if st:
-            optim[name] = st
-        if name in meta.get("param_steps", {}):
-            param_steps[name] = meta["param_steps"][name]
+        take_state(loaded, name, tensors, meta, f"shard {choice.param_source[name]['file']} of step {step}")
         if meta.get("step") != step:
             raise CheckpointCorruptError(f"shard {choice.param_source[name]['file']} says step "
                                          f"{meta.get('step')}, its directory says {step}")
         sched = sched or meta.get("lr_scheduler")
-    rng_tensors = rng_meta = None
     if choice.own is not None:
-        rng_tensors, rng_meta = read[choice.own["rank"]]
-        rng_tensors = {k: v for k, v in rng_tensors.items() if k.startswith("rng/")}
-        sched = rng_meta.get("lr_scheduler") or sched
-    return LoadedCheckpoint(step, manifest, params, optim, param_steps, sched or {}, rng_tensors, rng_meta)
+        rng_tensors, loaded.rng_meta = read[choice.own["rank"]]
+        loaded.rng_tensors = {k: v for k, v in rng_tensors.items() if k.startswith("rng/")}
+        sched = loaded.rng_meta.get("lr_scheduler") or sched
+    loaded.lr_scheduler = sched or {}
+    return loaded
 
 
 def find_valid(ckpt_dir: str, program: dict, rank: int, needed: list[str], *, warn=None,
@@ -546,9 +585,14 @@ def find_valid(ckpt_dir: str, program: dict, rank: int, needed: list[str], *, wa
 
 
 def restore(trainer, ckpt: LoadedCheckpoint) -> None:
-    """Put a loaded checkpoint into a RankTrainer (every copy of a tied parameter)."""
+    """Put a loaded checkpoint into a RankTrainer (every copy of a tied parameter, every mutable
+    buffer)."""
     seen: set[int] = set()
     with torch.no_grad():
+        for name, buffer in trainer.named_mutable_buffers().items():
+            if name not in ckpt.buffers:
+                raise CheckpointCorruptError(f"checkpoint step {ckpt.step} lacks mutable buffer {name!r}")
+            buffer.copy_(ckpt.buffers[name].to(buffer.device))
         for m in trainer.modules:
             for name in m.parameter_names:
                 p = m.get_parameter(name)

@@ -27,6 +27,7 @@ class FakeTrainer:
     """What runtime.checkpoint reads and writes of a RankTrainer, for one rank of ``folder``."""
 
     named_parameters = RankTrainer.named_parameters
+    named_mutable_buffers = RankTrainer.named_mutable_buffers
 
     def __init__(self, folder: str, rank: int, program: dict | None = None):
         self.folder, self.rank = folder, rank
@@ -119,16 +120,14 @@ def newest_for_all(ckpt_dir: str, program: dict) -> tuple[int | None, dict]:
     views, loads = [], {}
     for rank in range(program["world_size"]):
         layout = Layout.from_program(program)
-        needed = list(dict.fromkeys(n for k in layout.stages_of_rank[rank]
-                                    for n in program["stages"][k]["params"]))
+        needed = ck.state_names(program, layout.stages_of_rank[rank])
         valid, _ = ck.find_valid(ckpt_dir, program, rank, needed)
         views.append(valid)
     step = agree_newest(views)
     if step is not None:
         for rank in range(program["world_size"]):
             layout = Layout.from_program(program)
-            needed = list(dict.fromkeys(n for k in layout.stages_of_rank[rank]
-                                        for n in program["stages"][k]["params"]))
+            needed = ck.state_names(program, layout.stages_of_rank[rank])
             loads[rank] = ck.load_for_rank(ckpt_dir, step, program, rank, needed)
     return step, loads
 

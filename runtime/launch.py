@@ -171,7 +171,9 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     steps = program["steps"] if steps is None else steps
     run_dir = run_dir or os.path.join(folder, "run")
     timeout = timedelta(seconds=float(program["collective_timeout_s"]))
-    torch.manual_seed(program["seed"] + rank)  # anything random outside stage forwards
+    from runtime.train import seed_host_generators
+
+    seed_host_generators(program["seed"] + rank)  # Note [global generators] in runtime/train.py
 
     if program["device"] == "cuda":
         device = torch.device("cuda", local_rank)

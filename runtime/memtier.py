@@ -22,9 +22,9 @@ never the one being written. A job that finishes cleanly removes its memory tier
 Note [memory snapshot]: the layout of a rank's shard (tensor names, shapes, dtypes, the offsets of
 a safetensors file with a header padded to a fixed capacity) is fixed at the first snapshot, so a
 snapshot is one copy of each state tensor into the preallocated shared-memory file. At the step
-boundary only the RNG states and the JSON state are captured; the copy runs in a background thread
-while the next step's forward and backward run (they only read the parameters), and the optimizer
-waits for it in a step pre-hook before it changes anything (CheckFreq's pipelined snapshot). Then,
+boundary only the RNG states, the mutable buffers (the forward changes them) and the JSON state
+are captured (``ck.state_entries``); the copy runs in a background thread while the next step's
+forward and backward run (they only read the parameters), and the optimizer waits for it in a step pre-hook before it changes anything (CheckFreq's pipelined snapshot). Then,
 in the same thread, the sha256, the commit record and the redundancy exchange. The next snapshot
 first joins the previous background work. The stall (recorded per snapshot in
 RUN_DIR/memory_stats_rank_<r>.jsonl) is the boundary work plus any wait, at the boundary or
@@ -365,27 +365,9 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 
 
 def state_tensors(trainer) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """What runtime.checkpoint.snapshot copies (same names, same meta), without copying."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    names, param_steps = [], {}
-    for name, p in trainer.named_parameters().items():
-        names.append(name)
-        tensors.append((f"param/{name}", p.detach()))
-        st = trainer.optimizer.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in st:
-                tensors.append((f"optim/{name}/{key}", st[key].detach()))
-        if "step" in st:
-            param_steps[name] = float(st["step"])
-    rng_tensors, rng_meta = ck.capture_rng()
-    tensors += sorted(rng_tensors.items())
-    program = trainer.program
-    meta = {"format": ck.FORMAT, "step": trainer.steps_done, "rank": trainer.rank,
-            "stages": list(trainer.stage_ids), "replica": trainer.replica,
-            "plan_hash": program.get("plan_hash"), "model_fingerprint": program.get("model_fingerprint"),
-            "params": names, "param_steps": param_steps,
-            "lr_scheduler": ck._json_scheduler_state(trainer.lr_scheduler), **rng_meta}
-    return tensors, meta
+    """What runtime.checkpoint.snapshot copies (same names, same meta): parameters and Adam state
+    not yet copied, mutable buffers and RNG states already copied (``ck.state_entries``)."""
+    return ck.state_entries(trainer)
 
 
 class ShardLayout:
@@ -477,21 +459,13 @@ def loaded_from_bytes(data, *, step: int, program: dict, rank: int, needed: list
     if meta.get("step") != step or meta.get("rank") != rank or meta.get("plan_hash") != program.get("plan_hash"):
         raise ck.CheckpointCorruptError(f"{where} is step {meta.get('step')} of rank {meta.get('rank')} "
                                         f"(plan {meta.get('plan_hash')}), wanted step {step} of rank {rank}")
-    params, optim, param_steps = {}, {}, {}
-    for name in needed:
-        if f"param/{name}" not in tensors:
-            raise ck.CheckpointCorruptError(f"{where} lacks parameter {name!r}")
-        params[name] = tensors[f"param/{name}"]
-        st = {k: tensors[f"optim/{name}/{k}"] for k in ("exp_avg", "exp_avg_sq") if f"optim/{name}/{k}" in tensors}
-        if st:
-            optim[name] = st
-        if name in meta.get("param_steps", {}):
-            param_steps[name] = meta["param_steps"][name]
     rng = {k: v.clone() for k, v in tensors.items() if k.startswith("rng/")}  # set_rng_state wants its own
     manifest = {"step": step, "plan_hash": program.get("plan_hash"), "world_size": program["world_size"],
                 "num_stages": program["num_stages"], "dp": program["dp"]}
-    return ck.LoadedCheckpoint(step, manifest, params, optim, param_steps, meta.get("lr_scheduler") or {},
-                               rng, meta)
+    loaded = ck.LoadedCheckpoint(step, manifest, {}, {}, {}, meta.get("lr_scheduler") or {}, rng, meta)
+    for name in needed:
+        ck.take_state(loaded, name, tensors, meta, where)
+    return loaded
 
 
 class LocalStore:
@@ -973,12 +947,12 @@ class MemoryTier:
                             "trying the next tier")
         else:
             return None
-        from runtime.recovery import needed_params
+        from runtime.recovery import needed_names
 
         where = f"memory tier ({tiers[self.rank]}) step {step} of rank {self.rank}"
         t1 = time.perf_counter()
         loaded = loaded_from_bytes(data, step=step, program=self.trainer.program, rank=self.rank,
-                                   needed=needed_params(self.trainer), where=where)
+                                   needed=needed_names(self.trainer), where=where)
         ck.restore(self.trainer, loaded)
         phases["restore_ms"] = (time.perf_counter() - t1) * 1e3
         self.store.invalidate_newer(step)

@@ -124,8 +124,18 @@ def validate_program(program: dict) -> None:
         lacking = [s for s in tie["stages"]
                    if "params" in stages[s] and tie["param"] not in stages[s]["params"]]
         if lacking:
-            raise ValueError(f"tie of {tie['param']!r} names stages {lacking}, "
-                             "which do not list it in params")
+            raise ValueError(f"tie of {tie['param']!r} names stages {lacking}, which do not list it in "
+                             "params (only trained parameters are ties; a buffer read on several "
+                             "stages is held by each): recompile the program")
+    holder: dict[str, int] = {}
+    for st in stages:
+        for name in st.get("mutable_buffers", []):
+            if name in holder:
+                raise ValueError(
+                    f"mutable buffer {name!r} is listed by stages {holder[name]} and {st['index']}: the "
+                    "forward updates it, so one stage must hold it (Note [mutable buffers] in "
+                    "partitioner/split.py); recompile the program")
+            holder[name] = st["index"]
     layout = Layout.from_program(program)  # raises if the rank layout is inconsistent
     rounds = max(1, m // layout.pp_size)
     if program["schedule"] == "interleaved" and m % rounds:

@@ -38,15 +38,17 @@ def _say(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def needed_params(trainer) -> list[str]:
-    return list(dict.fromkeys(n for m in trainer.modules for n in m.parameter_names))
+def needed_names(trainer) -> list[str]:
+    """What the trainer restores from a checkpoint: its parameters, then its mutable buffers."""
+    return list(dict.fromkeys([n for m in trainer.modules for n in m.parameter_names]
+                              + [n for m in trainer.modules for n in m.mutable_buffer_names]))
 
 
 def recover(trainer, ckpt_dir: str, *, group=None) -> int:
     """Restore the newest checkpoint valid on every rank into ``trainer``; returns the step to
     start at (0 when there is none). Collective over ``group`` (default: the world)."""
     program, rank = trainer.program, trainer.rank
-    needed = needed_params(trainer)
+    needed = needed_names(trainer)
     valid, newest = ck.find_valid(ckpt_dir, program, rank, needed, limit=_MAX_CANDIDATES,
                                   warn=lambda msg: _say(rank, "warning: " + msg))
     mine = torch.full((_MAX_CANDIDATES,), -1, dtype=torch.int64)

@@ -5,6 +5,9 @@ microbatches along dim 0 (pass dp * program num_microbatches to match a data-par
 runtime's global batch is cut into that many), loss_i = loss_fn(model(*args_i), target_i),
 backward of each loss_i, gradients divided by the number of microbatches (Note [loss scaling] in
 runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
+Buffers the forward updates (BatchNorm running statistics) are updated by every microbatch in
+order, as the stage holding them does; with ``replicas`` > 1 they end each step as the first
+replica's microbatches left them (Note [buffers across replicas] in runtime/train.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from runtime.train import make_optimizer, microbatch_seed
+from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
 
 
 def _chain(stages: Sequence[torch.nn.Module]) -> Callable:
@@ -46,19 +49,27 @@ def tie_stage_parameters(stages: Sequence[torch.nn.Module]) -> None:
 def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_batch: Callable,
                     loss_fn: Callable, optimizer_cfg: dict, global_batch: int,
                     num_microbatches: int, steps: int, seed: int = 0, *,
-                    batch_dims: Sequence[int] | None = None):
+                    batch_dims: Sequence[int] | None = None, replicas: int = 1):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
     model: the unpartitioned module, or the list of stage modules (``runtime.stage.build_stage``),
         whose same-named parameters are tied and whose dropout then draws exactly the runtime's
         masks (Note [dropout seeds] in runtime/train.py).
+    replicas: the data-parallel degree whose buffer handling to reproduce: the microbatches are
+        cut into ``replicas`` consecutive groups and buffers end each step as the first group
+        left them (Note [buffers across replicas]).
     losses: per-step mean loss (Python floats of the fp32 values).
-    final_state_dict: original name -> tensor (aliases of a tied parameter all present).
+    final_state_dict: original name -> tensor, parameters (aliases of a tied parameter all
+        present) and buffers.
     optimizer_state: original name (aliases too) -> {"exp_avg", "exp_avg_sq", "step"}.
     """
     if global_batch % num_microbatches:
         raise ValueError(f"global_batch={global_batch} is not divisible by "
                          f"num_microbatches={num_microbatches}")
+    if replicas < 1 or num_microbatches % replicas:
+        raise ValueError(f"num_microbatches={num_microbatches} is not a multiple of replicas={replicas}: "
+                         "pass dp * the program's num_microbatches and replicas=dp")
+    seed_host_generators(seed)  # Note [global generators] in runtime/train.py (as rank 0)
     if isinstance(model, torch.nn.Module):
         model = copy.deepcopy(model)
         modules = [model]
@@ -77,6 +88,11 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         for n, p in m.named_parameters(remove_duplicate=False):
             named.setdefault(n, p)
     unique = list({id(p): p for p in named.values()}.values())
+    buffers: dict[str, torch.Tensor] = {}
+    for m in modules:
+        for n, b in m.named_buffers(remove_duplicate=False):
+            buffers.setdefault(n, b)
+    first_replica_end = num_microbatches // replicas
     optimizer, lr_scheduler = make_optimizer(unique, optimizer_cfg)
     losses = []
     for step in range(steps):
@@ -92,6 +108,12 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
             loss = loss_fn(out, target_chunks[i])
             loss.backward()
             total += loss.detach().float()
+            if replicas > 1 and i == first_replica_end - 1:
+                kept = {n: b.detach().clone() for n, b in buffers.items()}
+        if replicas > 1:
+            with torch.no_grad():
+                for n, b in buffers.items():
+                    b.copy_(kept[n])
         for p in unique:
             if p.grad is not None:
                 p.grad.div_(num_microbatches)
@@ -100,6 +122,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total / num_microbatches))
     state = {n: p.detach().clone() for n, p in named.items()}
+    state.update({n: b.detach().clone() for n, b in buffers.items()})
     opt_state = {}
     for n, p in named.items():
         st = optimizer.state.get(p)
@@ -121,6 +144,7 @@ def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: in
         stages, resolve_callable(data["make_batch"], folder), resolve_callable(data["loss_fn"], folder),
         program["optimizer"], program["global_batch"],
         num_microbatches or program["dp"] * program["num_microbatches"], steps, program["seed"],
-        batch_dims=[a.get("batch_dim", 0) or 0 for a in program["stages"][0]["inputs"]])
+        batch_dims=[a.get("batch_dim", 0) or 0 for a in program["stages"][0]["inputs"]],
+        replicas=program["dp"] if num_microbatches is None else 1)
 
 

@@ -52,6 +52,10 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
         raise StageFileError(f"{folder}/stage_{stage_index}.py defines no class {cls_name}")
     param_names = list(getattr(source, "PARAMETERS", []))
     buffer_names = list(getattr(source, "BUFFERS", []))
+    mutable_names = list(getattr(source, "MUTABLE_BUFFERS", []))
+    if not set(mutable_names) <= set(buffer_names):
+        raise StageFileError(f"{folder}/stage_{stage_index}.py lists MUTABLE_BUFFERS {sorted(set(mutable_names) - set(buffer_names))} "
+                             "that are not in BUFFERS: recompile the program")
     module = cls()
     own = [n for n, _ in module.named_parameters()]
     if own:
@@ -82,6 +86,7 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
         _set_tensor(module, name, weights[name].clone(), buffer=True)
     module.stage_index = stage_index
     module.parameter_names = tuple(param_names)
+    module.mutable_buffer_names = tuple(mutable_names)
     return module.to(device)
 
 

@@ -12,6 +12,25 @@ consecutive microbatches). Random ops (dropout) therefore draw masks that depend
 a resume. ``train_reference`` reproduces them exactly when given the list of stage modules; given
 the unpartitioned model it seeds once per microbatch (as stage 0), which matches a model whose
 randomness all sits in stage 0 (or has none).
+
+Note [global generators]: at start-up each rank seeds torch's, Python's and numpy's global
+generators with seed + rank (``seed_host_generators``), so two clean runs draw the same numbers
+anywhere outside the stage forwards (a loss, user code), and checkpoints carry all three states
+(runtime/checkpoint.py ``capture_rng``), so a resumed run draws what the uninterrupted one would.
+Per rank, because ranks do different work: one stream shared by all would give every rank the
+same draws, which is never what data-parallel code wants.
+
+Note [buffers across replicas]: buffers the forward updates (BatchNorm running statistics and
+``num_batches_tracked``; Note [mutable buffers] in partitioner/split.py) see only their own
+replica's microbatches, so replicas drift apart. After every optimizer step each data-parallel
+group broadcasts replica 0's mutable buffers to the others, as DDP's ``broadcast_buffers`` does
+(at the next forward instead; same values). Chosen over averaging because it is exact for every
+dtype (the integer counter included), keeps the replicas bit-identical (so checkpoints and
+``final/`` may take any replica's copy), and has a one-process oracle: ``train_reference`` with
+``replicas=dp`` restores, at the end of each step, the buffers as they were after the first
+replica's microbatches. Averaging would mix in the other replicas' statistics, but matches neither
+the one-process run (a running average over all microbatches in order) nor any integer counter.
+The cost is one broadcast of the buffer bytes per step, per stage.
 """
 
 from __future__ import annotations
@@ -80,6 +99,19 @@ def microbatch_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
     return (((seed * 1_000_003 + step) * 1_009 + stage) * 1_000_033 + microbatch) % (2**63 - 1)
 
 
+def seed_host_generators(seed: int) -> None:
+    """Seed torch's, Python's and numpy's global generators (Note [global generators])."""
+    import random
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for torch; without it there is nothing to seed
+        return
+    numpy.random.seed(seed % 2**32)
+
+
 class MicrobatchSeeder:
     """Forward pre-hook that seeds the RNG per (step, stage, microbatch); see Note [dropout seeds].
     Every schedule runs a stage's forwards in microbatch order, so counting calls gives the index."""
@@ -122,6 +154,20 @@ def _allreduce_flat_(tensors: list[torch.Tensor], group, *, divide_by: int,
                 b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
             bucket, size = ([t], t.numel()) if t is not None else ([], 0)
+
+
+def _broadcast_flat_(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values (one broadcast per dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group_tensors])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 @dataclass
@@ -179,6 +225,16 @@ def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups
             c.grad.copy_(total)
     if groups.data_parallel is not None:
         _allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program["dp"])
+
+
+def sync_buffers(buffers: list[torch.Tensor], layout: Layout, rank: int, groups: Groups) -> None:
+    """Every replica takes replica 0's mutable buffers (Note [buffers across replicas]). The
+    members of a data-parallel group hold the same stages, so they agree on whether to call."""
+    if groups.data_parallel is None or not buffers:
+        return
+    src = next(ranks for ranks in layout.dp_groups if rank in ranks)[0]  # replica 0's rank
+    with torch.no_grad():
+        _broadcast_flat_(buffers, src, groups.data_parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +316,7 @@ class RankTrainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sync_buffers(list(self.named_mutable_buffers().values()), self.layout, self.rank, self.groups)
         # The step's loss: mean over microbatches and replicas (one all-reduce over the world).
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last:
@@ -330,6 +387,11 @@ class RankTrainer:
                 out.setdefault(name, m.get_parameter(name))
         return out
 
+    def named_mutable_buffers(self) -> dict[str, torch.Tensor]:
+        """Original name -> buffer, for the buffers the forward updates (Note [mutable buffers]
+        in partitioner/split.py); each lives on exactly one stage (checked by validate_program)."""
+        return {name: m.get_buffer(name) for m in self.modules for name in m.mutable_buffer_names}
+
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
         """(parameters, optimizer tensors "<name>.exp_avg"/"<name>.exp_avg_sq", JSON-able rest)."""
         params = {n: p.detach().cpu().clone() for n, p in self.named_parameters().items()}
@@ -354,6 +416,8 @@ class RankTrainer:
         params, opt_tensors, meta = self.state_tensors()
         save_file(params, os.path.join(final, f"rank_{self.rank}.safetensors"))
         save_file(opt_tensors, os.path.join(final, f"optim_rank_{self.rank}.safetensors"))
+        save_file({n: b.detach().cpu().clone() for n, b in self.named_mutable_buffers().items()},
+                  os.path.join(final, f"buffers_rank_{self.rank}.safetensors"))
         meta["lr_scheduler"] = {k: v for k, v in meta["lr_scheduler"].items()
                                 if isinstance(v, (int, float, str, list, type(None)))}
         with open(os.path.join(final, f"optim_rank_{self.rank}.json"), "w") as f:

@@ -308,7 +308,8 @@ def evaluate(
             tie_costs.append(TieCost(tie.regions, "colocated", stages, 0.0))
         else:
             assert tie_link is not None
-            cost = (len(stages) - 1) * tie_link.transfer_s(grad)
+            # A held buffer (no gradient) costs its holders memory only: nothing is summed.
+            cost = (len(stages) - 1) * tie_link.transfer_s(grad) if grad else 0.0
             tie_costs.append(TieCost(tie.regions, "replicated", stages, cost))
 
     stage_costs = []

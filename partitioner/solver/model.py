@@ -400,6 +400,8 @@ class CandidateModel:
         if self.tie_link is None:
             return expr
         for t, tie in enumerate(self.problem.ties):
+            if self.problem.tie_bytes(tie)[1] == 0:
+                continue  # a held buffer: no gradient, nothing to sum
             coef = round(self.tie_link.transfer_s(self.problem.tie_bytes(tie)[1]) / self.time_unit_s)
             expr.const -= coef
             for s in range(self.p):
