@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -39,6 +39,8 @@ class StageGraph:
     outputs: list[Value]
     params: list[str]  # trained parameters: original dotted names, in first-use order
     buffers: list[str]  # state read but not trained (buffers, lifted constants, frozen parameters)
+    # Regions the plan recomputes, moved out of gm by partitioner.recompute.checkpoint_regions.
+    checkpointed: list = field(default_factory=list)
 
 
 def _value(node: fx.Node) -> Value:
