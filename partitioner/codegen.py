@@ -101,8 +101,8 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     return [""] + textwrap.wrap(
         f"Recomputed in backward (activation checkpointing through runtime.recompute.checkpointed, one "
         f"checkpoint per region): {', '.join(regions)}. The plan chose it because memory binds on this "
-        f"stage's device ({sp.device}): predicted peak {human_bytes(sp.peak_memory_bytes)} of "
-        f"{human_bytes(sp.memory_capacity_bytes)} with recompute; keeping these regions' activations "
+        f"stage's device ({sp.device}): predicted peak {human_bytes(sp.peak_memory_bytes)} with recompute, "
+        f"capacity {human_bytes(sp.memory_capacity_bytes)}; keeping these regions' activations "
         f"({human_bytes(saved_per_sample)} per sample) instead of their inputs ({human_bytes(kept)} per "
         f"microbatch) for the {in_flight} microbatch(es) in flight would need about "
         f"{human_bytes(sp.peak_memory_bytes + extra)}.", width=96, break_on_hyphens=False)
