@@ -46,6 +46,7 @@ BENCHMARKS = [
     ("checkpoint_overhead", ["benchmarks/checkpoint_overhead.py"], 300),
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
     ("memory_tier", ["benchmarks/memory_tier.py"], 600),
+    ("recompute", ["benchmarks/recompute.py"], 600),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14

@@ -53,10 +53,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from partitioner import ir
+from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 FORMAT = "partitioner.profile/1"
 REGION_WEIGHT = 3.0
@@ -312,42 +312,6 @@ def relative_errors(fit: DirectionFit, rows: Sequence[tuple[Features, float]]) -
 
 
 # ---- measuring ------------------------------------------------------------------------------------
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storages created while active (Note [measuring a region]).
-
-    Every op's outputs are recorded by storage (views and in-place results share one); a storage
-    counts until it is freed, checked through a weak reference at each op. Tensors made before the
-    mode (parameters, inputs) are not counted. Works on any device, CPU included, where
-    tracemalloc sees nothing of torch's allocations. Backward ops run under it too."""
-
-    def __init__(self):
-        super().__init__()
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self._ref = StorageWeakRef
-        self.live: dict = {}
-        self.current = 0
-        self.peak = 0
-
-    def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
-            self.current -= self.live.pop(k)[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._sweep()
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = (storage.data_ptr(), storage.device.type)
-                if key not in self.live and storage.nbytes():
-                    self.live[key] = (self._ref(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
-
 
 def _detached(value, requires_grad: bool):
     if isinstance(value, torch.Tensor):

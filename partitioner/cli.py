@@ -217,6 +217,8 @@ def cmd_run(args) -> int:
         extra += ["--collective-timeout", str(args.collective_timeout)]
     if args.run_dir:
         extra += ["--run-dir", str(Path(args.run_dir).resolve())]
+    if args.measure_memory:
+        extra += ["--measure-memory"]
     if args.quiet:
         extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
     elif args.log_every:
@@ -308,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
                    "checkpoint STEP (fault injection, first attempt)")
     r.add_argument("--collective-timeout", type=float, help="seconds (default: the plan's)")
+    r.add_argument("--measure-memory", action="store_true", help="measure each rank's peak memory and print "
+                   "it next to the plan's prediction (RUN_DIR/memory_rank_<r>.json; always on with CUDA)")
     r.add_argument("-q", "--quiet", action="store_true", help="rank 0 prints every Nth step and the final "
                    "summary only (no schedule table)")
     r.add_argument("--log-every", type=int, metavar="N", help="with --quiet: the step lines' interval "

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ _GLOBAL_DEFS = {
     "nan": "nan = float('nan')",
     "device": "device = torch.device",
     "NoneType": "NoneType = type(None)",
+    "runtime_recompute_checkpointed":
+        "from runtime.recompute import checkpointed as runtime_recompute_checkpointed",
 }
 
 
@@ -52,8 +55,8 @@ _TORCH_NAMESPACES = {"aten", "prims", "prim", "quantized", "_quantized", "c10d",
                      "profiler", "rngprims", "inductor", "debugprims", "mkldnn", "mkl", "onednn"}
 
 
-def op_modules(gm: fx.GraphModule) -> list[str]:
-    """The Python modules that register every op namespace ``gm`` calls outside torch's own.
+def op_modules(*graphs: fx.Graph) -> list[str]:
+    """The Python modules that register every op namespace ``graphs`` call outside torch's own.
 
     Note [custom ops travel]: an op such as ``torch.ops.transformers.grouped_mm_fallback`` (the
     MoE kernel of Hugging Face transformers) exists only once the module that defines it has run,
@@ -63,7 +66,7 @@ def op_modules(gm: fx.GraphModule) -> list[str]:
     from torch._library.custom_ops import OPDEFS
 
     modules: set[str] = set()
-    for node in gm.graph.nodes:
+    for node in (n for graph in graphs for n in graph.nodes):
         target = node.target
         namespace = getattr(target, "namespace", None)
         if node.op != "call_function" or namespace is None or namespace in _TORCH_NAMESPACES:
@@ -87,16 +90,20 @@ def op_modules(gm: fx.GraphModule) -> list[str]:
 
 def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
     code = stage.gm.graph.python_code("self", verbose=True)
+    methods = [(run, run.graph.python_code("self", verbose=True)) for run in stage.checkpointed]
     custom_op_imports = [f"import {m}  # registers torch.ops it calls (Note [custom ops travel])"
-                         for m in op_modules(stage.gm)]
+                         for m in op_modules(stage.gm.graph, *(run.graph for run in stage.checkpointed))]
     preamble = []
-    used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", code.src))
-    for name in sorted(set(code.globals) & used):
+    sources = [code] + [c for _, c in methods]
+    used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", "\n".join(c.src for c in sources)))
+    for name in sorted(set().union(*(c.globals for c in sources)) & used):
         if name not in _GLOBAL_DEFS:
             raise ValueError(f"stage {stage.index} uses {name!r}, which a generated file cannot import")
         if _GLOBAL_DEFS[name]:
             preamble.append(_GLOBAL_DEFS[name])
-    body = code.src.strip("\n")
+    body = _comment_checkpoint_calls(code.src.strip("\n"), stage.checkpointed)
+    for run, method in methods:
+        body += "\n\n" + _method_source(run, method.src.strip("\n"))
     names = plan.stages[stage.index].region_names
     lines = [
         f'"""Stage {stage.index} of {plan.num_stages}: {", ".join(names)}.',
@@ -105,6 +112,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         "The forward below is the traced model's own code for this stage, as torch.fx emits it;",
         "comments point at the model's source lines. Do not edit: the runtime checks every file",
         "against the sha256 listed in plan.json.",
+        *_recompute_paragraph(stage, plan),
         '"""',
         "import torch",
         *custom_op_imports,
@@ -126,6 +134,58 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         "",
     ]
     return "\n".join(_strip_trailing(lines))
+
+
+def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
+    """Which regions this stage recomputes and why, with the plan's figures
+    (Note [recompute keeps a region's inputs] in partitioner/recompute.py)."""
+    if not stage.checkpointed:
+        return []
+    from partitioner.inspect.units import human_bytes
+    from partitioner.solver.problem import in_flight_microbatches
+
+    sp = plan.stages[stage.index]
+    regions = list(dict.fromkeys(run.region for run in stage.checkpointed))
+    saved_per_sample = sum(r.activation_bytes for r in plan.regions if r.name in regions)
+    kept = sum(run.kept_bytes for run in stage.checkpointed)
+    in_flight = (in_flight_microbatches(plan.schedule, stage.index, plan.num_stages, plan.num_microbatches)
+                 if plan.schedule in ("gpipe", "1f1b") else plan.num_microbatches)
+    extra = max(0, in_flight * (plan.microbatch_size * saved_per_sample - kept))
+    return [""] + textwrap.wrap(
+        f"Recomputed in backward (activation checkpointing through runtime.recompute.checkpointed, one "
+        f"checkpoint per region): {', '.join(regions)}. The plan chose it because memory binds on this "
+        f"stage's device ({sp.device}): predicted peak {human_bytes(sp.peak_memory_bytes)} with recompute, "
+        f"capacity {human_bytes(sp.memory_capacity_bytes)}; keeping these regions' activations "
+        f"({human_bytes(saved_per_sample)} per sample) instead of their inputs ({human_bytes(kept)} per "
+        f"microbatch) for the {in_flight} microbatch(es) in flight would need about "
+        f"{human_bytes(sp.peak_memory_bytes + extra)}.", width=96, break_on_hyphens=False)
+
+
+def _comment_checkpoint_calls(src: str, runs) -> str:
+    """Say above each checkpointed call which region it recomputes (FX has no comment of its own
+    for a node it did not trace: it writes 'No stacktrace found')."""
+    lines = src.splitlines()
+    for run in runs:
+        call = f"runtime_recompute_checkpointed(self.{run.name}"
+        at = next(i for i, line in enumerate(lines) if call in line)
+        comment = f"# region {run.region}: recomputed in backward; its forward is {run.name} below"
+        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+        if at > 0 and lines[at - 1].strip().startswith("# No stacktrace found"):
+            lines[at - 1] = indent + comment
+        else:
+            lines.insert(at, indent + comment)
+    return "\n".join(lines)
+
+
+def _method_source(run, src: str) -> str:
+    """The run's graph as a method of the Stage class, named for it, with a docstring."""
+    lines = src.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def forward("))
+    lines[start] = lines[start].replace("def forward(", f"def {run.name}(", 1)
+    end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith(":"))
+    doc = (f'    """Region {run.region} (through runtime.recompute.checkpointed): its activations are '
+           'dropped\n    after the forward and recomputed in backward."""')
+    return "\n".join(lines[:end + 1] + [doc] + lines[end + 1:])
 
 
 def _strip_trailing(lines: list[str]) -> list[str]:

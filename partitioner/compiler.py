@@ -429,6 +429,7 @@ def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
 
 def save_program(plan: Plan, folder) -> Path:
     from partitioner.codegen import write_program
+    from partitioner.recompute import checkpoint_regions
     from partitioner.split import split_graph
 
     artifacts: Artifacts = plan._artifacts  # type: ignore[attr-defined]
@@ -443,6 +444,10 @@ def save_program(plan: Plan, folder) -> Path:
             raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
         node_stage[node.name] = stage_of_name[name]
     stages = split_graph(gm, node_stage, plan.num_stages)
+    # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
+    recomputed = {r.name for r in plan.regions if r.recompute}
+    for stage in stages:
+        stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
     program = program_spec(plan, stages, workload)
     if on_meta:

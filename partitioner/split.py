@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -56,7 +56,9 @@ class StageGraph:
     outputs: list[Value]
     params: list[str]  # trained parameters: original dotted names, in first-use order
     buffers: list[str]  # state read but not trained (buffers, lifted constants, frozen parameters)
-    mutable_buffers: list[str] = dataclasses.field(default_factory=list)  # the buffers forward updates
+    mutable_buffers: list[str] = field(default_factory=list)  # the buffers forward updates
+    # Regions the plan recomputes, moved out of gm by partitioner.recompute.checkpoint_regions.
+    checkpointed: list = field(default_factory=list)
 
 
 def _value(node: fx.Node) -> Value:

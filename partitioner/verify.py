@@ -120,18 +120,27 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
             raise RuntimeError(f"the program in {folder} failed (exit {done.returncode}):\n{tail}")
-        return compare_run(folder, run_dir, steps=steps, workload=workload)
+        return check_run(folder, run_dir, steps=steps, workload=workload)
 
 
-def compare_run(folder: str | Path, run_dir: str | Path, *, steps: int, workload=None) -> VerifyReport:
-    """The program's run in ``run_dir`` (metrics.jsonl, final/) against the oracle trained here."""
+def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = None, workload=None) -> VerifyReport:
+    """The verdict on a finished run of the program in ``folder`` (its metrics.jsonl and final/
+    in ``run_dir``): the same steps trained by the oracle in this process. ``steps``: how many the
+    run was asked for (default: as many as it logged)."""
+    from partitioner.plan import Plan
     from runtime.program import load_program, resolve_callable
     from runtime.reference import train_reference, train_reference_from_folder
 
     folder = Path(folder).resolve()
+    plan = Plan.load(folder)
     program = load_program(str(folder))
+    if workload is None and plan.training.get("model_spec"):
+        from partitioner.models import load_workload
+
+        workload = load_workload(plan.training["model_spec"])
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
+    steps = len(losses) if steps is None else steps
     num_microbatches = program["dp"] * program["num_microbatches"]
     if workload is not None:
         if workload.model.parameters().__next__().device.type == "meta":

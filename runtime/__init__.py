@@ -15,6 +15,9 @@ stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Modu
 schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)`` and
            ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
 train      optimizer + LR schedule, dropout seeding, gradient sync, ``RankTrainer``
+recompute  ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
+           checkpointing with the same random draws (Note [recompute draws the same randomness])
+memory     a rank's measured peak memory (``LiveBytes`` on CPU, the CUDA allocator on GPUs)
 reference  ``train_reference(...)``: the one-process oracle with the same math
 data       deterministic batches and losses of the built-in workloads
 checkpoint the checkpoint format (Note [checkpoint format]), snapshot, crash-consistent persist
@@ -31,7 +34,8 @@ The program folder (written by partitioner/codegen.py)
     DIR/stage_<k>.py     `import torch` + class Stage<k>(torch.nn.Module): no __init__ arguments, no
                          parameters of its own; forward(self, *activations) reads parameters as
                          attributes by their ORIGINAL dotted names (FX codegen style, e.g.
-                         `getattr(self.blocks, "0").attn.qkv.weight`). Module-level lists PARAMETERS
+                         `getattr(self.blocks, "0").attn.qkv.weight`); a recomputed region is a method
+                         of the class called through runtime.recompute.checkpointed. Module-level lists PARAMETERS
                          (original names, in order), INPUTS, OUTPUTS (activation names), and
                          optionally BUFFERS (original names of non-trained tensors, e.g. masks;
                          loaded from the same weights file, never all-reduced; a buffer read on
@@ -89,13 +93,16 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
     final/buffers_rank_<r>.safetensors rank r's mutable buffers (running statistics), original names
 
     checkpoint_stats_rank_<r>.jsonl    per checkpoint: step, stall_s, persist_s, bytes (commit_s on 0)
+    memory_rank_<r>.json               with --measure-memory or on CUDA: measured_peak_bytes,
+                                       predicted_peak_bytes, capacity_bytes (runtime/memory.py)
     checkpoint_interval.json           the Young/Daly choice, when --mtbf chose it
     faults.jsonl                       injected faults that fired (rank, step, mode, time_unix)
 
 Flags of train.py / rank_<r>.py (``launch.parse_args``): --steps N, --run-dir D,
 --checkpoint-dir D (default DIR/checkpoints; must be writable, checked before training),
 --checkpoint-every K, --mtbf 6h, --keep-checkpoints N (default 3), --no-checkpoint,
---fail-at RANK:STEP[:MODE], --fail-persist RANK:STEP:BYTES, --collective-timeout S. Every run
+--fail-at RANK:STEP[:MODE], --fail-persist RANK:STEP:BYTES, --collective-timeout S,
+--measure-memory (or PARTITIONER_MEASURE_MEMORY=1). Every run
 resumes from the newest checkpoint valid on every rank in the checkpoint directory and leaves a
 committed checkpoint of its last step there.
 

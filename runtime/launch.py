@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> dict:
                         "/dev/shm/partitioner-<id of checkpoint dir and plan>)")
     parser.add_argument("--fail-host", action="append", help="HOST:STEP: kill every rank of HOST before "
                         "STEP and wipe its memory tier (first attempt only)")
+    parser.add_argument("--measure-memory", action="store_true", default=None,
+                        help="record each rank's peak memory (run dir memory_rank_<r>.json) and print it next "
+                        "to the plan's prediction (always on CUDA; on CPU also $PARTITIONER_MEASURE_MEMORY=1)")
     parser.add_argument("--collective-timeout", type=float,
                         help="seconds (default: the program's collective_timeout_s)")
     parser.add_argument("--quiet", action="store_true", default=None,
@@ -218,8 +221,16 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         before_step = _chain(memory.fault_hook(), before_step)
         after_step = _chain(memory.after_step, after_step)
     log_every = (flags.get("log_every") or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
+    from runtime import memory as peak
+
+    meter = peak.PeakMemory(trainer).start() if device.type == "cuda" or peak.requested(flags) else None
+    if meter is not None:
+        after_step = meter.unmeasured(after_step)
     losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
                          before_step=before_step, after_step=after_step)
+    if meter is not None:
+        meter.stop()
+        peak.report(meter, folder=folder, rank=rank, run_dir=run_dir)
     if checkpointer is not None:
         checkpointer.finish()
         if memory is not None:

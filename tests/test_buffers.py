@@ -31,7 +31,7 @@ from _bn_workload import workload
 from _checkpoint_helpers import FakeTrainer
 from _runtime_folders import REPO, child_env, one_thread  # noqa: F401
 from partitioner.cluster import ClusterSpec
-from partitioner.verify import compare_run, read_program_buffers
+from partitioner.verify import check_run, read_program_buffers
 from runtime import checkpoint as ck
 from runtime import memtier as mt
 from runtime.program import load_program
@@ -92,7 +92,7 @@ def test_running_statistics_live_on_their_stage(runs):
 
 def test_two_stages_verify_with_buffers(runs):
     root, _, _ = runs
-    report = compare_run(root / "two", root / "two" / "run", steps=STEPS, workload=workload())
+    report = check_run(root / "two", root / "two" / "run", steps=STEPS, workload=workload())
     assert report.ok, report.text()
     buffers = read_program_buffers(root / "two" / "run")
     assert sorted(buffers) == sorted(RUNNING)
@@ -102,7 +102,7 @@ def test_two_stages_verify_with_buffers(runs):
 
 def test_data_parallel_replicas_take_replica_zero_buffers(runs):
     root, _, _ = runs
-    report = compare_run(root / "dp", root / "dp" / "run", steps=STEPS, workload=workload())
+    report = check_run(root / "dp", root / "dp" / "run", steps=STEPS, workload=workload())
     assert report.ok and report.max_replica_diff == 0.0, report.text()
     buffers = read_program_buffers(root / "dp" / "run")
     assert int(buffers["bn1.num_batches_tracked"]) == STEPS * 2  # replica 0's two microbatches a step
@@ -116,7 +116,7 @@ def test_drifted_running_mean_fails_verify(runs, tmp_path):
     buffers = load_file(str(path))
     buffers["bn2.running_mean"] = buffers["bn2.running_mean"] + 1e-2
     save_file(buffers, str(path))
-    report = compare_run(root / "two", run, steps=STEPS, workload=workload())
+    report = check_run(root / "two", run, steps=STEPS, workload=workload())
     assert not report.ok and report.worst_buffer == "bn2.running_mean", report.text()
 
 

@@ -114,6 +114,19 @@ def test_live_bytes_counts_allocations_and_frees():
     del c
 
 
+def test_live_bytes_does_not_count_views_of_older_tensors():
+    """`linear` transposes its weight: a view of a parameter made before the mode allocates nothing."""
+    import torch
+
+    weight = torch.ones(32, 32)
+    with cal.LiveBytes() as mode:
+        view = weight.t()
+        weight.add_(1)
+        out = torch.ones(4, 32) @ view  # 512 B (plus the 512 B input)
+    assert mode.peak == 1024
+    del view, out
+
+
 def test_calibrate_compile_end_to_end(tmp_path):
     from partitioner.cli import main
 
