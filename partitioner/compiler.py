@@ -76,6 +76,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
     incoming = {r.region_id: 0 for r in table}
     for src, dst, num_bytes in edges:
         incoming[dst] += num_bytes
+    updating = updating_regions(gm)
     regions = tuple(
         sp.Region(
             name=r.name,
@@ -85,8 +86,10 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
             grad_bytes=int(r.grad_bytes),
             optimizer_bytes=int(r.optimizer_bytes),
             activation_bytes_per_sample=int(round(r.saved_activation_bytes / batch_size)),
-            # A recomputed region keeps only its inputs and runs its forward again in backward.
-            recompute_activation_bytes_per_sample=int(round(incoming[r.region_id] / batch_size)),
+            # A recomputed region keeps only its inputs and runs its forward again in backward;
+            # one that updates a buffer saves nothing by it (Note [recompute never updates twice]).
+            recompute_activation_bytes_per_sample=int(round(
+                max(incoming[r.region_id], r.saved_activation_bytes if r.name in updating else 0) / batch_size)),
             layer=r.layer,
         )
         for r in table
@@ -101,6 +104,20 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
     problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
                                   input_bytes_per_sample=int(round(inputs / batch_size)))
     return apply_profiles(problem, gm, batch_size, profiles)
+
+
+def updating_regions(gm: fx.GraphModule) -> set[str]:
+    """Names of the regions holding a node that updates a buffer in place (BatchNorm's running
+    statistics).
+
+    Note [recompute never updates twice]: recomputing such a region in backward would run its
+    update a second time (running statistics counted twice per microbatch). The problem prices
+    its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
+    and save_program does not checkpoint it even if a hand-made plan asks to."""
+    from partitioner.split import mutated_buffers
+
+    updaters = {name for names in mutated_buffers(gm).values() for name in names}
+    return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -445,7 +462,7 @@ def save_program(plan: Plan, folder) -> Path:
         node_stage[node.name] = stage_of_name[name]
     stages = split_graph(gm, node_stage, plan.num_stages)
     # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
-    recomputed = {r.name for r in plan.regions if r.recompute}
+    recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
     for stage in stages:
         stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())

@@ -245,3 +245,17 @@ def test_a_held_buffer_costs_memory_not_time():
     assert costs["buffer"].ties[0].cost_s == 0.0 < costs["param"].ties[0].cost_s
     held = costs["buffer"].stages[1]
     assert (held.params_bytes, held.grads_bytes, held.optimizer_bytes) == (1400, 1000, 2000)
+
+
+def test_a_region_that_updates_running_statistics_is_never_priced_as_saving_by_recompute():
+    """Note [recompute never updates twice]: recomputing it would update the statistics twice."""
+    from partitioner.compiler import analyze, build_problem, updating_regions
+
+    wl = workload()
+    gm, _ = analyze(wl, granularity="node")
+    problem = build_problem(gm, wl.example_batch_size)
+    updating = updating_regions(gm)
+    assert updating, "the BatchNorm nodes update buffers: some region must say so"
+    for region in problem.regions:
+        if region.name in updating:
+            assert region.recompute_activation_bytes_per_sample >= region.activation_bytes_per_sample, region
