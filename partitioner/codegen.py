@@ -41,13 +41,21 @@ _GLOBAL_DEFS = {
 def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
     code = stage.gm.graph.python_code("self", verbose=True)
     preamble = []
-    used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", code.src))
+    body = code.src.strip("\n")
+    # Keyed random ops (Note [randomness keyed by meaning] in runtime/randomness.py) read as
+    # `randomness.dropout(...)`, from one import, instead of FX's mangled global names.
+    keyed = {name: obj for name, obj in code.globals.items()
+             if getattr(obj, "__module__", None) == "runtime.randomness"}
+    for name, obj in keyed.items():
+        body = re.sub(rf"(?<![.\w]){re.escape(name)}\(", f"randomness.{obj.__name__}(", body)
+    if keyed:
+        preamble.append("from runtime import randomness")
+    used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", body))
     for name in sorted(set(code.globals) & used):
         if name not in _GLOBAL_DEFS:
             raise ValueError(f"stage {stage.index} uses {name!r}, which a generated file cannot import")
         if _GLOBAL_DEFS[name]:
             preamble.append(_GLOBAL_DEFS[name])
-    body = code.src.strip("\n")
     names = plan.stages[stage.index].region_names
     lines = [
         f'"""Stage {stage.index} of {plan.num_stages}: {", ".join(names)}.',

@@ -416,12 +416,14 @@ def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
 
 def save_program(plan: Plan, folder) -> Path:
     from partitioner.codegen import write_program
+    from partitioner.randomness import lower_randomness
     from partitioner.split import split_graph
 
     artifacts: Artifacts = plan._artifacts  # type: ignore[attr-defined]
     workload = artifacts.workload
     traced = trace(workload.model, _example_at(workload, plan.microbatch_size), workload.example_kwargs)
     gm = annotate(traced, granularity=artifacts.granularity)
+    keyed_ops = lower_randomness(gm, batch_size=plan.microbatch_size)
     stage_of_name = {r.name: r.stage for r in plan.regions}
     node_stage = {}
     for node in gm.graph.nodes:
@@ -432,6 +434,8 @@ def save_program(plan: Plan, folder) -> Path:
     stages = split_graph(gm, node_stage, plan.num_stages)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
     program = program_spec(plan, stages, workload)
+    if keyed_ops:  # Note [randomness keyed by meaning] in runtime/randomness.py
+        program["randomness"] = {"keyed_ops": [op.op for op in keyed_ops]}
     if on_meta:
         program["init"] = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or

@@ -3,6 +3,11 @@
 The program trains under torchrun exactly as a user runs it; the oracle trains the unpartitioned
 model in this process with the same data, loss, optimizer, learning-rate schedule and microbatch
 split. The verdict is the largest difference in per-step loss and in every final parameter.
+
+Which oracle: a model without random ops is trained as the user's module itself. A model with
+random ops (dropout, attention dropout) is trained as its whole traced graph with those ops keyed
+exactly as in the stage files (Note [randomness keyed by meaning] in runtime/randomness.py): the
+user's module would draw its masks from torch's global generator, which no partition reproduces.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class VerifyReport:
     max_param_diff: float
     worst_param: str
     max_replica_diff: float
-    oracle: str  # "original model" or "stage chain"
+    oracle: str  # "original model", "unpartitioned traced graph (keyed randomness)" or "stage chain"
 
     @property
     def ok(self) -> bool:
@@ -104,11 +109,16 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
             raise ValueError("the workload's model is on the meta device: verify needs real weights; "
                              "verify a smaller configuration of the same model")
         data = program["data"]
+        model, oracle = workload.model, "original model"
+        if program.get("randomness", {}).get("keyed_ops"):
+            from partitioner.randomness import keyed_graph
+
+            model, _ = keyed_graph(workload, program["global_batch"] // num_microbatches)
+            oracle = "unpartitioned traced graph (keyed randomness)"
         ref_losses, ref_state, _ = train_reference(
-            workload.model, resolve_callable(data["make_batch"], str(folder)),
+            model, resolve_callable(data["make_batch"], str(folder)),
             resolve_callable(data["loss_fn"], str(folder)), program["optimizer"], program["global_batch"],
             num_microbatches, steps, program["seed"])
-        oracle = "original model"
     else:
         ref_losses, ref_state, _ = train_reference_from_folder(str(folder), steps)
         oracle = "stage chain"
