@@ -152,7 +152,7 @@ def keyed_graph(workload, microbatch_size: int) -> tuple[fx.GraphModule, list[Ke
     from partitioner.trace import trace
 
     traced = trace(workload.model, _example_at(workload, microbatch_size), workload.example_kwargs)
-    gm = traced.gm
-    lowered = lower_randomness(gm, batch_size=microbatch_size)
-    gm.train()
-    return gm, lowered
+    lowered = lower_randomness(traced.gm, batch_size=microbatch_size)
+    # A plain GraphModule over the same graph and parameters: export's module refuses .train(),
+    # which the oracle calls (the lowered graph has its train flags baked in either way).
+    return fx.GraphModule(traced.gm, traced.gm.graph, class_name="KeyedGraph"), lowered

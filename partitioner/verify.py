@@ -77,11 +77,35 @@ def read_program_run(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor
     return [losses[k] for k in sorted(losses)], params, replica_diff
 
 
+def train_oracle(folder: str | Path, program: dict, workload, steps: int):
+    """(losses, final state, which oracle) of the one-process run ``verify`` compares against."""
+    from runtime.program import resolve_callable
+    from runtime.reference import train_reference, train_reference_from_folder
+
+    if workload is None:
+        losses, state, _ = train_reference_from_folder(str(folder), steps)
+        return losses, state, "stage chain"
+    if workload.model.parameters().__next__().device.type == "meta":
+        raise ValueError("the workload's model is on the meta device: verify needs real weights; "
+                         "verify a smaller configuration of the same model")
+    num_microbatches = program["dp"] * program["num_microbatches"]
+    model, oracle = workload.model, "original model"
+    if program.get("randomness", {}).get("keyed_ops"):
+        from partitioner.randomness import keyed_graph
+
+        model, _ = keyed_graph(workload, program["global_batch"] // num_microbatches)
+        oracle = "unpartitioned traced graph (keyed randomness)"
+    data = program["data"]
+    losses, state, _ = train_reference(
+        model, resolve_callable(data["make_batch"], str(folder)), resolve_callable(data["loss_fn"], str(folder)),
+        program["optimizer"], program["global_batch"], num_microbatches, steps, program["seed"])
+    return losses, state, oracle
+
+
 def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
     from partitioner.cli import run_env, torchrun_command
     from partitioner.plan import Plan
-    from runtime.program import load_program, resolve_callable
-    from runtime.reference import train_reference, train_reference_from_folder
+    from runtime.program import load_program
 
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
@@ -103,25 +127,7 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
             raise RuntimeError(f"the program in {folder} failed (exit {done.returncode}):\n{tail}")
         losses, params, replica_diff = read_program_run(run_dir)
-    num_microbatches = program["dp"] * program["num_microbatches"]
-    if workload is not None:
-        if workload.model.parameters().__next__().device.type == "meta":
-            raise ValueError("the workload's model is on the meta device: verify needs real weights; "
-                             "verify a smaller configuration of the same model")
-        data = program["data"]
-        model, oracle = workload.model, "original model"
-        if program.get("randomness", {}).get("keyed_ops"):
-            from partitioner.randomness import keyed_graph
-
-            model, _ = keyed_graph(workload, program["global_batch"] // num_microbatches)
-            oracle = "unpartitioned traced graph (keyed randomness)"
-        ref_losses, ref_state, _ = train_reference(
-            model, resolve_callable(data["make_batch"], str(folder)),
-            resolve_callable(data["loss_fn"], str(folder)), program["optimizer"], program["global_batch"],
-            num_microbatches, steps, program["seed"])
-    else:
-        ref_losses, ref_state, _ = train_reference_from_folder(str(folder), steps)
-        oracle = "stage chain"
+    ref_losses, ref_state, oracle = train_oracle(folder, program, workload, steps)
     loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=float("inf"))
     if len(losses) != len(ref_losses):
         loss_diff = float("inf")
