@@ -9,6 +9,10 @@
     problem  = the region graph as plain numbers, per sample, priced by the fitted profiles if any
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
     plan     = the frozen Plan, with the baselines beside it
+
+save_program (Plan.save) re-traces at the microbatch size, annotates, keys every random op
+(partitioner/randomness.py, before the split, so ops keep their unpartitioned names), splits the
+graph into stages and writes the folder (partitioner/codegen.py).
 """
 
 from __future__ import annotations
