@@ -81,7 +81,13 @@ def capture() -> Context | None:
 @contextlib.contextmanager
 def restored(snapshot: Context | None):
     """Make ``snapshot`` (from ``capture()``) the current context inside the block, then put back
-    whatever was current before: a recompute under 1F1B runs between other microbatches' forwards."""
+    whatever was current before: a recompute under 1F1B runs between other microbatches' forwards.
+
+    With torch.utils.checkpoint (non-reentrant, which calls context_fn at forward time)::
+
+        checkpoint(fn, *args, use_reentrant=False,
+                   context_fn=lambda: (contextlib.nullcontext(), randomness.restored(randomness.capture())))
+    """
     global _current
     previous, _current = _current, snapshot
     try:

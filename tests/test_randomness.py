@@ -73,6 +73,30 @@ def test_capture_and_restored_replay_a_forward_under_a_later_context():
     assert torch.equal(randomness.dropout(X, 0.5, True, op="d", batch_dim=0), later)  # put back
 
 
+def test_recompute_under_checkpoint_redraws_the_forward_masks():
+    """The recompute runs in backward, after the context moved on to a later microbatch."""
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x):
+        return randomness.dropout(x * 3.0, 0.5, True, op="d", batch_dim=0)
+
+    def grads(recompute: bool):
+        x = torch.ones(4, 6, requires_grad=True)
+        randomness.set_context(seed=0, step=1, first_sample=0, microbatch=0)
+        if recompute:
+            out = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (
+                contextlib.nullcontext(), randomness.restored(randomness.capture())))
+        else:
+            out = block(x)
+        randomness.set_context(seed=0, step=1, first_sample=4, microbatch=1)
+        out.sum().backward()
+        return x.grad
+
+    assert torch.equal(grads(True), grads(False))
+
+
 def test_keyed_attention_matches_sdpa_without_dropout_and_drops_probabilities_with_it():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
