@@ -140,6 +140,20 @@ def test_lowering_keys_every_random_node_of_a_traced_gpt():
     assert all(k.batch_dim == 0 for k in lowered)
 
 
+def test_lowering_keys_factories_and_bernoulli_by_sample_or_microbatch():
+    class Noise(torch.nn.Module):
+        def forward(self, x):
+            a = torch.bernoulli(torch.sigmoid(x)) + torch.bernoulli(x, 0.3) + torch.rand_like(x)
+            return a + torch.randn(x.shape[0], 3) + torch.rand(3) + torch.randn_like(x)
+
+    gm = trace(Noise(), (torch.zeros(2, 3),)).gm
+    lowered = {k.function: k.batch_dim for k in lower_randomness(gm, batch_size=2)}
+    assert lowered == {"bernoulli": 0, "rand_like": 0, "randn": 0, "rand": None, "randn_like": 0}
+    assert _random_nodes(gm) == []
+    randomness.set_context(seed=0, step=0, first_sample=0, microbatch=0)
+    assert torch.equal(gm(torch.zeros(2, 3)), gm(torch.zeros(2, 3)))
+
+
 def test_lowering_leaves_dropout_free_models_alone_and_refuses_unknown_random_ops():
     workload = gpt(layers=1, width=32, heads=2, vocab=64, seq=16, dropout=0.0)
     gm = trace(workload.model, workload.example_args).gm
