@@ -4,9 +4,9 @@ The math is shared with ``runtime.reference`` (``make_optimizer``, ``lr_factor``
 ``microbatch_seed``), so the one-process oracle and the partitioned run differ only in where
 things run and in floating-point summation order.
 
-Note [dropout seeds]: random ops draw keyed by meaning, not by process (Note [randomness keyed
+Note [randomness per microbatch]: random ops draw keyed by meaning, not by process (Note [randomness keyed
 by meaning] in runtime/randomness.py). Before every stage forward of every microbatch a forward
-pre-hook (``MicrobatchSeeder``) sets the randomness context: the plan's seed, the step, the global
+pre-hook (``MicrobatchRandomness``) sets the randomness context: the plan's seed, the step, the global
 microbatch index (replica * num_microbatches + local index: the global batch is cut into
 dp * num_microbatches consecutive microbatches) and the global index of its first sample. The
 compiled stage files call runtime.randomness, which keys each draw by (seed, step, sample or
@@ -88,13 +88,13 @@ def microbatch_size(program: dict) -> int:
 
 
 def microbatch_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
-    """See Note [dropout seeds]."""
+    """See Note [randomness per microbatch]."""
     return (((seed * 1_000_003 + step) * 1_009 + stage) * 1_000_033 + microbatch) % (2**63 - 1)
 
 
-class MicrobatchSeeder:
+class MicrobatchRandomness:
     """Forward pre-hook that sets the randomness context of (step, microbatch) and seeds the
-    global RNG per (step, stage, microbatch); see Note [dropout seeds]."""
+    global RNG per (step, stage, microbatch); see Note [randomness per microbatch]."""
 
     def __init__(self, seed: int, stage: int, microbatch_size: int):
         self.seed, self.stage, self.microbatch_size = seed, stage, microbatch_size
@@ -233,11 +233,11 @@ class RankTrainer:
         self.stage_ids = self.layout.stages_of_rank[rank]
         self.num_stages = program["num_stages"]
         self.modules = [build_stage(folder, s, device) for s in self.stage_ids]
-        self.seeders = []
+        self.randomness_hooks = []
         for s, m in zip(self.stage_ids, self.modules):
-            seeder = MicrobatchSeeder(program["seed"], s, microbatch_size(program))
-            m.register_forward_pre_hook(seeder)
-            self.seeders.append(seeder)
+            hook = MicrobatchRandomness(program["seed"], s, microbatch_size(program))
+            m.register_forward_pre_hook(hook)
+            self.randomness_hooks.append(hook)
             m.train()
         self.pipe_stages = [pipeline_stage(m, program, s, device, groups.pipeline)
                             for s, m in zip(self.stage_ids, self.modules)]
@@ -263,8 +263,8 @@ class RankTrainer:
         if isinstance(args, torch.Tensor):
             args = (args,)
         specs = program["stages"][0]["inputs"]
-        for seeder in self.seeders:
-            seeder.start(step, self.replica * m)
+        for hook in self.randomness_hooks:
+            hook.start(step, self.replica * m)
         losses: list[torch.Tensor] = []
         feed = [self._replica_rows(a, (sp.get("batch_dim", 0) or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []
