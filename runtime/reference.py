@@ -54,8 +54,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
         ``partitioner.randomness.keyed_graph``), or the list of stage modules
         (``runtime.stage.build_stage``), whose same-named parameters are tied. Keyed random ops
-        draw the runtime's masks in either; unkeyed ones only in the stage chain (Note [dropout
-        seeds] in runtime/train.py).
+        draw the runtime's masks in either; unkeyed ones only in the stage chain (Note
+        [randomness per microbatch] in runtime/train.py).
     losses: per-step mean loss (Python floats of the fp32 values).
     final_state_dict: original name -> tensor (aliases of a tied parameter all present).
     optimizer_state: original name (aliases too) -> {"exp_avg", "exp_avg_sq", "step"}.
