@@ -153,6 +153,12 @@ def keyed_graph(workload, microbatch_size: int) -> tuple[fx.GraphModule, list[Ke
 
     traced = trace(workload.model, _example_at(workload, microbatch_size), workload.example_kwargs)
     lowered = lower_randomness(traced.gm, batch_size=microbatch_size)
-    # A plain GraphModule over the same graph and parameters: export's module refuses .train(),
-    # which the oracle calls (the lowered graph has its train flags baked in either way).
-    return fx.GraphModule(traced.gm, traced.gm.graph, class_name="KeyedGraph"), lowered
+    # A plain GraphModule over the same nodes and parameters, taking and returning flat tensors
+    # as the stage files do (partitioner/split.py): export's module refuses .train(), which the
+    # oracle calls, and its pytree wrapping warns on every deepcopy.
+    graph = traced.gm.graph
+    graph._codegen = fx.graph.CodeGen()
+    output = next(n for n in graph.nodes if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)) and len(output.args[0]) == 1:
+        output.args = (output.args[0][0],)
+    return fx.GraphModule(traced.gm, graph, class_name="KeyedGraph"), lowered

@@ -172,7 +172,8 @@ def dropout(x: torch.Tensor, p: float, train: bool = True, *, op: str, batch_dim
     if p >= 1.0:
         return x * 0.0
     keep = _uniform_like(x, op=op, batch_dim=batch_dim) >= p
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+    # masked_fill saves only the boolean mask for backward (as torch's native_dropout does).
+    return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - p))
 
 
 def native_dropout(x: torch.Tensor, p: float, train: bool | None = True, *, op: str,
@@ -182,7 +183,7 @@ def native_dropout(x: torch.Tensor, p: float, train: bool | None = True, *, op: 
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     keep = _uniform_like(x, op=op, batch_dim=batch_dim) >= p
     scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-    return x * keep.to(x.dtype) * scale, keep
+    return x.masked_fill(~keep, 0.0) * scale, keep
 
 
 def bernoulli(x: torch.Tensor, p: float | None = None, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
