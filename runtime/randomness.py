@@ -193,27 +193,25 @@ def bernoulli(x: torch.Tensor, p: float | None = None, *, op: str, batch_dim: in
     return (u < prob).to(x.dtype)
 
 
-def rand(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None,
-         **_ignored) -> torch.Tensor:
+def rand(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     """``aten.rand``: U[0, 1) of ``size`` (on the default device: stages run under their device)."""
     out = _fill(size, op=op, batch_dim=batch_dim, device=device, dtype=torch.float32, normal=False)
     return out.to(dtype or torch.get_default_dtype())
 
 
-def randn(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None,
-          **_ignored) -> torch.Tensor:
+def randn(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     out = _fill(size, op=op, batch_dim=batch_dim, device=device, dtype=torch.float32, normal=True)
     return out.to(dtype or torch.get_default_dtype())
 
 
-def rand_like(x: torch.Tensor, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None,
-              **_ignored) -> torch.Tensor:
+def rand_like(x: torch.Tensor, *, op: str, batch_dim: int | None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
     out = _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=False)
     return out.to(dtype or x.dtype)
 
 
-def randn_like(x: torch.Tensor, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None,
-               **_ignored) -> torch.Tensor:
+def randn_like(x: torch.Tensor, *, op: str, batch_dim: int | None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     out = _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=True)
     return out.to(dtype or x.dtype)
 
