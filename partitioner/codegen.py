@@ -95,15 +95,29 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
                          for m in op_modules(stage.gm.graph, *(run.graph for run in stage.checkpointed))]
     preamble = []
     sources = [code] + [c for _, c in methods]
-    used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", "\n".join(c.src for c in sources)))
+    # Keyed random ops (Note [randomness keyed by meaning] in runtime/randomness.py) read as
+    # `randomness.dropout(...)`, from one import, instead of FX's mangled global names.
+    keyed = {name: obj for c in sources for name, obj in c.globals.items()
+             if getattr(obj, "__module__", None) == "runtime.randomness"}
+
+    def readable(src: str) -> str:
+        src = src.strip("\n")
+        for name, obj in keyed.items():
+            src = re.sub(rf"(?<![.\w]){re.escape(name)}\(", f"randomness.{obj.__name__}(", src)
+        return src
+
+    texts = [readable(c.src) for c in sources]
+    if keyed:
+        preamble.append("from runtime import randomness")
+    used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", "\n".join(texts)))
     for name in sorted(set().union(*(c.globals for c in sources)) & used):
         if name not in _GLOBAL_DEFS:
             raise ValueError(f"stage {stage.index} uses {name!r}, which a generated file cannot import")
         if _GLOBAL_DEFS[name]:
             preamble.append(_GLOBAL_DEFS[name])
-    body = _comment_checkpoint_calls(code.src.strip("\n"), stage.checkpointed)
-    for run, method in methods:
-        body += "\n\n" + _method_source(run, method.src.strip("\n"))
+    body = _comment_checkpoint_calls(texts[0], stage.checkpointed)
+    for (run, _), text in zip(methods, texts[1:]):
+        body += "\n\n" + _method_source(run, text)
     names = plan.stages[stage.index].region_names
     lines = [
         f'"""Stage {stage.index} of {plan.num_stages}: {", ".join(names)}.',

@@ -9,6 +9,10 @@
     problem  = the region graph as plain numbers, per sample, priced by the fitted profiles if any
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
     plan     = the frozen Plan, with the baselines beside it
+
+save_program (Plan.save) re-traces at the microbatch size, annotates, keys every random op
+(partitioner/randomness.py, before the split, so ops keep their unpartitioned names), splits the
+graph into stages and writes the folder (partitioner/codegen.py).
 """
 
 from __future__ import annotations
@@ -347,21 +351,6 @@ def solution_baselines(solution) -> dict:
     return dict(getattr(solution, "baselines", {}) or {})
 
 
-def _example_at(workload: Workload, microbatch_size: int) -> tuple:
-    """Example inputs of exactly one microbatch: the traced shapes are static."""
-    if microbatch_size == workload.example_batch_size:
-        return workload.example_args
-    if workload.make_batch is None:
-        raise ValueError(
-            f"the plan's microbatch size is {microbatch_size} but the example inputs have batch "
-            f"{workload.example_batch_size} and the workload has no make_batch: give make_batch, or "
-            f"fix --microbatches so that global_batch / (dp * microbatches) = {workload.example_batch_size}"
-        )
-    args, _target = workload.make_batch(0, microbatch_size)
-    device = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-
-
 def program_spec(plan: Plan, stages, workload: Workload) -> dict:
     """The "program" object of plan.json: everything the runtime reads (runtime/__init__.py)."""
     def values(vs):
@@ -446,13 +435,15 @@ def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
 
 def save_program(plan: Plan, folder) -> Path:
     from partitioner.codegen import write_program
+    from partitioner.randomness import lower_randomness
     from partitioner.recompute import checkpoint_regions
     from partitioner.split import split_graph
 
     artifacts: Artifacts = plan._artifacts  # type: ignore[attr-defined]
     workload = artifacts.workload
-    traced = trace(workload.model, _example_at(workload, plan.microbatch_size), workload.example_kwargs)
+    traced = trace(workload.model, workload.example_args_at(plan.microbatch_size), workload.example_kwargs)
     gm = annotate(traced, granularity=artifacts.granularity)
+    keyed_ops = lower_randomness(gm, batch_size=plan.microbatch_size)
     stage_of_name = {r.name: r.stage for r in plan.regions}
     node_stage = {}
     for node in gm.graph.nodes:
@@ -467,6 +458,8 @@ def save_program(plan: Plan, folder) -> Path:
         stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
     program = program_spec(plan, stages, workload)
+    if keyed_ops:  # Note [randomness keyed by meaning] in runtime/randomness.py
+        program["randomness"] = {"keyed_ops": [op.op for op in keyed_ops]}
     if on_meta:
         program["init"] = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or

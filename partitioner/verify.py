@@ -5,6 +5,11 @@ model in this process with the same data, loss, optimizer, learning-rate schedul
 split. The verdict is the largest difference in per-step loss, in every final parameter and in
 every buffer the forward updates (BatchNorm running statistics; final/buffers_rank_<r>), and
 whether data-parallel replicas hold identical copies of both.
+
+Which oracle: a model without random ops is trained as the user's module itself. A model with
+random ops (dropout, attention dropout) is trained as its whole traced graph with those ops keyed
+exactly as in the stage files (Note [randomness keyed by meaning] in runtime/randomness.py): the
+user's module would draw its masks from torch's global generator, which no partition reproduces.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class VerifyReport:
     max_param_diff: float
     worst_param: str
     max_replica_diff: float
-    oracle: str  # "original model" or "stage chain"
+    oracle: str  # "original model", "unpartitioned traced graph (keyed randomness)" or "stage chain"
     max_buffer_diff: float = 0.0  # relative: |diff| / max(1, |oracle|)
     worst_buffer: str = "-"
 
@@ -97,6 +102,32 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
     return _read_finals(run_dir, "buffers_rank_*.safetensors")[0]
 
 
+def train_oracle(folder: str | Path, program: dict, workload, steps: int):
+    """(losses, final state, which oracle) of the one-process run ``verify`` compares against."""
+    from runtime.program import resolve_callable
+    from runtime.reference import train_reference, train_reference_from_folder
+
+    if workload is None:
+        losses, state, _ = train_reference_from_folder(str(folder), steps)
+        return losses, state, "stage chain"
+    if workload.model.parameters().__next__().device.type == "meta":
+        raise ValueError("the workload's model is on the meta device: verify needs real weights; "
+                         "verify a smaller configuration of the same model")
+    num_microbatches = program["dp"] * program["num_microbatches"]
+    model, oracle = workload.model, "original model"
+    if program.get("randomness", {}).get("keyed_ops"):
+        from partitioner.randomness import keyed_graph
+
+        model, _ = keyed_graph(workload, program["global_batch"] // num_microbatches)
+        oracle = "unpartitioned traced graph (keyed randomness)"
+    data = program["data"]
+    losses, state, _ = train_reference(
+        model, resolve_callable(data["make_batch"], str(folder)), resolve_callable(data["loss_fn"], str(folder)),
+        program["optimizer"], program["global_batch"], num_microbatches, steps, program["seed"],
+        replicas=program["dp"])
+    return losses, state, oracle
+
+
 def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
     from partitioner.plan import Plan
     from runtime.program import load_program
@@ -128,8 +159,7 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     in ``run_dir``): the same steps trained by the oracle in this process. ``steps``: how many the
     run was asked for (default: as many as it logged)."""
     from partitioner.plan import Plan
-    from runtime.program import load_program, resolve_callable
-    from runtime.reference import train_reference, train_reference_from_folder
+    from runtime.program import load_program
 
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
@@ -141,20 +171,7 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps
-    num_microbatches = program["dp"] * program["num_microbatches"]
-    if workload is not None:
-        if workload.model.parameters().__next__().device.type == "meta":
-            raise ValueError("the workload's model is on the meta device: verify needs real weights; "
-                             "verify a smaller configuration of the same model")
-        data = program["data"]
-        ref_losses, ref_state, _ = train_reference(
-            workload.model, resolve_callable(data["make_batch"], str(folder)),
-            resolve_callable(data["loss_fn"], str(folder)), program["optimizer"], program["global_batch"],
-            num_microbatches, steps, program["seed"], replicas=program["dp"])
-        oracle = "original model"
-    else:
-        ref_losses, ref_state, _ = train_reference_from_folder(str(folder), steps)
-        oracle = "stage chain"
+    ref_losses, ref_state, oracle = train_oracle(folder, program, workload, steps)
     loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=float("inf"))
     if len(losses) != len(ref_losses):
         loss_diff = float("inf")

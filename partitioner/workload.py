@@ -44,3 +44,18 @@ class Workload:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 return int(value.shape[0])
         return 1
+
+    def example_args_at(self, microbatch_size: int) -> tuple:
+        """Example inputs of exactly one microbatch of ``microbatch_size``: a traced graph's shapes
+        are static, so the program's stages are traced at the plan's microbatch size."""
+        if microbatch_size == self.example_batch_size:
+            return self.example_args
+        if self.make_batch is None:
+            raise ValueError(
+                f"the plan's microbatch size is {microbatch_size} but the example inputs have batch "
+                f"{self.example_batch_size} and the workload has no make_batch: give make_batch, or "
+                f"fix --microbatches so that global_batch / (dp * microbatches) = {self.example_batch_size}"
+            )
+        args, _target = self.make_batch(0, microbatch_size)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)

@@ -14,7 +14,10 @@ checkpoint_drills  one-process drills of the checkpoint protocol (tests, benchma
 stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
 schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)`` and
            ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
-train      optimizer + LR schedule, dropout seeding, gradient sync, ``RankTrainer``
+train      optimizer + LR schedule, randomness context per microbatch, gradient sync, ``RankTrainer``
+randomness the keyed random ops stage files call (``randomness.dropout(x, p, train, op=, batch_dim=)``,
+           ``attention`` for SDPA with dropout, ...), the context they read, and ``capture()`` /
+           ``restored(snapshot)`` for recompute (Note [randomness keyed by meaning])
 recompute  ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
            checkpointing with the same random draws (Note [recompute draws the same randomness])
 memory     a rank's measured peak memory (``LiveBytes`` on CPU, the CUDA allocator on GPUs)
@@ -31,7 +34,8 @@ The program folder (written by partitioner/codegen.py)
 ::
 
     DIR/plan.json        JSON; the runtime reads its "plan_hash" and its "program" object (below)
-    DIR/stage_<k>.py     `import torch` + class Stage<k>(torch.nn.Module): no __init__ arguments, no
+    DIR/stage_<k>.py     `import torch` (and `from runtime import randomness` when it has random
+                         ops: Note [randomness keyed by meaning]) + class Stage<k>(torch.nn.Module): no __init__ arguments, no
                          parameters of its own; forward(self, *activations) reads parameters as
                          attributes by their ORIGINAL dotted names (FX codegen style, e.g.
                          `getattr(self.blocks, "0").attn.qkv.weight`); a recomputed region is a method
@@ -76,6 +80,8 @@ The "program" object (JSON)::
                          "lr_schedule": "cosine"|"linear"|"constant", "total_steps",
                          "min_lr_ratio" (optional, default 0)}
     seed                int; collective_timeout_s: number (every collective and p2p op)
+    randomness          optional: {"keyed_ops": [node names]}: the random ops the compiler keyed
+                        (present only when there are any; verify then picks the keyed oracle)
     steps               optional: steps to train (default optimizer.total_steps)
     checkpoint_every    optional: checkpoint every K steps (0/absent: see mtbf_s, else only the last)
     plan.json's top-level "model_fingerprint", "workload" and training "mtbf_s" are copied into

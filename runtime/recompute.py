@@ -5,7 +5,7 @@ the forward pass (its activations are dropped) and once in backward (to rebuild 
 must draw the same dropout masks, or the gradient belongs to a different forward than the loss.
 Two kinds of randomness are covered:
   * the global RNG (today's ``aten.dropout``, seeded per microbatch by runtime/train.py, Note
-    [dropout seeds]): ``preserve_rng_state=True`` stashes its state at the checkpoint and
+    [randomness per microbatch]): ``preserve_rng_state=True`` stashes its state at the checkpoint and
     restores it, on a fork, for the recompute;
   * keyed randomness (``runtime.randomness``, where a random op's draws are keyed by step,
     sample and op name): its current context is captured as the checkpoint's forward starts and

@@ -2,7 +2,8 @@
 
 Per step: batch = make_batch(step, global_batch), cut into ``num_microbatches`` consecutive
 microbatches along dim 0 (pass dp * program num_microbatches to match a data-parallel run: the
-runtime's global batch is cut into that many), loss_i = loss_fn(model(*args_i), target_i),
+runtime's global batch is cut into that many), loss_i = loss_fn(model(*args_i), target_i) with the
+randomness context of microbatch i set (Note [randomness keyed by meaning] in runtime/randomness.py),
 backward of each loss_i, gradients divided by the number of microbatches (Note [loss scaling] in
 runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
 Buffers the forward updates (BatchNorm running statistics) are updated by every microbatch in
@@ -17,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime import randomness
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
 
 
@@ -52,9 +54,11 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
                     batch_dims: Sequence[int] | None = None, replicas: int = 1):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
-    model: the unpartitioned module, or the list of stage modules (``runtime.stage.build_stage``),
-        whose same-named parameters are tied and whose dropout then draws exactly the runtime's
-        masks (Note [dropout seeds] in runtime/train.py).
+    model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
+        ``partitioner.randomness.keyed_graph``), or the list of stage modules
+        (``runtime.stage.build_stage``), whose same-named parameters are tied. Keyed random ops
+        draw the runtime's masks in either; unkeyed ones only in the stage chain (Note
+        [randomness per microbatch] in runtime/train.py).
     replicas: the data-parallel degree whose buffer handling to reproduce: the microbatches are
         cut into ``replicas`` consecutive groups and buffers end each step as the first group
         left them (Note [buffers across replicas]).
@@ -104,6 +108,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         target_chunks = torch.tensor_split(target, num_microbatches, dim=0)
         total = torch.zeros((), dtype=torch.float32)
         for i in range(num_microbatches):
+            randomness.set_context(seed=seed, step=step, microbatch=i,
+                                   first_sample=i * (global_batch // num_microbatches))
             out = forward(step, i, seed, *(c[i] for c in arg_chunks))
             loss = loss_fn(out, target_chunks[i])
             loss.backward()

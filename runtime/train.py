@@ -4,14 +4,20 @@ The math is shared with ``runtime.reference`` (``make_optimizer``, ``lr_factor``
 ``microbatch_seed``), so the one-process oracle and the partitioned run differ only in where
 things run and in floating-point summation order.
 
-Note [dropout seeds]: before every stage forward of every microbatch the global RNG is seeded
-with ``microbatch_seed(seed, step, stage, global_microbatch)``, where global_microbatch =
-replica * num_microbatches + local index (the global batch is cut into dp * num_microbatches
-consecutive microbatches). Random ops (dropout) therefore draw masks that depend only on
-(step, stage, microbatch): the same under gpipe, 1f1b and interleaved, on any rank layout, and after
-a resume. ``train_reference`` reproduces them exactly when given the list of stage modules; given
-the unpartitioned model it seeds once per microbatch (as stage 0), which matches a model whose
-randomness all sits in stage 0 (or has none).
+Note [randomness per microbatch]: random ops draw keyed by meaning, not by process (Note [randomness keyed
+by meaning] in runtime/randomness.py). Before every stage forward of every microbatch a forward
+pre-hook (``MicrobatchRandomness``) sets the randomness context: the plan's seed, the step, the global
+microbatch index (replica * num_microbatches + local index: the global batch is cut into
+dp * num_microbatches consecutive microbatches) and the global index of its first sample. The
+compiled stage files call runtime.randomness, which keys each draw by (seed, step, sample or
+microbatch, the op's name in the unpartitioned graph): the masks are those of the unpartitioned
+model, on any stages, replicas, microbatching, schedule, and after a resume on another partition.
+Every schedule runs a stage's forwards in microbatch order, so counting calls gives the index.
+
+The hook also seeds the global RNG with ``microbatch_seed(seed, step, stage, global_microbatch)``,
+for random ops that no lowering keyed (hand-written stage files): those draw per stage, so they
+match a one-process run only when it chains the same stage modules (``train_reference``, given
+the list of stages, reproduces them).
 
 Note [global generators]: at start-up each rank seeds torch's, Python's and numpy's global
 generators with seed + rank (``seed_host_generators``), so two clean runs draw the same numbers
@@ -46,6 +52,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from runtime import randomness
 from runtime.program import Layout, resolve_callable
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +101,13 @@ def make_optimizer(params, cfg: dict):
     return opt, sched
 
 
+def microbatch_size(program: dict) -> int:
+    """Samples per microbatch: the global batch is cut into dp * num_microbatches equal parts."""
+    return program["global_batch"] // (program["dp"] * program["num_microbatches"])
+
+
 def microbatch_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
-    """See Note [dropout seeds]."""
+    """See Note [randomness per microbatch]."""
     return (((seed * 1_000_003 + step) * 1_009 + stage) * 1_000_033 + microbatch) % (2**63 - 1)
 
 
@@ -112,17 +124,20 @@ def seed_host_generators(seed: int) -> None:
     numpy.random.seed(seed % 2**32)
 
 
-class MicrobatchSeeder:
-    """Forward pre-hook that seeds the RNG per (step, stage, microbatch); see Note [dropout seeds].
-    Every schedule runs a stage's forwards in microbatch order, so counting calls gives the index."""
+class MicrobatchRandomness:
+    """Forward pre-hook that sets the randomness context of (step, microbatch) and seeds the
+    global RNG per (step, stage, microbatch); see Note [randomness per microbatch]."""
 
-    def __init__(self, seed: int, stage: int):
-        self.seed, self.stage, self.step, self.next_mb = seed, stage, 0, 0
+    def __init__(self, seed: int, stage: int, microbatch_size: int):
+        self.seed, self.stage, self.microbatch_size = seed, stage, microbatch_size
+        self.step, self.next_mb = 0, 0
 
     def start(self, step: int, first_microbatch: int) -> None:
         self.step, self.next_mb = step, first_microbatch
 
     def __call__(self, module, args):
+        randomness.set_context(seed=self.seed, step=self.step, microbatch=self.next_mb,
+                               first_sample=self.next_mb * self.microbatch_size)
         torch.manual_seed(microbatch_seed(self.seed, self.step, self.stage, self.next_mb))
         self.next_mb += 1
 
@@ -274,11 +289,11 @@ class RankTrainer:
         self.stage_ids = self.layout.stages_of_rank[rank]
         self.num_stages = program["num_stages"]
         self.modules = [build_stage(folder, s, device) for s in self.stage_ids]
-        self.seeders = []
+        self.randomness_hooks = []
         for s, m in zip(self.stage_ids, self.modules):
-            seeder = MicrobatchSeeder(program["seed"], s)
-            m.register_forward_pre_hook(seeder)
-            self.seeders.append(seeder)
+            hook = MicrobatchRandomness(program["seed"], s, microbatch_size(program))
+            m.register_forward_pre_hook(hook)
+            self.randomness_hooks.append(hook)
             m.train()
         self.pipe_stages = [pipeline_stage(m, program, s, device, groups.pipeline)
                             for s, m in zip(self.stage_ids, self.modules)]
@@ -304,8 +319,8 @@ class RankTrainer:
         if isinstance(args, torch.Tensor):
             args = (args,)
         specs = program["stages"][0]["inputs"]
-        for seeder in self.seeders:
-            seeder.start(step, self.replica * m)
+        for hook in self.randomness_hooks:
+            hook.start(step, self.replica * m)
         losses: list[torch.Tensor] = []
         feed = [self._replica_rows(a, (sp.get("batch_dim", 0) or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []

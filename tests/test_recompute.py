@@ -52,7 +52,7 @@ def forward_backward(folder: Path, stage: int, inputs, seed: int):
         saved.append(t.numel() * t.element_size())
         return t
 
-    _seed(seed)  # what the runtime does before a stage forward (Note [dropout seeds])
+    _seed(seed)  # what the runtime does before a stage forward (Note [randomness per microbatch])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(*inputs)
     _seed(seed + 1)  # as under 1F1B: another microbatch's forward runs before this backward
@@ -118,7 +118,8 @@ def test_stage_file_says_what_it_recomputes_and_why(dropout_pair):
     assert "The plan chose it because memory binds on this stage's device" in words and "capacity" in words
     compile(text, "stage_0.py", "exec")
     imports = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))}
-    assert imports == {"torch", "runtime.recompute"}
+    # `from runtime import randomness`: the model has dropout, drawn keyed (runtime/randomness.py)
+    assert imports == {"torch", "runtime.recompute", "runtime"}
     # Checkpoints stay keyed by original names: the stage holds the same parameters as the plain one.
     for k in range(plan.num_stages):
         names = lambda folder: [n for n, _ in build_stage(str(folder), k).named_parameters()]  # noqa: E731

@@ -109,7 +109,7 @@ def test_gpt_two_stages_two_replicas_gpipe_with_tie(tmp_path):
 
 def test_gpt_interleaved_with_dropout_matches_stage_chain(two_rank_runs):
     """Interleaved 1F1B, 2 ranks x 2 stages each, dropout on: the oracle chains the stage modules
-    in one process and draws the same dropout masks (Note [dropout seeds])."""
+    in one process and draws the same dropout masks (Note [randomness per microbatch])."""
     folder, model = two_rank_runs["gpt"]
     assert "F0.s2" in two_rank_runs["stdout"]  # rank 0 printed the interleaved schedule
     losses, state, _ = train_reference_from_folder(folder, 3)
