@@ -130,16 +130,17 @@ def table(plan: Plan) -> str:
     mem_unit, mem_scale = _byte_unit(max(s.peak_memory_bytes for s in plan.stages))
     send_unit, send_scale = _byte_unit(max([s.send_bytes for s in plan.stages] + [1]))
     header = ["stage", "ranks", "device", "regions held", "params", "fwd FLOP", "bwd FLOP", "compute",
-              "comm", "time", "weights", "grads", "optim", "activ", "buffers", "peak", "capacity", "used",
-              "send"]
+              "comm", "time", "weights", "grads", "optim", "activ", "buffers", "transient", "peak", "capacity",
+              "used", "send"]
     units = ["", "", "", "", "", "/mb", "/mb", "ms/mb", "ms/mb", "ms/mb", mem_unit, mem_unit, mem_unit,
-             mem_unit, mem_unit, mem_unit, "GiB", "%", f"{send_unit}/mb"]
-    align = "><<<>>>>>>>>>>>>>>>"
+             mem_unit, mem_unit, mem_unit, mem_unit, "GiB", "%", f"{send_unit}/mb"]
+    align = "><<<>>>>>>>>>>>>>>>>"
     rows = []
     for s in plan.stages:
         m = s.memory
         mem = [f"{b / mem_scale:.1f}" for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
-                                                m.activations_bytes, m.buffers_bytes, s.peak_memory_bytes)]
+                                                m.activations_bytes, m.buffers_bytes, m.transient_bytes,
+                                                s.peak_memory_bytes)]
         used = 100.0 * s.peak_memory_bytes / s.memory_capacity_bytes if s.memory_capacity_bytes else 0.0
         rows.append([str(s.index), ",".join(map(str, s.ranks)), s.device, _held(s.region_names), _si(s.params),
                      _si(s.flops_fwd), _si(s.flops_bwd), _ms(s.compute_time_s), _ms(s.comm_time_s),
@@ -230,7 +231,8 @@ def inspect_json(plan: Plan) -> dict:
             "region_ids": list(s.regions), "compute_time_s": s.compute_time_s, "comm_time_s": s.comm_time_s,
             "memory": {"params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes,
                        "optimizer_bytes": m.optimizer_bytes, "activations_bytes": m.activations_bytes,
-                       "buffers_bytes": m.buffers_bytes},
+                       "buffers_bytes": m.buffers_bytes, "transient_bytes": m.transient_bytes,
+                       "step_buffers_bytes": m.step_buffers_bytes},
         })
     predicted = {k: plan.predicted[k] for k in ("step_time_s", "bubble_fraction", "lower_bound_step_time_s")}
     predicted["samples_per_s"] = samples_per_s(plan)
@@ -499,7 +501,7 @@ def _svg_timeline(plan: Plan, tl: dict) -> str:
 
 MEMORY_PARTS = (("weights", "params_bytes", "#4e79a7"), ("gradients", "grads_bytes", "#59a14f"),
                 ("optimizer", "optimizer_bytes", "#edc948"), ("activations", "activations_bytes", "#e15759"),
-                ("buffers", "buffers_bytes", "#9c755f"))
+                ("buffers", "buffers_bytes", "#9c755f"), ("backward transient", "transient_bytes", "#b07aa1"))
 
 
 def _svg_memory(plan: Plan) -> tuple[str, str]:
@@ -682,7 +684,8 @@ def rebuild_problem(plan: Plan, *, boundary_estimate: dict[tuple[int, int], floa
         in_flight = in_flight_microbatches(plan.schedule, s.index, plan.num_stages, plan.num_microbatches)
         kept = sum(r.activation_bytes for r in plan.regions if r.stage == s.index and not r.recompute)
         num_recompute = sum(1 for r in plan.regions if r.stage == s.index and r.recompute)
-        left = s.memory.activations_bytes / (in_flight * b) - kept
+        held_outputs = s.send_bytes / b  # the stage's outputs, kept until their backward (Note [memory model])
+        left = s.memory.activations_bytes / (in_flight * b) - kept - held_outputs
         saved_left[s.index] = max(0, int(round(left / num_recompute))) if num_recompute else 0
     regions = []
     for r in sorted(plan.regions, key=lambda r: r.id):
@@ -692,7 +695,7 @@ def rebuild_problem(plan: Plan, *, boundary_estimate: dict[tuple[int, int], floa
             param_bytes=int(r.param_bytes), grad_bytes=int(round(r.param_bytes * g)),
             optimizer_bytes=int(round(r.param_bytes * o)), activation_bytes_per_sample=int(r.activation_bytes),
             recompute_activation_bytes_per_sample=saved_left[r.stage] if r.recompute else int(r.activation_bytes),
-            layer=r.layer))
+            layer=r.layer, transient_bytes_per_sample=int(r.transient_bytes)))
     edges: dict[tuple[int, int], float] = {}
     scale = _cut_edge_scale(plan)
     for e in plan.cut_edges:
@@ -703,8 +706,11 @@ def rebuild_problem(plan: Plan, *, boundary_estimate: dict[tuple[int, int], floa
             # Crossing a boundary now but not recorded: it carries nothing (the plan lists every cut).
             estimate = (boundary_estimate or {}).get((i, i + 1), 0.0)
             edges[(i, i + 1)] = 0.0 if stage_of[i] != stage_of[i + 1] else estimate
+    # Stage 0's buffers: m·b·cut0 gradient receive buffers + the global batch, d·m·b·(input + target)
+    # (Note [memory model]); the target is folded into the input here.
     cut0 = _cut_per_sample(plan)[0] if plan.num_stages > 1 else 0.0
-    input_bytes = max(0.0, plan.stages[0].memory.buffers_bytes / (2 * b) - cut0)
+    m_b = plan.num_microbatches * b
+    input_bytes = max(0.0, (plan.stages[0].memory.buffers_bytes - m_b * cut0) / (plan.dp * m_b))
     problem = PartitionProblem(tuple(regions), tuple(Edge(s, d, int(round(v))) for (s, d), v in sorted(edges.items())),
                                (), int(round(input_bytes)))
     cluster = ClusterSpec.from_dict(plan.cluster)
