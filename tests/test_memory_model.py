@@ -13,7 +13,8 @@ from partitioner import ir
 from partitioner.cluster import GIB, ClusterSpec
 from partitioner.solver import Assignment, Edge, PartitionProblem, Region, SolverConfig, evaluate, place_stages
 from partitioner.solver import solve_candidate
-from partitioner.solver.check import structural_violations
+from partitioner.solver.chain_dp import chain_lower_bound_s
+from partitioner.solver.check import candidate_lower_bound_s, structural_violations
 
 MIB = 2**20
 
@@ -128,6 +129,13 @@ def test_ilp_equals_exhaustive_checker_with_every_memory_term(seed):
         return
     assert status == "OPTIMAL"
     assert solution.step_time_s == pytest.approx(best, rel=1e-5)
+    # the bounds that prune the enumeration stay below every fitting plan
+    cluster = cluster_with(capacity)
+    assert candidate_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=1,
+                                   schedule="1f1b") <= best * (1 + 1e-9)
+    if d == 1:
+        assert chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=1,
+                                   schedule="1f1b", placement=place_stages(cluster, p, 1)) <= best * (1 + 1e-9)
 
 
 def test_cluster_file_overrides_usable_memory(tmp_path):

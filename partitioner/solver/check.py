@@ -238,7 +238,8 @@ def candidate_lower_bound_s(
     """A lower bound on ``evaluate``'s step time over every plan of one candidate (p, d, m, b),
     for pruning the enumeration (Note [candidate pruning] in solve.py); inf when no plan fits.
 
-    * Forced recompute (fluid): stage s holds static_s + k_s * b * saved_s <= capacity with
+    * Forced recompute (fluid): stage s holds static_s + k_s * b * saved_s <= capacity - (the
+      global batch + the smallest backward transient, which every stage holds) with
       k_s = in-flight microbatches, so sum_s saved_s <= max over static splits of
       sum_s (capacity - static_s) / (k_s * b) (static goes to the largest k_s first). The excess
       of sum_r activation bytes over that budget must be saved by recomputing; the cheapest
@@ -252,11 +253,17 @@ def candidate_lower_bound_s(
     p, d, m, b = num_stages, dp, num_microbatches, microbatch_size
     homogeneous = cluster.is_homogeneous
     fastest = max(cluster.devices, key=lambda dev: dev.flops_per_s)
-    capacity = max(dev.usable_memory_bytes for dev in cluster.devices)
+    # Every stage holds the global batch and at least the smallest region's backward transient
+    # (Note [memory model]); the receive buffers and held outputs (>= 0) are left out.
+    floor = (d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
+             + b * min(r.transient_bytes_per_sample for r in problem.regions))
+    capacity = max(dev.usable_memory_bytes for dev in cluster.devices) - floor
+    if capacity < 0:
+        return math.inf
     in_flight = sorted((in_flight_microbatches(schedule, s, p, m) for s in range(p)), reverse=True)
     static_left = float(sum(r.static_bytes for r in problem.regions))
     budget = 0.0  # saved activation bytes per sample the stages can hold at best
-    for k in in_flight:  # receive buffers (>= 0) are left out: still a bound
+    for k in in_flight:
         static = min(capacity, static_left)
         static_left -= static
         budget += (capacity - static) / (k * b)
