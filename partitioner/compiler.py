@@ -93,7 +93,9 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             # autograd, the loss) and runs its forward again in backward.
             recompute_activation_bytes_per_sample=-(-(incoming[r.region_id] + r.held_bytes) // batch_size),
             layer=r.layer,
+            # max over nodes of each part: at least the max of their sums, at any microbatch size
             transient_bytes_per_sample=-(-r.bwd_transient_bytes // batch_size),
+            transient_fixed_bytes=r.bwd_param_grad_bytes,
         )
         for r in table
     )

@@ -38,8 +38,9 @@ activations and the parameters' accumulated ``.grad``:
   layer-norm backward allocate about that).
 It is computed on the whole graph in node order; a stage that holds only part of it sees a
 subset of that frontier (its boundary gradients are the receive buffers), so the figure is an
-upper bound there too. A region's transient is the largest of its nodes' (one node runs
-backward at a time).
+upper bound there too. The parameter gradients are kept apart (``bwd_param_grad_bytes``): they
+do not scale with the microbatch, the rest does. A region's transient is the largest of its
+nodes' (one node runs backward at a time), each part maximised separately (conservative).
 
 Note [the loss on the last stage]: when the loss is applied outside the graph (a Workload with a
 ``loss_fn``, called by PipelineStage on the last stage's outputs), the output node carries it:
@@ -103,8 +104,9 @@ def _output_tensors(node: fx.Node) -> list[torch.Tensor]:
     return [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
 
 
-def backward_transients(gm: fx.GraphModule, sims) -> dict[fx.Node, int]:
-    """Bytes of gradients alive during each node's backward (Note [backward transients])."""
+def backward_transients(gm: fx.GraphModule, sims) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Bytes of gradients alive during each node's backward (Note [backward transients]):
+    (activation gradients, fresh parameter gradients) per node."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     born: dict = {}   # storage root -> (position of its owner, bytes)
@@ -134,14 +136,16 @@ def backward_transients(gm: fx.GraphModule, sims) -> dict[fx.Node, int]:
             return 0
         return sum(t.numel() * t.element_size() for t in _output_tensors(arg))
 
-    out: dict[fx.Node, int] = {}
+    activations: dict[fx.Node, int] = {}
+    params: dict[fx.Node, int] = {}
     for node in nodes:
         if node.op != "call_function" or not any(sims[node].requires_grad):
             continue
-        inputs = sum(grad_bytes_of(a) for a in node.all_input_nodes)  # parameters' included
+        inputs = sum(grad_bytes_of(a) for a in node.all_input_nodes if a.op != "get_attr")
+        params[node] = sum(grad_bytes_of(a) for a in node.all_input_nodes if a.op == "get_attr")
         own = ir.get(node, ir.SHAPE).output_bytes
-        out[node] = frontier[position[node]] + inputs + own
-    return out
+        activations[node] = frontier[position[node]] + inputs + own
+    return activations, params
 
 
 def loss_bytes(output: fx.Node, *, loss_outside_graph: bool) -> tuple[int, int]:
@@ -163,7 +167,7 @@ def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
     [the loss on the last stage])."""
     owners = state_bytes(gm, optimizer=optimizer)
     sims = simulate(gm, count_flops=False, record_saved=True)
-    transients = backward_transients(gm, sims)
+    transients, param_grads = backward_transients(gm, sims)
 
     saved_bytes: dict[fx.Node, int] = {node: sim.saved_internal_bytes for node, sim in sims.items()}
     kept: set = set()  # (owner node, output index) storages some consumer saves
@@ -181,6 +185,7 @@ def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
             param_bytes=param, grad_bytes=grad, optimizer_bytes=opt,
             saved_activation_bytes=int(saved_bytes.get(node, 0)),
             bwd_transient_bytes=int(transients.get(node, 0)),
+            bwd_param_grad_bytes=int(param_grads.get(node, 0)),
             held_bytes=int(held.get(node, 0)),
         ))
     return gm

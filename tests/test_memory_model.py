@@ -61,6 +61,13 @@ def test_transient_is_the_largest_region_not_the_sum_and_grows_with_recompute():
                                        + recomputed.transient_bytes)
 
 
+def test_parameter_gradients_in_the_transient_do_not_scale_with_the_microbatch():
+    region = Region("r", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8, transient_bytes_per_sample=MIB,
+                    transient_fixed_bytes=3 * MIB)
+    assert region.transient_bytes(1, False) == 4 * MIB and region.transient_bytes(4, False) == 7 * MIB
+    assert region.transient_bytes(4, True) == 4 * (MIB + MIB) + 3 * MIB
+
+
 def test_outputs_are_held_until_their_backward():
     problem = chain(act=0)
     st0, st1 = cost(problem, stages=(0, 0, 1, 1), p=2, m=4, b=2).stages

@@ -70,7 +70,8 @@ def _segment_memory(problem, placement, s, *, num_microbatches, microbatch_size,
     """Memory of stage s holding regions i..j-1 as [i, j] matrices (Note [memory model] in
     check.py): (held = static + buffers, active = activations + transient, held + step). The
     stage fits when held + active and held + step both fit. ``saved_prefix``: prefix sums of
-    the saved activation bytes per sample; ``transient_max``: range maxima of the transients."""
+    the saved activation bytes per sample; ``transient_max``: range maxima of the transients
+    (bytes of one microbatch)."""
     n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
     d = len(placement[0])
     static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
@@ -80,7 +81,7 @@ def _segment_memory(problem, placement, s, *, num_microbatches, microbatch_size,
     batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
     held = (static[None, :] - static[:, None] + m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch)
     k = in_flight_microbatches(schedule, s, p, m)
-    active = k * b * (saved_prefix[None, :] - saved_prefix[:, None] + cut_out) + b * transient_max
+    active = k * b * (saved_prefix[None, :] - saved_prefix[:, None] + cut_out) + transient_max
     step = np.minimum(grads[None, :] - grads[:, None], problem.allreduce_bucket_bytes) if d > 1 else 0.0
     return held, active, held + step
 
@@ -93,7 +94,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
     saved = np.concatenate([[0.0], np.cumsum([
         r.recompute_activation_bytes_per_sample if rc else r.activation_bytes_per_sample
         for r, rc in zip(problem.regions, recompute)])])
-    transient = _range_max([r.transient_bytes(rc) for r, rc in zip(problem.regions, recompute)])
+    transient = _range_max([r.transient_bytes(microbatch_size, rc) for r, rc in zip(problem.regions, recompute)])
     times, fits = [], []
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
     for s in range(p):
@@ -139,7 +140,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
     boundary, _, _ = plan_links(cluster, placement)
     cut_at = _cut_bytes(problem)
     act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
-    transient = _range_max([r.transient_bytes(False) for r in problem.regions])
+    transient = _range_max([r.transient_bytes(b, False) for r in problem.regions])
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     times, takes, groups_of = [], [], []
     for s in range(p):
@@ -156,11 +157,11 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
         # stage's transient grows with the groups it recomputes, which may make it recompute
         # more. Iterate to the fixpoint (the transient only grows, at most once per group),
         # charging a group its largest member's transient.
-        group_transient = [max(problem.regions[r].transient_bytes(True) for r in ids) for _, _, ids in groups]
+        group_transient = [max(problem.regions[r].transient_bytes(b, True) for r in ids) for _, _, ids in groups]
         extra = np.zeros((n + 1, n + 1))
         for _ in range(len(groups) + 1):
             t = compute[None, :] - compute[:, None] + comm
-            over = held + active + b * np.maximum(transient, extra) - capacity
+            over = held + active + np.maximum(transient, extra) - capacity
             remaining = np.maximum(over, 0.0) / (k * b)  # saved bytes per sample still to free
             take_s = []
             for fwd_s, saving, ids in groups:
@@ -335,7 +336,7 @@ def chain_lower_bound_s(
     saving = np.concatenate([[0.0], np.cumsum([
         max(r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample, 0) if allow_recompute else 0
         for r in problem.regions])])
-    transient = _range_max([r.transient_bytes(False) for r in problem.regions])
+    transient = _range_max([r.transient_bytes(b, False) for r in problem.regions])
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     times = []
     for s in range(p):

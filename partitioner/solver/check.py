@@ -42,7 +42,7 @@ Note [memory model]
                     at its first step, and keeps them; the input gradient it sends back (cut_in)
                     lives until the send completes. Every rank builds the whole global batch
                     (d * m * b samples of inputs and targets) before narrowing to its rows.
-    * transient   = b * max over the stage's regions of transient_bytes(recompute): the
+    * transient   = max over the stage's regions of transient_bytes(b, recompute): the
                     gradients alive during one region's backward (the gradient frontier of the
                     graph, the op's own input/output/weight gradients; a recomputed region adds
                     its rerun forward's saved activations). One region runs backward at a time,
@@ -256,7 +256,7 @@ def candidate_lower_bound_s(
     # Every stage holds the global batch and at least the smallest region's backward transient
     # (Note [memory model]); the receive buffers and held outputs (>= 0) are left out.
     floor = (d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
-             + b * min(r.transient_bytes_per_sample for r in problem.regions))
+             + min(r.transient_bytes(b, False) for r in problem.regions))
     capacity = max(dev.usable_memory_bytes for dev in cluster.devices) - floor
     if capacity < 0:
         return math.inf
@@ -433,12 +433,12 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
                 else problem.regions[r].activation_bytes_per_sample for r in regions)
     in_flight = in_flight_microbatches(a.schedule, s, p, m)
     batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
-    transient = max((problem.regions[r].transient_bytes(a.recompute[r]) for r in regions), default=0)
+    transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
     bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0
     return {
         "activations": float(in_flight * b * (saved + cut_out)),
         "buffers": float(m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch),
-        "transient": float(b * transient),
+        "transient": float(transient),
         "step": float(tie_grads_bytes + bucket),
     }
 

@@ -259,7 +259,7 @@ class CandidateModel:
         edges = sum(e.bytes_per_sample for e in pr.edges)
         worst = (sum(r.static_bytes for r in pr.regions) + 2 * ties
                  + k_max * b * (sum(r.activation_bytes_per_sample for r in pr.regions) + edges)
-                 + b * max(r.transient_bytes(True) for r in pr.regions)
+                 + max(r.transient_bytes(b, True) for r in pr.regions)
                  + (2 * m + 1) * b * edges + d * m * b * (pr.input_bytes_per_sample + pr.target_bytes_per_sample)
                  + (pr.allreduce_bucket_bytes if d > 1 else 0))
         return worst > min(self.class_capacity.values())
@@ -485,12 +485,12 @@ class CandidateModel:
         return expr
 
     def _transient_terms(self, s: int) -> list[list[tuple[int, object]]]:
-        """Per region r: the terms of b·transient_r·in_stage[r, s] + b·activations_r·recompute[r, s]."""
+        """Per region r: the terms of transient_r(b)·in_stage[r, s] + b·activations_r·recompute[r, s]."""
         b, unit = self.b, self.mem_unit
         out = []
         for r, region in enumerate(self.problem.regions):
             terms = []
-            coef = math.ceil(b * region.transient_bytes_per_sample / unit)
+            coef = math.ceil(region.transient_bytes(b, False) / unit)
             if coef:
                 terms.append((coef, self.in_stage[r][s]))
             if (r, s) in self.rec:
@@ -500,7 +500,7 @@ class CandidateModel:
         return out
 
     def _add_transient(self) -> None:
-        """transient[s] >= b·transient_r·in_stage[r, s] + b·activations_r·recompute[r, s] for every
+        """transient[s] >= transient_r(b)·in_stage[r, s] + b·activations_r·recompute[r, s] for every
         region r: the epigraph of the per-stage maximum (one region runs backward at a time).
         transient[s] only appears on the small side of memory <= capacity, so any feasible plan
         can lower it to the maximum itself: the epigraph is exact for feasibility."""

@@ -58,9 +58,11 @@ class Region:
     recompute_activation_bytes_per_sample: int
     layer: int | None = None
     # Gradient bytes alive at once during this region's backward, beyond saved activations and
-    # model state (Note [memory model] in check.py); a recomputed region adds its rerun
-    # forward's saved activations (activation_bytes_per_sample) to it.
+    # model state (Note [memory model] in check.py): per sample (activation gradients) and fixed
+    # (fresh parameter gradients, whatever the microbatch size); a recomputed region adds its
+    # rerun forward's saved activations (activation_bytes_per_sample) to it.
     transient_bytes_per_sample: int = 0
+    transient_fixed_bytes: int = 0
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -70,7 +72,8 @@ class Region:
         for name in ("fwd_flops_per_sample", "bwd_flops_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
-                     "recompute_activation_bytes_per_sample", "transient_bytes_per_sample"):
+                     "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
+                     "transient_fixed_bytes"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
             raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")
@@ -80,9 +83,11 @@ class Region:
         """Weights + gradients + optimizer state: memory held regardless of the schedule."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
-    def transient_bytes(self, recompute: bool) -> int:
-        """Per sample: the backward transient, with the rerun forward's activations if recomputed."""
-        return self.transient_bytes_per_sample + (self.activation_bytes_per_sample if recompute else 0)
+    def transient_bytes(self, microbatch_size: int, recompute: bool) -> int:
+        """The backward transient of one microbatch, with the rerun forward's activations if
+        recomputed."""
+        per_sample = self.transient_bytes_per_sample + (self.activation_bytes_per_sample if recompute else 0)
+        return microbatch_size * per_sample + self.transient_fixed_bytes
 
 
 @dataclass(frozen=True)
