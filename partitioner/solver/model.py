@@ -427,14 +427,6 @@ class CandidateModel:
 
     # ---- memory (Note [memory model] in check.py) ----------------------------------------------
 
-    def _edge_terms(self, expr: _Expr, s: int, coef_in: int, coef_out: int) -> None:
-        """Add coef_in · cut[s - 1] + coef_out · cut[s] (edges crossing the boundaries of s)."""
-        for e in self.problem.edges:
-            for k, coef in ((s - 1, coef_in), (s, coef_out)):
-                if 0 <= k < self.p - 1 and coef:
-                    for sign, var in self._cross(e, k):
-                        expr.add(sign * coef, var)
-
     def _grads_expr(self, s: int) -> _Expr:
         """Gradient bytes of stage s (tie replicas included), in memory units rounded up."""
         pr, unit = self.problem, self.mem_unit
