@@ -17,12 +17,19 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
    (partitioner.solver.check.evaluate, compute time of a stage) three ways: the datasheet model
    (FLOPs / the cpu preset's 50 GFLOP/s), the model's own calibrated profile, and - to show how
    a profile transfers - the profile fitted on the built-in GPT;
-5. peak memory of a rank: parameters + gradients + AdamW state (bytes of the real tensors after an
-   optimizer step) + the peak of live tensor bytes (calibrate.LiveBytes, a TorchDispatchMode that
-   tracks every storage an op creates until it is freed) while the stage runs its 1F1B worst
-   case: the input buffers and forwards of its in-flight microbatches (min(p - s, m)), then their
-   backwards. Predicted: the plan's peak_memory_bytes (params, grads, optimizer, in-flight saved
-   activations, send/receive buffers).
+5. peak memory of a rank (``runtime_peak``): parameters, buffers and AdamW state (bytes of the
+   real tensors) + the peak of live tensor bytes (calibrate.LiveBytes, a TorchDispatchMode that
+   tracks every storage an op creates until it is freed; views of the parameters are not new
+   storage) over one training step emulated in one process as runtime/train.py runs it over
+   PipelineStage: the global batch, an activation and a gradient receive buffer per microbatch,
+   1F1B with min(p - s, m) microbatches in flight, the outputs kept until their backward, the
+   loss on the last stage, gradients, the fused AdamW step, zero_grad. Predicted: the plan's
+   peak_memory_bytes (Note [memory model] in partitioner/solver/check.py);
+6. memory-binding cases (memory only): a capacity 8% under the best recompute-free plan's peak,
+   so the solver recomputes (the generated program does not recompute yet on this branch: those
+   stages run from the split graph with recomputed regions under torch.utils.checkpoint), and a
+   16384-token vocabulary at width 128 (the last stage's logits dominate). Every stage's
+   predicted / measured is printed; the targets are >= 0.97 on every stage and a median <= 1.10.
 
 Relative error = |predicted - measured| / measured. The machine is 2 shared CPU cores: medians
 over repeats, and times vary by ~10% between runs.
@@ -103,34 +110,182 @@ def time_stage(module, inputs, *, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def peak_memory(module, inputs, in_flight: int) -> dict:
-    from partitioner.calibrate import LiveBytes
+class RegionCheckpointed(torch.nn.Module):
+    """A stage graph run region by region, the recomputed regions under
+    torch.utils.checkpoint (inputs kept, forward rerun in backward): what the plan's recompute
+    means, for measuring it where the generated program does not recompute yet."""
 
-    params = [p for p in module.parameters()]
+    def __init__(self, gm: torch.fx.GraphModule, region_of: dict[str, int], recomputed: set[int]):
+        super().__init__()
+        self.gm, self.region_of, self.recomputed = gm, region_of, recomputed
+        nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.groups: list[tuple[int, list]] = []
+        for n in nodes:
+            rid = self.region_of.get(n.name, -1)
+            if self.groups and self.groups[-1][0] == rid:
+                self.groups[-1][1].append(n)
+            else:
+                self.groups.append((rid, [n]))
+
+    def _free(self, env: dict, done: set) -> None:
+        """Drop values no node left to run reads (what fx.Interpreter.run does)."""
+        for node in [n for n in env if n.users and all(u in done for u in n.users)]:
+            del env[node]
+
+    def forward(self, *args):
+        import torch.utils.checkpoint as checkpoint
+
+        interp = torch.fx.Interpreter(self.gm)
+        env = interp.env
+        done: set = set()
+        for node, value in zip(self.placeholders, args):
+            env[node] = value
+        for rid, group in self.groups:
+            members = set(group)
+            if rid not in self.recomputed:
+                for n in group:
+                    env[n] = interp.run_node(n)
+                    done.add(n)
+                    self._free(env, done)
+                continue
+            inputs = list(dict.fromkeys(a for n in group for a in n.all_input_nodes if a not in members))
+            used_later = [n for n in group if any(u not in members for u in n.users)]
+
+            def run(*values, group=group, inputs=inputs, used_later=used_later):
+                inner = torch.fx.Interpreter(self.gm)
+                inner.env.update(zip(inputs, values))
+                inner_done = set(inputs)
+                for n in group:
+                    inner.env[n] = inner.run_node(n)
+                    inner_done.add(n)
+                    for v in [v for v in inner.env if v not in used_later and v.users
+                              and all(u in inner_done or u not in group for u in v.users)]:
+                        del inner.env[v]
+                return tuple(inner.env[n] for n in used_later)
+
+            outs = checkpoint.checkpoint(run, *[env[a] for a in inputs], use_reentrant=False)
+            env.update(zip(used_later, outs))
+            done |= members
+            self._free(env, done)
+        return torch.fx.node.map_arg(self.output.args[0], lambda n: env[n])
+
+
+def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatches: int, in_flight: int,
+                 make_batch, global_batch: int, loss_fn, optimizer_cfg: dict, dp: int = 1) -> dict:
+    """Peak bytes one rank holds while it trains stage ``stage`` for a step, emulated in one
+    process as the runtime runs it (runtime/train.py over PipelineStage):
+
+    * model state: parameters and buffers, AdamW state (the optimizer runtime.train builds,
+      fused), gradients (made in the backward, freed by zero_grad(set_to_none) after the step);
+    * the global batch every rank builds (make_batch(step, global_batch));
+    * PipelineStage's receive buffers: an activation buffer per microbatch for every input
+      (stages > 0) and a gradient buffer per microbatch for every float output (all but the
+      last stage), allocated for the whole step; the input gradients sent back, alive until the
+      next backward's (the send);
+    * 1F1B with ``in_flight`` microbatches at most between a forward and its backward, the
+      forward's outputs kept until its backward (fwd_cache); on the last stage loss_fn applied
+      to the outputs and backward from the loss;
+    * after the schedule: gradients divided by m in place (scale_grads), for dp > 1 the
+      all-reduce's flat buckets (runtime.train._allreduce_flat_ without the collective), the
+      optimizer step, zero_grad.
+    One step first (the optimizer state), then the second step under LiveBytes, which counts
+    the storages the step creates (views of parameters are not new storage)."""
+    from collections import deque
+
+    from partitioner.calibrate import LiveBytes
+    from runtime.train import make_optimizer
+
+    m = num_microbatches
+    first, last = stage == 0, stage == num_stages - 1
+    params = list(module.parameters())
+    optimizer, _ = make_optimizer(params, optimizer_cfg)
+    with torch.no_grad():
+        out = module(*inputs)
+    out_meta = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, torch.Tensor) and o.dtype.is_floating_point]
+    del out
+
+    def step():
+        args, target = make_batch(0, global_batch)
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        if first:
+            chunks = [a.tensor_split(m) for a in args]
+            recv = [[c[j] for c in chunks] for j in range(m)]
+        else:
+            recv = [[x.clone().requires_grad_(x.dtype.is_floating_point) for x in inputs] for _ in range(m)]
+        grad_recv = None if last else [[torch.ones(o.shape, dtype=o.dtype) for o in out_meta] for _ in range(m)]
+        targets = target.tensor_split(m) if last else None
+        pending: deque = deque()
+        sent = None
+
+        def backward(j, outs, loss):
+            nonlocal sent
+            if last:
+                loss.backward()
+            else:
+                flat = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,))
+                        if isinstance(o, torch.Tensor) and o.dtype.is_floating_point]
+                pairs = [(o, g) for o, g in zip(flat, grad_recv[j]) if o.requires_grad]
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grads = []
+            for x in recv[j]:
+                if isinstance(x, torch.Tensor) and x.grad is not None:
+                    grads.append(x.grad)
+                    x.grad = None
+            sent = grads
+
+        for j in range(m):
+            if len(pending) == in_flight:
+                backward(*pending.popleft())
+            outs = module(*recv[j])
+            loss = None
+            if last:
+                single = outs[0] if isinstance(outs, (tuple, list)) and len(outs) == 1 else outs
+                loss = loss_fn(single, targets[j])
+            pending.append((j, outs, loss))
+            del outs, loss
+        while pending:
+            backward(*pending.popleft())
+        del sent
+        grads = [p.grad for p in params if p.grad is not None]
+        for g in grads:
+            g.div_(m)
+        if dp > 1:  # the flat buckets of _allreduce_flat_, one at a time
+            bucket, size = [], 0
+            for g in grads + [None]:
+                if g is not None and (size + g.numel() <= 1 << 25 or not bucket):
+                    bucket.append(g)
+                    size += g.numel()
+                    continue
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                del flat
+                bucket, size = ([g], g.numel()) if g is not None else ([], 0)
+        del grads
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    mode = LiveBytes()
+    # Tensors that exist before the step (parameters, buffers, optimizer state, the example
+    # inputs) are counted statically below; views of them made during the step (a weight's
+    # transpose that a linear saves) share their storage and are no new bytes. LiveBytes counts
+    # a storage it has not seen, so register these as seen, with 0 bytes.
+    existing = list(params) + list(module.buffers()) + [t for st in optimizer.state.values() for t in st.values()
+                                                         if isinstance(t, torch.Tensor)]
+    existing += [x for x in inputs if isinstance(x, torch.Tensor)]
+    for t in existing:
+        storage = t.untyped_storage()
+        mode.live[(storage.data_ptr(), storage.device.type)] = (mode._ref(storage), 0)
+    with mode:
+        step()
     param_bytes = sum(p.numel() * p.element_size() for p in params) + sum(
         b.numel() * b.element_size() for b in module.buffers())
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    # One step first, so gradients and AdamW state exist as they do in steady-state training.
-    outs = _flat_outputs(module(*_clone_inputs(inputs)))
-    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    optimizer.step()
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     state_bytes = sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
-    mode = LiveBytes()
-    with mode:
-        pending = []
-        for _ in range(in_flight):
-            xs = [x.clone().requires_grad_(x.dtype.is_floating_point) if isinstance(x, torch.Tensor) else x
-                  for x in inputs]
-            pending.append(_flat_outputs(module(*xs)))
-        after_forwards = mode.current
-        for outs in pending:
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        del pending, outs
-    return {"static_bytes": param_bytes + grad_bytes + state_bytes, "activation_peak_bytes": mode.peak,
-            "after_forwards_bytes": after_forwards,
-            "peak_bytes": param_bytes + grad_bytes + state_bytes + mode.peak}
+    return {"static_bytes": param_bytes + state_bytes, "activation_peak_bytes": mode.peak,
+            "peak_bytes": param_bytes + state_bytes + mode.peak}
 
 
 def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> dict:
@@ -183,14 +338,17 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                 for s, module in enumerate(modules):
                     measured_s = time_stage(module, inputs[s], warmup=warmup, repeats=repeats)
                     k = in_flight_microbatches(plan.schedule, s, num_stages, plan.num_microbatches)
-                    memory = peak_memory(module, inputs[s], k)
+                    memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
+                                          num_microbatches=plan.num_microbatches, in_flight=k,
+                                          make_batch=workload.make_batch, global_batch=plan.global_batch,
+                                          loss_fn=workload.loss_fn, optimizer_cfg=plan.training["optimizer"])
                     row = {"model": label, "spec": spec, "stages": num_stages, "stage": s,
                            "regions": list(plan.stages[s].region_names), "measured_s": measured_s,
                            "predicted_s": {name: p[s] for name, p in predicted.items()},
                            "measured_peak_bytes": memory["peak_bytes"],
                            "measured_static_bytes": memory["static_bytes"],
                            "measured_activation_peak_bytes": memory["activation_peak_bytes"],
-                           "measured_after_forwards_bytes": memory["after_forwards_bytes"],
+                           "predicted_memory": dict(vars(plan.stages[s].memory)),
                            "predicted_static_bytes": plan.stages[s].memory.params_bytes
                            + plan.stages[s].memory.grads_bytes + plan.stages[s].memory.optimizer_bytes,
                            "predicted_peak_bytes": plan.stages[s].peak_memory_bytes}
@@ -200,6 +358,86 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                           + f"   peak {memory['peak_bytes'] / 2**20:6.2f} MiB measured, "
                           f"{plan.stages[s].peak_memory_bytes / 2**20:6.2f} predicted", flush=True)
     return results
+
+
+# Cases where memory binds (memory only, no timing): (label, model spec, stages, usable memory
+# per device in MiB or None for the preset). "recompute": the capacity is below every
+# recompute-free plan's need, so the solver recomputes; "vocab": a 16384-token vocabulary at
+# width 128 makes the last stage's logits, their float copy and gradients dominate.
+MEMORY_CASES = [
+    ("gpt-recompute", "gpt:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2", 2, "recompute"),
+    ("llama-recompute", "hf-llama:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2", 2, "recompute"),
+    ("gpt-vocab16k", "gpt:layers=2,width=128,heads=4,vocab=16384,seq=128,batch=2", 2, None),
+    ("gpt-vocab16k", "gpt:layers=2,width=128,heads=4,vocab=16384,seq=128,batch=2", 3, None),
+]
+
+
+def _recompute_capacity(workload, num_stages: int) -> int:
+    """Bytes per device below the best recompute-free plan's peak and above the best plan's
+    with every region recomputable: the solver must recompute."""
+    import partitioner
+    from partitioner.cluster import ClusterSpec
+    from partitioner.solver.model import SolverConfig
+
+    b = workload.example_batch_size
+    common = dict(global_batch=b * MICROBATCHES, num_stages=num_stages, dp=1, microbatches=MICROBATCHES)
+    free = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(num_stages, "cpu"),
+                               solver_config=SolverConfig(allow_recompute=False), **common)
+    need = min(max(st.peak_memory_bytes for st in free.stages), 2**40)
+    # The smallest peak a no-recompute split reaches is `need`; 8% under it leaves recompute as
+    # the only way (a rebalanced split only moves bytes between the two stages).
+    return int(need * 0.92)
+
+
+def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None, tmp: str) -> list[dict]:
+    import partitioner
+    from partitioner.cluster import ClusterSpec
+    from partitioner.compiler import analyze
+    from partitioner.models import load_workload
+    from partitioner.solver.problem import in_flight_microbatches
+    from partitioner.split import split_graph
+    from runtime.stage import build_stage
+
+    workload = load_workload(spec)
+    b = workload.example_batch_size
+    capacity = _recompute_capacity(workload, num_stages) if kind == "recompute" else None
+    cluster = (ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": num_stages, "memory_bytes": capacity}]})
+               if capacity else ClusterSpec.homogeneous(num_stages, "cpu"))
+    plan = partitioner.compile(workload, cluster=cluster, global_batch=b * MICROBATCHES, num_stages=num_stages,
+                               dp=1, microbatches=MICROBATCHES)
+    recomputed = {r.id for r in plan.regions if r.recompute}
+    args, _target = workload.make_batch(0, b)
+    if recomputed:
+        # The generated program does not recompute on this branch: run the plan's stages from
+        # the split graph, recomputed regions under torch.utils.checkpoint (RegionCheckpointed).
+        gm, _ = analyze(workload)
+        node_stage = {name: r.stage for r in plan.regions for name in r.nodes}
+        region_of = {name: r.id for r in plan.regions for name in r.nodes}
+        modules = [RegionCheckpointed(sg.gm, region_of, recomputed)
+                   for sg in split_graph(gm, node_stage, num_stages)]
+    else:
+        folder = os.path.join(tmp, f"{label}_{num_stages}")
+        plan.save(folder)
+        modules = [build_stage(folder, s) for s in range(num_stages)]
+    inputs = stage_inputs("", modules, args)
+    rows = []
+    for s, module in enumerate(modules):
+        k = in_flight_microbatches(plan.schedule, s, num_stages, plan.num_microbatches)
+        memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
+                              num_microbatches=plan.num_microbatches, in_flight=k,
+                              make_batch=workload.make_batch, global_batch=plan.global_batch,
+                              loss_fn=workload.loss_fn, optimizer_cfg=plan.training["optimizer"])
+        st = plan.stages[s]
+        rows.append({"case": label, "spec": spec, "stages": num_stages, "stage": s,
+                     "capacity_bytes": st.memory_capacity_bytes,
+                     "recompute_regions": [plan.regions[r].name for r in st.regions if plan.regions[r].recompute],
+                     "measured_peak_bytes": memory["peak_bytes"], "predicted_peak_bytes": st.peak_memory_bytes,
+                     "predicted_memory": dict(vars(st.memory))})
+        print(f"  {label:15} p={num_stages} stage {s}: peak {memory['peak_bytes'] / 2**20:7.2f} MiB measured, "
+              f"{st.peak_memory_bytes / 2**20:7.2f} predicted ({st.peak_memory_bytes / memory['peak_bytes']:.3f}), "
+              f"recompute {len(rows[-1]['recompute_regions'])} regions, capacity "
+              f"{st.memory_capacity_bytes / 2**20:.1f} MiB", flush=True)
+    return rows
 
 
 def summarize(results: dict) -> dict:
@@ -218,6 +456,27 @@ def summarize(results: dict) -> dict:
     return summary
 
 
+def memory_table(results: dict) -> dict:
+    """Predicted / measured peak per stage of every plan, and the targets of DESIGN section 12:
+    never under by more than 3%, median over-prediction <= 10%."""
+    rows = [(f"{r['model']} p={r['stages']}", r["stage"], r["predicted_peak_bytes"], r["measured_peak_bytes"])
+            for r in results["configs"]]
+    rows += [(f"{r['case']} p={r['stages']}", r["stage"], r["predicted_peak_bytes"], r["measured_peak_bytes"])
+             for r in results.get("memory_cases", [])]
+    print(f"\n{'plan':22} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'pred/meas':>10}")
+    for plan, stage, pred, meas in rows:
+        print(f"{plan:22} {stage:>5} {pred / 2**20:>14.2f} {meas / 2**20:>13.2f} {pred / meas:>10.3f}")
+    ratios = [pred / meas for _, _, pred, meas in rows]
+    summary = {"n": len(ratios), "min_ratio": min(ratios), "median_ratio": statistics.median(ratios),
+               "max_ratio": max(ratios),
+               "never_under_by_3pct": min(ratios) >= 0.97, "median_over_at_most_10pct": statistics.median(ratios) <= 1.10}
+    print(f"predicted / measured over {len(ratios)} stages: min {summary['min_ratio']:.3f}, median "
+          f"{summary['median_ratio']:.3f}, max {summary['max_ratio']:.3f}; targets: min >= 0.97 "
+          f"({'met' if summary['never_under_by_3pct'] else 'MISSED'}), median <= 1.10 "
+          f"({'met' if summary['median_over_at_most_10pct'] else 'MISSED'})")
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -226,6 +485,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", default=[m for m, _ in MODELS])
     parser.add_argument("--stages", type=int, nargs="*", default=list(STAGES))
     parser.add_argument("--json", help="write every row and the summary here")
+    parser.add_argument("--skip-memory-cases", action="store_true", help="only the timed plans")
     args = parser.parse_args()
     models = [(m, s) for m, s in MODELS if m in args.models]
     print(f"per-stage forward+backward of one microbatch (median of {args.repeats}, 1 thread) and per-rank "
@@ -249,6 +509,11 @@ def main() -> int:
               f"{f['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, memory {f['memory_bytes_per_s'] / 1e9:.1f} GB/s, "
               f"{f['op_overhead_s'] * 1e6:.1f} us/op; backward matmul {b['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
               f"{b['op_overhead_s'] * 1e6:.1f} us/op")
+    if not args.skip_memory_cases:
+        print("\nmemory-binding cases (memory only): recompute under a tight capacity, a 16384-token vocabulary")
+        with tempfile.TemporaryDirectory() as tmp:
+            results["memory_cases"] = [row for case in MEMORY_CASES for row in measure_memory_case(*case, tmp)]
+    results["memory_summary"] = memory_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=float))
     all_ = summary["all"]

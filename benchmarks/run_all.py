@@ -41,7 +41,7 @@ BENCHMARKS = [
     ("partition_quality", ["benchmarks/partition_quality.py"], 300),
     ("trace_large", ["benchmarks/trace_large.py"], 180),
     ("compile_large", ["benchmarks/compile_large.py"], 240),
-    ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 480),
+    ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 720),
     ("runtime_overhead", ["benchmarks/runtime_overhead.py"], 600),
     ("checkpoint_overhead", ["benchmarks/checkpoint_overhead.py"], 300),
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
@@ -213,6 +213,12 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
             lines.append(f"| {model} | {e['peak_memory']['n']} | {_pct(e.get('time_datasheet'))} | "
                          f"{_pct(e.get('time_calibrated'))} | {_pct(e.get('time_calibrated_on_gpt'))} | "
                          f"{_pct(e['peak_memory'])} |")
+        mem = cost.get("memory_summary")
+        if mem:
+            lines += ["", f"Peak memory, predicted / measured per stage over {mem['n']} stages (the plans above and "
+                      "the memory-binding cases: recompute under a tight capacity, a 16384-token vocabulary): "
+                      f"min {mem['min_ratio']:.3f}, median {mem['median_ratio']:.3f}, max {mem['max_ratio']:.3f} "
+                      "(targets: min >= 0.97, median <= 1.10; DESIGN section 12: never under-predict)."]
     scaling = results.get("solver_scaling_table")
     if scaling:
         lines += ["", "**Solver scaling** (GPT-like, width 4096, 16 H100, 32 microbatches, 1F1B):", "",

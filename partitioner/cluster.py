@@ -15,6 +15,20 @@ Note [device presets]
         inter-node InfiniBand HDR/NDR, one 200-400 Gb/s NIC per GPU -> 25e9;
         cpu: gloo over loopback/shared memory -> 5e9 within a host, 1.25e9 (10 GbE) across.
     Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
+
+Note [usable memory]
+    The solver fills a device to its *usable* memory, not to what the datasheet says:
+        usable_memory_bytes = floor(memory_bytes * usable_memory_fraction) - memory_reserve_bytes
+    The reserve is what the runtime holds outside the tensors the cost model predicts (on a GPU:
+    the CUDA context, cuBLAS workspaces and NCCL's buffers, ~1 GiB); the fraction is what the
+    caching allocator loses to fragmentation and rounding (PyTorch's allocator rounds blocks
+    and keeps freed segments cached; 5% is the headroom large training runs leave).
+        a100 / h100 / h200: fraction 0.95, reserve 1 GiB
+        cpu:                fraction 1.0,  reserve 0 (the 16 GiB preset is already a budget for
+                            one process's tensors, not the host's RAM)
+    Override per group in the cluster file with ``usable_memory_fraction`` and
+    ``memory_reserve_gib`` (or ``memory_reserve_bytes``). A DeviceSpec built by hand defaults to
+    fraction 1.0 and no reserve, so its ``memory_bytes`` is what the solver may use.
 """
 
 from __future__ import annotations
@@ -43,14 +57,17 @@ GIB = 2**30
 class DevicePreset:
     memory_bytes: int
     flops_per_s: float
+    usable_memory_fraction: float = 1.0   # Note [usable memory]
+    memory_reserve_bytes: int = 0
 
 
-# See Note [device presets] for where each number comes from.
+# See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
+_GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}
 DEVICE_PRESETS: Mapping[str, DevicePreset] = {
-    "a100-40gb": DevicePreset(memory_bytes=40 * GIB, flops_per_s=125e12),
-    "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12),
-    "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12),
-    "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12),
+    "a100-40gb": DevicePreset(memory_bytes=40 * GIB, flops_per_s=125e12, **_GPU_MEMORY_HEADROOM),
+    "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12, **_GPU_MEMORY_HEADROOM),
+    "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
+    "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
@@ -110,6 +127,8 @@ class DeviceSpec:
     memory_bytes: int
     flops_per_s: float
     node: int
+    usable_memory_fraction: float = 1.0  # Note [usable memory]
+    memory_reserve_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -128,11 +147,29 @@ class DeviceSpec:
             )
         if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
             raise ValueError(f"DeviceSpec({self.name}).node={self.node!r} must be an int >= 0")
+        fraction = self.usable_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(
+                f"DeviceSpec({self.name}).usable_memory_fraction={fraction!r} must be a number in (0, 1] "
+                "(e.g. 0.95 to leave 5% to the allocator)")
+        reserve = self.memory_reserve_bytes
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"DeviceSpec({self.name}).memory_reserve_bytes={reserve!r} must be an int >= 0 (bytes)")
+        if self.usable_memory_bytes <= 0:
+            raise ValueError(
+                f"DeviceSpec({self.name}): memory_reserve_bytes={reserve} leaves nothing of "
+                f"{self.memory_bytes} * {fraction} usable bytes: lower the reserve or raise the memory")
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """What the solver may fill (Note [usable memory])."""
+        return int(self.memory_bytes * self.usable_memory_fraction) - self.memory_reserve_bytes
 
     @property
     def device_class(self) -> tuple[str, int, float]:
-        """Devices with the same class are interchangeable for the solver."""
-        return (self.kind, self.memory_bytes, self.flops_per_s)
+        """Devices with the same class are interchangeable for the solver: (kind, usable memory
+        bytes, flops/s)."""
+        return (self.kind, self.usable_memory_bytes, self.flops_per_s)
 
 
 def _default_name(kind: str, index: int) -> str:
@@ -186,6 +223,8 @@ class ClusterSpec:
                 memory_bytes=preset.memory_bytes,
                 flops_per_s=preset.flops_per_s,
                 node=i // devices_per_node,
+                usable_memory_fraction=preset.usable_memory_fraction,
+                memory_reserve_bytes=preset.memory_reserve_bytes,
             )
             for i in range(num_devices)
         )
@@ -208,7 +247,9 @@ class ClusterSpec:
 
         Each group: ``kind`` (a preset), ``count``, ``node`` (first node, default 0),
         optional ``devices_per_node`` (a group larger than it spills onto the next nodes),
-        ``memory_gib`` or ``memory_bytes``, ``flops_per_s``, ``names`` (one per device).
+        ``memory_gib`` or ``memory_bytes``, ``flops_per_s``, ``names`` (one per device),
+        ``usable_memory_fraction`` and ``memory_reserve_gib`` or ``memory_reserve_bytes``
+        (Note [usable memory]; default: the kind's preset, else 1.0 and 0).
         Links: ``[links.intra_node]`` / ``[links.inter_node]`` with ``bandwidth_bytes_per_s``
         (or ``bandwidth_gbytes_per_s``, GB = 1e9 bytes) and ``latency_s``; either may be
         omitted and defaults to the first group's kind (``DEFAULT_LINKS``).
@@ -225,7 +266,7 @@ class ClusterSpec:
                 'e.g. [[group]] kind = "h100"; count = 8'
             )
         allowed_group_keys = {"kind", "count", "node", "devices_per_node", "memory_gib", "memory_bytes",
-                              "flops_per_s", "names"}
+                              "flops_per_s", "names", *_HEADROOM_KEYS}
         devices: list[DeviceSpec] = []
         first_kind = None
         for gi, group in enumerate(groups):
@@ -262,6 +303,7 @@ class ClusterSpec:
             else:
                 assert preset is not None
                 memory_bytes = preset.memory_bytes
+            fraction, reserve = _headroom_from_group(group, gi, preset)
             flops_per_s = float(group["flops_per_s"]) if "flops_per_s" in group else preset.flops_per_s  # type: ignore[union-attr]
             node = group.get("node", 0)
             if isinstance(node, bool) or not isinstance(node, int) or node < 0:
@@ -281,6 +323,8 @@ class ClusterSpec:
                         memory_bytes=memory_bytes,
                         flops_per_s=flops_per_s,
                         node=node + i // per_node,
+                        usable_memory_fraction=fraction,
+                        memory_reserve_bytes=reserve,
                     )
                 )
         links = data.get("links", {})
@@ -309,6 +353,8 @@ class ClusterSpec:
                 "node": head.node,
                 "memory_bytes": head.memory_bytes,
                 "flops_per_s": head.flops_per_s,
+                "usable_memory_fraction": head.usable_memory_fraction,
+                "memory_reserve_bytes": head.memory_reserve_bytes,
             }
             if any(d.name != _default_name(d.kind, run_start + j) for j, d in enumerate(run)):
                 group["names"] = [d.name for d in run]
@@ -353,7 +399,37 @@ class ClusterSpec:
 
 
 def _same_group(a: DeviceSpec, b: DeviceSpec) -> bool:
-    return a.kind == b.kind and a.node == b.node and a.memory_bytes == b.memory_bytes and a.flops_per_s == b.flops_per_s
+    return (a.kind == b.kind and a.node == b.node and a.memory_bytes == b.memory_bytes
+            and a.flops_per_s == b.flops_per_s and a.usable_memory_fraction == b.usable_memory_fraction
+            and a.memory_reserve_bytes == b.memory_reserve_bytes)
+
+
+_HEADROOM_KEYS = ("usable_memory_fraction", "memory_reserve_gib", "memory_reserve_bytes")
+
+
+def _headroom_from_group(group: Mapping[str, Any], gi: int, preset: DevicePreset | None) -> tuple[float, int]:
+    """(usable_memory_fraction, memory_reserve_bytes) of a cluster-file group (Note [usable memory])."""
+    fraction = group.get("usable_memory_fraction", preset.usable_memory_fraction if preset else 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(
+            f"group[{gi}].usable_memory_fraction={fraction!r} must be a number in (0, 1], the share of "
+            "memory_bytes the solver may fill: e.g. usable_memory_fraction = 0.9")
+    if "memory_reserve_bytes" in group and "memory_reserve_gib" in group:
+        raise ValueError(f"group[{gi}] gives both memory_reserve_bytes and memory_reserve_gib: keep one")
+    if "memory_reserve_bytes" in group:
+        reserve = group["memory_reserve_bytes"]
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"group[{gi}].memory_reserve_bytes={reserve!r} must be an int >= 0 (bytes the "
+                             "runtime holds outside the predicted tensors): e.g. memory_reserve_bytes = 1073741824")
+    elif "memory_reserve_gib" in group:
+        gib = group["memory_reserve_gib"]
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0:
+            raise ValueError(f"group[{gi}].memory_reserve_gib={gib!r} must be a number >= 0 (GiB the runtime "
+                             "holds outside the predicted tensors): e.g. memory_reserve_gib = 1.5")
+        reserve = int(gib * GIB)
+    else:
+        reserve = preset.memory_reserve_bytes if preset else 0
+    return float(fraction), int(reserve)
 
 
 def _link_from_dict(data: Any, default: LinkSpec, where: str) -> LinkSpec:

@@ -47,13 +47,14 @@ def _progress(report: Callable[[str], None] | None, message: str) -> None:
         report(message)
 
 
-def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw") -> fx.GraphModule:
+def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
+             loss_outside_graph: bool = False) -> fx.GraphModule:
     from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
 
     gm = traced.gm
     annotate_shapes(gm)
     annotate_flops(gm)
-    annotate_memory(gm, optimizer=optimizer)
+    annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
     annotate_regions(gm, granularity=granularity)
     return gm
 
@@ -62,12 +63,15 @@ def analyze(workload: Workload, *, granularity: str = "block"):
     """Trace and annotate: the graph and its per-region cost table."""
     from passes.regions import region_table
 
-    gm = annotate(trace(workload.model, workload.example_args, workload.example_kwargs), granularity=granularity)
+    gm = annotate(trace(workload.model, workload.example_args, workload.example_kwargs), granularity=granularity,
+                  loss_outside_graph=workload.loss_fn is not None)
     return gm, region_table(gm)
 
 
-def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.PartitionProblem:
+def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_bytes: int = 0) -> sp.PartitionProblem:
     """The region graph as plain numbers per sample (costs are linear in the microbatch size).
+
+    ``target_bytes``: the loss target of one example batch (``target_bytes_of``).
 
     ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
     time model on their kind (Note [the fitted time model] in partitioner/calibrate.py)."""
@@ -89,12 +93,17 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
             param_bytes=int(r.param_bytes),
             grad_bytes=int(r.grad_bytes),
             optimizer_bytes=int(r.optimizer_bytes),
-            activation_bytes_per_sample=int(round(r.saved_activation_bytes / batch_size)),
-            # A recomputed region keeps only its inputs and runs its forward again in backward;
-            # one that updates a buffer saves nothing by it (Note [recompute never updates twice]).
-            recompute_activation_bytes_per_sample=int(round(
-                max(incoming[r.region_id], r.saved_activation_bytes if r.name in updating else 0) / batch_size)),
+            activation_bytes_per_sample=-(-(r.saved_activation_bytes + r.held_bytes) // batch_size),
+            # A recomputed region keeps only its inputs (and what the runtime holds outside
+            # autograd, the loss) and runs its forward again in backward; one that updates a buffer
+            # saves nothing by it (Note [recompute never updates twice]).
+            recompute_activation_bytes_per_sample=-(-(max(incoming[r.region_id], r.saved_activation_bytes
+                                                          if r.name in updating else 0) + r.held_bytes)
+                                                    // batch_size),
             layer=r.layer,
+            # max over nodes of each part: at least the max of their sums, at any microbatch size
+            transient_bytes_per_sample=-(-r.bwd_transient_bytes // batch_size),
+            transient_fixed_bytes=r.bwd_param_grad_bytes,
         )
         for r in table
     )
@@ -105,8 +114,13 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=()) -> sp.Par
                         **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
+    # The all-reduce's flat bucket (runtime/train.py _allreduce_flat_): 2**25 elements, or one
+    # larger gradient alone; 4-byte elements, the largest there are (Note [memory model]).
+    largest_grad = max((ir.get(n, ir.MEMORY).grad_bytes for n in gm.graph.nodes), default=0)
     problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
-                                  input_bytes_per_sample=int(round(inputs / batch_size)))
+                                  input_bytes_per_sample=-(-inputs // batch_size),
+                                  target_bytes_per_sample=-(-target_bytes // batch_size),
+                                  allreduce_bucket_bytes=max(4 * sp.ALLREDUCE_BUCKET_ELEMS, largest_grad))
     return apply_profiles(problem, gm, batch_size, profiles)
 
 
@@ -122,6 +136,16 @@ def updating_regions(gm: fx.GraphModule) -> set[str]:
 
     updaters = {name for names in mutated_buffers(gm).values() for name in names}
     return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}
+
+
+def target_bytes_of(workload: Workload) -> int:
+    """Bytes of the loss target of one example batch (every rank builds the global batch's)."""
+    from torch.utils._pytree import tree_flatten
+
+    if workload.loss_fn is None or workload.make_batch is None:
+        return 0
+    _args, target = workload.make_batch(0, workload.example_batch_size)
+    return sum(t.numel() * t.element_size() for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -168,13 +192,15 @@ def compile_workload(
     _progress(progress, "trace")
     traced = trace(workload.model, workload.example_args, workload.example_kwargs)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
-    gm = annotate(traced, granularity=granularity, optimizer=optimizer)
+    gm = annotate(traced, granularity=granularity, optimizer=optimizer,
+                  loss_outside_graph=workload.loss_fn is not None)
     profiles = list(profiles)
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
         measured = calibrate.run(workload, gm, progress=progress)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
-    problem = build_problem(gm, workload.example_batch_size, profiles=profiles)
+    problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
+                            target_bytes=target_bytes_of(workload))
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
     solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
                      schedule=schedule, config=solver_config, progress=progress)
@@ -216,7 +242,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             comm_time_s=sc.comm_s,
             predicted_time_s=sc.time_s,
             memory=MemoryBreakdown(int(sc.params_bytes), int(sc.grads_bytes), int(sc.optimizer_bytes),
-                                   int(sc.activations_bytes), int(sc.buffers_bytes)),
+                                   int(sc.activations_bytes), int(sc.buffers_bytes), int(sc.transient_bytes),
+                                   int(sc.step_buffers_bytes)),
             peak_memory_bytes=int(sc.memory_bytes),
             memory_capacity_bytes=int(sc.capacity_bytes),
             send_bytes=int(sc.send_bytes),
@@ -227,7 +254,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
                flops_fwd=problem.regions[r].fwd_flops_per_sample,
                flops_bwd=problem.regions[r].bwd_flops_per_sample,
                param_bytes=problem.regions[r].param_bytes,
-               activation_bytes=problem.regions[r].activation_bytes_per_sample)
+               activation_bytes=problem.regions[r].activation_bytes_per_sample,
+               transient_bytes=problem.regions[r].transient_bytes_per_sample)
         for r in range(problem.num_regions)
     )
     cut_edges = tuple(_cut_edges(gm, stage_of, b, workload.example_batch_size))

@@ -55,12 +55,23 @@ class MemoryMeta:
     reads it first (a tied embedding is counted once). ``saved_activation_bytes`` is what autograd
     keeps from this node's forward until its backward, for one microbatch: the node's output when a
     consumer saves it, plus tensors saved inside the op that are not any node's output.
+    ``bwd_transient_bytes`` is the activation-gradient bytes alive while this node's backward
+    runs, beyond saved activations and model state (they scale with the microbatch), and
+    ``bwd_param_grad_bytes`` the fresh gradients of the parameters it reads (they do not)
+    (Note [backward transients] in passes/memory.py).
+    ``held_bytes`` is what the runtime keeps from the forward to the backward outside autograd's
+    saved tensors; only the output node has it: the outputs PipelineStage keeps for the loss and
+    the loss's float copy of them (Note [the loss on the last stage]). Recomputing a region does
+    not drop it.
     """
 
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
     saved_activation_bytes: int
+    bwd_transient_bytes: int = 0
+    bwd_param_grad_bytes: int = 0
+    held_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,21 @@ TIMING_KEYS = ("solve_time_s",)
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
+    """A stage's predicted memory by term (Note [memory model] in partitioner/solver/check.py)."""
+
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
-    activations_bytes: int
-    buffers_bytes: int
+    activations_bytes: int           # in-flight saved activations, held outputs, the loss's float copy
+    buffers_bytes: int               # receive buffers for every microbatch, the global batch
+    transient_bytes: int = 0         # the largest region's backward transient
+    step_buffers_bytes: int = 0      # after the schedule: all-reduce bucket, tie gradient copies
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
+        """The predicted peak: static + buffers + max(backward phase, step phase)."""
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.buffers_bytes
+                + max(self.activations_bytes + self.transient_bytes, self.step_buffers_bytes))
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Region:
     flops_bwd: float
     param_bytes: int
     activation_bytes: int            # per sample
+    transient_bytes: int = 0         # per sample, backward transient when not recomputed
 
 
 @dataclass(frozen=True)

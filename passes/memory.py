@@ -24,6 +24,33 @@ a time, on fake inputs] in passes/_simulate.py) and every saved tensor is classi
   SDPA's log-sum-exp): counted on the node that saved it;
 - parameters, buffers and views of them: not activations (already in ``param_bytes``).
 The microbatch inputs (placeholders) count when saved (e.g. token ids kept by embedding).
+
+Note [backward transients]: while node n's backward runs, autograd holds, besides the saved
+activations and the parameters' accumulated ``.grad``:
+- the gradient frontier: the gradient of every storage (views resolved to their owner, as for
+  saved activations) that requires grad, is produced at or before n and is used after n - its
+  gradient has arrived from a later consumer and waits for its producer's backward (a residual
+  stream's gradient lives across a whole block);
+- the gradients n produces for its inputs that require grad (counted whole even when they
+  accumulate into a frontier gradient: the sum is made out of place) and the fresh gradients of
+  the trainable parameters it reads (added to ``.grad`` after they exist);
+- the op's own temporaries, taken as one more tensor of its output's size (softmax, GELU and
+  layer-norm backward allocate about that).
+It is computed on the whole graph in node order; a stage that holds only part of it sees a
+subset of that frontier (its boundary gradients are the receive buffers), so the figure is an
+upper bound there too. The parameter gradients are kept apart (``bwd_param_grad_bytes``): they
+do not scale with the microbatch, the rest does. A region's transient is the largest of its
+nodes' (one node runs backward at a time), each part maximised separately (conservative).
+
+Note [the loss on the last stage]: when the loss is applied outside the graph (a Workload with a
+``loss_fn``, called by PipelineStage on the last stage's outputs), the output node carries it:
+- held (``held_bytes``, kept outside autograd's saved tensors): the outputs themselves (PipelineStage keeps them until their backward) plus, per float
+  output element, 4 bytes: cross entropy keeps the float32 log-softmax of the logits;
+- transient: per float output element, 8 bytes (the float32 gradients of the log-probabilities
+  and of the logits, alive together in log_softmax's backward), plus the gradient cast back to
+  the output's dtype when that is not float32.
+A model that returns its own loss has the loss ops in the graph, costed like any other node; its
+output node holds the (scalar) outputs only.
 """
 
 from __future__ import annotations
@@ -70,10 +97,77 @@ def state_bytes(gm: fx.GraphModule, *, optimizer: str = "adamw") -> dict[fx.Node
     return owners
 
 
+def _output_tensors(node: fx.Node) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    val = node.meta.get("val")
+    return [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
+
+
+def backward_transients(gm: fx.GraphModule, sims) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Bytes of gradients alive during each node's backward (Note [backward transients]):
+    (activation gradients, fresh parameter gradients) per node."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    born: dict = {}   # storage root -> (position of its owner, bytes)
+    last: dict = {}   # storage root -> last position that uses it (through any alias)
+    for node in nodes:
+        sim = sims[node]
+        for i, root in enumerate(sim.roots):
+            if root is None or not (i < len(sim.requires_grad) and sim.requires_grad[i]):
+                continue
+            owner, index = root
+            born.setdefault(root, (position[owner], sims[owner].storage_bytes.get(index, 0)))
+            end = max([position[u] for u in node.users] + [position[node]])
+            last[root] = max(last.get(root, 0), end)
+    delta = [0] * (len(nodes) + 1)
+    for root, (start, nbytes) in born.items():
+        if last[root] > start:
+            delta[start] += nbytes
+            delta[last[root]] -= nbytes
+    frontier, running = [], 0
+    for i in range(len(nodes)):
+        running += delta[i]
+        frontier.append(running)
+
+    def grad_bytes_of(arg: fx.Node) -> int:
+        sim = sims.get(arg)
+        if sim is None or not any(sim.requires_grad):
+            return 0
+        return sum(t.numel() * t.element_size() for t in _output_tensors(arg))
+
+    activations: dict[fx.Node, int] = {}
+    params: dict[fx.Node, int] = {}
+    for node in nodes:
+        if node.op != "call_function" or not any(sims[node].requires_grad):
+            continue
+        inputs = sum(grad_bytes_of(a) for a in node.all_input_nodes if a.op != "get_attr")
+        params[node] = sum(grad_bytes_of(a) for a in node.all_input_nodes if a.op == "get_attr")
+        own = ir.get(node, ir.SHAPE).output_bytes
+        activations[node] = frontier[position[node]] + inputs + own
+    return activations, params
+
+
+def loss_bytes(output: fx.Node, *, loss_outside_graph: bool) -> tuple[int, int]:
+    """(held, transient) bytes of the output node (Note [the loss on the last stage])."""
+    tensors = [t for arg in output.all_input_nodes for t in _output_tensors(arg)]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    if not loss_outside_graph:
+        return held, 0
+    floats = [t for t in tensors if t.dtype.is_floating_point]
+    transient = sum(8 * t.numel() + (t.numel() * t.element_size() if t.dtype != torch.float32 else 0)
+                    for t in floats)
+    return held + sum(4 * t.numel() for t in floats), transient
+
+
 @ir.graph_pass(writes=(ir.MEMORY,))
-def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw") -> fx.GraphModule:
+def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
+                    loss_outside_graph: bool = False) -> fx.GraphModule:
+    """``loss_outside_graph``: the Workload applies a ``loss_fn`` to the graph's outputs (Note
+    [the loss on the last stage])."""
     owners = state_bytes(gm, optimizer=optimizer)
     sims = simulate(gm, count_flops=False, record_saved=True)
+    transients, param_grads = backward_transients(gm, sims)
 
     saved_bytes: dict[fx.Node, int] = {node: sim.saved_internal_bytes for node, sim in sims.items()}
     kept: set = set()  # (owner node, output index) storages some consumer saves
@@ -82,10 +176,16 @@ def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw") -> fx.Graph
     for owner, index in kept:
         saved_bytes[owner] += sims[owner].storage_bytes.get(index, 0)
 
+    held: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
+        if node.op == "output":
+            held[node], transients[node] = loss_bytes(node, loss_outside_graph=loss_outside_graph)
         param, grad, opt = owners.get(node, (0, 0, 0))
         ir.put(node, ir.MEMORY, ir.MemoryMeta(
             param_bytes=param, grad_bytes=grad, optimizer_bytes=opt,
             saved_activation_bytes=int(saved_bytes.get(node, 0)),
+            bwd_transient_bytes=int(transients.get(node, 0)),
+            bwd_param_grad_bytes=int(param_grads.get(node, 0)),
+            held_bytes=int(held.get(node, 0)),
         ))
     return gm

@@ -63,6 +63,9 @@ class RegionCost:
     grad_bytes: int
     optimizer_bytes: int
     saved_activation_bytes: int
+    held_bytes: int  # kept outside autograd's saved tensors, recompute or not (the loss on the output node)
+    bwd_param_grad_bytes: int  # the largest of its nodes'
+    bwd_transient_bytes: int  # the largest of its nodes' (Note [backward transients] in passes/memory.py)
     output_bytes: int  # bytes of this region's tensors consumed by other regions (each tensor once)
 
 
@@ -424,6 +427,9 @@ def region_table(gm: fx.GraphModule) -> list[RegionCost]:
             grad_bytes=sum(m.grad_bytes for m in memory),
             optimizer_bytes=sum(m.optimizer_bytes for m in memory),
             saved_activation_bytes=sum(m.saved_activation_bytes for m in memory),
+            held_bytes=sum(m.held_bytes for m in memory),
+            bwd_transient_bytes=max((m.bwd_transient_bytes for m in memory), default=0),
+            bwd_param_grad_bytes=max((m.bwd_param_grad_bytes for m in memory), default=0),
             output_bytes=crossing.get(rid, 0),
         ))
     return table

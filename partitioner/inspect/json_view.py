@@ -27,7 +27,8 @@ def inspect_json(plan: Plan) -> dict:
             "region_ids": list(s.regions), "compute_time_s": s.compute_time_s, "comm_time_s": s.comm_time_s,
             "memory": {"params_bytes": m.params_bytes, "grads_bytes": m.grads_bytes,
                        "optimizer_bytes": m.optimizer_bytes, "activations_bytes": m.activations_bytes,
-                       "buffers_bytes": m.buffers_bytes},
+                       "buffers_bytes": m.buffers_bytes, "transient_bytes": m.transient_bytes,
+                       "step_buffers_bytes": m.step_buffers_bytes},
         })
     predicted = {k: plan.predicted[k] for k in ("step_time_s", "bubble_fraction", "lower_bound_step_time_s")}
     predicted["samples_per_s"] = samples_per_s(plan)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
 
 MEMORY_PARTS = (("weights", "params_bytes", "#4e79a7"), ("gradients", "grads_bytes", "#59a14f"),
                 ("optimizer", "optimizer_bytes", "#edc948"), ("activations", "activations_bytes", "#e15759"),
-                ("buffers", "buffers_bytes", "#9c755f"))
+                ("buffers", "buffers_bytes", "#9c755f"), ("backward transient", "transient_bytes", "#b07aa1"))
 
 
 def svg_memory(plan: Plan) -> tuple[str, str]:

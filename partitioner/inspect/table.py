@@ -37,16 +37,17 @@ def table(plan: Plan) -> str:
     mem_unit, mem_scale = byte_unit(max(s.peak_memory_bytes for s in plan.stages))
     send_unit, send_scale = byte_unit(max([s.send_bytes for s in plan.stages] + [1]))
     header = ["stage", "ranks", "device", "regions held", "params", "fwd FLOP", "bwd FLOP", "compute",
-              "comm", "time", "weights", "grads", "optim", "activ", "buffers", "peak", "capacity", "used",
-              "send"]
+              "comm", "time", "weights", "grads", "optim", "activ", "buffers", "transient", "peak", "capacity",
+              "used", "send"]
     units = ["", "", "", "", "", "/mb", "/mb", "ms/mb", "ms/mb", "ms/mb", mem_unit, mem_unit, mem_unit,
-             mem_unit, mem_unit, mem_unit, "GiB", "%", f"{send_unit}/mb"]
-    align = "><<<>>>>>>>>>>>>>>>"
+             mem_unit, mem_unit, mem_unit, mem_unit, "GiB", "%", f"{send_unit}/mb"]
+    align = "><<<>>>>>>>>>>>>>>>>"
     rows = []
     for s in plan.stages:
         m = s.memory
         mem = [f"{b / mem_scale:.1f}" for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
-                                                m.activations_bytes, m.buffers_bytes, s.peak_memory_bytes)]
+                                                m.activations_bytes, m.buffers_bytes, m.transient_bytes,
+                                                s.peak_memory_bytes)]
         used = 100.0 * s.peak_memory_bytes / s.memory_capacity_bytes if s.memory_capacity_bytes else 0.0
         rows.append([str(s.index), ",".join(map(str, s.ranks)), s.device, held(s.region_names), si(s.params),
                      si(s.flops_fwd), si(s.flops_bwd), ms(s.compute_time_s), ms(s.comm_time_s),

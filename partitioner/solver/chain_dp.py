@@ -44,22 +44,46 @@ def _cut_bytes(problem: PartitionProblem) -> np.ndarray:
 
 
 def _segment_comm(problem, boundary, cut_at, s, p, b):
-    """For stage s holding regions i..j-1: (send/receive seconds, receive bytes per sample), [i, j].
-
-    The stage receives over boundary s-1 at its start (the model inputs on stage 0) and sends
-    over boundary s at its end (Note [cost model] in check.py)."""
+    """Send/receive seconds of stage s holding regions i..j-1, [i, j]: it receives over boundary
+    s-1 at its start and sends over boundary s at its end (Note [cost model] in check.py)."""
     n = problem.num_regions
     comm = np.zeros((n + 1, n + 1))
-    incoming = np.zeros((n + 1, n + 1))
     if s > 0:
         comm += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
-        incoming += cut_at[:, None]
-    else:
-        incoming += problem.input_bytes_per_sample
     if s < p - 1:
         comm += (boundary[s].latency_s + b * cut_at / boundary[s].bandwidth_bytes_per_s)[None, :]
-        incoming += cut_at[None, :]
-    return comm, incoming
+    return comm
+
+
+def _range_max(values) -> np.ndarray:
+    """out[i, j] = max(values[i:j]) for i < j (0 elsewhere)."""
+    n = len(values)
+    out = np.zeros((n + 1, n + 1))
+    values = np.asarray(values, dtype=float)
+    for i in range(n):
+        out[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return out
+
+
+def _segment_memory(problem, placement, s, *, num_microbatches, microbatch_size, schedule, cut_at,
+                    saved_prefix, transient_max):
+    """Memory of stage s holding regions i..j-1 as [i, j] matrices (Note [memory model] in
+    check.py): (held = static + buffers, active = activations + transient, held + step). The
+    stage fits when held + active and held + step both fit. ``saved_prefix``: prefix sums of
+    the saved activation bytes per sample; ``transient_max``: range maxima of the transients
+    (bytes of one microbatch)."""
+    n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
+    d = len(placement[0])
+    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
+    grads = np.concatenate([[0.0], np.cumsum([r.grad_bytes for r in problem.regions])])
+    cut_in = cut_at[:, None] if s > 0 else np.zeros((n + 1, 1))
+    cut_out = cut_at[None, :] if s < p - 1 else np.zeros((1, n + 1))
+    batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
+    held = (static[None, :] - static[:, None] + m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch)
+    k = in_flight_microbatches(schedule, s, p, m)
+    active = k * b * (saved_prefix[None, :] - saved_prefix[:, None] + cut_out) + transient_max
+    step = np.minimum(grads[None, :] - grads[:, None], problem.allreduce_bucket_bytes) if d > 1 else 0.0
+    return held, active, held + step
 
 
 def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch_size, schedule, recompute):
@@ -67,27 +91,27 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
     n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
     boundary, _, _ = plan_links(cluster, placement)
     cut_at = _cut_bytes(problem)
-    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
     saved = np.concatenate([[0.0], np.cumsum([
         r.recompute_activation_bytes_per_sample if rc else r.activation_bytes_per_sample
         for r, rc in zip(problem.regions, recompute)])])
+    transient = _range_max([r.transient_bytes(microbatch_size, rc) for r, rc in zip(problem.regions, recompute)])
     times, fits = [], []
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
+        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
         per_region = []
         for r, rc in zip(problem.regions, recompute):
             fwd, bwd = region_times_s(r, device, b)
             per_region.append(fwd + bwd + (fwd if rc else 0.0))
         compute = np.concatenate([[0.0], np.cumsum(per_region)])
         t = compute[None, :] - compute[:, None]
-        comm, incoming = _segment_comm(problem, boundary, cut_at, s, p, b)
+        comm = _segment_comm(problem, boundary, cut_at, s, p, b)
         t += comm
-        memory = (static[None, :] - static[:, None]
-                  + in_flight_microbatches(schedule, s, p, m) * b * (saved[None, :] - saved[:, None])
-                  + 2.0 * b * incoming)
-        ok = upper & (memory <= capacity)
+        held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
+                                             schedule=schedule, cut_at=cut_at, saved_prefix=saved,
+                                             transient_max=transient)
+        ok = upper & (held + active <= capacity) & (step <= capacity)
         if s == 0:
             ok[1:, :] = False  # the first stage starts at region 0
         if s == p - 1:
@@ -115,32 +139,47 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
     n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
     boundary, _, _ = plan_links(cluster, placement)
     cut_at = _cut_bytes(problem)
-    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
     act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
+    transient = _range_max([r.transient_bytes(b, False) for r in problem.regions])
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     times, takes, groups_of = [], [], []
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
+        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
         compute = np.concatenate([[0.0], np.cumsum([sum(region_times_s(r, device, b)) for r in problem.regions])])
-        t = compute[None, :] - compute[:, None]
-        comm, incoming = _segment_comm(problem, boundary, cut_at, s, p, b)
-        t += comm
+        comm = _segment_comm(problem, boundary, cut_at, s, p, b)
         k = in_flight_microbatches(schedule, s, p, m)
-        over = static[None, :] - static[:, None] + k * b * (act[None, :] - act[:, None]) + 2.0 * b * incoming - capacity
-        remaining = np.maximum(over, 0.0) / (k * b)  # saved bytes per sample still to free
+        held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
+                                             schedule=schedule, cut_at=cut_at, saved_prefix=act,
+                                             transient_max=np.zeros((n + 1, n + 1)))
         groups = _recompute_groups(problem, device, b)
-        take_s = []
-        for fwd_s, saving, ids in groups:
-            member = np.zeros(n + 1)
-            member[np.array(ids) + 1] = 1.0
-            prefix = np.cumsum(member)
-            count = prefix[None, :] - prefix[:, None]
-            take = np.clip(np.ceil(remaining / saving - 1e-9), 0.0, np.maximum(count, 0.0))
-            t = t + take * fwd_s
-            remaining = remaining - take * saving
-            take_s.append(take)
-        ok = upper & (remaining <= 0)
+        # A recomputed region's backward holds its rerun activations (Note [memory model]): the
+        # stage's transient grows with the groups it recomputes, which may make it recompute
+        # more. Iterate to the fixpoint (the transient only grows, at most once per group),
+        # charging a group its largest member's transient.
+        group_transient = [max(problem.regions[r].transient_bytes(b, True) for r in ids) for _, _, ids in groups]
+        extra = np.zeros((n + 1, n + 1))
+        for _ in range(len(groups) + 1):
+            t = compute[None, :] - compute[:, None] + comm
+            over = held + active + np.maximum(transient, extra) - capacity
+            remaining = np.maximum(over, 0.0) / (k * b)  # saved bytes per sample still to free
+            take_s = []
+            for fwd_s, saving, ids in groups:
+                member = np.zeros(n + 1)
+                member[np.array(ids) + 1] = 1.0
+                prefix = np.cumsum(member)
+                count = prefix[None, :] - prefix[:, None]
+                take = np.clip(np.ceil(remaining / saving - 1e-9), 0.0, np.maximum(count, 0.0))
+                t = t + take * fwd_s
+                remaining = remaining - take * saving
+                take_s.append(take)
+            grown = extra
+            for take, g_transient in zip(take_s, group_transient):
+                grown = np.maximum(grown, np.where(take > 0, g_transient, 0.0))
+            if np.array_equal(grown, extra):
+                break
+            extra = grown
+        ok = upper & (remaining <= 0) & (step <= capacity)
         if s == 0:
             ok[1:, :] = False
         if s == p - 1:
@@ -293,16 +332,16 @@ def chain_lower_bound_s(
         return np.inf
     boundary, _, _ = plan_links(cluster, placement)
     cut_at = _cut_bytes(problem)
-    static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
     act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
     saving = np.concatenate([[0.0], np.cumsum([
         max(r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample, 0) if allow_recompute else 0
         for r in problem.regions])])
+    transient = _range_max([r.transient_bytes(b, False) for r in problem.regions])
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     times = []
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].memory_bytes for i in placement[s])
+        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
         per_region = [region_times_s(r, device, b) for r in problem.regions]
         savings = np.diff(saving)
         rates = np.array([f / sv if sv > 0 else np.inf for (f, _), sv in zip(per_region, savings)])
@@ -311,13 +350,16 @@ def chain_lower_bound_s(
             taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
         compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
         t = compute[None, :] - compute[:, None]
-        comm, incoming = _segment_comm(problem, boundary, cut_at, s, p, b)
+        comm = _segment_comm(problem, boundary, cut_at, s, p, b)
         t += comm
         k = in_flight_microbatches(schedule, s, p, m)
-        over = (static[None, :] - static[:, None] + k * b * (act[None, :] - act[:, None])
-                + 2.0 * b * incoming - capacity)
+        # Transients without recompute: recomputing only raises them, so this stays a bound.
+        held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
+                                             schedule=schedule, cut_at=cut_at, saved_prefix=act,
+                                             transient_max=transient)
+        over = held + active - capacity
         savable = k * b * (saving[None, :] - saving[:, None])
-        ok = upper & (over <= savable)
+        ok = upper & (over <= savable) & (step <= capacity)
         if s == 0:
             ok[1:, :] = False
         if s == p - 1:

@@ -16,13 +16,44 @@ Note [cost model]
     * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
                    (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
     * step_time  = pipeline + dp_allreduce + sum of tie costs.
-    * memory_s   = params + grads + optimizer (+ tie replicas) + in_flight_s * b * saved
-                   activations (recompute_activation bytes for recomputed regions) + receive
-                   buffers 2 * b * (cut[s-1] + cut[s]) (+ 2 * b * input bytes on stage 0);
-                   in_flight_s = m for GPipe, min(p - s, m) for 1F1B.
+    * memory_s   = see Note [memory model].
     Links: boundary s uses the slowest link between stage s and s+1 over the replicas; the
     all-reduce of stage s the slowest link among its replicas; ties the slowest link within a
     replica's pipeline.
+
+Note [memory model]
+    Memory is predicted conservatively (DESIGN section 12): the solver fills a device to the
+    prediction, so every term is what the runtime (runtime/train.py over torch.distributed.
+    pipelining's PipelineStage) actually holds, rounded up where it is uncertain. Stage s of p,
+    d replicas, m microbatches of b samples, k_s = in-flight microbatches (m for GPipe,
+    min(p - s, m) for 1F1B), cut_in = cut[s - 1] (0 on stage 0), cut_out = cut[s] (0 last):
+    * static      = params + grads + optimizer state (+ tie replicas). Gradients are freed by
+                    zero_grad(set_to_none) after the step, but all exist from the first backward
+                    on, so they count at the peak.
+    * activations = k_s * b * (sum of saved activations [a recomputed region: only its inputs]
+                    + cut_out). cut_out: the stage's outputs, which PipelineStage keeps in
+                    fwd_cache until their backward even when no op saves them. On the last
+                    stage the graph outputs (logits) and, when the loss is applied outside the
+                    graph, its float copy (log-softmax of the logits) are the output node's saved
+                    activations (Note [the loss on the last stage] in passes/memory.py).
+    * buffers     = m * b * (cut_in + cut_out) + b * cut_in + d * m * b * (input + target).
+                    PipelineStage allocates an activation receive buffer for every microbatch
+                    (cut_in) and a gradient receive buffer for every microbatch (cut_out) once,
+                    at its first step, and keeps them; the input gradient it sends back (cut_in)
+                    lives until the send completes. Every rank builds the whole global batch
+                    (d * m * b samples of inputs and targets) before narrowing to its rows.
+    * transient   = max over the stage's regions of transient_bytes(b, recompute): the
+                    gradients alive during one region's backward (the gradient frontier of the
+                    graph, the op's own input/output/weight gradients; a recomputed region adds
+                    its rerun forward's saved activations). One region runs backward at a time,
+                    so the stage pays the largest, not the sum.
+    * step        = (after the schedule, activations freed) tie gradient copies summed in
+                    sync_gradients + for d > 1 the all-reduce's flat bucket, min(grads,
+                    allreduce_bucket_bytes). AdamW runs fused (no temporaries at steady state:
+                    measured 0 bytes; its state is allocated once, already in static).
+    * peak        = static + buffers + max(activations + transient, step).
+    The capacity compared with it is the device's usable memory (Note [usable memory] in
+    cluster.py): what the allocator and the runtime reserve is left out there.
 """
 
 from __future__ import annotations
@@ -53,6 +84,7 @@ __all__ = [
     "allreduce_lower_bound_s",
     "structural_violations",
     "plan_links",
+    "stage_memory",
 ]
 
 
@@ -80,10 +112,14 @@ class StageCost:
     capacity_bytes: int
     send_bytes: float  # per microbatch, forward activations sent to the next stage
     dp_allreduce_s: float
+    transient_bytes: float = 0.0     # Note [memory model]
+    step_buffers_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.buffers_bytes
+        """The predicted peak (Note [memory model])."""
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.buffers_bytes
+                + max(self.activations_bytes + self.transient_bytes, self.step_buffers_bytes))
 
 
 @dataclass(frozen=True)
@@ -203,7 +239,8 @@ def candidate_lower_bound_s(
     """A lower bound on ``evaluate``'s step time over every plan of one candidate (p, d, m, b),
     for pruning the enumeration (Note [candidate pruning] in solve.py); inf when no plan fits.
 
-    * Forced recompute (fluid): stage s holds static_s + k_s * b * saved_s <= capacity with
+    * Forced recompute (fluid): stage s holds static_s + k_s * b * saved_s <= capacity - (the
+      global batch + the smallest backward transient, which every stage holds) with
       k_s = in-flight microbatches, so sum_s saved_s <= max over static splits of
       sum_s (capacity - static_s) / (k_s * b) (static goes to the largest k_s first). The excess
       of sum_r activation bytes over that budget must be saved by recomputing; the cheapest
@@ -217,11 +254,17 @@ def candidate_lower_bound_s(
     p, d, m, b = num_stages, dp, num_microbatches, microbatch_size
     homogeneous = cluster.is_homogeneous
     fastest = max(cluster.devices, key=lambda dev: dev.flops_per_s)
-    capacity = max(dev.memory_bytes for dev in cluster.devices)
+    # Every stage holds the global batch and at least the smallest region's backward transient
+    # (Note [memory model]); the receive buffers and held outputs (>= 0) are left out.
+    floor = (d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
+             + min(r.transient_bytes(b, False) for r in problem.regions))
+    capacity = max(dev.usable_memory_bytes for dev in cluster.devices) - floor
+    if capacity < 0:
+        return math.inf
     in_flight = sorted((in_flight_microbatches(schedule, s, p, m) for s in range(p)), reverse=True)
     static_left = float(sum(r.static_bytes for r in problem.regions))
     budget = 0.0  # saved activation bytes per sample the stages can hold at best
-    for k in in_flight:  # receive buffers (>= 0) are left out: still a bound
+    for k in in_flight:
         static = min(capacity, static_left)
         static_left -= static
         budget += (capacity - static) / (k * b)
@@ -295,9 +338,12 @@ def evaluate(
     # Tie replicas: every stage holding a tie region other than the first region's stage.
     tie_costs = []
     tie_extra = [[0.0, 0.0, 0.0] for _ in range(p)]
+    tie_grad_held = [0.0] * p  # gradient bytes of the ties each stage holds (sync_gradients copies them)
     for tie in problem.ties:
         stages = tuple(sorted({a.stage_of_region[r] for r in tie.regions}))
         param, grad, opt = problem.tie_bytes(tie)
+        for s in stages:
+            tie_grad_held[s] += grad
         home = a.stage_of_region[tie.regions[0]]
         for s in stages:
             if s != home:
@@ -317,7 +363,7 @@ def evaluate(
         stage_devices = a.device_of_stage_replica[s]
         device = devices[stage_devices[0]]
         compute = 0.0
-        params = grads = optimizer = saved = 0.0
+        params = grads = optimizer = 0.0
         for r in regions_of[s]:
             region = problem.regions[r]
             fwd, bwd = region_times_s(region, device, b)
@@ -325,8 +371,6 @@ def evaluate(
             params += region.param_bytes
             grads += region.grad_bytes
             optimizer += region.optimizer_bytes
-            saved += (region.recompute_activation_bytes_per_sample if a.recompute[r]
-                      else region.activation_bytes_per_sample)
         params += tie_extra[s][0]
         grads += tie_extra[s][1]
         optimizer += tie_extra[s][2]
@@ -335,7 +379,7 @@ def evaluate(
             comm += boundary_link[s].transfer_s(b * cut[s])
         if s > 0:
             comm += boundary_link[s - 1].transfer_s(b * cut[s - 1])
-        incoming = (cut[s - 1] if s > 0 else problem.input_bytes_per_sample) + (cut[s] if s < p - 1 else 0.0)
+        memory = stage_memory(problem, a, s, regions_of[s], cut, grads, tie_grad_held[s])
         dp_link = dp_links[s]
         allreduce = 0.0 if dp_link is None else 2 * (d - 1) * (grads / d / dp_link.bandwidth_bytes_per_s + dp_link.latency_s)
         stage_costs.append(
@@ -347,11 +391,13 @@ def evaluate(
                 params_bytes=params,
                 grads_bytes=grads,
                 optimizer_bytes=optimizer,
-                activations_bytes=in_flight_microbatches(a.schedule, s, p, m) * b * saved,
-                buffers_bytes=2.0 * b * incoming,
-                capacity_bytes=min(devices[i].memory_bytes for i in stage_devices),
+                activations_bytes=memory["activations"],
+                buffers_bytes=memory["buffers"],
+                capacity_bytes=min(devices[i].usable_memory_bytes for i in stage_devices),
                 send_bytes=b * cut[s] if s < p - 1 else 0.0,
                 dp_allreduce_s=allreduce,
+                transient_bytes=memory["transient"],
+                step_buffers_bytes=memory["step"],
             )
         )
     bottleneck = max(st.time_s for st in stage_costs)
@@ -374,6 +420,29 @@ def evaluate(
             stage_devices=[row[0] for row in a.device_of_stage_replica],
         ),
     )
+
+
+def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list[int], cut: list[float],
+                 grads_bytes: float, tie_grads_bytes: float) -> dict[str, float]:
+    """The memory terms of stage s other than model state (Note [memory model]): activations,
+    buffers, transient and step, in bytes. ``cut[k]``: bytes per sample over boundary k;
+    ``grads_bytes``: the stage's gradients (tie replicas included); ``tie_grads_bytes``: those of
+    the ties it holds."""
+    p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
+    cut_in = cut[s - 1] if s > 0 else 0.0
+    cut_out = cut[s] if s < p - 1 else 0.0
+    saved = sum(problem.regions[r].recompute_activation_bytes_per_sample if a.recompute[r]
+                else problem.regions[r].activation_bytes_per_sample for r in regions)
+    in_flight = in_flight_microbatches(a.schedule, s, p, m)
+    batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
+    transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
+    bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0
+    return {
+        "activations": float(in_flight * b * (saved + cut_out)),
+        "buffers": float(m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch),
+        "transient": float(transient),
+        "step": float(tie_grads_bytes + bucket),
+    }
 
 
 def structural_violations(
@@ -461,7 +530,8 @@ def check_assignment(
     else:
         for s, (claimed, actual) in enumerate(zip(solution.stages, cost.stages)):
             for field_name in ("compute_s", "comm_s", "params_bytes", "grads_bytes", "optimizer_bytes",
-                               "activations_bytes", "buffers_bytes", "capacity_bytes", "send_bytes"):
+                               "activations_bytes", "buffers_bytes", "transient_bytes", "step_buffers_bytes",
+                               "capacity_bytes", "send_bytes"):
                 x, y = getattr(claimed, field_name), getattr(actual, field_name)
                 if not close(x, y, 0.0):
                     violations.append(f"stage {s} predicted {field_name}={x!r}, recomputed {y!r}")

@@ -155,7 +155,7 @@ class CandidateModel:
         if placement is not None:
             self.classes = [cluster.devices[placement[s][0]].device_class for s in range(p)]
             self.class_device = {c: cluster.devices[placement[s][0]] for s, c in enumerate(self.classes)}
-            self.class_capacity = {c: min(cluster.devices[i].memory_bytes for s in range(p) if self.classes[s] == c
+            self.class_capacity = {c: min(cluster.devices[i].usable_memory_bytes for s in range(p) if self.classes[s] == c
                                           for i in placement[s]) for c in set(self.classes)}
             self.boundary_links, self.dp_links, self.tie_link = plan_links(cluster, placement)
             self.exact_links = True
@@ -205,6 +205,11 @@ class CandidateModel:
         ]
         self.rec = {(r, s): model.new_bool_var(f"recompute[r{r},s{s}]") for r in self.recompute_candidates for s in range(p)}
         self.holds = [[model.new_bool_var(f"holds[tie{t},s{s}]") for s in range(p)] for t in range(len(problem.ties))]
+        self.memory_constrained = self.memory_binds or minimize_memory
+        self.transient = [model.new_int_var(0, 2**50, f"transient[s{s}]") for s in range(p)] \
+            if self.memory_constrained else []
+        self.bucket_whole = [model.new_bool_var(f"bucket_whole[s{s}]") for s in range(p)] \
+            if self.memory_constrained and dp > 1 else []
         self.on_class = None
         if placement is None:
             self.on_class = [{c: model.new_bool_var(f"on_class[s{s},{c[0]}]") for c in self.classes} for s in range(p)]
@@ -245,13 +250,18 @@ class CandidateModel:
         return self.b * bytes_per_sample / link.bandwidth_bytes_per_s
 
     def _memory_can_bind(self) -> bool:
-        """False when even one stage holding everything at its peak fits the smallest device."""
-        pr, p = self.problem, self.p
+        """False when even one stage holding everything at its peak fits the smallest device: every
+        term of Note [memory model] at its largest (each boundary's cut <= the sum of all edges),
+        phases summed instead of maxed."""
+        pr, p, m, b, d = self.problem, self.p, self.m, self.b, self.d
         k_max = max(in_flight_microbatches(self.schedule, s, p, self.m) for s in range(p))
         ties = sum(sum(pr.tie_bytes(t)) for t in pr.ties) * p
-        worst = (sum(r.static_bytes for r in pr.regions) + ties
-                 + k_max * self.b * sum(r.activation_bytes_per_sample for r in pr.regions)
-                 + 4.0 * self.b * (sum(e.bytes_per_sample for e in pr.edges) + pr.input_bytes_per_sample))
+        edges = sum(e.bytes_per_sample for e in pr.edges)
+        worst = (sum(r.static_bytes for r in pr.regions) + 2 * ties
+                 + k_max * b * (sum(r.activation_bytes_per_sample for r in pr.regions) + edges)
+                 + max(r.transient_bytes(b, True) for r in pr.regions)
+                 + (2 * m + 1) * b * edges + d * m * b * (pr.input_bytes_per_sample + pr.target_bytes_per_sample)
+                 + (pr.allreduce_bucket_bytes if d > 1 else 0))
         return worst > min(self.class_capacity.values())
 
     # ---- constraint families ------------------------------------------------------------------
@@ -417,43 +427,142 @@ class CandidateModel:
         expr.add(1, self.dp_allreduce)
         return expr
 
-    def _memory_expr(self, s: int) -> _Expr:
-        pr, b, unit = self.problem, self.b, self.mem_unit
-        in_flight = in_flight_microbatches(self.schedule, s, self.p, self.m)
+    # ---- memory (Note [memory model] in check.py) ----------------------------------------------
+
+    def _grads_expr(self, s: int) -> _Expr:
+        """Gradient bytes of stage s (tie replicas included), in memory units rounded up."""
+        pr, unit = self.problem, self.mem_unit
         expr = _Expr()
         for r, region in enumerate(pr.regions):
-            expr.add(math.ceil((region.static_bytes + in_flight * b * region.activation_bytes_per_sample) / unit),
-                     self.in_stage[r][s])
-            if (r, s) in self.rec:
-                saved = region.activation_bytes_per_sample - region.recompute_activation_bytes_per_sample
-                expr.add(-math.floor(in_flight * b * saved / unit), self.rec[(r, s)])
-        for e in pr.edges:
-            coef = math.ceil(2 * b * e.bytes_per_sample / unit)
-            for k in ([s - 1] if s > 0 else []) + ([s] if s < self.p - 1 else []):
-                for sign, var in self._cross(e, k):
-                    expr.add(sign * coef, var)
-        if s == 0:
-            expr.const += math.ceil(2 * b * pr.input_bytes_per_sample / unit)
+            expr.add(math.ceil(region.grad_bytes / unit), self.in_stage[r][s])
         for t, tie in enumerate(pr.ties):
-            coef = math.ceil(sum(pr.tie_bytes(tie)) / unit)
+            coef = math.ceil(pr.tie_bytes(tie)[1] / unit)
             expr.add(coef, self.holds[t][s])
             expr.add(-coef, self.in_stage[tie.regions[0]][s])
         return expr
 
+    def _held_expr(self, s: int) -> _Expr:
+        """static + buffers of stage s: what it holds in both phases, in memory units."""
+        pr, b, m, d, unit = self.problem, self.b, self.m, self.d, self.mem_unit
+        expr = _Expr()
+        for r, region in enumerate(pr.regions):
+            expr.add(math.ceil(region.static_bytes / unit), self.in_stage[r][s])
+        for t, tie in enumerate(pr.ties):
+            coef = math.ceil(sum(pr.tie_bytes(tie)) / unit)
+            expr.add(coef, self.holds[t][s])
+            expr.add(-coef, self.in_stage[tie.regions[0]][s])
+        # receive buffers: m·b·(cut_in + cut_out) + b·cut_in; every rank holds the global batch
+        for e in pr.edges:
+            for k, coef in ((s - 1, math.ceil((m + 1) * b * e.bytes_per_sample / unit)),
+                            (s, math.ceil(m * b * e.bytes_per_sample / unit))):
+                if 0 <= k < self.p - 1:
+                    for sign, var in self._cross(e, k):
+                        expr.add(sign * coef, var)
+        expr.const += math.ceil(d * m * b * (pr.input_bytes_per_sample + pr.target_bytes_per_sample) / unit)
+        return expr
+
+    def _activation_expr(self, s: int) -> _Expr:
+        """k_s·b·(saved activations + cut_out) - recompute savings, in memory units."""
+        pr, b, unit = self.problem, self.b, self.mem_unit
+        in_flight = in_flight_microbatches(self.schedule, s, self.p, self.m)
+        expr = _Expr()
+        for r, region in enumerate(pr.regions):
+            expr.add(math.ceil(in_flight * b * region.activation_bytes_per_sample / unit), self.in_stage[r][s])
+            if (r, s) in self.rec:
+                saved = region.activation_bytes_per_sample - region.recompute_activation_bytes_per_sample
+                expr.add(-math.floor(in_flight * b * saved / unit), self.rec[(r, s)])
+        if s < self.p - 1:
+            for e in pr.edges:
+                coef = math.ceil(in_flight * b * e.bytes_per_sample / unit)
+                for sign, var in self._cross(e, s):
+                    expr.add(sign * coef, var)
+        return expr
+
+    def _transient_terms(self, s: int) -> list[list[tuple[int, object]]]:
+        """Per region r: the terms of transient_r(b)·in_stage[r, s] + b·activations_r·recompute[r, s]."""
+        b, unit = self.b, self.mem_unit
+        out = []
+        for r, region in enumerate(self.problem.regions):
+            terms = []
+            coef = math.ceil(region.transient_bytes(b, False) / unit)
+            if coef:
+                terms.append((coef, self.in_stage[r][s]))
+            if (r, s) in self.rec:
+                terms.append((math.ceil(b * region.activation_bytes_per_sample / unit), self.rec[(r, s)]))
+            if terms:
+                out.append(terms)
+        return out
+
+    def _add_transient(self) -> None:
+        """transient[s] >= transient_r(b)·in_stage[r, s] + b·activations_r·recompute[r, s] for every
+        region r: the epigraph of the per-stage maximum (one region runs backward at a time).
+        transient[s] only appears on the small side of memory <= capacity, so any feasible plan
+        can lower it to the maximum itself: the epigraph is exact for feasibility."""
+        for s in range(self.p):
+            for terms in self._transient_terms(s):
+                self.model.add(self.transient[s] >= sum(c * v for c, v in terms))
+
+    def _capacity_rhs(self, s: int, c, overflow):
+        capacity = self.class_capacity[c] // self.mem_unit
+        return capacity if overflow is None else capacity + overflow
+
+    def _enforce_per_class(self, s: int, lhs, overflow, extra_literal=None) -> None:
+        """lhs <= capacity of stage s's device class (under on_class[s, c] when classes are chosen)."""
+        for c in (self.classes[s:s + 1] if self.on_class is None else self.classes):
+            literals = ([self.on_class[s][c]] if self.on_class is not None else []) + (
+                [extra_literal] if extra_literal is not None else [])
+            constraint = self.model.add(lhs <= self._capacity_rhs(s, c, overflow))
+            if literals:
+                constraint.only_enforce_if(literals)
+
     def _add_memory(self, overflow=None) -> None:
-        """params + grads + optimizer (+ tie replicas) + in_flight[s]·b·saved activations
-        - recompute savings + 2·b·(incoming cut bytes) <= capacity of the stage's device
-        (<= capacity + overflow when explaining infeasibility)."""
+        """Backward phase: static + buffers + activations + transient[s] <= capacity of the stage's
+        device (<= capacity + overflow when explaining infeasibility). Note [memory model]."""
         self.memory_exprs = []
         for s in range(self.p):
-            expr = self._memory_expr(s)
+            expr = self._held_expr(s)
+            activations = self._activation_expr(s)
+            expr.vars += activations.vars
+            expr.coefs += activations.coefs
+            expr.const += activations.const
+            expr.add(1, self.transient[s])
             self.memory_exprs.append(expr)
-            for c in (self.classes[s:s + 1] if self.on_class is None else self.classes):
-                capacity = self.class_capacity[c] // self.mem_unit
-                rhs = capacity if overflow is None else capacity + overflow
-                constraint = self.model.add(expr.expr() <= rhs)
-                if self.on_class is not None:
-                    constraint.only_enforce_if(self.on_class[s][c])
+            self._enforce_per_class(s, expr.expr(), overflow)
+        self._add_transient()
+        self._add_step_memory(overflow)
+
+    def _add_step_memory(self, overflow=None) -> None:
+        """Step phase: static + buffers + tie gradient copies + min(grads[s], bucket) <= capacity,
+        the min (d > 1 only) as a disjunction: bucket_whole[s] => (... + grads[s] <= capacity),
+        not bucket_whole[s] => (... + bucket <= capacity). Note [memory model]."""
+        pr, unit = self.problem, self.mem_unit
+        self.step_exprs = []
+        for s in range(self.p):
+            expr = self._held_expr(s)
+            for t, tie in enumerate(pr.ties):
+                expr.add(math.ceil(pr.tie_bytes(tie)[1] / unit), self.holds[t][s])
+            self.step_exprs.append(expr)
+            if self.d == 1:
+                self._enforce_per_class(s, expr.expr(), overflow)
+                continue
+            grads = self._grads_expr(s)
+            self._enforce_per_class(s, expr.expr() + grads.expr(), overflow, self.bucket_whole[s])
+            self._enforce_per_class(s, expr.expr() + math.ceil(pr.allreduce_bucket_bytes / unit), overflow,
+                                    self.bucket_whole[s].Not())
+
+    def memory_fits(self, values: dict[int, int], stage_classes) -> bool:
+        """Whether a plan's variable values (``hint_values``) satisfy every memory constraint."""
+        if not self.memory_binds:
+            return True
+        bucket = math.ceil(self.problem.allreduce_bucket_bytes / self.mem_unit)
+        for s in range(self.p):
+            capacity = self.class_capacity[stage_classes[s]] // self.mem_unit
+            step = self.step_exprs[s].value(values)
+            if self.d > 1:
+                step += min(self._grads_expr(s).value(values), bucket)
+            if self.memory_exprs[s].value(values) > capacity or step > capacity:
+                return False
+        return True
 
     # ---- hints and search help (Note [search help]) -------------------------------------------
 
@@ -480,6 +589,13 @@ class CandidateModel:
             values[self.stage_time[s].index] = self.stage_time_exprs[s][classes[s]].value(values)
         values[self.bottleneck.index] = max(values[self.stage_time[s].index] for s in range(p))
         values[self.dp_allreduce.index] = max([0] + [e.value(values) for e in self.dp_allreduce_exprs])
+        if self.memory_constrained:
+            bucket = math.ceil(self.problem.allreduce_bucket_bytes / self.mem_unit)
+            for s in range(p):
+                values[self.transient[s].index] = max(
+                    [0] + [sum(c * values[v.index] for c, v in terms) for terms in self._transient_terms(s)])
+                if self.bucket_whole:
+                    values[self.bucket_whole[s].index] = int(self._grads_expr(s).value(values) <= bucket)
         return values
 
     def add_hint(self, values: dict[int, int], *, cap_objective: bool = True) -> int:
@@ -521,6 +637,8 @@ class CandidateModel:
         yield from self.stage_time
         yield self.bottleneck
         yield self.dp_allreduce
+        yield from self.transient
+        yield from self.bucket_whole
 
     def _fix_by_bottleneck_cap(self, objective_cap: int) -> None:
         n, p, m = self.problem.num_regions, self.p, self.m

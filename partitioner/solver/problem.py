@@ -74,6 +74,12 @@ class Region:
     activation_bytes_per_sample: int
     recompute_activation_bytes_per_sample: int
     layer: int | None = None
+    # Gradient bytes alive at once during this region's backward, beyond saved activations and
+    # model state (Note [memory model] in check.py): per sample (activation gradients) and fixed
+    # (fresh parameter gradients, whatever the microbatch size); a recomputed region adds its
+    # rerun forward's saved activations (activation_bytes_per_sample) to it.
+    transient_bytes_per_sample: int = 0
+    transient_fixed_bytes: int = 0
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -83,7 +89,8 @@ class Region:
         for name in ("fwd_flops_per_sample", "bwd_flops_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
-                     "recompute_activation_bytes_per_sample"):
+                     "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
+                     "transient_fixed_bytes"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
             raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")
@@ -92,6 +99,12 @@ class Region:
     def static_bytes(self) -> int:
         """Weights + gradients + optimizer state: memory held regardless of the schedule."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def transient_bytes(self, microbatch_size: int, recompute: bool) -> int:
+        """The backward transient of one microbatch, with the rerun forward's activations if
+        recomputed."""
+        per_sample = self.transient_bytes_per_sample + (self.activation_bytes_per_sample if recompute else 0)
+        return microbatch_size * per_sample + self.transient_fixed_bytes
 
 
 @dataclass(frozen=True)
@@ -134,12 +147,24 @@ class Tie:
         _check_nonneg("Tie", "param_bytes", self.param_bytes, integer=True)
 
 
+# runtime/train.py ``_allreduce_flat_`` concatenates gradients into buckets of up to 2**25
+# elements (one tensor larger than that is a bucket of its own): 128 MiB of fp32.
+ALLREDUCE_BUCKET_ELEMS = 1 << 25
+
+
 @dataclass(frozen=True)
 class PartitionProblem:
+    """``input_bytes_per_sample`` / ``target_bytes_per_sample``: one sample of the model inputs
+    and of the loss target (every rank builds the whole global batch; Note [memory model] in
+    check.py). ``allreduce_bucket_bytes``: the largest flat buffer the data-parallel gradient
+    all-reduce builds, max(2**25 elements, the largest gradient tensor) in bytes."""
+
     regions: tuple[Region, ...]
     edges: tuple[Edge, ...]
     ties: tuple[Tie, ...] = ()
     input_bytes_per_sample: int = 0
+    target_bytes_per_sample: int = 0
+    allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):
@@ -155,7 +180,8 @@ class PartitionProblem:
             bad = [r for r in t.regions if not 0 <= r < n]
             if bad:
                 raise ValueError(f"Tie.regions={t.regions} names regions {bad} outside 0..{n - 1}")
-        _check_nonneg("PartitionProblem", "input_bytes_per_sample", self.input_bytes_per_sample, integer=True)
+        for name in ("input_bytes_per_sample", "target_bytes_per_sample", "allreduce_bucket_bytes"):
+            _check_nonneg("PartitionProblem", name, getattr(self, name), integer=True)
 
     @property
     def num_regions(self) -> int:

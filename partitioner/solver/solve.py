@@ -204,10 +204,7 @@ def _best_hint(model: CandidateModel, plans, cluster, placement):
     best = None
     for stage_of_region, recompute in plans:
         values = model.hint_values(stage_of_region, recompute, stage_classes)
-        if model.memory_binds and any(
-            expr.value(values) > model.class_capacity[stage_classes[s]] // model.mem_unit
-            for s, expr in enumerate(model.memory_exprs)
-        ):
+        if not model.memory_fits(values, stage_classes):
             continue
         objective = model.objective.value(values)
         if best is None or objective < best[0]:
@@ -522,7 +519,7 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
         ratio = stage.memory_bytes / stage.capacity_bytes
         if tightest is None or ratio < tightest[0]:
             tightest = (ratio, r, s, stage, any(result.recompute))
-    largest = max(d.memory_bytes for d in cluster.devices) / GIB
+    largest = max(d.usable_memory_bytes for d in cluster.devices) / GIB  # Note [usable memory] in cluster.py
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
@@ -532,6 +529,6 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
         f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
         f"microbatches={r.num_microbatches}, microbatch_size={r.microbatch_size}, {schedule}"
         f"{', recompute on' if used_recompute else ''}) needs {stage.memory_bytes / GIB:.2f} GiB on stage {s}, "
-        f"whose device holds {stage.capacity_bytes / GIB:.2f} GiB; the largest device has {largest:.2f} GiB: "
+        f"whose device holds {stage.capacity_bytes / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
         "add devices, enable recompute, or lower the microbatch size"
     )
