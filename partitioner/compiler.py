@@ -32,6 +32,7 @@ from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, 
 from partitioner.solver import problem as sp
 from partitioner.trace import Traced, trace
 from partitioner.workload import Workload
+from runtime import randomness
 
 DEFAULT_TRAINING = {
     "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
@@ -47,15 +48,31 @@ def _progress(report: Callable[[str], None] | None, message: str) -> None:
         report(message)
 
 
+# Costing runs keyed random ops on fake (or, calibrating, real) tensors: they need a context,
+# and no draw's value reaches a cost.
+_COSTING_RANDOMNESS = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
+
+
+def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int):
+    """trace, then key every random op (partitioner/randomness.py): the graph the cost passes
+    price is the graph the stages run (keyed attention with dropout is explicit attention, which
+    keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
+    from partitioner.randomness import lower_randomness
+
+    traced = trace(workload.model, example_args, workload.example_kwargs)
+    return traced, lower_randomness(traced.gm, batch_size=batch_size)
+
+
 def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
              loss_outside_graph: bool = False) -> fx.GraphModule:
     from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
 
     gm = traced.gm
-    annotate_shapes(gm)
-    annotate_flops(gm)
-    annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
-    annotate_regions(gm, granularity=granularity)
+    with randomness.restored(_COSTING_RANDOMNESS):
+        annotate_shapes(gm)
+        annotate_flops(gm)
+        annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
+        annotate_regions(gm, granularity=granularity)
     return gm
 
 
@@ -63,8 +80,8 @@ def analyze(workload: Workload, *, granularity: str = "block"):
     """Trace and annotate: the graph and its per-region cost table."""
     from passes.regions import region_table
 
-    gm = annotate(trace(workload.model, workload.example_args, workload.example_kwargs), granularity=granularity,
-                  loss_outside_graph=workload.loss_fn is not None)
+    traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    gm = annotate(traced, granularity=granularity, loss_outside_graph=workload.loss_fn is not None)
     return gm, region_table(gm)
 
 
@@ -190,14 +207,15 @@ def compile_workload(
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
     _progress(progress, "trace")
-    traced = trace(workload.model, workload.example_args, workload.example_kwargs)
+    traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
     gm = annotate(traced, granularity=granularity, optimizer=optimizer,
                   loss_outside_graph=workload.loss_fn is not None)
     profiles = list(profiles)
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
-        measured = calibrate.run(workload, gm, progress=progress)
+        with randomness.restored(_COSTING_RANDOMNESS):
+            measured = calibrate.run(workload, gm, progress=progress)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
@@ -463,15 +481,14 @@ def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
 
 def save_program(plan: Plan, folder) -> Path:
     from partitioner.codegen import write_program
-    from partitioner.randomness import lower_randomness
     from partitioner.recompute import checkpoint_regions
     from partitioner.split import split_graph
 
     artifacts: Artifacts = plan._artifacts  # type: ignore[attr-defined]
     workload = artifacts.workload
-    traced = trace(workload.model, workload.example_args_at(plan.microbatch_size), workload.example_kwargs)
+    traced, keyed_ops = trace_keyed(workload, workload.example_args_at(plan.microbatch_size),
+                                    batch_size=plan.microbatch_size)
     gm = annotate(traced, granularity=artifacts.granularity)
-    keyed_ops = lower_randomness(gm, batch_size=plan.microbatch_size)
     stage_of_name = {r.name: r.stage for r in plan.regions}
     node_stage = {}
     for node in gm.graph.nodes:
