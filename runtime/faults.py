@@ -1,14 +1,25 @@
-"""Fault injection for recovery tests: ``--fail-at RANK:STEP[:exit|kill|hang]`` and
-``--fail-persist RANK:STEP:BYTES``.
+"""Fault injection, every kind in one room: where a test or a benchmark makes a rank, a host or a
+persist die, and nothing else. No process group, no other runtime module imported (the rooms that
+fire these import this one).
 
-Faults fire only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT unset or 0),
-so the restarted workers run clean. ``--fail-at`` fires on rank RANK just before it starts step
-STEP (0-based, = make_batch's step): "exit" leaves with os._exit(3), "kill" sends itself SIGKILL,
-"hang" sleeps forever (its peers fail through the collective timeout, then torchrun's agent stops
-it). ``--fail-persist`` SIGKILLs rank RANK after writing BYTES bytes while persisting the
-checkpoint of step STEP (steps done), through ``runtime.checkpoint.FaultPoint``.
-Before dying, a fault appends {"rank", "step", "mode", "time_unix"} to RUN_DIR/faults.jsonl (how
-benchmarks measure the time from a kill to the first resumed step).
+- ``--fail-at RANK:STEP[:exit|kill|hang]`` (``Fault``, ``step_hook``): rank RANK, just before it
+  starts step STEP (0-based, = make_batch's step): "exit" leaves with os._exit(3), "kill" sends
+  itself SIGKILL, "hang" sleeps forever (its peers fail through the collective timeout, then
+  torchrun's agent stops it).
+- ``--fail-persist RANK:STEP:BYTES`` (``PersistFault``): rank RANK is SIGKILLed after writing
+  BYTES bytes while persisting the checkpoint of step STEP (steps done), through a ``FaultPoint``.
+- ``--fail-host HOST:STEP[:ATTEMPT]`` (``parse_fail_host``, ``host_hook``): every rank of HOST
+  marks the host lost (the memory tier wipes a lost host's shared memory at the restart) and
+  SIGKILLs itself before step STEP, in that attempt of the torchrun job (default the first).
+- ``FaultPoint``: die after a number of bytes written or before a numbered file operation of a
+  checkpoint persist (Note [crash consistency] in runtime/checkpoint/manifest.py); action "raise"
+  is the in-process stand-in (``SimulatedCrash``) for the one-process drills.
+
+--fail-at and --fail-persist fire only in the first attempt of a torchrun job
+(TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted workers run clean. Before dying, a fault
+appends {"rank", "step", "mode", "time_unix"} to RUN_DIR/faults.jsonl (how benchmarks measure the
+time from a kill to the first resumed step). ``say`` is the one way these rooms (checkpoint,
+memtier, recovery) write a rank's line to stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +32,10 @@ import time
 from dataclasses import dataclass
 
 MODES = ("exit", "kill", "hang")
+
+
+def say(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,24 @@ def parse_fail_persist(text: str) -> PersistFault:
     return PersistFault(rank, step, nbytes)
 
 
+def parse_fail_host(text: str) -> tuple[int, int, int]:
+    """"HOST:STEP[:ATTEMPT]" -> (host, step, attempt); attempt defaults to 0 (the first)."""
+    try:
+        parts = [int(x) for x in text.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--fail-host {text!r}: write HOST:STEP[:ATTEMPT], e.g. 1:3") from None
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else 0
+
+
+def attempt() -> int:
+    """Which attempt of the torchrun job this worker is (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def first_attempt() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+    return attempt() == 0
 
 
 def record(run_dir: str | None, rank: int, step: int, mode: str) -> None:
@@ -76,16 +107,19 @@ def record(run_dir: str | None, rank: int, step: int, mode: str) -> None:
         pass
 
 
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # SIGKILL is asynchronous only in theory; never return
+
+
 def fire(fault: Fault, run_dir: str | None = None) -> None:
     """Die (or hang) the way ``fault`` says."""
     record(run_dir, fault.rank, fault.step, fault.mode)
-    print(f"[rank {fault.rank}] fault injection: {fault.mode} before step {fault.step}",
-          file=sys.stderr, flush=True)
+    say(fault.rank, f"fault injection: {fault.mode} before step {fault.step}")
     if fault.mode == "exit":
         os._exit(3)
     if fault.mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)
+        _sigkill_self()
     while True:  # hang
         time.sleep(3600)
 
@@ -101,3 +135,82 @@ def step_hook(faults: list[Fault], rank: int, run_dir: str | None = None):
             fire(mine[step], run_dir)
 
     return before_step
+
+
+def host_hook(fail_hosts, *, host: int, rank: int, marker: str, run_dir: str | None = None):
+    """A ``before_step(step)`` callable for --fail-host (``fail_hosts``: (host, step, attempt)
+    triples), or None when nothing can fire on ``rank`` of ``host`` in this attempt: before a
+    chosen step it writes ``marker`` (the memory tier's lost-host file), records the fault and
+    SIGKILLs itself."""
+    mine = {s for h, s, a in fail_hosts if h == host and a == attempt()}
+    if not mine:
+        return None
+
+    def before_step(step: int) -> None:
+        if step in mine:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            with open(marker, "w") as fh:
+                fh.write(f"{step}\n")
+            record(run_dir, rank, step, "host")
+            say(rank, f"fault injection: host {host} lost before step {step}")
+            _sigkill_self()
+
+    return before_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault points inside a checkpoint persist (Note [crash consistency])
+
+
+class SimulatedCrash(BaseException):
+    """Raised by a FaultPoint with action="raise": the in-process stand-in for SIGKILL (a
+    BaseException, so no ``except Exception`` on the way tidies anything up)."""
+
+
+@dataclass
+class FaultPoint:
+    """Die after ``after_bytes`` bytes written, or just before operation number ``before_op``
+    (0-based; operations: open, write chunk, fsync, rename, mkdir, unlink, rmtree, dir fsync),
+    counting over everything done with this object. action: "sigkill" or "raise"."""
+
+    after_bytes: int | None = None
+    before_op: int | None = None
+    action: str = "sigkill"
+    bytes_done: int = 0
+    ops_done: int = 0
+
+    def _die(self, where: str):
+        if self.action == "raise":
+            raise SimulatedCrash(where)
+        sys.stderr.write(f"[fault] killing pid {os.getpid()} during checkpoint persist: {where}\n")
+        sys.stderr.flush()
+        _sigkill_self()
+
+    def op(self, what: str) -> None:
+        if self.before_op is not None and self.ops_done >= self.before_op:
+            self._die(f"before op {self.ops_done} ({what})")
+        self.ops_done += 1
+
+    def allow_bytes(self, n: int) -> int:
+        """How many of the next ``n`` bytes may be written before dying."""
+        if self.after_bytes is None:
+            return n
+        return max(0, min(n, self.after_bytes - self.bytes_done))
+
+    def wrote(self, n: int, what: str) -> None:
+        self.bytes_done += n
+        if self.after_bytes is not None and self.bytes_done >= self.after_bytes:
+            self._die(f"after {self.bytes_done} bytes ({what})")
+
+
+class _NoFault(FaultPoint):
+    def op(self, what: str) -> None:
+        pass
+
+    def wrote(self, n: int, what: str) -> None:
+        pass
+
+
+def armed(fault: FaultPoint | None) -> FaultPoint:
+    """``fault``, or a point that never fires (so the writers need no ``if fault`` of their own)."""
+    return fault if fault is not None else _NoFault()

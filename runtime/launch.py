@@ -202,13 +202,14 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     start_step = 0
     checkpointer = None
     if use_ckpt:
-        from runtime.recovery import Checkpointer, recover
+        from runtime.checkpoint import Checkpointer
+        from runtime.recovery import recover, recover_any
 
         memory = None
         if memory_settings is not None:  # created before the Checkpointer's group, on every rank
             memory = memtier.MemoryTier(trainer, memory_settings, ckpt_dir=ckpt_dir, timeout=timeout,
                                         run_dir=run_dir)
-            start_step = memtier.recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
+            start_step = recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
         else:
             start_step = recover(trainer, ckpt_dir)
         checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,

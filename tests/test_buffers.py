@@ -158,7 +158,7 @@ def test_checkpoint_of_buffers_round_trips_and_reshards(runs, tmp_path):
     store = mt.LocalStore(str(tmp_path / "shm"), 1, mt.plan_redundancy((0, 1), mode="none"), program["plan_hash"])
     slot, nbytes, _ = store.snapshot(trainer)
     store.commit_own(slot, 2, nbytes)
-    loaded = mt.loaded_from_bytes(slot.verify(slot.record()), step=2, program=program, rank=1,
+    loaded = ck.loaded_from_bytes(slot.verify(slot.record()), step=2, program=program, rank=1,
                                   needed=ck.state_names(program, [1]), where="slot")
     fresh = FakeTrainer(folder, 1, program)
     ck.restore(fresh, loaded)

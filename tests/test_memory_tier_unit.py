@@ -17,6 +17,7 @@ from _checkpoint_helpers import assert_trains_identically, set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import memtier as mt
+from runtime import recovery
 from runtime.checkpoint_drills import FakeTrainer, trainers_at
 from runtime.program import load_program
 
@@ -59,7 +60,7 @@ def test_snapshot_round_trip_is_bit_exact_and_a_valid_shard(two_rank, tmp_path):
     assert rec["step"] == 3 and rec["bytes"] == nbytes and rec["sha256"] == sha
     data = slot.verify(rec)
     assert data is not None and hashlib.sha256(data).hexdigest() == sha
-    loaded = mt.loaded_from_bytes(data, step=3, program=program, rank=1, needed=list(trainer.named_parameters()),
+    loaded = ck.loaded_from_bytes(data, step=3, program=program, rank=1, needed=list(trainer.named_parameters()),
                                   where="test")
     fresh = FakeTrainer(two_rank, 1, program)
     random.seed(0)
@@ -105,9 +106,9 @@ def test_bit_flip_in_a_memory_shard_is_detected(two_rank, tmp_path):
     # the recovery choice then takes the next tier for that rank: the peer copy
     red = mt.plan_redundancy((0, 1), mode="copy")
     own, held = [{2: nbytes}, {2: nbytes}], [{2: nbytes}, {2: nbytes}]
-    assert mt.choose_step(own, held, red, set()) == (2, {0: "memory", 1: "memory"})
-    assert mt.choose_step(own, held, red, {(0, 2, "memory")}) == (2, {0: "peer", 1: "memory"})
-    assert mt.choose_step(own, held, red, {(0, 2, "memory"), (0, 2, "peer")}) is None  # -> disk
+    assert recovery.choose_step(own, held, red, set()) == (2, {0: "memory", 1: "memory"})
+    assert recovery.choose_step(own, held, red, {(0, 2, "memory")}) == (2, {0: "peer", 1: "memory"})
+    assert recovery.choose_step(own, held, red, {(0, 2, "memory"), (0, 2, "peer")}) is None  # -> disk
 
 
 def _shards(sizes, seed=0):
@@ -159,16 +160,16 @@ def test_choice_falls_through_memory_peer_parity_then_disk():
     both = {5: 100, 6: 100}
     own = [dict(both) for _ in range(4)]
     held = [{5: 40, 6: 40} for _ in range(4)]
-    assert mt.choose_step(own, held, red, set())[0] == 6
+    assert recovery.choose_step(own, held, red, set())[0] == 6
     own[2], held[2] = {}, {}                         # host 2 lost: parity rebuilds rank 2
-    assert mt.choose_step(own, held, red, set()) == (6, {0: "memory", 1: "memory", 2: "parity", 3: "memory"})
+    assert recovery.choose_step(own, held, red, set()) == (6, {0: "memory", 1: "memory", 2: "parity", 3: "memory"})
     held[0] = {5: 40}                                # rank 0's parity of step 6 never arrived: step 5
-    assert mt.choose_step(own, held, red, set())[0] == 5
+    assert recovery.choose_step(own, held, red, set())[0] == 5
     own[1], held[1] = {}, {}                         # two hosts of one group lost: disk
-    assert mt.choose_step(own, held, red, set()) is None
-    assert "lost 2 members" in mt.why_not(own, held, red, 6)
+    assert recovery.choose_step(own, held, red, set()) is None
+    assert "lost 2 members" in recovery.why_not(own, held, red, 6)
     # memory older than the newest disk checkpoint is not taken
-    assert mt.choose_step([dict(both)] * 4, held, red, set(), not_before=7) is None
+    assert recovery.choose_step([dict(both)] * 4, held, red, set(), not_before=7) is None
 
 
 def test_groups_follow_hosts_and_stages_and_cost_what_they_say():
@@ -206,12 +207,12 @@ def test_shards_parse_without_copy_or_pickle_and_refuse_bad_offsets(two_rank, tm
     trainer = trainers_at(two_rank, 1)[0]
     snap = ck.snapshot(trainer)
     data = bytearray(ck.serialize(snap))  # a shard as the disk tier writes it (st_save's layout)
-    tensors, meta = mt.parse_shard(data)
+    tensors, meta = ck.parse_shard(data)
     assert meta["step"] == 1 and sorted(tensors) == sorted(snap.tensors)
     for name, value in snap.tensors.items():
         assert torch.equal(tensors[name], value), name
     odd = bytearray(save({"a": torch.arange(3, dtype=torch.uint8), "b": torch.ones(2)}, metadata={"meta": "{}"}))
-    got, _ = mt.parse_shard(odd)
+    got, _ = ck.parse_shard(odd)
     assert torch.equal(got["b"], torch.ones(2)) and torch.equal(got["a"], torch.arange(3, dtype=torch.uint8))
     with pytest.raises(ValueError):
-        mt.parse_shard(data[:-4])  # truncated
+        ck.parse_shard(data[:-4])  # truncated

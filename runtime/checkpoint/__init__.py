@@ -1,0 +1,48 @@
+"""The disk tier of checkpoints: what one is on disk, how it is written so that a crash never
+leaves half of one, how it is read back and verified, and when it is taken. One room per concern;
+this package re-exports the names callers use (``from runtime import checkpoint as ck``).
+
+Rooms
+-----
+shard     the shard format, its one writer for the disk (``serialize``) and for preallocated memory
+          (``ShardLayout``), its one reader (``parse_shard``) (Note [checkpoint format])
+state     what a shard holds of a RankTrainer (``state_entries``, ``snapshot``, RNG states) and how
+          a loaded one goes back in (``LoadedCheckpoint``, ``take_state``, ``restore``)
+durable   tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``
+manifest  the commit record (``manifest_for``, ``write_manifest``, ``read_manifest``), the step
+          directories, pruning, ``commit_local`` (Note [crash consistency])
+load      verified, possibly resharded loads of what one rank needs (``load_for_rank``,
+          ``find_valid``, ``loaded_from_bytes`` for the memory tier's bytes)
+interval  Young/Daly (``young_daly_interval``), ``parse_duration_s``
+persist   ``Checkpointer``: checkpoint points, the background persist, the distributed commit
+          (Note [distributed commit])
+
+Everything but ``persist`` works without a process group. The start-up side (which checkpoint
+every rank resumes from, and the memory tier before it) is runtime/recovery.py; the memory tier
+is runtime/memtier/.
+"""
+
+from runtime.checkpoint.durable import CHUNK_BYTES, check_writable, fsync_dir, makedirs_durable, write_file_atomic
+from runtime.checkpoint.interval import parse_duration_s, young_daly_interval
+from runtime.checkpoint.load import (READS, RESUME_CANDIDATES, ShardChoice, choose_shards, find_valid, load_for_rank,
+                                     loaded_from_bytes, parse_verified, read_shard)
+from runtime.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, commit_local, list_step_dirs, manifest_for,
+                                         newest_committed, persist_shard, prune, read_manifest, remove_checkpoint,
+                                         write_manifest)
+from runtime.checkpoint.persist import Checkpointer
+from runtime.checkpoint.shard import FORMAT, ShardLayout, parse_shard, serialize, shard_filename, step_dirname
+from runtime.checkpoint.state import (LoadedCheckpoint, Snapshot, capture_rng, needed_names, restore, restore_rng,
+                                      snapshot, state_entries, state_names, take_state)
+from runtime.errors import CheckpointCorruptError, PlanMismatchError
+from runtime.faults import FaultPoint, SimulatedCrash
+
+__all__ = [
+    "CHUNK_BYTES", "FORMAT", "MANIFEST", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
+    "FaultPoint", "LoadedCheckpoint", "PlanMismatchError", "ShardChoice", "ShardInfo", "ShardLayout",
+    "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "choose_shards", "commit_local",
+    "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes", "makedirs_durable",
+    "manifest_for", "needed_names", "newest_committed", "parse_duration_s", "parse_shard", "parse_verified",
+    "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore", "restore_rng",
+    "serialize", "shard_filename", "snapshot", "state_entries", "state_names", "step_dirname", "take_state",
+    "write_file_atomic", "write_manifest", "young_daly_interval",
+]

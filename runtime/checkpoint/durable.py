@@ -1,0 +1,77 @@
+"""Durable file operations: a file is written to "<name>.tmp", fsync'd, renamed over its final name,
+and its directory fsync'd, so a crash leaves the old file or the new one, never half of one. Every
+operation passes a ``runtime.faults.FaultPoint`` (Note [crash consistency] in
+runtime/checkpoint/manifest.py says in which order the checkpoint's files go)."""
+
+from __future__ import annotations
+
+import os
+
+from runtime.faults import FaultPoint, armed
+
+CHUNK_BYTES = 1 << 20
+
+
+def fsync_dir(path: str, fault: FaultPoint | None = None) -> None:
+    armed(fault).op(f"fsync dir {path}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str, fault: FaultPoint | None = None) -> None:
+    """mkdir -p, fsync'ing each parent whose entries changed."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    makedirs_durable(parent, fault)
+    armed(fault).op(f"mkdir {path}")
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    fsync_dir(parent, fault)
+
+
+def write_file_atomic(path: str, data: bytes | memoryview, fault: FaultPoint | None = None) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one (tmp, fsync,
+    rename, fsync directory)."""
+    f = armed(fault)
+    tmp = path + ".tmp"
+    view = memoryview(data).cast("B")
+    f.op(f"open {tmp}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = 0
+        while offset < len(view):
+            n = f.allow_bytes(min(CHUNK_BYTES, len(view) - offset))
+            written = os.write(fd, view[offset:offset + n]) if n else 0
+            offset += written
+            f.wrote(written, f"{os.path.basename(tmp)} at byte {offset}")
+        f.op(f"fsync {tmp}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    f.op(f"rename {tmp}")
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path), fault)
+
+
+def check_writable(ckpt_dir: str) -> None:
+    """Create ``ckpt_dir`` if needed and prove a file can be written, fsync'd and removed there;
+    raises ValueError naming the directory and the fix."""
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        probe = os.path.join(ckpt_dir, f".write_probe_{os.getpid()}")
+        with open(probe, "wb") as fh:
+            fh.write(b"ok")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"checkpoint directory {ckpt_dir} is not writable ({exc.strerror or exc}): "
+                         "pass --checkpoint-dir with a writable folder") from None

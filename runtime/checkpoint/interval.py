@@ -1,0 +1,26 @@
+"""How often to checkpoint: the Young/Daly interval from the measured stall and the stated MTBF
+(DESIGN section 7), and the duration syntax of --mtbf."""
+
+from __future__ import annotations
+
+import math
+import re
+
+
+def young_daly_interval(stall_s: float, mtbf_s: float, step_time_s: float) -> tuple[int, dict]:
+    """Checkpoint every K steps with K * step_time ~ sqrt(2 * stall * MTBF) (Young/Daly).
+    Returns K and the figures to log: tau_s, overhead (stall/tau), expected_rework_s (tau/2 per
+    failure) and the expected fraction of time lost, stall/tau + tau/(2 MTBF)."""
+    tau = math.sqrt(2.0 * max(stall_s, 1e-9) * mtbf_s)
+    k = max(1, int(round(tau / max(step_time_s, 1e-9))))
+    tau_k = k * step_time_s
+    return k, {"tau_s": tau_k, "young_daly_s": tau, "overhead": stall_s / tau_k,
+               "expected_rework_s": tau_k / 2.0,
+               "expected_lost_fraction": stall_s / tau_k + tau_k / (2.0 * mtbf_s)}
+
+
+def parse_duration_s(text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([smhd]?)\s*", str(text))
+    if not match:
+        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]

@@ -1,0 +1,194 @@
+"""A rank's state, both ways: what a checkpoint takes of a RankTrainer (``state_entries``, the one
+definition of a shard's contents, Note [checkpoint format] in runtime/checkpoint/shard.py; the
+host-memory ``snapshot``, the only stall of a disk checkpoint; every RNG state) and how a loaded
+checkpoint goes back in (``LoadedCheckpoint``, ``take_state``, ``restore``). No file and no process
+group here."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.checkpoint.shard import FORMAT
+from runtime.errors import CheckpointCorruptError
+
+# ---------------------------------------------------------------------------------------------
+# Taking the state
+
+
+def capture_rng() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"rng/torch_cpu": torch.get_rng_state().clone()}
+    meta: dict = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, st in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda_{i}"] = st.clone()
+    version, state, gauss = random.getstate()
+    meta["python_random"] = [version, list(state), gauss]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        tensors["rng/numpy_keys"] = torch.from_numpy(keys.astype("int64"))
+        meta["numpy_random"] = [name, int(pos), int(has_gauss), float(cached)]
+    return tensors, meta
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["rng/torch_cpu"])
+    cuda = sorted(k for k in tensors if k.startswith("rng/cuda_"))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    if meta.get("python_random"):
+        version, state, gauss = meta["python_random"]
+        random.setstate((version, tuple(state), gauss))
+    np = sys.modules.get("numpy")
+    if np is not None and meta.get("numpy_random") and "rng/numpy_keys" in tensors:
+        name, pos, has_gauss, cached = meta["numpy_random"]
+        np.random.set_state((name, tensors["rng/numpy_keys"].numpy().astype("uint32"), pos,
+                             has_gauss, cached))
+
+
+def _json_scheduler_state(sched) -> dict:
+    return {k: v for k, v in sched.state_dict().items()
+            if k != "lr_lambdas" and isinstance(v, (int, float, str, bool, list, type(None)))}
+
+
+def state_entries(trainer) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """A RankTrainer's shard, by tensor name (Note [checkpoint format]), and its meta: the one
+    definition both writers use (``snapshot`` and the memory tier's preallocated copy).
+    Parameters and Adam state are the live tensors: the caller copies them before the optimizer
+    next runs. Mutable buffers are copied now, because the next forward updates them while a
+    background copy may still be running."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    names, param_steps = [], {}
+    for name, p in trainer.named_parameters().items():
+        names.append(name)
+        tensors.append((f"param/{name}", p.detach()))
+        st = trainer.optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors.append((f"optim/{name}/{key}", st[key].detach()))
+        if "step" in st:
+            param_steps[name] = float(st["step"])
+    buffers = trainer.named_mutable_buffers()
+    with torch.no_grad():
+        tensors += [(f"buffer/{name}", b.detach().to("cpu", copy=True)) for name, b in buffers.items()]
+    rng_tensors, rng_meta = capture_rng()
+    tensors += sorted(rng_tensors.items())
+    program = trainer.program
+    meta = {"format": FORMAT, "step": trainer.steps_done, "rank": trainer.rank,
+            "stages": list(trainer.stage_ids), "replica": trainer.replica,
+            "plan_hash": program.get("plan_hash"), "model_fingerprint": program.get("model_fingerprint"),
+            "params": names, "buffers": list(buffers), "param_steps": param_steps,
+            "lr_scheduler": _json_scheduler_state(trainer.lr_scheduler), **rng_meta}
+    return tensors, meta
+
+
+@dataclass
+class Snapshot:
+    step: int  # steps done
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+    stall_s: float = 0.0
+
+
+def snapshot(trainer) -> Snapshot:
+    """Copy a RankTrainer's state to host memory, keyed by original names."""
+    t0 = time.perf_counter()
+    entries, meta = state_entries(trainer)
+    with torch.no_grad():
+        tensors = {name: t.to("cpu", copy=True) for name, t in entries}
+    snap = Snapshot(trainer.steps_done, trainer.rank, tensors, meta)
+    snap.stall_s = time.perf_counter() - t0
+    return snap
+
+
+def state_names(program: dict, stages) -> list[str]:
+    """What a rank holding ``stages`` of ``program`` reads from a checkpoint: its parameters, then
+    its mutable buffers (original names, each once)."""
+    entries = [program["stages"][k] for k in sorted(stages)]
+    return list(dict.fromkeys([n for st in entries for n in st["params"]]
+                              + [n for st in entries for n in st.get("mutable_buffers", [])]))
+
+
+def needed_names(trainer) -> list[str]:
+    """What the trainer restores from a checkpoint: its parameters, then its mutable buffers."""
+    return list(dict.fromkeys([n for m in trainer.modules for n in m.parameter_names]
+                              + [n for m in trainer.modules for n in m.mutable_buffer_names]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Putting it back
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    manifest: dict
+    params: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg", "exp_avg_sq"}
+    param_steps: dict[str, float]
+    lr_scheduler: dict
+    rng_tensors: dict[str, torch.Tensor] | None  # None after a reshard
+    rng_meta: dict | None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # mutable buffers, original names
+
+
+def take_state(loaded: LoadedCheckpoint, name: str, tensors: dict[str, torch.Tensor], meta: dict,
+               where: str) -> None:
+    """Put parameter ``name`` (with its Adam state) or mutable buffer ``name`` of one shard into
+    ``loaded``: the one reader of a shard's state, for the disk and the memory tier."""
+    if f"param/{name}" in tensors:
+        loaded.params[name] = tensors[f"param/{name}"]
+        st = {k: tensors[f"optim/{name}/{k}"] for k in ("exp_avg", "exp_avg_sq")
+              if f"optim/{name}/{k}" in tensors}
+        if st:
+            loaded.optim[name] = st
+        if name in meta.get("param_steps", {}):
+            loaded.param_steps[name] = meta["param_steps"][name]
+    elif f"buffer/{name}" in tensors:
+        loaded.buffers[name] = tensors[f"buffer/{name}"]
+    else:
+        raise CheckpointCorruptError(f"{where} lacks parameter or buffer {name!r}")
+
+
+def restore(trainer, ckpt: LoadedCheckpoint) -> None:
+    """Put a loaded checkpoint into a RankTrainer (every copy of a tied parameter, every mutable
+    buffer)."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name, buffer in trainer.named_mutable_buffers().items():
+            if name not in ckpt.buffers:
+                raise CheckpointCorruptError(f"checkpoint step {ckpt.step} lacks mutable buffer {name!r}")
+            buffer.copy_(ckpt.buffers[name].to(buffer.device))
+        for m in trainer.modules:
+            for name in m.parameter_names:
+                p = m.get_parameter(name)
+                p.copy_(ckpt.params[name].to(p.device))
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if name in ckpt.optim:
+                    old = trainer.optimizer.state.get(p) or {}
+                    st = {}
+                    for k, v in ckpt.optim[name].items():
+                        cur = old.get(k)  # state already allocated (runtime.recovery.preallocate_optimizer_state): fill it
+                        same = isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype \
+                            and cur.device == p.device
+                        st[k] = cur.copy_(v) if same else v.to(p.device).clone()
+                    if name in ckpt.param_steps:
+                        st["step"] = torch.tensor(ckpt.param_steps[name], dtype=torch.float32)
+                    trainer.optimizer.state[p] = st
+    sched = trainer.lr_scheduler
+    if ckpt.lr_scheduler:
+        sched.__dict__.update({k: (list(v) if isinstance(v, list) else v)
+                               for k, v in ckpt.lr_scheduler.items()})
+        for group, lr in zip(trainer.optimizer.param_groups, sched.get_last_lr()):
+            group["lr"] = lr
+    if ckpt.rng_tensors is not None:
+        restore_rng(ckpt.rng_tensors, ckpt.rng_meta or {})
+    trainer.steps_done = ckpt.step
