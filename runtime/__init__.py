@@ -23,11 +23,20 @@ recompute  ``checkpointed(fn, *args)``: a region the plan recomputes, under acti
 memory     a rank's measured peak memory (``LiveBytes`` on CPU, the CUDA allocator on GPUs)
 reference  ``train_reference(...)``: the one-process oracle with the same math
 data       deterministic batches and losses of the built-in workloads
-checkpoint the checkpoint format (Note [checkpoint format]), snapshot, crash-consistent persist
-           (Note [crash consistency]), verified loads, resharded loads, Young/Daly interval
-recovery   ``Checkpointer`` (checkpoint points, background persist, commit by rank 0) and
-           ``recover`` (start-up agreement on the newest valid checkpoint)
-faults     ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist RANK:STEP:BYTES``
+checkpoint the disk tier, a package of rooms (its __init__ re-exports the names callers use):
+           shard (the format, Note [checkpoint format]; the one writer and reader, disk and memory),
+           state (what a shard takes of a trainer, snapshot, restore), durable (tmp/fsync/rename),
+           manifest (the commit record, pruning, Note [crash consistency]), load (verified and
+           resharded loads), interval (Young/Daly, --mtbf), persist (``Checkpointer``: checkpoint
+           points, background persist, commit by rank 0, Note [distributed commit])
+memtier    the memory tier, a package of rooms: groups (hosts, redundancy, cost: what the compiler
+           plans with), parity (XOR), slots (shared-memory slots, whole or absent), tier
+           (``MemoryTier``: background copy, redundancy exchange; ``settings_from``)
+recovery   start-up recovery from the fastest tier that survived (``recover_any``): the memory
+           cascade (own slot, peer copy, parity; Note [memory recovery]) and the disk's agreement
+           on the newest valid checkpoint (``recover``, Note [recovery agreement])
+faults     every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
+           RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host HOST:STEP[:ATTEMPT]``
 
 The program folder (written by partitioner/codegen.py)
 ------------------------------------------------------
@@ -54,7 +63,7 @@ The program folder (written by partitioner/codegen.py)
     DIR/train.py         torchrun entry: runs rank_<RANK>.py; without RANK it exits naming the
                          torchrun line (text: runtime.entry_files.train_file_text)
     DIR/run/             written by the run: metrics.jsonl, final/ (below)
-    DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/checkpoint.py)
+    DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/checkpoint/)
 
 The "program" object (JSON)::
 

@@ -32,13 +32,11 @@ from safetensors.torch import save as st_save
 FORMAT = "partitioner-checkpoint/1"
 
 # safetensors dtype names (the ones this torch has)
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-              torch.uint8: "U8", torch.bool: "BOOL"}
-for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("complex64", "C64"),
-                   ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _st
+_ST_DTYPES = {getattr(torch, name): st for name, st in (
+    ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"), ("float64", "F64"), ("int64", "I64"),
+    ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
+    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("complex64", "C64"), ("uint16", "U16"),
+    ("uint32", "U32"), ("uint64", "U64")) if hasattr(torch, name)}
 _ST_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
 
 
