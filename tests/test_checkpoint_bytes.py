@@ -107,9 +107,16 @@ def test_a_checkpoint_written_by_format_1_still_loads():
     assert loaded.lr_scheduler["last_epoch"] == 2
 
 
-@pytest.mark.skipif(not os.environ.get("PARTITIONER_WRITE_GOLDEN"), reason="writes tests/golden")
-def test_write_golden(tmp_path, monkeypatch):
-    """PARTITIONER_WRITE_GOLDEN=1: (re)write the golden checkpoint (only with a format change)."""
-    _write_disk(str(tmp_path), monkeypatch)
-    shutil.rmtree(GOLDEN, ignore_errors=True)
-    shutil.copytree(tmp_path, GOLDEN)
+def write_golden() -> None:
+    """(Re)write the golden checkpoint, only with a format change:
+    ``python tests/test_checkpoint_bytes.py --write-golden``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as monkeypatch:
+        _write_disk(tmp, monkeypatch)
+        shutil.rmtree(GOLDEN, ignore_errors=True)
+        shutil.copytree(tmp, GOLDEN)
+
+
+if __name__ == "__main__" and "--write-golden" in __import__("sys").argv:
+    write_golden()
