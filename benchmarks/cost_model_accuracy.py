@@ -188,7 +188,7 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
       forward's outputs kept until its backward (fwd_cache); on the last stage loss_fn applied
       to the outputs and backward from the loss;
     * after the schedule: gradients divided by m in place (scale_grads), for dp > 1 the
-      all-reduce's flat buckets (runtime.train._allreduce_flat_ without the collective), the
+      all-reduce's flat buckets (runtime.train.allreduce_flat_ without the collective), the
       optimizer step, zero_grad.
     One step first (the optimizer state), then the second step under LiveBytes, which counts
     the storages the step creates (views of parameters are not new storage)."""
@@ -252,7 +252,7 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
         grads = [p.grad for p in params if p.grad is not None]
         for g in grads:
             g.div_(m)
-        if dp > 1:  # the flat buckets of _allreduce_flat_, one at a time
+        if dp > 1:  # the flat buckets of allreduce_flat_, one at a time
             bucket, size = [], 0
             for g in grads + [None]:
                 if g is not None and (size + g.numel() <= 1 << 25 or not bucket):

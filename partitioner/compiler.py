@@ -131,7 +131,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
                         **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
-    # The all-reduce's flat bucket (runtime/train.py _allreduce_flat_): 2**25 elements, or one
+    # The all-reduce's flat bucket (runtime/train.py allreduce_flat_): 2**25 elements, or one
     # larger gradient alone; 4-byte elements, the largest there are (Note [memory model]).
     largest_grad = max((ir.get(n, ir.MEMORY).grad_bytes for n in gm.graph.nodes), default=0)
     problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
@@ -313,7 +313,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
 
 
 def memory_tier_choice(request, stages, cluster, assignment) -> dict:
-    """The memory tier's redundancy for this layout (runtime/memtier.py, Note [redundancy]): ranks
+    """The memory tier's redundancy for this layout (runtime/memtier/groups.py, Note [redundancy]): ranks
     grouped one per node, the i-th rank of each node by (stages, replica) so that group members hold
     the same stage; mode "auto" is none on one node, copy on two, parity on more. Says what it
     costs in host memory: shard = parameters + optimizer state of the rank's stages, two slots."""

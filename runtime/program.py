@@ -62,7 +62,7 @@ def load_program(folder: str) -> dict:
         raise ValueError(f"{folder}/plan.json has no \"program\" object (keys: {sorted(plan)})")
     program = dict(plan["program"])
     program.setdefault("plan_hash", plan.get("plan_hash"))
-    # What checkpoints record and check (runtime/checkpoint.py), from the plan's top level.
+    # What checkpoints record and check (runtime/checkpoint/manifest.py), from the plan's top level.
     program.setdefault("model_fingerprint", plan.get("model_fingerprint"))
     program.setdefault("workload", plan.get("workload"))
     training = plan.get("training") or {}

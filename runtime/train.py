@@ -22,7 +22,7 @@ the list of stages, reproduces them).
 Note [global generators]: at start-up each rank seeds torch's, Python's and numpy's global
 generators with seed + rank (``seed_host_generators``), so two clean runs draw the same numbers
 anywhere outside the stage forwards (a loss, user code), and checkpoints carry all three states
-(runtime/checkpoint.py ``capture_rng``), so a resumed run draws what the uninterrupted one would.
+(runtime/checkpoint/state.py ``capture_rng``), so a resumed run draws what the uninterrupted one would.
 Per rank, because ranks do different work: one stream shared by all would give every rank the
 same draws, which is never what data-parallel code wants.
 
@@ -146,7 +146,7 @@ class MicrobatchRandomness:
 # Gradient synchronization
 
 
-def _allreduce_flat_(tensors: list[torch.Tensor], group, *, divide_by: int,
+def allreduce_flat_(tensors: list[torch.Tensor], group, *, divide_by: int,
                      bucket_elems: int = 1 << 25) -> None:
     """Sum ``tensors`` across ``group`` in place (one all-reduce per dtype bucket), then divide."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -239,7 +239,7 @@ def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups
         for c in copies:
             c.grad.copy_(total)
     if groups.data_parallel is not None:
-        _allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program["dp"])
+        allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program["dp"])
 
 
 def sync_buffers(buffers: list[torch.Tensor], layout: Layout, rank: int, groups: Groups) -> None:
@@ -256,7 +256,7 @@ def sync_buffers(buffers: list[torch.Tensor], layout: Layout, rank: int, groups:
 # The rank's training loop
 
 
-def _keep_metrics_before(path: str, start_step: int) -> None:
+def keep_metrics_before(path: str, start_step: int) -> None:
     """Rewrite metrics.jsonl (atomically) without the lines of steps >= start_step."""
     if not os.path.exists(path):
         return
@@ -360,7 +360,7 @@ class RankTrainer:
             os.makedirs(self.run_dir, exist_ok=True)
             path = os.path.join(self.run_dir, "metrics.jsonl")
             if start_step > 0:
-                _keep_metrics_before(path, start_step)
+                keep_metrics_before(path, start_step)
             metrics = open(path, "w" if start_step == 0 else "a")
         try:
             for step in range(start_step, steps):

@@ -20,7 +20,7 @@ from runtime.checkpoint_drills import FakeTrainer, count_commit, killed_commit, 
 from runtime.errors import PlanMismatchError
 from runtime.program import load_program
 from runtime.recovery import agree_newest
-from runtime.train import _keep_metrics_before
+from runtime.train import keep_metrics_before
 
 FINGERPRINT = "mlp-8-32-32-32-4"
 
@@ -254,5 +254,5 @@ def test_resumed_metrics_keep_only_the_steps_before_the_resume(tmp_path):
         for step in range(5):
             f.write(json.dumps({"step": step, "loss": float(step)}) + "\n")
         f.write('{"step": 5, "lo')  # cut short by the kill
-    _keep_metrics_before(path, 3)
+    keep_metrics_before(path, 3)
     assert [json.loads(line)["step"] for line in open(path)] == [0, 1, 2]

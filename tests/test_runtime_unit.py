@@ -193,13 +193,13 @@ def test_bucketed_allreduce_copies_back_every_tensor(tmp_path):
     """World of one (file rendezvous): the sum is the identity, so this checks bucketing."""
     import torch.distributed as dist
 
-    from runtime.train import _allreduce_flat_
+    from runtime.train import allreduce_flat_
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         tensors = [torch.randn(5, 3), torch.randn(7), torch.arange(4.0, dtype=torch.float64), torch.randn(2, 2)]
         want = [t.clone() for t in tensors]
-        _allreduce_flat_(tensors, None, divide_by=2, bucket_elems=10)
+        allreduce_flat_(tensors, None, divide_by=2, bucket_elems=10)
         for t, w in zip(tensors, want):
             torch.testing.assert_close(t, w / 2)
     finally:

@@ -25,7 +25,7 @@ from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program import load_plan
 
 _STEP = re.compile(r"^step_(\d{9,})$")
-_RESUME_LIMIT = 64  # runtime.recovery._MAX_CANDIDATES: a resume looks at the newest 64 only
+_RESUME_LIMIT = ck.RESUME_CANDIDATES  # a resume looks at the newest ones only
 
 
 def is_step_dir(path: str | Path) -> bool:

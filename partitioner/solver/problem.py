@@ -147,7 +147,7 @@ class Tie:
         _check_nonneg("Tie", "param_bytes", self.param_bytes, integer=True)
 
 
-# runtime/train.py ``_allreduce_flat_`` concatenates gradients into buckets of up to 2**25
+# runtime/train.py ``allreduce_flat_`` concatenates gradients into buckets of up to 2**25
 # elements (one tensor larger than that is a bucket of its own): 128 MiB of fp32.
 ALLREDUCE_BUCKET_ELEMS = 1 << 25
 
