@@ -292,7 +292,7 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     import partitioner
     from partitioner.calibrate import calibrate
     from partitioner.cluster import ClusterSpec
-    from partitioner.compiler import analyze, build_problem
+    from partitioner.analysis import analyze, build_problem
     from partitioner.models import load_workload
     from partitioner.solver.check import evaluate
     from partitioner.solver.problem import Assignment, in_flight_microbatches, place_stages
@@ -392,7 +392,7 @@ def _recompute_capacity(workload, num_stages: int) -> int:
 def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None, tmp: str) -> list[dict]:
     import partitioner
     from partitioner.cluster import ClusterSpec
-    from partitioner.compiler import analyze
+    from partitioner.analysis import analyze
     from partitioner.models import load_workload
     from partitioner.solver.problem import in_flight_microbatches
     from partitioner.split import split_graph

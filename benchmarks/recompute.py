@@ -45,11 +45,11 @@ def configs():
 def predicted(plan, workload, recompute: bool):
     """(step time s, peak bytes per stage) of the plan's assignment with or without its recompute."""
     from partitioner.cluster import ClusterSpec
-    from partitioner.compiler import analyze, build_problem
+    from partitioner.analysis import analyze, build_problem
     from partitioner.solver.check import evaluate
     from partitioner.solver.problem import Assignment, place_stages
 
-    gm, _ = analyze(workload, granularity=plan._artifacts.granularity)
+    gm, _ = analyze(workload, granularity=plan.granularity)
     problem = build_problem(gm, workload.example_batch_size)
     cluster = ClusterSpec.from_dict(plan.cluster)
     regions = sorted(plan.regions, key=lambda r: r.id)
@@ -83,8 +83,8 @@ def main() -> None:
             capacity = int(0.8 * max(s.peak_memory_bytes for s in free.stages))
         cluster = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2, "memory_bytes": capacity}]})
         plan = partitioner.compile(build(), cluster=cluster, **options)
-        plain = dataclasses.replace(plan, regions=tuple(dataclasses.replace(r, recompute=False) for r in plan.regions))
-        object.__setattr__(plain, "_artifacts", plan._artifacts)
+        plain = dataclasses.replace(plan, plan=dataclasses.replace(
+            plan.plan, regions=tuple(dataclasses.replace(r, recompute=False) for r in plan.regions)))
         slug = "".join(c if c.isalnum() else "_" for c in name)
         folders = {"recompute": root / f"{slug}_r", "plain": root / f"{slug}_p"}
         plan.save(folders["recompute"])

@@ -44,7 +44,7 @@ def compile(workload, *, cluster, global_batch, **options):  # noqa: A001 - the 
 
 def analyze(workload, *, granularity: str = "block"):
     """Trace and annotate a workload: returns (GraphModule, per-region cost table)."""
-    from partitioner.compiler import analyze as _analyze
+    from partitioner.analysis import analyze as _analyze
 
     return _analyze(workload, granularity=granularity)
 

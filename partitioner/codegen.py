@@ -24,17 +24,14 @@ import shutil
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
+from partitioner.plan import Plan
 from partitioner.solver import serialize
 from partitioner.split import StageGraph
 from runtime.entry_files import entry_files
-
-if TYPE_CHECKING:  # annotations only: Plan.save() imports the compiler, which imports this
-    from partitioner.plan import Plan
 
 
 # Names FX code may use besides `torch`, and how a generated file defines them.
@@ -240,8 +237,11 @@ def _sha256(path: Path) -> str:
 
 
 def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
-                  state: dict[str, torch.Tensor] | None) -> Path:
-    """Write the folder atomically: built in a temporary sibling, renamed into place when whole."""
+                  state: dict[str, torch.Tensor] | None, problem=None, assignment=None) -> Path:
+    """Write the folder atomically: built in a temporary sibling, renamed into place when whole.
+
+    ``problem`` and ``assignment`` (the solver's, plain numbers) go into plan.json beside the plan
+    (outside its hash), so `inspect --node` prices moves exactly as the solver would."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     plan_hash = plan.content_hash()
@@ -270,10 +270,9 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         body["plan_hash"] = plan_hash
         body["program"] = program
         body["files"] = digests
-        artifacts = getattr(plan, "_artifacts", None)  # a Plan from compile() carries what the solver saw
-        if artifacts is not None and artifacts.problem is not None:
-            body["problem"] = serialize.to_dict(artifacts.problem)
-            body["assignment"] = serialize.to_dict(artifacts.assignment)
+        if problem is not None:
+            body["problem"] = serialize.to_dict(problem)
+            body["assignment"] = serialize.to_dict(assignment)
         (tmp / "plan.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         # Wall-clock figures: the one file two compiles may differ in (Note [plans are deterministic]).
         (tmp / "compile_stats.json").write_text(json.dumps(plan.timing(), indent=1, sort_keys=True) + "\n")

@@ -1,36 +1,33 @@
-"""compile(): the pipeline from a Workload to a Plan, one named step after another.
+"""compile(): the pipeline from a Workload to a plan, one named step after another.
 
 (Named compiler.py, not compile.py: a submodule called `compile` would shadow the package's
-`partitioner.compile` function as soon as anything imported it.)
+`partitioner.compile` function as soon as anything imported it.) Data flows one way:
 
-    traced   = trace the model (torch.export, symbolic_trace fallback)
-    annotate = shapes → flops → memory → regions, each checked for what it declares
+    traced   = trace the model, random ops keyed          partitioner/analysis.py
+    annotate = shapes → flops → memory → regions          partitioner/analysis.py, passes/
     profile  = (optional) measure regions here and fit the time model (partitioner/calibrate.py)
-    problem  = the region graph as plain numbers, per sample, priced by the fitted profiles if any
+    problem  = the region graph as plain numbers          partitioner/analysis.py
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
-    plan     = the frozen Plan, with the baselines beside it
+    plan     = the frozen Plan, with the baselines beside it (this module)
+    compiled = Compiled(plan, workload, problem, ...)     partitioner/compiled.py
 
-save_program (Plan.save) re-traces at the microbatch size, annotates, keys every random op
-(partitioner/randomness.py, before the split, so ops keep their unpartitioned names), splits the
-graph into stages and writes the folder (partitioner/codegen.py).
+and Compiled.save lowers it to the program folder (partitioner/lower.py: retrace at the
+microbatch size → split → program → emit).
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from partitioner import ir
+from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
 from partitioner.cluster import ClusterSpec
+from partitioner.compiled import Compiled
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
-from partitioner.solver import problem as sp
-from partitioner.trace import Traced, trace
 from partitioner.workload import Workload
 from runtime import randomness
 
@@ -48,138 +45,9 @@ def _progress(report: Callable[[str], None] | None, message: str) -> None:
         report(message)
 
 
-# Costing runs keyed random ops on fake (or, calibrating, real) tensors: they need a context,
-# and no draw's value reaches a cost.
-_COSTING_RANDOMNESS = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
-
-
-def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int):
-    """trace, then key every random op (partitioner/randomness.py): the graph the cost passes
-    price is the graph the stages run (keyed attention with dropout is explicit attention, which
-    keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
-    from partitioner.randomness import lower_randomness
-
-    traced = trace(workload.model, example_args, workload.example_kwargs)
-    return traced, lower_randomness(traced.gm, batch_size=batch_size)
-
-
-def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
-             loss_outside_graph: bool = False) -> fx.GraphModule:
-    from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
-
-    gm = traced.gm
-    with randomness.restored(_COSTING_RANDOMNESS):
-        annotate_shapes(gm)
-        annotate_flops(gm)
-        annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
-        annotate_regions(gm, granularity=granularity)
-    return gm
-
-
-def analyze(workload: Workload, *, granularity: str = "block"):
-    """Trace and annotate: the graph and its per-region cost table."""
-    from passes.regions import region_table
-
-    traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
-    gm = annotate(traced, granularity=granularity, loss_outside_graph=workload.loss_fn is not None)
-    return gm, region_table(gm)
-
-
-def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_bytes: int = 0) -> sp.PartitionProblem:
-    """The region graph as plain numbers per sample (costs are linear in the microbatch size).
-
-    ``target_bytes``: the loss target of one example batch (``target_bytes_of``).
-
-    ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
-    time model on their kind (Note [the fitted time model] in partitioner/calibrate.py)."""
-    from partitioner.calibrate import apply_profiles
-
-    from passes.regions import region_cut_edges, region_edges, region_table, region_ties
-
-    table = region_table(gm)
-    edges = region_edges(gm)
-    incoming = {r.region_id: 0 for r in table}
-    for src, dst, num_bytes in edges:
-        incoming[dst] += num_bytes
-    updating = updating_regions(gm)
-    regions = tuple(
-        sp.Region(
-            name=r.name,
-            fwd_flops_per_sample=r.fwd_flops / batch_size,
-            bwd_flops_per_sample=r.bwd_flops / batch_size,
-            param_bytes=int(r.param_bytes),
-            grad_bytes=int(r.grad_bytes),
-            optimizer_bytes=int(r.optimizer_bytes),
-            activation_bytes_per_sample=-(-(r.saved_activation_bytes + r.held_bytes) // batch_size),
-            # A recomputed region keeps only its inputs (and what the runtime holds outside
-            # autograd, the loss) and runs its forward again in backward; one that updates a buffer
-            # saves nothing by it (Note [recompute never updates twice]).
-            recompute_activation_bytes_per_sample=-(-(max(incoming[r.region_id], r.saved_activation_bytes
-                                                          if r.name in updating else 0) + r.held_bytes)
-                                                    // batch_size),
-            layer=r.layer,
-            # max over nodes of each part: at least the max of their sums, at any microbatch size
-            transient_bytes_per_sample=-(-r.bwd_transient_bytes // batch_size),
-            transient_fixed_bytes=r.bwd_param_grad_bytes,
-        )
-        for r in table
-    )
-    problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in region_cut_edges(gm))
-    # A buffer read by regions on several stages costs each holder its bytes and nothing else:
-    # no gradient, no optimizer state, no sum (Note [stages talk only to their neighbours]).
-    ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes),
-                        **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
-                 for t in region_ties(gm) if len(set(t.regions)) > 1)
-    inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
-    # The all-reduce's flat bucket (runtime/train.py allreduce_flat_): 2**25 elements, or one
-    # larger gradient alone; 4-byte elements, the largest there are (Note [memory model]).
-    largest_grad = max((ir.get(n, ir.MEMORY).grad_bytes for n in gm.graph.nodes), default=0)
-    problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,
-                                  input_bytes_per_sample=-(-inputs // batch_size),
-                                  target_bytes_per_sample=-(-target_bytes // batch_size),
-                                  allreduce_bucket_bytes=max(4 * sp.ALLREDUCE_BUCKET_ELEMS, largest_grad))
-    return apply_profiles(problem, gm, batch_size, profiles)
-
-
-def updating_regions(gm: fx.GraphModule) -> set[str]:
-    """Names of the regions holding a node that updates a buffer in place (BatchNorm's running
-    statistics).
-
-    Note [recompute never updates twice]: recomputing such a region in backward would run its
-    update a second time (running statistics counted twice per microbatch). The problem prices
-    its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
-    and save_program does not checkpoint it even if a hand-made plan asks to."""
-    from partitioner.split import mutated_buffers
-
-    updaters = {name for names in mutated_buffers(gm).values() for name in names}
-    return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}
-
-
-def target_bytes_of(workload: Workload) -> int:
-    """Bytes of the loss target of one example batch (every rank builds the global batch's)."""
-    from torch.utils._pytree import tree_flatten
-
-    if workload.loss_fn is None or workload.make_batch is None:
-        return 0
-    _args, target = workload.make_batch(0, workload.example_batch_size)
-    return sum(t.numel() * t.element_size() for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor))
-
-
 def model_fingerprint(model: torch.nn.Module) -> str:
     text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters(remove_duplicate=False))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass
-class Artifacts:
-    """What Plan.save needs besides the plan: the workload to re-trace at the microbatch size, and
-    the solver's problem and assignment, which plan.json keeps for `inspect --node`."""
-
-    workload: Workload
-    granularity: str
-    region_names: list[str] = field(default_factory=list)
-    problem: sp.PartitionProblem | None = None
-    assignment: sp.Assignment | None = None
 
 
 def compile_workload(
@@ -198,7 +66,7 @@ def compile_workload(
     profiles=(),
     calibrate=None,
     progress: Callable[[object], None] | None = None,
-) -> Plan:
+) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
     solver.solve.SolveProgress updates (str() of one is a status line)."""
@@ -214,7 +82,7 @@ def compile_workload(
     profiles = list(profiles)
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
-        with randomness.restored(_COSTING_RANDOMNESS):
+        with randomness.restored(COSTING_RANDOMNESS):
             measured = calibrate.run(workload, gm, progress=progress)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
@@ -224,9 +92,7 @@ def compile_workload(
                      schedule=schedule, config=solver_config, progress=progress)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
                      training={**DEFAULT_TRAINING, **(training or {})})
-    object.__setattr__(plan, "_artifacts", Artifacts(workload, granularity, [r.name for r in problem.regions],
-                                                     problem, solution.assignment))
-    return plan
+    return Compiled(plan, workload, granularity, problem, solution.assignment)
 
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
@@ -397,118 +263,3 @@ def solution_baselines(solution) -> dict:
     return dict(getattr(solution, "baselines", {}) or {})
 
 
-def program_spec(plan: Plan, stages, workload: Workload) -> dict:
-    """The "program" object of plan.json: everything the runtime reads (runtime/__init__.py)."""
-    def values(vs):
-        # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
-        # positions) is the same for every sample: it crosses whole, never split by batch.
-        return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype,
-                 "batch_dim": 0 if v.shape and v.shape[0] == plan.microbatch_size else None} for v in vs]
-
-    missing = [k for k in ("make_batch", "loss_fn") if k not in workload.source]
-    if missing:
-        raise ValueError(
-            f"workload {workload.name!r} does not say where generated programs find {missing}: set "
-            "Workload(source={'make_batch': ('module:function', kwargs), 'loss_fn': (...)})"
-        )
-    return {
-        "world_size": plan.world_size,
-        "num_stages": plan.num_stages,
-        "dp": plan.dp,
-        "num_microbatches": plan.num_microbatches,
-        "global_batch": plan.global_batch,
-        "schedule": plan.schedule,
-        "device": plan.device_type,
-        "backend": "gloo" if plan.device_type == "cpu" else "nccl",
-        "ranks": plan.rank_layout(),
-        "stages": [{"index": s.index, "module": f"stage_{s.index}", "class": f"Stage{s.index}",
-                    "params": list(s.params), "mutable_buffers": list(s.mutable_buffers),
-                    "inputs": values(s.inputs), "outputs": values(s.outputs)}
-                   for s in stages],
-        "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
-        "data": {"make_batch": list(workload.source["make_batch"]), "loss_fn": list(workload.source["loss_fn"])},
-        "optimizer": plan.training["optimizer"],
-        "seed": plan.training["seed"],
-        "collective_timeout_s": plan.training["collective_timeout_s"],
-        "checkpoint_every": plan.training.get("checkpoint_every", 0),
-        **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}
-           if plan.training.get("memory_tier") else {}),
-    }
-
-
-def init_recipes(model: torch.nn.Module, stages) -> dict:
-    """How each rank draws the initial value of a parameter it holds (runtime/materialize.py).
-
-    Linear layers and Embeddings follow torch's defaults; Hugging Face models their
-    `initializer_range` normal; norms start at one (weights) and zero (biases)."""
-    from runtime.materialize import fan_in_bound
-
-    std = getattr(getattr(model, "config", None), "initializer_range", None)
-    recipes = {}
-    for stage in stages:
-        for name in stage.params + stage.buffers:
-            prefix, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(prefix) if prefix else model
-            value = getattr(owner, leaf)
-            base = {"shape": list(value.shape), "dtype": str(value.dtype)}
-            kind = type(owner).__name__.lower()
-            if name in dict(model.named_buffers()):
-                raise ValueError(
-                    f"buffer {name!r} of a meta-device model cannot be materialized by the ranks: "
-                    "build the model on cpu, or register it as a constant the forward computes")
-            if "norm" in kind:
-                recipes[name] = {**base, "init": "ones" if leaf == "weight" else "zeros"}
-            elif leaf == "bias":
-                recipes[name] = ({**base, "init": "zeros"} if std is not None else
-                                 {**base, "init": "uniform", "bound": fan_in_bound(getattr(owner, "in_features", 1))})
-            elif std is not None:
-                recipes[name] = {**base, "init": "normal", "std": std}
-            elif isinstance(owner, torch.nn.Linear):
-                recipes[name] = {**base, "init": "uniform", "bound": fan_in_bound(owner.in_features)}
-            elif isinstance(owner, torch.nn.Embedding):
-                recipes[name] = {**base, "init": "normal", "std": 1.0}
-            else:
-                recipes[name] = {**base, "init": "normal", "std": 0.02}
-    return recipes
-
-
-def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
-    value = gm
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def save_program(plan: Plan, folder) -> Path:
-    from partitioner.codegen import write_program
-    from partitioner.recompute import checkpoint_regions
-    from partitioner.split import split_graph
-
-    artifacts: Artifacts = plan._artifacts  # type: ignore[attr-defined]
-    workload = artifacts.workload
-    traced, keyed_ops = trace_keyed(workload, workload.example_args_at(plan.microbatch_size),
-                                    batch_size=plan.microbatch_size)
-    gm = annotate(traced, granularity=artifacts.granularity)
-    stage_of_name = {r.name: r.stage for r in plan.regions}
-    node_stage = {}
-    for node in gm.graph.nodes:
-        name = ir.get(node, ir.REGION).name
-        if name not in stage_of_name:
-            raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
-        node_stage[node.name] = stage_of_name[name]
-    stages = split_graph(gm, node_stage, plan.num_stages)
-    # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
-    recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
-    for stage in stages:
-        stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
-    on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
-    program = program_spec(plan, stages, workload)
-    if keyed_ops:  # Note [randomness keyed by meaning] in runtime/randomness.py
-        program["randomness"] = {"keyed_ops": [op.op for op in keyed_ops]}
-    if on_meta:
-        program["init"] = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
-    # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
-    # not) and constants export lifted, under the names the stage files use.
-    state = None if on_meta else {
-        name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
-    return write_program(folder, plan=plan, stages=stages, program=program, state=state)

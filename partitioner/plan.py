@@ -196,22 +196,6 @@ class Plan:
                 entry["stages"].append(stage.index)
         return [layout[r] for r in sorted(layout)]
 
-    def summary(self) -> str:
-        from partitioner.inspect import table
-
-        return table(self)
-
-    def save(self, folder: str | Path) -> Path:
-        """Write the program folder (DESIGN section 6). Needs the model: a Plan from compile()."""
-        if getattr(self, "_artifacts", None) is None:
-            raise ValueError(
-                "this Plan was loaded without its model; save the Plan returned by partitioner.compile(), "
-                "or run `partitioner compile MODEL -o DIR`"
-            )
-        from partitioner.compiler import save_program
-
-        return save_program(self, folder)
-
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):

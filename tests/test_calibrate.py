@@ -50,7 +50,7 @@ def test_nnls_never_returns_negative_coefficients():
 
 
 def _gpt_graph():
-    from partitioner.compiler import analyze
+    from partitioner.analysis import analyze
     from partitioner.models import gpt
 
     workload = gpt(layers=2, width=32, heads=2, vocab=64, seq=16, batch=2)
@@ -60,7 +60,7 @@ def _gpt_graph():
 
 def test_profile_round_trip_changes_region_times(tmp_path):
     from partitioner.cluster import ClusterSpec
-    from partitioner.compiler import build_problem
+    from partitioner.analysis import build_problem
     from partitioner.solver.problem import region_times_s
 
     _workload, gm = _gpt_graph()

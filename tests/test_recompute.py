@@ -34,8 +34,8 @@ def compile_pair(root: Path, workload, *, memory_bytes: int, **options):
     the same plan with recompute switched off."""
     plan = partitioner.compile(workload, cluster=small_devices(memory_bytes), global_batch=8, num_stages=2,
                                microbatches=4, **options)
-    plain = dataclasses.replace(plan, regions=tuple(dataclasses.replace(r, recompute=False) for r in plan.regions))
-    object.__setattr__(plain, "_artifacts", plan._artifacts)
+    plain = dataclasses.replace(plan, plan=dataclasses.replace(
+        plan.plan, regions=tuple(dataclasses.replace(r, recompute=False) for r in plan.regions)))
     plan.save(root / "recompute")
     plain.save(root / "plain")
     return plan, root / "recompute", root / "plain"

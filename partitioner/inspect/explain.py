@@ -22,7 +22,7 @@ from partitioner.solver.check import evaluate, structural_violations
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
 
-if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+if TYPE_CHECKING:  # annotations only
     from partitioner.plan import Plan
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.inspect.table import balance, samples_per_s
 
-if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+if TYPE_CHECKING:  # annotations only
     from partitioner.plan import Plan
 
 

@@ -13,7 +13,7 @@ from partitioner.inspect.table import balance, samples_per_s
 from partitioner.inspect.timeline import svg_timeline, timeline
 from partitioner.inspect.units import escape, held, human_bytes, ms, si, stage_colour
 
-if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+if TYPE_CHECKING:  # annotations only
     from partitioner.plan import Plan
 
 

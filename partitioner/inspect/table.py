@@ -1,4 +1,4 @@
-"""The terminal table `partitioner inspect DIR` and `Plan.summary()` print: stages, predicted
+"""The terminal table `partitioner inspect DIR` and `compile(...).summary()` print: stages, predicted
 step, balance, solver, baselines, cut edges, ties and the memory tier."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.inspect.units import GIB, byte_unit, held, ms, render_columns, si
 
-if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+if TYPE_CHECKING:  # annotations only
     from partitioner.plan import Plan
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.inspect.units import escape, ms, stage_colour
 
-if TYPE_CHECKING:  # annotations only: Plan.summary() imports these views
+if TYPE_CHECKING:  # annotations only
     from partitioner.plan import Plan
 
 

@@ -1,0 +1,44 @@
+"""What compile() returns: the plan (plain data) with what writing its program needs.
+
+A ``Plan`` is frozen, hashed, JSON plain data that imports nothing above it; writing the program
+folder needs more than the plan says: the model itself (to trace again at the microbatch size and
+to take the initial weights from) and the solver's problem and assignment (kept in plan.json so
+`inspect --node` prices moves on the solver's own numbers). ``Compiled`` holds both, and reads
+through to the plan, so ``compile(...).num_stages`` and DESIGN section 11's
+``plan = compile(...); plan.summary(); plan.save(DIR)`` keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from partitioner.plan import Plan
+from partitioner.solver.problem import Assignment, PartitionProblem
+from partitioner.workload import Workload
+
+
+@dataclass(frozen=True)
+class Compiled:
+    plan: Plan
+    workload: Workload
+    granularity: str
+    problem: PartitionProblem
+    assignment: Assignment
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the program folder (DESIGN section 6): partitioner/lower.py."""
+        from partitioner.lower import write_program_folder  # traces the model: torch, loaded late
+
+        return write_program_folder(self, folder)
+
+    def summary(self) -> str:
+        from partitioner.inspect import table
+
+        return table(self.plan)
+
+    def __getattr__(self, name: str):
+        # Only for names Compiled lacks: the plan's fields and methods (num_stages, regions, ...).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.plan, name)

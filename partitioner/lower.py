@@ -1,0 +1,154 @@
+"""Lowering: a compiled plan → its program folder (DESIGN section 6), one named step after another.
+
+    retrace  = trace and annotate again at the plan's microbatch size (a traced graph's shapes are
+               static), random ops keyed before the split so they keep their unpartitioned names
+    split    = one GraphModule per stage (partitioner/split.py), recomputed regions moved under
+               activation checkpointing (partitioner/recompute.py)
+    program  = the "program" object of plan.json that the runtime reads, and init recipes for a
+               model on the meta device
+    emit     = stage files, rank files, weights, plan.json, written atomically (partitioner/codegen.py)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from partitioner import ir
+from partitioner.analysis import annotate, trace_keyed, updating_regions
+from partitioner.codegen import write_program
+from partitioner.plan import Plan
+from partitioner.recompute import checkpoint_regions
+from partitioner.split import StageGraph, split_graph
+from partitioner.workload import Workload
+
+if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
+    from partitioner.compiled import Compiled
+
+def program_spec(plan: Plan, stages, workload: Workload) -> dict:
+    """The "program" object of plan.json: everything the runtime reads (runtime/__init__.py)."""
+    def values(vs):
+        # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
+        # positions) is the same for every sample: it crosses whole, never split by batch.
+        return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype,
+                 "batch_dim": 0 if v.shape and v.shape[0] == plan.microbatch_size else None} for v in vs]
+
+    missing = [k for k in ("make_batch", "loss_fn") if k not in workload.source]
+    if missing:
+        raise ValueError(
+            f"workload {workload.name!r} does not say where generated programs find {missing}: set "
+            "Workload(source={'make_batch': ('module:function', kwargs), 'loss_fn': (...)})"
+        )
+    return {
+        "world_size": plan.world_size,
+        "num_stages": plan.num_stages,
+        "dp": plan.dp,
+        "num_microbatches": plan.num_microbatches,
+        "global_batch": plan.global_batch,
+        "schedule": plan.schedule,
+        "device": plan.device_type,
+        "backend": "gloo" if plan.device_type == "cpu" else "nccl",
+        "ranks": plan.rank_layout(),
+        "stages": [{"index": s.index, "module": f"stage_{s.index}", "class": f"Stage{s.index}",
+                    "params": list(s.params), "mutable_buffers": list(s.mutable_buffers),
+                    "inputs": values(s.inputs), "outputs": values(s.outputs)}
+                   for s in stages],
+        "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
+        "data": {"make_batch": list(workload.source["make_batch"]), "loss_fn": list(workload.source["loss_fn"])},
+        "optimizer": plan.training["optimizer"],
+        "seed": plan.training["seed"],
+        "collective_timeout_s": plan.training["collective_timeout_s"],
+        "checkpoint_every": plan.training.get("checkpoint_every", 0),
+        **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}
+           if plan.training.get("memory_tier") else {}),
+    }
+
+
+def init_recipes(model: torch.nn.Module, stages) -> dict:
+    """How each rank draws the initial value of a parameter it holds (runtime/materialize.py).
+
+    Linear layers and Embeddings follow torch's defaults; Hugging Face models their
+    `initializer_range` normal; norms start at one (weights) and zero (biases)."""
+    from runtime.materialize import fan_in_bound
+
+    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    recipes = {}
+    for stage in stages:
+        for name in stage.params + stage.buffers:
+            prefix, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(prefix) if prefix else model
+            value = getattr(owner, leaf)
+            base = {"shape": list(value.shape), "dtype": str(value.dtype)}
+            kind = type(owner).__name__.lower()
+            if name in dict(model.named_buffers()):
+                raise ValueError(
+                    f"buffer {name!r} of a meta-device model cannot be materialized by the ranks: "
+                    "build the model on cpu, or register it as a constant the forward computes")
+            if "norm" in kind:
+                recipes[name] = {**base, "init": "ones" if leaf == "weight" else "zeros"}
+            elif leaf == "bias":
+                recipes[name] = ({**base, "init": "zeros"} if std is not None else
+                                 {**base, "init": "uniform", "bound": fan_in_bound(getattr(owner, "in_features", 1))})
+            elif std is not None:
+                recipes[name] = {**base, "init": "normal", "std": std}
+            elif isinstance(owner, torch.nn.Linear):
+                recipes[name] = {**base, "init": "uniform", "bound": fan_in_bound(owner.in_features)}
+            elif isinstance(owner, torch.nn.Embedding):
+                recipes[name] = {**base, "init": "normal", "std": 1.0}
+            else:
+                recipes[name] = {**base, "init": "normal", "std": 0.02}
+    return recipes
+
+
+def _attr(gm: fx.GraphModule, dotted: str) -> torch.Tensor:
+    value = gm
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def retrace(compiled: "Compiled"):
+    """The graph at the plan's microbatch size, annotated and random ops keyed: (traced, gm, keyed ops)."""
+    plan, workload = compiled.plan, compiled.workload
+    traced, keyed_ops = trace_keyed(workload, workload.example_args_at(plan.microbatch_size),
+                                    batch_size=plan.microbatch_size)
+    return traced, annotate(traced, granularity=compiled.granularity), keyed_ops
+
+
+def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
+    """One GraphModule per stage, the plan's recomputed regions under activation checkpointing."""
+    stage_of_name = {r.name: r.stage for r in plan.regions}
+    node_stage = {}
+    for node in gm.graph.nodes:
+        name = ir.get(node, ir.REGION).name
+        if name not in stage_of_name:
+            raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
+        node_stage[node.name] = stage_of_name[name]
+    stages = split_graph(gm, node_stage, plan.num_stages)
+    # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
+    recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
+    for stage in stages:
+        stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
+    return stages
+
+
+def write_program_folder(compiled: "Compiled", folder) -> Path:
+    """retrace → split → program → emit (this module's docstring)."""
+    plan, workload = compiled.plan, compiled.workload
+    traced, gm, keyed_ops = retrace(compiled)
+    stages = split_stages(plan, gm)
+    on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
+    program = program_spec(plan, stages, workload)
+    if keyed_ops:  # Note [randomness keyed by meaning] in runtime/randomness.py
+        program["randomness"] = {"keyed_ops": [op.op for op in keyed_ops]}
+    if on_meta:
+        program["init"] = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
+    # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
+    # not) and constants export lifted, under the names the stage files use.
+    state = None if on_meta else {
+        name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
+    return write_program(folder, plan=plan, stages=stages, program=program, state=state,
+                         problem=compiled.problem, assignment=compiled.assignment)
