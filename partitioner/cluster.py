@@ -15,11 +15,21 @@ Note [device presets]
         inter-node InfiniBand HDR/NDR, one 200-400 Gb/s NIC per GPU -> 25e9;
         cpu: gloo over loopback/shared memory -> 5e9 within a host, 1.25e9 (10 GbE) across.
     Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
+
+Note [core sharing]
+    A ``cpu`` device is a process computing on its node's cores, and every rank placed on that
+    node shares them: 4 ranks on a 2-core machine each get half a core, whatever the plan says.
+    ``DeviceSpec.cores`` is that node's core count (None for an accelerator, whose compute does
+    not run on the host's cores). It defaults to ``os.cpu_count()`` of the compiling machine for
+    the ``cpu`` kind (``ClusterSpec.homogeneous(..., cores=N)`` or ``cores = N`` in a cluster
+    file's group overrides it). The time model divides by it: see ``core_sharing_factor`` in
+    partitioner/solver/problem.py.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +53,13 @@ GIB = 2**30
 class DevicePreset:
     memory_bytes: int
     flops_per_s: float
+    # Seconds a stage pays per microbatch besides its regions (Note [whole-step terms] in
+    # partitioner/solver/problem.py); measured for cpu only, 0 (not measured) for accelerators.
+    microbatch_overhead_s: float = 0.0
 
+
+# Note [device presets]; measured with benchmarks/step_time_accuracy.py (its docstring says how).
+CPU_MICROBATCH_OVERHEAD_S = 1e-3
 
 # See Note [device presets] for where each number comes from.
 DEVICE_PRESETS: Mapping[str, DevicePreset] = {
@@ -51,9 +67,15 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
     "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12),
     "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12),
     "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12),
-    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9),
+    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
+
+
+def default_cores(kind: str) -> int | None:
+    """Cores a device of ``kind`` computes on (Note [core sharing]): this machine's count for
+    ``cpu``, None (not core-bound) for an accelerator."""
+    return (os.cpu_count() or 1) if kind == "cpu" else None
 
 
 def resolve_kind(kind: str) -> str:
@@ -110,6 +132,7 @@ class DeviceSpec:
     memory_bytes: int
     flops_per_s: float
     node: int
+    cores: int | None = None  # its node's cores, shared by the ranks there (Note [core sharing])
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -128,6 +151,10 @@ class DeviceSpec:
             )
         if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
             raise ValueError(f"DeviceSpec({self.name}).node={self.node!r} must be an int >= 0")
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int)
+                                       or self.cores < 1):
+            raise ValueError(f"DeviceSpec({self.name}).cores={self.cores!r} must be an int >= 1 (the CPU cores "
+                             "of its node) or None for an accelerator")
 
     @property
     def device_class(self) -> tuple[str, int, float]:
@@ -162,15 +189,25 @@ class ClusterSpec:
         for field_name in ("intra_node_link", "inter_node_link"):
             if not isinstance(getattr(self, field_name), LinkSpec):
                 raise ValueError(f"ClusterSpec.{field_name}={getattr(self, field_name)!r} must be a LinkSpec")
+        cores_of_node: dict[int, int] = {}
+        for device in self.devices:
+            if device.cores is None:
+                continue
+            seen = cores_of_node.setdefault(device.node, device.cores)
+            if seen != device.cores:
+                raise ValueError(f"node {device.node} is given {seen} and {device.cores} cores "
+                                 f"({device.name}): give every cpu device of a node the same cores")
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def homogeneous(
-        cls, num_devices: int, kind: str = "cpu", devices_per_node: int | None = None
+        cls, num_devices: int, kind: str = "cpu", devices_per_node: int | None = None,
+        cores: int | None = None,
     ) -> "ClusterSpec":
         """``num_devices`` identical preset devices, ``devices_per_node`` to a node (default 8;
-        for ``cpu`` every device is a process on this one host)."""
+        for ``cpu`` every device is a process on this one host). ``cores``: each node's CPU cores
+        for the ``cpu`` kind (default this machine's; Note [core sharing])."""
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
         canonical = resolve_kind(kind)
@@ -179,6 +216,10 @@ class ClusterSpec:
         if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
             raise ValueError(f"devices_per_node={devices_per_node!r} must be an int >= 1")
         preset = DEVICE_PRESETS[canonical]
+        if cores is not None and canonical != "cpu":
+            raise ValueError(f"cores={cores!r} is for cpu devices (Note [core sharing]); {canonical} computes on "
+                             "its own: leave cores out")
+        node_cores = cores if cores is not None else default_cores(canonical)
         devices = tuple(
             DeviceSpec(
                 name=_default_name(canonical, i),
@@ -186,6 +227,7 @@ class ClusterSpec:
                 memory_bytes=preset.memory_bytes,
                 flops_per_s=preset.flops_per_s,
                 node=i // devices_per_node,
+                cores=node_cores,
             )
             for i in range(num_devices)
         )
@@ -208,7 +250,9 @@ class ClusterSpec:
 
         Each group: ``kind`` (a preset), ``count``, ``node`` (first node, default 0),
         optional ``devices_per_node`` (a group larger than it spills onto the next nodes),
-        ``memory_gib`` or ``memory_bytes``, ``flops_per_s``, ``names`` (one per device).
+        ``memory_gib`` or ``memory_bytes``, ``flops_per_s``, ``names`` (one per device),
+        ``cores`` (each node's CPU cores; default this machine's for ``cpu``, none for
+        accelerators; Note [core sharing]).
         Links: ``[links.intra_node]`` / ``[links.inter_node]`` with ``bandwidth_bytes_per_s``
         (or ``bandwidth_gbytes_per_s``, GB = 1e9 bytes) and ``latency_s``; either may be
         omitted and defaults to the first group's kind (``DEFAULT_LINKS``).
@@ -225,7 +269,7 @@ class ClusterSpec:
                 'e.g. [[group]] kind = "h100"; count = 8'
             )
         allowed_group_keys = {"kind", "count", "node", "devices_per_node", "memory_gib", "memory_bytes",
-                              "flops_per_s", "names"}
+                              "flops_per_s", "names", "cores"}
         devices: list[DeviceSpec] = []
         first_kind = None
         for gi, group in enumerate(groups):
@@ -269,6 +313,9 @@ class ClusterSpec:
             per_node = group.get("devices_per_node", count)
             if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
                 raise ValueError(f"group[{gi}].devices_per_node={per_node!r} must be an int >= 1")
+            cores = group.get("cores", default_cores(kind))
+            if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+                raise ValueError(f"group[{gi}].cores={cores!r} must be an int >= 1 (CPU cores of each node)")
             names = group.get("names")
             if names is not None and (not isinstance(names, list) or len(names) != count):
                 raise ValueError(f"group[{gi}].names must be a list of {count} names, got {names!r}")
@@ -281,6 +328,7 @@ class ClusterSpec:
                         memory_bytes=memory_bytes,
                         flops_per_s=flops_per_s,
                         node=node + i // per_node,
+                        cores=cores,
                     )
                 )
         links = data.get("links", {})
@@ -310,6 +358,8 @@ class ClusterSpec:
                 "memory_bytes": head.memory_bytes,
                 "flops_per_s": head.flops_per_s,
             }
+            if head.cores is not None:  # explicit: the plan records what it assumed of this machine
+                group["cores"] = head.cores
             if any(d.name != _default_name(d.kind, run_start + j) for j, d in enumerate(run)):
                 group["names"] = [d.name for d in run]
             groups.append(group)
@@ -353,7 +403,8 @@ class ClusterSpec:
 
 
 def _same_group(a: DeviceSpec, b: DeviceSpec) -> bool:
-    return a.kind == b.kind and a.node == b.node and a.memory_bytes == b.memory_bytes and a.flops_per_s == b.flops_per_s
+    return (a.kind == b.kind and a.node == b.node and a.memory_bytes == b.memory_bytes
+            and a.flops_per_s == b.flops_per_s and a.cores == b.cores)
 
 
 def _link_from_dict(data: Any, default: LinkSpec, where: str) -> LinkSpec:
