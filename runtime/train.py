@@ -12,6 +12,13 @@ consecutive microbatches). Random ops (dropout) therefore draw masks that depend
 a resume. ``train_reference`` reproduces them exactly when given the list of stage modules; given
 the unpartitioned model it seeds once per microbatch (as stage 0), which matches a model whose
 randomness all sits in stage 0 (or has none).
+
+Note [step time summary]: the plan is a promise, so every run ends (rank 0) with the line
+``predicted X s/step, measured Y s/step (measured/predicted R)``. Y is the median step time of
+the run's steps after its first (the first pays for warm-up: allocator, gloo connections), or of
+the only step; X is the program's ``predicted_step_time_s``. Both go to RUN_DIR/summary.json for
+benchmarks (benchmarks/step_time_accuracy.py). Step times never include checkpoint points
+(``after_step`` runs outside the timed region).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -203,6 +211,22 @@ def _keep_metrics_before(path: str, start_step: int) -> None:
     os.replace(tmp, path)
 
 
+def step_time_summary(run_dir: str, program: dict, times: list[float], *, start_step: int, steps: int) -> str:
+    """Write RUN_DIR/summary.json and return the run's closing line (Note [step time summary])."""
+    measured = statistics.median(times[1:] if len(times) > 1 else times)
+    predicted = program.get("predicted_step_time_s")
+    ratio = measured / predicted if predicted else None
+    summary = {"first_step": start_step, "steps": steps, "timed_steps": max(len(times) - 1, 1),
+               "measured_step_time_s": measured, "predicted_step_time_s": predicted, "step_time_ratio": ratio}
+    path = os.path.join(run_dir, "summary.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    if predicted is None:
+        return f"predicted - s/step (the plan has none), measured {measured:.4g} s/step"
+    return f"predicted {predicted:.4g} s/step, measured {measured:.4g} s/step (measured/predicted {ratio:.2f})"
+
+
 class RankTrainer:
     """Everything one rank needs to train: built once, then ``run`` steps."""
 
@@ -318,6 +342,7 @@ class RankTrainer:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{mean:.3f} s/step, {program['global_batch'] / mean:.1f} samples/s", flush=True)
+            print(step_time_summary(self.run_dir, program, times, start_step=start_step, steps=steps), flush=True)
         return losses
 
     # --- state, keyed by original parameter names ---------------------------------------------
