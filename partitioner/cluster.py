@@ -61,8 +61,10 @@ class DevicePreset:
 
 
 # Note [whole-step terms] in partitioner/solver/problem.py. Measured with
-# benchmarks/step_time_accuracy.py (its "implied per-microbatch stage overhead"): 0.8 ms (1 stage)
-# and 0.9 ms (2 stages) per microbatch on the quiet runs of the demo's GPT, 2 cores, one thread.
+# benchmarks/step_time_accuracy.py (its "implied per-microbatch stage overhead", 2 shared cores, one
+# thread per rank): 0.8 ms (1 stage) and 0.9 ms (2 stages) on the demo's GPT in its quietest runs;
+# 1.0 to 3.9 ms, median 2.1 ms, over nine plans of a 4-round run at load average 2 to 4. The
+# quieter figure is kept: the prediction is for a machine whose cores the job has to itself.
 CPU_MICROBATCH_OVERHEAD_S = 1e-3
 
 # See Note [device presets] for where each number comes from.
