@@ -12,6 +12,7 @@ benchmarks/results/:
     solver_time.png        solver time vs number of regions, one line per stage count
     plan_quality.png       predicted step time of our plan vs the uniform and parameter-balanced splits
     cost_model.png         predicted vs measured stage time, datasheet and calibrated models
+                           (step_time_accuracy: the whole step, in the summary's table)
 
 and the README's "## Results" section is replaced by the summary (every figure in it is this
 run's output). `--only NAME ...` runs a subset (the README is then left alone).
@@ -42,6 +43,7 @@ BENCHMARKS = [
     ("trace_large", ["benchmarks/trace_large.py"], 180),
     ("compile_large", ["benchmarks/compile_large.py"], 240),
     ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 720),
+    ("step_time_accuracy", ["benchmarks/step_time_accuracy.py", "--json", "{tmp}/step_time.json"], 900),
     ("runtime_overhead", ["benchmarks/runtime_overhead.py"], 600),
     ("checkpoint_overhead", ["benchmarks/checkpoint_overhead.py"], 300),
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
@@ -67,7 +69,10 @@ def run_one(name: str, args: list[str], timeout_s: int, tmp: str) -> dict:
         stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
     seconds = time.perf_counter() - started
     print(f"[bench] {name}: {status} in {seconds:.0f} s", flush=True)
-    return {"name": name, "command": " ".join([".venv/bin/python", *args]).replace(" --json {tmp}/cost_model.json", ""),
+    command_text = " ".join([".venv/bin/python", *args])
+    for suffix in (" --json {tmp}/cost_model.json", " --json {tmp}/step_time.json"):
+        command_text = command_text.replace(suffix, "")
+    return {"name": name, "command": command_text,
             "status": status, "returncode": code, "seconds": seconds, "stdout": stdout, "stderr": stderr[-4000:]}
 
 
@@ -219,6 +224,21 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
                       "the memory-binding cases: recompute under a tight capacity, a 16384-token vocabulary): "
                       f"min {mem['min_ratio']:.3f}, median {mem['median_ratio']:.3f}, max {mem['max_ratio']:.3f} "
                       "(targets: min >= 0.97, median <= 1.10; DESIGN section 12: never under-predict)."]
+    step = results.get("step_time")
+    if step:
+        lines += ["", "**Whole step, predicted vs measured** (the number the solver minimises; plans trained under "
+                  "torchrun, median step time, fastest of the rounds; both models include core sharing and the "
+                  "per-microbatch stage overhead; `benchmarks/step_time_accuracy.py` states the methods):", "",
+                  "| plan | ranks | microbatches x size | core-sharing factor | measured ms | datasheet ms | error "
+                  "| calibrated ms | error |", "|---|---|---|---|---|---|---|---|---|"]
+        for e in step["plans"]:
+            lines.append(f"| {e['name']} | {e['world']} | {e['microbatches']} x {e['microbatch_size']} | "
+                         f"{e['core_sharing']:.2f} | {e['measured_s'] * 1e3:.1f} | "
+                         f"{e['predicted_s']['datasheet'] * 1e3:.1f} | {e['error']['datasheet']:.1%} | "
+                         f"{e['predicted_s']['calibrated'] * 1e3:.1f} | {e['error']['calibrated']:.1%} |")
+        summ = step["summary"]
+        lines.append(f"| median error | | | | | | {summ['datasheet']['median']:.1%} | | "
+                     f"{summ['calibrated']['median']:.1%} |")
     scaling = results.get("solver_scaling_table")
     if scaling:
         lines += ["", "**Solver scaling** (GPT-like, width 4096, 16 H100, 32 microbatches, 1F1B):", "",
@@ -300,6 +320,8 @@ def main() -> int:
                 results["partition_quality_table"] = parse_partition_quality(record["stdout"])
             elif name == "cost_model_accuracy" and Path(tmp, "cost_model.json").is_file():
                 results["cost_model"] = json.loads(Path(tmp, "cost_model.json").read_text())
+            elif name == "step_time_accuracy" and Path(tmp, "step_time.json").is_file():
+                results["step_time"] = json.loads(Path(tmp, "step_time.json").read_text())
     results["meta"] = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
                        "machine": platform.machine(), "python": platform.python_version(),
                        "load_before": load_before, "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),

@@ -32,10 +32,10 @@ Note [measuring a region]
     generated programs get (one, ``OMP_NUM_THREADS=1`` from ``partitioner run``) unless told.
 
 Note [per sample]
-    Region times are given to the problem per sample (``fwd_s_per_sample_by_kind``) as the
-    predicted time at the traced example batch divided by that batch; the per-op term does not
-    really shrink with a larger microbatch, so predictions are best at microbatch sizes near the
-    example batch.
+    Region times are given to the problem in two parts: the per-op term, which a microbatch pays
+    whatever its size (``fwd_s_per_microbatch_by_kind``), and the rest (FLOPs and bytes, which
+    grow with the batch) divided by the traced example batch (``fwd_s_per_sample_by_kind``). So a
+    plan with microbatches of 1 pays the per-op overhead once per microbatch, not 1/b of it.
 """
 
 from __future__ import annotations
@@ -199,15 +199,24 @@ class DeviceProfile:
     backward: DirectionFit
     meta: dict = field(default_factory=dict, compare=False)  # where/how it was measured, fit quality
     measurements: tuple = field(default=(), compare=False)
+    # A stage's fixed seconds per microbatch besides its regions, when measured (Note [whole-step
+    # terms] in partitioner/solver/problem.py); None: the device kind's preset.
+    microbatch_overhead_s: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
+
+    def fixed_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
+        """The per-op part of ``region_seconds``: paid once per microbatch (Note [per sample])."""
+        return fwd.num_ops * self.forward.op_overhead_s, bwd.num_ops * self.backward.op_overhead_s
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "kind": self.kind,
                 "forward": asdict(self.forward), "backward": asdict(self.backward),
                 "rates": {"forward": self.forward.rates(), "backward": self.backward.rates()},
-                "meta": self.meta, "measurements": list(self.measurements)}
+                "meta": self.meta, "measurements": list(self.measurements),
+                **({"microbatch_overhead_s": self.microbatch_overhead_s}
+                   if self.microbatch_overhead_s is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict, *, where: str = "profile") -> "DeviceProfile":
@@ -217,7 +226,8 @@ class DeviceProfile:
         try:
             return cls(kind=str(data["kind"]), forward=DirectionFit(**data["forward"]),
                        backward=DirectionFit(**data["backward"]), meta=dict(data.get("meta", {})),
-                       measurements=tuple(data.get("measurements", ())))
+                       measurements=tuple(data.get("measurements", ())),
+                       microbatch_overhead_s=data.get("microbatch_overhead_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from None
 
@@ -254,12 +264,20 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     for region, (fwd, bwd) in zip(problem.regions, features):
         fwd_by_kind = dict(region.fwd_s_per_sample_by_kind or {})
         bwd_by_kind = dict(region.bwd_s_per_sample_by_kind or {})
+        fwd_fixed = dict(region.fwd_s_per_microbatch_by_kind or {})
+        bwd_fixed = dict(region.bwd_s_per_microbatch_by_kind or {})
         for profile in profiles:
             f_s, b_s = profile.region_seconds(fwd, bwd)
-            fwd_by_kind[profile.kind] = f_s / batch_size
-            bwd_by_kind[profile.kind] = b_s / batch_size
-        regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind))
-    return replace(problem, regions=tuple(regions))
+            fwd_fixed[profile.kind], bwd_fixed[profile.kind] = profile.fixed_seconds(fwd, bwd)
+            fwd_by_kind[profile.kind] = (f_s - fwd_fixed[profile.kind]) / batch_size
+            bwd_by_kind[profile.kind] = (b_s - bwd_fixed[profile.kind]) / batch_size
+        regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
+                               fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed))
+    overhead = dict(problem.microbatch_overhead_s_by_kind or {})
+    for profile in profiles:
+        if profile.microbatch_overhead_s is not None:
+            overhead[profile.kind] = profile.microbatch_overhead_s
+    return replace(problem, regions=tuple(regions), microbatch_overhead_s_by_kind=overhead or None)
 
 
 # ---- the fit -------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ Note [device presets]
     Links (``DEFAULT_LINKS``) are achievable point-to-point rates, about 2/3 of the nominal one:
         NVLink3 (A100) 300 GB/s/direction -> 200e9;  NVLink4 (H100/H200) 450 -> 300e9;
         inter-node InfiniBand HDR/NDR, one 200-400 Gb/s NIC per GPU -> 25e9;
-        cpu: gloo over loopback/shared memory -> 5e9 within a host, 1.25e9 (10 GbE) across.
+        cpu: gloo over loopback -> 1e9 and 50 us within a host (measured: a 2-rank gloo all_reduce
+        of 4.2 MB takes 5.7 ms, of 16.8 MB 14 ms, of 4 bytes 0.15 ms, one thread per rank, on
+        this 2-core machine), 1.25e9 (10 GbE) across.
     Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
 
 Note [usable memory]
@@ -29,11 +31,21 @@ Note [usable memory]
     Override per group in the cluster file with ``usable_memory_fraction`` and
     ``memory_reserve_gib`` (or ``memory_reserve_bytes``). A DeviceSpec built by hand defaults to
     fraction 1.0 and no reserve, so its ``memory_bytes`` is what the solver may use.
+
+Note [core sharing]
+    A ``cpu`` device is a process computing on its node's cores, and every rank placed on that
+    node shares them: 4 ranks on a 2-core machine each get half a core, whatever the plan says.
+    ``DeviceSpec.cores`` is that node's core count (None for an accelerator, whose compute does
+    not run on the host's cores). It defaults to ``os.cpu_count()`` of the compiling machine for
+    the ``cpu`` kind (``ClusterSpec.homogeneous(..., cores=N)`` or ``cores = N`` in a cluster
+    file's group overrides it). The time model divides by it: see ``core_sharing_factor`` in
+    partitioner/solver/problem.py.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +71,17 @@ class DevicePreset:
     flops_per_s: float
     usable_memory_fraction: float = 1.0   # Note [usable memory]
     memory_reserve_bytes: int = 0
+    # Seconds a stage pays per microbatch besides its regions (Note [whole-step terms] in
+    # partitioner/solver/problem.py); measured for cpu only, 0 (not measured) for accelerators.
+    microbatch_overhead_s: float = 0.0
 
+
+# Note [whole-step terms] in partitioner/solver/problem.py. Measured with
+# benchmarks/step_time_accuracy.py (its "implied per-microbatch stage overhead", 2 shared cores, one
+# thread per rank): 0.8 ms (1 stage) and 0.9 ms (2 stages) on the demo's GPT in its quietest runs;
+# 1.0 to 3.9 ms, median 2.1 ms, over nine plans of a 4-round run at load average 2 to 4. The
+# quieter figure is kept: the prediction is for a machine whose cores the job has to itself.
+CPU_MICROBATCH_OVERHEAD_S = 1e-3
 
 # See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
 _GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}
@@ -68,9 +90,15 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
     "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12, **_GPU_MEMORY_HEADROOM),
     "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
-    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9),
+    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
+
+
+def default_cores(kind: str) -> int | None:
+    """Cores a device of ``kind`` computes on (Note [core sharing]): this machine's count for
+    ``cpu``, None (not core-bound) for an accelerator."""
+    return (os.cpu_count() or 1) if kind == "cpu" else None
 
 
 def resolve_kind(kind: str) -> str:
@@ -114,7 +142,7 @@ DEFAULT_LINKS: Mapping[str, tuple[LinkSpec, LinkSpec]] = {
     "a100-80gb": (LinkSpec(200e9, 5e-6), LinkSpec(25e9, 10e-6)),
     "h100": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
     "h200": (LinkSpec(300e9, 5e-6), LinkSpec(25e9, 10e-6)),
-    "cpu": (LinkSpec(5e9, 20e-6), LinkSpec(1.25e9, 50e-6)),
+    "cpu": (LinkSpec(1e9, 50e-6), LinkSpec(1.25e9, 50e-6)),
 }
 
 
@@ -129,6 +157,7 @@ class DeviceSpec:
     node: int
     usable_memory_fraction: float = 1.0  # Note [usable memory]
     memory_reserve_bytes: int = 0
+    cores: int | None = None  # its node's cores, shared by the ranks there (Note [core sharing])
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -159,6 +188,10 @@ class DeviceSpec:
             raise ValueError(
                 f"DeviceSpec({self.name}): memory_reserve_bytes={reserve} leaves nothing of "
                 f"{self.memory_bytes} * {fraction} usable bytes: lower the reserve or raise the memory")
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int)
+                                       or self.cores < 1):
+            raise ValueError(f"DeviceSpec({self.name}).cores={self.cores!r} must be an int >= 1 (the CPU cores "
+                             "of its node) or None for an accelerator")
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -199,15 +232,25 @@ class ClusterSpec:
         for field_name in ("intra_node_link", "inter_node_link"):
             if not isinstance(getattr(self, field_name), LinkSpec):
                 raise ValueError(f"ClusterSpec.{field_name}={getattr(self, field_name)!r} must be a LinkSpec")
+        cores_of_node: dict[int, int] = {}
+        for device in self.devices:
+            if device.cores is None:
+                continue
+            seen = cores_of_node.setdefault(device.node, device.cores)
+            if seen != device.cores:
+                raise ValueError(f"node {device.node} is given {seen} and {device.cores} cores "
+                                 f"({device.name}): give every cpu device of a node the same cores")
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def homogeneous(
-        cls, num_devices: int, kind: str = "cpu", devices_per_node: int | None = None
+        cls, num_devices: int, kind: str = "cpu", devices_per_node: int | None = None,
+        cores: int | None = None,
     ) -> "ClusterSpec":
         """``num_devices`` identical preset devices, ``devices_per_node`` to a node (default 8;
-        for ``cpu`` every device is a process on this one host)."""
+        for ``cpu`` every device is a process on this one host). ``cores``: each node's CPU cores
+        for the ``cpu`` kind (default this machine's; Note [core sharing])."""
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
         canonical = resolve_kind(kind)
@@ -216,6 +259,10 @@ class ClusterSpec:
         if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
             raise ValueError(f"devices_per_node={devices_per_node!r} must be an int >= 1")
         preset = DEVICE_PRESETS[canonical]
+        if cores is not None and canonical != "cpu":
+            raise ValueError(f"cores={cores!r} is for cpu devices (Note [core sharing]); {canonical} computes on "
+                             "its own: leave cores out")
+        node_cores = cores if cores is not None else default_cores(canonical)
         devices = tuple(
             DeviceSpec(
                 name=_default_name(canonical, i),
@@ -225,6 +272,7 @@ class ClusterSpec:
                 node=i // devices_per_node,
                 usable_memory_fraction=preset.usable_memory_fraction,
                 memory_reserve_bytes=preset.memory_reserve_bytes,
+                cores=node_cores,
             )
             for i in range(num_devices)
         )
@@ -250,6 +298,8 @@ class ClusterSpec:
         ``memory_gib`` or ``memory_bytes``, ``flops_per_s``, ``names`` (one per device),
         ``usable_memory_fraction`` and ``memory_reserve_gib`` or ``memory_reserve_bytes``
         (Note [usable memory]; default: the kind's preset, else 1.0 and 0).
+        ``cores`` (each node's CPU cores; default this machine's for ``cpu``, none for
+        accelerators; Note [core sharing]).
         Links: ``[links.intra_node]`` / ``[links.inter_node]`` with ``bandwidth_bytes_per_s``
         (or ``bandwidth_gbytes_per_s``, GB = 1e9 bytes) and ``latency_s``; either may be
         omitted and defaults to the first group's kind (``DEFAULT_LINKS``).
@@ -266,7 +316,7 @@ class ClusterSpec:
                 'e.g. [[group]] kind = "h100"; count = 8'
             )
         allowed_group_keys = {"kind", "count", "node", "devices_per_node", "memory_gib", "memory_bytes",
-                              "flops_per_s", "names", *_HEADROOM_KEYS}
+                              "flops_per_s", "names", "cores", *_HEADROOM_KEYS}
         devices: list[DeviceSpec] = []
         first_kind = None
         for gi, group in enumerate(groups):
@@ -311,6 +361,9 @@ class ClusterSpec:
             per_node = group.get("devices_per_node", count)
             if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
                 raise ValueError(f"group[{gi}].devices_per_node={per_node!r} must be an int >= 1")
+            cores = group.get("cores", default_cores(kind))
+            if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+                raise ValueError(f"group[{gi}].cores={cores!r} must be an int >= 1 (CPU cores of each node)")
             names = group.get("names")
             if names is not None and (not isinstance(names, list) or len(names) != count):
                 raise ValueError(f"group[{gi}].names must be a list of {count} names, got {names!r}")
@@ -325,6 +378,7 @@ class ClusterSpec:
                         node=node + i // per_node,
                         usable_memory_fraction=fraction,
                         memory_reserve_bytes=reserve,
+                        cores=cores,
                     )
                 )
         links = data.get("links", {})
@@ -356,6 +410,8 @@ class ClusterSpec:
                 "usable_memory_fraction": head.usable_memory_fraction,
                 "memory_reserve_bytes": head.memory_reserve_bytes,
             }
+            if head.cores is not None:  # explicit: the plan records what it assumed of this machine
+                group["cores"] = head.cores
             if any(d.name != _default_name(d.kind, run_start + j) for j, d in enumerate(run)):
                 group["names"] = [d.name for d in run]
             groups.append(group)
@@ -400,8 +456,10 @@ class ClusterSpec:
 
 def _same_group(a: DeviceSpec, b: DeviceSpec) -> bool:
     return (a.kind == b.kind and a.node == b.node and a.memory_bytes == b.memory_bytes
-            and a.flops_per_s == b.flops_per_s and a.usable_memory_fraction == b.usable_memory_fraction
+            and a.flops_per_s == b.flops_per_s and a.cores == b.cores
+            and a.usable_memory_fraction == b.usable_memory_fraction
             and a.memory_reserve_bytes == b.memory_reserve_bytes)
+
 
 
 _HEADROOM_KEYS = ("usable_memory_fraction", "memory_reserve_gib", "memory_reserve_bytes")

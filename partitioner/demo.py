@@ -39,8 +39,9 @@ def main() -> int:
     folder = OUT / "demo"
     if folder.exists():
         shutil.rmtree(folder)
-    banner(f"compile the built-in GPT ({MODEL}) for 4 CPU ranks")
-    # Two stages so the demo shows a pipeline; the solver picks data parallelism and microbatches.
+    banner(f"compile the built-in GPT ({MODEL}) for 4 CPU devices")
+    # Two stages so the demo shows a pipeline; the solver picks data parallelism and microbatches,
+    # and on a machine with fewer cores than 4 ranks it may use fewer (Note [core sharing]).
     cli("compile", MODEL, "-o", str(folder), "--devices", "4", "--stages", "2", "--global-batch", "16",
         "--checkpoint-every", "5", "-q")
     banner("inspect the plan")

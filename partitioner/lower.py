@@ -62,6 +62,8 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
         "seed": plan.training["seed"],
         "collective_timeout_s": plan.training["collective_timeout_s"],
         "checkpoint_every": plan.training.get("checkpoint_every", 0),
+        # Every run ends by printing what it measured next to this (runtime/train.py, RankTrainer.run).
+        "predicted_step_time_s": float(plan.predicted["step_time_s"]),
         **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}
            if plan.training.get("memory_tier") else {}),
     }

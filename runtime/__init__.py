@@ -93,6 +93,8 @@ The "program" object (JSON)::
                         (present only when there are any; verify then picks the keyed oracle)
     steps               optional: steps to train (default optimizer.total_steps)
     checkpoint_every    optional: checkpoint every K steps (0/absent: see mtbf_s, else only the last)
+    predicted_step_time_s  optional: the plan's predicted seconds per step, printed beside the
+                        measured median at the end of a run (Note [step time summary] in train.py)
     plan.json's top-level "model_fingerprint", "workload" and training "mtbf_s" are copied into
     the program object by ``load_program`` (checkpoints record and check them)
 
@@ -102,6 +104,9 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
                         (exact fp32 value: mean over microbatches and replicas), "step_time_s",
                         "samples_per_s", "lr" (the lr the step used), "time_unix"}; a resumed run
                         keeps the lines of the steps before its resume step and rewrites the rest
+    summary.json        rank 0, rewritten at the end of every run: steps, "measured_step_time_s" (median
+                        of the run's steps after the first), "predicted_step_time_s" (the plan's, or
+                        null), "step_time_ratio" (measured / predicted) (Note [step time summary])
     final/rank_<r>.safetensors         rank r's parameters, original names
     final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"
     final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state

@@ -37,6 +37,13 @@ dtype (the integer counter included), keeps the replicas bit-identical (so check
 replica's microbatches. Averaging would mix in the other replicas' statistics, but matches neither
 the one-process run (a running average over all microbatches in order) nor any integer counter.
 The cost is one broadcast of the buffer bytes per step, per stage.
+
+Note [step time summary]: the plan is a promise, so every run ends (rank 0) with the line
+``predicted X s/step, measured Y s/step (measured/predicted R)``. Y is the median step time of
+the run's steps after its first (the first pays for warm-up: allocator, gloo connections), or of
+the only step; X is the program's ``predicted_step_time_s``. Both go to RUN_DIR/summary.json for
+benchmarks (benchmarks/step_time_accuracy.py). Step times never include checkpoint points
+(``after_step`` runs outside the timed region).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -274,6 +282,22 @@ def keep_metrics_before(path: str, start_step: int) -> None:
     os.replace(tmp, path)
 
 
+def step_time_summary(run_dir: str, program: dict, times: list[float], *, start_step: int, steps: int) -> str:
+    """Write RUN_DIR/summary.json and return the run's closing line (Note [step time summary])."""
+    measured = statistics.median(times[1:] if len(times) > 1 else times)
+    predicted = program.get("predicted_step_time_s")
+    ratio = measured / predicted if predicted else None
+    summary = {"first_step": start_step, "steps": steps, "timed_steps": max(len(times) - 1, 1),
+               "measured_step_time_s": measured, "predicted_step_time_s": predicted, "step_time_ratio": ratio}
+    path = os.path.join(run_dir, "summary.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    if predicted is None:
+        return f"predicted - s/step (the plan has none), measured {measured:.4g} s/step"
+    return f"predicted {predicted:.4g} s/step, measured {measured:.4g} s/step (measured/predicted {ratio:.2f})"
+
+
 class RankTrainer:
     """Everything one rank needs to train: built once, then ``run`` steps."""
 
@@ -390,6 +414,7 @@ class RankTrainer:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{mean:.3f} s/step, {program['global_batch'] / mean:.1f} samples/s", flush=True)
+            print(step_time_summary(self.run_dir, program, times, start_step=start_step, steps=steps), flush=True)
         return losses
 
     # --- state, keyed by original parameter names ---------------------------------------------

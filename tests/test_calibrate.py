@@ -75,7 +75,11 @@ def test_profile_round_trip_changes_region_times(tmp_path):
     device = ClusterSpec.homogeneous(1, "cpu").devices[0]
     features = cal.region_features(gm)
     for region_plain, region, (fwd, bwd) in zip(plain.regions, priced.regions, features):
-        assert region.fwd_s_per_sample_by_kind["cpu"] == pytest.approx(profile.forward.seconds(fwd) / 2)
+        # The per-op part is paid once per microbatch, the rest per sample (Note [per sample]).
+        fixed = fwd.num_ops * profile.forward.op_overhead_s
+        assert region.fwd_s_per_microbatch_by_kind["cpu"] == pytest.approx(fixed)
+        assert region.fwd_s_per_sample_by_kind["cpu"] == pytest.approx((profile.forward.seconds(fwd) - fixed) / 2)
+        assert region_times_s(region, device, 1)[0] == pytest.approx(fixed + (profile.forward.seconds(fwd) - fixed) / 2)
         assert region_times_s(region, device, 2) == pytest.approx(profile.region_seconds(fwd, bwd))
         assert region_times_s(region, device, 2) != region_times_s(region_plain, device, 2)
     # Another kind is untouched: the datasheet model still prices it.

@@ -72,7 +72,7 @@ def hand_plan() -> Plan:
                    "samples_per_s": 8 / 1.185e-3},
         solver={"status": "FEASIBLE", "objective": 11850.0, "bound": 11000.0, "gap": 0.0717, "solve_time_s": 1.25},
         baselines={"param_balanced": {"step_time_s": 1.5e-3}, "uniform": {"step_time_s": 1.3e-3}},
-        cluster=ClusterSpec.homogeneous(3, "cpu").to_dict(),
+        cluster=ClusterSpec.homogeneous(3, "cpu", cores=2).to_dict(),  # pinned: the default is this machine's
     )
 
 

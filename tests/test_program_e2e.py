@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -76,14 +77,16 @@ def compile_to(folder: Path, workload, *, devices, global_batch=8, **options):
     return plan
 
 
-def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> None:
-    """Train every folder in one torchrun of `world_size` workers (one import of torch each)."""
+def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> str:
+    """Train every folder in one torchrun of `world_size` workers (one import of torch each);
+    returns their output."""
     for folder in folders:
         assert json.loads((folder / "plan.json").read_text())["program"]["world_size"] == world_size
     jobs = [arg for folder in folders for arg in ("--", str(folder), "--steps", str(steps))]
     command = torchrun_command(RUN_MANY, world_size, args=jobs[1:])
     done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
 
 
 def assert_matches_oracle(folder: Path, workload, steps: int = STEPS):
@@ -119,11 +122,26 @@ def folders(tmp_path_factory):
         "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
                                   microbatches=4, granularity="node"),
     }
-    run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage", root / "hf_bert_2stage",
-                    root / "moe_2stage"])
-    run_folders(4, [root / "gpt_2x2"])
-    run_folders(3, [root / "skip_3stage"])
+    stdout = run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage",
+                             root / "hf_bert_2stage", root / "moe_2stage"])
+    stdout += run_folders(4, [root / "gpt_2x2"])
+    stdout += run_folders(3, [root / "skip_3stage"])
+    made["stdout"] = stdout
     return root, made
+
+
+def test_every_run_ends_with_predicted_and_measured_step_time(folders):
+    """Note [step time summary] in runtime/train.py: the plan's figure reaches the program and the
+    run prints and records it beside the median it measured (values never asserted: wall clock)."""
+    root, made = folders
+    for name in ("gpt_2stage", "gpt_2x2"):
+        predicted = made[name].predicted["step_time_s"]
+        summary = json.loads((root / name / "run" / "summary.json").read_text())
+        times = [json.loads(line)["step_time_s"] for line in (root / name / "run" / "metrics.jsonl").open()]
+        assert summary["predicted_step_time_s"] == predicted > 0
+        assert summary["measured_step_time_s"] == pytest.approx(statistics.median(times[1:]))
+        assert f"predicted {predicted:.4g} s/step, measured {summary['measured_step_time_s']:.4g} s/step" \
+            in made["stdout"]
 
 
 def test_two_stage_gpt_trains_like_one_process(folders):

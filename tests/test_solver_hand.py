@@ -2,7 +2,7 @@
 
 import pytest
 
-from partitioner.cluster import GIB, ClusterSpec
+from partitioner.cluster import CPU_MICROBATCH_OVERHEAD_S, GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver import (
     Edge,
@@ -42,9 +42,10 @@ def test_four_equal_regions_on_two_stages_split_two_and_two():
     sol = solve(problem, cluster, 8, num_stages=2, dp=1, microbatches=4, config=FAST)
     assert sol.stage_of_region == (0, 0, 1, 1)
     assert sol.status == "OPTIMAL" and sol.objective == sol.bound
-    # b = 2 samples: each region (1 + 2) GFLOP * 2 / 50 GFLOP/s = 0.12 s; one send of 200 B each way.
+    # b = 2 samples: each region (1 + 2) GFLOP * 2 / 50 GFLOP/s = 0.12 s; one send of 200 B each
+    # way; the stage's fixed cost per microbatch (Note [whole-step terms]).
     link = cluster.intra_node_link
-    stage_s = 0.24 + link.latency_s + 200 / link.bandwidth_bytes_per_s
+    stage_s = 0.24 + link.latency_s + 200 / link.bandwidth_bytes_per_s + CPU_MICROBATCH_OVERHEAD_S
     assert sol.step_time_s == pytest.approx((4 - 1) * stage_s + 2 * stage_s)
     assert sol.lower_bound_step_time_s == pytest.approx((4 + 2 - 1) * 0.48 / 2)
     assert sol.bubble_fraction == pytest.approx(1 / 5, rel=1e-3)

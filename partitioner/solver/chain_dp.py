@@ -22,7 +22,14 @@ import numpy as np
 
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.check import evaluate, plan_links
-from partitioner.solver.problem import Assignment, PartitionProblem, in_flight_microbatches, region_times_s
+from partitioner.solver.problem import (
+    Assignment,
+    PartitionProblem,
+    core_sharing_factor,
+    in_flight_microbatches,
+    microbatch_overhead_s,
+    region_times_s,
+)
 
 __all__ = ["ChainDPResult", "solve_chain_dp", "chain_lower_bound_s", "has_chain_backbone"]
 
@@ -43,11 +50,12 @@ def _cut_bytes(problem: PartitionProblem) -> np.ndarray:
     return cut_at
 
 
-def _segment_comm(problem, boundary, cut_at, s, p, b):
-    """Send/receive seconds of stage s holding regions i..j-1, [i, j]: it receives over boundary
-    s-1 at its start and sends over boundary s at its end (Note [cost model] in check.py)."""
+def _segment_comm(problem, boundary, cut_at, s, p, b, device):
+    """Send/receive seconds of stage s holding regions i..j-1, plus the stage's per-microbatch
+    overhead (Note [whole-step terms] in problem.py), [i, j]: it receives over boundary s-1 at its
+    start and sends over boundary s at its end (Note [cost model] in check.py)."""
     n = problem.num_regions
-    comm = np.zeros((n + 1, n + 1))
+    comm = np.full((n + 1, n + 1), microbatch_overhead_s(problem, device))
     if s > 0:
         comm += (boundary[s - 1].latency_s + b * cut_at / boundary[s - 1].bandwidth_bytes_per_s)[:, None]
     if s < p - 1:
@@ -90,6 +98,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
     """time[s][i, j] and fits[s][i, j] for stage s holding regions i..j-1 (inf / False when i >= j)."""
     n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
     boundary, _, _ = plan_links(cluster, placement)
+    scale = core_sharing_factor(cluster, placement)
     cut_at = _cut_bytes(problem)
     saved = np.concatenate([[0.0], np.cumsum([
         r.recompute_activation_bytes_per_sample if rc else r.activation_bytes_per_sample
@@ -106,7 +115,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
             per_region.append(fwd + bwd + (fwd if rc else 0.0))
         compute = np.concatenate([[0.0], np.cumsum(per_region)])
         t = compute[None, :] - compute[:, None]
-        comm = _segment_comm(problem, boundary, cut_at, s, p, b)
+        comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         t += comm
         held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
                                              schedule=schedule, cut_at=cut_at, saved_prefix=saved,
@@ -116,7 +125,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
             ok[1:, :] = False  # the first stage starts at region 0
         if s == p - 1:
             ok[:, :n] = False  # the last stage ends at region n
-        times.append(np.where(ok, t, np.inf))
+        times.append(np.where(ok, scale * t, np.inf))  # Note [whole-step terms]
         fits.append(ok)
     return times
 
@@ -138,6 +147,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
     regions of group g recomputed."""
     n, p, b, m = problem.num_regions, len(placement), microbatch_size, num_microbatches
     boundary, _, _ = plan_links(cluster, placement)
+    scale = core_sharing_factor(cluster, placement)
     cut_at = _cut_bytes(problem)
     act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
     transient = _range_max([r.transient_bytes(b, False) for r in problem.regions])
@@ -147,7 +157,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
         device = cluster.devices[placement[s][0]]
         capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
         compute = np.concatenate([[0.0], np.cumsum([sum(region_times_s(r, device, b)) for r in problem.regions])])
-        comm = _segment_comm(problem, boundary, cut_at, s, p, b)
+        comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         k = in_flight_microbatches(schedule, s, p, m)
         held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
                                              schedule=schedule, cut_at=cut_at, saved_prefix=act,
@@ -184,7 +194,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
             ok[1:, :] = False
         if s == p - 1:
             ok[:, :n] = False
-        times.append(np.where(ok, t, np.inf))
+        times.append(np.where(ok, scale * t, np.inf))  # Note [whole-step terms]
         takes.append(take_s)
         groups_of.append(groups)
     return times, takes, groups_of
@@ -331,6 +341,7 @@ def chain_lower_bound_s(
     if n < p:
         return np.inf
     boundary, _, _ = plan_links(cluster, placement)
+    scale = core_sharing_factor(cluster, placement)
     cut_at = _cut_bytes(problem)
     act = np.concatenate([[0.0], np.cumsum([r.activation_bytes_per_sample for r in problem.regions])])
     saving = np.concatenate([[0.0], np.cumsum([
@@ -350,7 +361,7 @@ def chain_lower_bound_s(
             taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
         compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
         t = compute[None, :] - compute[:, None]
-        comm = _segment_comm(problem, boundary, cut_at, s, p, b)
+        comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         t += comm
         k = in_flight_microbatches(schedule, s, p, m)
         # Transients without recompute: recomputing only raises them, so this stays a bound.
@@ -370,7 +381,7 @@ def chain_lower_bound_s(
             discount = np.concatenate([[0.0], np.cumsum(np.where(rates < tau, tau - rates, 0.0) * savings)])
             recompute_s = np.maximum(recompute_s, tau * needed - (discount[None, :] - discount[:, None]))
         t = t + recompute_s
-        times.append(np.where(ok, t, np.inf))
+        times.append(np.where(ok, scale * t, np.inf))  # Note [whole-step terms]
     found = _feasible_caps(times, n)
     if found is None:
         return np.inf

@@ -10,12 +10,15 @@ Note [cost model]
                    edge skipping stages is forwarded through each boundary it crosses.
     * comm_s     = per microbatch, the stage's sends: activations over boundary s (if s < p-1)
                    and gradients over boundary s-1 (if s > 0), each latency + b*cut/bandwidth.
-    * T_s        = compute_s + comm_s;  pipeline = (m - 1) * max_s T_s + sum_s T_s.
+    * overhead_s = the stage's fixed cost per microbatch (Note [whole-step terms] in problem.py).
+    * T_s        = compute_s + comm_s + overhead_s;  pipeline = (m - 1) * max_s T_s + sum_s T_s.
     * dp_allreduce = max_s ring all-reduce of stage s's gradients among its d replicas:
                    2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1).
     * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
                    (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
     * step_time  = pipeline + dp_allreduce + sum of tie costs.
+    * every time term above is multiplied by the candidate's core-sharing factor (ranks per CPU
+                   core on the most crowded node, at least 1; Note [whole-step terms]).
     * memory_s   = see Note [memory model].
     Links: boundary s uses the slowest link between stage s and s+1 over the replicas; the
     all-reduce of stage s the slowest link among its replicas; ties the slowest link within a
@@ -66,7 +69,9 @@ from partitioner.solver.problem import (
     SCHEDULES,
     Assignment,
     PartitionProblem,
+    core_sharing_factor,
     in_flight_microbatches,
+    microbatch_overhead_s,
     place_stages,
     region_times_s,
     schedule_refusal,
@@ -82,6 +87,7 @@ __all__ = [
     "lower_bound_step_time_s",
     "candidate_lower_bound_s",
     "allreduce_lower_bound_s",
+    "core_sharing_lower_bound",
     "structural_violations",
     "plan_links",
     "stage_memory",
@@ -114,6 +120,7 @@ class StageCost:
     dp_allreduce_s: float
     transient_bytes: float = 0.0     # Note [memory model]
     step_buffers_bytes: float = 0.0
+    overhead_s: float = 0.0  # per microbatch, besides regions and sends (Note [whole-step terms])
 
     @property
     def memory_bytes(self) -> float:
@@ -294,9 +301,21 @@ def candidate_lower_bound_s(
         placement = place_stages(cluster, p, d)
         boundary, _, _ = plan_links(cluster, placement)
         work = sum(sum(region_times_s(r, fastest, b)) for r in problem.regions)
-        total = work + recompute_s + 2 * sum(link.latency_s for link in boundary)
+        total = (work + recompute_s + 2 * sum(link.latency_s for link in boundary)
+                 + p * microbatch_overhead_s(problem, fastest))
         bound = max(bound, (m + p - 1) / p * total)
-    return bound + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)
+    return (bound + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)) * core_sharing_lower_bound(
+        cluster, num_stages=p, dp=d)
+
+
+def core_sharing_lower_bound(cluster: ClusterSpec, *, num_stages: int, dp: int) -> float:
+    """The smallest core-sharing factor any placement of p * d ranks can get (Note [whole-step
+    terms]): exact on a homogeneous cluster (its placement is fixed) or on one node, else 1."""
+    if cluster.is_homogeneous:
+        return core_sharing_factor(cluster, place_stages(cluster, num_stages, dp))
+    if len({device.node for device in cluster.devices}) == 1:
+        return core_sharing_factor(cluster, num_ranks=num_stages * dp)
+    return 1.0
 
 
 def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, num_stages: int, dp: int) -> float:
@@ -334,6 +353,7 @@ def evaluate(
         for k in range(a.stage_of_region[e.src], a.stage_of_region[e.dst]):
             cut[k] += e.bytes_per_sample
     boundary_link, dp_links, tie_link = plan_links(cluster, a.device_of_stage_replica)
+    scale = core_sharing_factor(cluster, a.device_of_stage_replica)  # Note [whole-step terms]
 
     # Tie replicas: every stage holding a tie region other than the first region's stage.
     tie_costs = []
@@ -355,7 +375,7 @@ def evaluate(
         else:
             assert tie_link is not None
             # A held buffer (no gradient) costs its holders memory only: nothing is summed.
-            cost = (len(stages) - 1) * tie_link.transfer_s(grad) if grad else 0.0
+            cost = scale * (len(stages) - 1) * tie_link.transfer_s(grad) if grad else 0.0
             tie_costs.append(TieCost(tie.regions, "replicated", stages, cost))
 
     stage_costs = []
@@ -382,12 +402,14 @@ def evaluate(
         memory = stage_memory(problem, a, s, regions_of[s], cut, grads, tie_grad_held[s])
         dp_link = dp_links[s]
         allreduce = 0.0 if dp_link is None else 2 * (d - 1) * (grads / d / dp_link.bandwidth_bytes_per_s + dp_link.latency_s)
+        overhead = microbatch_overhead_s(problem, device)
         stage_costs.append(
             StageCost(
                 regions=tuple(regions_of[s]),
-                compute_s=compute,
-                comm_s=comm,
-                time_s=compute + comm,
+                compute_s=scale * compute,
+                comm_s=scale * comm,
+                overhead_s=scale * overhead,
+                time_s=scale * (compute + comm + overhead),
                 params_bytes=params,
                 grads_bytes=grads,
                 optimizer_bytes=optimizer,
@@ -395,7 +417,7 @@ def evaluate(
                 buffers_bytes=memory["buffers"],
                 capacity_bytes=min(devices[i].usable_memory_bytes for i in stage_devices),
                 send_bytes=b * cut[s] if s < p - 1 else 0.0,
-                dp_allreduce_s=allreduce,
+                dp_allreduce_s=scale * allreduce,
                 transient_bytes=memory["transient"],
                 step_buffers_bytes=memory["step"],
             )
@@ -415,7 +437,7 @@ def evaluate(
         ties=tuple(tie_costs),
         step_time_s=step,
         bubble_fraction=bubble,
-        lower_bound_step_time_s=lower_bound_step_time_s(
+        lower_bound_step_time_s=scale * lower_bound_step_time_s(
             problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
             stage_devices=[row[0] for row in a.device_of_stage_replica],
         ),
@@ -529,7 +551,7 @@ def check_assignment(
         violations.append(f"{len(solution.stages)} predicted stages for num_stages={a.num_stages}")
     else:
         for s, (claimed, actual) in enumerate(zip(solution.stages, cost.stages)):
-            for field_name in ("compute_s", "comm_s", "params_bytes", "grads_bytes", "optimizer_bytes",
+            for field_name in ("compute_s", "comm_s", "overhead_s", "params_bytes", "grads_bytes", "optimizer_bytes",
                                "activations_bytes", "buffers_bytes", "transient_bytes", "step_buffers_bytes",
                                "capacity_bytes", "send_bytes"):
                 x, y = getattr(claimed, field_name), getattr(actual, field_name)

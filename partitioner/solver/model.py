@@ -51,7 +51,9 @@ from partitioner.solver.check import plan_links
 from partitioner.solver.problem import (
     SCHEDULES,
     PartitionProblem,
+    core_sharing_factor,
     in_flight_microbatches,
+    microbatch_overhead_s,
     region_times_s,
 )
 
@@ -172,7 +174,10 @@ class CandidateModel:
             self.boundary_links = [worst] * (p - 1)
             self.dp_links = [worst if dp > 1 else None] * p
             self.tie_link = worst if p > 1 else None
-            self.exact_links = len({d.node for d in cluster.devices}) == 1
+            # One node whose devices are all core-bound, or none: the core-sharing factor of
+            # p * d ranks there is exact too (Note [whole-step terms]).
+            self.exact_links = (len({d.node for d in cluster.devices}) == 1
+                                and len({d.cores is None for d in cluster.devices}) == 1)
 
         # ---- scaling (Note [ILP scaling]) -----------------------------------------------------
         b = microbatch_size
@@ -185,8 +190,11 @@ class CandidateModel:
             self.time_unit_s = min(1e-6, 10.0 ** math.floor(math.log10(work_s / 1e6)))
         else:
             self.time_unit_s = 1e-6
+        self.core_sharing = (core_sharing_factor(cluster, placement) if placement is not None
+                             else core_sharing_factor(cluster, num_ranks=num_stages * dp))
+        self.coef_unit_s = self.time_unit_s / self.core_sharing  # Note [ILP scaling]
         self.mem_unit = config.memory_unit_bytes
-        unit = self.time_unit_s
+        unit = self.coef_unit_s
         self.fwd_u = {c: [round(f / unit) for f, _ in self.region_s[c]] for c in used_classes}
         self.work_u = {c: [round(f / unit) + round(w / unit) for f, w in self.region_s[c]] for c in used_classes}
         self.work_min_u = [min(self.work_u[c][r] for c in used_classes) for r in range(n)]
@@ -308,7 +316,9 @@ class CandidateModel:
             signature = (region.fwd_flops_per_sample, region.bwd_flops_per_sample, region.static_bytes,
                          region.activation_bytes_per_sample, region.recompute_activation_bytes_per_sample,
                          tuple(sorted((region.fwd_s_per_sample_by_kind or {}).items())),
-                         tuple(sorted((region.bwd_s_per_sample_by_kind or {}).items())))
+                         tuple(sorted((region.bwd_s_per_sample_by_kind or {}).items())),
+                         tuple(sorted((region.fwd_s_per_microbatch_by_kind or {}).items())),
+                         tuple(sorted((region.bwd_s_per_microbatch_by_kind or {}).items())))
             groups.setdefault(signature, []).append(r)
         tied = {r for tie in self.problem.ties for r in tie.regions}
         for members in groups.values():
@@ -332,8 +342,8 @@ class CandidateModel:
             self.model.add(sum(self.on_class[s][c] for s in range(self.p)) <= self.class_slots[c])
 
     def _stage_time_expr(self, s: int, device_class) -> _Expr:
-        unit, p = self.time_unit_s, self.p
-        expr = _Expr()
+        unit, p = self.coef_unit_s, self.p
+        expr = _Expr(round(microbatch_overhead_s(self.problem, self.class_device[device_class]) / unit))
         for r in range(self.problem.num_regions):
             expr.add(self.work_u[device_class][r], self.in_stage[r][s])
             if (r, s) in self.rec:
@@ -348,7 +358,7 @@ class CandidateModel:
         return expr
 
     def _add_stage_time(self) -> None:
-        """stage_time[s] = sum_r work[r]·in_stage[r, s] + sum_r fwd[r]·recompute[r, s]
+        """stage_time[s] = overhead + sum_r work[r]·in_stage[r, s] + sum_r fwd[r]·recompute[r, s]
         + sends over the adjacent boundaries (latency + b·cut bytes / bandwidth); with device
         classes, >= that expression under on_class[s, c]."""
         self.stage_time_exprs: list[dict] = []
@@ -383,7 +393,7 @@ class CandidateModel:
             self.model.add(total - prefix <= (self.p - 1 - k) * self.bottleneck)
 
     def _dp_allreduce_expr(self, s: int) -> _Expr:
-        link, d, unit = self.dp_links[s], self.d, self.time_unit_s
+        link, d, unit = self.dp_links[s], self.d, self.coef_unit_s
         expr = _Expr()
         if link is None or d == 1:
             return expr
@@ -412,7 +422,7 @@ class CandidateModel:
         for t, tie in enumerate(self.problem.ties):
             if self.problem.tie_bytes(tie)[1] == 0:
                 continue  # a held buffer: no gradient, nothing to sum
-            coef = round(self.tie_link.transfer_s(self.problem.tie_bytes(tie)[1]) / self.time_unit_s)
+            coef = round(self.tie_link.transfer_s(self.problem.tie_bytes(tie)[1]) / self.coef_unit_s)
             expr.const -= coef
             for s in range(self.p):
                 expr.add(coef, self.holds[t][s])
@@ -619,7 +629,7 @@ class CandidateModel:
     def max_rounding_s(self) -> float:
         """An upper bound, in seconds, on ``_rounding_slack`` of any plan of this candidate."""
         pr, p, m = self.problem, self.p, self.m
-        terms = 3 * pr.num_regions + 2 * (len(pr.edges) + 1)
+        terms = 3 * pr.num_regions + 2 * (len(pr.edges) + 1) + 1
         return (0.5 * ((m - 1) * terms + p * terms + terms + 1 + len(pr.ties) * (p + 1)) + 1) * self.time_unit_s
 
     def _all_vars(self):
@@ -715,7 +725,7 @@ class CandidateModel:
     def _rounding_slack(self, stage_of_region, recompute) -> float:
         """Half a unit per rounded term of the objective (Note [ILP scaling])."""
         p, m = self.p, self.m
-        terms = [0] * p
+        terms = [1] * p  # the per-microbatch overhead (Note [whole-step terms])
         for r, s in enumerate(stage_of_region):
             terms[s] += 2 + int(recompute[r])
         for k in range(p - 1):

@@ -12,7 +12,27 @@ Note [region accounting]
 Note [time model]
     ``region_times_s`` is the one place that turns a region into seconds on a device. By default
     time = flops * b / device.flops_per_s. A calibration may give measured per-sample seconds by
-    device kind (``fwd_s_per_sample_by_kind``); then that wins for that kind.
+    device kind (``fwd_s_per_sample_by_kind``); then that wins for that kind, plus a fixed part
+    per microbatch (``fwd_s_per_microbatch_by_kind``: the per-op overhead, which does not shrink
+    with a smaller microbatch). Two more terms price what the runtime pays per candidate, not per
+    region (Note [whole-step terms]): ``microbatch_overhead_s`` and ``core_sharing_factor``.
+
+Note [whole-step terms]
+    Measured on the whole step (benchmarks/step_time_accuracy.py), two costs the regions alone
+    miss, both applied identically by ``evaluate``, the ILP and the chain DP:
+    * ``microbatch_overhead_s(problem, device)``: seconds a stage pays per microbatch besides its
+      regions: the schedule's forward and backward actions (Python in
+      torch.distributed.pipelining), the loss on the last stage, and the send/receive calls.
+      Added to every stage's time per microbatch (so to the bottleneck and to the fill/drain).
+      The preset (``DevicePreset.microbatch_overhead_s``) or a calibrated profile gives it.
+    * ``core_sharing_factor(cluster, placement)`` (Note [core sharing] in cluster.py): a node
+      running R ranks on C < R cores gives each rank C/R of a core, so every time term of the
+      candidate (compute, communication, overheads, all-reduce) takes R/C times as long; the worst
+      node sets the factor of the whole candidate (the pipeline runs at its slowest stage's pace).
+      One scalar per candidate: it does not change which split is best for a fixed (p, d, m),
+      only which candidate wins, and the ILP applies it as a finer time unit (Note [ILP scaling]).
+      It ignores that ranks idle in the pipeline's bubble leave their core to the others, so it
+      over-predicts a little when the bubble is large.
 """
 
 from __future__ import annotations
@@ -20,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from partitioner.cluster import ClusterSpec, DeviceSpec
+from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec
 
 __all__ = [
     "Region",
@@ -31,6 +51,8 @@ __all__ = [
     "SCHEDULES",
     "schedule_refusal",
     "region_times_s",
+    "microbatch_overhead_s",
+    "core_sharing_factor",
     "in_flight_microbatches",
     "place_stages",
 ]
@@ -83,6 +105,9 @@ class Region:
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Measured fixed seconds per microbatch by device kind, added to the per-sample part.
+    fwd_s_per_microbatch_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    bwd_s_per_microbatch_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         owner = f"Region({self.name!r})"
@@ -165,6 +190,8 @@ class PartitionProblem:
     input_bytes_per_sample: int = 0
     target_bytes_per_sample: int = 0
     allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
+    # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
+    microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):
@@ -207,7 +234,50 @@ def region_times_s(region: Region, device: DeviceSpec, microbatch_size: int) -> 
     bwd_override = (region.bwd_s_per_sample_by_kind or {}).get(device.kind)
     fwd = fwd_override if fwd_override is not None else region.fwd_flops_per_sample / device.flops_per_s
     bwd = bwd_override if bwd_override is not None else region.bwd_flops_per_sample / device.flops_per_s
-    return fwd * microbatch_size, bwd * microbatch_size
+    fwd_fixed = (region.fwd_s_per_microbatch_by_kind or {}).get(device.kind, 0.0) if fwd_override is not None else 0.0
+    bwd_fixed = (region.bwd_s_per_microbatch_by_kind or {}).get(device.kind, 0.0) if bwd_override is not None else 0.0
+    return fwd_fixed + fwd * microbatch_size, bwd_fixed + bwd * microbatch_size
+
+
+def microbatch_overhead_s(problem: PartitionProblem, device: DeviceSpec) -> float:
+    """Seconds a stage on ``device`` pays per microbatch beyond its regions (Note [whole-step
+    terms]): the problem's measured figure for the device's kind, else the kind's preset, else 0."""
+    measured = (problem.microbatch_overhead_s_by_kind or {}).get(device.kind)
+    if measured is not None:
+        return measured
+    preset = DEVICE_PRESETS.get(device.kind)
+    return preset.microbatch_overhead_s if preset is not None else 0.0
+
+
+def core_sharing_factor(
+    cluster: ClusterSpec,
+    placement: tuple[tuple[int, ...], ...] | None = None,
+    *,
+    num_ranks: int | None = None,
+) -> float:
+    """How many times longer every time term of a candidate takes because its ranks share CPU
+    cores (Note [whole-step terms] above, Note [core sharing] in cluster.py):
+    max over nodes of max(1, ranks placed on the node's core-bound devices / its cores).
+
+    Without ``placement`` (devices are chosen after solving, Note [heterogeneous devices] in
+    model.py): the worst any placement of ``num_ranks`` ranks can do, min(num_ranks, core-bound
+    devices of the node) on each node; exact on one node whose devices are all core-bound."""
+    ranks_on_node: dict[int, int] = {}
+    if placement is not None:
+        for row in placement:
+            for i in row:
+                device = cluster.devices[i]
+                if device.cores is not None:
+                    ranks_on_node[device.node] = ranks_on_node.get(device.node, 0) + 1
+    else:
+        if num_ranks is None:
+            raise ValueError("core_sharing_factor needs a placement or num_ranks")
+        for device in cluster.devices:
+            if device.cores is not None:
+                ranks_on_node[device.node] = ranks_on_node.get(device.node, 0) + 1
+        ranks_on_node = {node: min(count, num_ranks) for node, count in ranks_on_node.items()}
+    cores_of_node = {d.node: d.cores for d in cluster.devices if d.cores is not None}
+    return max([1.0] + [count / cores_of_node[node] for node, count in ranks_on_node.items()])
 
 
 def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:

@@ -45,6 +45,7 @@ from partitioner.solver.check import (
     TieCost,
     allreduce_lower_bound_s,
     candidate_lower_bound_s,
+    core_sharing_lower_bound,
     check_assignment,
     evaluate,
 )
@@ -394,7 +395,8 @@ def solve(
         pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
                                        schedule=schedule, placement=place_stages(cluster, p, d),
                                        allow_recompute=config.allow_recompute)
-        return max(cheap, pipeline + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d))
+        allreduce = allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)
+        return max(cheap, pipeline + allreduce * core_sharing_lower_bound(cluster, num_stages=p, dp=d))
 
     # (bound, strong?, p, d, m, tries); Note [candidate pruning]
     queue = [(cheap_bound(p, d, m), False, p, d, m, 0) for p, d, m in candidates]
