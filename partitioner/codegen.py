@@ -338,7 +338,12 @@ class _Emitter:
         lines += [f"    # {line}" for line in outputs]
         if any(_is_send_copy(n) for n in output.all_input_nodes):
             lines.append("    # .contiguous(): a send needs a dense tensor (free when it already is)")
-        lines.append(f"    return {self._arg(output.args[0], expr)}")
+        result = output.args[0]
+        line = f"    return {self._arg(result, expr)}"
+        if len(line) > 100 and isinstance(result, (tuple, list)) and len(result) > 1:
+            lines += ["    return (", *(f"        {self._arg(r, expr)}," for r in result), "    )"]
+        else:
+            lines.append(line)
         return lines
 
     def _statement(self, node: fx.Node, items, expr) -> str:

@@ -26,19 +26,22 @@ regions out, or put the buffers back after the second forward.
 
 Note [boundary names]: a tensor that leaves its stage (to the next stage, or to the loss) is named
 for where it comes from, not for its op: ``blocks_1_out`` is what module ``blocks.1`` returns,
-``blocks_1_attn_out`` what its attention returns, ``blocks_1_attn_split`` a value made inside the
-attention that a later stage reads (a cut inside a module). The module is the outermost one of
-the producer's ``nn_module_stack`` that the value leaves (one of its readers is outside it); a
-value of the model's own forward, outside every submodule, keeps its graph name, as do the
-model's inputs. Names follow the graph alone, in graph order, so they are the same for every
-plan of the model and in every program folder; a second value with the same name gets FX's
-suffix (``_1``). The stage files (INPUTS, OUTPUTS, the code), plan.json's program and the plan's
-cut edges say the same name; node names inside a stage stay the trace's.
+``blocks_1_attn_out`` what its attention returns. The module is the outermost one of the
+producer's ``nn_module_stack`` that the value leaves (one of its readers is outside it). A value
+that leaves no module (a cut inside one) is named for its module and the variable its source line
+assigns (``blocks_1_attn_y`` for ``y = F.scaled_dot_product_attention(...)``, ``model_causal_mask``),
+else its op (``blocks_1_attn_transpose``); outside every submodule, for the variable alone, else it
+keeps its graph name, as the model's inputs do. Names follow the graph alone, in graph order, so
+they are the same for every plan of the model and in every program folder; a second value with the
+same name gets FX's suffix (``_1``). The stage files (INPUTS, OUTPUTS, the code), plan.json's
+program and the plan's cut edges say the same name; node names inside a stage stay the trace's.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import keyword
 import operator
 import os
 import re
@@ -181,11 +184,34 @@ def _module_paths(node: fx.Node) -> list[str]:
     return [path for path, _cls in stack.values() if path]
 
 
+# Names a boundary value cannot have: Python's own, and the globals of a generated stage file.
+_RESERVED = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {
+    "self", "torch", "operator", "math", "randomness", "checkpointed", "inf", "nan", "device", "NoneType"}
+_ASSIGNMENT = re.compile(r"^\s*([A-Za-z_][A-Za-z_0-9]*)\s*(?::[^=]+)?=(?!=)")
+
+
+def _source_line(node: fx.Node) -> tuple[str, str]:
+    """(frame, code) of the model's source line ``node`` comes from, ("", "") if none."""
+    lines = (_user_frames(node.meta.get("stack_trace")) or "").split("\n")
+    return (lines[-2].strip(), lines[-1]) if len(lines) >= 2 else ("", "")
+
+
+def _assigned_name(node: fx.Node) -> str | None:
+    """The variable the model's source line assigns ``node`` to (``causal_mask = ...``): if the
+    line assigns one name and ``node`` is what it assigns, the value read by other lines (the
+    line's other ops only feed it)."""
+    frame, code = _source_line(node)
+    found = _ASSIGNMENT.match(code) if frame else None
+    if found is None or all(_source_line(u)[0] == frame for u in node.users):
+        return None
+    return found.group(1)
+
+
 def boundary_names(gm: fx.GraphModule) -> dict[str, str]:
     """Node name -> the name the value has when it crosses a stage boundary (Note [boundary
     names]), for every node of ``gm`` that produces a value; placeholders keep theirs."""
     taken = {n.name for n in gm.graph.nodes}
-    used: set[str] = set()
+    used = set(_RESERVED)
     names: dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
@@ -196,10 +222,9 @@ def boundary_names(gm: fx.GraphModule) -> dict[str, str]:
         if left is not None:
             base = f"{left}_out"
         elif paths:
-            base = f"{paths[-1]}_{re.sub(r'_[0-9]+$', '', node.name)}"
+            base = f"{paths[-1]}_{_assigned_name(node) or re.sub(r'_[0-9]+$', '', node.name)}"
         else:
-            names[node.name] = node.name
-            continue
+            base = _assigned_name(node) or node.name
         base = re.sub(r"[^0-9a-zA-Z_]", "_", base)
         name, k = base, 0
         while name in used or (name in taken and name != node.name):
