@@ -205,12 +205,13 @@ class _SourcePaths:
 
     def __init__(self):
         self._by_file: dict[str, str] = {}
-        for name, module in sorted(list(sys.modules.items())):
+        # A file imported under two names (`models` and `partitioner.models`) takes the fuller one.
+        for name, module in sorted(list(sys.modules.items()), key=lambda item: (-item[0].count("."), item[0])):
             file = getattr(module, "__file__", None)
             if not file or name == "__main__" or not file.endswith(".py"):
                 continue
-            leaf = "__init__.py" if os.path.basename(file) == "__init__.py" else None
-            path = name.replace(".", "/") + ("/__init__.py" if leaf else ".py")
+            package = os.path.basename(file) == "__init__.py"
+            path = name.replace(".", "/") + ("/__init__.py" if package else ".py")
             if os.path.basename(path) == os.path.basename(file):
                 self._by_file.setdefault(os.path.realpath(file), path)
 
