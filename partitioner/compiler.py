@@ -222,7 +222,10 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 
     The graph was traced at the example batch; shapes and bytes are restated per microbatch
     (a leading dimension equal to the example batch is the batch dimension)."""
+    from partitioner.split import boundary_names
+
     region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
+    readable = boundary_names(gm)  # the names the stage files give them (Note [boundary names])
     grouped: dict[tuple[int, int], list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "output"):
@@ -245,7 +248,7 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
             else:
                 shapes.append(shape)
                 total += meta.output_bytes
-        yield CutEdge(src_region=src, dst_region=dst, tensors=tuple(n.name for n in nodes), shapes=tuple(shapes),
+        yield CutEdge(src_region=src, dst_region=dst, tensors=tuple(readable.get(n.name, n.name) for n in nodes), shapes=tuple(shapes),
                       bytes_per_microbatch=int(total), boundaries=tuple(range(stage_of_region[src], stage_of_region[dst])))
 
 

@@ -23,13 +23,28 @@ lists these buffers in MUTABLE_BUFFERS; the runtime checkpoints them (runtime/ch
 keeps them equal across data-parallel replicas (Note [buffers across replicas] in runtime/train.py).
 A region recomputed in backward would run its updates a second time: recompute must leave such
 regions out, or put the buffers back after the second forward.
+
+Note [boundary names]: a tensor that leaves its stage (to the next stage, or to the loss) is named
+for where it comes from, not for its op: ``blocks_1_out`` is what module ``blocks.1`` returns,
+``blocks_1_attn_out`` what its attention returns. The module is the outermost one of the
+producer's ``nn_module_stack`` that the value leaves (one of its readers is outside it). A value
+that leaves no module (a cut inside one) is named for its module and the variable its source line
+assigns (``blocks_1_attn_y`` for ``y = F.scaled_dot_product_attention(...)``, ``model_causal_mask``),
+else its op (``blocks_1_attn_transpose``); outside every submodule, for the variable alone, else it
+keeps its graph name, as the model's inputs do. Names follow the graph alone, in graph order, so
+they are the same for every plan of the model and in every program folder; a second value with the
+same name gets FX's suffix (``_1``). The stage files (INPUTS, OUTPUTS, the code), plan.json's
+program and the plan's cut edges say the same name; node names inside a stage stay the trace's.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import keyword
 import operator
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -61,14 +76,14 @@ class StageGraph:
     checkpointed: list = field(default_factory=list)
 
 
-def _value(node: fx.Node) -> Value:
+def _value(node: fx.Node, name: str | None = None) -> Value:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ValueError(
             f"node {node.name!r} crosses a stage boundary but is not a tensor ({type(val).__name__}): "
             "keep it on one stage (merge its producer and consumers into one region)"
         )
-    return Value(node.name, tuple(int(s) for s in val.shape), str(val.dtype))
+    return Value(name or node.name, tuple(int(s) for s in val.shape), str(val.dtype))
 
 
 def _is_trained(gm: fx.GraphModule, target: str) -> bool:
@@ -156,8 +171,68 @@ def _user_frames(stack_trace: str | None) -> str | None:
     lines = stack_trace.strip().split("\n")
     frames = [lines[i:i + 2] for i in range(0, len(lines) - 1, 2) if lines[i].lstrip().startswith("File ")]
     torch_dir = os.path.dirname(torch.__file__)
-    user = [f for f in frames if torch_dir not in f[0] and "site-packages" not in f[0]]
-    return "\n".join(line for frame in (user or frames) for line in frame)
+    outside_torch = [f for f in frames if torch_dir not in f[0]]
+    user = [f for f in outside_torch if "site-packages" not in f[0]]
+    # A model installed as a package (transformers) has no frame of the user's: its own frames,
+    # not torch.nn's `return F.linear(...)`, say where the op comes from.
+    return "\n".join(line for frame in (user or outside_torch or frames) for line in frame)
+
+
+def _module_paths(node: fx.Node) -> list[str]:
+    """The submodules ``node`` runs inside, outermost first (the root module left out)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _cls in stack.values() if path]
+
+
+# Names a boundary value cannot have: Python's own, and the globals of a generated stage file.
+_RESERVED = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {
+    "self", "torch", "operator", "math", "randomness", "checkpointed", "inf", "nan", "device", "NoneType"}
+_ASSIGNMENT = re.compile(r"^\s*([A-Za-z_][A-Za-z_0-9]*)\s*(?::[^=]+)?=(?!=)")
+
+
+def _source_line(node: fx.Node) -> tuple[str, str]:
+    """(frame, code) of the model's source line ``node`` comes from, ("", "") if none."""
+    lines = (_user_frames(node.meta.get("stack_trace")) or "").split("\n")
+    return (lines[-2].strip(), lines[-1]) if len(lines) >= 2 else ("", "")
+
+
+def _assigned_name(node: fx.Node) -> str | None:
+    """The variable the model's source line assigns ``node`` to (``causal_mask = ...``): if the
+    line assigns one name and ``node`` is what it assigns, the value read by other lines (the
+    line's other ops only feed it)."""
+    frame, code = _source_line(node)
+    found = _ASSIGNMENT.match(code) if frame else None
+    if found is None or all(_source_line(u)[0] == frame for u in node.users):
+        return None
+    return found.group(1)
+
+
+def boundary_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Node name -> the name the value has when it crosses a stage boundary (Note [boundary
+    names]), for every node of ``gm`` that produces a value; placeholders keep theirs."""
+    taken = {n.name for n in gm.graph.nodes}
+    used = set(_RESERVED)
+    names: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        paths = _module_paths(node)
+        readers = [set(_module_paths(u)) for u in node.users]
+        left = next((p for p in paths if any(p not in r for r in readers)), None)
+        if left is not None:
+            base = f"{left}_out"
+        elif paths:
+            base = f"{paths[-1]}_{_assigned_name(node) or re.sub(r'_[0-9]+$', '', node.name)}"
+        else:
+            base = _assigned_name(node) or node.name
+        base = re.sub(r"[^0-9a-zA-Z_]", "_", base)
+        name, k = base, 0
+        while name in used or (name in taken and name != node.name):
+            k += 1
+            name = f"{base}_{k}"
+        used.add(name)
+        names[node.name] = name
+    return names
 
 
 def normalize_stages(gm: fx.GraphModule, node_stage: dict[str, int]) -> dict[str, int]:
@@ -205,6 +280,14 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
                 )
             last_read[arg.name] = max(last_read[arg.name], reader)
 
+    # Values that leave their stage are named for their producer (Note [boundary names]).
+    leaving = ({n.name for n in compute if last_read[n.name] > made_on[n.name]}
+               | {n.name for n in output_node.all_input_nodes})
+    readable = boundary_names(gm)
+
+    def name_of(node: fx.Node) -> str:
+        return readable.get(node.name, node.name) if node.name in leaving else node.name
+
     stages: list[StageGraph] = []
     for index in range(num_stages):
         graph = fx.Graph()
@@ -212,8 +295,9 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
         inputs = ([n for n in compute if n.op == "placeholder"] if index == 0 else
                   [n for n in compute if made_on[n.name] < index <= last_read[n.name]])
         for node in inputs:
-            env[node.name] = graph.placeholder(node.name)
+            env[node.name] = graph.placeholder(name_of(node))
             env[node.name].meta = dict(node.meta)
+            assert env[node.name].name == name_of(node), (env[node.name].name, name_of(node))
         mine = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")
                 and made_on.get(n.name) == index]
         # Parameters first, in first-use order: the stage file opens with the weights it holds.
@@ -226,7 +310,10 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
                     env[arg.name].meta = dict(arg.meta)
                     (params if _is_trained(gm, arg.target) else buffers).append(arg.target)
         for node in mine:
-            new = graph.node_copy(node, lambda n: env[n.name])
+            new = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, lambda n: env[n.name]),
+                                    fx.node.map_arg(node.kwargs, lambda n: env[n.name]), name_of(node), node.type)
+            assert new.name == name_of(node), (new.name, name_of(node))
+            new.meta = dict(node.meta)
             new.meta["stack_trace"] = _user_frames(node.meta.get("stack_trace"))
             if "device" in new.kwargs:
                 # The trace may have run on the meta device; the runtime runs stages under
@@ -237,11 +324,11 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
             result = fx.node.map_arg(output_node.args[0], lambda n: env[n.name])
             if isinstance(result, (tuple, list)) and len(result) == 1:
                 result = result[0]  # a single output goes to the loss as a tensor, not a 1-tuple
-            outputs = [_value(n) for n in output_node.all_input_nodes]
+            outputs = [_value(n, name_of(n)) for n in output_node.all_input_nodes]
             graph.output(result)
         else:
             crossing = [n for n in compute if made_on[n.name] <= index < last_read[n.name]]
-            outputs = [_value(n) for n in crossing]
+            outputs = [_value(n, name_of(n)) for n in crossing]
             # Sends need dense tensors (an expanded mask is a view); contiguous() is free when
             # the tensor already is.
             sent = []
@@ -251,6 +338,6 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
                 sent.append(dense)
             graph.output(tuple(sent) if len(sent) > 1 else sent[0] if sent else ())
         stage_gm = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
-        stages.append(StageGraph(index, stage_gm, [_value(n) for n in inputs], outputs, params, buffers,
+        stages.append(StageGraph(index, stage_gm, [_value(n, name_of(n)) for n in inputs], outputs, params, buffers,
                                  [name for name in buffers if name in mutated]))
     return stages

@@ -112,7 +112,7 @@ def test_stage_file_says_what_it_recomputes_and_why(dropout_pair):
     regions = [r.name for r in plan.regions if r.recompute and r.stage == 0]
     for region in regions:
         method = "recompute_" + region.replace(".", "_")
-        assert f"runtime_recompute_checkpointed(self.{method}," in text
+        assert f"checkpointed(self.{method}," in text
         assert f"def {method}(self," in text
     words = " ".join(text.split())
     assert "The plan chose it because memory binds on this stage's device" in words and "capacity" in words

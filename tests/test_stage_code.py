@@ -1,0 +1,103 @@
+"""The generated stage file is code a person reads (Note [stage code] in partitioner/codegen.py):
+golden copies of a small program's files, and the same bytes from any checkout path.
+
+After a deliberate change to the generated code, regenerate the golden files and review the diff:
+
+    UPDATE_GOLDEN=1 pytest tests/test_stage_code.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import partitioner
+from partitioner.cluster import ClusterSpec
+from partitioner.models import gpt
+
+GOLDEN = Path(__file__).parent / "golden"
+REPO = Path(__file__).resolve().parent.parent
+# The plan hash covers the solver's figures: a change to the cost model must not look like a
+# change to the generated code.
+HASH = re.compile(r"plan [0-9a-f]{16}")
+
+
+def tiny_gpt():
+    return gpt(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    how = f"if the change is intended, regenerate with: UPDATE_GOLDEN=1 pytest {Path(__file__).relative_to(REPO)}"
+    assert path.is_file(), f"missing {path}: {how}"
+    assert text == path.read_text(), f"{name} differs from tests/golden/{name}; {how}, and review the diff"
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stage_code") / "prog"
+    plan = partitioner.compile(tiny_gpt(), cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8,
+                               num_stages=2, microbatches=4)
+    plan.save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["stage_0.py", "stage_1.py", "rank_1.py"])
+def test_generated_files_match_their_golden_copies(program, name):
+    check_golden(f"program_{name}", HASH.sub("plan <hash>", (program / name).read_text()))
+
+
+def test_stage_files_carry_no_fx_noise_and_name_what_crosses(program):
+    import json
+
+    for k in (0, 1):
+        text = (program / f"stage_{k}.py").read_text()
+        assert "; " not in text.split("class Stage")[1]  # no `;  x = None` deletions
+        assert "No stacktrace found" not in text and str(REPO) not in text and "site-packages" not in text
+        assert "# blocks.0.attn (partitioner/models.py:" in text or k == 1
+        assert "randomness.dropout(" in text
+    stages = json.loads((program / "plan.json").read_text())["program"]["stages"]
+    assert [v["name"] for v in stages[0]["outputs"]] == [v["name"] for v in stages[1]["inputs"]] == ["blocks_0_out"]
+    assert 'OUTPUTS = ["blocks_0_out"]' in (program / "stage_0.py").read_text()
+    assert "def forward(self, blocks_0_out):" in (program / "stage_1.py").read_text()
+
+
+def _copy_checkout(root: Path) -> Path:
+    for package in ("partitioner", "passes", "runtime"):
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_same_inputs_give_the_same_bytes_from_two_checkout_paths(tmp_path):
+    """Nothing in a program folder depends on where the compiler lives (source comments name
+    files by import path, Note [stage code])."""
+    model = "gpt:layers=2,width=32,heads=2,vocab=64,seq=16"
+    folders = []
+    for checkout in (tmp_path / "a", tmp_path / "b" / "a" / "much" / "deeper" / "checkout"):
+        _copy_checkout(checkout)
+        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        script = ("import sys, partitioner, passes, runtime; "
+                  "assert all(m.__file__.startswith(sys.argv[1]) for m in (partitioner, passes, runtime)); "
+                  "from partitioner.cli import main; "
+                  "sys.exit(main(sys.argv[2:]))")
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(checkout), "compile", model, "-o", "out", "--devices", "2",
+             "--stages", "2", "--microbatches", "4", "--global-batch", "8"],
+            cwd=checkout, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        folders.append(checkout / "out")
+    files = [sorted(str(p.relative_to(f)) for p in f.rglob("*") if p.is_file()) for f in folders]
+    assert files[0] == files[1]
+    differing = [name for name in files[0] if name != "compile_stats.json"
+                 and (folders[0] / name).read_bytes() != (folders[1] / name).read_bytes()]
+    assert differing == [], differing
+    stage_0 = (folders[0] / "stage_0.py").read_text()
+    assert "partitioner/models.py:" in stage_0 and str(tmp_path) not in stage_0
