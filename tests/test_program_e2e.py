@@ -70,9 +70,12 @@ def tiny_gpt():
     return gpt(layers=4, width=32, heads=2, vocab=64, seq=16)
 
 
-def compile_to(folder: Path, workload, *, devices, global_batch=8, **options):
-    plan = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(devices, "cpu"),
-                               global_batch=global_batch, **options)
+def compile_to(folder: Path, workload, *, devices, global_batch=8, flops_per_s=None, **options):
+    """``flops_per_s``: a slower cpu, so that compute, not the per-microbatch overhead (Note
+    [whole-step terms]), decides where a tiny model is cut."""
+    cluster = (ClusterSpec.homogeneous(devices, "cpu") if flops_per_s is None else
+               ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": devices, "flops_per_s": flops_per_s}]}))
+    plan = partitioner.compile(workload, cluster=cluster, global_batch=global_batch, **options)
     plan.save(folder)
     return plan
 
@@ -116,11 +119,11 @@ def folders(tmp_path_factory):
         "hf_llama_2stage": compile_to(root / "hf_llama_2stage", hf_tiny(hf_llama), devices=2, num_stages=2,
                                       microbatches=4),
         "hf_bert_2stage": compile_to(root / "hf_bert_2stage", hf_tiny(hf_bert), devices=2, num_stages=2,
-                                     microbatches=4, granularity="op"),
+                                     microbatches=4, granularity="op", flops_per_s=1e9),
         "gpt_2x2": compile_to(root / "gpt_2x2", tiny_gpt(), devices=4, num_stages=2, dp=2, microbatches=2),
         "moe_2stage": compile_to(root / "moe_2stage", hf_tiny_moe(), devices=2, num_stages=2, microbatches=2),
         "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
-                                  microbatches=4, granularity="node"),
+                                  microbatches=4, granularity="node", flops_per_s=1e9),
     }
     stdout = run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage",
                              root / "hf_bert_2stage", root / "moe_2stage"])
