@@ -395,7 +395,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     from partitioner.analysis import analyze
     from partitioner.models import load_workload
     from partitioner.solver.problem import in_flight_microbatches
-    from partitioner.split import split_graph
+    from partitioner.codegen.split import split_graph
     from runtime.stage import build_stage
 
     workload = load_workload(spec)

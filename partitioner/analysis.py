@@ -24,10 +24,10 @@ COSTING_RANDOMNESS = randomness.Context(seed=0, step=0, first_sample=0, microbat
 
 
 def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int):
-    """trace, then key every random op (partitioner/randomness.py): the graph the cost passes
+    """trace, then key every random op (partitioner/codegen/randomness.py): the graph the cost passes
     price is the graph the stages run (keyed attention with dropout is explicit attention, which
     keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
-    from partitioner.randomness import lower_randomness
+    from partitioner.codegen.randomness import lower_randomness
 
     traced = trace(workload.model, example_args, workload.example_kwargs)
     return traced, lower_randomness(traced.gm, batch_size=batch_size)
@@ -119,7 +119,7 @@ def updating_regions(gm: fx.GraphModule) -> set[str]:
     update a second time (running statistics counted twice per microbatch). The problem prices
     its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
     and lowering (partitioner/lower.py) does not checkpoint it even if a hand-made plan asks to."""
-    from partitioner.split import mutated_buffers
+    from partitioner.codegen.split import mutated_buffers
 
     updaters = {name for names in mutated_buffers(gm).values() for name in names}
     return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}

@@ -98,7 +98,7 @@ def compile_workload(
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
     from passes.regions import region_table
     from partitioner.solver.check import evaluate
-    from partitioner.split import check_mutable_buffers
+    from partitioner.codegen.split import check_mutable_buffers
 
     assignment = solution.assignment
     cost = evaluate(problem, cluster, assignment)
@@ -222,7 +222,7 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 
     The graph was traced at the example batch; shapes and bytes are restated per microbatch
     (a leading dimension equal to the example batch is the batch dimension)."""
-    from partitioner.split import boundary_names
+    from partitioner.codegen.split import boundary_names
 
     region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
     readable = boundary_names(gm)  # the names the stage files give them (Note [boundary names])

@@ -343,7 +343,7 @@ def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
 
     A tensor read in several regions (Llama's normed input by q, k and v; the residual stream by
     a norm and, later, by the add) is sent across a boundary once, then forwarded (Note [stages
-    talk only to their neighbours] in partitioner/split.py). So each tensor becomes one edge to
+    talk only to their neighbours] in partitioner/codegen/split.py). So each tensor becomes one edge to
     its last reader (highest region id) carrying its bytes, 0-byte edges to its other readers,
     and 0-byte edges from those readers to the last one: that ordering (no reader on a later
     stage than the last) makes "crosses boundary k" the same test for the tensor as for its one

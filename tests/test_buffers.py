@@ -202,7 +202,7 @@ class _ReadThenUpdatedElsewhere(torch.nn.Module):
 
 
 def test_buffer_updated_on_one_stage_and_read_on_another_is_refused():
-    from partitioner.split import check_mutable_buffers, mutated_buffers
+    from partitioner.codegen.split import check_mutable_buffers, mutated_buffers
     from partitioner.trace import trace
 
     gm = trace(_ReadThenUpdatedElsewhere(), (torch.zeros(2, 4),)).gm

@@ -195,7 +195,7 @@ def test_last_stage_carries_the_loss_and_a_real_stage_stays_under_its_prediction
     the plan's prediction must not be below it."""
     from partitioner.calibrate import LiveBytes
     from partitioner.analysis import annotate, build_problem
-    from partitioner.split import split_graph
+    from partitioner.codegen.split import split_graph
     from partitioner.trace import trace
     from runtime.data import causal_lm_loss
     from runtime.train import make_optimizer

@@ -1,4 +1,4 @@
-"""Regions the plan recomputes run under activation checkpointing (partitioner/recompute.py,
+"""Regions the plan recomputes run under activation checkpointing (partitioner/codegen/recompute.py,
 runtime/recompute.py), on devices whose memory makes the solver choose it.
 
 The twin of every recompute folder is the same plan with no region recomputed ("plain"): same
