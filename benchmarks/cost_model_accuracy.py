@@ -6,7 +6,7 @@ For the built-in GPT, Hugging Face GPT-2 and Hugging Face Llama (sizes that trai
 second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of the example batch,
 1F1B):
 
-1. calibrate on this machine (partitioner/calibrate.py: every region and every distinct op run
+1. calibrate on this machine (partitioner/calibrate/: every region and every distinct op run
    alone, median of repeats, weighted NNLS fit), one profile per model;
 2. compile with that profile and write the program folder;
 3. measure every stage module (runtime.stage.build_stage on the folder) alone: forward + backward

@@ -61,7 +61,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
     ``target_bytes``: the loss target of one example batch (``target_bytes_of``).
 
     ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
-    time model on their kind (Note [the fitted time model] in partitioner/calibrate.py)."""
+    time model on their kind (Note [the fitted time model] in partitioner/calibrate/)."""
     from partitioner.calibrate import apply_profiles
 
     from passes.regions import region_cut_edges, region_edges, region_table, region_ties

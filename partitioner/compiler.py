@@ -5,7 +5,7 @@
 
     traced   = trace the model, random ops keyed          partitioner/analysis.py
     annotate = shapes → flops → memory → regions          partitioner/analysis.py, passes/
-    profile  = (optional) measure regions here and fit the time model (partitioner/calibrate.py)
+    profile  = (optional) measure regions here and fit the time model (partitioner/calibrate/)
     problem  = the region graph as plain numbers          partitioner/analysis.py
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
     plan     = the frozen Plan, with the baselines beside it (this module)
