@@ -126,7 +126,7 @@ class FakeTerminal(io.StringIO):
 
 
 def test_terminal_progress_overwrites_one_line_per_step(monkeypatch):
-    from partitioner.progress import CompileProgress
+    from partitioner.cli.progress import CompileProgress
     from partitioner.solver.solve import CandidateRecord, SolveProgress
 
     monkeypatch.setenv("COLUMNS", "300")  # status lines are cut to the terminal's width
