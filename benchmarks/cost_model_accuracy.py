@@ -24,7 +24,7 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
    PipelineStage: the global batch, an activation and a gradient receive buffer per microbatch,
    1F1B with min(p - s, m) microbatches in flight, the outputs kept until their backward, the
    loss on the last stage, gradients, the fused AdamW step, zero_grad. Predicted: the plan's
-   peak_memory_bytes (Note [memory model] in partitioner/solver/check.py);
+   peak_memory_bytes (Note [memory model] in partitioner/solver/evaluate.py);
 6. memory-binding cases (memory only): a capacity 8% under the best recompute-free plan's peak,
    so the solver recomputes (the generated program does not recompute yet on this branch: those
    stages run from the split graph with recomputed regions under torch.utils.checkpoint), and a
@@ -294,7 +294,7 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     from partitioner.cluster import ClusterSpec
     from partitioner.analysis import analyze, build_problem
     from partitioner.models import load_workload
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, in_flight_microbatches, place_stages
     from runtime.stage import build_stage
 

@@ -46,7 +46,7 @@ def predicted(plan, workload, recompute: bool):
     """(step time s, peak bytes per stage) of the plan's assignment with or without its recompute."""
     from partitioner.cluster import ClusterSpec
     from partitioner.analysis import analyze, build_problem
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, place_stages
 
     gm, _ = analyze(workload, granularity=plan.granularity)

@@ -70,7 +70,7 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     from partitioner.cluster import ClusterSpec
     from partitioner.compiler import analyze, build_problem
     from partitioner.models import load_workload
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages
 
     plans = []

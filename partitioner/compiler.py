@@ -97,7 +97,7 @@ def compile_workload(
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
     from passes.regions import region_table
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
 
     assignment = solution.assignment

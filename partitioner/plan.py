@@ -24,7 +24,7 @@ TIMING_KEYS = ("solve_time_s",)
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """A stage's predicted memory by term (Note [memory model] in partitioner/solver/check.py)."""
+    """A stage's predicted memory by term (Note [memory model] in partitioner/solver/evaluate.py)."""
 
     params_bytes: int
     grads_bytes: int

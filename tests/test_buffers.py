@@ -230,7 +230,7 @@ def test_a_held_buffer_costs_memory_not_time():
     """The solver's check holds a buffer on every stage that reads it (its bytes on each) but
     prices no gradient sum for it, unlike a tied parameter."""
     from partitioner.solver import problem as sp
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
 
     regions = tuple(sp.Region(name=f"r{i}", fwd_flops_per_sample=1e6, bwd_flops_per_sample=2e6, param_bytes=1000,
                               grad_bytes=1000, optimizer_bytes=2000, activation_bytes_per_sample=10,

@@ -15,7 +15,7 @@ from partitioner.cluster import ClusterSpec
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
 from partitioner.solver import problem as sp
 from partitioner.solver import serialize
-from partitioner.solver.check import evaluate
+from partitioner.solver.evaluate import evaluate
 
 GOLDEN = Path(__file__).parent / "golden"
 KIB, GIB = 2**10, 2**30

@@ -1,4 +1,4 @@
-"""The memory model (Note [memory model] in partitioner/solver/check.py): each term where it
+"""The memory model (Note [memory model] in partitioner/solver/evaluate.py): each term where it
 belongs, the ILP equal to the checker with every term in play, the usable-memory override of a
 cluster file, and one real stage whose measured peak stays under the prediction."""
 
@@ -14,7 +14,8 @@ from partitioner.cluster import GIB, ClusterSpec
 from partitioner.solver import Assignment, Edge, PartitionProblem, Region, SolverConfig, evaluate, place_stages
 from partitioner.solver import solve_candidate
 from partitioner.solver.chain_dp import chain_lower_bound_s
-from partitioner.solver.check import candidate_lower_bound_s, structural_violations
+from partitioner.solver.bounds import candidate_lower_bound_s
+from partitioner.solver.check import structural_violations
 
 MIB = 2**20
 

@@ -7,7 +7,7 @@ every maximal run of consecutive nodes of one recomputed region moves into a gra
 Codegen emits each run as a method of the Stage class, named after its region
 (``recompute_block_0``), which reads its parameters from ``self`` like the forward does.
 
-Note [recompute keeps a region's inputs]: the cost model (partitioner/solver/check.py, Note [cost
+Note [recompute keeps a region's inputs]: the cost model (partitioner/solver/evaluate.py, Note [cost
 model]) charges a recomputed region its inputs instead of its saved activations, and its forward
 once more in backward. One checkpoint per region keeps exactly that: a run saves only the tensors
 it reads from outside (parameters are held anyway), and its backward recomputes one region at a

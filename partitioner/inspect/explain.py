@@ -3,7 +3,7 @@ the region to a neighbouring stage would do to the predicted step.
 
 Note [priced moves]
     Moves are priced by the solver's own cost model (``evaluate`` and ``structural_violations``
-    in partitioner/solver/check.py) on the solver's own problem and assignment, which the compiler
+    in partitioner/solver/evaluate.py and check.py) on the solver's own problem and assignment, which the compiler
     stores in plan.json beside the plan (partitioner/solver/serialize.py). So a move's figures
     are the ones the solver would have seen, with no estimate in between.
 """
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from partitioner.cluster import ClusterSpec
 from partitioner.inspect.units import held, human_bytes, ms, si
-from partitioner.solver.check import evaluate, structural_violations
+from partitioner.solver.check import structural_violations
+from partitioner.solver.evaluate import evaluate
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
 

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from partitioner.cluster import ClusterSpec, LinkSpec
-from partitioner.solver.check import plan_links
 from partitioner.solver.model_hints import SearchHelp
 from partitioner.solver.model_memory import MemoryConstraints
 from partitioner.solver.model_placement import PlacementConstraints
@@ -62,6 +61,7 @@ from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
     in_flight_microbatches,
+    plan_links,
     region_times_s,
 )
 

@@ -7,7 +7,7 @@ Note [region accounting]
     ``param_bytes``/``grad_bytes``/``optimizer_bytes`` of the first region that uses it, and is
     described again by a ``Tie``. When the tie's regions land on different stages, every other
     stage that holds one of them keeps a replica (memory) and the replicas' gradients are summed
-    once per step (time); see ``evaluate`` in check.py.
+    once per step (time); see ``evaluate`` in evaluate.py.
 
 Note [time model]
     ``region_times_s`` is the one place that turns a region into seconds on a device. By default
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec
+from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
 
 __all__ = [
     "Region",
@@ -55,6 +55,7 @@ __all__ = [
     "core_sharing_factor",
     "in_flight_microbatches",
     "place_stages",
+    "plan_links",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -97,7 +98,7 @@ class Region:
     recompute_activation_bytes_per_sample: int
     layer: int | None = None
     # Gradient bytes alive at once during this region's backward, beyond saved activations and
-    # model state (Note [memory model] in check.py): per sample (activation gradients) and fixed
+    # model state (Note [memory model] in evaluate.py): per sample (activation gradients) and fixed
     # (fresh parameter gradients, whatever the microbatch size); a recomputed region adds its
     # rerun forward's saved activations (activation_bytes_per_sample) to it.
     transient_bytes_per_sample: int = 0
@@ -181,7 +182,7 @@ ALLREDUCE_BUCKET_ELEMS = 1 << 25
 class PartitionProblem:
     """``input_bytes_per_sample`` / ``target_bytes_per_sample``: one sample of the model inputs
     and of the loss target (every rank builds the whole global batch; Note [memory model] in
-    check.py). ``allreduce_bucket_bytes``: the largest flat buffer the data-parallel gradient
+    evaluate.py). ``allreduce_bucket_bytes``: the largest flat buffer the data-parallel gradient
     all-reduce builds, max(2**25 elements, the largest gradient tensor) in bytes."""
 
     regions: tuple[Region, ...]
@@ -352,3 +353,29 @@ def place_stages(
         placement.append(tuple(pool[:dp]))
         del pool[:dp]
     return tuple(placement)
+
+
+def plan_links(
+    cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]
+) -> tuple[list[LinkSpec], list[LinkSpec | None], LinkSpec | None]:
+    """(boundary links, data-parallel link per stage, tie link) of a placement (Note [cost model] in evaluate.py).
+
+    Boundary k joins stage k and k + 1: the slowest link between them over the replicas.
+    Stage s's all-reduce: the slowest link among its replicas (None when dp = 1). Ties: the
+    slowest link within one replica's pipeline, worst over replicas (None for one stage).
+    """
+    num_stages, dp = len(placement), len(placement[0])
+    boundary = [
+        max(
+            (cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
+            key=lambda link: (1.0 / link.bandwidth_bytes_per_s, link.latency_s),
+        )
+        for k in range(num_stages - 1)
+    ]
+    dp_links = [cluster.slowest_link(list(row)) for row in placement]
+    tie_link = None
+    for r in range(dp):
+        link = cluster.slowest_link([placement[s][r] for s in range(num_stages)])
+        if link is not None and (tie_link is None or link.bandwidth_bytes_per_s < tie_link.bandwidth_bytes_per_s):
+            tie_link = link
+    return boundary, dp_links, tie_link

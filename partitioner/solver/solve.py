@@ -39,16 +39,14 @@ from typing import Callable, Mapping
 from partitioner.cluster import GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver.baselines import BaselineCost, baseline_assignments, evaluate_baselines
-from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
-from partitioner.solver.check import (
-    StageCost,
-    TieCost,
+from partitioner.solver.bounds import (
     allreduce_lower_bound_s,
     candidate_lower_bound_s,
     core_sharing_lower_bound,
-    check_assignment,
-    evaluate,
 )
+from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
+from partitioner.solver.check import check_assignment
+from partitioner.solver.evaluate import StageCost, TieCost, evaluate
 from partitioner.solver.model import CandidateModel, SolverConfig
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages, schedule_refusal
 
