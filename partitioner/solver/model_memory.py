@@ -1,5 +1,6 @@
 """Constraint families of the CandidateModel that bound memory per stage (Note [memory model] in
-partitioner/solver/evaluate.py): every coefficient that adds memory rounded up (Note [ILP scaling])."""
+partitioner/solver/evaluate.py): every coefficient that adds memory rounded up (Note [ILP scaling] in
+model.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Constraint families of the CandidateModel that price time: stage times, the bottleneck, the
-prefix-work cuts (Note [search help]), data-parallel all-reduce, ties, and the objective
-(Note [cost model] in partitioner/solver/evaluate.py, in integer units: Note [ILP scaling])."""
+prefix-work cuts (Note [search help] in model.py), data-parallel all-reduce, ties, and the objective
+(Note [cost model] in partitioner/solver/evaluate.py, in integer units: Note [ILP scaling] in model.py)."""
 
 from __future__ import annotations
 
