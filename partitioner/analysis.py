@@ -73,7 +73,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
         incoming[dst] += num_bytes
     updating = updating_regions(gm)
     regions = tuple(
-        sp.Region(
+        sp.RegionCost(
             name=r.name,
             fwd_flops_per_sample=r.fwd_flops / batch_size,
             bwd_flops_per_sample=r.bwd_flops / batch_size,
@@ -97,7 +97,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
     problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in region_cut_edges(gm))
     # A buffer read by regions on several stages costs each holder its bytes and nothing else:
     # no gradient, no optimizer state, no sum (Note [stages talk only to their neighbours]).
-    ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes),
+    ties = tuple(sp.SharedParam(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes),
                         **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")

@@ -27,7 +27,7 @@ from partitioner import ir
 from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
 from partitioner.cluster import ClusterSpec
 from partitioner.compiled import Compiled
-from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
+from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.workload import Workload
 from runtime import randomness
 
@@ -133,7 +133,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             send_bytes=int(sc.send_bytes),
         ))
     regions = tuple(
-        Region(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
+        PlanRegion(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
                nodes=tuple(table[r].node_names), layer=problem.regions[r].layer,
                flops_fwd=problem.regions[r].fwd_flops_per_sample,
                flops_bwd=problem.regions[r].bwd_flops_per_sample,
@@ -144,7 +144,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     )
     cut_edges = tuple(_cut_edges(gm, stage_of, b, workload.example_batch_size))
     ties = tuple(
-        Tie(param=name, stages=tuple(sorted({stage_of[r] for r in regs})),
+        PlanTie(param=name, stages=tuple(sorted({stage_of[r] for r in regs})),
             placement="colocated" if len({stage_of[r] for r in regs}) == 1 else "replicated",
             cost_s=next((t.cost_s for t in cost.ties if set(t.regions) == set(regs)), 0.0))
         for name, _nbytes, regs in _ties(gm)

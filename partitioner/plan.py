@@ -61,7 +61,10 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class Region:
+class PlanRegion:
+    """A region as the plan places it. The same region is a ``RegionRow`` of passes/regions.py (what the
+    passes measured) and a ``RegionCost`` of partitioner/solver/problem.py (what the solver prices)."""
+
     id: int
     name: str
     stage: int
@@ -86,7 +89,9 @@ class CutEdge:
 
 
 @dataclass(frozen=True)
-class Tie:
+class PlanTie:
+    """A parameter several stages hold, as placed (``SharedParam`` to the solver, ``TieRow`` to the passes)."""
+
     param: str
     stages: tuple[int, ...]
     placement: str                   # "colocated" or "replicated"
@@ -106,9 +111,9 @@ class Plan:
     world_size: int
     device_type: str                 # "cpu" or "cuda": decides gloo or nccl
     stages: tuple[StagePlan, ...]
-    regions: tuple[Region, ...]
+    regions: tuple[PlanRegion, ...]
     cut_edges: tuple[CutEdge, ...]
-    ties: tuple[Tie, ...]
+    ties: tuple[PlanTie, ...]
     predicted: dict                  # step_time_s, bubble_fraction, lower_bound_step_time_s, samples_per_s
     solver: dict                     # status, objective, bound, gap, solve_time_s, candidates
     baselines: dict                  # {"uniform": {"step_time_s"}, "param_balanced": {...}}
@@ -154,11 +159,11 @@ class Plan:
                "stages": tuple(StagePlan(**{**s, "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),
                                            "region_names": tuple(s["region_names"]),
                                            "memory": MemoryBreakdown(**s["memory"])}) for s in body["stages"]),
-               "regions": tuple(Region(**{**r, "nodes": tuple(r["nodes"])}) for r in body["regions"]),
+               "regions": tuple(PlanRegion(**{**r, "nodes": tuple(r["nodes"])}) for r in body["regions"]),
                "cut_edges": tuple(CutEdge(**{**e, "tensors": tuple(e["tensors"]),
                                             "shapes": tuple(tuple(x) for x in e["shapes"]),
                                             "boundaries": tuple(e["boundaries"])}) for e in body["cut_edges"]),
-               "ties": tuple(Tie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
+               "ties": tuple(PlanTie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
         if stated is not None and stated != plan.content_hash():
             from partitioner.errors import PlanMismatchError
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from partitioner import ir
 from partitioner.cluster import GIB, ClusterSpec
-from partitioner.solver import Assignment, Edge, PartitionProblem, Region, SolverConfig, evaluate, place_stages
+from partitioner.solver import Assignment, Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, place_stages
 from partitioner.solver import solve_candidate
 from partitioner.solver.chain_dp import chain_lower_bound_s
 from partitioner.solver.bounds import candidate_lower_bound_s
@@ -21,7 +21,7 @@ MIB = 2**20
 
 
 def chain(num_regions=4, *, act=MIB, transient=0, edge=MIB // 4, grads=MIB, **problem_kw):
-    regions = tuple(Region(f"r{i}", 1e9, 2e9, grads, grads, 2 * grads, act, act // 8,
+    regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, grads, grads, 2 * grads, act, act // 8,
                            transient_bytes_per_sample=transient * (i + 1)) for i in range(num_regions))
     edges = tuple(Edge(i, i + 1, edge) for i in range(num_regions - 1))
     return PartitionProblem(regions, edges, **problem_kw)
@@ -63,7 +63,7 @@ def test_transient_is_the_largest_region_not_the_sum_and_grows_with_recompute():
 
 
 def test_parameter_gradients_in_the_transient_do_not_scale_with_the_microbatch():
-    region = Region("r", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8, transient_bytes_per_sample=MIB,
+    region = RegionCost("r", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8, transient_bytes_per_sample=MIB,
                     transient_fixed_bytes=3 * MIB)
     assert region.transient_bytes(1, False) == 4 * MIB and region.transient_bytes(4, False) == 7 * MIB
     assert region.transient_bytes(4, True) == 4 * (MIB + MIB) + 3 * MIB
@@ -94,7 +94,7 @@ def _random_problem(seed: int, n: int) -> PartitionProblem:
     for i in range(n):
         static = rng.randint(1, 4) * MIB
         act = rng.randint(0, 3) * MIB
-        regions.append(Region(f"r{i}", rng.uniform(0.5, 3) * 1e9, rng.uniform(1, 6) * 1e9, static // 4,
+        regions.append(RegionCost(f"r{i}", rng.uniform(0.5, 3) * 1e9, rng.uniform(1, 6) * 1e9, static // 4,
                               static // 4, static // 2, act, act // 4,
                               transient_bytes_per_sample=rng.randint(0, 4) * MIB))
     edges = tuple(Edge(i, i + 1, rng.randint(0, 3) * MIB // 4) for i in range(n - 1))

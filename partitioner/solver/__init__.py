@@ -1,6 +1,6 @@
 """The partition solver: plain-number problem in, verified plan out (no torch import here).
 
-    problem.py          Region / Edge / Tie / PartitionProblem, Assignment, the time model, links
+    problem.py          RegionCost / Edge / SharedParam / PartitionProblem, Assignment, the time model, links
     evaluate.py         evaluate(): the float cost model (Notes [cost model], [memory model])
     bounds.py           lower bounds on the step time, for pruning and for the report
     check.py            check_assignment(): the independent verifier
@@ -28,8 +28,8 @@ from partitioner.solver.problem import (
     Assignment,
     Edge,
     PartitionProblem,
-    Region,
-    Tie,
+    RegionCost,
+    SharedParam,
     in_flight_microbatches,
     place_stages,
     region_times_s,
@@ -38,8 +38,8 @@ from partitioner.solver.solve import CandidateRecord, Solution, solve, solve_can
 
 __all__ = [
     "Assignment", "AssignmentError", "BaselineCost", "CandidateRecord", "ChainDPResult", "CostBreakdown", "Edge",
-    "PartitionProblem", "Region", "SCHEDULES", "Solution", "SolverConfig", "StageCost", "Tie", "TieCost",
-    "check_assignment", "evaluate", "evaluate_baselines", "in_flight_microbatches", "lower_bound_step_time_s",
-    "param_balanced_split", "place_stages", "region_times_s", "solve", "solve_candidate", "solve_chain_dp",
-    "uniform_split",
+    "PartitionProblem", "RegionCost", "SCHEDULES", "SharedParam", "Solution", "SolverConfig", "StageCost",
+    "TieCost", "check_assignment", "evaluate", "evaluate_baselines", "in_flight_microbatches",
+    "lower_bound_step_time_s", "param_balanced_split", "place_stages", "region_times_s", "solve", "solve_candidate",
+    "solve_chain_dp", "uniform_split",
 ]
