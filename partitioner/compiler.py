@@ -120,8 +120,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             regions=regs,
             region_names=tuple(problem.regions[r].name for r in regs),
             params=int(params // elem),
-            flops_fwd=float(sum(problem.regions[r].fwd_flops_per_sample for r in regs) * b),
-            flops_bwd=float(sum(problem.regions[r].bwd_flops_per_sample for r in regs) * b),
+            fwd_flops=float(sum(problem.regions[r].fwd_flops_per_sample for r in regs) * b),
+            bwd_flops=float(sum(problem.regions[r].bwd_flops_per_sample for r in regs) * b),
             compute_time_s=sc.compute_s,
             comm_time_s=sc.comm_s,
             predicted_time_s=sc.time_s,
@@ -135,8 +135,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     regions = tuple(
         PlanRegion(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
                nodes=tuple(table[r].node_names), layer=problem.regions[r].layer,
-               flops_fwd=problem.regions[r].fwd_flops_per_sample,
-               flops_bwd=problem.regions[r].bwd_flops_per_sample,
+               fwd_flops=problem.regions[r].fwd_flops_per_sample,
+               bwd_flops=problem.regions[r].bwd_flops_per_sample,
                param_bytes=problem.regions[r].param_bytes,
                activation_bytes=problem.regions[r].activation_bytes_per_sample,
                transient_bytes=problem.regions[r].transient_bytes_per_sample)

@@ -32,14 +32,14 @@ DESIGN_STAGE = {"index", "ranks", "device", "regions", "params", "flops_fwd", "f
 def _region(id, name, stage, layer, fwd, params, act, recompute=False):
     nodes = tuple(f"{name.replace('.', '_')}_{k}" for k in ("weight", "linear", "add"))
     return PlanRegion(id=id, name=name, stage=stage, recompute=recompute, nodes=nodes, layer=layer,
-                  flops_fwd=fwd, flops_bwd=2 * fwd, param_bytes=params, activation_bytes=act)
+                  fwd_flops=fwd, bwd_flops=2 * fwd, param_bytes=params, activation_bytes=act)
 
 
 def _stage(index, regions, names, params, fwd, time_s, mem, send):
     weights, acts = mem
     memory = MemoryBreakdown(weights, weights, 2 * weights, acts, 2 * KIB)
     return StagePlan(index=index, ranks=(index,), device="cpu", regions=regions, region_names=names,
-                     params=params, flops_fwd=fwd, flops_bwd=2 * fwd, compute_time_s=time_s * 0.9,
+                     params=params, fwd_flops=fwd, bwd_flops=2 * fwd, compute_time_s=time_s * 0.9,
                      comm_time_s=time_s * 0.1, predicted_time_s=time_s, memory=memory,
                      peak_memory_bytes=memory.total_bytes, memory_capacity_bytes=16 * GIB, send_bytes=send)
 
@@ -78,7 +78,7 @@ def hand_plan() -> Plan:
 
 def hand_problem() -> tuple[sp.PartitionProblem, sp.Assignment]:
     """The solver's view of hand_plan(): its regions, the chain and the skip edge, the tie."""
-    figures = [(r.name, r.flops_fwd, r.param_bytes, r.activation_bytes, r.layer) for r in hand_plan().regions]
+    figures = [(r.name, r.fwd_flops, r.param_bytes, r.activation_bytes, r.layer) for r in hand_plan().regions]
     regions = tuple(sp.RegionCost(name, fwd, 2 * fwd, params, params, 2 * params, act, act // 4 if name == "block.1" else act,
                               layer=layer) for name, fwd, params, act, layer in figures)
     edges = tuple(sp.Edge(i, i + 1, 512) for i in range(4)) + (sp.Edge(0, 4, 512),)
