@@ -14,7 +14,7 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
    batch), backward from fixed random output gradients, one torch thread (what `partitioner run`
    gives each rank), median of --repeats after warm-up;
 4. predict the same stages (the same assignment) with the cost model
-   (partitioner.solver.check.evaluate, compute time of a stage) three ways: the datasheet model
+   (partitioner.solver.evaluate.evaluate, compute time of a stage) three ways: the datasheet model
    (FLOPs / the cpu preset's 50 GFLOP/s), the model's own calibrated profile, and - to show how
    a profile transfers - the profile fitted on the built-in GPT;
 5. peak memory of a rank (``runtime_peak``): parameters, buffers and AdamW state (bytes of the

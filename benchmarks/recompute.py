@@ -8,7 +8,7 @@ regions, and write the plan's program ("recompute") and the same plan with recom
 every rank's peak measured (runtime/memory.py, Note [what a rank's peak counts]; live tensor
 storages on CPU), then unmeasured for step time (median of the steps after the first, best of
 --rounds launches that alternate which program trains first). Predicted
-figures are the cost model's (partitioner.solver.check.evaluate) for each assignment.
+figures are the cost model's (partitioner.solver.evaluate.evaluate) for each assignment.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Solution:
     microbatch_size: int
     schedule: str
     global_batch: int
-    # predicted, recomputed in floats by check.evaluate
+    # predicted, recomputed in floats by evaluate.evaluate
     stages: tuple[StageCost, ...]
     step_time_s: float
     bubble_fraction: float
