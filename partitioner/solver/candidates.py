@@ -18,6 +18,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.model import CandidateModel, SolverConfig
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages, schedule_refusal
 from partitioner.solver.solution import Solution
+
 __all__ = ["enumerate_candidates", "solve_candidate", "validate_request"]
 
 

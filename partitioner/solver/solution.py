@@ -19,6 +19,7 @@ from partitioner.cluster import GIB
 from partitioner.solver.baselines import BaselineCost
 from partitioner.solver.evaluate import StageCost, TieCost
 from partitioner.solver.problem import Assignment
+
 __all__ = ["CandidateRecord", "Solution", "SolveProgress"]
 
 

@@ -43,6 +43,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.model import CandidateModel, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
+
 __all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate"]
 
 
