@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m partitioner.demo
+	$(PY) -m partitioner.cli.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -x --durations=10

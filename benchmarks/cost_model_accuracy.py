@@ -6,7 +6,7 @@ For the built-in GPT, Hugging Face GPT-2 and Hugging Face Llama (sizes that trai
 second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of the example batch,
 1F1B):
 
-1. calibrate on this machine (partitioner/calibrate.py: every region and every distinct op run
+1. calibrate on this machine (partitioner/calibrate/: every region and every distinct op run
    alone, median of repeats, weighted NNLS fit), one profile per model;
 2. compile with that profile and write the program folder;
 3. measure every stage module (runtime.stage.build_stage on the folder) alone: forward + backward
@@ -14,7 +14,7 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
    batch), backward from fixed random output gradients, one torch thread (what `partitioner run`
    gives each rank), median of --repeats after warm-up;
 4. predict the same stages (the same assignment) with the cost model
-   (partitioner.solver.check.evaluate, compute time of a stage) three ways: the datasheet model
+   (partitioner.solver.evaluate.evaluate, compute time of a stage) three ways: the datasheet model
    (FLOPs / the cpu preset's 50 GFLOP/s), the model's own calibrated profile, and - to show how
    a profile transfers - the profile fitted on the built-in GPT;
 5. peak memory of a rank (``runtime_peak``): parameters, buffers and AdamW state (bytes of the
@@ -24,7 +24,7 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
    PipelineStage: the global batch, an activation and a gradient receive buffer per microbatch,
    1F1B with min(p - s, m) microbatches in flight, the outputs kept until their backward, the
    loss on the last stage, gradients, the fused AdamW step, zero_grad. Predicted: the plan's
-   peak_memory_bytes (Note [memory model] in partitioner/solver/check.py);
+   peak_memory_bytes (Note [memory model] in partitioner/solver/evaluate.py);
 6. memory-binding cases (memory only): a capacity 8% under the best recompute-free plan's peak,
    so the solver recomputes (the generated program does not recompute yet on this branch: those
    stages run from the split graph with recomputed regions under torch.utils.checkpoint), and a
@@ -294,7 +294,7 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     from partitioner.cluster import ClusterSpec
     from partitioner.analysis import analyze, build_problem
     from partitioner.models import load_workload
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, in_flight_microbatches, place_stages
     from runtime.stage import build_stage
 
@@ -395,7 +395,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     from partitioner.analysis import analyze
     from partitioner.models import load_workload
     from partitioner.solver.problem import in_flight_microbatches
-    from partitioner.split import split_graph
+    from partitioner.codegen.split import split_graph
     from runtime.stage import build_stage
 
     workload = load_workload(spec)

@@ -24,15 +24,15 @@ Formulas (per sample = one sequence of s tokens):
 
 from __future__ import annotations
 
-from partitioner.solver.problem import Edge, PartitionProblem, Region, Tie
+from partitioner.solver.problem import Edge, PartitionProblem, RegionCost, SharedParam
 
 __all__ = ["gpt_like_problem", "gpt2_small", "llama_like", "PARAM_BYTES", "GRAD_BYTES", "OPTIMIZER_BYTES"]
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
 
 
-def _region(name, params, fwd_flops, saved, recompute_saved, layer=None) -> Region:
-    return Region(
+def _region(name, params, fwd_flops, saved, recompute_saved, layer=None) -> RegionCost:
+    return RegionCost(
         name=name,
         fwd_flops_per_sample=float(fwd_flops),
         bwd_flops_per_sample=2.0 * fwd_flops,
@@ -83,7 +83,7 @@ def gpt_like_problem(
         head_params = 0 if tied else V * h
         regions.append(_region("head", head_params + h, 2 * s * h * V, residual + 4 * s * V, residual + 4 * s * V))
         edges.append(Edge(previous, len(regions) - 1, residual))
-        ties = (Tie(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
+        ties = (SharedParam(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
         return PartitionProblem(regions=tuple(regions), edges=tuple(edges), ties=ties, input_bytes_per_sample=8 * s)
     for layer in range(layers):
         if granularity == "fine":
@@ -97,7 +97,7 @@ def gpt_like_problem(
     head_params = 0 if tied else V * h
     regions.append(_region("head", head_params + h, 2 * s * h * V, residual + 4 * s * V, residual + 4 * s * V))
     edges = tuple(Edge(i, i + 1, residual) for i in range(len(regions) - 1))
-    ties = (Tie(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
+    ties = (SharedParam(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
     return PartitionProblem(regions=tuple(regions), edges=edges, ties=ties, input_bytes_per_sample=8 * s)
 
 

@@ -3,10 +3,10 @@ lower bound, on synthetic GPT-like problems (formulas in gpt_like.py).
 
     .venv/bin/python benchmarks/partition_quality.py [--time-limit 10]
 
-Every figure comes from the same float cost model (partitioner.solver.check.evaluate) at the
+Every figure comes from the same float cost model (partitioner.solver.evaluate.evaluate) at the
 same stages, dp, microbatches and schedule (1F1B); baselines place stage s on the devices in
 cluster order (what a hand-written torchrun launch does) and never recompute. Lower bound
-(check.lower_bound_step_time_s): perfectly divisible work, (m + p - 1) * W / p on identical
+(bounds.lower_bound_step_time_s): perfectly divisible work, (m + p - 1) * W / p on identical
 devices, balanced stages (m + p - 1) / sum_s(1 / W_s) on these heterogeneous ones; it leaves
 out communication, memory (recompute) and the data-parallel all-reduce, which every plan pays.
 

@@ -8,7 +8,7 @@ regions, and write the plan's program ("recompute") and the same plan with recom
 every rank's peak measured (runtime/memory.py, Note [what a rank's peak counts]; live tensor
 storages on CPU), then unmeasured for step time (median of the steps after the first, best of
 --rounds launches that alternate which program trains first). Predicted
-figures are the cost model's (partitioner.solver.check.evaluate) for each assignment.
+figures are the cost model's (partitioner.solver.evaluate.evaluate) for each assignment.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def predicted(plan, workload, recompute: bool):
     """(step time s, peak bytes per stage) of the plan's assignment with or without its recompute."""
     from partitioner.cluster import ClusterSpec
     from partitioner.analysis import analyze, build_problem
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, place_stages
 
     gm, _ = analyze(workload, granularity=plan.granularity)

@@ -13,7 +13,7 @@ and without data parallelism (global batch 16, microbatches of the example batch
    step time over the steps after the first. Each run waits (up to --quiet-wait s) until no other
    task is runnable; plans alternate over --rounds rounds and the fastest round counts: other
    work on a shared machine only ever adds time;
-3. predict the same assignment (check.evaluate) with the datasheet model (FLOPs / the cpu
+3. predict the same assignment (evaluate.evaluate) with the datasheet model (FLOPs / the cpu
    preset's rate) and with the calibrated profile; both include the whole-step terms (Note
    [whole-step terms] in partitioner/solver/problem.py): core sharing (ranks per core on this
    machine) and the per-microbatch stage overhead;
@@ -70,7 +70,7 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     from partitioner.cluster import ClusterSpec
     from partitioner.compiler import analyze, build_problem
     from partitioner.models import load_workload
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages
 
     plans = []

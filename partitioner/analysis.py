@@ -24,10 +24,10 @@ COSTING_RANDOMNESS = randomness.Context(seed=0, step=0, first_sample=0, microbat
 
 
 def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int):
-    """trace, then key every random op (partitioner/randomness.py): the graph the cost passes
+    """trace, then key every random op (partitioner/codegen/randomness.py): the graph the cost passes
     price is the graph the stages run (keyed attention with dropout is explicit attention, which
     keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
-    from partitioner.randomness import lower_randomness
+    from partitioner.codegen.randomness import lower_randomness
 
     traced = trace(workload.model, example_args, workload.example_kwargs)
     return traced, lower_randomness(traced.gm, batch_size=batch_size)
@@ -61,7 +61,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
     ``target_bytes``: the loss target of one example batch (``target_bytes_of``).
 
     ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
-    time model on their kind (Note [the fitted time model] in partitioner/calibrate.py)."""
+    time model on their kind (Note [the fitted time model] in partitioner/calibrate/)."""
     from partitioner.calibrate import apply_profiles
 
     from passes.regions import region_cut_edges, region_edges, region_table, region_ties
@@ -73,7 +73,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
         incoming[dst] += num_bytes
     updating = updating_regions(gm)
     regions = tuple(
-        sp.Region(
+        sp.RegionCost(
             name=r.name,
             fwd_flops_per_sample=r.fwd_flops / batch_size,
             bwd_flops_per_sample=r.bwd_flops / batch_size,
@@ -97,7 +97,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
     problem_edges = tuple(sp.Edge(src, dst, int(round(b / batch_size))) for src, dst, b in region_cut_edges(gm))
     # A buffer read by regions on several stages costs each holder its bytes and nothing else:
     # no gradient, no optimizer state, no sum (Note [stages talk only to their neighbours]).
-    ties = tuple(sp.Tie(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes),
+    ties = tuple(sp.SharedParam(regions=tuple(sorted(set(t.regions))), param_bytes=int(t.bytes),
                         **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
@@ -119,7 +119,7 @@ def updating_regions(gm: fx.GraphModule) -> set[str]:
     update a second time (running statistics counted twice per microbatch). The problem prices
     its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
     and lowering (partitioner/lower.py) does not checkpoint it even if a hand-made plan asks to."""
-    from partitioner.split import mutated_buffers
+    from partitioner.codegen.split import mutated_buffers
 
     updaters = {name for names in mutated_buffers(gm).values() for name in names}
     return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}

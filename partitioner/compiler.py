@@ -5,7 +5,7 @@
 
     traced   = trace the model, random ops keyed          partitioner/analysis.py
     annotate = shapes → flops → memory → regions          partitioner/analysis.py, passes/
-    profile  = (optional) measure regions here and fit the time model (partitioner/calibrate.py)
+    profile  = (optional) measure regions here and fit the time model (partitioner/calibrate/)
     problem  = the region graph as plain numbers          partitioner/analysis.py
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
     plan     = the frozen Plan, with the baselines beside it (this module)
@@ -27,7 +27,7 @@ from partitioner import ir
 from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
 from partitioner.cluster import ClusterSpec
 from partitioner.compiled import Compiled
-from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
+from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.workload import Workload
 from runtime import randomness
 
@@ -97,8 +97,8 @@ def compile_workload(
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
     from passes.regions import region_table
-    from partitioner.solver.check import evaluate
-    from partitioner.split import check_mutable_buffers
+    from partitioner.solver.evaluate import evaluate
+    from partitioner.codegen.split import check_mutable_buffers
 
     assignment = solution.assignment
     cost = evaluate(problem, cluster, assignment)
@@ -120,8 +120,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             regions=regs,
             region_names=tuple(problem.regions[r].name for r in regs),
             params=int(params // elem),
-            flops_fwd=float(sum(problem.regions[r].fwd_flops_per_sample for r in regs) * b),
-            flops_bwd=float(sum(problem.regions[r].bwd_flops_per_sample for r in regs) * b),
+            fwd_flops=float(sum(problem.regions[r].fwd_flops_per_sample for r in regs) * b),
+            bwd_flops=float(sum(problem.regions[r].bwd_flops_per_sample for r in regs) * b),
             compute_time_s=sc.compute_s,
             comm_time_s=sc.comm_s,
             predicted_time_s=sc.time_s,
@@ -133,10 +133,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             send_bytes=int(sc.send_bytes),
         ))
     regions = tuple(
-        Region(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
+        PlanRegion(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
                nodes=tuple(table[r].node_names), layer=problem.regions[r].layer,
-               flops_fwd=problem.regions[r].fwd_flops_per_sample,
-               flops_bwd=problem.regions[r].bwd_flops_per_sample,
+               fwd_flops=problem.regions[r].fwd_flops_per_sample,
+               bwd_flops=problem.regions[r].bwd_flops_per_sample,
                param_bytes=problem.regions[r].param_bytes,
                activation_bytes=problem.regions[r].activation_bytes_per_sample,
                transient_bytes=problem.regions[r].transient_bytes_per_sample)
@@ -144,7 +144,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     )
     cut_edges = tuple(_cut_edges(gm, stage_of, b, workload.example_batch_size))
     ties = tuple(
-        Tie(param=name, stages=tuple(sorted({stage_of[r] for r in regs})),
+        PlanTie(param=name, stages=tuple(sorted({stage_of[r] for r in regs})),
             placement="colocated" if len({stage_of[r] for r in regs}) == 1 else "replicated",
             cost_s=next((t.cost_s for t in cost.ties if set(t.regions) == set(regs)), 0.0))
         for name, _nbytes, regs in _ties(gm)
@@ -222,7 +222,7 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 
     The graph was traced at the example batch; shapes and bytes are restated per microbatch
     (a leading dimension equal to the example batch is the batch dimension)."""
-    from partitioner.split import boundary_names
+    from partitioner.codegen.split import boundary_names
 
     region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
     readable = boundary_names(gm)  # the names the stage files give them (Note [boundary names])

@@ -170,7 +170,7 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
         cls = transformers.BertForMaskedLM
     elif kind == "qwen2-moe":
         # A mixture of experts: its expert matmuls run through transformers' own custom op
-        # (Note [custom ops travel] in partitioner/codegen.py).
+        # (Note [custom ops travel] in partitioner/codegen/stage_code.py).
         config = transformers.Qwen2MoeConfig(num_hidden_layers=layers, hidden_size=width,
                                              num_attention_heads=heads, num_key_value_heads=heads,
                                              intermediate_size=2 * width, moe_intermediate_size=width // 2,

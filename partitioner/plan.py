@@ -21,10 +21,21 @@ PLAN_VERSION = 1
 # which no other file names.
 TIMING_KEYS = ("solve_time_s",)
 
+# Note [json keys]: the code spells FLOPs one way, ``fwd_flops`` / ``bwd_flops`` (as the passes and the
+# solver do); plan.json and `inspect --json` keep the keys users and scripts read (DESIGN section 11:
+# "flops_fwd", "flops_bwd"). ``to_dict`` and ``from_dict`` map one to the other, so the plan's
+# bytes and hash do not depend on the Python names.
+_JSON_KEYS = {"fwd_flops": "flops_fwd", "bwd_flops": "flops_bwd"}
+_FIELD_NAMES = {v: k for k, v in _JSON_KEYS.items()}
+
+
+def _renamed(item: dict, names: dict[str, str]) -> dict:
+    return {names.get(k, k): v for k, v in item.items()}
+
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """A stage's predicted memory by term (Note [memory model] in partitioner/solver/check.py)."""
+    """A stage's predicted memory by term (Note [memory model] in partitioner/solver/evaluate.py)."""
 
     params_bytes: int
     grads_bytes: int
@@ -49,8 +60,8 @@ class StagePlan:
     regions: tuple[int, ...]
     region_names: tuple[str, ...]
     params: int                      # parameter count (elements)
-    flops_fwd: float                 # one microbatch
-    flops_bwd: float
+    fwd_flops: float                 # one microbatch (plan.json: "flops_fwd", Note [json keys])
+    bwd_flops: float
     compute_time_s: float            # forward + backward of one microbatch
     comm_time_s: float               # sending this stage's outputs (and their gradients back)
     predicted_time_s: float          # compute + comm: what the bottleneck is taken over
@@ -61,15 +72,18 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class Region:
+class PlanRegion:
+    """A region as the plan places it. The same region is a ``RegionRow`` of passes/regions.py (what the
+    passes measured) and a ``RegionCost`` of partitioner/solver/problem.py (what the solver prices)."""
+
     id: int
     name: str
     stage: int
     recompute: bool
     nodes: tuple[str, ...]
     layer: int | None
-    flops_fwd: float                 # per sample
-    flops_bwd: float
+    fwd_flops: float                 # per sample (plan.json: "flops_fwd", Note [json keys])
+    bwd_flops: float
     param_bytes: int
     activation_bytes: int            # per sample
     transient_bytes: int = 0         # per sample, backward transient when not recomputed
@@ -86,7 +100,9 @@ class CutEdge:
 
 
 @dataclass(frozen=True)
-class Tie:
+class PlanTie:
+    """A parameter several stages hold, as placed (``SharedParam`` to the solver, ``TieRow`` to the passes)."""
+
     param: str
     stages: tuple[int, ...]
     placement: str                   # "colocated" or "replicated"
@@ -106,9 +122,9 @@ class Plan:
     world_size: int
     device_type: str                 # "cpu" or "cuda": decides gloo or nccl
     stages: tuple[StagePlan, ...]
-    regions: tuple[Region, ...]
+    regions: tuple[PlanRegion, ...]
     cut_edges: tuple[CutEdge, ...]
-    ties: tuple[Tie, ...]
+    ties: tuple[PlanTie, ...]
     predicted: dict                  # step_time_s, bubble_fraction, lower_bound_step_time_s, samples_per_s
     solver: dict                     # status, objective, bound, gap, solve_time_s, candidates
     baselines: dict                  # {"uniform": {"step_time_s"}, "param_balanced": {...}}
@@ -118,7 +134,10 @@ class Plan:
 
     # --- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return _jsonable(asdict(self))
+        body = _jsonable(asdict(self))
+        body["stages"] = [_renamed(s, _JSON_KEYS) for s in body["stages"]]   # Note [json keys]
+        body["regions"] = [_renamed(r, _JSON_KEYS) for r in body["regions"]]
+        return body
 
     def stable_dict(self) -> dict:
         """to_dict() without wall-clock figures (Note [plans are deterministic])."""
@@ -151,14 +170,14 @@ class Plan:
             raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}: recompile the plan")
         plan = cls(
             **{**body,
-               "stages": tuple(StagePlan(**{**s, "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),
+               "stages": tuple(StagePlan(**{**_renamed(s, _FIELD_NAMES), "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),
                                            "region_names": tuple(s["region_names"]),
                                            "memory": MemoryBreakdown(**s["memory"])}) for s in body["stages"]),
-               "regions": tuple(Region(**{**r, "nodes": tuple(r["nodes"])}) for r in body["regions"]),
+               "regions": tuple(PlanRegion(**{**_renamed(r, _FIELD_NAMES), "nodes": tuple(r["nodes"])}) for r in body["regions"]),
                "cut_edges": tuple(CutEdge(**{**e, "tensors": tuple(e["tensors"]),
                                             "shapes": tuple(tuple(x) for x in e["shapes"]),
                                             "boundaries": tuple(e["boundaries"])}) for e in body["cut_edges"]),
-               "ties": tuple(Tie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
+               "ties": tuple(PlanTie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
         if stated is not None and stated != plan.content_hash():
             from partitioner.errors import PlanMismatchError
 

@@ -7,13 +7,13 @@ import torch.fx as fx
 
 from passes.flops import annotate_flops
 from passes.memory import annotate_memory
-from passes.regions import (RegionCost, RegionTie, annotate_regions, region_cut_edges, region_edges, region_table,
+from passes.regions import (RegionRow, TieRow, annotate_regions, region_cut_edges, region_edges, region_table,
                             region_ties)
 from passes.shapes import annotate_shapes
 
 __all__ = [
     "annotate_shapes", "annotate_flops", "annotate_memory", "annotate_regions",
-    "region_table", "region_edges", "region_cut_edges", "region_ties", "RegionCost", "RegionTie", "run_all",
+    "region_table", "region_edges", "region_cut_edges", "region_ties", "RegionRow", "TieRow", "run_all",
 ]
 
 

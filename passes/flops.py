@@ -1,7 +1,7 @@
 """flops: forward and backward FLOPs of each node (``partitioner.flops``), for one microbatch.
 
 Every call_function node is run alone on fake inputs (Note [one op at a time, on fake inputs] in
-passes/_simulate.py) under ``torch.utils.flop_counter.FlopCounterMode``, forward, then
+passes/_fake_run.py) under ``torch.utils.flop_counter.FlopCounterMode``, forward, then
 ``torch.autograd.grad`` back to those of its inputs that require grad. So the backward counts
 only the gradients autograd really computes: ``mm``'s gradient with respect to an input that does
 not require grad (token ids, masks, buffers, anything computed from them only) costs nothing.
@@ -28,14 +28,14 @@ import torch.fx as fx
 from torch.utils.flop_counter import bmm_flop, sdpa_flop_count
 
 from partitioner import ir
-from passes._simulate import NodeSim, is_sdpa, simulate
+from passes._fake_run import NodeRun, is_sdpa, run_nodes_on_fake
 
 
 def _shape(value) -> tuple[int, ...]:
     return tuple(int(s) for s in value.meta["val"].shape)
 
 
-def sdpa_flops(node: fx.Node, sims: dict[fx.Node, NodeSim]) -> ir.FlopsMeta:
+def sdpa_flops(node: fx.Node, sims: dict[fx.Node, NodeRun]) -> ir.FlopsMeta:
     """FLOPs of one SDPA node (Note [attention by formula])."""
     names = ("query", "key", "value")
     query, key, value = (node.args[i] if len(node.args) > i else node.kwargs[names[i]] for i in range(3))
@@ -64,7 +64,7 @@ def sdpa_flops(node: fx.Node, sims: dict[fx.Node, NodeSim]) -> ir.FlopsMeta:
 
 @ir.graph_pass(writes=(ir.FLOPS,))
 def annotate_flops(gm: fx.GraphModule) -> fx.GraphModule:
-    sims = simulate(gm, count_flops=True, record_saved=False)
+    sims = run_nodes_on_fake(gm, count_flops=True, record_saved=False)
     for node in gm.graph.nodes:
         if is_sdpa(node):
             meta = sdpa_flops(node, sims)

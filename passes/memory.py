@@ -17,7 +17,7 @@ Mixed precision with fp32 master weights is not modelled (parameters are taken a
 
 Note [saved activations]: ``saved_activation_bytes`` is what autograd keeps from the forward until
 the backward. Each node is run alone on fake inputs under ``saved_tensors_hooks`` (Note [one op at
-a time, on fake inputs] in passes/_simulate.py) and every saved tensor is classified by storage:
+a time, on fake inputs] in passes/_fake_run.py) and every saved tensor is classified by storage:
 - (a view of) a node's output: counted once, on the node that owns that storage (through chains
   of views), however many consumers save it - the bytes are the owning storage's;
 - a tensor born inside the op that is no node's output (dropout masks, layer-norm mean/rstd,
@@ -59,7 +59,7 @@ import torch
 import torch.fx as fx
 
 from partitioner import ir
-from passes._simulate import get_module_attr, simulate
+from passes._fake_run import get_module_attr, run_nodes_on_fake
 
 OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 
@@ -166,7 +166,7 @@ def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
     """``loss_outside_graph``: the Workload applies a ``loss_fn`` to the graph's outputs (Note
     [the loss on the last stage])."""
     owners = state_bytes(gm, optimizer=optimizer)
-    sims = simulate(gm, count_flops=False, record_saved=True)
+    sims = run_nodes_on_fake(gm, count_flops=False, record_saved=True)
     transients, param_grads = backward_transients(gm, sims)
 
     saved_bytes: dict[fx.Node, int] = {node: sim.saved_internal_bytes for node, sim in sims.items()}

@@ -50,7 +50,7 @@ _CALL_SUFFIX = re.compile(r"@\d+$")
 
 
 @dataclass(frozen=True)
-class RegionCost:
+class RegionRow:
     """Costs of one region for one microbatch; FLOPs and bytes are sums over its nodes."""
 
     region_id: int
@@ -70,7 +70,7 @@ class RegionCost:
 
 
 @dataclass(frozen=True)
-class RegionTie:
+class TieRow:
     """Module state (a tied parameter, a shared buffer) read by more than one region."""
 
     name: str
@@ -343,7 +343,7 @@ def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
 
     A tensor read in several regions (Llama's normed input by q, k and v; the residual stream by
     a norm and, later, by the add) is sent across a boundary once, then forwarded (Note [stages
-    talk only to their neighbours] in partitioner/split.py). So each tensor becomes one edge to
+    talk only to their neighbours] in partitioner/codegen/split.py). So each tensor becomes one edge to
     its last reader (highest region id) carrying its bytes, 0-byte edges to its other readers,
     and 0-byte edges from those readers to the last one: that ordering (no reader on a later
     stage than the last) makes "crosses boundary k" the same test for the tensor as for its one
@@ -365,7 +365,7 @@ def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
     return [(s, d, b) for (s, d), b in sorted(edges.items())]
 
 
-def region_ties(gm: fx.GraphModule) -> list[RegionTie]:
+def region_ties(gm: fx.GraphModule) -> list[TieRow]:
     """Module state (get_attr targets) read from more than one region, e.g. GPT-2's tied
     embedding / LM head. Bytes are counted (Note [who owns model state] in passes/memory.py) in
     the first listed region only."""
@@ -380,7 +380,7 @@ def region_ties(gm: fx.GraphModule) -> list[RegionTie]:
             if rid not in found:
                 found.append(rid)
         nbytes[node.target] = ir.get(node, ir.SHAPE).output_bytes
-    return [RegionTie(name, nbytes[name], tuple(rids), _is_trainable(gm, name))
+    return [TieRow(name, nbytes[name], tuple(rids), _is_trainable(gm, name))
             for name, rids in regions_of.items() if len(rids) > 1]
 
 
@@ -394,8 +394,8 @@ def _is_trainable(gm: fx.GraphModule, target: str) -> bool:
     return value is not None and value.requires_grad
 
 
-def region_table(gm: fx.GraphModule) -> list[RegionCost]:
-    """One RegionCost per region, in region-id (topological) order. Needs shapes, flops, memory
+def region_table(gm: fx.GraphModule) -> list[RegionRow]:
+    """One RegionRow per region, in region-id (topological) order. Needs shapes, flops, memory
     and regions annotated."""
     members: dict[int, list[fx.Node]] = {}
     names: dict[int, str] = {}
@@ -416,7 +416,7 @@ def region_table(gm: fx.GraphModule) -> list[RegionCost]:
         nodes = members[rid]
         flops = [ir.get(n, ir.FLOPS) for n in nodes]
         memory = [ir.get(n, ir.MEMORY) for n in nodes]
-        table.append(RegionCost(
+        table.append(RegionRow(
             region_id=rid,
             name=names[rid],
             layer=_layer_of(names[rid]),

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from partitioner import ir
-from passes._simulate import get_module_attr, output_list
+from passes._fake_run import get_module_attr, output_list
 
 
 def _tensors_of(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:

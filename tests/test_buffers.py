@@ -202,7 +202,7 @@ class _ReadThenUpdatedElsewhere(torch.nn.Module):
 
 
 def test_buffer_updated_on_one_stage_and_read_on_another_is_refused():
-    from partitioner.split import check_mutable_buffers, mutated_buffers
+    from partitioner.codegen.split import check_mutable_buffers, mutated_buffers
     from partitioner.trace import trace
 
     gm = trace(_ReadThenUpdatedElsewhere(), (torch.zeros(2, 4),)).gm
@@ -230,16 +230,16 @@ def test_a_held_buffer_costs_memory_not_time():
     """The solver's check holds a buffer on every stage that reads it (its bytes on each) but
     prices no gradient sum for it, unlike a tied parameter."""
     from partitioner.solver import problem as sp
-    from partitioner.solver.check import evaluate
+    from partitioner.solver.evaluate import evaluate
 
-    regions = tuple(sp.Region(name=f"r{i}", fwd_flops_per_sample=1e6, bwd_flops_per_sample=2e6, param_bytes=1000,
+    regions = tuple(sp.RegionCost(name=f"r{i}", fwd_flops_per_sample=1e6, bwd_flops_per_sample=2e6, param_bytes=1000,
                               grad_bytes=1000, optimizer_bytes=2000, activation_bytes_per_sample=10,
                               recompute_activation_bytes_per_sample=10)
                     for i in range(2))
     split = sp.Assignment(stage_of_region=(0, 1), recompute=(False, False), device_of_stage_replica=((0,), (1,)),
                           num_stages=2, dp=1, num_microbatches=2, microbatch_size=1, schedule="1f1b")
     costs = {}
-    for kind, tie in (("param", sp.Tie((0, 1), 400)), ("buffer", sp.Tie((0, 1), 400, grad_bytes=0, optimizer_bytes=0))):
+    for kind, tie in (("param", sp.SharedParam((0, 1), 400)), ("buffer", sp.SharedParam((0, 1), 400, grad_bytes=0, optimizer_bytes=0))):
         problem = sp.PartitionProblem(regions=regions, edges=(sp.Edge(0, 1, 10),), ties=(tie,))
         costs[kind] = evaluate(problem, ClusterSpec.homogeneous(2, "cpu"), split)
     assert costs["buffer"].ties[0].cost_s == 0.0 < costs["param"].ties[0].cost_s

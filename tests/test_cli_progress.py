@@ -126,7 +126,7 @@ class FakeTerminal(io.StringIO):
 
 
 def test_terminal_progress_overwrites_one_line_per_step(monkeypatch):
-    from partitioner.progress import CompileProgress
+    from partitioner.cli.progress import CompileProgress
     from partitioner.solver.solve import CandidateRecord, SolveProgress
 
     monkeypatch.setenv("COLUMNS", "300")  # status lines are cut to the terminal's width
@@ -153,9 +153,9 @@ def test_terminal_progress_overwrites_one_line_per_step(monkeypatch):
 
 def test_solver_reports_candidates_incumbent_and_bound():
     from partitioner.cluster import ClusterSpec
-    from partitioner.solver import Edge, PartitionProblem, Region, SolverConfig, solve
+    from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, solve
 
-    regions = tuple(Region(f"r{i}", 1e9, 2e9, 1000, 1000, 6000, 100, 10) for i in range(4))
+    regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, 1000, 1000, 6000, 100, 10) for i in range(4))
     problem = PartitionProblem(regions, tuple(Edge(i, i + 1, 100) for i in range(3)), ())
     events = []
     sol = solve(problem, ClusterSpec.homogeneous(2), 8, config=SolverConfig(time_limit_s=5), progress=events.append)

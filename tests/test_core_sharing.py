@@ -4,14 +4,14 @@ the factor, its effect on the prediction, and the ILP, the checker and the chain
 import pytest
 
 from partitioner.cluster import CPU_MICROBATCH_OVERHEAD_S, ClusterSpec
-from partitioner.solver import Edge, PartitionProblem, Region, SolverConfig, evaluate, solve, solve_chain_dp
+from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, solve, solve_chain_dp
 from partitioner.solver.problem import core_sharing_factor, place_stages
 
 FAST = SolverConfig(time_limit_s=5)
 
 
 def chain(num_regions=4, fwd=1e9):
-    regions = tuple(Region(f"r{i}", fwd, 2 * fwd, 1000, 1000, 2000, 100, 10) for i in range(num_regions))
+    regions = tuple(RegionCost(f"r{i}", fwd, 2 * fwd, 1000, 1000, 2000, 100, 10) for i in range(num_regions))
     return PartitionProblem(regions, tuple(Edge(i, i + 1, 100) for i in range(num_regions - 1)))
 
 
@@ -54,7 +54,7 @@ def test_solver_uses_fewer_ranks_than_devices_when_cores_are_short():
 
 def test_chain_dp_matches_the_ilp_and_the_checker_under_core_sharing():
     problem = PartitionProblem(
-        tuple(Region(f"r{i}", (1 + i % 3) * 1e9, 2e9, 1000, 1000, 2000, 100, 10) for i in range(7)),
+        tuple(RegionCost(f"r{i}", (1 + i % 3) * 1e9, 2e9, 1000, 1000, 2000, 100, 10) for i in range(7)),
         tuple(Edge(i, i + 1, 100 * (i + 1)) for i in range(6)))
     cluster = ClusterSpec.homogeneous(3, "cpu", cores=2)
     sol = solve(problem, cluster, 6, num_stages=3, dp=1, microbatches=6, config=FAST)

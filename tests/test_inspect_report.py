@@ -12,10 +12,10 @@ import pytest
 
 from partitioner import inspect as report
 from partitioner.cluster import ClusterSpec
-from partitioner.plan import CutEdge, MemoryBreakdown, Plan, Region, StagePlan, Tie
+from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.solver import problem as sp
 from partitioner.solver import serialize
-from partitioner.solver.check import evaluate
+from partitioner.solver.evaluate import evaluate
 
 GOLDEN = Path(__file__).parent / "golden"
 KIB, GIB = 2**10, 2**30
@@ -31,15 +31,15 @@ DESIGN_STAGE = {"index", "ranks", "device", "regions", "params", "flops_fwd", "f
 
 def _region(id, name, stage, layer, fwd, params, act, recompute=False):
     nodes = tuple(f"{name.replace('.', '_')}_{k}" for k in ("weight", "linear", "add"))
-    return Region(id=id, name=name, stage=stage, recompute=recompute, nodes=nodes, layer=layer,
-                  flops_fwd=fwd, flops_bwd=2 * fwd, param_bytes=params, activation_bytes=act)
+    return PlanRegion(id=id, name=name, stage=stage, recompute=recompute, nodes=nodes, layer=layer,
+                  fwd_flops=fwd, bwd_flops=2 * fwd, param_bytes=params, activation_bytes=act)
 
 
 def _stage(index, regions, names, params, fwd, time_s, mem, send):
     weights, acts = mem
     memory = MemoryBreakdown(weights, weights, 2 * weights, acts, 2 * KIB)
     return StagePlan(index=index, ranks=(index,), device="cpu", regions=regions, region_names=names,
-                     params=params, flops_fwd=fwd, flops_bwd=2 * fwd, compute_time_s=time_s * 0.9,
+                     params=params, fwd_flops=fwd, bwd_flops=2 * fwd, compute_time_s=time_s * 0.9,
                      comm_time_s=time_s * 0.1, predicted_time_s=time_s, memory=memory,
                      peak_memory_bytes=memory.total_bytes, memory_capacity_bytes=16 * GIB, send_bytes=send)
 
@@ -67,7 +67,7 @@ def hand_plan() -> Plan:
         workload="hand(layers=3)", model_fingerprint="0" * 16, num_stages=3, dp=1, num_microbatches=4,
         microbatch_size=2, global_batch=8, schedule="1f1b", world_size=3, device_type="cpu",
         stages=stages, regions=regions, cut_edges=cut_edges,
-        ties=(Tie(param="tok_emb.weight", stages=(0, 2), placement="replicated", cost_s=1.0e-5),),
+        ties=(PlanTie(param="tok_emb.weight", stages=(0, 2), placement="replicated", cost_s=1.0e-5),),
         predicted={"step_time_s": 1.185e-3, "bubble_fraction": 0.3, "lower_bound_step_time_s": 0.9e-3,
                    "samples_per_s": 8 / 1.185e-3},
         solver={"status": "FEASIBLE", "objective": 11850.0, "bound": 11000.0, "gap": 0.0717, "solve_time_s": 1.25},
@@ -78,11 +78,11 @@ def hand_plan() -> Plan:
 
 def hand_problem() -> tuple[sp.PartitionProblem, sp.Assignment]:
     """The solver's view of hand_plan(): its regions, the chain and the skip edge, the tie."""
-    figures = [(r.name, r.flops_fwd, r.param_bytes, r.activation_bytes, r.layer) for r in hand_plan().regions]
-    regions = tuple(sp.Region(name, fwd, 2 * fwd, params, params, 2 * params, act, act // 4 if name == "block.1" else act,
+    figures = [(r.name, r.fwd_flops, r.param_bytes, r.activation_bytes, r.layer) for r in hand_plan().regions]
+    regions = tuple(sp.RegionCost(name, fwd, 2 * fwd, params, params, 2 * params, act, act // 4 if name == "block.1" else act,
                               layer=layer) for name, fwd, params, act, layer in figures)
     edges = tuple(sp.Edge(i, i + 1, 512) for i in range(4)) + (sp.Edge(0, 4, 512),)
-    problem = sp.PartitionProblem(regions, edges, ties=(sp.Tie((0, 4), 2048),), input_bytes_per_sample=64)
+    problem = sp.PartitionProblem(regions, edges, ties=(sp.SharedParam((0, 4), 2048),), input_bytes_per_sample=64)
     assignment = sp.Assignment(stage_of_region=(0, 0, 1, 1, 2), recompute=(False, False, True, False, False),
                                device_of_stage_replica=((0,), (1,), (2,)), num_stages=3, dp=1, num_microbatches=4,
                                microbatch_size=2, schedule="1f1b")
@@ -204,5 +204,5 @@ def test_solver_problem_round_trips_through_json_and_tolerates_added_fields():
     assert serialize.problem_from_dict(body) == problem
     assert serialize.assignment_from_dict(json.loads(json.dumps(serialize.to_dict(assignment)))) == assignment
     del body["regions"][1]["param_bytes"]
-    with pytest.raises(ValueError, match=r"problem\.regions\[1\] lacks fields Region needs.*recompile"):
+    with pytest.raises(ValueError, match=r"problem\.regions\[1\] lacks fields RegionCost needs.*recompile"):
         serialize.problem_from_dict(body)

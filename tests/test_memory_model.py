@@ -1,4 +1,4 @@
-"""The memory model (Note [memory model] in partitioner/solver/check.py): each term where it
+"""The memory model (Note [memory model] in partitioner/solver/evaluate.py): each term where it
 belongs, the ILP equal to the checker with every term in play, the usable-memory override of a
 cluster file, and one real stage whose measured peak stays under the prediction."""
 
@@ -11,16 +11,17 @@ import torch.nn as nn
 
 from partitioner import ir
 from partitioner.cluster import GIB, ClusterSpec
-from partitioner.solver import Assignment, Edge, PartitionProblem, Region, SolverConfig, evaluate, place_stages
+from partitioner.solver import Assignment, Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, place_stages
 from partitioner.solver import solve_candidate
 from partitioner.solver.chain_dp import chain_lower_bound_s
-from partitioner.solver.check import candidate_lower_bound_s, structural_violations
+from partitioner.solver.bounds import candidate_lower_bound_s
+from partitioner.solver.check import structural_violations
 
 MIB = 2**20
 
 
 def chain(num_regions=4, *, act=MIB, transient=0, edge=MIB // 4, grads=MIB, **problem_kw):
-    regions = tuple(Region(f"r{i}", 1e9, 2e9, grads, grads, 2 * grads, act, act // 8,
+    regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, grads, grads, 2 * grads, act, act // 8,
                            transient_bytes_per_sample=transient * (i + 1)) for i in range(num_regions))
     edges = tuple(Edge(i, i + 1, edge) for i in range(num_regions - 1))
     return PartitionProblem(regions, edges, **problem_kw)
@@ -62,7 +63,7 @@ def test_transient_is_the_largest_region_not_the_sum_and_grows_with_recompute():
 
 
 def test_parameter_gradients_in_the_transient_do_not_scale_with_the_microbatch():
-    region = Region("r", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8, transient_bytes_per_sample=MIB,
+    region = RegionCost("r", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8, transient_bytes_per_sample=MIB,
                     transient_fixed_bytes=3 * MIB)
     assert region.transient_bytes(1, False) == 4 * MIB and region.transient_bytes(4, False) == 7 * MIB
     assert region.transient_bytes(4, True) == 4 * (MIB + MIB) + 3 * MIB
@@ -93,7 +94,7 @@ def _random_problem(seed: int, n: int) -> PartitionProblem:
     for i in range(n):
         static = rng.randint(1, 4) * MIB
         act = rng.randint(0, 3) * MIB
-        regions.append(Region(f"r{i}", rng.uniform(0.5, 3) * 1e9, rng.uniform(1, 6) * 1e9, static // 4,
+        regions.append(RegionCost(f"r{i}", rng.uniform(0.5, 3) * 1e9, rng.uniform(1, 6) * 1e9, static // 4,
                               static // 4, static // 2, act, act // 4,
                               transient_bytes_per_sample=rng.randint(0, 4) * MIB))
     edges = tuple(Edge(i, i + 1, rng.randint(0, 3) * MIB // 4) for i in range(n - 1))
@@ -195,7 +196,7 @@ def test_last_stage_carries_the_loss_and_a_real_stage_stays_under_its_prediction
     the plan's prediction must not be below it."""
     from partitioner.calibrate import LiveBytes
     from partitioner.analysis import annotate, build_problem
-    from partitioner.split import split_graph
+    from partitioner.codegen.split import split_graph
     from partitioner.trace import trace
     from runtime.data import causal_lm_loss
     from runtime.train import make_optimizer

@@ -162,7 +162,7 @@ def test_tied_embedding_is_a_tie_not_an_edge():
     table = regions_of(gm, "block")
     ties = passes.region_ties(gm)
     nbytes = workload.model.lm_head.weight.numel() * 4
-    assert ties == [passes.RegionTie("lm_head.weight", nbytes, (0, len(table) - 1))]
+    assert ties == [passes.TieRow("lm_head.weight", nbytes, (0, len(table) - 1))]
     assert table[0].param_bytes >= nbytes and table[-1].param_bytes < nbytes  # owned by embed only
     assert all(b < nbytes or (s, d) != (0, len(table) - 1) for s, d, b in passes.region_edges(gm))
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from partitioner.models import gpt
-from partitioner.randomness import keyed_graph, lower_randomness
+from partitioner.codegen.randomness import keyed_graph, lower_randomness
 from partitioner.trace import trace
 from runtime import randomness
 

@@ -1,4 +1,4 @@
-"""Regions the plan recomputes run under activation checkpointing (partitioner/recompute.py,
+"""Regions the plan recomputes run under activation checkpointing (partitioner/codegen/recompute.py,
 runtime/recompute.py), on devices whose memory makes the solver choose it.
 
 The twin of every recompute folder is the same plan with no region recomputed ("plain"): same
@@ -151,7 +151,7 @@ def test_plan_that_fits_only_through_recompute_runs_within_capacity(tmp_path):
     recomputing = {plan.stages[r.stage].ranks[0] for r in plan.regions if r.recompute}
     # Without recompute the same program does not fit: on some recomputing rank the plain twin
     # measures over capacity (the conservative memory model may recompute on a rank with a little
-    # real slack too; Note [memory model] in partitioner/solver/check.py).
+    # real slack too; Note [memory model] in partitioner/solver/evaluate.py).
     assert any(without[rank]["measured_peak_bytes"] > capacity for rank in recomputing), without
     report = check_run(recompute, recompute / "run", steps=STEPS, workload=gpt(
         layers=4, width=32, heads=2, vocab=64, seq=64))

@@ -10,9 +10,9 @@ from partitioner.solver import (
     Assignment,
     Edge,
     PartitionProblem,
-    Region,
+    RegionCost,
     SolverConfig,
-    Tie,
+    SharedParam,
     evaluate,
     place_stages,
     solve_candidate,
@@ -28,7 +28,7 @@ def random_instance(seed: int, num_regions: int):
     for i in range(num_regions):
         static = rng.randint(0, 4) * MIB
         act = rng.randint(0, 3) * MIB
-        regions.append(Region(f"r{i}", rng.uniform(0.5, 3) * 1e9, rng.uniform(1, 6) * 1e9, static // 4, static // 4,
+        regions.append(RegionCost(f"r{i}", rng.uniform(0.5, 3) * 1e9, rng.uniform(1, 6) * 1e9, static // 4, static // 4,
                               static // 2, act, act // 4 if rng.random() < 0.7 else act))
     edges = []
     for dst in range(1, num_regions):
@@ -38,7 +38,7 @@ def random_instance(seed: int, num_regions: int):
     ties = ()
     if rng.random() < 0.5:
         pair = tuple(sorted(rng.sample(range(num_regions), 2)))
-        ties = (Tie(pair, param_bytes=rng.randint(1, 2) * MIB * 64),)
+        ties = (SharedParam(pair, param_bytes=rng.randint(1, 2) * MIB * 64),)
     return PartitionProblem(tuple(regions), tuple(edges), ties, input_bytes_per_sample=rng.randint(0, 4) * MIB)
 
 

@@ -8,7 +8,7 @@ from partitioner.cluster import ClusterSpec
 from partitioner.solver import (
     Edge,
     PartitionProblem,
-    Region,
+    RegionCost,
     SolverConfig,
     evaluate,
     solve_candidate,
@@ -23,7 +23,7 @@ def random_chain(seed: int):
     rng = random.Random(seed)
     n = rng.randint(6, 14)
     regions = tuple(
-        Region(f"r{i}", rng.uniform(0.2, 4) * 1e9, rng.uniform(0.5, 8) * 1e9, rng.randint(0, 3) * MIB,
+        RegionCost(f"r{i}", rng.uniform(0.2, 4) * 1e9, rng.uniform(0.5, 8) * 1e9, rng.randint(0, 3) * MIB,
                rng.randint(0, 3) * MIB, rng.randint(0, 6) * MIB, rng.randint(0, 2) * MIB, 0)
         for i in range(n)
     )
@@ -70,7 +70,7 @@ def test_min_max_split_and_uniform_split_by_hand():
     assert min_max_contiguous_split([5, 1, 1, 1, 1, 1], 2) == (0, 1, 1, 1, 1, 1)
     assert min_max_contiguous_split([1, 2], 3) is None
     layers = [None, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, None]
-    problem = PartitionProblem(tuple(Region(f"r{i}", 1, 1, 1, 1, 1, 1, 1, layer=l) for i, l in enumerate(layers)),
+    problem = PartitionProblem(tuple(RegionCost(f"r{i}", 1, 1, 1, 1, 1, 1, 1, layer=l) for i, l in enumerate(layers)),
                                ())
     # 5 blocks on 2 stages: 3 + 2, embedding first, head last
     assert uniform_split(problem, 2) == (0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1)
@@ -81,8 +81,8 @@ def layered_chain(layers: int) -> PartitionProblem:
     """Alternating attention-like and MLP-like regions, each able to recompute down to its input."""
     regions = []
     for i in range(layers):
-        regions.append(Region(f"attn{i}", 2e9, 4e9, 2 * MIB, 2 * MIB, 12 * MIB, 40 * MIB, 4 * MIB))
-        regions.append(Region(f"mlp{i}", 4e9, 8e9, 4 * MIB, 4 * MIB, 24 * MIB, 30 * MIB, 4 * MIB))
+        regions.append(RegionCost(f"attn{i}", 2e9, 4e9, 2 * MIB, 2 * MIB, 12 * MIB, 40 * MIB, 4 * MIB))
+        regions.append(RegionCost(f"mlp{i}", 4e9, 8e9, 4 * MIB, 4 * MIB, 24 * MIB, 30 * MIB, 4 * MIB))
     edges = tuple(Edge(i, i + 1, 4 * MIB) for i in range(len(regions) - 1))
     return PartitionProblem(tuple(regions), edges, input_bytes_per_sample=MIB)
 

@@ -5,13 +5,13 @@ from dataclasses import replace
 import pytest
 
 from partitioner.cluster import ClusterSpec
-from partitioner.solver import AssignmentError, Edge, PartitionProblem, Region, SolverConfig, check_assignment, solve
+from partitioner.solver import AssignmentError, Edge, PartitionProblem, RegionCost, SolverConfig, check_assignment, solve
 
 MIB = 2**20
 
 
 def problem_and_solution(dp=1, num_devices=2, memory=None):
-    regions = tuple(Region(f"r{i}", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8) for i in range(4))
+    regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8) for i in range(4))
     problem = PartitionProblem(regions, tuple(Edge(i, i + 1, 1000) for i in range(3)))
     group = {"kind": "cpu", "count": num_devices}
     if memory is not None:
@@ -104,7 +104,7 @@ def test_objective_is_the_plans_own_when_cp_sat_leaves_the_bottleneck_loose(monk
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(CandidateModel, "solve", loose_solve)
-    regions = tuple(Region(f"r{i}", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8) for i in range(4))
+    regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, MIB, MIB, 2 * MIB, MIB, MIB // 8) for i in range(4))
     problem = PartitionProblem(regions, tuple(Edge(i, i + 1, 1000) for i in range(3)))
     cluster = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2}]})
     solution, status, _ = solve_candidate(problem, cluster, num_stages=2, dp=1, num_microbatches=8,

@@ -7,9 +7,9 @@ from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver import (
     Edge,
     PartitionProblem,
-    Region,
+    RegionCost,
     SolverConfig,
-    Tie,
+    SharedParam,
     check_assignment,
     evaluate,
     solve,
@@ -21,7 +21,7 @@ FAST = SolverConfig(time_limit_s=5)
 
 def region(name, *, fwd=1e9, static=0, act=0, recompute_act=0, layer=None, **kwargs):
     """fwd flops per sample, backward twice that; static bytes split 1/8 param, 1/8 grad, 6/8 optimizer."""
-    return Region(name, fwd, 2 * fwd, static // 8, static // 8, static - 2 * (static // 8), act, recompute_act,
+    return RegionCost(name, fwd, 2 * fwd, static // 8, static // 8, static - 2 * (static // 8), act, recompute_act,
                   layer=layer, **kwargs)
 
 
@@ -114,7 +114,7 @@ def test_two_fast_and_two_slow_devices_fast_ones_get_twice_the_work():
 def test_tied_first_and_last_region_is_reported_with_its_cost():
     tie_bytes = 64 * MIB
     regions = [region("embed", static=8 * tie_bytes)] + [region(f"r{i}") for i in range(4)] + [region("head")]
-    problem = chain(regions, ties=[Tie((0, 5), param_bytes=tie_bytes)])
+    problem = chain(regions, ties=[SharedParam((0, 5), param_bytes=tie_bytes)])
     cluster = ClusterSpec.homogeneous(2)
     sol = solve(problem, cluster, 4, num_stages=2, dp=1, microbatches=4, config=FAST)
     (tie,) = sol.ties

@@ -1,4 +1,4 @@
-"""The generated stage file is code a person reads (Note [stage code] in partitioner/codegen.py):
+"""The generated stage file is code a person reads (Note [stage code] in partitioner/codegen/stage_code.py):
 golden copies of a small program's files, and the same bytes from any checkout path.
 
 After a deliberate change to the generated code, regenerate the golden files and review the diff:

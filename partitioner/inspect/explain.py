@@ -3,7 +3,7 @@ the region to a neighbouring stage would do to the predicted step.
 
 Note [priced moves]
     Moves are priced by the solver's own cost model (``evaluate`` and ``structural_violations``
-    in partitioner/solver/check.py) on the solver's own problem and assignment, which the compiler
+    in partitioner/solver/evaluate.py and check.py) on the solver's own problem and assignment, which the compiler
     stores in plan.json beside the plan (partitioner/solver/serialize.py). So a move's figures
     are the ones the solver would have seen, with no estimate in between.
 """
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from partitioner.cluster import ClusterSpec
 from partitioner.inspect.units import held, human_bytes, ms, si
-from partitioner.solver.check import evaluate, structural_violations
+from partitioner.solver.check import structural_violations
+from partitioner.solver.evaluate import evaluate
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
 
@@ -91,14 +92,14 @@ def explain_node(plan: Plan, name: str, problem: PartitionProblem, assignment: A
     out = {
         "node": name, "plan_hash": plan.content_hash(),
         "region": {"id": rid, "name": region.name, "layer": region.layer, "recompute": region.recompute,
-                   "num_nodes": len(region.nodes), "flops_fwd_per_sample": region.flops_fwd,
-                   "flops_bwd_per_sample": region.flops_bwd, "param_bytes": region.param_bytes,
+                   "num_nodes": len(region.nodes), "flops_fwd_per_sample": region.fwd_flops,
+                   "flops_bwd_per_sample": region.bwd_flops, "param_bytes": region.param_bytes,
                    "activation_bytes_per_sample": region.activation_bytes},
         "stage": {"index": stage.index, "ranks": list(stage.ranks), "device": stage.device,
                   "regions": list(stage.region_names), "predicted_time_s": stage.predicted_time_s,
-                  "share_of_stage_flops": ((region.flops_fwd + region.flops_bwd) * b /
-                                           (stage.flops_fwd + stage.flops_bwd)
-                                           if stage.flops_fwd + stage.flops_bwd > 0 else 0.0)},
+                  "share_of_stage_flops": ((region.fwd_flops + region.bwd_flops) * b /
+                                           (stage.fwd_flops + stage.bwd_flops)
+                                           if stage.fwd_flops + stage.bwd_flops > 0 else 0.0)},
         "neighbours": {"before": None if before is None else {"region": before.name, "stage": before.stage},
                        "after": None if after is None else {"region": after.name, "stage": after.stage}},
         "cut_edges": {"in": [list(e.tensors) for e in cuts_in], "out": [list(e.tensors) for e in cuts_out]},

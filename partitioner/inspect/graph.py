@@ -46,7 +46,7 @@ def dot(plan: Plan) -> str:
                                                 f"{ms(s.predicted_time_s)} ms/mb, {human_bytes(s.peak_memory_bytes)}")
                      + f'; color="{colour}"; penwidth=2;')
         for r in by_stage.get(s.index, []):
-            label = (f"{r.name}\n{si(r.flops_fwd + r.flops_bwd)} FLOP/sample\n{human_bytes(r.param_bytes)} params"
+            label = (f"{r.name}\n{si(r.fwd_flops + r.bwd_flops)} FLOP/sample\n{human_bytes(r.param_bytes)} params"
                      + ("\nrecompute" if r.recompute else ""))
             lines.append(f"    r{r.id} [label={_dot_quote(label)}, fillcolor=\"{colour}\", fontcolor=white];")
         lines.append("  }")
@@ -101,7 +101,7 @@ def svg_stage_graph(plan: Plan) -> str:
                      "</g>")
     # region strip
     strip_y, strip_h = top + box_h + 22, 26
-    weights = [max(r.flops_fwd + r.flops_bwd, 0.0) for r in plan.regions]
+    weights = [max(r.fwd_flops + r.bwd_flops, 0.0) for r in plan.regions]
     total = sum(weights) or 1.0
     floor = 0.15 * total / max(1, len(weights))  # regions without FLOPs (embeddings) stay visible
     weights = [max(w, floor) for w in weights]
@@ -111,7 +111,7 @@ def svg_stage_graph(plan: Plan) -> str:
         rw = w * scale
         parts.append(f'<rect x="{x:.2f}" y="{strip_y}" width="{max(rw - 1, 0.5):.2f}" height="{strip_h}" '
                      f'fill="{stage_colour(r.stage)}"><title>{escape(r.name)}: stage {r.stage}, '
-                     f'{si(r.flops_fwd + r.flops_bwd)} FLOP/sample, {escape(human_bytes(r.param_bytes))} params'
+                     f'{si(r.fwd_flops + r.bwd_flops)} FLOP/sample, {escape(human_bytes(r.param_bytes))} params'
                      f'{", recompute" if r.recompute else ""}</title></rect>')
         if rw > 7 * len(r.name):
             parts.append(f'<text x="{x + rw / 2:.2f}" y="{strip_y + 17}" text-anchor="middle" fill="#fff" '

@@ -20,7 +20,7 @@ def inspect_json(plan: Plan) -> dict:
         stages.append({
             # DESIGN 11
             "index": s.index, "ranks": list(s.ranks), "device": s.device, "regions": list(s.region_names),
-            "params": s.params, "flops_fwd": s.flops_fwd, "flops_bwd": s.flops_bwd,
+            "params": s.params, "flops_fwd": s.fwd_flops, "flops_bwd": s.bwd_flops,
             "predicted_time_s": s.predicted_time_s, "peak_memory_bytes": s.peak_memory_bytes,
             "memory_capacity_bytes": s.memory_capacity_bytes, "send_bytes": s.send_bytes,
             # extensions
@@ -54,7 +54,7 @@ def inspect_json(plan: Plan) -> dict:
         "ties": [{"param": t.param, "stages": list(t.stages), "placement": t.placement, "cost_s": t.cost_s}
                  for t in plan.ties],
         "regions": [{"id": r.id, "name": r.name, "stage": r.stage, "layer": r.layer, "recompute": r.recompute,
-                     "flops_fwd_per_sample": r.flops_fwd, "flops_bwd_per_sample": r.flops_bwd,
+                     "flops_fwd_per_sample": r.fwd_flops, "flops_bwd_per_sample": r.bwd_flops,
                      "param_bytes": r.param_bytes, "activation_bytes_per_sample": r.activation_bytes,
                      "nodes": list(r.nodes)} for r in plan.regions],
         "baselines": {name: {"step_time_s": b.get("step_time_s")} for name, b in plan.baselines.items()},

@@ -101,7 +101,7 @@ def html_page(plan: Plan) -> str:
         rows.append("<tr>" + "".join(
             f'<td class="{c}">{escape(v)}</td>' for c, v in (
                 ("", s.index), ("", ",".join(map(str, s.ranks))), ("", s.device), ("", held(s.region_names)),
-                ("n", si(s.params)), ("n", si(s.flops_fwd)), ("n", si(s.flops_bwd)),
+                ("n", si(s.params)), ("n", si(s.fwd_flops)), ("n", si(s.bwd_flops)),
                 ("n", ms(s.predicted_time_s)), ("n", human_bytes(s.peak_memory_bytes)),
                 ("n", human_bytes(s.memory_capacity_bytes)), ("n", human_bytes(s.send_bytes))))
             + "</tr>")

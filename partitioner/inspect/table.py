@@ -50,7 +50,7 @@ def table(plan: Plan) -> str:
                                                 s.peak_memory_bytes)]
         used = 100.0 * s.peak_memory_bytes / s.memory_capacity_bytes if s.memory_capacity_bytes else 0.0
         rows.append([str(s.index), ",".join(map(str, s.ranks)), s.device, held(s.region_names), si(s.params),
-                     si(s.flops_fwd), si(s.flops_bwd), ms(s.compute_time_s), ms(s.comm_time_s),
+                     si(s.fwd_flops), si(s.bwd_flops), ms(s.compute_time_s), ms(s.comm_time_s),
                      ms(s.predicted_time_s), *mem, f"{s.memory_capacity_bytes / GIB:.1f}",
                      "<0.01" if used < 0.01 else f"{used:.2f}" if used < 10 else f"{used:.1f}",
                      f"{s.send_bytes / send_scale:.1f}" if s.send_bytes else "-"])

@@ -20,9 +20,9 @@ def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float]]:
     b = plan.microbatch_size
     out = []
     for s in plan.stages:
-        recomputed = sum(r.flops_fwd for r in plan.regions if r.stage == s.index and r.recompute) * b
-        total = s.flops_fwd + s.flops_bwd + recomputed
-        share = s.flops_fwd / total if total > 0 else 1 / 3
+        recomputed = sum(r.fwd_flops for r in plan.regions if r.stage == s.index and r.recompute) * b
+        total = s.fwd_flops + s.bwd_flops + recomputed
+        share = s.fwd_flops / total if total > 0 else 1 / 3
         out.append((s.predicted_time_s * share, s.predicted_time_s * (1 - share)))
     return out
 

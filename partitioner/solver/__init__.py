@@ -1,32 +1,35 @@
 """The partition solver: plain-number problem in, verified plan out (no torch import here).
 
-    problem.py   Region / Edge / Tie / PartitionProblem, Assignment, the time model
-    check.py     evaluate() (the float cost model) and check_assignment() (the verifier)
-    model.py     the CP-SAT model of one (stages, dp, microbatches) candidate; SolverConfig
-    solve.py     solve(): enumerate candidates, solve, keep the best, verify
-    baselines.py uniform-by-layer and parameter-balanced splits
-    chain_dp.py  exact dynamic program for chains (the ILP's oracle in tests)
+    problem.py          RegionCost / Edge / SharedParam / PartitionProblem, Assignment, the time model, links
+    evaluate.py         evaluate(): the float cost model (Notes [cost model], [memory model])
+    bounds.py           lower bounds on the step time, for pruning and for the report
+    check.py            check_assignment(): the independent verifier
+    model.py            the CP-SAT model of one (stages, dp, microbatches) candidate; SolverConfig
+    model_placement.py  its constraint families, one module a concern: placement,
+    model_time.py         time and the objective,
+    model_memory.py       memory,
+    model_hints.py        hints and search help
+    terms.py            a linear expression kept as terms (posted and evaluated on hints)
+    candidates.py       the candidates solve() enumerates, and their pruning
+    solve.py            solve(): solve each candidate, keep the best, verify
+    baselines.py        uniform-by-layer and parameter-balanced splits
+    chain_dp.py         exact dynamic program for chains (the ILP's oracle in tests)
+    serialize.py        problem and assignment to and from plain dicts (plan.json)
 """
 
 from partitioner.solver.baselines import BaselineCost, evaluate_baselines, param_balanced_split, uniform_split
+from partitioner.solver.bounds import lower_bound_step_time_s
 from partitioner.solver.chain_dp import ChainDPResult, solve_chain_dp
-from partitioner.solver.check import (
-    AssignmentError,
-    CostBreakdown,
-    StageCost,
-    TieCost,
-    check_assignment,
-    evaluate,
-    lower_bound_step_time_s,
-)
+from partitioner.solver.check import AssignmentError, check_assignment
+from partitioner.solver.evaluate import CostBreakdown, StageCost, TieCost, evaluate
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.problem import (
     SCHEDULES,
     Assignment,
     Edge,
     PartitionProblem,
-    Region,
-    Tie,
+    RegionCost,
+    SharedParam,
     in_flight_microbatches,
     place_stages,
     region_times_s,
@@ -35,8 +38,8 @@ from partitioner.solver.solve import CandidateRecord, Solution, solve, solve_can
 
 __all__ = [
     "Assignment", "AssignmentError", "BaselineCost", "CandidateRecord", "ChainDPResult", "CostBreakdown", "Edge",
-    "PartitionProblem", "Region", "SCHEDULES", "Solution", "SolverConfig", "StageCost", "Tie", "TieCost",
-    "check_assignment", "evaluate", "evaluate_baselines", "in_flight_microbatches", "lower_bound_step_time_s",
-    "param_balanced_split", "place_stages", "region_times_s", "solve", "solve_candidate", "solve_chain_dp",
-    "uniform_split",
+    "PartitionProblem", "RegionCost", "SCHEDULES", "SharedParam", "Solution", "SolverConfig", "StageCost",
+    "TieCost", "check_assignment", "evaluate", "evaluate_baselines", "in_flight_microbatches",
+    "lower_bound_step_time_s", "param_balanced_split", "place_stages", "region_times_s", "solve", "solve_candidate",
+    "solve_chain_dp", "uniform_split",
 ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cluster import ClusterSpec
-from partitioner.solver.check import evaluate
+from partitioner.solver.evaluate import evaluate
 from partitioner.solver.problem import Assignment, PartitionProblem
 
 __all__ = ["BaselineCost", "uniform_split", "param_balanced_split", "min_max_contiguous_split",

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cluster import ClusterSpec
-from partitioner.solver.check import evaluate, plan_links
+from partitioner.solver.evaluate import evaluate
 from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
     core_sharing_factor,
     in_flight_microbatches,
     microbatch_overhead_s,
+    plan_links,
     region_times_s,
 )
 
@@ -53,7 +54,7 @@ def _cut_bytes(problem: PartitionProblem) -> np.ndarray:
 def _segment_comm(problem, boundary, cut_at, s, p, b, device):
     """Send/receive seconds of stage s holding regions i..j-1, plus the stage's per-microbatch
     overhead (Note [whole-step terms] in problem.py), [i, j]: it receives over boundary s-1 at its
-    start and sends over boundary s at its end (Note [cost model] in check.py)."""
+    start and sends over boundary s at its end (Note [cost model] in evaluate.py)."""
     n = problem.num_regions
     comm = np.full((n + 1, n + 1), microbatch_overhead_s(problem, device))
     if s > 0:
@@ -76,7 +77,7 @@ def _range_max(values) -> np.ndarray:
 def _segment_memory(problem, placement, s, *, num_microbatches, microbatch_size, schedule, cut_at,
                     saved_prefix, transient_max):
     """Memory of stage s holding regions i..j-1 as [i, j] matrices (Note [memory model] in
-    check.py): (held = static + buffers, active = activations + transient, held + step). The
+    evaluate.py): (held = static + buffers, active = activations + transient, held + step). The
     stage fits when held + active and held + step both fit. ``saved_prefix``: prefix sums of
     the saved activation bytes per sample; ``transient_max``: range maxima of the transients
     (bytes of one microbatch)."""

@@ -5,9 +5,9 @@ Note [region accounting]
     All per-sample quantities scale linearly with the microbatch size b.
     A parameter shared by several regions (a tied embedding) is counted once, in the
     ``param_bytes``/``grad_bytes``/``optimizer_bytes`` of the first region that uses it, and is
-    described again by a ``Tie``. When the tie's regions land on different stages, every other
+    described again by a ``SharedParam``. When the tie's regions land on different stages, every other
     stage that holds one of them keeps a replica (memory) and the replicas' gradients are summed
-    once per step (time); see ``evaluate`` in check.py.
+    once per step (time); see ``evaluate`` in evaluate.py.
 
 Note [time model]
     ``region_times_s`` is the one place that turns a region into seconds on a device. By default
@@ -40,12 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec
+from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
 
 __all__ = [
-    "Region",
+    "RegionCost",
     "Edge",
-    "Tie",
+    "SharedParam",
     "PartitionProblem",
     "Assignment",
     "SCHEDULES",
@@ -55,6 +55,7 @@ __all__ = [
     "core_sharing_factor",
     "in_flight_microbatches",
     "place_stages",
+    "plan_links",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -84,7 +85,7 @@ def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:
 
 
 @dataclass(frozen=True)
-class Region:
+class RegionCost:
     """A group of graph nodes; all figures are per sample of the microbatch."""
 
     name: str
@@ -97,7 +98,7 @@ class Region:
     recompute_activation_bytes_per_sample: int
     layer: int | None = None
     # Gradient bytes alive at once during this region's backward, beyond saved activations and
-    # model state (Note [memory model] in check.py): per sample (activation gradients) and fixed
+    # model state (Note [memory model] in evaluate.py): per sample (activation gradients) and fixed
     # (fresh parameter gradients, whatever the microbatch size); a recomputed region adds its
     # rerun forward's saved activations (activation_bytes_per_sample) to it.
     transient_bytes_per_sample: int = 0
@@ -110,7 +111,7 @@ class Region:
     bwd_s_per_microbatch_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        owner = f"Region({self.name!r})"
+        owner = f"RegionCost({self.name!r})"
         for name in ("fwd_flops_per_sample", "bwd_flops_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
@@ -150,7 +151,7 @@ class Edge:
 
 
 @dataclass(frozen=True)
-class Tie:
+class SharedParam:
     """A parameter shared by ``regions`` (counted in the first one's bytes; Note [region accounting]).
 
     ``grad_bytes`` / ``optimizer_bytes`` default (None) to param_bytes scaled by the first
@@ -166,10 +167,10 @@ class Tie:
         if not isinstance(self.regions, tuple):
             object.__setattr__(self, "regions", tuple(self.regions))
         if len(self.regions) < 2 or len(set(self.regions)) != len(self.regions):
-            raise ValueError(f"Tie.regions={self.regions!r} must name at least two distinct regions")
+            raise ValueError(f"SharedParam.regions={self.regions!r} must name at least two distinct regions")
         if list(self.regions) != sorted(self.regions):
             object.__setattr__(self, "regions", tuple(sorted(self.regions)))
-        _check_nonneg("Tie", "param_bytes", self.param_bytes, integer=True)
+        _check_nonneg("SharedParam", "param_bytes", self.param_bytes, integer=True)
 
 
 # runtime/train.py ``allreduce_flat_`` concatenates gradients into buckets of up to 2**25
@@ -181,12 +182,12 @@ ALLREDUCE_BUCKET_ELEMS = 1 << 25
 class PartitionProblem:
     """``input_bytes_per_sample`` / ``target_bytes_per_sample``: one sample of the model inputs
     and of the loss target (every rank builds the whole global batch; Note [memory model] in
-    check.py). ``allreduce_bucket_bytes``: the largest flat buffer the data-parallel gradient
+    evaluate.py). ``allreduce_bucket_bytes``: the largest flat buffer the data-parallel gradient
     all-reduce builds, max(2**25 elements, the largest gradient tensor) in bytes."""
 
-    regions: tuple[Region, ...]
+    regions: tuple[RegionCost, ...]
     edges: tuple[Edge, ...]
-    ties: tuple[Tie, ...] = ()
+    ties: tuple[SharedParam, ...] = ()
     input_bytes_per_sample: int = 0
     target_bytes_per_sample: int = 0
     allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
@@ -206,7 +207,7 @@ class PartitionProblem:
         for t in self.ties:
             bad = [r for r in t.regions if not 0 <= r < n]
             if bad:
-                raise ValueError(f"Tie.regions={t.regions} names regions {bad} outside 0..{n - 1}")
+                raise ValueError(f"SharedParam.regions={t.regions} names regions {bad} outside 0..{n - 1}")
         for name in ("input_bytes_per_sample", "target_bytes_per_sample", "allreduce_bucket_bytes"):
             _check_nonneg("PartitionProblem", name, getattr(self, name), integer=True)
 
@@ -218,7 +219,7 @@ class PartitionProblem:
         """True when every edge joins consecutive regions (r -> r+1)."""
         return all(e.dst == e.src + 1 for e in self.edges)
 
-    def tie_bytes(self, tie: Tie) -> tuple[float, float, float]:
+    def tie_bytes(self, tie: SharedParam) -> tuple[float, float, float]:
         """(param, grad, optimizer) bytes of one replica of a tie (Note [region accounting])."""
         first = self.regions[tie.regions[0]]
         ratio_grad = first.grad_bytes / first.param_bytes if first.param_bytes else 1.0
@@ -228,7 +229,7 @@ class PartitionProblem:
         return float(tie.param_bytes), float(grad), float(opt)
 
 
-def region_times_s(region: Region, device: DeviceSpec, microbatch_size: int) -> tuple[float, float]:
+def region_times_s(region: RegionCost, device: DeviceSpec, microbatch_size: int) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch of ``region`` on ``device`` (Note [time model])."""
     fwd_override = (region.fwd_s_per_sample_by_kind or {}).get(device.kind)
     bwd_override = (region.bwd_s_per_sample_by_kind or {}).get(device.kind)
@@ -352,3 +353,29 @@ def place_stages(
         placement.append(tuple(pool[:dp]))
         del pool[:dp]
     return tuple(placement)
+
+
+def plan_links(
+    cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]
+) -> tuple[list[LinkSpec], list[LinkSpec | None], LinkSpec | None]:
+    """(boundary links, data-parallel link per stage, tie link) of a placement (Note [cost model] in evaluate.py).
+
+    Boundary k joins stage k and k + 1: the slowest link between them over the replicas.
+    Stage s's all-reduce: the slowest link among its replicas (None when dp = 1). Ties: the
+    slowest link within one replica's pipeline, worst over replicas (None for one stage).
+    """
+    num_stages, dp = len(placement), len(placement[0])
+    boundary = [
+        max(
+            (cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
+            key=lambda link: (1.0 / link.bandwidth_bytes_per_s, link.latency_s),
+        )
+        for k in range(num_stages - 1)
+    ]
+    dp_links = [cluster.slowest_link(list(row)) for row in placement]
+    tie_link = None
+    for r in range(dp):
+        link = cluster.slowest_link([placement[s][r] for s in range(num_stages)])
+        if link is not None and (tie_link is None or link.bandwidth_bytes_per_s < tie_link.bandwidth_bytes_per_s):
+            tie_link = link
+    return boundary, dp_links, tie_link

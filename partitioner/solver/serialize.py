@@ -2,8 +2,8 @@
 `partitioner inspect --node` prices moves with the solver's own cost model (Note [priced moves]
 in partitioner/inspect/explain.py).
 
-Generic on purpose: fields are read by the dataclasses' own names, so a field added to Region,
-Edge, Tie or Assignment later needs no change here. A reader ignores keys it does not know (a
+Generic on purpose: fields are read by the dataclasses' own names, so a field added to RegionCost,
+Edge, SharedParam or Assignment later needs no change here. A reader ignores keys it does not know (a
 newer plan.json) and leaves fields the JSON lacks at their defaults (an older one); a field
 without a default that the JSON lacks means the file predates it, and the fix is to recompile.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from partitioner.solver.problem import Assignment, Edge, PartitionProblem, Region, Tie
+from partitioner.solver.problem import Assignment, Edge, PartitionProblem, RegionCost, SharedParam
 
 # Which dataclass each list-valued field holds, for the nested types.
-_ITEMS = {PartitionProblem: {"regions": Region, "edges": Edge, "ties": Tie}}
+_ITEMS = {PartitionProblem: {"regions": RegionCost, "edges": Edge, "ties": SharedParam}}
 
 
 def to_dict(value) -> dict:

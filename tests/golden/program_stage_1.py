@@ -27,7 +27,7 @@ PARAMETERS = [
 ]
 BUFFERS = []  # held, never trained
 # Updated in place by forward (running statistics): checkpointed, and kept equal across
-# data-parallel replicas (Note [mutable buffers] in partitioner/split.py).
+# data-parallel replicas (Note [mutable buffers] in partitioner/codegen/split.py).
 MUTABLE_BUFFERS = []
 INPUTS = ["blocks_0_out"]
 OUTPUTS = ["head_out"]

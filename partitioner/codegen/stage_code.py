@@ -1,17 +1,4 @@
-"""Plan + traced graph → the program folder (DESIGN section 6).
-
-```
-DIR/plan.json          the plan, its hash, the "program" the runtime reads, every file's sha256, and
-                       the solver's problem and assignment (what `inspect --node` prices moves with)
-DIR/stage_<k>.py       stage k's forward, one statement per op, with the model's source lines as comments
-DIR/rank_<r>.py        rank r: its stages, its pipeline and data-parallel peers, one call into runtime
-DIR/train.py           the torchrun entry: runs rank_<RANK>.py (both: runtime/entry_files.py)
-DIR/weights/stage_<k>.safetensors   initial parameters keyed by their original names
-DIR/README.md          how to run it here and on N nodes
-```
-Same inputs give the same bytes: nothing here reads the clock, and every mapping is sorted or
-in graph order. Generated files import only torch and runtime, and the modules that register
-custom ops a stage calls (Note [custom ops travel]).
+"""stage_<k>.py: a stage's forward as Python a person reads.
 
 Note [stage code]: a stage file is written by a small emitter over the stage's graph (_Emitter),
 not by torch.fx's ``python_code``, whose output is a debugging dump: an alias line per parameter,
@@ -34,7 +21,7 @@ The emitter writes one statement per node, in graph order:
     the way Python does;
   * shapes are written where a reader needs them: each input and output of the forward, with
     the stage it comes from or goes to; the values crossing stages are named for their producer
-    (Note [boundary names] in partitioner/split.py).
+    (Note [boundary names] in partitioner/codegen/split.py).
 Freeing. FX frees every value after its last read; the forward here frees at region ends: one
 ``del`` after a region's last statement names every value no later statement reads. Tensors that
 autograd saves for backward live on regardless, and all locals die when the forward returns, so
@@ -50,15 +37,12 @@ region's method needs no ``del``: its locals die when it returns.
 from __future__ import annotations
 
 import builtins
-import hashlib
 import json
 import math
 import operator
 import os
 import re
-import shutil
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -68,11 +52,9 @@ from torch.fx.graph import dtype_abbrs, magic_methods
 from torch.fx.node import _get_qualified_name
 
 from partitioner import ir
+from partitioner.codegen.recompute import MethodRef
+from partitioner.codegen.split import StageGraph
 from partitioner.plan import Plan
-from partitioner.recompute import MethodRef
-from partitioner.solver import serialize
-from partitioner.split import StageGraph
-from runtime.entry_files import entry_files
 from runtime.recompute import checkpointed
 
 
@@ -147,7 +129,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         f"PARAMETERS = {json.dumps(stage.params, indent=4)}",
         f"BUFFERS = {json.dumps(stage.buffers, indent=4)}  # held, never trained",
         "# Updated in place by forward (running statistics): checkpointed, and kept equal across",
-        "# data-parallel replicas (Note [mutable buffers] in partitioner/split.py).",
+        "# data-parallel replicas (Note [mutable buffers] in partitioner/codegen/split.py).",
         f"MUTABLE_BUFFERS = {json.dumps(stage.mutable_buffers, indent=4)}",
         f"INPUTS = {json.dumps([v.name for v in stage.inputs])}",
         f"OUTPUTS = {json.dumps([v.name for v in stage.outputs])}",
@@ -164,7 +146,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
 
 def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     """Which regions this stage recomputes and why, with the plan's figures
-    (Note [recompute keeps a region's inputs] in partitioner/recompute.py)."""
+    (Note [recompute keeps a region's inputs] in partitioner/codegen/recompute.py)."""
     if not stage.checkpointed:
         return []
     from partitioner.inspect.units import human_bytes
@@ -476,88 +458,3 @@ def _attribute(base: str, dotted: str) -> str:
 
 def _strip_trailing(lines: list[str]) -> list[str]:
     return [line.rstrip() for line in lines]
-
-
-def readme_source(plan: Plan, plan_hash: str) -> str:
-    n = plan.world_size
-    return f"""# Generated training program: {plan.workload}
-
-Plan `{plan_hash}`: {plan.num_stages} pipeline stage(s) × {plan.dp} data-parallel replica(s) = {n} ranks,
-{plan.num_microbatches} microbatches of {plan.microbatch_size} per step ({plan.global_batch} samples),
-schedule `{plan.schedule}`, predicted step time {plan.predicted.get("step_time_s", 0):.4g} s.
-
-## Run on this machine
-
-    partitioner run .            # or:
-    torchrun --standalone --nproc-per-node {n} train.py --steps 20
-
-## Run on N nodes
-
-Split the {n} ranks over nodes (e.g. 2 nodes × {max(1, n // 2)}), and on every node run
-
-    torchrun --nnodes 2 --nproc-per-node {max(1, n // 2)} --node-rank $NODE_RANK \\
-             --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:29500 train.py --steps 20
-
-## Files
-
-- `plan.json`: the plan, the program the runtime reads, and the sha256 of every file below.
-- `stage_<k>.py`: each stage's forward, one statement per op, with the model's source lines as comments.
-- `rank_<r>.py`: which stages a rank holds and its peers.
-- `weights/stage_<k>.safetensors`: initial parameters by their original names.
-"""
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
-                  state: dict[str, torch.Tensor] | None, problem=None, assignment=None) -> Path:
-    """Write the folder atomically: built in a temporary sibling, renamed into place when whole.
-
-    ``problem`` and ``assignment`` (the solver's, plain numbers) go into plan.json beside the plan
-    (outside its hash), so `inspect --node` prices moves exactly as the solver would."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    plan_hash = plan.content_hash()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        files: dict[str, str] = {}
-        for stage in stages:
-            files[f"stage_{stage.index}.py"] = stage_source(stage, plan_hash, plan)
-        files.update(entry_files(program, plan_hash))
-        files["README.md"] = readme_source(plan, plan_hash)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-            if name.endswith(".py"):
-                compile(text, name, "exec")  # a generated file that doesn't parse is our bug
-        if state is not None:
-            from safetensors.torch import save_file
-
-            (tmp / "weights").mkdir()
-            for stage in stages:
-                tensors = {name: state[name].detach().to("cpu").contiguous().clone()
-                           for name in stage.params + stage.buffers}
-                save_file(tensors, str(tmp / "weights" / f"stage_{stage.index}.safetensors"),
-                          metadata={"plan_hash": plan_hash})
-        digests = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        body = plan.stable_dict()
-        body["plan_hash"] = plan_hash
-        body["program"] = program
-        body["files"] = digests
-        if problem is not None:
-            body["problem"] = serialize.to_dict(problem)
-            body["assignment"] = serialize.to_dict(assignment)
-        (tmp / "plan.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-        # Wall-clock figures: the one file two compiles may differ in (Note [plans are deterministic]).
-        (tmp / "compile_stats.json").write_text(json.dumps(plan.timing(), indent=1, sort_keys=True) + "\n")
-        if folder.exists():
-            if not (folder / "plan.json").exists() and any(folder.iterdir()):
-                raise ValueError(f"{folder} exists and is not a program folder: choose another -o DIR")
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-        os.chmod(folder, 0o755)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder

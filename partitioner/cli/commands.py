@@ -66,7 +66,7 @@ def cmd_compile(args) -> int:
     if args.memory_tier is not None:
         training["memory_tier"] = {"mode": args.memory_tier, **({"group_size": args.parity_group}
                                                                if args.parity_group else {})}
-    from partitioner.progress import CompileProgress
+    from partitioner.cli.progress import CompileProgress
 
     say = CompileProgress(quiet=args.quiet, verbose=args.verbose)  # steps, times and the solver, on stderr
     from partitioner.calibrate import CalibrationConfig, DeviceProfile
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - user-facing boundary
         from partitioner.errors import PartitionerError
-        from partitioner.progress import end_open_lines
+        from partitioner.cli.progress import end_open_lines
 
         end_open_lines()
         if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError, RuntimeError)):

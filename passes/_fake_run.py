@@ -48,7 +48,7 @@ RootKey = tuple[fx.Node, int]
 
 
 @dataclass
-class NodeSim:
+class NodeRun:
     fwd_flops: int = 0
     bwd_flops: int = 0
     # Per output position (tuple outputs: one per element; non-tensor elements: False / None).
@@ -113,9 +113,10 @@ def _concrete(size) -> tuple[int, ...]:
     return tuple(int(s) for s in size)
 
 
-def simulate(gm: fx.GraphModule, *, count_flops: bool = True, record_saved: bool = True) -> dict[fx.Node, NodeSim]:
-    """Simulate every node (Note [one op at a time, on fake inputs]); returns a NodeSim per node."""
-    sims: dict[fx.Node, NodeSim] = {}
+def run_nodes_on_fake(gm: fx.GraphModule, *, count_flops: bool = True,
+                      record_saved: bool = True) -> dict[fx.Node, NodeRun]:
+    """Run every node on fake tensors (Note [one op at a time, on fake inputs]); returns a NodeRun per node."""
+    sims: dict[fx.Node, NodeRun] = {}
     failed: list[str] = []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     counter = FlopCounterMode(display=False)
@@ -125,32 +126,32 @@ def simulate(gm: fx.GraphModule, *, count_flops: bool = True, record_saved: bool
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 vals = output_list(node.meta.get("val"))
-                sims[node] = NodeSim(
+                sims[node] = NodeRun(
                     requires_grad=tuple(False for _ in vals),
                     roots=tuple((node, i) if isinstance(v, torch.Tensor) else None for i, v in enumerate(vals)),
                     storage_bytes={i: v.numel() * v.element_size() for i, v in enumerate(vals)
                                    if isinstance(v, torch.Tensor)},
                 )
             elif node.op == "get_attr":
-                sims[node] = NodeSim(requires_grad=(state_requires_grad(gm, node),), roots=(None,))
+                sims[node] = NodeRun(requires_grad=(state_requires_grad(gm, node),), roots=(None,))
             elif node.op == "output":
-                sims[node] = NodeSim()
+                sims[node] = NodeRun()
             elif node.op == "call_function" and node.target is operator.getitem:
                 source, index = node.args[0], node.args[1]
                 src = sims[source]
                 ok = isinstance(index, int) and -len(src.roots) <= index < len(src.roots)
-                sims[node] = NodeSim(
+                sims[node] = NodeRun(
                     requires_grad=(src.requires_grad[index] if ok else False,),
                     roots=(src.roots[index] if ok else None,),
                     layouts=(src.layouts[index] if ok and index < len(src.layouts) else None,),
                 )
             elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
                 grad_enabled = bool(node.args[0])
-                sims[node] = NodeSim()
+                sims[node] = NodeRun()
             elif node.op == "call_function":
                 try:
                     with torch.set_grad_enabled(grad_enabled):
-                        sims[node] = _simulate_node(gm, node, sims, counter, count_flops, record_saved, cache)
+                        sims[node] = _run_node_on_fake(gm, node, sims, counter, count_flops, record_saved, cache)
                 except Exception as exc:  # noqa: BLE001 - an op fake tensors cannot run costs nothing
                     failed.append(f"{node.name} ({node.target}): {type(exc).__name__}: {str(exc)[:120]}")
                     sims[node] = _fallback(node, sims)
@@ -164,10 +165,10 @@ def simulate(gm: fx.GraphModule, *, count_flops: bool = True, record_saved: bool
     return sims
 
 
-def _fallback(node: fx.Node, sims: dict[fx.Node, NodeSim]) -> NodeSim:
+def _fallback(node: fx.Node, sims: dict[fx.Node, NodeRun]) -> NodeRun:
     any_rg = any(any(sims[m].requires_grad) for m in node.all_input_nodes if m in sims)
     vals = output_list(node.meta.get("val"))
-    return NodeSim(
+    return NodeRun(
         requires_grad=tuple(any_rg and isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals),
         roots=tuple((node, i) if isinstance(v, torch.Tensor) else None for i, v in enumerate(vals)),
         storage_bytes={i: v.numel() * v.element_size() for i, v in enumerate(vals) if isinstance(v, torch.Tensor)},
@@ -200,7 +201,7 @@ def _freeze(value):
     return value
 
 
-def _simulate_node(gm, node, sims, counter, count_flops, record_saved, cache) -> NodeSim:
+def _run_node_on_fake(gm, node, sims, counter, count_flops, record_saved, cache) -> NodeRun:
     slots: dict[tuple[fx.Node, int], int] = {}  # (source node, output index) -> input slot
 
     def val_of(source: fx.Node):
@@ -245,7 +246,7 @@ def _simulate_node(gm, node, sims, counter, count_flops, record_saved, cache) ->
             cache[key] = result
 
     slot_roots = {k: (sims[src].roots[i] if i < len(sims[src].roots) else None) for (src, i), k in slots.items()}
-    sim = NodeSim(fwd_flops=result.fwd_flops, bwd_flops=result.bwd_flops,
+    sim = NodeRun(fwd_flops=result.fwd_flops, bwd_flops=result.bwd_flops,
                   requires_grad=result.requires_grad, layouts=result.layouts,
                   saved_internal_bytes=result.saved_internal_bytes)
     roots: list[RootKey | None] = []

@@ -1,0 +1,101 @@
+"""Calibration: measure regions on this machine, fit the time model, apply it to a problem.
+
+    partitioner compile gpt -o out --calibrate --profile-out cpu.profile.json   # measure + fit + use
+    partitioner compile gpt -o out --profile cpu.profile.json                    # reuse the fit
+
+Note [the fitted time model]
+    The datasheet model prices a region at ``flops / device.flops_per_s``. On a small model (and
+    on CPUs) most of the time goes elsewhere: memory-bound ops (layer norm, GELU, adds, softmax
+    parts) and a fixed cost per op (dispatch, autograd bookkeeping, Python). The fitted model,
+    one per direction (forward, backward) and per device kind, is
+
+        t = matmul_flops / matmul_flops_per_s         (linear, mm, bmm, convolution)
+          + other_flops / other_flops_per_s            (attention by formula, anything else counted)
+          + memory_bytes / memory_bytes_per_s          (bytes read + written by the other ops)
+          + num_ops * op_overhead_s                    (every call_function node but getitem)
+          [+ call_overhead_s]                          (one call of a measured sub-module: the
+                                                        harness's own cost, fitted, never predicted)
+
+    Its coefficients (the reciprocals, so that the model is linear in them) come from a
+    non-negative least-squares fit weighted by 1/measured, i.e. minimizing relative error. Rows are
+    the model's regions plus every distinct op run alone (deduplicated by target and input shapes,
+    so 32 identical layers cost one measurement): single ops separate the terms, which identical
+    transformer blocks alone would not.
+
+Note [measuring a region]
+    The traced graph runs once on a real batch (``make_batch``, else the example inputs) and
+    every node's value is kept. A region's nodes become a GraphModule whose inputs are the values
+    it reads from other regions and whose outputs are the values other regions read. Each
+    repeat runs the forward (grad enabled), then backward from the outputs with fixed random
+    output gradients; times are medians after warm-up. One more run, untimed, counts the peak of
+    live tensor bytes (``LiveBytes``). On CPU the measurement runs with the thread count the
+    generated programs get (one, ``OMP_NUM_THREADS=1`` from ``partitioner run``) unless told.
+
+Note [per sample]
+    Region times are given to the problem in two parts: the per-op term, which a microbatch pays
+    whatever its size (``fwd_s_per_microbatch_by_kind``), and the rest (FLOPs and bytes, which
+    grow with the batch) divided by the traced example batch (``fwd_s_per_sample_by_kind``). So a
+    plan with microbatches of 1 pays the per-op overhead once per microbatch, not 1/b of it.
+
+The room: features.py (a graph's terms), measure.py (timing groups here), fitting.py (the fit),
+profiles.py (DeviceProfile, its file, applying it to a problem); ``calibrate`` is measure + fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from partitioner.calibrate.features import Features, group_features, node_features, region_features
+from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relative, relative_errors
+from partitioner.calibrate.measure import local_device_kind, measure
+from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
+from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
+
+__all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
+           "calibrate", "fit_direction", "fit_profile", "group_features", "local_device_kind", "measure",
+           "nnls_relative", "node_features", "region_features", "relative_errors"]
+
+
+def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: int = 3, repeats: int = 10,
+              threads: int | None = 1, progress: Callable[[str], None] | None = None) -> DeviceProfile:
+    """Measure ``gm``'s regions and ops here and fit a profile for this device kind."""
+    kind = kind or local_device_kind()
+    rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
+                                                  "threads": threads or old})
+    finally:
+        torch.set_num_threads(old)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What ``compile(..., calibrate=CalibrationConfig(...))`` measures, and where it saves the fit."""
+
+    warmup: int = 3
+    repeats: int = 10
+    threads: int | None = 1
+    kind: str | None = None  # default: this machine's device (local_device_kind)
+    profile_out: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"calibration repeats={self.repeats} must be >= 1 and warmup={self.warmup} >= 0")
+
+    def run(self, workload, gm: fx.GraphModule, *, progress: Callable[[str], None] | None = None) -> DeviceProfile:
+        profile = calibrate(workload, gm, kind=self.kind, warmup=self.warmup, repeats=self.repeats,
+                            threads=self.threads, progress=progress)
+        if self.profile_out:
+            profile.save(self.profile_out)
+            if progress:
+                fwd, bwd = profile.meta["forward_median_rel_error"], profile.meta["backward_median_rel_error"]
+                progress(f"calibrate: wrote {self.profile_out} (kind {profile.kind}; fit median error "
+                         f"forward {fwd:.0%}, backward {bwd:.0%})")
+        return profile

@@ -1,0 +1,194 @@
+"""Run every region, and every distinct op alone, on this machine and time it (Note [measuring a
+region] in partitioner/calibrate/__init__.py)."""
+
+from __future__ import annotations
+
+import operator
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from partitioner import ir
+from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
+from runtime.memory import LiveBytes
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+def _detached(value, requires_grad: bool):
+    if isinstance(value, torch.Tensor):
+        out = value.detach().clone()
+        if requires_grad and out.dtype.is_floating_point:
+            out.requires_grad_(True)
+        return out
+    return value
+
+
+@dataclass
+class GroupRun:
+    """A node group as a runnable sub-module, with its real inputs."""
+
+    name: str
+    module: fx.GraphModule
+    inputs: list
+    input_needs_grad: list[bool]
+
+
+def _build_group(gm: fx.GraphModule, nodes: list[fx.Node], values: dict, needs: set[str], name: str) -> GroupRun:
+    inside = {n.name for n in nodes}
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    inputs, input_needs = [], []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.name in env or arg.name in inside:
+                continue
+            if arg.op == "get_attr":
+                env[arg.name] = graph.get_attr(arg.target)
+            else:
+                env[arg.name] = graph.placeholder(arg.name)
+                inputs.append(values[arg.name])
+                input_needs.append(arg.name in needs)
+            env[arg.name].meta = dict(arg.meta)
+        if node.op == "get_attr":
+            env[node.name] = graph.get_attr(node.target)
+        else:
+            env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+    outputs = [env[n.name] for n in nodes
+               if n.op != "get_attr" and any(u.name not in inside for u in n.users)]
+    graph.output(tuple(outputs))
+    return GroupRun(name, fx.GraphModule(gm, graph), inputs, input_needs)
+
+
+def _time_group(run: GroupRun, *, warmup: int, repeats: int, params) -> tuple[float, float, int]:
+    """(median forward s, median backward s, peak live bytes of one forward + backward)."""
+    generator = torch.Generator().manual_seed(0)
+    grads_out = None
+    fwd_times, bwd_times, peak = [], [], 0
+    for i in range(warmup + repeats + 1):
+        inputs = [_detached(v, need) for v, need in zip(run.inputs, run.input_needs_grad)]
+        measure_memory = i == warmup + repeats
+        mode = LiveBytes() if measure_memory else None
+        if mode is not None:
+            mode.__enter__()
+        try:
+            start = time.perf_counter()
+            outs = run.module(*inputs)
+            middle = time.perf_counter()
+            flat = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+            if grads_out is None:
+                grads_out = [torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device) for o in flat]
+            before_bwd = time.perf_counter()
+            if flat:
+                torch.autograd.backward(flat, grads_out)
+            end = time.perf_counter()
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        if measure_memory:
+            peak = mode.peak
+        elif i >= warmup:
+            fwd_times.append(middle - start)
+            bwd_times.append(end - before_bwd)
+        del outs, flat, inputs
+        for p in params:
+            p.grad = None
+    return statistics.median(fwd_times), statistics.median(bwd_times), peak
+
+
+def local_device_kind() -> str:
+    """The preset kind of this machine's device: a GPU by its name, else cpu."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        for key, kind in (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb")):
+            if key in name:
+                return kind
+        return name.replace(" ", "-")
+    return "cpu"
+
+
+def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10, single_ops: bool = True,
+            threads: int | None = 1, device: str | None = None,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Measure every region of the annotated ``gm`` (and every distinct op alone) on this machine.
+
+    Returns one dict per measured group: name, kind ("region" or "op"), fwd_s, bwd_s,
+    peak_live_bytes and the (forward, backward) features (Note [measuring a region])."""
+    if any(p.device.type == "meta" for p in gm.parameters()):
+        raise ValueError(f"--calibrate runs the model, but {workload.name} lives on the meta device: calibrate "
+                         "on a smaller configuration of the same model (same kinds of ops) and pass the "
+                         "profile with --profile")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    old_threads = torch.get_num_threads()
+    if threads and device == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        return _measure(workload, gm, warmup=warmup, repeats=repeats, single_ops=single_ops, device=device,
+                        progress=progress)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _example_inputs(workload) -> tuple:
+    args = workload.example_args
+    if workload.make_batch is not None:
+        try:
+            args, _ = workload.make_batch(0, workload.example_batch_size)
+        except Exception:  # noqa: BLE001 - the example inputs are a fine fallback
+            args = workload.example_args
+    return tuple(args)
+
+
+def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress) -> list[dict]:
+    gm = gm.to(device)
+    params = list(gm.parameters())
+    needs = requires_grad_nodes(gm)
+    values: dict = {}
+
+    class Keep(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            values[n.name] = result.detach() if isinstance(result, torch.Tensor) else result
+            return result
+
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in _example_inputs(workload)]
+    with torch.no_grad():
+        Keep(gm).run(*args)
+
+    members: dict[int, list[fx.Node]] = {}
+    names: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        meta = ir.get(node, ir.REGION)
+        members.setdefault(meta.region_id, []).append(node)
+        names[meta.region_id] = meta.name
+    groups: list[tuple[str, str, list[fx.Node]]] = [("region", names[r], members[r]) for r in sorted(members)]
+    if single_ops:
+        seen = set()
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem or op_name(node) in VIEW_OPS:
+                continue
+            shapes = tuple(tuple(getattr(values.get(a.name), "shape", ())) for a in node.all_input_nodes)
+            key = (str(node.target), shapes, node.name in needs, str(node.args[1:]) if len(node.args) > 1 else "")
+            if key in seen:
+                continue
+            seen.add(key)
+            getitems = [u for u in node.users if u.target is operator.getitem]
+            groups.append(("op", node.name, [a for a in node.all_input_nodes if a.op == "get_attr"] + [node] + getitems))
+    results = []
+    for kind, name, nodes in groups:
+        run = _build_group(gm, nodes, values, needs, name)
+        fwd_s, bwd_s, peak = _time_group(run, warmup=warmup, repeats=repeats, params=params)
+        fwd_f, bwd_f = group_features(nodes, needs)
+        results.append({"kind": kind, "name": name, "fwd_s": fwd_s, "bwd_s": bwd_s, "peak_live_bytes": peak,
+                        "fwd_features": asdict(fwd_f), "bwd_features": asdict(bwd_f)})
+    if progress:
+        progress(f"calibrate: measured {sum(r['kind'] == 'region' for r in results)} regions and "
+                 f"{sum(r['kind'] == 'op' for r in results)} distinct ops, {repeats} repeats each")
+    return results

@@ -1,0 +1,131 @@
+"""A device profile: the fitted seconds per term for one device kind, its file format, and how it
+prices a problem's regions (Note [per sample] in partitioner/calibrate/__init__.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch.fx as fx
+
+from partitioner.calibrate.features import Features, region_features
+
+
+FORMAT = "partitioner.profile/1"
+COEFFS = ("s_per_matmul_flop", "s_per_other_flop", "s_per_byte", "op_overhead_s")
+# ---- the profile ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DirectionFit:
+    """Seconds per unit of each term (Note [the fitted time model]); call_overhead_s is the
+    measuring harness's per-call cost, fitted to keep it out of the other terms, never predicted."""
+
+    s_per_matmul_flop: float
+    s_per_other_flop: float
+    s_per_byte: float
+    op_overhead_s: float
+    call_overhead_s: float = 0.0
+
+    def seconds(self, features: Features) -> float:
+        return (features.matmul_flops * self.s_per_matmul_flop + features.other_flops * self.s_per_other_flop
+                + features.memory_bytes * self.s_per_byte + features.num_ops * self.op_overhead_s)
+
+    def rates(self) -> dict:
+        def inv(x):
+            return 1.0 / x if x > 0 else math.inf
+
+        return {"matmul_flops_per_s": inv(self.s_per_matmul_flop), "other_flops_per_s": inv(self.s_per_other_flop),
+                "memory_bytes_per_s": inv(self.s_per_byte), "op_overhead_s": self.op_overhead_s}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A fitted time model for one device kind."""
+
+    kind: str
+    forward: DirectionFit
+    backward: DirectionFit
+    meta: dict = field(default_factory=dict, compare=False)  # where/how it was measured, fit quality
+    measurements: tuple = field(default=(), compare=False)
+    # A stage's fixed seconds per microbatch besides its regions, when measured (Note [whole-step
+    # terms] in partitioner/solver/problem.py); None: the device kind's preset.
+    microbatch_overhead_s: float | None = None
+
+    def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
+        return self.forward.seconds(fwd), self.backward.seconds(bwd)
+
+    def fixed_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
+        """The per-op part of ``region_seconds``: paid once per microbatch (Note [per sample])."""
+        return fwd.num_ops * self.forward.op_overhead_s, bwd.num_ops * self.backward.op_overhead_s
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "kind": self.kind,
+                "forward": asdict(self.forward), "backward": asdict(self.backward),
+                "rates": {"forward": self.forward.rates(), "backward": self.backward.rates()},
+                "meta": self.meta, "measurements": list(self.measurements),
+                **({"microbatch_overhead_s": self.microbatch_overhead_s}
+                   if self.microbatch_overhead_s is not None else {})}
+
+    @classmethod
+    def from_dict(cls, data: dict, *, where: str = "profile") -> "DeviceProfile":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a device profile (expected \"format\": \"{FORMAT}\"); "
+                             "write one with `partitioner compile MODEL --calibrate --profile-out FILE`")
+        try:
+            return cls(kind=str(data["kind"]), forward=DirectionFit(**data["forward"]),
+                       backward=DirectionFit(**data["backward"]), meta=dict(data.get("meta", {})),
+                       measurements=tuple(data.get("measurements", ())),
+                       microbatch_overhead_s=data.get("microbatch_overhead_s"))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True, default=float) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DeviceProfile":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--profile {path}: no such file; make one with "
+                             "`partitioner compile MODEL --calibrate --profile-out FILE`")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile {path}: not JSON ({exc})") from None
+        return cls.from_dict(data, where=str(path))
+
+
+def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Sequence[DeviceProfile]):
+    """The problem with measured-model seconds per sample by kind on every region (Note [per sample])."""
+    if not profiles:
+        return problem
+    kinds = [p.kind for p in profiles]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"two profiles for the same device kind {kinds}: give one per kind")
+    features = region_features(gm)
+    if len(features) != problem.num_regions:
+        raise AssertionError(f"{len(features)} region feature rows for {problem.num_regions} regions")
+    regions = []
+    for region, (fwd, bwd) in zip(problem.regions, features):
+        fwd_by_kind = dict(region.fwd_s_per_sample_by_kind or {})
+        bwd_by_kind = dict(region.bwd_s_per_sample_by_kind or {})
+        fwd_fixed = dict(region.fwd_s_per_microbatch_by_kind or {})
+        bwd_fixed = dict(region.bwd_s_per_microbatch_by_kind or {})
+        for profile in profiles:
+            f_s, b_s = profile.region_seconds(fwd, bwd)
+            fwd_fixed[profile.kind], bwd_fixed[profile.kind] = profile.fixed_seconds(fwd, bwd)
+            fwd_by_kind[profile.kind] = (f_s - fwd_fixed[profile.kind]) / batch_size
+            bwd_by_kind[profile.kind] = (b_s - bwd_fixed[profile.kind]) / batch_size
+        regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
+                               fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed))
+    overhead = dict(problem.microbatch_overhead_s_by_kind or {})
+    for profile in profiles:
+        if profile.microbatch_overhead_s is not None:
+            overhead[profile.kind] = profile.microbatch_overhead_s
+    return replace(problem, regions=tuple(regions), microbatch_overhead_s_by_kind=overhead or None)

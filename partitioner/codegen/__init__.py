@@ -1,0 +1,27 @@
+"""Plan + traced graph → the program folder (DESIGN section 6).
+
+```
+DIR/plan.json          the plan, its hash, the "program" the runtime reads, every file's sha256, and
+                       the solver's problem and assignment (what `inspect --node` prices moves with)
+DIR/stage_<k>.py       stage k's forward, one statement per op, with the model's source lines as comments
+DIR/rank_<r>.py        rank r: its stages, its pipeline and data-parallel peers, one call into runtime
+DIR/train.py           the torchrun entry: runs rank_<RANK>.py (both: runtime/entry_files.py)
+DIR/weights/stage_<k>.safetensors   initial parameters keyed by their original names
+DIR/README.md          how to run it here and on N nodes
+```
+Same inputs give the same bytes: nothing here reads the clock, and every mapping is sorted or
+in graph order. Generated files import only torch and runtime, and the modules that register
+custom ops a stage calls (Note [custom ops travel]).
+
+The lowering passes over the traced graph live here too, in the order they run:
+  randomness.py   every random op → a keyed draw (on the unpartitioned graph, before the split)
+  split.py        one GraphModule per pipeline stage, boundary tensors named for their module
+  recompute.py    recomputed regions → checkpointed methods of the stage
+  stage_code.py   a stage graph → stage_<k>.py (Note [stage code])
+  readme.py       README.md
+  folder.py       the whole folder, written atomically (write_program)
+"""
+
+from partitioner.codegen.folder import write_program
+
+__all__ = ["write_program"]

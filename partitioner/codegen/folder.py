@@ -1,0 +1,76 @@
+"""Write the program folder atomically (DESIGN section 6): every file built in a temporary
+sibling, checked, hashed into plan.json, and renamed into place only when whole."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from partitioner.codegen.readme import readme_source
+from partitioner.codegen.split import StageGraph
+from partitioner.codegen.stage_code import stage_source
+from partitioner.plan import Plan
+from partitioner.solver import serialize
+from runtime.entry_files import entry_files
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
+                  state: dict[str, torch.Tensor] | None, problem=None, assignment=None) -> Path:
+    """Write the folder atomically: built in a temporary sibling, renamed into place when whole.
+
+    ``problem`` and ``assignment`` (the solver's, plain numbers) go into plan.json beside the plan
+    (outside its hash), so `inspect --node` prices moves exactly as the solver would."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    plan_hash = plan.content_hash()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        files: dict[str, str] = {}
+        for stage in stages:
+            files[f"stage_{stage.index}.py"] = stage_source(stage, plan_hash, plan)
+        files.update(entry_files(program, plan_hash))
+        files["README.md"] = readme_source(plan, plan_hash)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+            if name.endswith(".py"):
+                compile(text, name, "exec")  # a generated file that doesn't parse is our bug
+        if state is not None:
+            from safetensors.torch import save_file
+
+            (tmp / "weights").mkdir()
+            for stage in stages:
+                tensors = {name: state[name].detach().to("cpu").contiguous().clone()
+                           for name in stage.params + stage.buffers}
+                save_file(tensors, str(tmp / "weights" / f"stage_{stage.index}.safetensors"),
+                          metadata={"plan_hash": plan_hash})
+        digests = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        body = plan.stable_dict()
+        body["plan_hash"] = plan_hash
+        body["program"] = program
+        body["files"] = digests
+        if problem is not None:
+            body["problem"] = serialize.to_dict(problem)
+            body["assignment"] = serialize.to_dict(assignment)
+        (tmp / "plan.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        # Wall-clock figures: the one file two compiles may differ in (Note [plans are deterministic]).
+        (tmp / "compile_stats.json").write_text(json.dumps(plan.timing(), indent=1, sort_keys=True) + "\n")
+        if folder.exists():
+            if not (folder / "plan.json").exists() and any(folder.iterdir()):
+                raise ValueError(f"{folder} exists and is not a program folder: choose another -o DIR")
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        os.chmod(folder, 0o755)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

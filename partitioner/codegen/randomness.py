@@ -1,0 +1,163 @@
+"""Lower every random op of the whole traced graph to a keyed draw of runtime.randomness.
+
+Note [randomness keyed by meaning] in runtime/randomness.py says why: a random op must draw the
+same numbers for the same (seed, step, sample, op) whatever the partition. This pass runs on the
+unpartitioned graph, before it is split, so the key's op name is the node's name in that graph
+(``dropout_3``), the same for every plan of the model.
+
+    reads:  node.target, node.args/kwargs, node.meta["val"] (the output's shape)
+    writes: the target and arguments of each random node, in place (its name and meta stay, so
+            regions and stage assignment are untouched); nothing else
+
+Ops that draw nothing (dropout with p = 0 or train = False, attention without dropout) are left
+as they are. A random op this pass does not know is an error, not a silent per-process draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from runtime import randomness as keyed
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class KeyedOp:
+    """One lowered node: the key's op name, its runtime function, and its batch dimension."""
+
+    op: str
+    function: str
+    batch_dim: int | None
+
+
+def _normalized(node: fx.Node, gm: fx.GraphModule) -> dict:
+    found = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if found is None:
+        raise ValueError(f"random node {node.name!r} ({node.target}): its arguments cannot be matched to the "
+                         "op's schema, so its randomness cannot be keyed: report the model that produced it")
+    return dict(found.kwargs)
+
+
+def _batch_dim(node: fx.Node, batch_size: int) -> int | None:
+    # The convention of program_spec: a leading dimension equal to the microbatch is the batch.
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    return 0 if shape and int(shape[0]) == batch_size else None
+
+
+def _dropout(kw):
+    p, train = float(kw.get("p", 0.5)), kw.get("train", kw.get("training", True))
+    if p == 0.0 or train is False:
+        return None
+    return keyed.dropout, (kw["input"], p, bool(train)), {}
+
+
+def _native_dropout(kw):
+    p, train = float(kw["p"]), kw.get("train", True)
+    if p == 0.0 or train is False:
+        return None
+    return keyed.native_dropout, (kw["input"], p, True), {}
+
+
+def _attention(kw):
+    p = float(kw.get("dropout_p", 0.0))
+    if p == 0.0:
+        return None
+    extra = {k: kw[k] for k in ("scale", "enable_gqa") if kw.get(k) not in (None, False)}
+    return keyed.attention, (kw["query"], kw["key"], kw["value"], kw.get("attn_mask"), p,
+                             bool(kw.get("is_causal", False))), extra
+
+
+def _bernoulli(kw):
+    return keyed.bernoulli, (kw["input"],) + ((float(kw["p"]),) if "p" in kw else ()), {}
+
+
+def _factory(function):
+    def lower(kw):
+        extra = {"dtype": kw["dtype"]} if kw.get("dtype") is not None else {}
+        first = kw["input"] if "input" in kw else list(kw["size"])
+        return function, (first,), extra
+    return lower
+
+
+_LOWERINGS = {
+    aten.dropout.default: _dropout,
+    F.dropout: _dropout,
+    aten.native_dropout.default: _native_dropout,
+    aten.scaled_dot_product_attention.default: _attention,
+    F.scaled_dot_product_attention: _attention,
+    aten.bernoulli.default: _bernoulli,
+    aten.bernoulli.p: _bernoulli,
+    torch.bernoulli: _bernoulli,
+    aten.rand.default: _factory(keyed.rand),
+    aten.randn.default: _factory(keyed.randn),
+    aten.rand_like.default: _factory(keyed.rand_like),
+    aten.randn_like.default: _factory(keyed.randn_like),
+}
+
+
+def _is_random(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _module_dropout_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
+    """symbolic_trace keeps nn.Dropout as a call_module: make it the F.dropout call it stands for."""
+    module = gm.get_submodule(node.target)
+    node.op, node.target = "call_function", F.dropout
+    node.args, node.kwargs = (node.args[0],), {"p": module.p, "training": module.training}
+
+
+def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
+    """Rewrite every random node of ``gm`` (the whole traced graph, traced at ``batch_size``)
+    into its keyed twin in runtime.randomness; returns what was rewritten, in graph order."""
+    lowered: list[KeyedOp] = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Dropout):
+            _module_dropout_to_function(gm, node)
+        if node.op != "call_function":
+            continue
+        lowering = _LOWERINGS.get(node.target)
+        if lowering is None:
+            if _is_random(node.target):
+                raise ValueError(
+                    f"node {node.name!r} calls {node.target}, a random op whose draws cannot be keyed "
+                    f"(supported: dropout, native_dropout, scaled_dot_product_attention, bernoulli, rand, "
+                    f"randn, rand_like, randn_like): express it with one of those, or add its lowering "
+                    f"to partitioner/codegen/randomness.py")
+            continue
+        rewritten = lowering(_normalized(node, gm))
+        if rewritten is None:
+            continue
+        function, args, kwargs = rewritten
+        batch_dim = _batch_dim(node, batch_size)
+        node.target = function
+        node.args = args
+        node.kwargs = {**kwargs, "op": node.name, "batch_dim": batch_dim}
+        lowered.append(KeyedOp(node.name, function.__name__, batch_dim))
+    gm.graph.lint()
+    gm.recompile()
+    return lowered
+
+
+def keyed_graph(workload, microbatch_size: int) -> tuple[fx.GraphModule, list[KeyedOp]]:
+    """The unpartitioned model as verify's oracle runs it when it has random ops: traced at one
+    microbatch (the program's shapes), random ops lowered exactly as in the program's stage files,
+    so that it draws the program's masks in one process."""
+    from partitioner.trace import trace
+
+    traced = trace(workload.model, workload.example_args_at(microbatch_size), workload.example_kwargs)
+    lowered = lower_randomness(traced.gm, batch_size=microbatch_size)
+    # A plain GraphModule over the same nodes and parameters, taking and returning flat tensors
+    # as the stage files do (partitioner/codegen/split.py): export's module refuses .train(), which the
+    # oracle calls, and its pytree wrapping warns on every deepcopy.
+    graph = traced.gm.graph
+    graph._codegen = fx.graph.CodeGen()
+    output = next(n for n in graph.nodes if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)) and len(output.args[0]) == 1:
+        output.args = (output.args[0][0],)
+    return fx.GraphModule(traced.gm, graph, class_name="KeyedGraph"), lowered

@@ -1,0 +1,34 @@
+"""README.md of the program folder: how to run it here and on a cluster (DESIGN section 6)."""
+
+from __future__ import annotations
+
+from partitioner.plan import Plan
+
+
+def readme_source(plan: Plan, plan_hash: str) -> str:
+    n = plan.world_size
+    return f"""# Generated training program: {plan.workload}
+
+Plan `{plan_hash}`: {plan.num_stages} pipeline stage(s) × {plan.dp} data-parallel replica(s) = {n} ranks,
+{plan.num_microbatches} microbatches of {plan.microbatch_size} per step ({plan.global_batch} samples),
+schedule `{plan.schedule}`, predicted step time {plan.predicted.get("step_time_s", 0):.4g} s.
+
+## Run on this machine
+
+    partitioner run .            # or:
+    torchrun --standalone --nproc-per-node {n} train.py --steps 20
+
+## Run on N nodes
+
+Split the {n} ranks over nodes (e.g. 2 nodes × {max(1, n // 2)}), and on every node run
+
+    torchrun --nnodes 2 --nproc-per-node {max(1, n // 2)} --node-rank $NODE_RANK \\
+             --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:29500 train.py --steps 20
+
+## Files
+
+- `plan.json`: the plan, the program the runtime reads, and the sha256 of every file below.
+- `stage_<k>.py`: each stage's forward, one statement per op, with the model's source lines as comments.
+- `rank_<r>.py`: which stages a rank holds and its peers.
+- `weights/stage_<k>.safetensors`: initial parameters by their original names.
+"""

@@ -1,0 +1,173 @@
+"""Lower bounds on a plan's step time, without solving: the whole problem's, one candidate's (p, d,
+m)'s, and their parts (the all-reduce, core sharing). The solver prunes candidates with them
+(Note [candidate pruning] in solve.py) and reports the bound beside the plan."""
+
+from __future__ import annotations
+
+import math
+
+from partitioner.cluster import ClusterSpec
+from partitioner.solver.problem import (
+    PartitionProblem,
+    core_sharing_factor,
+    in_flight_microbatches,
+    microbatch_overhead_s,
+    place_stages,
+    plan_links,
+    region_times_s,
+)
+
+__all__ = ["lower_bound_step_time_s", "candidate_lower_bound_s", "allreduce_lower_bound_s",
+           "core_sharing_lower_bound"]
+
+
+def lower_bound_step_time_s(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    dp: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    stage_devices: list[int] | None = None,
+) -> float:
+    """The step time of the best perfectly divisible model: a lower bound for any partition.
+
+    W_s is the per-microbatch work of the whole model on stage s's device. Stage s takes a
+    fraction f_s of it (sum f_s = 1) in T_s >= f_s * W_s, so the pipeline (m - 1) * B + sum_s T_s
+    with B = max_s T_s is at least the optimum of that linear program: convex and piecewise
+    linear in B, its minimum sits where the k fastest stages are exactly full, B_k =
+    1 / sum_{i < k} (1 / W_(i)) (fastest first), giving min_k (m - 1 + k) * B_k. Homogeneous:
+    (m + p - 1) * W / p, the bound of perfectly balanced stages; heterogeneous with m large:
+    balanced stages too, (m + p - 1) * B_p. Without ``stage_devices`` (one device per stage) the
+    fastest stage slots the cluster offers are used.
+    """
+    b = microbatch_size
+    work_by_class: dict[tuple, float] = {}
+    for device in cluster.devices:
+        if device.device_class not in work_by_class:
+            work_by_class[device.device_class] = sum(
+                sum(region_times_s(r, device, b)) for r in problem.regions
+            )
+    if stage_devices is not None:
+        works = [work_by_class[cluster.devices[i].device_class] for i in stage_devices]
+    else:
+        counts: dict[tuple, int] = {}
+        for device in cluster.devices:
+            counts[device.device_class] = counts.get(device.device_class, 0) + 1
+        slots = sorted(w for c, w in work_by_class.items() for _ in range(counts[c] // dp))
+        works = slots[:num_stages]
+        if len(works) < num_stages:
+            return math.inf
+    best = math.inf
+    inverse = 0.0
+    for k, w in enumerate(sorted(works), start=1):
+        if w <= 0:
+            return 0.0
+        inverse += 1.0 / w
+        best = min(best, (num_microbatches - 1 + k) / inverse)
+    return best
+
+
+def candidate_lower_bound_s(
+    problem: PartitionProblem,
+    cluster: ClusterSpec,
+    *,
+    num_stages: int,
+    dp: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    schedule: str,
+    allow_recompute: bool = True,
+) -> float:
+    """A lower bound on ``evaluate``'s step time over every plan of one candidate (p, d, m, b),
+    for pruning the enumeration (Note [candidate pruning] in solve.py); inf when no plan fits.
+
+    * Forced recompute (fluid): stage s holds static_s + k_s * b * saved_s <= capacity - (the
+      global batch + the smallest backward transient, which every stage holds) with
+      k_s = in-flight microbatches, so sum_s saved_s <= max over static splits of
+      sum_s (capacity - static_s) / (k_s * b) (static goes to the largest k_s first). The excess
+      of sum_r activation bytes over that budget must be saved by recomputing; the cheapest
+      fractional way (fwd seconds per saved byte) costs R seconds per microbatch.
+    * Time: sum_s T_s >= W + R + the boundaries' latencies (both directions); homogeneous
+      B >= sum_s T_s / p, so the pipeline is >= (m + p - 1) / p * sum_s T_s. Heterogeneous:
+      ``lower_bound_step_time_s`` + R.
+    * All-reduce (d > 1): some stage holds >= 1/p of the gradients: 2 (d - 1) (G / (p d bw) + lat)
+      with the fastest data-parallel link.
+    """
+    p, d, m, b = num_stages, dp, num_microbatches, microbatch_size
+    homogeneous = cluster.is_homogeneous
+    fastest = max(cluster.devices, key=lambda dev: dev.flops_per_s)
+    # Every stage holds the global batch and at least the smallest region's backward transient
+    # (Note [memory model]); the receive buffers and held outputs (>= 0) are left out.
+    floor = (d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
+             + min(r.transient_bytes(b, False) for r in problem.regions))
+    capacity = max(dev.usable_memory_bytes for dev in cluster.devices) - floor
+    if capacity < 0:
+        return math.inf
+    in_flight = sorted((in_flight_microbatches(schedule, s, p, m) for s in range(p)), reverse=True)
+    static_left = float(sum(r.static_bytes for r in problem.regions))
+    budget = 0.0  # saved activation bytes per sample the stages can hold at best
+    for k in in_flight:
+        static = min(capacity, static_left)
+        static_left -= static
+        budget += (capacity - static) / (k * b)
+    if static_left > 0:
+        return math.inf
+    excess = sum(r.activation_bytes_per_sample for r in problem.regions) - budget
+    recompute_s = 0.0
+    if excess > 0:
+        if not allow_recompute:
+            return math.inf
+        options = []
+        for r in problem.regions:
+            saving = r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample
+            if saving > 0:
+                options.append((region_times_s(r, fastest, b)[0] / saving, saving))
+        for per_byte, saving in sorted(options):
+            take = min(saving, excess)
+            recompute_s += per_byte * take
+            excess -= take
+            if excess <= 0:
+                break
+        if excess > 0:
+            return math.inf
+    bound = lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                    microbatch_size=b) + recompute_s
+    if homogeneous:
+        placement = place_stages(cluster, p, d)
+        boundary, _, _ = plan_links(cluster, placement)
+        work = sum(sum(region_times_s(r, fastest, b)) for r in problem.regions)
+        total = (work + recompute_s + 2 * sum(link.latency_s for link in boundary)
+                 + p * microbatch_overhead_s(problem, fastest))
+        bound = max(bound, (m + p - 1) / p * total)
+    return (bound + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)) * core_sharing_lower_bound(
+        cluster, num_stages=p, dp=d)
+
+
+def core_sharing_lower_bound(cluster: ClusterSpec, *, num_stages: int, dp: int) -> float:
+    """The smallest core-sharing factor any placement of p * d ranks can get (Note [whole-step
+    terms]): exact on a homogeneous cluster (its placement is fixed) or on one node, else 1."""
+    if cluster.is_homogeneous:
+        return core_sharing_factor(cluster, place_stages(cluster, num_stages, dp))
+    if len({device.node for device in cluster.devices}) == 1:
+        return core_sharing_factor(cluster, num_ranks=num_stages * dp)
+    return 1.0
+
+
+def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, num_stages: int, dp: int) -> float:
+    """Some stage holds >= 1/p of the gradients: 2 (d - 1) (G / (p d bw) + latency) with the
+    fastest data-parallel link of the candidate (any link on a heterogeneous cluster)."""
+    p, d = num_stages, dp
+    if d == 1:
+        return 0.0
+    if cluster.is_homogeneous:
+        links = [link for link in plan_links(cluster, place_stages(cluster, p, d))[1] if link is not None]
+    else:
+        links = [cluster.intra_node_link, cluster.inter_node_link]
+    if not links:
+        return 0.0
+    grads = sum(r.grad_bytes for r in problem.regions)
+    bandwidth = max(link.bandwidth_bytes_per_s for link in links)
+    latency = min(link.latency_s for link in links)
+    return 2 * (d - 1) * (grads / (p * d * bandwidth) + latency)

@@ -1,0 +1,259 @@
+"""The float cost model: ``evaluate`` prices a plan, term by term, stage by stage.
+
+``evaluate`` is the single source of truth for what a plan costs; baselines, the chain DP and
+the checker (check.py) all use it, and the ILP (model.py) is its integer-scaled transcription.
+
+Note [cost model]
+    For p stages, d replicas, m microbatches of b samples:
+    * compute_s  = sum over the stage's regions of (fwd + bwd) time, + fwd again if recomputed.
+    * cut[k]     = sum of bytes_per_sample of edges (u -> v) with stage(u) <= k < stage(v): an
+                   edge skipping stages is forwarded through each boundary it crosses.
+    * comm_s     = per microbatch, the stage's sends: activations over boundary s (if s < p-1)
+                   and gradients over boundary s-1 (if s > 0), each latency + b*cut/bandwidth.
+    * overhead_s = the stage's fixed cost per microbatch (Note [whole-step terms] in problem.py).
+    * T_s        = compute_s + comm_s + overhead_s;  pipeline = (m - 1) * max_s T_s + sum_s T_s.
+    * dp_allreduce = max_s ring all-reduce of stage s's gradients among its d replicas:
+                   2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1).
+    * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
+                   (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
+    * step_time  = pipeline + dp_allreduce + sum of tie costs.
+    * every time term above is multiplied by the candidate's core-sharing factor (ranks per CPU
+                   core on the most crowded node, at least 1; Note [whole-step terms]).
+    * memory_s   = see Note [memory model].
+    Links: boundary s uses the slowest link between stage s and s+1 over the replicas; the
+    all-reduce of stage s the slowest link among its replicas; ties the slowest link within a
+    replica's pipeline.
+
+Note [memory model]
+    Memory is predicted conservatively (DESIGN section 12): the solver fills a device to the
+    prediction, so every term is what the runtime (runtime/train.py over torch.distributed.
+    pipelining's PipelineStage) actually holds, rounded up where it is uncertain. Stage s of p,
+    d replicas, m microbatches of b samples, k_s = in-flight microbatches (m for GPipe,
+    min(p - s, m) for 1F1B), cut_in = cut[s - 1] (0 on stage 0), cut_out = cut[s] (0 last):
+    * static      = params + grads + optimizer state (+ tie replicas). Gradients are freed by
+                    zero_grad(set_to_none) after the step, but all exist from the first backward
+                    on, so they count at the peak.
+    * activations = k_s * b * (sum of saved activations [a recomputed region: only its inputs]
+                    + cut_out). cut_out: the stage's outputs, which PipelineStage keeps in
+                    fwd_cache until their backward even when no op saves them. On the last
+                    stage the graph outputs (logits) and, when the loss is applied outside the
+                    graph, its float copy (log-softmax of the logits) are the output node's saved
+                    activations (Note [the loss on the last stage] in passes/memory.py).
+    * buffers     = m * b * (cut_in + cut_out) + b * cut_in + d * m * b * (input + target).
+                    PipelineStage allocates an activation receive buffer for every microbatch
+                    (cut_in) and a gradient receive buffer for every microbatch (cut_out) once,
+                    at its first step, and keeps them; the input gradient it sends back (cut_in)
+                    lives until the send completes. Every rank builds the whole global batch
+                    (d * m * b samples of inputs and targets) before narrowing to its rows.
+    * transient   = max over the stage's regions of transient_bytes(b, recompute): the
+                    gradients alive during one region's backward (the gradient frontier of the
+                    graph, the op's own input/output/weight gradients; a recomputed region adds
+                    its rerun forward's saved activations). One region runs backward at a time,
+                    so the stage pays the largest, not the sum.
+    * step        = (after the schedule, activations freed) tie gradient copies summed in
+                    sync_gradients + for d > 1 the all-reduce's flat bucket, min(grads,
+                    allreduce_bucket_bytes). AdamW runs fused (no temporaries at steady state:
+                    measured 0 bytes; its state is allocated once, already in static).
+    * peak        = static + buffers + max(activations + transient, step).
+    The capacity compared with it is the device's usable memory (Note [usable memory] in
+    cluster.py): what the allocator and the runtime reserve is left out there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partitioner.cluster import ClusterSpec
+from partitioner.solver.bounds import lower_bound_step_time_s
+from partitioner.solver.problem import (
+    Assignment,
+    PartitionProblem,
+    core_sharing_factor,
+    in_flight_microbatches,
+    microbatch_overhead_s,
+    plan_links,
+    region_times_s,
+)
+
+__all__ = ["StageCost", "TieCost", "CostBreakdown", "evaluate", "stage_memory"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    regions: tuple[int, ...]
+    compute_s: float
+    comm_s: float
+    time_s: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buffers_bytes: float
+    capacity_bytes: int
+    send_bytes: float  # per microbatch, forward activations sent to the next stage
+    dp_allreduce_s: float
+    transient_bytes: float = 0.0     # Note [memory model]
+    step_buffers_bytes: float = 0.0
+    overhead_s: float = 0.0  # per microbatch, besides regions and sends (Note [whole-step terms])
+
+    @property
+    def memory_bytes(self) -> float:
+        """The predicted peak (Note [memory model])."""
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.buffers_bytes
+                + max(self.activations_bytes + self.transient_bytes, self.step_buffers_bytes))
+
+
+@dataclass(frozen=True)
+class TieCost:
+    regions: tuple[int, ...]
+    status: str  # "colocated" (one stage) or "replicated"
+    stages: tuple[int, ...]
+    cost_s: float
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    stages: tuple[StageCost, ...]
+    cut_bytes_per_sample: tuple[float, ...]  # per boundary k (between stage k and k + 1)
+    bottleneck_s: float
+    pipeline_s: float
+    dp_allreduce_s: float
+    ties: tuple[TieCost, ...]
+    step_time_s: float
+    bubble_fraction: float
+    lower_bound_step_time_s: float
+
+    @property
+    def fits_memory(self) -> bool:
+        return all(s.memory_bytes <= s.capacity_bytes for s in self.stages)
+
+
+def evaluate(
+    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment
+) -> CostBreakdown:
+    """Cost of ``assignment`` in floats (Note [cost model]). Assumes it is structurally valid
+    (see ``structural_violations``)."""
+    a = assignment
+    p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
+    devices = cluster.devices
+    regions_of = [[] for _ in range(p)]
+    for r, s in enumerate(a.stage_of_region):
+        regions_of[s].append(r)
+
+    cut = [0.0] * max(p - 1, 0)
+    for e in problem.edges:
+        for k in range(a.stage_of_region[e.src], a.stage_of_region[e.dst]):
+            cut[k] += e.bytes_per_sample
+    boundary_link, dp_links, tie_link = plan_links(cluster, a.device_of_stage_replica)
+    scale = core_sharing_factor(cluster, a.device_of_stage_replica)  # Note [whole-step terms]
+
+    # Tie replicas: every stage holding a tie region other than the first region's stage.
+    tie_costs = []
+    tie_extra = [[0.0, 0.0, 0.0] for _ in range(p)]
+    tie_grad_held = [0.0] * p  # gradient bytes of the ties each stage holds (sync_gradients copies them)
+    for tie in problem.ties:
+        stages = tuple(sorted({a.stage_of_region[r] for r in tie.regions}))
+        param, grad, opt = problem.tie_bytes(tie)
+        for s in stages:
+            tie_grad_held[s] += grad
+        home = a.stage_of_region[tie.regions[0]]
+        for s in stages:
+            if s != home:
+                tie_extra[s][0] += param
+                tie_extra[s][1] += grad
+                tie_extra[s][2] += opt
+        if len(stages) == 1:
+            tie_costs.append(TieCost(tie.regions, "colocated", stages, 0.0))
+        else:
+            assert tie_link is not None
+            # A held buffer (no gradient) costs its holders memory only: nothing is summed.
+            cost = scale * (len(stages) - 1) * tie_link.transfer_s(grad) if grad else 0.0
+            tie_costs.append(TieCost(tie.regions, "replicated", stages, cost))
+
+    stage_costs = []
+    for s in range(p):
+        stage_devices = a.device_of_stage_replica[s]
+        device = devices[stage_devices[0]]
+        compute = 0.0
+        params = grads = optimizer = 0.0
+        for r in regions_of[s]:
+            region = problem.regions[r]
+            fwd, bwd = region_times_s(region, device, b)
+            compute += fwd + bwd + (fwd if a.recompute[r] else 0.0)
+            params += region.param_bytes
+            grads += region.grad_bytes
+            optimizer += region.optimizer_bytes
+        params += tie_extra[s][0]
+        grads += tie_extra[s][1]
+        optimizer += tie_extra[s][2]
+        comm = 0.0
+        if s < p - 1:
+            comm += boundary_link[s].transfer_s(b * cut[s])
+        if s > 0:
+            comm += boundary_link[s - 1].transfer_s(b * cut[s - 1])
+        memory = stage_memory(problem, a, s, regions_of[s], cut, grads, tie_grad_held[s])
+        dp_link = dp_links[s]
+        allreduce = 0.0 if dp_link is None else 2 * (d - 1) * (grads / d / dp_link.bandwidth_bytes_per_s + dp_link.latency_s)
+        overhead = microbatch_overhead_s(problem, device)
+        stage_costs.append(
+            StageCost(
+                regions=tuple(regions_of[s]),
+                compute_s=scale * compute,
+                comm_s=scale * comm,
+                overhead_s=scale * overhead,
+                time_s=scale * (compute + comm + overhead),
+                params_bytes=params,
+                grads_bytes=grads,
+                optimizer_bytes=optimizer,
+                activations_bytes=memory["activations"],
+                buffers_bytes=memory["buffers"],
+                capacity_bytes=min(devices[i].usable_memory_bytes for i in stage_devices),
+                send_bytes=b * cut[s] if s < p - 1 else 0.0,
+                dp_allreduce_s=scale * allreduce,
+                transient_bytes=memory["transient"],
+                step_buffers_bytes=memory["step"],
+            )
+        )
+    bottleneck = max(st.time_s for st in stage_costs)
+    total = sum(st.time_s for st in stage_costs)
+    pipeline = (m - 1) * bottleneck + total
+    dp_allreduce = max(st.dp_allreduce_s for st in stage_costs)
+    step = pipeline + dp_allreduce + sum(t.cost_s for t in tie_costs)
+    bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
+    return CostBreakdown(
+        stages=tuple(stage_costs),
+        cut_bytes_per_sample=tuple(cut),
+        bottleneck_s=bottleneck,
+        pipeline_s=pipeline,
+        dp_allreduce_s=dp_allreduce,
+        ties=tuple(tie_costs),
+        step_time_s=step,
+        bubble_fraction=bubble,
+        lower_bound_step_time_s=scale * lower_bound_step_time_s(
+            problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+            stage_devices=[row[0] for row in a.device_of_stage_replica],
+        ),
+    )
+
+
+def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list[int], cut: list[float],
+                 grads_bytes: float, tie_grads_bytes: float) -> dict[str, float]:
+    """The memory terms of stage s other than model state (Note [memory model]): activations,
+    buffers, transient and step, in bytes. ``cut[k]``: bytes per sample over boundary k;
+    ``grads_bytes``: the stage's gradients (tie replicas included); ``tie_grads_bytes``: those of
+    the ties it holds."""
+    p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
+    cut_in = cut[s - 1] if s > 0 else 0.0
+    cut_out = cut[s] if s < p - 1 else 0.0
+    saved = sum(problem.regions[r].recompute_activation_bytes_per_sample if a.recompute[r]
+                else problem.regions[r].activation_bytes_per_sample for r in regions)
+    in_flight = in_flight_microbatches(a.schedule, s, p, m)
+    batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
+    transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
+    bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0
+    return {
+        "activations": float(in_flight * b * (saved + cut_out)),
+        "buffers": float(m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch),
+        "transient": float(transient),
+        "step": float(tie_grads_bytes + bucket),
+    }

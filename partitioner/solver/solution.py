@@ -1,0 +1,149 @@
+"""What ``solve`` returns (Solution), what it records per candidate (CandidateRecord), and what it
+reports while it runs (SolveProgress).
+
+Note [rank layout]
+    rank = stage * dp + replica. A stage's data-parallel replicas are consecutive ranks, so the
+    gradient all-reduce (the big, per-step traffic) stays inside a node whenever dp divides the
+    node size, and pipeline neighbours (small, per-microbatch activations) are dp ranks apart
+    (Megatron-LM's order with pipeline outermost). On a homogeneous cluster rank r runs on device
+    r; on a heterogeneous one ``device_of_stage_replica[stage][replica]`` names the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from partitioner.cluster import GIB
+from partitioner.solver.baselines import BaselineCost
+from partitioner.solver.evaluate import StageCost, TieCost
+from partitioner.solver.problem import Assignment
+
+__all__ = ["CandidateRecord", "Solution", "SolveProgress"]
+
+
+@dataclass(frozen=True)
+class CandidateRecord:
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    status: str                 # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, PRUNED, SKIPPED
+    step_time_s: float | None
+    lower_bound_step_time_s: float
+    solve_time_s: float
+
+
+@dataclass(frozen=True)
+class SolveProgress:
+    """One update of solve()'s enumeration, handed to its ``progress`` callback; str() is a
+    status line, ``candidate_line()`` the line of the candidate just finished (if any)."""
+
+    done: int                        # candidates finished: solved, infeasible, skipped or pruned
+    total: int
+    incumbent_s: float | None        # the best plan's step time so far
+    incumbent: tuple[int, int, int] | None  # its (stages, dp, microbatches)
+    bound_s: float | None            # lower bound on the best step time over every candidate
+    elapsed_s: float
+    candidate: CandidateRecord | None = None
+    finished: bool = False
+    status: str | None = None        # the Solution's status, when finished
+
+    def __str__(self) -> str:
+        text = f"solve: {self.done}/{self.total} candidates"
+        if self.incumbent_s is not None:
+            p, d, m = self.incumbent
+            text += f", best {self.incumbent_s * 1e3:.4g} ms ({p} stage{'s' * (p > 1)} x dp {d}, {m} microbatch" \
+                    f"{'es' * (m > 1)})"
+        if self.bound_s is not None and math.isfinite(self.bound_s):
+            text += f", bound {self.bound_s * 1e3:.4g} ms"
+        if self.incumbent_s and self.bound_s is not None and math.isfinite(self.bound_s):
+            text += f" (gap {max(0.0, 1 - self.bound_s / self.incumbent_s):.1%})"
+        return text + (f", {self.status}" if self.finished and self.status else "")
+
+    def candidate_line(self) -> str | None:
+        r = self.candidate
+        if r is None:
+            return None
+        time_s = "-" if r.step_time_s is None else f"{r.step_time_s * 1e3:.4g} ms"
+        return (f"candidate {r.num_stages} stage{'s' * (r.num_stages > 1)} x dp {r.dp}, {r.num_microbatches} "
+                f"microbatch{'es' * (r.num_microbatches > 1)} of "
+                f"{r.microbatch_size}: {r.status}, step {time_s}, bound {r.lower_bound_step_time_s * 1e3:.4g} ms, "
+                f"{r.solve_time_s:.2f} s")
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The chosen plan and every figure it was chosen by (Note [rank layout] for devices)."""
+
+    stage_of_region: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    device_of_stage_replica: tuple[tuple[int, ...], ...]
+    num_stages: int
+    dp: int
+    num_microbatches: int
+    microbatch_size: int
+    schedule: str
+    global_batch: int
+    # predicted, recomputed in floats by evaluate.evaluate
+    stages: tuple[StageCost, ...]
+    step_time_s: float
+    bubble_fraction: float
+    lower_bound_step_time_s: float
+    ties: tuple[TieCost, ...]
+    # solver
+    status: str
+    objective: int | None        # in time units (time_unit_s)
+    bound: int | None
+    solve_time_s: float
+    time_unit_s: float
+    memory_unit_bytes: int
+    rounding_slack_units: float
+    exact_links: bool
+    baselines: Mapping[str, float] = field(default_factory=dict, compare=False)  # name -> step_time_s
+    baseline_details: Mapping[str, BaselineCost] = field(default_factory=dict, compare=False)
+    candidates: tuple[CandidateRecord, ...] = ()
+
+    @property
+    def assignment(self) -> Assignment:
+        return Assignment(
+            stage_of_region=self.stage_of_region,
+            recompute=self.recompute,
+            device_of_stage_replica=self.device_of_stage_replica,
+            num_stages=self.num_stages,
+            dp=self.dp,
+            num_microbatches=self.num_microbatches,
+            microbatch_size=self.microbatch_size,
+            schedule=self.schedule,
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages * self.dp
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return stage * self.dp + replica
+
+    def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+    def device_of_rank(self, rank: int) -> int:
+        stage, replica = divmod(rank, self.dp)
+        return self.device_of_stage_replica[stage][replica]
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.num_stages} stages x dp {self.dp}, {self.num_microbatches} microbatches of "
+            f"{self.microbatch_size}, {self.schedule}: step {self.step_time_s:.6g} s "
+            f"(lower bound {self.lower_bound_step_time_s:.6g} s, bubble {self.bubble_fraction:.1%}), "
+            f"solver {self.status} in {self.solve_time_s:.2f} s",
+            f"{'stage':>5} {'ranks':>12} {'regions':>9} {'compute_s':>11} {'comm_s':>10} {'mem_GiB':>8} {'cap_GiB':>8}",
+        ]
+        for s, st in enumerate(self.stages):
+            ranks = f"{self.rank_of(s, 0)}..{self.rank_of(s, self.dp - 1)}"
+            lines.append(f"{s:>5} {ranks:>12} {len(st.regions):>9} {st.compute_s:>11.4g} {st.comm_s:>10.3g} "
+                         f"{st.memory_bytes / GIB:>8.3f} {st.capacity_bytes / GIB:>8.2f}")
+        for name, base in self.baseline_details.items():
+            lines.append(f"baseline {name}: {base.step_time_s:.6g} s{'' if base.fits_memory else ' (does not fit memory)'}")
+        return "\n".join(lines)
