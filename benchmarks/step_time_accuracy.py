@@ -68,7 +68,7 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     import partitioner
     from partitioner.calibrate import calibrate
     from partitioner.cluster import ClusterSpec
-    from partitioner.compiler import analyze, build_problem
+    from partitioner.analysis import analyze, build_problem
     from partitioner.models import load_workload
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages

@@ -79,3 +79,31 @@ def test_no_import_cycle_beyond_the_known_ones():
         " -> ".join(c + [c[0]]) for t in unknown for c in nx.simple_cycles(graph.subgraph(t)))
     gone = [sorted(k) for k in KNOWN_CYCLES if k not in tangles]
     assert gone == [], f"{gone} no longer form a cycle: take them off KNOWN_CYCLES"
+
+
+def test_every_import_of_our_packages_in_benchmarks_and_tests_resolves():
+    """Benchmarks import most of what they use inside functions, so a renamed module or name would
+    surface only in `make bench`, minutes in: resolve every such import here instead."""
+    import ast
+    import importlib
+
+    missing = []
+    for folder in ("benchmarks", "tests"):
+        for path in sorted((REPO / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom) or not node.module or node.level:
+                    continue
+                if node.module.split(".")[0] not in PACKAGES:
+                    continue
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError as exc:
+                    missing.append(f"{path.name}:{node.lineno} {node.module} ({exc})")
+                    continue
+                for alias in node.names:
+                    if alias.name != "*" and not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        except ImportError:
+                            missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
+    assert missing == [], missing
