@@ -350,7 +350,7 @@ class Program:
     ties: tuple[TieSpec, ...] = ()
     data: DataSpec
     optimizer: OptimizerSettings
-    seed: int = 0
+    seed: int = 0              # random ops per microbatch and the host generators (seed + rank) derive from it
     collective_timeout_s: float = 600  # every collective and p2p op (Note [no hangs] in launch.py)
     checkpoint_every: int = 0          # checkpoint every K steps (0: see mtbf_s, else only the last)
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
