@@ -142,7 +142,7 @@ def scan(ckpt_dir: str | Path, *, program: Program | None = None, step: int | No
     if step is not None:
         steps = [s for s in steps if s == step]
     entries = [examine(ckpt_dir, s, program) for s in steps]
-    out = {"checkpoint_dir": os.path.abspath(ckpt_dir), "program_plan_hash": (program or {}).get("plan_hash"),
+    out = {"checkpoint_dir": os.path.abspath(ckpt_dir), "program_plan_hash": program.plan_hash if program else None,
            "checkpoints": entries, "discarded": [], "resume": None}
     try:
         out["discarded"] = sorted(n for n in os.listdir(ckpt_dir)
