@@ -61,7 +61,7 @@ def main() -> int:
     new = [ck.snapshot(t) for t in trainers]
     total_bytes, total_ops = count_commit(base, new, program, keep=args.keep)
     shard_bytes = sum(len(ck.serialize(s)) for s in new)
-    print(f"program: {program['world_size']} shards, commit of step 3 = {total_bytes} bytes in "
+    print(f"program: {program.world_size} shards, commit of step 3 = {total_bytes} bytes in "
           f"{total_ops} operations (shards, manifest, pruning with keep={args.keep})")
 
     rng = random.Random(args.seed)

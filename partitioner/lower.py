@@ -24,12 +24,15 @@ from partitioner.plan import Plan
 from partitioner.recompute import checkpoint_regions
 from partitioner.split import StageGraph, split_graph
 from partitioner.workload import Workload
+from runtime.program import Program
 
 if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
     from partitioner.compiled import Compiled
 
-def program_spec(plan: Plan, stages, workload: Workload) -> dict:
-    """The "program" object of plan.json: everything the runtime reads (runtime/__init__.py)."""
+def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: dict | None = None) -> Program:
+    """The program the runtime runs (runtime.program.Program, validated here, at compile time);
+    plan.json holds its ``to_dict()``. ``keyed_ops``: the random ops keyed by meaning;
+    ``init``: the init recipes of a model compiled on the meta device."""
     def values(vs):
         # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
         # positions) is the same for every sample: it crosses whole, never split by batch.
@@ -42,7 +45,7 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
             f"workload {workload.name!r} does not say where generated programs find {missing}: set "
             "Workload(source={'make_batch': ('module:function', kwargs), 'loss_fn': (...)})"
         )
-    return {
+    return Program.from_dict({
         "world_size": plan.world_size,
         "num_stages": plan.num_stages,
         "dp": plan.dp,
@@ -66,7 +69,10 @@ def program_spec(plan: Plan, stages, workload: Workload) -> dict:
         "predicted_step_time_s": float(plan.predicted["step_time_s"]),
         **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}
            if plan.training.get("memory_tier") else {}),
-    }
+        # Note [randomness keyed by meaning] in runtime/randomness.py
+        **({"randomness": {"keyed_ops": [op.op for op in keyed_ops]}} if keyed_ops else {}),
+        **({"init": init} if init else {}),
+    })
 
 
 def init_recipes(model: torch.nn.Module, stages) -> dict:
@@ -143,14 +149,11 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     traced, gm, keyed_ops = retrace(compiled)
     stages = split_stages(plan, gm)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
-    program = program_spec(plan, stages, workload)
-    if keyed_ops:  # Note [randomness keyed by meaning] in runtime/randomness.py
-        program["randomness"] = {"keyed_ops": [op.op for op in keyed_ops]}
-    if on_meta:
-        program["init"] = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
+    init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)} if on_meta else None
+    program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init)
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.
     state = None if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
-    return write_program(folder, plan=plan, stages=stages, program=program, state=state,
+    return write_program(folder, plan=plan, stages=stages, program=program.to_dict(), state=state,
                          problem=compiled.problem, assignment=compiled.assignment)

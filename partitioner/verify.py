@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.program import Program
 from runtime.torchrun import run_env, torchrun_command
 
 # Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
@@ -102,7 +103,7 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
     return _read_finals(run_dir, "buffers_rank_*.safetensors")[0]
 
 
-def train_oracle(folder: str | Path, program: dict, workload, steps: int):
+def train_oracle(folder: str | Path, program: Program, workload, steps: int):
     """(losses, final state, which oracle) of the one-process run ``verify`` compares against."""
     from runtime.program import resolve_callable
     from runtime.reference import train_reference, train_reference_from_folder
@@ -113,18 +114,18 @@ def train_oracle(folder: str | Path, program: dict, workload, steps: int):
     if workload.model.parameters().__next__().device.type == "meta":
         raise ValueError("the workload's model is on the meta device: verify needs real weights; "
                          "verify a smaller configuration of the same model")
-    num_microbatches = program["dp"] * program["num_microbatches"]
+    num_microbatches = program.dp * program.num_microbatches
     model, oracle = workload.model, "original model"
-    if program.get("randomness", {}).get("keyed_ops"):
+    if program.randomness is not None and program.randomness.keyed_ops:
         from partitioner.randomness import keyed_graph
 
-        model, _ = keyed_graph(workload, program["global_batch"] // num_microbatches)
+        model, _ = keyed_graph(workload, program.global_batch // num_microbatches)
         oracle = "unpartitioned traced graph (keyed randomness)"
-    data = program["data"]
+    data = program.data
     losses, state, _ = train_reference(
-        model, resolve_callable(data["make_batch"], str(folder)), resolve_callable(data["loss_fn"], str(folder)),
-        program["optimizer"], program["global_batch"], num_microbatches, steps, program["seed"],
-        replicas=program["dp"])
+        model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
+        program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
+        replicas=program.dp)
     return losses, state, oracle
 
 

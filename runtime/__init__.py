@@ -5,7 +5,8 @@ Modules
 -------
 launch     ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the one
            call of every rank_<r>.py (env, process groups, training, final save)
-program    plan.json's "program" object: ``load_program``, ``validate_program``, ``Layout`` (groups)
+program    plan.json's "program" object as the frozen dataclass ``Program`` (every field documented
+           there), ``load_program``, ``Layout`` (groups)
 entry_files the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``), one
            emitter for codegen and hand-made test folders
 torchrun   ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
@@ -58,45 +59,23 @@ The program folder (written by partitioner/codegen.py)
                          partitioner/split.py). forward returns the single output, or a tuple of
                          them in OUTPUTS order.
     DIR/weights/stage_<k>.safetensors   initial values keyed by original names (params + buffers)
-    DIR/rank_<r>.py      one call: runtime.launch.main(<its folder>, rank=r)
-                         (text: runtime.entry_files.rank_file_text(program, r))
+    DIR/rank_<r>.py      what rank r runs, as constants (STAGES, PIPELINE_RANKS,
+                         DATA_PARALLEL_RANKS, ACTIONS, NUM_MICROBATCHES, MICROBATCH_SIZE, LAUNCH,
+                         ...; checked against the program at start-up: Note [rank file constants]
+                         in runtime/entry_files.py), then one call: runtime.launch.main(<its
+                         folder>, rank=r) (text: runtime.entry_files.rank_file_text(program, r))
     DIR/train.py         torchrun entry: runs rank_<RANK>.py; without RANK it exits naming the
                          torchrun line (text: runtime.entry_files.train_file_text)
     DIR/run/             written by the run: metrics.jsonl, final/ (below)
     DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/checkpoint/)
 
-The "program" object (JSON)::
-
-    world_size, num_stages, dp, num_microbatches (per replica), global_batch   ints
-    schedule            "gpipe" | "1f1b" | "interleaved" (several stages per rank)
-    device, backend     "cpu"/"gloo" or "cuda"/"nccl" (rank r runs on cuda:LOCAL_RANK)
-    ranks               [{"rank", "stages": [k...], "replica"}]; in each replica's pipeline (its ranks
-                        in ascending order) the rank at position j holds stages j, j+pp, j+2pp, ...
-                        (what torch.distributed.pipelining assumes; checked)
-    stages              [{"index", "module", "class", "params", "mutable_buffers" (optional;
-                          each name on one stage only, checked),
-                          "inputs"/"outputs": [{"name", "shape", "dtype", "batch_dim"}]}] with
-                        shapes for ONE microbatch = global_batch / (dp * num_microbatches) rows;
-                        stage k's inputs are stage k-1's outputs, in order (checked); stage 0's
-                        inputs are make_batch's args
-    ties                [{"param", "stages": [k...]}]: one trained parameter with a copy on several stages;
-                        its gradient is summed over the copies each step (then averaged over dp)
-    data                {"make_batch": ["module:function", {kwargs}], "loss_fn": [...]}; the module
-                        may also be a .py path relative to DIR. make_batch(step, global_batch) ->
-                        (args, target) with the target's batch on dim 0; loss_fn(output, target) is
-                        a mean over its microbatch
-    optimizer           {"name": "adamw", "lr", "betas", "eps", "weight_decay", "warmup_steps",
-                         "lr_schedule": "cosine"|"linear"|"constant", "total_steps",
-                         "min_lr_ratio" (optional, default 0)}
-    seed                int; collective_timeout_s: number (every collective and p2p op)
-    randomness          optional: {"keyed_ops": [node names]}: the random ops the compiler keyed
-                        (present only when there are any; verify then picks the keyed oracle)
-    steps               optional: steps to train (default optimizer.total_steps)
-    checkpoint_every    optional: checkpoint every K steps (0/absent: see mtbf_s, else only the last)
-    predicted_step_time_s  optional: the plan's predicted seconds per step, printed beside the
-                        measured median at the end of a run (Note [step time summary] in train.py)
-    plan.json's top-level "model_fingerprint", "workload" and training "mtbf_s" are copied into
-    the program object by ``load_program`` (checkpoints record and check them)
+The "program" object: ``runtime.program.Program`` is its single definition. Each field (and each
+part: ``RankSpec``, ``StageSpec``, ``TensorSpec``, ``TieSpec``, ``DataSpec``, ``OptimizerSettings``,
+``MemoryTierPlan``, ``RandomnessSpec``, ``InitSpec``) is documented where it is declared, and the
+checks are in ``Program.from_dict`` / ``__post_init__``; plan.json holds ``Program.to_dict()``
+(same keys, so ``Program.from_dict(json)`` reads any plan.json this compiler writes).
+``load_program(DIR)`` checks the file hashes and returns the validated Program, with plan.json's
+top-level "plan_hash", "model_fingerprint", "workload" and training "mtbf_s" copied in.
 
 Outputs of a run (DIR/run unless main(run_dir=...))::
 

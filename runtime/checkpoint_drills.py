@@ -17,7 +17,7 @@ import zlib
 import torch
 
 from runtime import checkpoint as ck
-from runtime.program import Layout, load_program
+from runtime.program import Program, load_program
 from runtime.recovery import agree_newest
 from runtime.stage import build_stage
 from runtime.train import RankTrainer, make_optimizer
@@ -29,15 +29,15 @@ class FakeTrainer:
     named_parameters = RankTrainer.named_parameters
     named_mutable_buffers = RankTrainer.named_mutable_buffers
 
-    def __init__(self, folder: str, rank: int, program: dict | None = None):
+    def __init__(self, folder: str, rank: int, program: Program | None = None):
         self.folder, self.rank = folder, rank
         self.program = program or load_program(folder)
-        layout = Layout.from_program(self.program)
+        layout = self.program.layout
         self.stage_ids = layout.stages_of_rank[rank]
         self.replica = layout.replica_of_rank[rank]
         self.modules = [build_stage(folder, s, "cpu") for s in self.stage_ids]
         unique = list({id(p): p for m in self.modules for p in m.parameters()}.values())
-        self.optimizer, self.lr_scheduler = make_optimizer(unique, self.program["optimizer"])
+        self.optimizer, self.lr_scheduler = make_optimizer(unique, self.program.optimizer)
         self.steps_done = 0
 
     def fake_step(self, seed: int) -> None:
@@ -53,7 +53,7 @@ class FakeTrainer:
 
 def trainers_at(folder: str, steps: int) -> list[FakeTrainer]:
     program = load_program(folder)
-    out = [FakeTrainer(folder, r, program) for r in range(program["world_size"])]
+    out = [FakeTrainer(folder, r, program) for r in range(program.world_size)]
     for t in out:
         for s in range(steps):
             t.fake_step(s)
@@ -115,18 +115,17 @@ def killed_commit(ckpt_dir: str, snaps, program, *, keep: int, after_bytes=None,
     return False
 
 
-def newest_for_all(ckpt_dir: str, program: dict) -> tuple[int | None, dict]:
+def newest_for_all(ckpt_dir: str, program: Program) -> tuple[int | None, dict]:
     """What recovery would pick (every rank's view, then the agreement) and each rank's load."""
     views, loads = [], {}
-    for rank in range(program["world_size"]):
-        layout = Layout.from_program(program)
+    layout = program.layout
+    for rank in range(program.world_size):
         needed = ck.state_names(program, layout.stages_of_rank[rank])
         valid, _ = ck.find_valid(ckpt_dir, program, rank, needed)
         views.append(valid)
     step = agree_newest(views)
     if step is not None:
-        for rank in range(program["world_size"]):
-            layout = Layout.from_program(program)
+        for rank in range(program.world_size):
             needed = ck.state_names(program, layout.stages_of_rank[rank])
             loads[rank] = ck.load_for_rank(ckpt_dir, step, program, rank, needed)
     return step, loads

@@ -1,8 +1,9 @@
 """Entry point of every generated rank program: ``runtime.launch.main(folder, rank=r)``.
 
 Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), checks it
-against the plan, initializes the process group with the plan's backend and collective timeout,
-creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
+against the plan, checks that rank_<r>.py states what this rank runs (Note [rank file constants]
+in runtime/entry_files.py), initializes the process group with the plan's backend and collective
+timeout, creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
 
 Note [no hangs]: every collective and point-to-point operation runs under the plan's
 ``collective_timeout_s`` (init_process_group and every new_group get it), so a dead peer surfaces
@@ -14,12 +15,13 @@ dead peer; torchrun's agent then tears down the remaining workers (and restarts 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
 from datetime import timedelta
 
-from runtime.program import Layout, load_program
+from runtime.program import Program, load_program
 from runtime.torchrun import command_text, free_port
 
 
@@ -27,9 +29,9 @@ class LaunchError(ValueError):
     """The process was started in a way that does not match the program (world size, rank)."""
 
 
-def read_env(program: dict, folder: str, rank: int | None) -> tuple[int, int, int]:
+def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from the torchrun environment, checked against the plan."""
-    want = program["world_size"]
+    want = program.world_size
     if "WORLD_SIZE" not in os.environ:
         if want != 1:
             raise LaunchError(f"this program needs {want} processes and WORLD_SIZE is not set: "
@@ -144,14 +146,14 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime import faults
 
     if "collective_timeout" in flags:
-        program["collective_timeout_s"] = flags["collective_timeout"]
+        program = dataclasses.replace(program, collective_timeout_s=flags["collective_timeout"])
     use_ckpt = not flags.get("no_checkpoint")
     ckpt_dir = os.path.abspath(flags.get("checkpoint_dir") or os.path.join(folder, "checkpoints"))
     every = flags.get("checkpoint_every")
     mtbf_s = ck.parse_duration_s(flags["mtbf"]) if "mtbf" in flags else None
     if every is None and mtbf_s is None:
-        every = program.get("checkpoint_every") or 0
-        mtbf_s = None if every else program.get("mtbf_s")
+        every = program.checkpoint_every or 0
+        mtbf_s = None if every else program.mtbf_s
     if every is not None and every < 0:
         raise ValueError(f"--checkpoint-every {every}: must be a positive number of steps")
     keep = flags.get("keep_checkpoints", 3)
@@ -161,43 +163,48 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
     from runtime import memtier
 
-    memory_settings = memtier.settings_from(program, flags) if use_ckpt else None
+    memory_settings = memtier.settings_from(program.memory_tier, flags) if use_ckpt else None
     if use_ckpt:
         ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
     import torch
     import torch.distributed as dist
 
+    from runtime.entry_files import check_rank_file
     from runtime.schedule import schedule_text
     from runtime.train import RankTrainer, create_groups
 
-    steps = program["steps"] if steps is None else steps
+    # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
+    # file constants] in runtime/entry_files.py).
+    check_rank_file(folder, program, rank)
+
+    steps = program.steps_to_train if steps is None else steps
     run_dir = run_dir or os.path.join(folder, "run")
-    timeout = timedelta(seconds=float(program["collective_timeout_s"]))
+    timeout = timedelta(seconds=float(program.collective_timeout_s))
     from runtime.train import seed_host_generators
 
-    seed_host_generators(program["seed"] + rank)  # Note [global generators] in runtime/train.py
+    seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/train.py
 
-    if program["device"] == "cuda":
+    if program.device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
-        device = torch.device(program["device"])
+        device = torch.device(program.device)
     # A caller that already set up the default group (a test driver, a notebook) keeps it.
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(program["backend"], rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(program.backend, rank=rank, world_size=world, timeout=timeout)
     elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
         raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
                           f"{dist.get_world_size()}, the program wants rank {rank} of {world}")
     # On an error nothing below is unwound politely: main() exits hard (Note [no hangs]).
-    layout = Layout.from_program(program)
+    layout = program.layout
     groups = create_groups(layout, rank, timeout=timeout)
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
     quiet = bool(flags.get("quiet"))
     if rank == 0:
-        print(f"program {program.get('plan_hash')}: {world} ranks, {program['num_stages']} "
-              f"stages x dp {program['dp']}, {steps} steps\n" + ("" if quiet else schedule_text(program)),
+        print(f"program {program.plan_hash}: {world} ranks, {program.num_stages} "
+              f"stages x dp {program.dp}, {steps} steps\n" + ("" if quiet else schedule_text(program)),
               end="", flush=True)
     start_step = 0
     checkpointer = None

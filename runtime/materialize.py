@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from runtime.program import tensor_dtype
+from runtime.program import InitRecipe, tensor_dtype
 
 INITIALIZERS = ("normal", "uniform", "zeros", "ones")
 
@@ -23,9 +23,9 @@ def parameter_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def materialize(name: str, recipe: dict, seed: int) -> torch.Tensor:
-    """One tensor from its recipe: {"shape", "dtype", "init": normal|uniform|zeros|ones, "std"|"bound"}."""
-    shape, dtype, init = recipe["shape"], tensor_dtype(recipe["dtype"]), recipe["init"]
+def materialize(name: str, recipe: InitRecipe, seed: int) -> torch.Tensor:
+    """One tensor from its recipe (shape, dtype, init: normal|uniform|zeros|ones, std|bound)."""
+    shape, dtype, init = recipe.shape, tensor_dtype(recipe.dtype), recipe.init
     if init == "zeros":
         return torch.zeros(shape, dtype=dtype)
     if init == "ones":
@@ -33,16 +33,16 @@ def materialize(name: str, recipe: dict, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(parameter_seed(seed, name))
     value = torch.empty(shape, dtype=torch.float32)
     if init == "normal":
-        value.normal_(0.0, float(recipe["std"]), generator=gen)
+        value.normal_(0.0, float(recipe.std), generator=gen)
     elif init == "uniform":
-        bound = float(recipe["bound"])
+        bound = float(recipe.bound)
         value.uniform_(-bound, bound, generator=gen)
     else:
         raise ValueError(f"parameter {name}: initializer {init!r} is not one of {INITIALIZERS}")
     return value.to(dtype)
 
 
-def materialize_all(names: list[str], recipes: dict, seed: int) -> dict[str, torch.Tensor]:
+def materialize_all(names: list[str], recipes: dict[str, InitRecipe], seed: int) -> dict[str, torch.Tensor]:
     missing = [n for n in names if n not in recipes]
     if missing:
         raise ValueError(f"no weights file and no init recipe for {missing[:3]}: recompile the program")

@@ -73,7 +73,7 @@ def recover(trainer, ckpt_dir: str, *, group=None) -> int:
     ck.restore(trainer, newest)
     if rank == 0:
         m = newest.manifest
-        how = "same plan" if m.get("plan_hash") == program.get("plan_hash") else (
+        how = "same plan" if m.get("plan_hash") == program.plan_hash else (
             f"resharded from plan {m.get('plan_hash')} ({m.get('num_stages')} stages x dp {m.get('dp')}, "
             f"{m.get('world_size')} ranks)")
         say(rank, f"resuming from checkpoint {os.path.join(ckpt_dir, ck.step_dirname(chosen))} "

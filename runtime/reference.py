@@ -144,13 +144,13 @@ def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: in
     from runtime.stage import build_stage
 
     program = load_program(folder)
-    stages = [build_stage(folder, k, "cpu") for k in range(program["num_stages"])]
-    data = program["data"]
+    stages = [build_stage(folder, k, "cpu") for k in range(program.num_stages)]
+    data = program.data
     return train_reference(
-        stages, resolve_callable(data["make_batch"], folder), resolve_callable(data["loss_fn"], folder),
-        program["optimizer"], program["global_batch"],
-        num_microbatches or program["dp"] * program["num_microbatches"], steps, program["seed"],
-        batch_dims=[a.get("batch_dim", 0) or 0 for a in program["stages"][0]["inputs"]],
-        replicas=program["dp"] if num_microbatches is None else 1)
+        stages, resolve_callable(data.make_batch, folder), resolve_callable(data.loss_fn, folder),
+        program.optimizer, program.global_batch,
+        num_microbatches or program.dp * program.num_microbatches, steps, program.seed,
+        batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs],
+        replicas=program.dp if num_microbatches is None else 1)
 
 

@@ -17,21 +17,22 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
+from runtime.program import Program
 from runtime.stage import example_args
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                     "interleaved": ScheduleInterleaved1F1B}
 
 
-def pipeline_stage(module: torch.nn.Module, program: dict, stage_index: int,
+def pipeline_stage(module: torch.nn.Module, program: Program, stage_index: int,
                    device: torch.device, group) -> PipelineStage:
     """PipelineStage with input/output metadata from the plan (static mode: no shape inference,
     no forward pass and no communication at construction or first step)."""
-    spec = program["stages"][stage_index]
+    spec = program.stages[stage_index]
     return PipelineStage(
-        module, stage_index, program["num_stages"], device,
-        input_args=example_args(spec["inputs"], requires_grad=stage_index > 0),
-        output_args=example_args(spec["outputs"], requires_grad=True),
+        module, stage_index, program.num_stages, device,
+        input_args=example_args(spec.inputs, requires_grad=stage_index > 0),
+        output_args=example_args(spec.outputs, requires_grad=True),
         group=group)
 
 
@@ -46,13 +47,13 @@ def _unwrap_single(loss_fn: Callable) -> Callable:
     return loss
 
 
-def build_schedule(stages: Sequence[PipelineStage], program: dict, loss_fn: Callable):
-    name = program["schedule"]
+def build_schedule(stages: Sequence[PipelineStage], program: Program, loss_fn: Callable):
+    name = program.schedule
     cls = SCHEDULE_CLASSES[name]
-    first = program["stages"][0]
+    first = program.stages[0]
     # Stage 0's inputs are chunked into microbatches along their batch_dim (targets along dim 0).
-    chunk_spec = tuple(TensorChunkSpec(a.get("batch_dim", 0) or 0) for a in first["inputs"])
-    kwargs = dict(n_microbatches=program["num_microbatches"], loss_fn=_unwrap_single(loss_fn),
+    chunk_spec = tuple(TensorChunkSpec(a.batch_dim or 0) for a in first.inputs)
+    kwargs = dict(n_microbatches=program.num_microbatches, loss_fn=_unwrap_single(loss_fn),
                   args_chunk_spec=chunk_spec, scale_grads=True)
     if name == "interleaved":
         return cls(list(stages), **kwargs)
@@ -87,6 +88,15 @@ def _rank_orders(name: str, pp: int, num_stages: int, m: int) -> list[list[tuple
             acts = _interleaved_order(pos, pp, num_stages // pp, m)
         orders.append(acts)
     return orders
+
+
+def rank_actions(program: Program, rank: int) -> list[Action]:
+    """``rank``'s compute actions of one step, (kind "F"/"B", stage, microbatch) in the order
+    torch.distributed.pipelining executes them (the row of its pipeline position)."""
+    layout = program.layout
+    position = layout.pipelines[layout.replica_of_rank[rank]].index(rank)
+    return _rank_orders(program.schedule, layout.pp_size, program.num_stages,
+                        program.num_microbatches)[position]
 
 
 def _interleaved_order(pos: int, pp: int, n_local: int, m: int) -> list[tuple[str, int, int]]:
@@ -157,12 +167,12 @@ def simulate(name: str, pp: int, num_stages: int, m: int) -> list[list[Action | 
     return timeline
 
 
-def schedule_text(program: dict) -> str:
+def schedule_text(program: Program) -> str:
     """Which microbatch's forward (F) / backward (B) each rank runs in each time slot."""
-    name, p, m, dp = (program[k] for k in ("schedule", "num_stages", "num_microbatches", "dp"))
+    name, p, m, dp = program.schedule, program.num_stages, program.num_microbatches, program.dp
     pipelines: dict[int, list[int]] = {}
-    for e in sorted(program["ranks"], key=lambda e: e["rank"]):
-        pipelines.setdefault(e["replica"], []).append(e["rank"])
+    for e in sorted(program.ranks, key=lambda e: e.rank):
+        pipelines.setdefault(e.replica, []).append(e.rank)
     pp = len(pipelines[0])
     timeline = simulate(name, pp, p, m)
     multi = p > pp

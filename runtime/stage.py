@@ -7,7 +7,12 @@ import os
 import torch
 from safetensors.torch import load_file
 
+from typing import TYPE_CHECKING, Sequence
+
 from runtime.program import import_path, tensor_dtype
+
+if TYPE_CHECKING:
+    from runtime.program import TensorSpec
 
 
 class StageFileError(ValueError):
@@ -69,13 +74,12 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
             weights = load_file(wpath)
         else:  # compiled on the meta device (Note [materialize per rank] in runtime/materialize.py)
             from runtime.materialize import materialize_all
-            from runtime.program import load_plan
+            from runtime.program import Program, load_plan
 
-            program = load_plan(folder)["program"]
-            init = program.get("init")
+            init = Program.from_dict(load_plan(folder)["program"]).init
             if not init:
                 raise StageFileError(f"{wpath} is missing and the program has no init recipes: recompile")
-            weights = materialize_all(param_names + buffer_names, init["params"], init["seed"])
+            weights = materialize_all(param_names + buffer_names, init.params, init.seed)
     absent = [n for n in param_names + buffer_names if n not in weights]
     if absent:
         raise StageFileError(f"weights for stage {stage_index} lack {absent[:5]} "
@@ -90,13 +94,13 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
     return module.to(device)
 
 
-def example_args(specs: list[dict], *, requires_grad: bool) -> tuple[torch.Tensor, ...]:
+def example_args(specs: "Sequence[TensorSpec]", *, requires_grad: bool) -> tuple[torch.Tensor, ...]:
     """Meta tensors for one microbatch from the plan's input/output specs, so PipelineStage can
     skip shape inference (no forward pass, no communication at start-up). Floating tensors carry
     ``requires_grad`` so gradients flow between stages."""
     out = []
     for spec in specs:
-        dtype = tensor_dtype(spec["dtype"])
-        t = torch.empty(spec["shape"], dtype=dtype, device="meta")
+        dtype = tensor_dtype(spec.dtype)
+        t = torch.empty(spec.shape, dtype=dtype, device="meta")
         out.append(t.requires_grad_(requires_grad and dtype.is_floating_point))
     return tuple(out)

@@ -61,23 +61,24 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from runtime import randomness
-from runtime.program import Layout, resolve_callable
+from runtime.program import Layout, OptimizerSettings, Program, resolve_callable
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer and learning-rate schedule (shared with the reference)
 
 
-def lr_factor(step: int, cfg: dict) -> float:
+def lr_factor(step: int, cfg: OptimizerSettings | dict) -> float:
     """Multiplier of cfg["lr"] at 0-based ``step``: linear warmup over warmup_steps (step 0 gets
     1/warmup), then "cosine" (to min_lr_ratio at total_steps), "linear", or "constant"."""
-    warm = int(cfg.get("warmup_steps", 0))
+    cfg = OptimizerSettings.coerce(cfg)
+    warm = int(cfg.warmup_steps)
     if step < warm:
         return (step + 1) / warm
-    kind = cfg.get("lr_schedule", "constant")
+    kind = cfg.lr_schedule
     if kind == "constant":
         return 1.0
-    floor = float(cfg.get("min_lr_ratio", 0.0))
-    progress = min(1.0, (step - warm) / max(1, int(cfg.get("total_steps", 1)) - warm))
+    floor = float(cfg.min_lr_ratio)
+    progress = min(1.0, (step - warm) / max(1, int(cfg.total_steps) - warm))
     if kind == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if kind == "linear":
@@ -85,12 +86,11 @@ def lr_factor(step: int, cfg: dict) -> float:
     raise ValueError(f"lr_schedule {kind!r} is not one of 'cosine', 'linear', 'constant'")
 
 
-def make_optimizer(params, cfg: dict):
+def make_optimizer(params, cfg: OptimizerSettings | dict):
     """AdamW over ``params`` (all with the same weight decay) and its LambdaLR schedule.
-    cfg["fused"] (default: on where torch has the kernel) or cfg["foreach"] pick the kernel."""
-    name = cfg.get("name", "adamw").lower()
-    if name != "adamw":
-        raise ValueError(f"optimizer {name!r} is not supported (only 'adamw')")
+    cfg.fused (default: on where torch has the kernel) or cfg.foreach pick the kernel. A dict is
+    read as ``OptimizerSettings.from_dict`` (tests and the reference pass plain dicts)."""
+    cfg = OptimizerSettings.coerce(cfg)
     params = list(params)
     if not params:
         # A stage may hold no parameters (a parameter-free slice of the graph). A placeholder that
@@ -98,20 +98,20 @@ def make_optimizer(params, cfg: dict):
         params = [torch.nn.Parameter(torch.zeros(0))]
     # The fused kernel (one pass over each parameter's four tensors) is ~3x faster than torch's
     # default per-parameter loop on CPU; the oracle uses this same function, so results agree.
-    fused = cfg.get("fused")
+    fused = cfg.fused
     if fused is None:
-        fused = cfg.get("foreach") is None and all(
+        fused = cfg.foreach is None and all(
             p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.999))),
-                            eps=cfg.get("eps", 1e-8), weight_decay=cfg.get("weight_decay", 0.0),
-                            foreach=cfg.get("foreach"), fused=bool(fused) or None)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                            eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            foreach=cfg.foreach, fused=bool(fused) or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched
 
 
-def microbatch_size(program: dict) -> int:
+def microbatch_size(program: Program) -> int:
     """Samples per microbatch: the global batch is cut into dp * num_microbatches equal parts."""
-    return program["global_batch"] // (program["dp"] * program["num_microbatches"])
+    return program.microbatch_size
 
 
 def microbatch_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
@@ -227,7 +227,7 @@ def create_groups(layout: Layout, rank: int, *, timeout, backend: str | None = N
     return Groups(pipeline, dp_group, ties)
 
 
-def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups) -> None:
+def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Groups) -> None:
     """Tie gradients: sum over every copy (local copies, then across the tie group of this
     replica). Then data-parallel: average every gradient over the replicas. Every rank runs the
     ties in program order, then data parallelism, so the collectives never cross."""
@@ -235,8 +235,8 @@ def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    for tie, group in zip(program.get("ties", []), groups.ties):
-        copies = [m.get_parameter(tie["param"]) for m in modules if m.stage_index in tie["stages"]]
+    for tie, group in zip(program.ties, groups.ties):
+        copies = [m.get_parameter(tie.param) for m in modules if m.stage_index in tie.stages]
         if not copies:
             continue
         total = copies[0].grad.clone()
@@ -247,7 +247,7 @@ def sync_gradients(modules: list[torch.nn.Module], program: dict, groups: Groups
         for c in copies:
             c.grad.copy_(total)
     if groups.data_parallel is not None:
-        allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program["dp"])
+        allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program.dp)
 
 
 def sync_buffers(buffers: list[torch.Tensor], layout: Layout, rank: int, groups: Groups) -> None:
@@ -282,10 +282,10 @@ def keep_metrics_before(path: str, start_step: int) -> None:
     os.replace(tmp, path)
 
 
-def step_time_summary(run_dir: str, program: dict, times: list[float], *, start_step: int, steps: int) -> str:
+def step_time_summary(run_dir: str, program: Program, times: list[float], *, start_step: int, steps: int) -> str:
     """Write RUN_DIR/summary.json and return the run's closing line (Note [step time summary])."""
     measured = statistics.median(times[1:] if len(times) > 1 else times)
-    predicted = program.get("predicted_step_time_s")
+    predicted = program.predicted_step_time_s
     ratio = measured / predicted if predicted else None
     summary = {"first_step": start_step, "steps": steps, "timed_steps": max(len(times) - 1, 1),
                "measured_step_time_s": measured, "predicted_step_time_s": predicted, "step_time_ratio": ratio}
@@ -301,52 +301,52 @@ def step_time_summary(run_dir: str, program: dict, times: list[float], *, start_
 class RankTrainer:
     """Everything one rank needs to train: built once, then ``run`` steps."""
 
-    def __init__(self, folder: str, program: dict, rank: int, *, device: torch.device,
+    def __init__(self, folder: str, program: Program, rank: int, *, device: torch.device,
                  groups: Groups, run_dir: str):
         from runtime.schedule import build_schedule, pipeline_stage
         from runtime.stage import build_stage
 
         self.folder, self.program, self.rank, self.device = folder, program, rank, device
-        self.layout = Layout.from_program(program)
+        self.layout = program.layout
         self.groups, self.run_dir = groups, run_dir
         self.replica = self.layout.replica_of_rank[rank]
         self.stage_ids = self.layout.stages_of_rank[rank]
-        self.num_stages = program["num_stages"]
+        self.num_stages = program.num_stages
         self.modules = [build_stage(folder, s, device) for s in self.stage_ids]
         self.randomness_hooks = []
         for s, m in zip(self.stage_ids, self.modules):
-            hook = MicrobatchRandomness(program["seed"], s, microbatch_size(program))
+            hook = MicrobatchRandomness(program.seed, s, program.microbatch_size)
             m.register_forward_pre_hook(hook)
             self.randomness_hooks.append(hook)
             m.train()
         self.pipe_stages = [pipeline_stage(m, program, s, device, groups.pipeline)
                             for s, m in zip(self.stage_ids, self.modules)]
-        data = program["data"]
-        self.make_batch: Callable = resolve_callable(data["make_batch"], folder)
-        self.loss_fn: Callable = resolve_callable(data["loss_fn"], folder)
+        data = program.data
+        self.make_batch: Callable = resolve_callable(data.make_batch, folder)
+        self.loss_fn: Callable = resolve_callable(data.loss_fn, folder)
         self.schedule = build_schedule(self.pipe_stages, program, self.loss_fn)
         self.optimizer, self.lr_scheduler = make_optimizer(
-            [p for m in self.modules for p in m.parameters()], program["optimizer"])
+            [p for m in self.modules for p in m.parameters()], program.optimizer)
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
         self.steps_done = 0
 
     def _replica_rows(self, t: torch.Tensor, batch_dim: int) -> torch.Tensor:
-        rows = self.program["global_batch"] // self.program["dp"]
+        rows = self.program.global_batch // self.program.dp
         return t.narrow(batch_dim, self.replica * rows, rows).to(self.device)
 
     def train_step(self, step: int) -> float:
         """One optimizer step on global batch ``step``; returns the step's mean loss (on every rank)."""
         program = self.program
-        m = program["num_microbatches"]
-        args, target = self.make_batch(step, program["global_batch"])
+        m = program.num_microbatches
+        args, target = self.make_batch(step, program.global_batch)
         if isinstance(args, torch.Tensor):
             args = (args,)
-        specs = program["stages"][0]["inputs"]
+        specs = program.stages[0].inputs
         for hook in self.randomness_hooks:
             hook.start(step, self.replica * m)
         losses: list[torch.Tensor] = []
-        feed = [self._replica_rows(a, (sp.get("batch_dim", 0) or 0)) for a, sp in zip(args, specs)] \
+        feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []
         tgt = self._replica_rows(target, 0) if self.is_last else None
         self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
@@ -363,7 +363,7 @@ class RankTrainer:
                 loss_sum += item.detach().float()
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         self.steps_done = step + 1
-        return float(loss_sum / (m * program["dp"]))
+        return float(loss_sum / (m * program.dp))
 
     def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,
             before_step: Callable[[int], None] | None = None,
@@ -396,7 +396,7 @@ class RankTrainer:
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 if metrics is not None:
-                    rate = program["global_batch"] / dt
+                    rate = program.global_batch / dt
                     metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt,
                                               "samples_per_s": rate, "lr": lr,
                                               "time_unix": time.time()}) + "\n")
@@ -413,7 +413,7 @@ class RankTrainer:
         if metrics is not None and losses:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                  f"{mean:.3f} s/step, {program['global_batch'] / mean:.1f} samples/s", flush=True)
+                  f"{mean:.3f} s/step, {program.global_batch / mean:.1f} samples/s", flush=True)
             print(step_time_summary(self.run_dir, program, times, start_step=start_step, steps=steps), flush=True)
         return losses
 
@@ -429,7 +429,7 @@ class RankTrainer:
 
     def named_mutable_buffers(self) -> dict[str, torch.Tensor]:
         """Original name -> buffer, for the buffers the forward updates (Note [mutable buffers]
-        in partitioner/split.py); each lives on exactly one stage (checked by validate_program)."""
+        in partitioner/split.py); each lives on exactly one stage (checked by Program)."""
         return {name: m.get_buffer(name) for m in self.modules for name in m.mutable_buffer_names}
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
@@ -447,7 +447,7 @@ class RankTrainer:
         meta = {"rank": self.rank, "stages": list(self.stage_ids), "replica": self.replica,
                 "steps_done": self.steps_done, "param_steps": param_steps,
                 "lr_scheduler": self.lr_scheduler.state_dict(),
-                "plan_hash": self.program.get("plan_hash")}
+                "plan_hash": self.program.plan_hash}
         return params, opt_tensors, meta
 
     def save_final(self) -> None:

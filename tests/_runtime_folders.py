@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from runtime.entry_files import write_entry_files
+from runtime.program import Program
 from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,15 +197,15 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
 
         stages.append({"index": k, "module": f"stage_{k}", "class": f"Stage{k}", "params": params,
                        "inputs": specs(in_name, in_spec(k)), "outputs": specs(out_name, out_spec(k))})
-    program = {"world_size": len(ranks), "num_stages": len(sources), "dp": dp,
+    program = Program.from_dict({"world_size": len(ranks), "num_stages": len(sources), "dp": dp,
                "num_microbatches": num_microbatches, "global_batch": global_batch,
                "schedule": schedule, "device": "cpu", "backend": "gloo",
                "ranks": [{"rank": r, "stages": s, "replica": rep} for r, (s, rep) in enumerate(ranks)],
                "stages": stages, "ties": [dict(t) for t in ties], "data": data,
                "optimizer": OPTIMIZER, "seed": seed, "collective_timeout_s": timeout_s,
-               "steps": steps}
+               "steps": steps})
     with open(os.path.join(folder, "plan.json"), "w") as f:
-        json.dump({"plan_hash": "test-" + schedule, "program": program}, f, indent=1)
+        json.dump({"plan_hash": "test-" + schedule, "program": program.to_dict()}, f, indent=1)
     write_entry_files(folder, program, plan_hash="test-" + schedule)
     return program
 

@@ -78,7 +78,7 @@ def _stage_list(folder, k, name):
 def test_buffer_read_on_two_stages_is_held_by_both_not_tied(runs):
     root, plans, _ = runs
     assert plans["two"].ties == ()
-    assert load_program(str(root / "two"))["ties"] == []
+    assert load_program(str(root / "two")).ties == ()
     assert "gain" in _stage_list(root / "two", 0, "BUFFERS") and "gain" in _stage_list(root / "two", 1, "BUFFERS")
     assert json.loads((root / "two" / "run" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == STEPS - 1
 
@@ -155,7 +155,7 @@ def test_checkpoint_of_buffers_round_trips_and_reshards(runs, tmp_path):
     for name, value in want.items():
         assert torch.equal(fresh.named_mutable_buffers()[name], value), name
     # the memory tier writes the same shard through ck.state_entries
-    store = mt.LocalStore(str(tmp_path / "shm"), 1, mt.plan_redundancy((0, 1), mode="none"), program["plan_hash"])
+    store = mt.LocalStore(str(tmp_path / "shm"), 1, mt.plan_redundancy((0, 1), mode="none"), program.plan_hash)
     slot, nbytes, _ = store.snapshot(trainer)
     store.commit_own(slot, 2, nbytes)
     loaded = ck.loaded_from_bytes(slot.verify(slot.record()), step=2, program=program, rank=1,
@@ -217,13 +217,14 @@ def test_buffer_updated_on_one_stage_and_read_on_another_is_refused():
 
 
 def test_a_mutable_buffer_on_two_stages_is_refused_at_load(runs):
-    from runtime.program import validate_program
+    from runtime.program import Program
 
     root, _, _ = runs
     program = load_program(str(root / "two"))
-    program["stages"][0]["mutable_buffers"] = ["bn1.running_mean"]
+    data = program.to_dict()
+    data["stages"][0]["mutable_buffers"] = ["bn1.running_mean"]
     with pytest.raises(ValueError, match=r"mutable buffer 'bn1.running_mean' is listed by stages 0 and 1"):
-        validate_program(program)
+        Program.from_dict(data)
 
 
 def test_a_held_buffer_costs_memory_not_time():

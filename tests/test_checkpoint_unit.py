@@ -4,6 +4,7 @@ refusal of another model's checkpoint, unwritable directories, the Young/Daly in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -140,7 +141,7 @@ def test_one_flipped_bit_anywhere_falls_back_to_the_previous(two_rank, tmp_path,
             warnings = []
             views = []
             for rank in range(2):
-                needed = program["stages"][rank]["params"]
+                needed = list(program.stages[rank].params)
                 valid, _ = ck.find_valid(work, program, rank, needed, warn=warnings.append)
                 views.append(valid)
             assert agree_newest(views) == 1, (name, bit, views)
@@ -168,7 +169,7 @@ def test_resharded_load_reads_each_parameter_from_whichever_shard_holds_it(two_r
         mlp_folder(folder, splits=splits, ranks=ranks)
         set_plan_fields(folder, model_fingerprint=FINGERPRINT, plan_hash=f"plan-{len(splits)}")
         other = load_program(folder)
-        for rank in range(other["world_size"]):
+        for rank in range(other.world_size):
             fresh = FakeTrainer(folder, rank, other)
             loaded = ck.load_for_rank(str(tmp_path / "ck"), 2, other, rank, list(fresh.named_parameters()))
             assert loaded.rng_tensors is None  # another plan: the RNG states stay the new run's
@@ -184,9 +185,9 @@ def test_resharded_load_reads_each_parameter_from_whichever_shard_holds_it(two_r
 def test_checkpoint_of_another_model_is_refused_naming_both(two_rank, tmp_path):
     program = load_program(two_rank)
     ck.commit_local(str(tmp_path), _snaps(trainers_at(two_rank, 1)), program)
-    other = dict(program, model_fingerprint="gpt-0123456789", workload="gpt(layers=2)")
+    other = dataclasses.replace(program, model_fingerprint="gpt-0123456789", workload="gpt(layers=2)")
     with pytest.raises(PlanMismatchError) as err:
-        ck.find_valid(str(tmp_path), other, 0, program["stages"][0]["params"])
+        ck.find_valid(str(tmp_path), other, 0, list(program.stages[0].params))
     message = str(err.value)
     assert FINGERPRINT in message and "gpt-0123456789" in message and "gpt(layers=2)" in message
 

@@ -19,7 +19,7 @@ from runtime import checkpoint as ck
 from runtime import memtier as mt
 from runtime import recovery
 from runtime.checkpoint_drills import FakeTrainer, trainers_at
-from runtime.program import load_program
+from runtime.program import MemoryTierPlan, load_program
 
 
 @pytest.fixture(scope="module")
@@ -191,14 +191,14 @@ def test_groups_follow_hosts_and_stages_and_cost_what_they_say():
 
 
 def test_settings_from_program_and_flags():
-    assert mt.settings_from({}, {}) is None
-    s = mt.settings_from({"memory_tier": {"mode": "parity", "group_size": 3, "every": 2}}, {})
+    assert mt.settings_from(None, {}) is None
+    s = mt.settings_from(MemoryTierPlan(mode="parity", group_size=3, every=2), {})
     assert (s.mode, s.group_size, s.every) == ("parity", 3, 2)
-    assert mt.settings_from({"memory_tier": {"mode": "copy"}}, {"memory_tier": "off"}) is None
-    s = mt.settings_from({}, {"memory_tier": "auto", "fail_host": ["1:3", "2:5:1"], "hosts": "0,0,1,1"})
+    assert mt.settings_from(MemoryTierPlan(mode="copy"), {"memory_tier": "off"}) is None
+    s = mt.settings_from(None, {"memory_tier": "auto", "fail_host": ["1:3", "2:5:1"], "hosts": "0,0,1,1"})
     assert s.fail_hosts == ((1, 3, 0), (2, 5, 1)) and s.hosts == "0,0,1,1"
     with pytest.raises(ValueError, match="HOST:STEP"):
-        mt.settings_from({}, {"memory_tier": "copy", "fail_host": ["x"]})
+        mt.settings_from(None, {"memory_tier": "copy", "fail_host": ["x"]})
 
 
 def test_shards_parse_without_copy_or_pickle_and_refuse_bad_offsets(two_rank, tmp_path):

@@ -23,6 +23,7 @@ from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
 from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
+from runtime.program import Program
 from runtime.reference import train_reference
 from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
@@ -94,11 +95,11 @@ def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> str
 
 def assert_matches_oracle(folder: Path, workload, steps: int = STEPS):
     plan = partitioner.plan.Plan.load(folder)
-    program = json.loads((folder / "plan.json").read_text())["program"]
+    program = Program.from_dict(json.loads((folder / "plan.json").read_text())["program"])
     losses, params, replica_diff = read_program_run(folder / "run")
     ref_losses, ref_state, _ = train_reference(
-        workload.model, workload.make_batch, workload.loss_fn, program["optimizer"], plan.global_batch,
-        plan.dp * plan.num_microbatches, steps, program["seed"])
+        workload.model, workload.make_batch, workload.loss_fn, program.optimizer, plan.global_batch,
+        plan.dp * plan.num_microbatches, steps, program.seed)
     assert len(losses) == steps
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     assert replica_diff == 0.0, "data-parallel replicas of a parameter diverged"

@@ -15,6 +15,7 @@ import torch
 
 from partitioner.models import gpt, hf_gpt2, hf_llama
 from partitioner.verify import read_program_run, train_oracle
+from runtime.program import Program
 from runtime.reference import train_reference
 from test_program_e2e import compile_to, run_folders
 
@@ -41,8 +42,8 @@ def trained(tmp_path_factory):
 def test_dropout_program_trains_like_the_keyed_unpartitioned_graph(trained, name):
     root, workloads = trained
     folder = root / name
-    program = json.loads((folder / "plan.json").read_text())["program"]
-    assert program["randomness"]["keyed_ops"], "the lowering keyed no random op"
+    program = Program.from_dict(json.loads((folder / "plan.json").read_text())["program"])
+    assert program.randomness.keyed_ops, "the lowering keyed no random op"
     losses, params, replica_diff = read_program_run(folder / "run")
     want, state, oracle = train_oracle(folder, program, workloads[name], STEPS)
     assert oracle == "unpartitioned traced graph (keyed randomness)"
@@ -60,7 +61,7 @@ def test_stages_replicas_and_microbatch_size_draw_the_same_masks(trained):
     replicas, _, _ = read_program_run(root / "gpt_dp2" / "run")
     torch.testing.assert_close(torch.tensor(two_stages), torch.tensor(replicas), rtol=0, atol=1e-5)
     plain = gpt(**{**TINY, "dropout": 0.0})
-    program = json.loads((root / "gpt_2stage" / "plan.json").read_text())["program"]
-    without, _, _ = train_reference(plain.model, plain.make_batch, plain.loss_fn, program["optimizer"],
-                                    program["global_batch"], 4, STEPS, program["seed"])
+    program = Program.from_dict(json.loads((root / "gpt_2stage" / "plan.json").read_text())["program"])
+    without, _, _ = train_reference(plain.model, plain.make_batch, plain.loss_fn, program.optimizer,
+                                    program.global_batch, 4, STEPS, program.seed)
     assert max(abs(a - b) for a, b in zip(two_stages, without)) > 1e-3

@@ -17,7 +17,7 @@ from partitioner.cluster import ClusterSpec
 from partitioner.solver.problem import schedule_refusal
 from partitioner.workload import Workload
 from runtime import data
-from runtime.program import validate_program
+from runtime.program import Program
 from test_program_e2e import run_folders
 
 
@@ -60,10 +60,11 @@ def test_a_hand_written_program_with_too_few_microbatches_is_refused_before_any_
     program = {"world_size": 2, "num_stages": 2, "dp": 1, "num_microbatches": 1, "global_batch": 2,
                "schedule": "1f1b", "ranks": [{"rank": 0, "stages": [0], "replica": 0},
                                              {"rank": 1, "stages": [1], "replica": 0}],
-               "stages": [{"index": 0, "inputs": [], "outputs": []}, {"index": 1, "inputs": [], "outputs": []}],
-               "data": {}, "optimizer": {"lr": 1e-3}}
+               "stages": [{"index": k, "module": f"stage_{k}", "class": f"Stage{k}", "params": [],
+                           "inputs": [], "outputs": []} for k in (0, 1)],
+               "data": {"make_batch": "m:f", "loss_fn": "m:g"}, "optimizer": {"lr": 1e-3}}
     with pytest.raises(ValueError, match="num_microbatches >= num_stages.*--microbatches 2"):
-        validate_program(program)
+        Program.from_dict(program)
 
 
 # (devices, global batch, stages or None for the solver's choice, schedule)

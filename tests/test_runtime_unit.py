@@ -18,7 +18,8 @@ from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # n
                               read_final, read_metrics)
 from runtime.data import causal_lm_loss, token_batch
 from runtime.launch import LaunchError, main
-from runtime.program import Layout, load_program, validate_program
+from runtime.errors import PlanMismatchError
+from runtime.program import Layout, Program, import_path, load_program
 from runtime.reference import train_reference, train_reference_from_folder
 from runtime.schedule import schedule_text, simulate
 from runtime.stage import StageFileError, build_stage
@@ -57,8 +58,11 @@ def _program(tmp_path, **kw):
 def test_layout_groups(tmp_path):
     prog = _program(tmp_path, splits=[[0], [1], [2], [3]], dp=2, num_microbatches=2,
                     ranks=[([0, 2], 0), ([1, 3], 0), ([0, 2], 1), ([1, 3], 1)], schedule="interleaved")
-    prog["ties"] = [{"param": "w", "stages": [0, 3]}]
-    lay = Layout.from_program(prog)
+    data = prog.to_dict()  # a parameter "w" with copies on stages 0 and 3
+    data["ties"] = [{"param": "w", "stages": [0, 3]}]
+    for k in (0, 3):
+        data["stages"][k]["params"].append("w")
+    lay = Layout.from_program(Program.from_dict(data))
     assert lay.pipelines == ((0, 1), (2, 3))
     assert lay.dp_groups == ((0, 2), (1, 3))
     assert lay.tie_groups == (((0, 1), (2, 3)),)
@@ -67,18 +71,20 @@ def test_layout_groups(tmp_path):
 
 def test_layout_and_batch_errors(tmp_path):
     prog = _program(tmp_path, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
-    bad = json.loads(json.dumps(prog))
+    bad = prog.to_dict()
     bad["ranks"] = [{"rank": 0, "stages": [1], "replica": 0}, {"rank": 1, "stages": [0], "replica": 0}]
     with pytest.raises(ValueError, match="give it stages"):
-        validate_program(bad)
-    bad = json.loads(json.dumps(prog))
-    bad["global_batch"] = 18
+        Program.from_dict(bad)
     with pytest.raises(ValueError, match="not divisible"):
-        validate_program(bad)
-    bad = json.loads(json.dumps(prog))
-    bad["global_batch"] = 32
+        Program.from_dict(dict(prog.to_dict(), global_batch=18))
     with pytest.raises(ValueError, match="microbatch"):
-        validate_program(bad)
+        Program.from_dict(dict(prog.to_dict(), global_batch=32))
+    with pytest.raises(ValueError, match=r"unknown keys \['num_microbatch'\]"):
+        Program.from_dict(dict(prog.to_dict(), num_microbatch=4))
+    with pytest.raises(ValueError, match=r"stages\[1\] lacks \['outputs'\]"):
+        d = prog.to_dict()
+        del d["stages"][1]["outputs"]
+        Program.from_dict(d)
 
 
 @pytest.mark.parametrize("name,pp,stages", [("gpipe", 2, 2), ("1f1b", 4, 4), ("interleaved", 2, 4)])
@@ -143,6 +149,31 @@ def test_entry_files_name_each_ranks_stages_and_peers(tmp_path):
     assert "Rank 2 of 4: stage(s) [1] of 2, data-parallel replica 0 of 2." in text
     assert "PIPELINE_RANKS = [0, 2]" in text and "DATA_PARALLEL_RANKS = [2, 3]" in text
     assert "plan test-1f1b" in text
+
+
+def test_rank_file_states_the_schedule_of_its_stages(tmp_path):
+    mlp_folder(str(tmp_path), splits=[[0], [1], [2], [3]], num_microbatches=2, global_batch=8,
+               ranks=[([0, 2], 0), ([1, 3], 0)], schedule="interleaved")
+    rank_1 = import_path(str(tmp_path / "rank_1.py"))
+    assert rank_1.STAGES == [1, 3] and rank_1.PIPELINE_RANKS == [0, 1, 0, 1]
+    assert rank_1.NUM_MICROBATCHES == 2 and rank_1.MICROBATCH_SIZE == 4
+    assert sorted(rank_1.ACTIONS) == sorted((k, s, i) for k in "FB" for s in (1, 3) for i in range(2))
+    assert rank_1.LAUNCH == "torchrun --nproc-per-node 2 train.py"
+
+
+def test_a_rank_file_that_disagrees_with_the_plan_is_refused_naming_both_values(tmp_path, monkeypatch):
+    """Hand-written folders list no file hashes: the constants check is what refuses them."""
+    mlp_folder(str(tmp_path), splits=[[0, 1, 2, 3]], ranks=[([0], 0)], steps=1)
+    path = tmp_path / "rank_0.py"
+    path.write_text(path.read_text().replace("NUM_MICROBATCHES = 4", "NUM_MICROBATCHES = 8"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "x")  # registers the key for restoration
+        monkeypatch.delenv(key)
+    with pytest.raises(PlanMismatchError, match="NUM_MICROBATCHES = 8 but plan.json's program gives 4"):
+        main(str(tmp_path), exit_on_error=False)
+    os.remove(path)
+    with pytest.raises(PlanMismatchError, match="rank_0.py is missing"):
+        main(str(tmp_path), exit_on_error=False)
 
 
 def test_train_py_without_rank_exits_naming_torchrun(tmp_path):

@@ -55,6 +55,18 @@ def test_generated_files_match_their_golden_copies(program, name):
     check_golden(f"program_{name}", HASH.sub("plan <hash>", (program / name).read_text()))
 
 
+def test_the_program_object_round_trips_through_its_dataclass(program):
+    """plan.json's "program" is Program.to_dict(): reading it back gives the same JSON."""
+    import json
+
+    from runtime.program import Program, load_program
+
+    data = json.loads((program / "plan.json").read_text())["program"]
+    assert Program.from_dict(data).to_dict() == data
+    loaded = load_program(str(program))
+    assert Program.from_dict(loaded.to_dict()) == loaded and loaded.plan_hash
+
+
 def test_stage_files_carry_no_fx_noise_and_name_what_crosses(program):
     import json
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from partitioner.inspect.units import human_bytes, render_columns
 from runtime import checkpoint as ck
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
-from runtime.program import load_plan
+from runtime.program import Program, load_plan
 
 _STEP = re.compile(r"^step_(\d{9,})$")
 _RESUME_LIMIT = ck.RESUME_CANDIDATES  # a resume looks at the newest ones only
@@ -42,13 +42,13 @@ def is_checkpoint_dir(path: str | Path) -> bool:
                for n in names)
 
 
-def program_of(folder: str | Path) -> dict:
+def program_of(folder: str | Path) -> Program:
     """What check_model compares, from a program folder's plan.json (no file hashing)."""
     plan = load_plan(str(folder))
-    program = dict(plan.get("program") or {})
+    program = dict(plan["program"])
     for key in ("plan_hash", "model_fingerprint", "workload"):
         program.setdefault(key, plan.get(key))
-    return program
+    return Program.from_dict(program)
 
 
 def _files(where: str) -> list[tuple[str, int]]:
@@ -76,7 +76,7 @@ def _short(message: str, where: str) -> str:
     return message.replace(where + os.sep, "")
 
 
-def examine(ckpt_dir: str, step: int, program: dict | None = None) -> dict:
+def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
     """One step directory: status, reason, size and what its manifest says."""
     where = os.path.join(ckpt_dir, ck.step_dirname(step))
     info = {"step": step, "dir": where, "status": "valid", "valid": False, "reason": None, "problems": [],
@@ -124,7 +124,7 @@ def examine(ckpt_dir: str, step: int, program: dict | None = None) -> dict:
     if info["problems"]:
         info["reason"] = "; ".join(info["problems"])
     if program is not None:
-        info["same_plan"] = manifest.get("plan_hash") == program.get("plan_hash")
+        info["same_plan"] = manifest.get("plan_hash") == program.plan_hash
         try:
             ck.check_model(manifest, program, where)
             info["same_model"] = True
@@ -133,7 +133,7 @@ def examine(ckpt_dir: str, step: int, program: dict | None = None) -> dict:
     return info
 
 
-def scan(ckpt_dir: str | Path, *, program: dict | None = None, step: int | None = None) -> dict:
+def scan(ckpt_dir: str | Path, *, program: Program | None = None, step: int | None = None) -> dict:
     """Every step directory of ``ckpt_dir`` (or only ``step``), newest first, and the resume pick:
     what runtime.recovery.recover would restore for a program of the same plan (``program``:
     plan.json's program object, to say whether a resume would accept them at all)."""
@@ -142,7 +142,7 @@ def scan(ckpt_dir: str | Path, *, program: dict | None = None, step: int | None 
     if step is not None:
         steps = [s for s in steps if s == step]
     entries = [examine(ckpt_dir, s, program) for s in steps]
-    out = {"checkpoint_dir": os.path.abspath(ckpt_dir), "program_plan_hash": (program or {}).get("plan_hash"),
+    out = {"checkpoint_dir": os.path.abspath(ckpt_dir), "program_plan_hash": program.plan_hash if program else None,
            "checkpoints": entries, "discarded": [], "resume": None}
     try:
         out["discarded"] = sorted(n for n in os.listdir(ckpt_dir)

@@ -16,6 +16,7 @@ from runtime.checkpoint.manifest import check_model, list_step_dirs, read_manife
 from runtime.checkpoint.shard import parse_shard, step_dirname
 from runtime.checkpoint.state import LoadedCheckpoint, take_state
 from runtime.errors import CheckpointCorruptError
+from runtime.program import Program
 
 READS = {"shards": 0}  # shard files read by this process (a recovery reports how many it read)
 RESUME_CANDIDATES = 64  # a resume looks at the newest 64 step directories only
@@ -64,11 +65,11 @@ class ShardChoice:
     entries: list[dict] = field(default_factory=list)  # distinct entries to read, in rank order
 
 
-def choose_shards(manifest: dict, program: dict, rank: int, needed: list[str]) -> ShardChoice:
+def choose_shards(manifest: dict, program: Program, rank: int, needed: list[str]) -> ShardChoice:
     """Each needed parameter comes from this rank's own shard when the plan is the same,
     otherwise from the lowest-rank shard that holds it (Note [checkpoint format])."""
-    same_plan = (manifest.get("plan_hash") == program.get("plan_hash")
-                 and manifest.get("world_size") == program["world_size"])
+    same_plan = (manifest.get("plan_hash") == program.plan_hash
+                 and manifest.get("world_size") == program.world_size)
     entries = sorted(manifest["shards"], key=lambda e: e["rank"])
     own = next((e for e in entries if e["rank"] == rank), None) if same_plan else None
     source: dict[str, dict] = {}
@@ -92,7 +93,7 @@ def _rng_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in tensors.items() if k.startswith("rng/")}
 
 
-def load_for_rank(ckpt_dir: str, step: int, program: dict, rank: int, needed: list[str],
+def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed: list[str],
                   manifest: dict | None = None) -> LoadedCheckpoint:
     """Verify and read what ``rank`` of ``program`` needs from checkpoint ``step``."""
     manifest = manifest or read_manifest(ckpt_dir, step)
@@ -116,7 +117,7 @@ def load_for_rank(ckpt_dir: str, step: int, program: dict, rank: int, needed: li
     return loaded
 
 
-def find_valid(ckpt_dir: str, program: dict, rank: int, needed: list[str], *, warn=None,
+def find_valid(ckpt_dir: str, program: Program, rank: int, needed: list[str], *, warn=None,
                limit: int = RESUME_CANDIDATES) -> tuple[list[int], LoadedCheckpoint | None]:
     """Steps of the checkpoints valid for ``rank`` (manifest and the shards it reads verify),
     newest first, and the newest one loaded. ``warn(message)`` hears of every one skipped (a
@@ -145,16 +146,16 @@ def find_valid(ckpt_dir: str, program: dict, rank: int, needed: list[str], *, wa
     return valid, newest
 
 
-def loaded_from_bytes(data, *, step: int, program: dict, rank: int, needed: list[str],
+def loaded_from_bytes(data, *, step: int, program: Program, rank: int, needed: list[str],
                       where: str) -> LoadedCheckpoint:
     """A verified own shard (the memory tier's bytes: a slot, a peer's copy, a reconstruction) as
     a LoadedCheckpoint, by the same reader as a disk shard."""
     tensors, meta = parse_verified(data, where)
-    if meta.get("step") != step or meta.get("rank") != rank or meta.get("plan_hash") != program.get("plan_hash"):
+    if meta.get("step") != step or meta.get("rank") != rank or meta.get("plan_hash") != program.plan_hash:
         raise CheckpointCorruptError(f"{where} is step {meta.get('step')} of rank {meta.get('rank')} "
                                      f"(plan {meta.get('plan_hash')}), wanted step {step} of rank {rank}")
-    manifest = {"step": step, "plan_hash": program.get("plan_hash"), "world_size": program["world_size"],
-                "num_stages": program["num_stages"], "dp": program["dp"]}
+    manifest = {"step": step, "plan_hash": program.plan_hash, "world_size": program.world_size,
+                "num_stages": program.num_stages, "dp": program.dp}
     loaded = LoadedCheckpoint(step, manifest, {}, {}, {}, meta.get("lr_scheduler") or {}, _rng_of(tensors), meta)
     for name in needed:
         take_state(loaded, name, tensors, meta, where)

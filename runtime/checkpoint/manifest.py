@@ -31,6 +31,7 @@ from runtime.checkpoint.durable import fsync_dir, makedirs_durable, write_file_a
 from runtime.checkpoint.shard import FORMAT, serialize, shard_filename, step_dirname
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.faults import FaultPoint, armed
+from runtime.program import Program
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{9,})$")
@@ -59,22 +60,20 @@ def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def manifest_for(step: int, shards: list[ShardInfo], program: dict) -> dict:
+def manifest_for(step: int, shards: list[ShardInfo], program: Program) -> dict:
     """The manifest of ``program``'s checkpoint at ``step`` (shard params from the rank layout)."""
-    stages = program["stages"]
-    by_rank = {e["rank"]: e for e in program["ranks"]}
     entries = []
     for info in sorted(shards, key=lambda s: s.rank):
-        entry = by_rank[info.rank]
-        params = list(dict.fromkeys(n for k in sorted(entry["stages"]) for n in stages[k]["params"]))
-        buffers = [n for k in sorted(entry["stages"]) for n in stages[k].get("mutable_buffers", [])]
-        entries.append({"file": info.file, "rank": info.rank, "stages": sorted(entry["stages"]),
-                        "replica": entry["replica"], "params": params, "buffers": buffers,
+        entry = program.rank(info.rank)
+        params = program.params_of(entry.stages)
+        buffers = [n for k in sorted(entry.stages) for n in program.stages[k].mutable_buffers]
+        entries.append({"file": info.file, "rank": info.rank, "stages": sorted(entry.stages),
+                        "replica": entry.replica, "params": params, "buffers": buffers,
                         "bytes": info.bytes, "sha256": info.sha256})
-    manifest = {"format": FORMAT, "step": step, "plan_hash": program.get("plan_hash"),
-                "model_fingerprint": program.get("model_fingerprint"),
-                "workload": program.get("workload"), "world_size": program["world_size"],
-                "num_stages": program["num_stages"], "dp": program["dp"],
+    manifest = {"format": FORMAT, "step": step, "plan_hash": program.plan_hash,
+                "model_fingerprint": program.model_fingerprint,
+                "workload": program.workload, "world_size": program.world_size,
+                "num_stages": program.num_stages, "dp": program.dp,
                 "created_unix": time.time(), "shards": entries}
     manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
     return manifest
@@ -117,7 +116,7 @@ def prune(ckpt_dir: str, *, keep: int, newest: int, fault: FaultPoint | None = N
     return sorted(set(doomed))
 
 
-def commit_local(ckpt_dir: str, snaps: list, program: dict, *, keep: int = 3,
+def commit_local(ckpt_dir: str, snaps: list, program: Program, *, keep: int = 3,
                  fault: FaultPoint | None = None) -> dict:
     """Persist every shard, write the manifest, prune: the whole protocol in one process (what the
     distributed commit does across ranks, in the same order). Used by tests and benchmarks."""
@@ -173,12 +172,12 @@ def newest_committed(ckpt_dir: str) -> int:
     return -1
 
 
-def check_model(manifest: dict, program: dict, where: str) -> None:
+def check_model(manifest: dict, program: Program, where: str) -> None:
     """A checkpoint of another model is refused (PlanMismatchError naming both)."""
-    mine, theirs = program.get("model_fingerprint"), manifest.get("model_fingerprint")
+    mine, theirs = program.model_fingerprint, manifest.get("model_fingerprint")
     if mine is not None and theirs is not None and mine != theirs:
         raise PlanMismatchError(
             f"checkpoint {where} is of model {theirs} (workload {manifest.get('workload')!r}, plan "
             f"{manifest.get('plan_hash')}), but this program is of model {mine} (workload "
-            f"{program.get('workload')!r}, plan {program.get('plan_hash')}): pass a --checkpoint-dir "
+            f"{program.workload!r}, plan {program.plan_hash}): pass a --checkpoint-dir "
             "that holds this model's checkpoints (or an empty one)")

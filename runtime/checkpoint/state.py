@@ -15,6 +15,7 @@ import torch
 
 from runtime.checkpoint.shard import FORMAT
 from runtime.errors import CheckpointCorruptError
+from runtime.program import Program
 
 # ---------------------------------------------------------------------------------------------
 # Taking the state
@@ -81,7 +82,7 @@ def state_entries(trainer) -> tuple[list[tuple[str, torch.Tensor]], dict]:
     program = trainer.program
     meta = {"format": FORMAT, "step": trainer.steps_done, "rank": trainer.rank,
             "stages": list(trainer.stage_ids), "replica": trainer.replica,
-            "plan_hash": program.get("plan_hash"), "model_fingerprint": program.get("model_fingerprint"),
+            "plan_hash": program.plan_hash, "model_fingerprint": program.model_fingerprint,
             "params": names, "buffers": list(buffers), "param_steps": param_steps,
             "lr_scheduler": _json_scheduler_state(trainer.lr_scheduler), **rng_meta}
     return tensors, meta
@@ -107,12 +108,12 @@ def snapshot(trainer) -> Snapshot:
     return snap
 
 
-def state_names(program: dict, stages) -> list[str]:
+def state_names(program: Program, stages) -> list[str]:
     """What a rank holding ``stages`` of ``program`` reads from a checkpoint: its parameters, then
     its mutable buffers (original names, each once)."""
-    entries = [program["stages"][k] for k in sorted(stages)]
-    return list(dict.fromkeys([n for st in entries for n in st["params"]]
-                              + [n for st in entries for n in st.get("mutable_buffers", [])]))
+    entries = [program.stages[k] for k in sorted(stages)]
+    return list(dict.fromkeys([n for st in entries for n in st.params]
+                              + [n for st in entries for n in st.mutable_buffers]))
 
 
 def needed_names(trainer) -> list[str]:

@@ -34,6 +34,7 @@ from runtime.faults import say
 from runtime.memtier.groups import MODES, chunk_bytes, hosts_of_ranks, plan_redundancy
 from runtime.memtier.parity import chunk_for, other_members, xor_all
 from runtime.memtier.slots import LocalStore, Slot, default_root, lost_marker, pick_slot
+from runtime.program import MemoryTierPlan
 
 
 @dataclass(frozen=True)
@@ -46,19 +47,19 @@ class Settings:
     fail_hosts: tuple[tuple[int, int, int], ...] = ()  # (host, step, attempt)
 
 
-def settings_from(program: dict, flags: dict) -> Settings | None:
-    """The memory tier's settings from the program (the plan's choice) and the flags; None when
-    it is off (neither asks for it, or --memory-tier off)."""
-    plan = program.get("memory_tier") or {}
-    mode = flags.get("memory_tier") or plan.get("mode")
+def settings_from(plan: MemoryTierPlan | None, flags: dict) -> Settings | None:
+    """The memory tier's settings from the plan's choice (``Program.memory_tier``) and the flags;
+    None when it is off (neither asks for it, or --memory-tier off)."""
+    plan = plan or MemoryTierPlan(mode="off")
+    mode = flags.get("memory_tier") or plan.mode
     if mode is None or mode == "off":
         return None
     if mode not in ("auto",) + MODES:
         raise ValueError(f"--memory-tier {mode!r}: write off, auto, none, copy or parity")
-    every = flags.get("memory_every", plan.get("every", 1))
+    every = flags.get("memory_every", plan.every)
     if every < 1:
         raise ValueError(f"--memory-every {every}: must be a positive number of steps")
-    group = flags.get("parity_group", plan.get("group_size"))
+    group = flags.get("parity_group", plan.group_size)
     if group is not None and group < 2:
         raise ValueError(f"--parity-group {group}: a parity group needs at least 2 hosts")
     fails = [faults.parse_fail_host(text) for text in flags.get("fail_host", [])]
@@ -78,11 +79,11 @@ class MemoryTier:
         self.rank, self.world = trainer.rank, dist.get_world_size()
         self.timeout = timeout
         hosts = hosts_of_ranks(self.world, settings.hosts)
-        keys = [(tuple(sorted(e["stages"])), e["replica"]) for e in sorted(program["ranks"], key=lambda e: e["rank"])]
+        keys = [(tuple(sorted(e.stages)), e.replica) for e in sorted(program.ranks, key=lambda e: e.rank)]
         self.red = plan_redundancy(hosts, keys, mode=settings.mode, group_size=settings.group_size)
         self.every = settings.every
-        self.root = settings.root or default_root(ckpt_dir, program.get("plan_hash"))
-        self.store = LocalStore(self.root, self.rank, self.red, program.get("plan_hash"))
+        self.root = settings.root or default_root(ckpt_dir, program.plan_hash)
+        self.store = LocalStore(self.root, self.rank, self.red, program.plan_hash)
         self.group = dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
