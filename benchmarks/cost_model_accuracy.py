@@ -457,7 +457,7 @@ def summarize(results: dict) -> dict:
 
 
 def memory_table(results: dict) -> dict:
-    """Predicted / measured peak per stage of every plan, and the targets of DESIGN section 12:
+    """Predicted / measured peak per stage of every plan, and the targets of docs/design.md §12:
     never under by more than 3%, median over-prediction <= 10%."""
     rows = [(f"{r['model']} p={r['stages']}", r["stage"], r["predicted_peak_bytes"], r["measured_peak_bytes"])
             for r in results["configs"]]

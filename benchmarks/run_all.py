@@ -223,7 +223,7 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
             lines += ["", f"Peak memory, predicted / measured per stage over {mem['n']} stages (the plans above and "
                       "the memory-binding cases: recompute under a tight capacity, a 16384-token vocabulary): "
                       f"min {mem['min_ratio']:.3f}, median {mem['median_ratio']:.3f}, max {mem['max_ratio']:.3f} "
-                      "(targets: min >= 0.97, median <= 1.10; DESIGN section 12: never under-predict)."]
+                      "(targets: min >= 0.97, median <= 1.10; docs/design.md §12: never under-predict)."]
     step = results.get("step_time")
     if step:
         lines += ["", "**Whole step, predicted vs measured** (the number the solver minimises; plans trained under "

@@ -4,7 +4,7 @@ A ``Plan`` is frozen, hashed, JSON plain data that imports nothing above it; wri
 folder needs more than the plan says: the model itself (to trace again at the microbatch size and
 to take the initial weights from) and the solver's problem and assignment (kept in plan.json so
 `inspect --node` prices moves on the solver's own numbers). ``Compiled`` holds both, and reads
-through to the plan, so ``compile(...).num_stages`` and DESIGN section 11's
+through to the plan, so ``compile(...).num_stages`` and docs/design.md §11's
 ``plan = compile(...); plan.summary(); plan.save(DIR)`` keep working.
 """
 
@@ -27,7 +27,7 @@ class Compiled:
     assignment: Assignment
 
     def save(self, folder: str | Path) -> Path:
-        """Write the program folder (DESIGN section 6): partitioner/lower.py."""
+        """Write the program folder (docs/design.md §6): partitioner/lower.py."""
         from partitioner.lower import write_program_folder  # traces the model: torch, loaded late
 
         return write_program_folder(self, folder)

@@ -1,12 +1,12 @@
-"""Lowering: a compiled plan → its program folder (DESIGN section 6), one named step after another.
+"""Lowering: a compiled plan → its program folder (docs/design.md §6), one named step after another.
 
     retrace  = trace and annotate again at the plan's microbatch size (a traced graph's shapes are
                static), random ops keyed before the split so they keep their unpartitioned names
-    split    = one GraphModule per stage (partitioner/split.py), recomputed regions moved under
-               activation checkpointing (partitioner/recompute.py)
+    split    = one GraphModule per stage (partitioner/codegen/split.py), recomputed regions moved under
+               activation checkpointing (partitioner/codegen/recompute.py)
     program  = the "program" object of plan.json that the runtime reads, and init recipes for a
                model on the meta device
-    emit     = stage files, rank files, weights, plan.json, written atomically (partitioner/codegen.py)
+    emit     = stage files, rank files, weights, plan.json, written atomically (partitioner/codegen/)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from partitioner import ir
 from partitioner.analysis import annotate, trace_keyed, updating_regions
 from partitioner.codegen import write_program
 from partitioner.plan import Plan
-from partitioner.recompute import checkpoint_regions
-from partitioner.split import StageGraph, split_graph
+from partitioner.codegen.recompute import checkpoint_regions
+from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.workload import Workload
 from runtime.program import Program
 

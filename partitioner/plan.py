@@ -22,7 +22,7 @@ PLAN_VERSION = 1
 TIMING_KEYS = ("solve_time_s",)
 
 # Note [json keys]: the code spells FLOPs one way, ``fwd_flops`` / ``bwd_flops`` (as the passes and the
-# solver do); plan.json and `inspect --json` keep the keys users and scripts read (DESIGN section 11:
+# solver do); plan.json and `inspect --json` keep the keys users and scripts read (docs/design.md §11:
 # "flops_fwd", "flops_bwd"). ``to_dict`` and ``from_dict`` map one to the other, so the plan's
 # bytes and hash do not depend on the Python names.
 _JSON_KEYS = {"fwd_flops": "flops_fwd", "bwd_flops": "flops_bwd"}

@@ -117,7 +117,7 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int):
     num_microbatches = program.dp * program.num_microbatches
     model, oracle = workload.model, "original model"
     if program.randomness is not None and program.randomness.keyed_ops:
-        from partitioner.randomness import keyed_graph
+        from partitioner.codegen.randomness import keyed_graph
 
         model, _ = keyed_graph(workload, program.global_batch // num_microbatches)
         oracle = "unpartitioned traced graph (keyed randomness)"

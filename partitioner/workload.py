@@ -10,7 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class Workload:
-    """A model and how to train it (DESIGN section 11).
+    """A model and how to train it (docs/design.md §11).
 
     ``example_args`` is one microbatch; its leading dimension is the microbatch size the cost passes
     see, and costs are scaled per sample from it. ``loss_fn(output, target)`` returns a scalar, or is

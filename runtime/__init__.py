@@ -39,7 +39,7 @@ recovery   start-up recovery from the fastest tier that survived (``recover_any`
 faults     every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
            RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host HOST:STEP[:ATTEMPT]``
 
-The program folder (written by partitioner/codegen.py)
+The program folder (written by partitioner/codegen/)
 ------------------------------------------------------
 ::
 
@@ -56,7 +56,7 @@ The program folder (written by partitioner/codegen.py)
                          two stages is listed by both) and MUTABLE_BUFFERS (the subset forward
                          updates in place, e.g. BatchNorm running statistics: checkpointed and
                          broadcast from replica 0 after each step; Note [mutable buffers] in
-                         partitioner/split.py). forward returns the single output, or a tuple of
+                         partitioner/codegen/split.py). forward returns the single output, or a tuple of
                          them in OUTPUTS order.
     DIR/weights/stage_<k>.safetensors   initial values keyed by original names (params + buffers)
     DIR/rank_<r>.py      what rank r runs, as constants (STAGES, PIPELINE_RANKS,

@@ -1,7 +1,7 @@
 """The text of a program folder's entry files: rank_<r>.py (one rank's program) and train.py (the
 torchrun entry that picks rank_<RANK>.py).
 
-One emitter for both writers: partitioner/codegen.py writes these files for users, and tests
+One emitter for both writers: partitioner/codegen/folder.py writes these files for users, and tests
 write hand-made folders with the same text (``write_entry_files``) without the compiler, which is
 why it lives in runtime. Everything is derived from plan.json's "program" object, so the rank
 layout said in a file's header is the one the runtime builds its process groups from.
@@ -169,7 +169,7 @@ def train_file_text(program: Program) -> str:
 
 def entry_files(program: Program | dict, plan_hash: str | None = None) -> dict[str, str]:
     """{file name: text} of every rank_<r>.py and train.py. A dict is read as ``Program.from_dict``
-    (partitioner/codegen.py passes plan.json's object)."""
+    (partitioner/codegen/folder.py passes plan.json's object)."""
     if isinstance(program, dict):
         program = Program.from_dict(program)
     files = {f"rank_{r}.py": rank_file_text(program, r, plan_hash) for r in range(program.world_size)}

@@ -27,7 +27,7 @@ ENV = "PARTITIONER_MEASURE_MEMORY"
 
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of live tensor storages created while active (Note [measuring a region] in
-    partitioner/calibrate.py).
+    partitioner/calibrate/).
 
     Every op's outputs are recorded by storage (views and in-place results share one); a storage
     counts until it is freed, checked through a weak reference at each op. Tensors made before the

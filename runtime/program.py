@@ -125,7 +125,7 @@ class StageSpec:
     outputs: tuple[TensorSpec, ...]
     mutable_buffers: tuple[str, ...] = ()  # buffers forward updates in place (BatchNorm running
                                            # statistics); each on one stage only (Note [mutable
-                                           # buffers] in partitioner/split.py)
+                                           # buffers] in partitioner/codegen/split.py)
 
     def __post_init__(self):
         object.__setattr__(self, "params", tuple(self.params))
@@ -474,7 +474,7 @@ def _validate(program: Program) -> None:
                 raise ValueError(
                     f"mutable buffer {name!r} is listed by stages {holder[name]} and {st.index}: the "
                     "forward updates it, so one stage must hold it (Note [mutable buffers] in "
-                    "partitioner/split.py); recompile the program")
+                    "partitioner/codegen/split.py); recompile the program")
             holder[name] = st.index
     layout = program.layout  # raises if the rank layout is inconsistent
     rounds = max(1, m // layout.pp_size)
@@ -498,7 +498,7 @@ def load_plan(folder: str) -> dict:
 
 
 def verify_files(folder: str, plan: dict) -> None:
-    """Every file plan.json lists must hash to the listed sha256 (DESIGN section 7)."""
+    """Every file plan.json lists must hash to the listed sha256 (docs/design.md §7)."""
     import hashlib
 
     listed = plan.get("files")

@@ -1,5 +1,5 @@
 """Recovery at start-up, from the fastest tier that survived: the memory tier (a rank's own slot,
-else a peer's copy or a rebuild from parity), else the disk (DESIGN section 7), with every rank
+else a peer's copy or a rebuild from parity), else the disk (docs/design.md §7), with every rank
 agreeing on the step before any restores. The tiers' writers are runtime/memtier/ and
 runtime/checkpoint/; this room only chooses, fetches, verifies and restores.
 

@@ -55,7 +55,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
     model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
-        ``partitioner.randomness.keyed_graph``), or the list of stage modules
+        ``partitioner.codegen.randomness.keyed_graph``), or the list of stage modules
         (``runtime.stage.build_stage``), whose same-named parameters are tied. Keyed random ops
         draw the runtime's masks in either; unkeyed ones only in the stage chain (Note
         [randomness per microbatch] in runtime/train.py).

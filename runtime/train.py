@@ -27,7 +27,7 @@ Per rank, because ranks do different work: one stream shared by all would give e
 same draws, which is never what data-parallel code wants.
 
 Note [buffers across replicas]: buffers the forward updates (BatchNorm running statistics and
-``num_batches_tracked``; Note [mutable buffers] in partitioner/split.py) see only their own
+``num_batches_tracked``; Note [mutable buffers] in partitioner/codegen/split.py) see only their own
 replica's microbatches, so replicas drift apart. After every optimizer step each data-parallel
 group broadcasts replica 0's mutable buffers to the others, as DDP's ``broadcast_buffers`` does
 (at the next forward instead; same values). Chosen over averaging because it is exact for every
@@ -429,7 +429,7 @@ class RankTrainer:
 
     def named_mutable_buffers(self) -> dict[str, torch.Tensor]:
         """Original name -> buffer, for the buffers the forward updates (Note [mutable buffers]
-        in partitioner/split.py); each lives on exactly one stage (checked by Program)."""
+        in partitioner/codegen/split.py); each lives on exactly one stage (checked by Program)."""
         return {name: m.get_buffer(name) for m in self.modules for name in m.mutable_buffer_names}
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:

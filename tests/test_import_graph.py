@@ -1,5 +1,5 @@
 """The house's import rules, read from the source (no import is executed): no import cycle among
-partitioner/, passes/ and runtime/, and runtime/ never imports the compiler (DESIGN section 3:
+partitioner/, passes/ and runtime/, and runtime/ never imports the compiler (docs/design.md §3:
 generated programs run with torch and runtime alone).
 
 Every import counts, a function-local one too (it hides a cycle, it does not remove it), except

@@ -20,7 +20,7 @@ from partitioner.solver.evaluate import evaluate
 GOLDEN = Path(__file__).parent / "golden"
 KIB, GIB = 2**10, 2**30
 
-# DESIGN section 11: `partitioner inspect --json` prints at least these.
+# docs/design.md §11: `partitioner inspect --json` prints at least these.
 DESIGN_TOP = {"plan_hash", "num_stages", "dp", "microbatches", "schedule", "predicted", "solver", "stages",
               "baselines"}
 DESIGN_PREDICTED = {"step_time_s", "bubble_fraction", "lower_bound_step_time_s"}

@@ -28,7 +28,7 @@ EXAMPLES = {
   partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
     "inspect": """examples:
   partitioner inspect out                     # per-stage table, cut edges, balance, baselines
-  partitioner inspect out/plan.json --json    # DESIGN section 11 fields, for scripts
+  partitioner inspect out/plan.json --json    # docs/design.md §11 fields, for scripts
   partitioner inspect out --dot | dot -Tsvg > plan.svg
   partitioner inspect out --html report.html  # one self-contained page: stage graph, timeline, memory
   partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show a plan", epilog=EXAMPLES["inspect"], formatter_class=fmt)
     i.add_argument("target", help="program folder, plan.json, or a checkpoint folder (or one step_N in it)")
     form = i.add_mutually_exclusive_group()
-    form.add_argument("--json", action="store_true", help="machine-readable (DESIGN section 11 fields and more)")
+    form.add_argument("--json", action="store_true", help="machine-readable (docs/design.md §11 fields and more)")
     form.add_argument("--dot", action="store_true", help="the region graph coloured by stage, as Graphviz")
     form.add_argument("--html", metavar="FILE", help="write one self-contained HTML page to FILE")
     i.add_argument("--node", metavar="NAME", help="explain where graph node (or region) NAME sits and what "

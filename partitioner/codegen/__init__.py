@@ -1,4 +1,4 @@
-"""Plan + traced graph → the program folder (DESIGN section 6).
+"""Plan + traced graph → the program folder (docs/design.md §6).
 
 ```
 DIR/plan.json          the plan, its hash, the "program" the runtime reads, every file's sha256, and

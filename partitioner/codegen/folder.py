@@ -1,4 +1,4 @@
-"""Write the program folder atomically (DESIGN section 6): every file built in a temporary
+"""Write the program folder atomically (docs/design.md §6): every file built in a temporary
 sibling, checked, hashed into plan.json, and renamed into place only when whole."""
 
 from __future__ import annotations

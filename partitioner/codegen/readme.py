@@ -1,4 +1,4 @@
-"""README.md of the program folder: how to run it here and on a cluster (DESIGN section 6)."""
+"""README.md of the program folder: how to run it here and on a cluster (docs/design.md §6)."""
 
 from __future__ import annotations
 

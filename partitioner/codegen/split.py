@@ -4,7 +4,7 @@ Note [stages talk only to their neighbours]: torch.distributed.pipelining sends 
 stage k to stage k + 1 only. A tensor made on stage j and read on stage k > j + 1 (a skip
 connection) is therefore an output of every stage from j to k − 1 and an input of every stage from
 j + 1 to k: it is forwarded stage by stage, and the solver pays its bytes at every boundary it
-crosses (DESIGN section 5). Parameters are never sent: each stage reads the parameters it uses
+crosses (docs/design.md §5). Parameters are never sent: each stage reads the parameters it uses
 itself, by their original names, and a parameter used on two stages (a tied embedding) is held by
 both, its gradients summed by the runtime. A buffer read on two stages is likewise held by both; it
 is not a tie (nothing to sum), see Note [mutable buffers].

@@ -5,7 +5,7 @@ executed): a plan copied off a cluster can be inspected anywhere.
 
     units        SI counts, byte units, milliseconds, padded columns, stage colours
     table        the terminal table (`inspect DIR`, ``compile(...).summary()``)
-    json_view    `inspect --json` (DESIGN section 11 fields and more)
+    json_view    `inspect --json` (docs/design.md §11 fields and more)
     graph        the region graph coloured by stage: Graphviz (`--dot`) and the page's SVG
     timeline     the predicted pipeline timeline (runtime/schedule.py's simulation, timed)
     page         `inspect --html`: one self-contained page

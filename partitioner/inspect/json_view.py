@@ -1,4 +1,4 @@
-"""`partitioner inspect --json`: the fields DESIGN section 11 promises, and strict JSON text."""
+"""`partitioner inspect --json`: the fields docs/design.md §11 promises, and strict JSON text."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # annotations only
 
 
 def inspect_json(plan: Plan) -> dict:
-    """The fields DESIGN section 11 promises, and more beside them (never fewer, never renamed)."""
+    """The fields docs/design.md §11 promises, and more beside them (never fewer, never renamed)."""
     stages = []
     for s in plan.stages:
         m = s.memory

@@ -25,7 +25,7 @@ Note [cost model]
     replica's pipeline.
 
 Note [memory model]
-    Memory is predicted conservatively (DESIGN section 12): the solver fills a device to the
+    Memory is predicted conservatively (docs/design.md §12): the solver fills a device to the
     prediction, so every term is what the runtime (runtime/train.py over torch.distributed.
     pipelining's PipelineStage) actually holds, rounded up where it is uncertain. Stage s of p,
     d replicas, m microbatches of b samples, k_s = in-flight microbatches (m for GPipe,

@@ -69,7 +69,7 @@ def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> s
     ``n_microbatches < num_stages`` (its warm-up sends one microbatch per later stage);
     ``ScheduleGPipe`` takes any count; interleaved schedules (which the solver does not price yet)
     need the microbatches to be a multiple of their rounds (runtime/program.py checks that).
-    The runtime checks the same rule at start-up (runtime/program.py validate_program).
+    The runtime checks the same rule at start-up (runtime/program.py, Program).
     """
     if schedule == "1f1b" and num_microbatches < num_stages:
         return (f"schedule 1f1b needs microbatches >= stages (torch's Schedule1F1B), got "

@@ -1,5 +1,5 @@
 """How often to checkpoint: the Young/Daly interval from the measured stall and the stated MTBF
-(DESIGN section 7), and the duration syntax of --mtbf."""
+(docs/design.md §7), and the duration syntax of --mtbf."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ step's make_batch index) in its own directory::
 
 A shard is a safetensors file: tensors "param/<name>", "optim/<name>/exp_avg",
 "optim/<name>/exp_avg_sq", "buffer/<name>" (original names, so any partition can read them;
-buffers are those the forward updates, Note [mutable buffers] in partitioner/split.py),
+buffers are those the forward updates, Note [mutable buffers] in partitioner/codegen/split.py),
 "rng/torch_cpu", "rng/cuda_<i>", "rng/numpy_keys"; its metadata "meta" is JSON: format, step,
 rank, stages, replica, plan_hash, model_fingerprint, params (names), buffers (names), param_steps
 (AdamW step per parameter), lr_scheduler (LambdaLR's JSON-able state), python_random,
