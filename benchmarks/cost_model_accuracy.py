@@ -319,7 +319,10 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
             if gpt_profile is not None and label != "gpt":
                 problems["calibrated_on_gpt"] = build_problem(gm, b, profiles=[gpt_profile])
             for num_stages in stages_list:
-                cluster = ClusterSpec.homogeneous(num_stages, "cpu")
+                # Each stage is measured alone on one thread: predict a rank with a core of its own
+                # (the core-sharing factor of a plan for more ranks than cores is the whole-step
+                # benchmark's business, benchmarks/step_time_accuracy.py).
+                cluster = ClusterSpec.homogeneous(num_stages, "cpu", cores=num_stages)
                 plan = partitioner.compile(workload, cluster=cluster, global_batch=b * MICROBATCHES,
                                            num_stages=num_stages, dp=1, microbatches=MICROBATCHES,
                                            profiles=[profile])

@@ -199,6 +199,9 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
         f"{meta['load_after']} after; the machine was shared, so times are medians over repeats and "
         f"upper bounds. The whole run took {meta['total_s'] / 60:.1f} min. Raw output: "
         "`benchmarks/results/results.json`.",
+        *[f"Rerun on {r['date']} (`benchmarks/run_all.py --only {' '.join(r['names'])} --merge`, load average "
+          f"{r['load_before']} before and {r['load_after']} after, {r['total_s'] / 60:.1f} min): {', '.join(r['names'])}."
+          for r in meta.get("reruns", [])],
         "",
         "| benchmark | status | seconds | command |",
         "|---|---|---|---|",
@@ -295,9 +298,29 @@ def write_outputs(results: dict, *, readme: bool) -> list[str]:
     return images
 
 
+def merge_into_previous(rerun: dict, previous: dict) -> dict:
+    """``previous`` with the benchmarks of ``rerun`` replaced (records and parsed tables); its meta
+    keeps the full run's figures and lists the reruns with their own date and load."""
+    names = {b["name"] for b in rerun["benchmarks"]}
+    merged = dict(previous)
+    merged["benchmarks"] = [next((r for r in rerun["benchmarks"] if r["name"] == b["name"]), b)
+                            for b in previous["benchmarks"]]
+    merged["benchmarks"] += [b for b in rerun["benchmarks"] if b["name"] not in {p["name"] for p in previous["benchmarks"]}]
+    for key, value in rerun.items():
+        if key not in ("benchmarks", "meta"):
+            merged[key] = value
+    meta = dict(previous["meta"])
+    meta["reruns"] = list(meta.get("reruns", [])) + [{"names": sorted(names), **rerun["meta"]}]
+    merged["meta"] = meta
+    return merged
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only these benchmarks (README left alone)")
+    parser.add_argument("--merge", action="store_true", help="with --only: replace these benchmarks' records in "
+                        "the existing results.json, keep the others, and rewrite the summary and README (the "
+                        "header then says which benchmarks were rerun, and when)")
     parser.add_argument("--render", action="store_true", help="run nothing: redraw the summary, plots and "
                         "README section from benchmarks/results/results.json")
     args = parser.parse_args()
@@ -326,8 +349,10 @@ def main() -> int:
                        "machine": platform.machine(), "python": platform.python_version(),
                        "load_before": load_before, "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
                        "total_s": time.perf_counter() - started}
+    if args.merge and args.only:
+        results = merge_into_previous(results, json.loads((RESULTS / "results.json").read_text()))
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
-    images = write_outputs(results, readme=not args.only)
+    images = write_outputs(results, readme=not args.only or args.merge)
     failed = [b["name"] for b in results["benchmarks"] if b["status"] != "ok"]
     print(f"[bench] {len(chosen)} benchmarks in {results['meta']['total_s'] / 60:.1f} min; wrote "
           f"{RESULTS.relative_to(ROOT)}/results.json, summary.md, {', '.join(images) or 'no plots'}"
