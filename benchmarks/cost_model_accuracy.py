@@ -275,9 +275,7 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
     existing = list(params) + list(module.buffers()) + [t for st in optimizer.state.values() for t in st.values()
                                                          if isinstance(t, torch.Tensor)]
     existing += [x for x in inputs if isinstance(x, torch.Tensor)]
-    for t in existing:
-        storage = t.untyped_storage()
-        mode.live[(storage.data_ptr(), storage.device.type)] = (mode._ref(storage), 0)
+    mode.already_counted(existing)
     with mode:
         step()
     param_bytes = sum(p.numel() * p.element_size() for p in params) + sum(

@@ -44,6 +44,14 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.recording = True
 
+    def already_counted(self, tensors) -> None:
+        """Register tensors made before the mode (parameters, optimizer state, inputs) as seen, with
+        0 bytes: a caller counts them itself, and their views made under the mode are no new bytes."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.live[(storage.data_ptr(), storage.device.type)] = (self._ref(storage), 0)
+
     @staticmethod
     def _key(t: torch.Tensor):
         if t.device.type == "meta":

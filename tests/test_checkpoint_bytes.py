@@ -18,6 +18,7 @@ import torch
 
 from runtime import checkpoint as ck
 from runtime import memtier as mt
+from runtime.program import Program
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "checkpoint_format_1")
 # sha256 of the files the format writes for ``_FixedTrainer`` (recorded before runtime/checkpoint.py
@@ -25,11 +26,14 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "checkpoint_format_1"
 SHARD_SHA256 = "cb462d4cad27cca42eadba9aa8cbe1c24e2ccea662d3054d51d5bed68ca09fb7"
 MANIFEST_SHA256 = "6933cd5ac2f705b2986368bd704912364310cc0b58806a8cff36d82eb0b25b9c"
 SLOT_SHA256 = "c9864ea1a2bd7b94003820343851b5297bb739a36cd89673000ef21f6ad4ca94"
-PROGRAM = {"plan_hash": "plan-pinned", "model_fingerprint": "model-pinned", "workload": "pinned:test",
-           "world_size": 1, "num_stages": 1, "dp": 1,
-           "ranks": [{"rank": 0, "stages": [0], "replica": 0}],
-           "stages": [{"index": 0, "params": ["layer.weight", "layer.bias"],
-                       "mutable_buffers": ["norm.running_mean"]}]}
+PROGRAM = Program.from_dict({
+    "plan_hash": "plan-pinned", "model_fingerprint": "model-pinned", "workload": "pinned:test",
+    "world_size": 1, "num_stages": 1, "dp": 1, "num_microbatches": 1, "global_batch": 1, "schedule": "1f1b",
+    "ranks": [{"rank": 0, "stages": [0], "replica": 0}],
+    "stages": [{"index": 0, "module": "stage_0", "class": "Stage0", "params": ["layer.weight", "layer.bias"],
+                "mutable_buffers": ["norm.running_mean"], "inputs": [], "outputs": []}],
+    "data": {"make_batch": ["runtime.data:regression_batch", {}], "loss_fn": ["runtime.data:mse_loss", {}]},
+    "optimizer": {"name": "adamw", "lr": 0.1}})
 NEEDED = ["layer.weight", "layer.bias", "norm.running_mean"]
 
 
@@ -85,7 +89,7 @@ def test_disk_checkpoint_bytes_are_pinned(tmp_path, monkeypatch):
 
 
 def test_memory_slot_bytes_are_pinned(tmp_path):
-    store = mt.LocalStore(str(tmp_path), 0, mt.plan_redundancy((0,), mode="none"), PROGRAM["plan_hash"])
+    store = mt.LocalStore(str(tmp_path), 0, mt.plan_redundancy((0,), mode="none"), PROGRAM.plan_hash)
     _seed_everything()
     slot, nbytes, _ = store.snapshot(_FixedTrainer())
     sha = store.commit_own(slot, 2, nbytes)

@@ -244,8 +244,7 @@ def test_last_stage_carries_the_loss_and_a_real_stage_stays_under_its_prediction
     step()  # the optimizer state exists from here on
     mode = LiveBytes()
     existing = params + [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    for t in existing + list(sent):  # their views are no new storage
-        mode.live[(t.untyped_storage().data_ptr(), "cpu")] = (mode._ref(t.untyped_storage()), 0)
+    mode.already_counted(existing + list(sent))  # their views are no new storage
     with mode:
         step()
     static = sum(t.numel() * t.element_size() for t in existing if t.dim() > 0)
