@@ -20,14 +20,14 @@ import torch.nn as nn
 import partitioner
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
+from _programs import STEPS, compile_to, run_folders
 from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
 from runtime.program import Program
 from runtime.reference import train_reference
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+from runtime.torchrun import run_env, torchrun_command
 
-STEPS = 3
 
 
 class LongSkip(nn.Module):
@@ -69,28 +69,6 @@ def hf_tiny_moe():
 
 def tiny_gpt():
     return gpt(layers=4, width=32, heads=2, vocab=64, seq=16)
-
-
-def compile_to(folder: Path, workload, *, devices, global_batch=8, flops_per_s=None, **options):
-    """``flops_per_s``: a slower cpu, so that compute, not the per-microbatch overhead (Note
-    [whole-step terms]), decides where a tiny model is cut."""
-    cluster = (ClusterSpec.homogeneous(devices, "cpu") if flops_per_s is None else
-               ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": devices, "flops_per_s": flops_per_s}]}))
-    plan = partitioner.compile(workload, cluster=cluster, global_batch=global_batch, **options)
-    plan.save(folder)
-    return plan
-
-
-def run_folders(world_size: int, folders: list[Path], steps: int = STEPS) -> str:
-    """Train every folder in one torchrun of `world_size` workers (one import of torch each);
-    returns their output."""
-    for folder in folders:
-        assert json.loads((folder / "plan.json").read_text())["program"]["world_size"] == world_size
-    jobs = [arg for folder in folders for arg in ("--", str(folder), "--steps", str(steps))]
-    command = torchrun_command(RUN_MANY, world_size, args=jobs[1:])
-    done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
 
 
 def assert_matches_oracle(folder: Path, workload, steps: int = STEPS):

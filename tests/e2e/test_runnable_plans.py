@@ -18,7 +18,7 @@ from partitioner.solver.problem import schedule_refusal
 from partitioner.workload import Workload
 from runtime import data
 from runtime.program import Program
-from test_program_e2e import run_folders
+from _programs import run_folders
 
 
 class UsersNet(nn.Module):

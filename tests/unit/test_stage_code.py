@@ -3,7 +3,7 @@ golden copies of a small program's files, and the same bytes from any checkout p
 
 After a deliberate change to the generated code, regenerate the golden files and review the diff:
 
-    UPDATE_GOLDEN=1 pytest tests/test_stage_code.py
+    UPDATE_GOLDEN=1 pytest tests/unit/test_stage_code.py
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import partitioner
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
 
-GOLDEN = Path(__file__).parent / "golden"
-REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent.parent / "golden"
+REPO = Path(__file__).resolve().parents[2]
 # The plan hash covers the solver's figures: a change to the cost model must not look like a
 # change to the generated code.
 HASH = re.compile(r"plan [0-9a-f]{16}")

@@ -20,7 +20,7 @@ from runtime import checkpoint as ck
 from runtime import memtier as mt
 from runtime.program import Program
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "checkpoint_format_1")
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden", "checkpoint_format_1")
 # sha256 of the files the format writes for ``_FixedTrainer`` (recorded before runtime/checkpoint.py
 # and runtime/memtier.py became packages)
 SHARD_SHA256 = "cb462d4cad27cca42eadba9aa8cbe1c24e2ccea662d3054d51d5bed68ca09fb7"
@@ -113,7 +113,7 @@ def test_a_checkpoint_written_by_format_1_still_loads():
 
 def write_golden() -> None:
     """(Re)write the golden checkpoint, only with a format change:
-    ``python tests/test_checkpoint_bytes.py --write-golden``."""
+    ``python tests/unit/test_checkpoint_bytes.py --write-golden``."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as monkeypatch:

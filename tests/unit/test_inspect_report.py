@@ -17,7 +17,7 @@ from partitioner.solver import problem as sp
 from partitioner.solver import serialize
 from partitioner.solver.evaluate import evaluate
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parent.parent / "golden"
 KIB, GIB = 2**10, 2**30
 
 # docs/design.md §11: `partitioner inspect --json` prints at least these.

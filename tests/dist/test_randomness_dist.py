@@ -17,7 +17,7 @@ from partitioner.models import gpt, hf_gpt2, hf_llama
 from partitioner.verify import read_program_run, train_oracle
 from runtime.program import Program
 from runtime.reference import train_reference
-from test_program_e2e import compile_to, run_folders
+from _programs import compile_to, run_folders
 
 STEPS = 3
 TINY = dict(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)

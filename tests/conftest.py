@@ -1,0 +1,28 @@
+"""Tests sit in three folders, one marker each, so a developer can run the fast ones alone:
+
+    unit/   single process, seconds in all          pytest -m unit      (or pytest tests/unit)
+    dist/   real torchrun process groups (gloo)     pytest -m dist
+    e2e/    compile, run the program, compare with the one-process oracle   pytest -m e2e
+
+The helpers the folders share (_programs.py, _runtime_folders.py, _checkpoint_helpers.py,
+_bn_workload.py) and the golden files live here, in tests/.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the shared helpers import as `_programs`, `_runtime_folders`, ...
+
+FOLDERS = ("unit", "dist", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().parent.name
+        if folder in FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))
