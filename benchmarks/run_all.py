@@ -354,7 +354,7 @@ def main() -> int:
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     images = write_outputs(results, readme=not args.only or args.merge)
     failed = [b["name"] for b in results["benchmarks"] if b["status"] != "ok"]
-    print(f"[bench] {len(chosen)} benchmarks in {results['meta']['total_s'] / 60:.1f} min; wrote "
+    print(f"[bench] {len(chosen)} benchmarks in {(time.perf_counter() - started) / 60:.1f} min; wrote "
           f"{RESULTS.relative_to(ROOT)}/results.json, summary.md, {', '.join(images) or 'no plots'}"
           + (f"; not ok: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
