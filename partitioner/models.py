@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import math
-import os
 from pathlib import Path
 
 import torch

@@ -105,7 +105,7 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def train_oracle(folder: str | Path, program: Program, workload, steps: int):
     """(losses, final state, which oracle) of the one-process run ``verify`` compares against."""
-    from runtime.program import resolve_callable
+    from runtime.user_code import resolve_callable
     from runtime.reference import train_reference, train_reference_from_folder
 
     if workload is None:

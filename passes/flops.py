@@ -23,7 +23,6 @@ only matmuls, convolutions and attention).
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.utils.flop_counter import bmm_flop, sdpa_flop_count
 

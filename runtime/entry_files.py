@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 
 from runtime.errors import PlanMismatchError
-from runtime.program import Program, import_path
+from runtime.program import Program
+from runtime.user_code import import_path
 
 TRAIN_SOURCE = '''"""torchrun entry: every process runs the rank_<RANK>.py program of its rank.
 
@@ -146,7 +147,7 @@ def check_rank_file(folder: str, program: Program, rank: int) -> None:
             wrong.append(f"{name} = {_short(got)} but plan.json's program gives {_short(want)}")
     if wrong:
         raise PlanMismatchError(f"{path} does not state the program of rank {rank}: " + "; ".join(wrong)
-                                + f"; recompile, or rewrite the rank files with "
+                                + "; recompile, or rewrite the rank files with "
                                 "runtime.entry_files.write_entry_files")
 
 

@@ -14,7 +14,8 @@ import zlib
 
 import torch
 
-from runtime.program import InitRecipe, tensor_dtype
+from runtime.program_parts import InitRecipe
+from runtime.user_code import tensor_dtype
 
 INITIALIZERS = ("normal", "uniform", "zeros", "ones")
 

@@ -140,7 +140,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
 def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None):
     """The oracle of a program folder: its stage modules chained in one process, with the
     program's data, loss, optimizer and seed (what ``partitioner verify`` compares against)."""
-    from runtime.program import load_program, resolve_callable
+    from runtime.program import load_program
+    from runtime.user_code import resolve_callable
     from runtime.stage import build_stage
 
     program = load_program(folder)

@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 
 from typing import TYPE_CHECKING, Sequence
 
-from runtime.program import import_path, tensor_dtype
+from runtime.user_code import import_path, tensor_dtype
 
 if TYPE_CHECKING:
-    from runtime.program import TensorSpec
+    from runtime.program_parts import TensorSpec
 
 
 class StageFileError(ValueError):

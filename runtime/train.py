@@ -61,7 +61,10 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from runtime import randomness
-from runtime.program import Layout, OptimizerSettings, Program, resolve_callable
+from runtime.layout import Layout
+from runtime.program import Program
+from runtime.program_parts import OptimizerSettings
+from runtime.user_code import resolve_callable
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer and learning-rate schedule (shared with the reference)

@@ -186,7 +186,7 @@ def cmd_run(args) -> int:
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
     from partitioner.plan import Plan
-    from runtime.checkpoint import check_writable
+    from runtime.checkpoint import check_writable, parse_duration_s
     from runtime.faults import parse_fail_at, parse_fail_persist
 
     folder = Path(args.dir)

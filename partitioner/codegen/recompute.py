@@ -104,7 +104,6 @@ def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[Checkpo
     runs = [run for run in _runs(gm, recomputed) if any(u not in run for n in run for u in n.users)]
     if not runs:
         return []
-    first_of = {run[0]: run for run in runs}
     in_run = {node: run for run in runs for node in run}
     taken: set[str] = set()
     result: list[CheckpointedRun] = []

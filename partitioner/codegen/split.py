@@ -40,7 +40,6 @@ program and the plan's cut edges say the same name; node names inside a stage st
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import keyword
 import operator
 import os

@@ -34,7 +34,7 @@ from runtime.faults import say
 from runtime.memtier.groups import MODES, chunk_bytes, hosts_of_ranks, plan_redundancy
 from runtime.memtier.parity import chunk_for, other_members, xor_all
 from runtime.memtier.slots import LocalStore, Slot, default_root, lost_marker, pick_slot
-from runtime.program import MemoryTierPlan
+from runtime.program_parts import MemoryTierPlan
 
 
 @dataclass(frozen=True)

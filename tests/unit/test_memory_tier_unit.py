@@ -19,7 +19,8 @@ from runtime import checkpoint as ck
 from runtime import memtier as mt
 from runtime import recovery
 from runtime.checkpoint_drills import FakeTrainer, trainers_at
-from runtime.program import MemoryTierPlan, load_program
+from runtime.program import load_program
+from runtime.program_parts import MemoryTierPlan
 
 
 @pytest.fixture(scope="module")

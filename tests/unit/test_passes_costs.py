@@ -162,7 +162,6 @@ def test_output_saved_by_several_consumers_counts_once():
 def test_parameter_bytes_count_each_parameter_once(key):
     workload, gm = annotated(key)
     params = {id(p): p for p in workload.model.parameters()}  # parameters() dedups tied weights
-    buffers = {id(b): b for b in workload.model.buffers()}
     used_buffers = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     buffer_bytes = sum(b.numel() * b.element_size() for name, b in workload.model.named_buffers()

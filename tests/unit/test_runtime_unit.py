@@ -19,7 +19,9 @@ from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # n
 from runtime.data import causal_lm_loss, token_batch
 from runtime.launch import LaunchError, main
 from runtime.errors import PlanMismatchError
-from runtime.program import Layout, Program, import_path, load_program
+from runtime.layout import Layout
+from runtime.program import Program, load_program
+from runtime.user_code import import_path
 from runtime.reference import train_reference, train_reference_from_folder
 from runtime.schedule import schedule_text, simulate
 from runtime.stage import StageFileError, build_stage

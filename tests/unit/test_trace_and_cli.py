@@ -99,3 +99,12 @@ def test_every_subcommand_has_help_with_examples():
         done = subprocess.run([sys.executable, "-m", "partitioner.cli", command, "--help"],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "examples:" in done.stdout, command
+
+
+def test_run_checks_its_flags_before_any_worker_starts(tmp_path, capsys):
+    """A bad --mtbf is refused in words, by the launcher, not by every worker (nor by a NameError)."""
+    folder = tmp_path / "prog"
+    assert main(["compile", "mlp", "-o", str(folder), "--devices", "1", "-q"]) == 0
+    assert main(["run", str(folder), "--steps", "1", "--mtbf", "six hours"]) == 2
+    err = error_lines(capsys.readouterr().err)
+    assert err.startswith("error:") and "six hours" in err, err

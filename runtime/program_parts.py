@@ -1,0 +1,313 @@
+"""The parts of the program object (runtime/program.py ``Program``): its stages and the tensors
+crossing them, ranks, ties, data, optimizer settings, memory tier, randomness and init recipes,
+each a frozen dataclass read from and written to plan.json's keys by one rule (``known``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON <-> dataclass, one rule for every part
+
+
+def known_keys(cls, data: Any, where: str, *, rename: dict[str, str] | None = None) -> dict:
+    """``data``'s keys as ``cls``'s field names; unknown or missing keys raise naming both."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__} {data!r}")
+    rename = rename or {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    keys = {rename.get(k, k): v for k, v in data.items()}
+    unknown = sorted(k for k in data if rename.get(k, k) not in names)
+    if unknown:
+        back = {v: k for k, v in rename.items()}
+        known = sorted(back.get(n, n) for n in names)
+        raise ValueError(f"{where} has unknown keys {unknown}; known keys are {known}: "
+                         "recompile the program with this version of partitioner")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [{v: k for k, v in rename.items()}.get(n, n) for n in required if n not in keys]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    return keys
+
+
+def int_tuple(values, where: str) -> tuple[int, ...]:
+    values = tuple(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{where} must be a list of integers, got {list(values)}")
+    return values
+
+
+def check_positive(value, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+
+
+def callable_spec(spec, where: str):
+    """"pkg.mod:fn" stays a string; ["pkg.mod:fn", {kwargs}] becomes a tuple (frozen)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, (list, tuple)) and spec and isinstance(spec[0], str) and len(spec) <= 2 \
+            and (len(spec) == 1 or isinstance(spec[1], dict)):
+        return tuple(spec)
+    raise ValueError(f"{where} must be \"module:function\" or [\"module:function\", {{kwargs}}], "
+                     f"got {spec!r}")
+
+
+def jsonable(value):
+    """A field's JSON form: tuples become lists, parts become their dicts."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One activation crossing a stage boundary (a stage's input or output), for ONE microbatch."""
+
+    name: str              # the activation's name in the stage file (INPUTS / OUTPUTS)
+    shape: tuple[int, ...]  # for one microbatch = global_batch / (dp * num_microbatches) rows
+    dtype: str             # a torch dtype name, "float32" or "torch.float32"
+    batch_dim: int | None = 0  # the microbatch dimension; None: the same for every sample (rotary
+                               # tables, masks): it crosses whole, never split by batch
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", int_tuple(self.shape, f"tensor {self.name!r} shape"))
+        if self.batch_dim is not None and not 0 <= self.batch_dim < max(1, len(self.shape)):
+            raise ValueError(f"tensor {self.name!r} has batch_dim {self.batch_dim} but shape "
+                             f"{list(self.shape)}: use a dimension of the shape, or null")
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "tensor") -> "TensorSpec":
+        return TensorSpec(**known_keys(TensorSpec, data, where))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "batch_dim": self.batch_dim}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: the module stage_<index>.py and what crosses its boundaries."""
+
+    index: int                          # stages are listed in order: stages[k].index == k
+    module: str                         # "stage_<k>": DIR/<module>.py
+    class_name: str                     # JSON key "class": the nn.Module class in that file
+    params: tuple[str, ...]             # trained parameters, ORIGINAL dotted names
+    inputs: tuple[TensorSpec, ...]      # stage 0: make_batch's args; stage k: stage k-1's outputs
+    outputs: tuple[TensorSpec, ...]
+    mutable_buffers: tuple[str, ...] = ()  # buffers forward updates in place (BatchNorm running
+                                           # statistics); each on one stage only (Note [mutable
+                                           # buffers] in partitioner/codegen/split.py)
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "mutable_buffers", tuple(self.mutable_buffers))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "stage") -> "StageSpec":
+        keys = known_keys(StageSpec, data, where, rename={"class": "class_name"})
+        for side in ("inputs", "outputs"):
+            keys[side] = tuple(TensorSpec.from_dict(a, f"{where} {side}[{i}]")
+                               for i, a in enumerate(keys[side]))
+        return StageSpec(**keys)
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "module": self.module, "class": self.class_name,
+                "params": list(self.params), "mutable_buffers": list(self.mutable_buffers),
+                "inputs": jsonable(self.inputs), "outputs": jsonable(self.outputs)}
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One process. In each replica's pipeline (its ranks in ascending order) the rank at position
+    j holds stages j, j+pp, j+2pp, ... (what torch.distributed.pipelining assumes; checked)."""
+
+    rank: int
+    stages: tuple[int, ...]  # the stages it holds (one, or several under "interleaved")
+    replica: int             # its data-parallel replica, 0..dp-1
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", int_tuple(self.stages, f"rank {self.rank} stages"))
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "rank") -> "RankSpec":
+        return RankSpec(**known_keys(RankSpec, data, where))
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "stages": list(self.stages), "replica": self.replica}
+
+
+@dataclass(frozen=True)
+class TieSpec:
+    """One trained parameter with a copy on several stages; its gradient is summed over the
+    copies each step (then averaged over dp)."""
+
+    param: str
+    stages: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", int_tuple(self.stages, f"tie of {self.param!r} stages"))
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "tie") -> "TieSpec":
+        return TieSpec(**known_keys(TieSpec, data, where))
+
+    def to_dict(self) -> dict:
+        return {"param": self.param, "stages": list(self.stages)}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the ranks find the data: ``"module:function"`` or ``["module:function", {kwargs}]``;
+    the module may also be a .py path relative to DIR (``resolve_callable``)."""
+
+    make_batch: str | tuple  # make_batch(step, global_batch) -> (args, target), target batch on dim 0
+    loss_fn: str | tuple     # loss_fn(output, target): a mean over its microbatch
+
+    def __post_init__(self):
+        object.__setattr__(self, "make_batch", callable_spec(self.make_batch, "data.make_batch"))
+        object.__setattr__(self, "loss_fn", callable_spec(self.loss_fn, "data.loss_fn"))
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "data") -> "DataSpec":
+        return DataSpec(**known_keys(DataSpec, data, where))
+
+    def to_dict(self) -> dict:
+        return {"make_batch": jsonable(self.make_batch), "loss_fn": jsonable(self.loss_fn)}
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and its learning-rate schedule (runtime/train.py ``make_optimizer``, ``lr_factor``)."""
+
+    lr: float
+    name: str = "adamw"                       # only "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0                     # linear warmup; step 0 gets lr/warmup_steps
+    lr_schedule: str = "constant"             # "cosine" | "linear" | "constant" after warmup
+    total_steps: int = 1                      # where cosine/linear reach min_lr_ratio * lr
+    min_lr_ratio: float = 0.0
+    fused: bool | None = None                 # None: the fused kernel where torch has it
+    foreach: bool | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if self.name.lower() != "adamw":
+            raise ValueError(f"optimizer {self.name!r} is not supported (only 'adamw')")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "optimizer") -> "OptimizerSettings":
+        return OptimizerSettings(**known_keys(OptimizerSettings, data, where))
+
+    @staticmethod
+    def coerce(cfg: "OptimizerSettings | dict") -> "OptimizerSettings":
+        return cfg if isinstance(cfg, OptimizerSettings) else OptimizerSettings.from_dict(cfg)
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+               "weight_decay": self.weight_decay, "warmup_steps": self.warmup_steps,
+               "lr_schedule": self.lr_schedule, "total_steps": self.total_steps}
+        # Written only when set, so the compiler's object round-trips unchanged.
+        if self.min_lr_ratio:
+            out["min_lr_ratio"] = self.min_lr_ratio
+        out.update({k: getattr(self, k) for k in ("fused", "foreach") if getattr(self, k) is not None})
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryTierPlan:
+    """The plan's choice of memory-tier snapshots (runtime/memtier; flags override it)."""
+
+    mode: str                   # "auto" | "none" | "copy" | "parity" (runtime/memtier)
+    every: int = 1              # snapshot every K steps
+    group_size: int | None = None  # hosts per parity group
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "memory_tier") -> "MemoryTierPlan":
+        return MemoryTierPlan(**known_keys(MemoryTierPlan, data, where))
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "every": self.every, "group_size": self.group_size}
+
+
+@dataclass(frozen=True)
+class RandomnessSpec:
+    """The random ops the compiler keyed (Note [randomness keyed by meaning] in
+    runtime/randomness.py); verify then picks the keyed oracle."""
+
+    keyed_ops: tuple[str, ...]  # node names
+
+    def __post_init__(self):
+        object.__setattr__(self, "keyed_ops", tuple(self.keyed_ops))
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "randomness") -> "RandomnessSpec":
+        return RandomnessSpec(**known_keys(RandomnessSpec, data, where))
+
+    def to_dict(self) -> dict:
+        return {"keyed_ops": list(self.keyed_ops)}
+
+
+@dataclass(frozen=True)
+class InitRecipe:
+    """How a rank draws one parameter of a model compiled on the meta device
+    (Note [materialize per rank] in runtime/materialize.py)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    init: str                  # "normal" | "uniform" | "zeros" | "ones"
+    std: float | None = None   # normal
+    bound: float | None = None  # uniform: U(-bound, bound)
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", int_tuple(self.shape, "init recipe shape"))
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "init recipe") -> "InitRecipe":
+        return InitRecipe(**known_keys(InitRecipe, data, where))
+
+    def to_dict(self) -> dict:
+        out = {"shape": list(self.shape), "dtype": self.dtype, "init": self.init}
+        out.update({k: getattr(self, k) for k in ("std", "bound") if getattr(self, k) is not None})
+        return out
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """Present when the model was compiled on the meta device (DIR/weights/ then has no files)."""
+
+    seed: int
+    params: dict[str, InitRecipe]  # original name -> recipe (parameters and buffers)
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "init") -> "InitSpec":
+        keys = known_keys(InitSpec, data, where)
+        keys["params"] = {n: InitRecipe.from_dict(r, f"{where}.params[{n!r}]") for n, r in keys["params"].items()}
+        return InitSpec(**keys)
+
+    def to_dict(self) -> dict:
+        return {"seed": self.seed, "params": jsonable(self.params)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The program
