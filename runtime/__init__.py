@@ -6,7 +6,8 @@ Modules
 launch     ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the one
            call of every rank_<r>.py (env, process groups, training, final save)
 program    plan.json's "program" object as the frozen dataclass ``Program`` (every field documented
-           there), ``load_program``, ``Layout`` (groups)
+           there), ``load_program``; its parts in program_parts; ``Layout`` (groups) in layout;
+           user_code: the callables and files a program names, made objects
 entry_files the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``), one
            emitter for codegen and hand-made test folders
 torchrun   ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
