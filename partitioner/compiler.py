@@ -197,7 +197,10 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
     red = plan_redundancy(hosts, keys, mode=request.get("mode", "auto"), group_size=request.get("group_size"))
     cost = memory_cost(red, shard)
     return {"mode": red.mode, "requested": request.get("mode", "auto"), "every": int(request.get("every", 1)),
-            "group_size": red.to_dict()["group_size"], "hosts": hosts, "groups": [list(g) for g in red.groups],
+            # a group size only where there are parity groups: one host's plan must not say 1
+            # (runtime settings_from refuses --parity-group 1)
+            "group_size": red.to_dict()["group_size"] if red.mode == "parity" else None,
+            "hosts": hosts, "groups": [list(g) for g in red.groups],
             "shard_bytes": shard, "own_bytes": cost["own_bytes"], "redundancy_bytes": cost["redundancy_bytes"],
             "per_host_bytes": cost["per_host_bytes"]}
 

@@ -216,6 +216,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         if memory_settings is not None:  # created before the Checkpointer's group, on every rank
             memory = memtier.MemoryTier(trainer, memory_settings, ckpt_dir=ckpt_dir, timeout=timeout,
                                         run_dir=run_dir)
+            memory = memory if memory.enabled else None  # no room in shared memory: disk only (warned)
             start_step = recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
         else:
             start_step = recover(trainer, ckpt_dir)

@@ -14,8 +14,9 @@ hashing yet) and the newest committed disk manifest; all-gather. Every rank then
 choice: the newest step s for which every rank r has a tier, in order own memory, then the peer
 copy (mode copy) or a reconstruction from parity (every other member of r's group holds own slot s
 and parity s), and no older than the newest disk checkpoint. The ranks verify what they use
-(sha256 of the own slot, of the received copy, of the reconstruction, of the parity), all-reduce
-the failures, and on any failure exclude that (rank, step, tier) and choose again; no rank restores
+(sha256 of the own slot, of the received copy, of the reconstruction, of the parity) and parse
+what they would restore (its meta names the step, rank and plan; a malformed slot counts as
+absent), all-reduce the failures, and on any failure exclude that (rank, step, tier) and choose again; no rank restores
 before every rank has verified. With no such step the disk tier recovers (``recover``). Slots
 newer than the resumed step are then invalidated. Every rank logs "recovered step N from tier=T in
 X ms" and appends it to RUN_DIR/recovery.jsonl.
@@ -38,7 +39,6 @@ from runtime import checkpoint as ck
 from runtime.faults import attempt, say
 from runtime.memtier.groups import Redundancy
 from runtime.memtier.parity import reconstruct, survivor_piece
-from runtime.memtier.slots import find_slot
 
 if TYPE_CHECKING:
     from runtime.memtier.tier import MemoryTier
@@ -213,7 +213,7 @@ def recover_memory(tier: MemoryTier, ckpt_dir: str) -> RecoveryResult | None:
             return None
         step, tiers = choice
         t1 = time.perf_counter()
-        data, bad = _fetch(tier, step, tiers, own, held)
+        loaded, bad = _fetch(tier, step, tiers, own, held)
         phases["fetch_verify_ms"] = phases.get("fetch_verify_ms", 0.0) + (time.perf_counter() - t1) * 1e3
         t1 = time.perf_counter()
         flags = torch.zeros(tier.world, dtype=torch.int64)
@@ -232,10 +232,7 @@ def recover_memory(tier: MemoryTier, ckpt_dir: str) -> RecoveryResult | None:
                        "trying the next tier")
     else:
         return None
-    where = f"memory tier ({tiers[tier.rank]}) step {step} of rank {tier.rank}"
     t1 = time.perf_counter()
-    loaded = ck.loaded_from_bytes(data, step=step, program=tier.trainer.program, rank=tier.rank,
-                                  needed=ck.needed_names(tier.trainer), where=where)
     ck.restore(tier.trainer, loaded)
     phases["restore_ms"] = (time.perf_counter() - t1) * 1e3
     tier.store.invalidate_newer(step)
@@ -246,13 +243,15 @@ def recover_memory(tier: MemoryTier, ckpt_dir: str) -> RecoveryResult | None:
 
 
 def _fetch(tier: MemoryTier, step: int, tiers: dict[int, str], own: list[dict], held: list[dict]):
-    """This rank's shard bytes of ``step`` by its tier, and the ranks whose tier failed here
-    (every rank takes part in every transfer the choice implies, in one fixed order)."""
+    """This rank's shard of ``step`` by its tier, verified and parsed (a LoadedCheckpoint), and the
+    ranks whose tier failed here (every rank takes part in every transfer the choice implies, in
+    one fixed order). Parsing comes before the ranks agree, so a slot whose meta is wrong fails
+    here and the choice moves on (Note [memory recovery])."""
     red, me = tier.red, tier.rank
     bad: set[int] = set()
     mine = None
     if tiers[me] == "memory":
-        found = find_slot(tier.store.own, step)
+        found = tier.store.find(tier.store.own, step)
         mine = found[0].verify(found[1]) if found else None
         if mine is None:
             bad.add(me)
@@ -261,7 +260,7 @@ def _fetch(tier: MemoryTier, step: int, tiers: dict[int, str], own: list[dict], 
     for r in sorted(t for t, tier in tiers.items() if tier == "peer"):
         h = red.holder_of(r)
         if me == h:
-            found = find_slot(tier.store.held, step)
+            found = tier.store.find(tier.store.held, step)
             rec = found[1] if found else {"bytes": held[h].get(step, 0), "sha256": "00" * 32}
             n = int(rec["bytes"])
             data = found[0].read(n) if found else memoryview(bytearray(n))
@@ -324,15 +323,24 @@ def _fetch(tier: MemoryTier, step: int, tiers: dict[int, str], own: list[dict], 
                 bad.add(me)
             else:
                 mine = data
-    return mine, bad
+    loaded = None
+    if mine is not None:
+        try:
+            loaded = ck.loaded_from_bytes(mine, step=step, program=tier.trainer.program, rank=me,
+                                          needed=ck.needed_names(tier.trainer),
+                                          where=f"memory tier ({tiers[me]}) step {step} of rank {me}")
+        except Exception as exc:  # noqa: BLE001 - any malformed shard is a failed tier, decided before agreeing
+            say(me, f"warning: memory tier ({tiers[me]}) step {step} of rank {me} is unusable: {exc}")
+            bad.add(me)
+    return loaded, bad
 
 
 def _survivor_piece(tier: MemoryTier, step, g, i, lost, c, lost_rank, bad) -> tuple[torch.Tensor, list[int]]:
     """Survivor i's piece for rebuilding member ``lost`` (its own slot and parity of ``step``,
     both verified; a failed one is sent as zeros and reported)."""
     zeros = torch.zeros((len(g) - 1) * c, dtype=torch.uint8)
-    own = find_slot(tier.store.own, step)
-    par = find_slot(tier.store.held, step)
+    own = tier.store.find(tier.store.own, step)
+    par = tier.store.find(tier.store.held, step)
     own_data = own[0].verify(own[1]) if own else None
     par_data = par[0].verify(par[1]) if par else None
     if own_data is None:

@@ -11,9 +11,18 @@ that outlives the worker process (tmpfs: /dev/shm), one subfolder per host::
     ROOT/host-<h>/parity_rank_<r>/...       (mode parity) the parity stripe rank r holds for its group
     ROOT/lost_host_<h>                      fault injection: host h was lost (wiped at the restart)
 
-ROOT is --memory-dir, default /dev/shm/partitioner-<sha256(checkpoint dir, plan hash)[:12]>, so a
-restarted worker of the same job finds it and another job or plan does not. A commit record is
-{"format", "kind", "step", "bytes", "sha256", "plan_hash", ...}: sha256 of the slot's bytes, the
+ROOT is a folder the tier creates itself, inside --memory-dir (default /dev/shm, else the temporary
+folder): ``partitioner-memtier-u<uid>-<sha256(checkpoint dir, plan hash)[:12]>-<run id>``, so a
+restarted worker of the same job finds it and another job or plan does not; only ROOT is ever
+removed, never the folder the user named. Note [memory tier trust]: ROOT and every folder in it are
+0700 and checked with lstat (a folder, not a link, owned by this user, no group/other bits: else the
+tier refuses with a message naming the folder); files are opened with O_NOFOLLOW (O_EXCL where
+created), so a planted link is never written through. The run id (``run_id_for``: kept in the
+checkpoint directory, so a fresh checkpoint directory is a fresh run) is in ROOT's name and in every
+commit record, and a record of another run or plan is ignored. Folders of this user's earlier runs
+whose owner process (the torchrun agent) is gone, or superseded by a new run id of the same
+checkpoint directory, are removed at start-up (``clear_stale``). A commit record is
+{"format", "kind", "step", "bytes", "sha256", "plan_hash", "run_id", ...}: sha256 of the slot's bytes, the
 same check the disk tier makes of a shard. A slot is whole or absent: its record is removed before
 its data is overwritten and written (tmp + rename) only after the data is complete and hashed; the
 two slots alternate (a new snapshot goes over the older one), so the newest committed snapshot is
@@ -30,6 +39,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import threading
 import time
 
@@ -42,13 +52,176 @@ from runtime.memtier.groups import Redundancy
 FORMAT = "partitioner-memtier/1"
 
 
-def default_root(ckpt_dir: str, plan_hash) -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    if base is None:
-        import tempfile
-        base = tempfile.gettempdir()
-    key = hashlib.sha256(f"{os.path.abspath(ckpt_dir)}\0{plan_hash}".encode()).hexdigest()[:12]
-    return os.path.join(base, f"partitioner-{key}")
+MEMDIR_PREFIX = "partitioner-memtier-"
+RUN_ID_FILE = "memory_tier_run_id"  # in the checkpoint directory
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class UnsafeMemoryDir(RuntimeError):
+    """A memory-tier folder that is not this user's private folder (Note [memory tier trust])."""
+
+
+def default_base() -> str:
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    import tempfile
+    return tempfile.gettempdir()
+
+
+def _key(ckpt_dir: str, plan_hash) -> str:
+    return hashlib.sha256(f"{os.path.abspath(ckpt_dir)}\0{plan_hash}".encode()).hexdigest()[:12]
+
+
+def default_root(ckpt_dir: str, plan_hash, run_id: str = "0", base: str | None = None) -> str:
+    """The tier's own folder inside ``base`` (--memory-dir; default ``default_base()``)."""
+    return os.path.join(base or default_base(), f"{MEMDIR_PREFIX}u{os.getuid()}-{_key(ckpt_dir, plan_hash)}-{run_id}")
+
+
+def secure_dir(path: str) -> str:
+    """Create ``path`` (0700) if absent; refuse it unless it is a folder (not a link) owned by this
+    user with no group/other permissions (Note [memory tier trust])."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeMemoryDir(f"memory tier: {path} is not a folder (a link or file is in its place): refusing "
+                              "to use it; remove it or pass another --memory-dir")
+    if st.st_uid != os.getuid():
+        raise UnsafeMemoryDir(f"memory tier: {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): "
+                              "refusing to use it; remove it or pass another --memory-dir")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise UnsafeMemoryDir(f"memory tier: {path} has mode {oct(stat.S_IMODE(st.st_mode))}, not 0o700: "
+                              "refusing to use it; remove it or pass another --memory-dir")
+    return path
+
+
+def prepare_base(base: str) -> str:
+    """The folder the tier's ROOT goes in: created (0700) if absent, never removed by the tier."""
+    if not os.path.exists(base):
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    if not os.path.isdir(base):
+        raise UnsafeMemoryDir(f"memory tier: --memory-dir {base} is not a folder")
+    return base
+
+
+def open_private(path: str, flags: int, *, create: bool = False) -> int:
+    """os.open with O_NOFOLLOW; the file must be a regular file of this user (else OSError).
+    ``create``: O_CREAT | O_EXCL (a new file), falling back to opening an existing one."""
+    if create:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+        except FileExistsError:
+            fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC)
+    else:
+        fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file of this user")
+    return fd
+
+
+def run_id_for(ckpt_dir: str) -> str:
+    """This run's id, kept in CKPT_DIR/memory_tier_run_id (created on first use): the restarts of
+    a job share it; a new (or emptied) checkpoint directory starts a new run (rank 0 calls it and
+    broadcasts it)."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, RUN_ID_FILE)
+    for _ in range(2):
+        try:
+            fd = open_private(path, os.O_RDONLY)
+        except FileNotFoundError:
+            new = os.urandom(8).hex()
+            tmp = f"{path}.tmp{os.getpid()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(new + "\n")
+            os.replace(tmp, path)
+            continue
+        with os.fdopen(fd) as fh:
+            text = fh.read(64).strip()
+        if len(text) == 16 and all(c in "0123456789abcdef" for c in text):
+            return text
+        os.unlink(path)  # unreadable: a new run
+    raise RuntimeError(f"memory tier: cannot keep a run id in {path}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def mark_owner(root: str) -> None:
+    """Record this worker's agent (torchrun's process, alive across restarts) as an owner of ROOT."""
+    fd = open_private(os.path.join(root, f"owner_{os.getppid()}"), os.O_WRONLY, create=True)
+    os.close(fd)
+
+
+def clear_stale(base: str, root: str, *, quiet_s: float = 600.0) -> list[str]:
+    """Remove this user's memory-tier folders in ``base`` other than ``root`` that are stale: of the
+    same checkpoint directory and plan but another run id, or whose recorded owners (agent pids)
+    are all gone (a folder with none: untouched for ``quiet_s``). Returns what it removed."""
+    mine = os.path.basename(root)
+    prefix = f"{MEMDIR_PREFIX}u{os.getuid()}-"
+    same_key = mine[:len(mine) - mine[::-1].index("-")]  # up to and with the last "-"
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix) or name == mine:
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            owners = [int(n[len("owner_"):]) for n in os.listdir(path)
+                      if n.startswith("owner_") and n[len("owner_"):].isdigit()]
+        except OSError:
+            continue
+        if name.startswith(same_key):
+            stale = True
+        elif owners:
+            stale = not any(_pid_alive(p) for p in owners)
+        else:
+            stale = time.time() - st.st_mtime > quiet_s
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def used_bytes(root: str) -> int:
+    total = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def host_need(own_bytes: list[int], hosts: list[int], mode: str, host: int) -> int:
+    """Bytes host ``host`` needs: two slots of each of its ranks' shards, and as much again held
+    for peers (a copy, or parity no larger than a shard) unless the mode is none."""
+    mine = sum(b for b, h in zip(own_bytes, hosts) if h == host)
+    return 2 * mine * (1 if mode == "none" else 2)
 
 
 def lost_marker(root: str, host: int) -> str:
@@ -58,9 +231,36 @@ def lost_marker(root: str, host: int) -> str:
 
 def _write_json_atomic(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
-    with open(tmp, "w") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
         json.dump(obj, fh, sort_keys=True)
     os.replace(tmp, path)
+
+
+def _is_sha(x) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def valid_record(rec) -> bool:
+    """A commit record well formed enough to act on (a malformed one counts as absent)."""
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        return False
+    if not (_is_count(rec.get("step")) and _is_count(rec.get("bytes")) and _is_sha(rec.get("sha256"))):
+        return False
+    kind = rec.get("kind")
+    if kind in ("own", "copy"):
+        return True
+    if kind == "parity":
+        group, members = rec.get("group", []), rec.get("members", [])
+        return (_is_count(rec.get("chunk_bytes")) and isinstance(group, list) and all(_is_count(m) for m in group)
+                and isinstance(members, list)
+                and all(isinstance(m, dict) and _is_count(m.get("rank")) and _is_count(m.get("bytes"))
+                        and _is_sha(m.get("sha256")) for m in members))
+    return False
 
 
 class Slot:
@@ -77,16 +277,17 @@ class Slot:
 
     def record(self) -> dict | None:
         try:
-            with open(self.record_path) as fh:
-                rec = json.load(fh)
+            with os.fdopen(open_private(self.record_path, os.O_RDONLY)) as fh:
+                rec = json.loads(fh.read(1 << 20))
         except (OSError, ValueError):
             return None
-        if not isinstance(rec, dict) or rec.get("format") != FORMAT or not isinstance(rec.get("step"), int):
+        if not valid_record(rec):
             return None
         try:
-            if os.path.getsize(self.data_path) < int(rec.get("bytes", -1)):
-                return None
+            st = os.lstat(self.data_path)
         except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size < rec["bytes"]:
             return None
         return rec
 
@@ -102,10 +303,13 @@ class Slot:
     def writable(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over the slot's shared memory, ``nbytes`` long (resized if needed)."""
         if self._size != nbytes:
-            os.makedirs(self.dir, exist_ok=True)
-            fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o600)
+            secure_dir(os.path.dirname(self.dir))
+            secure_dir(self.dir)
+            fd = open_private(self.data_path, os.O_RDWR, create=True)
             try:
                 os.ftruncate(fd, max(nbytes, 1))
+                if hasattr(os, "posix_fallocate"):  # a full tmpfs: ENOSPC here, not SIGBUS in a copy
+                    os.posix_fallocate(fd, 0, max(nbytes, 1))
                 # populated now (pages allocated and mapped), not page by page during a snapshot
                 self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             finally:
@@ -117,8 +321,10 @@ class Slot:
     def read(self, nbytes: int) -> memoryview:
         """The first ``nbytes`` of the data file, mapped (no copy; the caller only reads it: it is
         writable only because torch.frombuffer wants a writable buffer)."""
-        fd = os.open(self.data_path, os.O_RDWR)
+        fd = open_private(self.data_path, os.O_RDWR)
         try:
+            if os.fstat(fd).st_size < nbytes:
+                raise OSError(f"{self.data_path}: shorter than its record")
             m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
@@ -132,7 +338,7 @@ class Slot:
         """The slot's bytes when they match ``rec``'s sha256, else None."""
         try:
             data = self.read(int(rec["bytes"]))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             return None
         return data if hashlib.sha256(data).hexdigest() == rec.get("sha256") else None
 
@@ -155,8 +361,8 @@ class LocalStore:
     """One rank's part of the memory tier on its host: its own slots and the slots it holds for
     others. No process group (the unit tests drive it directly)."""
 
-    def __init__(self, root: str, rank: int, redundancy: Redundancy, plan_hash=None):
-        self.root, self.rank, self.red, self.plan_hash = root, rank, redundancy, plan_hash
+    def __init__(self, root: str, rank: int, redundancy: Redundancy, plan_hash=None, run_id=None):
+        self.root, self.rank, self.red, self.plan_hash, self.run_id = root, rank, redundancy, plan_hash, run_id
         self.host = redundancy.hosts[rank]
         self.host_dir = os.path.join(root, f"host-{self.host}")
         own_dir = os.path.join(self.host_dir, f"rank_{rank}")
@@ -213,10 +419,19 @@ class LocalStore:
     def commit_own(self, slot: Slot, step: int, nbytes: int) -> str:
         sha = slot.sha256(nbytes)
         slot.commit({"kind": "own", "rank": self.rank, "step": step, "bytes": nbytes, "sha256": sha,
-                     "plan_hash": self.plan_hash})
+                     "plan_hash": self.plan_hash, "run_id": self.run_id})
         return sha
 
     # --- reading ----------------------------------------------------------------------------
+
+    def ours(self, rec: dict | None) -> bool:
+        """A record of this plan and this run (Note [memory tier trust])."""
+        return rec is not None and rec.get("plan_hash") == self.plan_hash and rec.get("run_id") == self.run_id
+
+    def find(self, slots: list[Slot], step: int) -> tuple[Slot, dict] | None:
+        """The slot of ``slots`` holding ``step``, committed by this plan and run."""
+        found = find_slot(slots, step)
+        return found if found is not None and self.ours(found[1]) else None
 
     def inventory(self) -> dict:
         """Committed steps (records only, nothing hashed): own {step: bytes}, held {step: aux}
@@ -224,11 +439,11 @@ class LocalStore:
         own, held = {}, {}
         for s in self.own:
             rec = s.record()
-            if rec and rec.get("kind") == "own" and rec.get("plan_hash") == self.plan_hash:
+            if rec and rec.get("kind") == "own" and self.ours(rec) and rec.get("rank") == self.rank:
                 own[rec["step"]] = int(rec["bytes"])
         for s in self.held:
             rec = s.record()
-            if rec is None or rec.get("plan_hash") != self.plan_hash:
+            if not self.ours(rec):
                 continue
             if rec.get("kind") == "copy" and rec.get("owner") == self.red.owner_held_by(self.rank):
                 held[rec["step"]] = int(rec["bytes"])

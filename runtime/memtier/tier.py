@@ -33,7 +33,8 @@ from runtime import faults
 from runtime.faults import say
 from runtime.memtier.groups import MODES, chunk_bytes, hosts_of_ranks, plan_redundancy
 from runtime.memtier.parity import chunk_for, other_members, xor_all
-from runtime.memtier.slots import LocalStore, Slot, default_root, lost_marker, pick_slot
+from runtime.memtier.slots import (LocalStore, Slot, clear_stale, default_base, default_root, free_bytes, host_need,
+                                   lost_marker, mark_owner, pick_slot, prepare_base, run_id_for, secure_dir, used_bytes)
 from runtime.program_parts import MemoryTierPlan
 
 
@@ -59,9 +60,11 @@ def settings_from(plan: MemoryTierPlan | None, flags: dict) -> Settings | None:
     every = flags.get("memory_every", plan.every)
     if every < 1:
         raise ValueError(f"--memory-every {every}: must be a positive number of steps")
-    group = flags.get("parity_group", plan.group_size)
+    group = flags.get("parity_group")
     if group is not None and group < 2:
         raise ValueError(f"--parity-group {group}: a parity group needs at least 2 hosts")
+    if group is None:  # the plan's: a one-host plan says 1 (no groups), which means none
+        group = plan.group_size if plan.group_size is not None and plan.group_size >= 2 else None
     fails = [faults.parse_fail_host(text) for text in flags.get("fail_host", [])]
     return Settings(mode, every, group, flags.get("hosts"), flags.get("memory_dir"), tuple(fails))
 
@@ -82,9 +85,24 @@ class MemoryTier:
         keys = [(tuple(sorted(e.stages)), e.replica) for e in sorted(program.ranks, key=lambda e: e.rank)]
         self.red = plan_redundancy(hosts, keys, mode=settings.mode, group_size=settings.group_size)
         self.every = settings.every
-        self.root = settings.root or default_root(ckpt_dir, program.plan_hash)
-        self.store = LocalStore(self.root, self.rank, self.red, program.plan_hash)
         self.group = dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
+        # Note [memory tier trust]: the run id (rank 0's, from the checkpoint directory), the tier's
+        # own folder inside --memory-dir, stale folders of this user cleared
+        rid = torch.zeros(8, dtype=torch.uint8)
+        if self.rank == 0:
+            rid.copy_(torch.tensor(list(bytes.fromhex(run_id_for(ckpt_dir))), dtype=torch.uint8))
+        dist.broadcast(rid, src=0, group=self.group)
+        self.run_id = bytes(rid.tolist()).hex()
+        self.base = prepare_base(settings.root or default_base())
+        self.root = default_root(ckpt_dir, program.plan_hash, self.run_id, base=self.base)
+        first_of_host = self.rank == min(r for r, h in enumerate(self.red.hosts) if h == self.red.hosts[self.rank])
+        if first_of_host:
+            for path in clear_stale(self.base, self.root):
+                say(self.rank, f"memory tier: removed stale {path}")
+        secure_dir(self.root)
+        mark_owner(self.root)
+        self.store = LocalStore(self.root, self.rank, self.red, program.plan_hash, self.run_id)
+        self.enabled = self._fits(trainer)
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.stats: list[dict] = []
@@ -97,11 +115,34 @@ class MemoryTier:
         self.lost_marker = marker if os.path.exists(marker) else None
         if self.lost_marker:
             shutil.rmtree(self.store.host_dir, ignore_errors=True)
-        if self.rank == 0:
+        if self.rank == 0 and self.enabled:
             cost = self.red.to_dict()
             say(0, f"memory tier every {self.every} step(s) in {self.root}: redundancy {self.red.mode}"
                    + (f", groups {cost['groups']}" if self.red.mode != "none" else "")
                    + f" (hosts {','.join(map(str, hosts))})")
+
+    def _fits(self, trainer) -> bool:
+        """Whether every host's shared memory holds what the tier will write there (a full tmpfs
+        kills a writer with SIGBUS); agreed by all ranks. When not, the run goes on from disk only
+        (one warning) and the caller drops the tier (``enabled`` False)."""
+        import torch.distributed as dist
+
+        est = sum(p.numel() * p.element_size() for p in trainer.named_parameters().values()) * 3 + (1 << 20)
+        mine = torch.tensor([est], dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine, group=self.group)
+        need = host_need([int(r) for r in rows], list(self.red.hosts), self.red.mode, self.red.hosts[self.rank])
+        free = free_bytes(self.root) + used_bytes(self.root)
+        ok = torch.tensor([1 if free >= need else 0], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if int(ok) == 1:
+            return True
+        if free < need:
+            say(self.rank, f"warning: memory tier off: {self.base} has {free / 2**20:.0f} MiB free, the tier needs "
+                           f"{need / 2**20:.0f} MiB on this host (enlarge it, e.g. docker --shm-size, or pass "
+                           "--memory-dir): checkpoints go to disk only")
+        shutil.rmtree(self.root, ignore_errors=True)
+        return False
 
     # --- snapshots ----------------------------------------------------------------------------
 
@@ -200,7 +241,8 @@ class MemoryTier:
             # committed under the owner's sha256 (not hashed again here): a recovery that uses the
             # copy hashes what it received against it, as every tier is checked
             held.commit({"kind": "copy", "owner": owner, "step": step, "bytes": sizes[owner],
-                         "sha256": shas[owner], "plan_hash": self.store.plan_hash})
+                         "sha256": shas[owner], "plan_hash": self.store.plan_hash,
+                         "run_id": self.store.run_id})
             return
         g = red.group_of(me)
         i = g.index(me)
@@ -216,11 +258,12 @@ class MemoryTier:
         buf.copy_(parity)
         psha = held.sha256(c)
         held.commit({"kind": "parity", "group": list(g), "index": i, "step": step, "chunk_bytes": c,
-                     "bytes": c, "sha256": psha, "plan_hash": self.store.plan_hash,
+                     "bytes": c, "sha256": psha, "plan_hash": self.store.plan_hash, "run_id": self.store.run_id,
                      "members": [{"rank": m, "bytes": sizes[m], "sha256": shas[m]} for m in g]})
 
     def finish(self, *, cleanup: bool = True) -> None:
-        """Join the background work, write the stats; after a clean run remove the memory tier."""
+        """Join the background work, write the stats; after a clean run remove the memory tier (its
+        own folder; never --memory-dir itself)."""
         import torch.distributed as dist
 
         self._join()
