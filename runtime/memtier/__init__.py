@@ -21,12 +21,12 @@ is runtime/recovery.py (Note [memory recovery]); --fail-host is runtime/faults.p
 from runtime.memtier.groups import (DEFAULT_PARITY_GROUP, HOSTS_ENV, MODES, Redundancy, chunk_bytes, hosts_of_ranks,
                                     memory_cost, parse_hosts, plan_redundancy)
 from runtime.memtier.parity import chunk_for, encode_parity, other_members, reconstruct, survivor_piece, xor_all
-from runtime.memtier.slots import FORMAT, LocalStore, Slot, default_root, find_slot, lost_marker, pick_slot
+from runtime.memtier.slots import FORMAT, UnsafeMemoryDir, LocalStore, Slot, default_root, find_slot, lost_marker, pick_slot
 from runtime.memtier.tier import MemoryTier, Settings, settings_from
 
 __all__ = [
     "DEFAULT_PARITY_GROUP", "FORMAT", "HOSTS_ENV", "MODES", "LocalStore", "MemoryTier", "Redundancy", "Settings",
-    "Slot", "chunk_bytes", "chunk_for", "default_root", "encode_parity", "find_slot", "hosts_of_ranks",
+    "Slot", "UnsafeMemoryDir", "chunk_bytes", "chunk_for", "default_root", "encode_parity", "find_slot", "hosts_of_ranks",
     "lost_marker", "memory_cost", "other_members", "parse_hosts", "pick_slot", "plan_redundancy", "reconstruct",
     "settings_from", "survivor_piece", "xor_all",
 ]
