@@ -65,7 +65,8 @@ def test_memory_dir_itself_and_its_other_contents_survive_a_clean_run(one_rank, 
     (shm / "keep.txt").write_text("the user's")
     (shm / "other-job").mkdir()
     trainer, tier = _tier(one_rank, shm, tmp_path / "ck")
-    assert tier.enabled and os.path.dirname(tier.root) == str(shm) and tier.root != str(shm)
+    assert os.path.dirname(tier.root) == str(shm) and tier.root != str(shm)
+    assert tier.enabled
     tier.snapshot(trainer.steps_done)
     tier._join()
     assert tier.store.inventory()["own"] == {trainer.steps_done: tier.store.layout.total_bytes}
@@ -117,7 +118,7 @@ def test_planted_folder_at_the_tiers_path_stops_the_tier(one_rank, world1, tmp_p
 def test_planted_link_as_a_data_file_is_not_written_through(tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
-    store = mt.LocalStore(str(tmp_path / "root"), 0, mt.plan_redundancy((0,), mode="none"), "p", "r1")
+    store = mt.LocalStore(str(tmp_path / "root"), 0, mt.plan_redundancy((0,), mode="none"), "p")
     os.makedirs(store.own[0].dir, mode=0o700)
     os.chmod(os.path.dirname(store.own[0].dir), 0o700)
     os.symlink(victim, store.own[0].data_path)
@@ -146,11 +147,11 @@ def test_snapshot_of_another_run_or_plan_is_ignored(one_rank, tmp_path):
 
 
 def test_full_shared_memory_turns_the_tier_off_with_a_warning(one_rank, world1, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tier_mod, "free_bytes", lambda path: 64 << 10)
+    monkeypatch.setattr(tier_mod, "free_bytes", lambda path: 64 << 10, raising=False)
     shm = tmp_path / "shm"
     _, tier = _tier(one_rank, shm, tmp_path / "ck")
     out = capsys.readouterr()
-    assert not tier.enabled
+    assert not getattr(tier, "enabled", True)
     assert "memory tier off" in out.out + out.err and "MiB free" in out.out + out.err
     assert not os.path.exists(tier.root) and shm.is_dir()
     monkeypatch.undo()
