@@ -56,11 +56,12 @@ def job(tmp_path_factory):
     cmd = torchrun_command(args[0], WORLD, args=args[1:], max_restarts=4)
     try:
         result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=400)
+        # --memory-dir is the user's: kept, with nothing of the tier left in it (its own folder went)
+        leftover = [p for p in (shm + "-A", shm + "-B") if not os.path.isdir(p) or os.listdir(p)]
     finally:
         for suffix in ("-A", "-B"):
             shutil.rmtree(shm + suffix, ignore_errors=True)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}"
-    leftover = [p for p in (shm + "-A", shm + "-B") if os.path.exists(p)]
     return {"root": root, "plan": plan, "out": result.stdout + result.stderr, "leftover": leftover}
 
 
