@@ -159,19 +159,39 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _host_tag() -> str:
+    import socket
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())[:64] or "host"
+
+
 def mark_owner(root: str) -> None:
-    """Record this worker's agent (torchrun's process, alive across restarts) as an owner of ROOT."""
-    fd = open_private(os.path.join(root, f"owner_{os.getppid()}"), os.O_WRONLY, create=True)
+    """Record this worker's agent (torchrun's process, alive across restarts) as an owner of ROOT:
+    ``owner_<hostname>_<pid>`` (a pid is judged only where the hostname is this one: another
+    container sharing /dev/shm has its own pids)."""
+    fd = open_private(os.path.join(root, f"owner_{_host_tag()}_{os.getppid()}"), os.O_WRONLY, create=True)
     os.close(fd)
+
+
+def _newest_mtime(path: str) -> float:
+    newest = os.lstat(path).st_mtime
+    for d, _, files in os.walk(path):
+        for name in [d] + [os.path.join(d, f) for f in files]:
+            try:
+                newest = max(newest, os.lstat(name).st_mtime)
+            except OSError:
+                pass
+    return newest
 
 
 def clear_stale(base: str, root: str, *, quiet_s: float = 600.0) -> list[str]:
     """Remove this user's memory-tier folders in ``base`` other than ``root`` that are stale: of the
-    same checkpoint directory and plan but another run id, or whose recorded owners (agent pids)
-    are all gone (a folder with none: untouched for ``quiet_s``). Returns what it removed."""
+    same checkpoint directory and plan but another run id (superseded: that directory started
+    over), or whose recorded owners on this host (agent pids) are all gone; a folder with no owner
+    this host can judge only once nothing in it changed for ``quiet_s``. Returns what it removed."""
     mine = os.path.basename(root)
     prefix = f"{MEMDIR_PREFIX}u{os.getuid()}-"
     same_key = mine[:len(mine) - mine[::-1].index("-")]  # up to and with the last "-"
+    here = f"owner_{_host_tag()}_"
     removed = []
     try:
         names = os.listdir(base)
@@ -185,16 +205,17 @@ def clear_stale(base: str, root: str, *, quiet_s: float = 600.0) -> list[str]:
             st = os.lstat(path)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 continue
-            owners = [int(n[len("owner_"):]) for n in os.listdir(path)
-                      if n.startswith("owner_") and n[len("owner_"):].isdigit()]
+            entries = os.listdir(path)
+            owners = [n for n in entries if n.startswith("owner_")]
+            local = [int(n[len(here):]) for n in owners if n.startswith(here) and n[len(here):].isdigit()]
+            if name.startswith(same_key):
+                stale = True
+            elif local and len(local) == len(owners):
+                stale = not any(_pid_alive(p) for p in local)
+            else:
+                stale = time.time() - _newest_mtime(path) > quiet_s
         except OSError:
             continue
-        if name.startswith(same_key):
-            stale = True
-        elif owners:
-            stale = not any(_pid_alive(p) for p in owners)
-        else:
-            stale = time.time() - st.st_mtime > quiet_s
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

@@ -183,11 +183,18 @@ def test_stale_folders_go_live_and_foreign_ones_stay(tmp_path):
         d.mkdir(mode=0o700)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (dead / f"owner_{gone.pid}").touch()
-    (live / f"owner_{os.getpid()}").touch()
+    here = slots_mod._host_tag()
+    (dead / f"owner_{here}_{gone.pid}").touch()
+    (live / f"owner_{here}_{os.getpid()}").touch()
+    other_container = base / f"{slots_mod.MEMDIR_PREFIX}u{uid}-ffffffffffff-run1"
+    other_container.mkdir(mode=0o700)
+    (other_container / f"owner_{here}x_{gone.pid}").touch()  # a pid of another pid namespace: not judged
+    old_unowned = base / f"{slots_mod.MEMDIR_PREFIX}u{uid}-999999999999-run1"
+    old_unowned.mkdir(mode=0o700)
+    os.utime(old_unowned, (1, 1))
     removed = slots_mod.clear_stale(str(base), str(mine))
-    assert sorted(removed) == sorted([str(superseded), str(dead)])
-    for d in (mine, live, unowned_new, someone_else, not_ours):
+    assert sorted(removed) == sorted([str(superseded), str(dead), str(old_unowned)])
+    for d in (mine, live, unowned_new, someone_else, not_ours, other_container):
         assert d.is_dir(), d
 
 
