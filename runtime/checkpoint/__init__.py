@@ -26,9 +26,9 @@ from runtime.checkpoint.durable import CHUNK_BYTES, check_writable, fsync_dir, m
 from runtime.checkpoint.interval import parse_duration_s, young_daly_interval
 from runtime.checkpoint.load import (READS, RESUME_CANDIDATES, ShardChoice, choose_shards, find_valid, load_for_rank,
                                      loaded_from_bytes, parse_verified, read_shard)
-from runtime.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, commit_local, list_step_dirs, manifest_for,
+from runtime.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, clean_debris, commit_local, list_step_dirs, manifest_for,
                                          newest_committed, persist_shard, prune, read_manifest, remove_checkpoint,
-                                         write_manifest)
+                                         schema_problem, verifies, write_manifest)
 from runtime.checkpoint.persist import Checkpointer
 from runtime.checkpoint.shard import FORMAT, ShardLayout, parse_shard, serialize, shard_filename, step_dirname
 from runtime.checkpoint.state import (LoadedCheckpoint, Snapshot, capture_rng, needed_names, restore, restore_rng,
@@ -39,10 +39,10 @@ from runtime.faults import FaultPoint, SimulatedCrash
 __all__ = [
     "CHUNK_BYTES", "FORMAT", "MANIFEST", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
     "FaultPoint", "LoadedCheckpoint", "PlanMismatchError", "ShardChoice", "ShardInfo", "ShardLayout",
-    "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "choose_shards", "commit_local",
+    "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "clean_debris", "choose_shards", "commit_local",
     "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes", "makedirs_durable",
     "manifest_for", "needed_names", "newest_committed", "parse_duration_s", "parse_shard", "parse_verified",
-    "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore", "restore_rng",
-    "serialize", "shard_filename", "snapshot", "state_entries", "state_names", "step_dirname", "take_state",
+    "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore", "restore_rng", "schema_problem",
+    "serialize", "shard_filename", "snapshot", "state_entries", "state_names", "step_dirname", "take_state", "verifies",
     "write_file_atomic", "write_manifest", "young_daly_interval",
 ]
