@@ -159,8 +159,9 @@ def clean_debris(ckpt_dir: str, fault: FaultPoint | None = None, *, up_to: int |
     """Remove what no checkpoint needs: every discarded_step_N (set aside by runtime/recovery.py)
     and every unfinished "*.tmp" in the folder and its step directories. Called after a commit,
     at start-up before the first persist, and after a failed persist (a full disk must not
-    crash-loop on its own debris). ``up_to``: only steps up to it (after a commit another rank may
-    already be writing a newer step); None: everything, only while no persist is writing.
+    crash-loop on its own debris). ``up_to``: only the .tmp files of steps up to it (after a commit
+    another rank may already be writing a newer step); None: every one, only while no persist is
+    writing.
     Returns the paths removed."""
     removed: list[str] = []
     try:
@@ -170,15 +171,13 @@ def clean_debris(ckpt_dir: str, fault: FaultPoint | None = None, *, up_to: int |
     for name in sorted(names):
         path = os.path.join(ckpt_dir, name)
         m = _STEP_DIR.match(name.removeprefix("discarded_"))
-        if m and up_to is not None and int(m.group(1)) > up_to:
-            continue
-        if name.startswith("discarded_") and m:
+        if name.startswith("discarded_") and m:  # nobody writes these: always debris
             armed(fault).op(f"rmtree {name}")
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
         elif name.endswith(".tmp") and up_to is None:
             _unlink(path, removed)
-        elif _STEP_DIR.match(name) and os.path.isdir(path):
+        elif m and os.path.isdir(path) and (up_to is None or int(m.group(1)) <= up_to):
             try:
                 inner = os.listdir(path)
             except OSError:
