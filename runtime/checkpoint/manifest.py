@@ -4,16 +4,21 @@ makes one a checkpoint (written last, verified first), the one-process commit, a
 manifest.json: {"format", "step", "plan_hash", "model_fingerprint", "workload", "world_size",
 "num_stages", "dp", "created_unix", "shards": [{"file", "rank", "stages", "replica", "params",
 "buffers", "bytes", "sha256"}], "manifest_sha256"} where manifest_sha256 hashes the canonical JSON
-(sort_keys, no spaces) of every other key. A directory without a manifest, or whose manifest or
-shards fail their hashes, is not a checkpoint (Note [checkpoint format] in
-runtime/checkpoint/shard.py; the shards are checked where they are read, runtime/checkpoint/load.py).
+(sort_keys, no spaces) of every other key. A directory without a manifest, or whose manifest is
+malformed (Note [manifest schema]) or whose manifest or shards fail their hashes, is not a
+checkpoint (Note [checkpoint format] in runtime/checkpoint/shard.py; the shards are checked where
+they are read, runtime/checkpoint/load.py).
 
 Note [crash consistency]: every file is written durably (runtime/checkpoint/durable.py: tmp,
 fsync, rename, fsync the directory). The manifest goes last, after every shard is durable, so a
 crash at any point leaves either no manifest for the new step (the previous checkpoint is the
 newest valid one) or a complete one. Old checkpoints are pruned only after the new manifest is
-durable, manifest first, so a half-deleted checkpoint is never valid. ``runtime.faults.FaultPoint``
-kills the process (or raises, for in-process tests) after a chosen number of bytes or before a
+durable, manifest first, so a half-deleted checkpoint is never valid; retention counts only
+checkpoints that verify (``verifies``: manifest and every shard's size and sha256), so a bit-rotted
+newer one never pushes out the last valid one. Debris (discarded_step_N, unfinished *.tmp) goes
+after a commit, at start-up and after a failed persist (``clean_debris``). Files are 0600 and the
+folders we create 0700 (runtime/checkpoint/durable.py): a checkpoint is the model.
+``runtime.faults.FaultPoint`` kills the process (or raises, for in-process tests) after a chosen number of bytes or before a
 chosen operation, which is how tests and benchmarks/crash_consistency.py check this.
 """
 
