@@ -18,8 +18,9 @@ checkpoints that verify (``verifies``: manifest and every shard's size and sha25
 newer one never pushes out the last valid one. Debris (discarded_step_N, unfinished *.tmp) goes
 after a commit, at start-up and after a failed persist (``clean_debris``). Files are 0600 and the
 folders we create 0700 (runtime/checkpoint/durable.py): a checkpoint is the model.
-``runtime.faults.FaultPoint`` kills the process (or raises, for in-process tests) after a chosen number of bytes or before a
-chosen operation, which is how tests and benchmarks/crash_consistency.py check this.
+``runtime.faults.FaultPoint`` kills the process (or raises, for in-process tests) after a chosen
+number of bytes or before a chosen operation, which is how tests and
+benchmarks/crash_consistency.py check this.
 """
 
 from __future__ import annotations
