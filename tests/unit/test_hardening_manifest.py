@@ -74,7 +74,8 @@ MALFORMED = {
     "shards null": lambda m: m.update(shards=None),
     "shard entry a list": lambda m: m["shards"].__setitem__(0, [1, 2]),
     "world_size a string": lambda m: m.update(world_size="2"),
-    "dotdot shard name": lambda m: m["shards"][0].update(file="../" + ck.step_dirname(2) + "/" + m["shards"][0]["file"]),
+    "dotdot shard name": lambda m: m["shards"][0].update(
+        file=f"../{ck.step_dirname(2)}/{m['shards'][0]['file']}"),
     "absolute shard name": None,  # _outside_copy
 }
 
