@@ -103,6 +103,8 @@ def remove_checkpoint(ckpt_dir: str, step: int, fault: FaultPoint | None = None)
         fsync_dir(step_dir, fault)
     f.op(f"rmtree {step_dir}")
     shutil.rmtree(step_dir, ignore_errors=True)
+    for key in [k for k in _HASHED if os.path.dirname(k[0]) == step_dir]:
+        del _HASHED[key]
 
 
 def verifies(ckpt_dir: str, step: int) -> bool:
