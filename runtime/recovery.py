@@ -7,7 +7,11 @@ Note [recovery agreement]: at start-up each rank lists the checkpoints, verifies
 the shards it would read (sha256), and all-gathers the steps valid for it; every rank restores
 the newest step valid for all, so all ranks resume from the same step. Corrupt or partial
 checkpoints are skipped with a warning naming them; rank 0 renames the ones newer than the chosen
-step to discarded_step_N, so the steps about to be re-trained write into clean directories.
+step to discarded_step_N, so the steps about to be re-trained write into clean directories;
+the Checkpointer removes those (and unfinished *.tmp) before its first persist
+(``runtime.checkpoint.clean_debris``), so a full disk does not crash-loop on them. A malformed
+manifest counts as a corrupt one (Note [manifest schema] in runtime/checkpoint/manifest.py), and
+``restore`` refuses a tensor whose shape or dtype differs from the live one before copying any.
 
 Note [memory recovery]: each rank lists the committed slots of its host folder (records only, no
 hashing yet) and the newest committed disk manifest; all-gather. Every rank then computes the same

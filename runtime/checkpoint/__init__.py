@@ -9,8 +9,9 @@ shard     the shard format, its one writer for the disk (``serialize``) and for 
 state     what a shard holds of a RankTrainer (``state_entries``, ``snapshot``, RNG states) and how
           a loaded one goes back in (``LoadedCheckpoint``, ``take_state``, ``restore``)
 durable   tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``
-manifest  the commit record (``manifest_for``, ``write_manifest``, ``read_manifest``), the step
-          directories, pruning, ``commit_local`` (Note [crash consistency])
+manifest  the commit record (``manifest_for``, ``write_manifest``, ``read_manifest`` with its schema
+          check), the step directories, pruning to N that verify, debris, ``commit_local``
+          (Notes [crash consistency], [manifest schema])
 load      verified, possibly resharded loads of what one rank needs (``load_for_rank``,
           ``find_valid``, ``loaded_from_bytes`` for the memory tier's bytes)
 interval  Young/Daly (``young_daly_interval``), ``parse_duration_s``
@@ -26,9 +27,9 @@ from runtime.checkpoint.durable import CHUNK_BYTES, check_writable, fsync_dir, m
 from runtime.checkpoint.interval import parse_duration_s, young_daly_interval
 from runtime.checkpoint.load import (READS, RESUME_CANDIDATES, ShardChoice, choose_shards, find_valid, load_for_rank,
                                      loaded_from_bytes, parse_verified, read_shard)
-from runtime.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, commit_local, list_step_dirs, manifest_for,
-                                         newest_committed, persist_shard, prune, read_manifest, remove_checkpoint,
-                                         write_manifest)
+from runtime.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, clean_debris, commit_local, list_step_dirs,
+                                         manifest_for, newest_committed, persist_shard, prune, read_manifest,
+                                         remove_checkpoint, schema_problem, verifies, write_manifest)
 from runtime.checkpoint.persist import Checkpointer
 from runtime.checkpoint.shard import FORMAT, ShardLayout, parse_shard, serialize, shard_filename, step_dirname
 from runtime.checkpoint.state import (LoadedCheckpoint, Snapshot, capture_rng, needed_names, restore, restore_rng,
@@ -39,10 +40,10 @@ from runtime.faults import FaultPoint, SimulatedCrash
 __all__ = [
     "CHUNK_BYTES", "FORMAT", "MANIFEST", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
     "FaultPoint", "LoadedCheckpoint", "PlanMismatchError", "ShardChoice", "ShardInfo", "ShardLayout",
-    "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "choose_shards", "commit_local",
-    "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes", "makedirs_durable",
-    "manifest_for", "needed_names", "newest_committed", "parse_duration_s", "parse_shard", "parse_verified",
-    "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore", "restore_rng",
-    "serialize", "shard_filename", "snapshot", "state_entries", "state_names", "step_dirname", "take_state",
-    "write_file_atomic", "write_manifest", "young_daly_interval",
+    "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "choose_shards", "clean_debris",
+    "commit_local", "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes",
+    "makedirs_durable", "manifest_for", "needed_names", "newest_committed", "parse_duration_s", "parse_shard",
+    "parse_verified", "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore",
+    "restore_rng", "schema_problem", "serialize", "shard_filename", "snapshot", "state_entries", "state_names",
+    "step_dirname", "take_state", "verifies", "write_file_atomic", "write_manifest", "young_daly_interval",
 ]

@@ -6,6 +6,7 @@ runtime/checkpoint/manifest.py says in which order the checkpoint's files go).""
 from __future__ import annotations
 
 import os
+import sys
 
 from runtime.faults import FaultPoint, armed
 
@@ -30,7 +31,7 @@ def makedirs_durable(path: str, fault: FaultPoint | None = None) -> None:
     makedirs_durable(parent, fault)
     armed(fault).op(f"mkdir {path}")
     try:
-        os.mkdir(path)
+        os.mkdir(path, 0o700)  # checkpoints hold the model: owner only
     except FileExistsError:
         if not os.path.isdir(path):
             raise
@@ -44,8 +45,10 @@ def write_file_atomic(path: str, data: bytes | memoryview, fault: FaultPoint | N
     tmp = path + ".tmp"
     view = memoryview(data).cast("B")
     f.op(f"open {tmp}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner only
+    done = False
     try:
+        os.fchmod(fd, 0o600)  # a stale .tmp keeps its old mode through O_TRUNC
         offset = 0
         while offset < len(view):
             n = f.allow_bytes(min(CHUNK_BYTES, len(view) - offset))
@@ -54,18 +57,28 @@ def write_file_atomic(path: str, data: bytes | memoryview, fault: FaultPoint | N
             f.wrote(written, f"{os.path.basename(tmp)} at byte {offset}")
         f.op(f"fsync {tmp}")
         os.fsync(fd)
+        done = True
     finally:
         os.close(fd)
+        if not done and sys.exc_info()[0] is not None and issubclass(sys.exc_info()[0], OSError):
+            _unlink_quietly(tmp)  # a full disk or an I/O error: no debris (a simulated kill keeps it)
     f.op(f"rename {tmp}")
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path), fault)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def check_writable(ckpt_dir: str) -> None:
     """Create ``ckpt_dir`` if needed and prove a file can be written, fsync'd and removed there;
     raises ValueError naming the directory and the fix."""
     try:
-        os.makedirs(ckpt_dir, exist_ok=True)
+        os.makedirs(ckpt_dir, mode=0o700, exist_ok=True)
         probe = os.path.join(ckpt_dir, f".write_probe_{os.getpid()}")
         with open(probe, "wb") as fh:
             fh.write(b"ok")

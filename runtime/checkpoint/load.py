@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.checkpoint.manifest import check_model, list_step_dirs, read_manifest
+from runtime.checkpoint.manifest import _bare_name, check_model, list_step_dirs, read_manifest
 from runtime.checkpoint.shard import parse_shard, step_dirname
 from runtime.checkpoint.state import LoadedCheckpoint, take_state
 from runtime.errors import CheckpointCorruptError
@@ -33,7 +33,10 @@ def parse_verified(data, where: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 def read_shard(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of one shard listed in ``manifest``, after checking size and sha256."""
-    path = os.path.join(ckpt_dir, step_dirname(manifest["step"]), entry["file"])
+    name = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not _bare_name(name):  # read_manifest checked; a hand-built one may not be
+        raise CheckpointCorruptError(f"shard file {name!r} of step {manifest.get('step')} is not a bare file name")
+    path = os.path.join(ckpt_dir, step_dirname(manifest["step"]), name)
     READS["shards"] += 1
     try:
         with open(path, "rb") as fh:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from runtime.checkpoint.interval import young_daly_interval
-from runtime.checkpoint.manifest import ShardInfo, manifest_for, persist_shard, prune, write_manifest
+from runtime.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
 from runtime.checkpoint.shard import shard_filename
 from runtime.checkpoint.state import Snapshot, snapshot
-from runtime.faults import FaultPoint, PersistFault, first_attempt, say
+from runtime.faults import FaultPoint, PersistFault, SimulatedCrash, first_attempt, say
 
 
 class Checkpointer:
@@ -44,6 +44,12 @@ class Checkpointer:
         self.every, self.mtbf_s = int(every or 0), mtbf_s
         self.rank = trainer.rank
         self.world = dist.get_world_size()
+        if self.rank == 0:
+            # start-up, before the first persist (no rank can persist before a step, which needs
+            # rank 0): what a crash or a full disk left (discarded_step_N, *.tmp) goes first, so a
+            # full disk does not crash-loop on its own debris
+            for path in clean_debris(ckpt_dir):
+                say(0, f"removed {path} (left by an earlier attempt)")
         # gloo even under nccl: the gathered tensors are tiny and live on the CPU.
         self.group = dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
         self.persist_fault = persist_fault if (persist_fault and persist_fault.rank == self.rank
@@ -167,3 +173,8 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next _join
             traceback.print_exc()
             self.error = exc
+            if self.rank == 0 and not isinstance(exc, SimulatedCrash):
+                try:  # every rank is past its write of this step (the gather): free what it left
+                    clean_debris(self.ckpt_dir, up_to=snap.step)
+                except Exception:  # noqa: BLE001 - the persist error is the one to report
+                    pass

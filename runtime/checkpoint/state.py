@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.checkpoint.shard import FORMAT
-from runtime.errors import CheckpointCorruptError
+from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program import Program
 
 # ---------------------------------------------------------------------------------------------
@@ -157,9 +157,43 @@ def take_state(loaded: LoadedCheckpoint, name: str, tensors: dict[str, torch.Ten
         raise CheckpointCorruptError(f"{where} lacks parameter or buffer {name!r}")
 
 
+def _mismatch(kind: str, name: str, live: torch.Tensor, saved: torch.Tensor, step: int) -> str | None:
+    if tuple(live.shape) == tuple(saved.shape) and live.dtype == saved.dtype:
+        return None
+    return (f"checkpoint step {step} holds {kind} {name!r} as {tuple(saved.shape)} {saved.dtype}, but the "
+            f"model has {tuple(live.shape)} {live.dtype}: the checkpoint is of another model configuration; "
+            "pass a --checkpoint-dir of this model's checkpoints (or an empty one), or recompile with the "
+            "configuration that wrote it")
+
+
+def check_shapes(trainer, ckpt: LoadedCheckpoint) -> None:
+    """PlanMismatchError naming the first tensor of ``ckpt`` whose shape or dtype differs from the
+    live parameter, optimizer state or mutable buffer it would be copied into (both shapes and the
+    fix); nothing is copied before this passes."""
+    for name, buffer in trainer.named_mutable_buffers().items():
+        if name in ckpt.buffers and (msg := _mismatch("mutable buffer", name, buffer, ckpt.buffers[name], ckpt.step)):
+            raise PlanMismatchError(msg)
+    for m in trainer.modules:
+        for name in m.parameter_names:
+            p = m.get_parameter(name)
+            if name not in ckpt.params:
+                raise CheckpointCorruptError(f"checkpoint step {ckpt.step} lacks parameter {name!r}")
+            if msg := _mismatch("parameter", name, p, ckpt.params[name], ckpt.step):
+                raise PlanMismatchError(msg)
+            live_state = trainer.optimizer.state.get(p) or {}
+            for k, v in ckpt.optim.get(name, {}).items():
+                # against the preallocated state when there is one (its dtype), else the parameter's shape
+                live = live_state.get(k)
+                live = live if isinstance(live, torch.Tensor) else torch.empty(p.shape, dtype=v.dtype, device="meta")
+                if msg := _mismatch(f"optimizer state {k} of", name, live, v, ckpt.step):
+                    raise PlanMismatchError(msg)
+
+
 def restore(trainer, ckpt: LoadedCheckpoint) -> None:
     """Put a loaded checkpoint into a RankTrainer (every copy of a tied parameter, every mutable
-    buffer)."""
+    buffer). Every tensor is checked against the live one first (``check_shapes``), so a wrong
+    checkpoint changes nothing."""
+    check_shapes(trainer, ckpt)
     seen: set[int] = set()
     with torch.no_grad():
         for name, buffer in trainer.named_mutable_buffers().items():
