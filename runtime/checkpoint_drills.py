@@ -109,7 +109,9 @@ def killed_commit(ckpt_dir: str, snaps, program, *, keep: int, after_bytes=None,
             raise TimeoutError(f"persist child {pid} did not finish in {timeout_s} s")
         time.sleep(0.002)
     if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
+        assert os.WTERMSIG(status) == signal.SIGKILL, (
+            f"persist child died of signal {os.WTERMSIG(status)}, not SIGKILL (after_bytes={after_bytes}, "
+            f"before_op={before_op})")
         return True
     assert os.WEXITSTATUS(status) == 0, f"persist child failed with exit code {os.WEXITSTATUS(status)}"
     return False
