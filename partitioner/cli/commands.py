@@ -190,6 +190,13 @@ def cmd_run(args) -> int:
     from runtime.faults import parse_fail_at, parse_fail_persist
 
     folder = Path(args.dir)
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: train at least 1 step (e.g. --steps 20)")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
+    if args.collective_timeout is not None and not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout {args.collective_timeout}: give seconds > 0 "
+                         "(e.g. --collective-timeout 300)")
     plan = Plan.load(folder)
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
@@ -208,7 +215,14 @@ def cmd_run(args) -> int:
             raise ValueError(f"--keep-checkpoints {args.keep_checkpoints}: keep at least 1")
         extra += ["--keep-checkpoints", str(args.keep_checkpoints)]
     for fault in args.fail_at or []:
-        parse_fail_at(fault)
+        parsed = parse_fail_at(fault)
+        if not 0 <= parsed.rank < plan.world_size:  # it would never fire
+            raise ValueError(f"--fail-at {fault}: rank {parsed.rank} does not exist, {folder} runs "
+                             f"{plan.world_size} ranks: give a rank in 0..{plan.world_size - 1}")
+        if parsed.step < 0 or (args.steps is not None and parsed.step >= args.steps):
+            where = f"0..{args.steps - 1} (--steps {args.steps})" if args.steps is not None else ">= 0"
+            raise ValueError(f"--fail-at {fault}: step {parsed.step} is never reached, so the fault never "
+                             f"fires: give a step in {where}")
         extra += ["--fail-at", fault]
     if args.fail_persist:
         parse_fail_persist(args.fail_persist)
@@ -238,6 +252,8 @@ def cmd_verify(args) -> int:
     folder = Path(args.dir)
     if not (folder / "plan.json").is_file():
         raise ValueError(f"{folder} has no plan.json: pass a folder written by `partitioner compile -o DIR`")
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: verify compares at least 1 step (e.g. --steps 3)")
     report = verify(folder, steps=args.steps)
     print(report.text())
     return 0 if report.ok else 1
