@@ -200,6 +200,14 @@ def cmd_run(args) -> int:
     plan = Plan.load(folder)
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
+    if args.steps is not None:  # resuming past --steps would train nothing (runtime/launch.py checks again)
+        from runtime.checkpoint.manifest import newest_committed
+
+        newest = newest_committed(str(ckpt_dir))
+        if newest > args.steps:
+            raise ValueError(f"--steps {args.steps}: the newest checkpoint in {ckpt_dir} is at step {newest}, "
+                             f"past it; pass --steps {newest + 1} or more to continue, or another "
+                             "--checkpoint-dir to start over")
     extra = ["--checkpoint-dir", str(ckpt_dir.resolve())]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]

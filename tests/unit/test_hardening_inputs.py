@@ -230,3 +230,15 @@ def test_a_dead_peer_prints_no_traceback(monkeypatch, capfd):
     assert exits == [1]
     assert err.strip().splitlines() == [err.strip()] and "Traceback" not in err
     assert err.startswith("[rank 1] a peer rank died at step 3") and "no restarts left" in err
+
+
+def test_run_refuses_steps_below_the_newest_checkpoint_before_torchrun(one_rank, capsys, monkeypatch):
+    import subprocess
+
+    from runtime import launch
+
+    launch.main(str(one_rank), 0, steps=4, exit_on_error=False, argv=["--checkpoint-every", "2"])
+    capsys.readouterr()
+    monkeypatch.setattr(subprocess, "call", lambda *_a, **_k: (_ for _ in ()).throw(AssertionError("torchrun")))
+    one_line_error(capsys, ["run", one_rank, "--steps", "3"], "--steps 3", "at step 4", "--steps 5 or more",
+                   "--checkpoint-dir")
