@@ -169,6 +169,7 @@ class Plan:
         if body.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}: recompile the plan")
         _check_fields(cls, body, "")
+        _check_figures(body)
         plan = cls(
             **{**body,
                "stages": tuple(StagePlan(**{**_renamed(s, _FIELD_NAMES), "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),
@@ -285,6 +286,32 @@ def _check_fields(cls, item: Any, where: str) -> None:
     if unknown:
         raise PlanFieldError(f"field {where + '.' if where else ''}{unknown[0]} is not a plan field "
                              f"(a newer partitioner's plan?): {fix}")
+
+
+# The figures inspect reads inside the plan's dicts (docs/design.md §11): key -> (kind, required).
+_FIGURES = {
+    "predicted": {"step_time_s": ("float", True), "bubble_fraction": ("float", True),
+                  "lower_bound_step_time_s": ("float", True), "samples_per_s": ("float", False)},
+    "solver": {"status": ("str", True), "objective": ("float | None", False), "bound": ("float | None", False),
+               "gap": ("float | None", False), "solve_time_s": ("float", False)},
+}
+
+
+def _check_figures(body: dict) -> None:
+    fix = "recompile it with `partitioner compile`"
+    for part, spec in _FIGURES.items():
+        for key, (kind, required) in spec.items():
+            if key not in body[part]:
+                if required:
+                    raise PlanFieldError(f"field {part}.{key} is missing: {fix}")
+                continue
+            if not _field_ok(kind, body[part][key]):
+                raise PlanFieldError(f"field {part}.{key} is {json.dumps(body[part][key])[:40]}, "
+                                     f"expected {kind}: {fix}")
+    for name, figures in body["baselines"].items():
+        if not isinstance(figures, dict) or not _field_ok("float | None", figures.get("step_time_s")):
+            raise PlanFieldError(f"field baselines.{name} is {json.dumps(figures)[:40]}, expected "
+                                 f'{{"step_time_s": float}}: {fix}')
 
 
 def _jsonable(value: Any) -> Any:

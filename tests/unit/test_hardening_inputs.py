@@ -60,6 +60,20 @@ def test_inspect_names_a_missing_inner_field(capsys, folder, tmp_path):
     one_line_error(capsys, ["inspect", copy], "stages[1].memory.grads_bytes is missing", "partitioner compile")
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda b: b["predicted"].pop("step_time_s"), "predicted.step_time_s is missing"),
+    (lambda b: b["solver"].update(objective="x"), "solver.objective"),
+    (lambda b: b["baselines"].update(uniform="x"), "baselines.uniform"),
+    (lambda b: b["cut_edges"][0].update(shapes=[["a"]]), "cut_edges[0].shapes"),
+    (lambda b: b.update(dp=True), "field dp is true, expected int"),
+])
+def test_inspect_names_the_figures_inspect_reads(capsys, folder, tmp_path, edit, needle):
+    copy = _edited(folder, tmp_path, edit)
+    for form in ([], ["--json"], ["--html", tmp_path / "p.html"]):
+        one_line_error(capsys, ["inspect", copy, *form], str(copy / "plan.json"), needle, "partitioner compile")
+    assert not (tmp_path / "p.html").exists()
+
+
 def test_inspect_of_a_binary_or_non_object_plan_json(capsys, tmp_path):
     (tmp_path / "plan.json").write_bytes(bytes(range(256)))
     one_line_error(capsys, ["inspect", tmp_path / "plan.json"], str(tmp_path / "plan.json"), "not text",
