@@ -85,7 +85,8 @@ def peer_lost_line(rank, exc: BaseException) -> str:
     else:
         nxt = (f"no restarts left (--max-restarts {allowed}): the job stops; rerun `partitioner run` "
                "to resume from the newest checkpoint")
-    return f"[rank {rank}] a peer rank died {where} ({first}); {nxt}"
+    what = "stopped answering" if ("timed out" in first.lower() or "timeout" in first.lower()) else "died"
+    return f"[rank {rank}] a peer rank {what} {where} ({first}); {nxt}"
 
 
 def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int, int]:

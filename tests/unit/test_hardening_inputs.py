@@ -225,6 +225,8 @@ def test_a_dead_peer_is_one_line_with_the_step_and_what_happens_next(monkeypatch
     assert "torchrun restarts the job from step 0 (restart 1 of 1)" in line
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert "no restarts left (--max-restarts 1)" in launch.peer_lost_line(0, RuntimeError(GLOO))
+    hung = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation")
+    assert launch.peer_lost(hung) and "a peer rank stopped answering at step 12" in launch.peer_lost_line(0, hung)
 
 
 def test_a_dead_peer_prints_no_traceback(monkeypatch, capfd):
