@@ -59,6 +59,17 @@ def cmd_compile(args) -> int:
     else:
         cluster = ClusterSpec.homogeneous(args.devices, args.device)
     training = {"model_spec": args.model}  # lets `partitioner verify` rebuild the original model
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
+                         "(0: only the last)")
+    if args.calibrate_threads is not None and args.calibrate_threads < 0:
+        raise ValueError(f"--calibrate-threads {args.calibrate_threads}: give 1 or more (0 = leave as is)")
+    if args.parity_group is not None:
+        if args.memory_tier not in ("parity", "auto"):
+            raise ValueError(f"--parity-group {args.parity_group} sizes the parity groups of the memory tier: "
+                             "add --memory-tier parity (or auto)")
+        if args.parity_group < 2:
+            raise ValueError(f"--parity-group {args.parity_group}: a parity group holds 2 or more nodes")
     if args.checkpoint_every is not None:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:

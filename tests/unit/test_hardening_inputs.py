@@ -115,6 +115,17 @@ def test_stages_beyond_the_devices_is_refused_before_tracing(capsys, tmp_path, m
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("flags, needles", [
+    (["--checkpoint-every", "-1"], ["--checkpoint-every -1", ">= 0"]),
+    (["--calibrate-threads", "-1"], ["--calibrate-threads -1"]),
+    (["--parity-group", "3"], ["--parity-group 3", "--memory-tier parity"]),
+    (["--memory-tier", "parity", "--parity-group", "1"], ["--parity-group 1", "2 or more"]),
+])
+def test_compile_flags_that_were_accepted_silently(capsys, tmp_path, flags, needles):
+    one_line_error(capsys, ["compile", "mlp", "-o", tmp_path / "o", "-q", *flags], *needles)
+    assert not (tmp_path / "o").exists()
+
+
 # --- run / verify flags -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, needles", [
