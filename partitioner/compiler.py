@@ -74,6 +74,9 @@ def compile_workload(
 
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
+    from partitioner.solver.candidates import validate_options
+
+    validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)  # before the trace
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")

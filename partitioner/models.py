@@ -223,6 +223,54 @@ BUILTINS = {"gpt": gpt, "mlp": mlp, "hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "h
             "hf-qwen2-moe": hf_qwen2_moe}
 
 
+# Lower bounds of the built-ins' numeric arguments (the rest: seed >= 0, dropout in [0, 1)).
+_AT_LEAST = {"layers": 1, "width": 1, "heads": 1, "vocab": 1, "seq": 1, "batch": 1, "features": 1,
+             "hidden": 1, "depth": 0, "outputs": 1, "experts": 1, "top_k": 1, "seed": 0}
+
+
+def _check_builtin_args(spec: str, name: str, kwargs: dict) -> None:
+    """Types and ranges of a built-in's arguments, checked before anything is built: the value,
+    what it must be, and an example."""
+    import inspect
+
+    params = inspect.signature(BUILTINS[name]).parameters
+    for key, value in kwargs.items():
+        if key not in params:
+            continue  # the call below names the unknown argument and the known ones
+        default = params[key].default
+        if isinstance(default, bool) or default is None or isinstance(default, str):
+            continue
+        if isinstance(default, int):
+            if not isinstance(value, int):
+                raise ValueError(f"MODEL {spec!r}: {key}={value} is not a whole number; "
+                                 f"give e.g. {name}:{key}={default}")
+            low = _AT_LEAST.get(key, 1)
+            if value < low:
+                raise ValueError(f"MODEL {spec!r}: {key}={value} must be at least {low}; "
+                                 f"give e.g. {name}:{key}={max(default, low)}")
+        elif isinstance(default, float):
+            if not isinstance(value, (int, float)):
+                raise ValueError(f"MODEL {spec!r}: {key}={value} is not a number; give e.g. {name}:{key}={default}")
+            if key == "dropout" and not 0.0 <= value < 1.0:
+                raise ValueError(f"MODEL {spec!r}: dropout={value} must be in [0, 1); give e.g. {name}:dropout=0.1")
+            kwargs[key] = float(value)
+    if "top_k" in kwargs or "experts" in kwargs:
+        experts = kwargs.get("experts", params["experts"].default if "experts" in params else None)
+        top_k = kwargs.get("top_k", params["top_k"].default if "top_k" in params else None)
+        if experts is not None and top_k is not None and top_k > experts:
+            raise ValueError(f"MODEL {spec!r}: top_k={top_k} is more than experts={experts}; "
+                             f"give top_k <= experts")
+    width = kwargs.get("width", params["width"].default if "width" in params else None)
+    heads = kwargs.get("heads", params["heads"].default if "heads" in params else None)
+    if width is not None and heads is not None and width % heads:
+        raise ValueError(f"MODEL {spec!r}: width={width} is not divisible by heads={heads}; "
+                         f"pick heads dividing width (e.g. {name}:width={width},heads={_divisor(width, heads)})")
+
+
+def _divisor(width: int, heads: int) -> int:
+    return max(d for d in range(1, min(width, heads) + 1) if width % d == 0)
+
+
 def _parse_value(text: str):
     for cast in (int, float):
         try:
@@ -242,6 +290,7 @@ def load_workload(spec: str) -> Workload:
             if not eq:
                 raise ValueError(f"MODEL {spec!r}: argument {item!r} is not key=value (e.g. gpt:layers=12,width=256)")
             kwargs[key.strip()] = _parse_value(value.strip())
+        _check_builtin_args(spec, name, kwargs)
         try:
             return BUILTINS[name](**kwargs)
         except TypeError as exc:

@@ -168,6 +168,8 @@ class Plan:
         body.pop("assignment", None)
         if body.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}: recompile the plan")
+        _check_fields(cls, body, "")
+        _check_figures(body)
         plan = cls(
             **{**body,
                "stages": tuple(StagePlan(**{**_renamed(s, _FIELD_NAMES), "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),
@@ -196,9 +198,18 @@ class Plan:
             raise ValueError(f"no plan at {path}: pass a program folder or its plan.json")
         try:
             body = json.loads(path.read_text())
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not text (binary bytes): recompile the plan with "
+                             "`partitioner compile`") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}): recompile the plan") from None
-        plan = cls.from_dict(body)
+        if not isinstance(body, dict):
+            raise ValueError(f"{path} holds a JSON {type(body).__name__}, not a plan: recompile the plan "
+                             "with `partitioner compile`")
+        try:
+            plan = cls.from_dict(body)
+        except PlanFieldError as exc:
+            raise PlanFieldError(f"{path}: {exc}") from None
         stats = path.parent / "compile_stats.json"
         if stats.is_file():
             plan.solver.update({k: v for k, v in json.loads(stats.read_text()).items() if k in TIMING_KEYS})
@@ -214,6 +225,93 @@ class Plan:
                 entry = layout.setdefault(rank, {"rank": rank, "stages": [], "replica": replica})
                 entry["stages"].append(stage.index)
         return [layout[r] for r in sorted(layout)]
+
+
+class PlanFieldError(ValueError):
+    """plan.json has a field missing or of the wrong type (edited by hand, truncated, or not a plan)."""
+
+
+_NESTED = {"StagePlan": "stages", "PlanRegion": "regions", "CutEdge": "cut_edges", "PlanTie": "ties"}
+
+
+def _field_ok(kind: str, value: Any) -> bool:
+    """Does a JSON value fit the (string) annotation of a plan field?"""
+    if kind.endswith(" | None"):
+        return value is None or _field_ok(kind.removesuffix(" | None"), value)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "dict" or kind == "MemoryBreakdown":
+        return isinstance(value, dict)
+    if kind.startswith("tuple[tuple["):
+        return isinstance(value, list) and all(isinstance(v, list) and all(_field_ok("int", x) for x in v)
+                                               for v in value)
+    if kind.startswith("tuple["):
+        inner = kind[len("tuple["):-1].split(",")[0].strip()
+        return isinstance(value, list) and all(_field_ok(inner, v) for v in value)
+    return True
+
+
+def _check_fields(cls, item: Any, where: str) -> None:
+    """Every field of dataclass ``cls`` present in ``item`` (the plan.json spelling, Note [json keys])
+    with a value of its type, nested ones too; PlanFieldError names the first that is not."""
+    from dataclasses import MISSING, fields
+
+    fix = "recompile it with `partitioner compile`"
+    if not isinstance(item, dict):
+        raise PlanFieldError(f"{where} is a {type(item).__name__}, not an object: {fix}")
+    known = {_JSON_KEYS.get(f.name, f.name) for f in fields(cls)}
+    for f in fields(cls):
+        key = _JSON_KEYS.get(f.name, f.name)
+        name = f"{where}.{key}" if where else key
+        if key not in item:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise PlanFieldError(f"field {name} is missing: {fix}")
+            continue
+        value = item[key]
+        if not _field_ok(str(f.type), value):
+            raise PlanFieldError(f"field {name} is {json.dumps(value)[:40]}, expected {f.type}: {fix}")
+        if f.type == "MemoryBreakdown":
+            _check_fields(MemoryBreakdown, value, name)
+        inner = str(f.type).removeprefix("tuple[").removesuffix(", ...]")
+        if inner in _NESTED:
+            for i, each in enumerate(value):
+                _check_fields(globals()[inner], each, f"{name}[{i}]")
+    unknown = sorted(set(item) - known)
+    if unknown:
+        raise PlanFieldError(f"field {where + '.' if where else ''}{unknown[0]} is not a plan field "
+                             f"(a newer partitioner's plan?): {fix}")
+
+
+# The figures inspect reads inside the plan's dicts (docs/design.md §11): key -> (kind, required).
+_FIGURES = {
+    "predicted": {"step_time_s": ("float", True), "bubble_fraction": ("float", True),
+                  "lower_bound_step_time_s": ("float", True), "samples_per_s": ("float", False)},
+    "solver": {"status": ("str", True), "objective": ("float | None", False), "bound": ("float | None", False),
+               "gap": ("float | None", False), "solve_time_s": ("float", False)},
+}
+
+
+def _check_figures(body: dict) -> None:
+    fix = "recompile it with `partitioner compile`"
+    for part, spec in _FIGURES.items():
+        for key, (kind, required) in spec.items():
+            if key not in body[part]:
+                if required:
+                    raise PlanFieldError(f"field {part}.{key} is missing: {fix}")
+                continue
+            if not _field_ok(kind, body[part][key]):
+                raise PlanFieldError(f"field {part}.{key} is {json.dumps(body[part][key])[:40]}, "
+                                     f"expected {kind}: {fix}")
+    for name, figures in body["baselines"].items():
+        if not isinstance(figures, dict) or not _field_ok("float | None", figures.get("step_time_s")):
+            raise PlanFieldError(f"field baselines.{name} is {json.dumps(figures)[:40]}, expected "
+                                 f'{{"step_time_s": float}}: {fix}')
 
 
 def _jsonable(value: Any) -> Any:

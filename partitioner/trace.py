@@ -8,8 +8,11 @@ the fallback for models export rejects but plain FX can follow.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import linecache
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -76,9 +79,41 @@ def _clean(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+class _DropTorchRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "torch" or record.name.startswith("torch."))
+
+
+@contextlib.contextmanager
+def _torch_quiet():
+    """Silence torch while tracing: a failed export logs warnings and prints its partial graph to
+    stderr before raising, ahead of our one-line TraceError (which says what matters). Torch's log
+    records are dropped at every handler they could reach, and sys.stderr is captured; both are
+    restored afterwards."""
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger()] + [logger for name, logger in list(manager.loggerDict.items())
+                                       if isinstance(logger, logging.Logger)
+                                       and (name == "torch" or name.startswith("torch."))]
+    handlers = {id(h): h for logger in loggers for h in logger.handlers}.values()
+    drop = _DropTorchRecords()
+    for handler in handlers:
+        handler.addFilter(drop)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)
+
+
 def trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Traced:
     example_kwargs = dict(example_kwargs or {})
     check_signature(model, example_args, example_kwargs)
+    with _torch_quiet():
+        return _trace(model, example_args, example_kwargs)
+
+
+def _trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict) -> Traced:
     try:
         exported = torch.export.export(model, example_args, example_kwargs, strict=False)
         return Traced(_clean(exported.module()), "export", example_args, example_kwargs)

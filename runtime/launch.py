@@ -29,6 +29,66 @@ class LaunchError(ValueError):
     """The process was started in a way that does not match the program (world size, rank)."""
 
 
+class ResumeBeyondStepsError(LaunchError):
+    """The checkpoint to resume from is past --steps: every rank knows it, rank 0 says it."""
+
+
+# Where this rank is, for the one line a rank prints when a peer dies (Note [a dead peer]).
+_at = {"step": None, "ckpt_dir": None}
+
+# Note [a dead peer]: when a rank dies (killed, out of memory, a fault drill), every peer waiting on
+# it in a collective or a send/receive gets an error from gloo or NCCL ("Connection reset by peer",
+# a timeout, DistBackendError). Its traceback tells nothing the dead rank's own output and
+# torchrun's summary do not, and one per surviving rank buries them; so a survivor prints one
+# line: its rank, the step, and what happens next (torchrun restarts the job from the newest
+# committed checkpoint, or no restarts are left), and exits non-zero so torchrun does so.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
+              "connection refused", "timed out", "gloo/transport", "nccl communicator was aborted",
+              "watchdog caught collective operation timeout")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Is ``exc`` a collective or point-to-point operation failing because a peer is gone?"""
+    try:
+        import torch.distributed as dist
+
+        kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    except Exception:  # noqa: BLE001 - no torch.distributed: not a collective's error
+        kinds = ()
+    if kinds and isinstance(exc, kinds):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(needle in text for needle in _PEER_LOST)
+
+
+def peer_lost_line(rank, exc: BaseException) -> str:
+    """The one line a surviving rank prints (Note [a dead peer])."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "]" in first and first.startswith("["):  # gloo's "[/__w/.../pair.cc:537] Read error ..."
+        first = first.split("]", 1)[1].strip()
+    first = first.split(". This is typically")[0].rstrip(".")
+    step = _at["step"]
+    where = f"at step {step}" if step is not None else "while starting"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts < allowed:
+        resume = "from step 0"
+        if _at["ckpt_dir"]:
+            try:
+                from runtime.checkpoint.manifest import newest_committed
+
+                newest = newest_committed(_at["ckpt_dir"])
+                resume = f"from the checkpoint of step {newest}" if newest >= 0 else resume
+            except Exception:  # noqa: BLE001 - the line must come out
+                resume = "from the newest committed checkpoint"
+        nxt = f"torchrun restarts the job {resume} (restart {restarts + 1} of {allowed})"
+    else:
+        nxt = (f"no restarts left (--max-restarts {allowed}): the job stops; rerun `partitioner run` "
+               "to resume from the newest checkpoint")
+    what = "stopped answering" if ("timed out" in first.lower() or "timeout" in first.lower()) else "died"
+    return f"[rank {rank}] a peer rank {what} {where} ({first}); {nxt}"
+
+
 def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from the torchrun environment, checked against the plan."""
     want = program.world_size
@@ -127,12 +187,22 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     except Exception as exc:
         if not exit_on_error:
             raise
-        if not isinstance(exc, LaunchError):  # a launch mistake needs its message, not a traceback
-            traceback.print_exc()
         who = os.environ.get("RANK", "?") if rank is None else rank
-        print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, ResumeBeyondStepsError):  # rank 0 says it; the others leave quietly
+            if str(who) == "0":
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif peer_lost(exc):  # Note [a dead peer]: one line, not a gloo traceback per survivor
+            print(peer_lost_line(who, exc), file=sys.stderr, flush=True)
+        else:
+            if not isinstance(exc, LaunchError):  # a launch mistake needs its message, not a traceback
+                traceback.print_exc()
+            print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
+
+
+def _where(step: int) -> None:
+    _at["step"] = step
 
 
 def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
@@ -145,7 +215,12 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime import checkpoint as ck
     from runtime import faults
 
+    if steps is not None and steps < 1:
+        raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
     if "collective_timeout" in flags:
+        if not flags["collective_timeout"] > 0:
+            raise LaunchError(f"--collective-timeout {flags['collective_timeout']}: give seconds > 0 "
+                              "(e.g. --collective-timeout 300)")
         program = dataclasses.replace(program, collective_timeout_s=flags["collective_timeout"])
     use_ckpt = not flags.get("no_checkpoint")
     ckpt_dir = os.path.abspath(flags.get("checkpoint_dir") or os.path.join(folder, "checkpoints"))
@@ -160,6 +235,10 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if keep < 1:
         raise ValueError(f"--keep-checkpoints {keep}: keep at least 1")
     fail_at = [faults.parse_fail_at(t) for t in flags.get("fail_at", [])]
+    for text, fault in zip(flags.get("fail_at", []), fail_at):
+        if fault.rank >= world:
+            raise LaunchError(f"--fail-at {text}: rank {fault.rank} does not exist, the program has "
+                              f"{world} ranks (0..{world - 1})")
     fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
     from runtime import memtier
 
@@ -220,11 +299,17 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             start_step = recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
         else:
             start_step = recover(trainer, ckpt_dir)
+        if start_step > steps:  # resuming would train nothing and save the resumed state as final
+            raise ResumeBeyondStepsError(
+                f"--steps {steps}: the checkpoint to resume from in {ckpt_dir} is at step {start_step}, "
+                f"past it; pass --steps {start_step + 1} or more to continue, or another --checkpoint-dir "
+                "to start over")
         checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
                                     timeout=timeout, start_step=start_step,
                                     persist_fault=fail_persist,
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
-    before_step = faults.step_hook(fail_at, rank, run_dir)
+    before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir))
+    _at["ckpt_dir"] = ckpt_dir if use_ckpt else None
     after_step = checkpointer.after_step if checkpointer else None
     if use_ckpt and memory is not None:
         before_step = _chain(memory.fault_hook(), before_step)

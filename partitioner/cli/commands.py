@@ -59,6 +59,17 @@ def cmd_compile(args) -> int:
     else:
         cluster = ClusterSpec.homogeneous(args.devices, args.device)
     training = {"model_spec": args.model}  # lets `partitioner verify` rebuild the original model
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
+                         "(0: only the last)")
+    if args.calibrate_threads is not None and args.calibrate_threads < 0:
+        raise ValueError(f"--calibrate-threads {args.calibrate_threads}: give 1 or more (0 = leave as is)")
+    if args.parity_group is not None:
+        if args.memory_tier not in ("parity", "auto"):
+            raise ValueError(f"--parity-group {args.parity_group} sizes the parity groups of the memory tier: "
+                             "add --memory-tier parity (or auto)")
+        if args.parity_group < 2:
+            raise ValueError(f"--parity-group {args.parity_group}: a parity group holds 2 or more nodes")
     if args.checkpoint_every is not None:
         training["checkpoint_every"] = args.checkpoint_every
     if args.mtbf is not None:
@@ -190,9 +201,24 @@ def cmd_run(args) -> int:
     from runtime.faults import parse_fail_at, parse_fail_persist
 
     folder = Path(args.dir)
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: train at least 1 step (e.g. --steps 20)")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
+    if args.collective_timeout is not None and not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout {args.collective_timeout}: give seconds > 0 "
+                         "(e.g. --collective-timeout 300)")
     plan = Plan.load(folder)
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
+    if args.steps is not None:  # resuming past --steps would train nothing (runtime/launch.py checks again)
+        from runtime.checkpoint.manifest import newest_committed
+
+        newest = newest_committed(str(ckpt_dir))
+        if newest > args.steps:
+            raise ValueError(f"--steps {args.steps}: the newest checkpoint in {ckpt_dir} is at step {newest}, "
+                             f"past it; pass --steps {newest + 1} or more to continue, or another "
+                             "--checkpoint-dir to start over")
     extra = ["--checkpoint-dir", str(ckpt_dir.resolve())]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]
@@ -208,7 +234,14 @@ def cmd_run(args) -> int:
             raise ValueError(f"--keep-checkpoints {args.keep_checkpoints}: keep at least 1")
         extra += ["--keep-checkpoints", str(args.keep_checkpoints)]
     for fault in args.fail_at or []:
-        parse_fail_at(fault)
+        parsed = parse_fail_at(fault)
+        if not 0 <= parsed.rank < plan.world_size:  # it would never fire
+            raise ValueError(f"--fail-at {fault}: rank {parsed.rank} does not exist, {folder} runs "
+                             f"{plan.world_size} ranks: give a rank in 0..{plan.world_size - 1}")
+        if parsed.step < 0 or (args.steps is not None and parsed.step >= args.steps):
+            where = f"0..{args.steps - 1} (--steps {args.steps})" if args.steps is not None else ">= 0"
+            raise ValueError(f"--fail-at {fault}: step {parsed.step} is never reached, so the fault never "
+                             f"fires: give a step in {where}")
         extra += ["--fail-at", fault]
     if args.fail_persist:
         parse_fail_persist(args.fail_persist)
@@ -238,6 +271,8 @@ def cmd_verify(args) -> int:
     folder = Path(args.dir)
     if not (folder / "plan.json").is_file():
         raise ValueError(f"{folder} has no plan.json: pass a folder written by `partitioner compile -o DIR`")
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: verify compares at least 1 step (e.g. --steps 3)")
     report = verify(folder, steps=args.steps)
     print(report.text())
     return 0 if report.ok else 1

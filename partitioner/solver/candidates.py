@@ -172,7 +172,9 @@ def enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microba
     return out
 
 
-def validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule):
+def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule):
+    """The checks that need no model: the compiler runs them before tracing (seconds to minutes),
+    validate_request again with the traced problem."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
     if schedule not in SCHEDULES:
@@ -180,12 +182,24 @@ def validate_request(problem, cluster, global_batch, num_stages, dp, microbatche
     for name, value in (("num_stages", num_stages), ("dp", dp), ("microbatches", microbatches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
-    if num_stages is not None and num_stages > problem.num_regions:
+    devices = cluster.num_devices
+    for name, flag, value in (("num_stages", "--stages", num_stages), ("dp", "--dp", dp)):
+        if value is not None and value > devices:
+            raise ValueError(f"{name}={value} ({flag}) needs {value} devices and the cluster has {devices}: "
+                             f"use {flag} {devices} or fewer, or more devices (--devices {value})")
+    if num_stages is not None and dp is not None and num_stages * dp > devices:
+        raise ValueError(f"num_stages * dp = {num_stages} * {dp} = {num_stages * dp} exceeds the cluster's "
+                         f"{devices} devices; lower one of them or add devices")
+    if microbatches is not None and global_batch % microbatches:
+        raise ValueError(f"global_batch={global_batch} is not divisible by microbatches={microbatches} "
+                         "(--microbatches): choose a divisor of the global batch")
+
+
+def validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule):
+    if type(num_stages) is int and num_stages > problem.num_regions:
         raise ValueError(f"num_stages={num_stages} exceeds the model's {problem.num_regions} regions; "
                          "use fewer stages or finer regions")
-    if num_stages is not None and dp is not None and num_stages * dp > cluster.num_devices:
-        raise ValueError(f"num_stages * dp = {num_stages} * {dp} = {num_stages * dp} exceeds the cluster's "
-                         f"{cluster.num_devices} devices; lower one of them or add devices")
+    validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)
     if dp is not None and microbatches is not None and global_batch % (dp * microbatches):
         raise ValueError(f"global_batch={global_batch} is not divisible by dp * microbatches = "
                          f"{dp} * {microbatches}; choose values whose product divides it")

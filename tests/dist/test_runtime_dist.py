@@ -168,4 +168,5 @@ def test_dead_or_hung_rank_makes_the_others_exit(tmp_path, sig):
     out = open(os.path.join(folder, "out_0.txt")).read()
     assert rc != 0, out[-2000:]
     assert "[rank 0]" in out
+    assert "Traceback" not in out and "[rank 0] a peer rank" in out, out[-2000:]  # one line
     assert waited < (3 if sig == "SIGKILL" else 5 + 15), waited
