@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -177,7 +178,7 @@ def _signal(pids, sig) -> None:
             pass
 
 
-def stop_tree(proc: "subprocess.Popen", *, grace_s: float = 10.0) -> None:
+def stop_tree(proc: subprocess.Popen, *, grace_s: float = 10.0) -> None:
     """SIGTERM the agent's process group and every process below it; SIGKILL what is left after
     ``grace_s`` (Note [process groups])."""
     import time
@@ -211,10 +212,9 @@ def _alive(pid: int) -> bool:
 
 
 def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: float | None = None,
-             capture: bool = False, grace_s: float = 10.0) -> "subprocess.CompletedProcess":
+             capture: bool = False, grace_s: float = 10.0) -> subprocess.CompletedProcess:
     """Run torchrun in its own session, forwarding SIGTERM/SIGINT to it; on ``timeout_s`` stop the
     whole tree and raise subprocess.TimeoutExpired (Note [process groups])."""
-    import subprocess
     import threading
 
     pipe = subprocess.PIPE if capture else None
