@@ -237,3 +237,65 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
             proc.kill()
         for pid in _processes_mentioning(str(folder / "train.py")):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A one-rank compiled program (`partitioner run` and `verify` need a compiler's plan)."""
+    folder = tmp_path_factory.mktemp("compiled") / "prog"
+    done = subprocess.run([sys.executable, "-m", "partitioner.cli", "compile",
+                           "gpt:layers=1,width=16,heads=2,vocab=32,seq=8", "-o", str(folder),
+                           "--devices", "1", "--global-batch", "4", "-q"],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_partitioner_run_forwards_sigterm_to_torchrun_and_its_workers(compiled, tmp_path):
+    train = str(compiled / "train.py")
+    proc = subprocess.Popen([sys.executable, "-m", "partitioner.cli", "run", str(compiled), "--steps", "10000000",
+                             "--checkpoint-every", "0", "-q", "--checkpoint-dir", str(tmp_path / "ck"),
+                             "--run-dir", str(tmp_path / "run")],
+                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(_processes_mentioning(train)) >= 2  # the agent and the worker are training
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert _wait_gone(train, 10) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _processes_mentioning(train):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_verify_timeout_leaves_no_worker_behind(compiled, tmp_path):
+    """A worker hung in make_batch prints nothing (no broken pipe to end it): verify's timeout
+    must stop it, not only the agent."""
+    import shutil
+
+    from partitioner.verify import verify
+
+    folder = tmp_path / "sleepy"
+    shutil.copytree(compiled, folder)
+    _edit_plan(folder, lambda plan: plan["program"]["data"].update(make_batch=["tests._slow_data:sleepy_batch", {}]))
+    seal_folder(str(folder))
+    try:
+        with pytest.raises(RuntimeError, match="did not finish"):
+            verify(folder, steps=3, timeout_s=25)
+        assert _wait_gone(str(folder / "train.py"), 10) == []
+    finally:
+        for pid in _processes_mentioning(str(folder / "train.py")):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_run_and_verify_help_say_they_execute_the_folder(command):
+    done = subprocess.run([sys.executable, "-m", "partitioner.cli", command, "--help"], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert "executes the folder's Python code" in " ".join(done.stdout.split())
