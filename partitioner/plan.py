@@ -164,6 +164,7 @@ class Plan:
         stated = body.pop("plan_hash", None)
         body.pop("program", None)
         body.pop("files", None)
+        body.pop("program_hash", None)  # over all of plan.json (runtime/program.py)
         body.pop("problem", None)  # the solver's problem and answer, kept beside the plan for inspect
         body.pop("assignment", None)
         if body.get("version") != PLAN_VERSION:

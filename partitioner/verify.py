@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from runtime.program import Program
-from runtime.torchrun import run_env, torchrun_command
+from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 
 # Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
 # the rounding of sums (data-parallel mean, gradient accumulation order), ~1e-7 in the loss.
@@ -143,10 +143,14 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
-        command = torchrun_command(folder / "train.py", plan.world_size, args=[
-            "--steps", str(steps), "--run-dir", str(run_dir), "--checkpoint-dir", str(Path(tmp) / "checkpoints")])
         try:
-            done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=timeout_s)
+            # In its own session; on the timeout the agent and every worker are stopped (Note
+            # [process groups] in runtime/torchrun.py), with the rendezvous store served here.
+            with hosted_store() as port:
+                command = torchrun_command(folder / "train.py", plan.world_size, store_port=port, args=[
+                    "--steps", str(steps), "--run-dir", str(run_dir),
+                    "--checkpoint-dir", str(Path(tmp) / "checkpoints")])
+                done = run_tree(command, env=run_env(), capture=True, timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the program in {folder} did not finish {steps} steps in {timeout_s:.0f} s") from None
         if done.returncode != 0:

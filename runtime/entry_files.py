@@ -20,8 +20,14 @@ TRAIN_SOURCE = '''"""torchrun entry: every process runs the rank_<RANK>.py progr
     torchrun --nproc-per-node {world_size} train.py [--steps N]
 """
 import os
-import runpy
 import sys
+
+# This folder is data, not an import root: `python train.py` put it first on sys.path, where a
+# stray torch.py or runtime/ here would shadow the installed packages (docs/design.md §12).
+_HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
+
+import runpy
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -120,6 +126,11 @@ def rank_file_text(program: Program, rank: int, plan_hash: str | None = None) ->
         '"""',
         RANK_FILE_HEADER.rstrip("\n"),
         "import os",
+        "import sys",
+        "",
+        "# This folder is not an import root (docs/design.md §12): drop it before importing runtime.",
+        "sys.path[:] = [p for p in sys.path",
+        "               if os.path.realpath(p or os.curdir) != os.path.dirname(os.path.realpath(__file__))]",
         "",
         "import runtime.launch",
         "",

@@ -25,6 +25,23 @@ from runtime.program import Program, load_program
 from runtime.torchrun import command_text, free_port
 
 
+def _worker_store(rank: int, world: int, timeout: timedelta):
+    """The store init_process_group meets on. On a single host (MASTER_ADDR is loopback) rank 0
+    serves it on 127.0.0.1 only (Note [loopback only] in runtime/torchrun.py); across hosts,
+    None: torch's env:// store, which listens on every interface (README "Trust model")."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if addr not in ("127.0.0.1", "localhost", "::1") or "MASTER_PORT" not in os.environ:
+        return None
+    import torch.distributed as dist
+
+    from runtime.torchrun import LOOPBACK, loopback_store
+
+    port = int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return loopback_store(port, world_size=world, timeout_s=timeout.total_seconds())
+    return dist.TCPStore(LOOPBACK, port, world, False, timeout)
+
+
 class LaunchError(ValueError):
     """The process was started in a way that does not match the program (world size, rank)."""
 
@@ -272,7 +289,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     # A caller that already set up the default group (a test driver, a notebook) keeps it.
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(program.backend, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(program.backend, rank=rank, world_size=world, timeout=timeout,
+                                store=_worker_store(rank, world, timeout))
     elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
         raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
                           f"{dist.get_world_size()}, the program wants rank {rank} of {world}")

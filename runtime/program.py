@@ -193,26 +193,105 @@ def load_plan(folder: str) -> dict:
         return json.load(f)
 
 
-def verify_files(folder: str, plan: dict) -> None:
-    """Every file plan.json lists must hash to the listed sha256 (docs/design.md §7)."""
+# Note [folder integrity]: plan_hash covers the plan (stages, cuts, memory); the runtime executes
+# plan.json's "program" object (optimizer, data and loss specs, timeouts) and the files the folder
+# holds. ``program_hash`` is the sha256 of all of plan.json but itself, "program" and the "files"
+# map of every file's sha256 included; the runtime recomputes it and refuses a plan.json without
+# it or without a file map, a file that does not hash as listed, and an unlisted file Python could
+# import (.py, .pyc, .so, .pth) anywhere in the folder. Hand-written folders (tests) are sealed by
+# the same writer (``seal_folder``): there is no "unhashed" marker, since anyone who can edit
+# plan.json could write it too. This catches edits and mistakes, not an attacker who rewrites
+# plan.json whole: README "Trust model".
+
+IMPORTABLE = (".py", ".pyc", ".so", ".pyd", ".pth")
+# What a run writes into the folder (run/, checkpoints/) and compile_stats.json: not hashed.
+UNHASHED = ("compile_stats.json",)
+
+
+def program_hash(plan: dict) -> str:
+    """sha256 of plan.json's content less its "program_hash" key (Note [folder integrity])."""
     import hashlib
 
+    body = {k: v for k, v in plan.items() if k != "program_hash"}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def file_digests(folder: str, names=None) -> dict[str, str]:
+    """{relative path: sha256} of ``names`` (default: every file in ``folder`` except plan.json
+    and UNHASHED, __pycache__ and the run's own output)."""
+    import hashlib
+
+    if names is None:
+        names = []
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and (root != folder or d not in ("run", "checkpoints")))
+            for name in files:
+                rel = os.path.relpath(os.path.join(root, name), folder)
+                if rel != "plan.json" and rel not in UNHASHED:
+                    names.append(rel)
+    out = {}
+    for rel in sorted(names):
+        with open(os.path.join(folder, rel), "rb") as f:
+            out[rel] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def seal_plan(body: dict, files: dict[str, str]) -> dict:
+    """``body`` with its "files" map and "program_hash" set (the one writer, Note [folder integrity])."""
+    body = dict(body)
+    body.pop("program_hash", None)
+    body["files"] = dict(sorted(files.items()))
+    body["program_hash"] = program_hash(body)
+    return body
+
+
+def seal_folder(folder: str) -> dict:
+    """Rewrite ``folder``/plan.json with the digests of the files now in the folder (hand-written
+    test folders; the compiler seals through ``seal_plan``). Returns the new plan."""
+    plan = load_plan(folder)
+    plan = seal_plan(plan, file_digests(folder))
+    with open(os.path.join(folder, "plan.json"), "w") as f:
+        json.dump(plan, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return plan
+
+
+def verify_files(folder: str, plan: dict) -> None:
+    """plan.json must carry its file map and program_hash, every listed file must hash as listed,
+    and no unlisted importable file may sit in the folder (Note [folder integrity])."""
+    import hashlib
+
+    recompile = f"recompile with `partitioner compile ... -o {folder}`"
     listed = plan.get("files")
-    if not listed:
-        return  # a hand-written folder (tests) lists no files
+    if not isinstance(listed, dict) or not listed:
+        raise PlanMismatchError(f"{folder}/plan.json lists no \"files\" (each file's sha256): the folder "
+                                f"cannot be checked; {recompile}")
+    stated = plan.get("program_hash")
+    if not stated:
+        raise PlanMismatchError(f"{folder}/plan.json has no \"program_hash\": {recompile}")
+    if stated != program_hash(plan):
+        raise PlanMismatchError(f"{folder}/plan.json was edited after it was written (its program_hash "
+                                f"{stated[:16]} does not match its content): {recompile}")
     bad = []
     for name, digest in sorted(listed.items()):
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
+        if os.path.isabs(name) or ".." in name.split("/") or not os.path.isfile(path):
             bad.append(f"{name} (missing)")
             continue
         with open(path, "rb") as f:
             if hashlib.sha256(f.read()).hexdigest() != digest:
                 bad.append(f"{name} (changed)")
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if name.endswith(IMPORTABLE) and rel not in listed:
+                bad.append(f"{rel} (not listed)")
     if bad:
         raise PlanMismatchError(
             f"{folder} does not match its plan {plan.get('plan_hash')}: {', '.join(bad[:5])}"
-            f"{' ...' if len(bad) > 5 else ''}; recompile with `partitioner compile ... -o {folder}`"
+            f"{' ...' if len(bad) > 5 else ''}; {recompile}"
         )
 
 

@@ -8,6 +8,7 @@ The default process group is created here, so runtime.launch.main reuses it (and
 Every folder must be compiled for N ranks.
 """
 
+import os
 import sys
 from datetime import timedelta
 
@@ -30,7 +31,9 @@ def jobs_of(argv: list[str]) -> list[list[str]]:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # loopback store on one host
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60), rank=rank, world_size=world,
+                            store=runtime.launch._worker_store(rank, world, timedelta(seconds=60)))
     for folder, *flags in jobs_of(sys.argv[1:]):
         runtime.launch.main(folder, argv=flags)
     dist.destroy_process_group()

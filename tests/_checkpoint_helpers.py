@@ -30,4 +30,7 @@ def set_plan_fields(folder: str, **fields) -> None:
         plan["program"]["plan_hash"] = fields["plan_hash"]
     with open(path, "w") as f:
         json.dump(plan, f, indent=1)
+    from runtime.program import seal_folder
+
+    seal_folder(folder)  # an edited plan.json is refused unless resealed
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from runtime.entry_files import write_entry_files
+from runtime.program import seal_folder
 from runtime.program import Program
 from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
@@ -207,6 +208,7 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
     with open(os.path.join(folder, "plan.json"), "w") as f:
         json.dump({"plan_hash": "test-" + schedule, "program": program.to_dict()}, f, indent=1)
     write_entry_files(folder, program, plan_hash="test-" + schedule)
+    seal_folder(folder)  # the file map and program_hash, as the compiler writes them
     return program
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from runtime.torchrun import run_env, torchrun_command
+from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 
 EXIT_USAGE = 2
 
@@ -256,13 +255,19 @@ def cmd_run(args) -> int:
         extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
     elif args.log_every:
         raise ValueError(f"--log-every {args.log_every} thins the step lines of --quiet: add --quiet")
-    command = torchrun_command(folder / "train.py", plan.world_size, args=extra, max_restarts=args.max_restarts)
     per_node = max(1, plan.world_size // 2)
     if not args.quiet:
         print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "
               f"--nproc-per-node {per_node} --node-rank $NODE_RANK --rdzv-backend c10d "
-              f"--rdzv-endpoint $MASTER_HOST:29500 {folder / 'train.py'}", file=sys.stderr, flush=True)
-    return subprocess.call(command, env=run_env())
+              f"--rdzv-endpoint $MASTER_HOST:$MASTER_PORT {folder / 'train.py'} (MASTER_PORT: a free port "
+              "on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")",
+              file=sys.stderr, flush=True)
+    # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
+    # in runtime/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
+    with hosted_store() as port:
+        command = torchrun_command(folder / "train.py", plan.world_size, args=extra,
+                                   max_restarts=args.max_restarts, store_port=port)
+        return run_tree(command, env=run_env()).returncode
 
 
 def cmd_verify(args) -> int:
@@ -331,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("run", help="train with a program folder on this host", epilog=EXAMPLES["run"],
-                       formatter_class=fmt)
+                       formatter_class=fmt, description="Train with a program folder on this host. "
+                       "This executes the folder's Python code: run only folders you trust (README \"Trust model\").")
     r.add_argument("dir")
     r.add_argument("--steps", type=int)
     r.add_argument("--checkpoint-dir", help="where checkpoints go (default DIR/checkpoints)")
@@ -354,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="train the program and the unpartitioned model side by side, compare",
-                       epilog=EXAMPLES["verify"], formatter_class=fmt)
+                       epilog=EXAMPLES["verify"], formatter_class=fmt,
+                       description="Train the program and the unpartitioned model side by side, compare. "
+                       "This executes the folder's Python code: verify only folders you trust (README \"Trust model\").")
     v.add_argument("dir")
     v.add_argument("--steps", type=int, default=3)
     v.set_defaults(func=cmd_verify)

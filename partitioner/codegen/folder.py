@@ -18,6 +18,7 @@ from partitioner.codegen.stage_code import stage_source
 from partitioner.plan import Plan
 from partitioner.solver import serialize
 from runtime.entry_files import entry_files
+from runtime.program import seal_plan
 
 
 def _sha256(path: Path) -> str:
@@ -57,10 +58,11 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         body = plan.stable_dict()
         body["plan_hash"] = plan_hash
         body["program"] = program
-        body["files"] = digests
         if problem is not None:
             body["problem"] = serialize.to_dict(problem)
             body["assignment"] = serialize.to_dict(assignment)
+        # The file map and program_hash over all of plan.json (Note [folder integrity] in runtime/program.py).
+        body = seal_plan(body, digests)
         (tmp / "plan.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         # Wall-clock figures: the one file two compiles may differ in (Note [plans are deterministic]).
         (tmp / "compile_stats.json").write_text(json.dumps(plan.timing(), indent=1, sort_keys=True) + "\n")

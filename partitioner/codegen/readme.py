@@ -23,7 +23,11 @@ schedule `{plan.schedule}`, predicted step time {plan.predicted.get("step_time_s
 Split the {n} ranks over nodes (e.g. 2 nodes × {max(1, n // 2)}), and on every node run
 
     torchrun --nnodes 2 --nproc-per-node {max(1, n // 2)} --node-rank $NODE_RANK \\
-             --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:29500 train.py --steps 20
+             --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:$MASTER_PORT train.py --steps 20
+
+with MASTER_PORT a free port on MASTER_HOST. torch's stores listen on every interface and do not
+authenticate: run across nodes only on a network where every host is trusted. `partitioner run`
+and `train.py` execute this folder's code: run only folders you trust.
 
 ## Files
 

@@ -164,17 +164,21 @@ def test_rank_file_states_the_schedule_of_its_stages(tmp_path):
 
 
 def test_a_rank_file_that_disagrees_with_the_plan_is_refused_naming_both_values(tmp_path, monkeypatch):
-    """Hand-written folders list no file hashes: the constants check is what refuses them."""
+    """A rank file resealed into plan.json's file map still has to state the program: the
+    constants check refuses it."""
+    from runtime.program import seal_folder
+
     mlp_folder(str(tmp_path), splits=[[0, 1, 2, 3]], ranks=[([0], 0)], steps=1)
     path = tmp_path / "rank_0.py"
     path.write_text(path.read_text().replace("NUM_MICROBATCHES = 4", "NUM_MICROBATCHES = 8"))
+    seal_folder(str(tmp_path))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "x")  # registers the key for restoration
         monkeypatch.delenv(key)
     with pytest.raises(PlanMismatchError, match="NUM_MICROBATCHES = 8 but plan.json's program gives 4"):
         main(str(tmp_path), exit_on_error=False)
     os.remove(path)
-    with pytest.raises(PlanMismatchError, match="rank_0.py is missing"):
+    with pytest.raises(PlanMismatchError, match=r"rank_0.py \(missing\)"):
         main(str(tmp_path), exit_on_error=False)
 
 
