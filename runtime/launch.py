@@ -318,6 +318,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         else:
             start_step = recover(trainer, ckpt_dir)
         if start_step > steps:  # resuming would train nothing and save the resumed state as final
+            if owns_group:  # nothing runs on it any more, every rank refuses alike: leave it clean
+                dist.destroy_process_group()
             raise ResumeBeyondStepsError(
                 f"--steps {steps}: the checkpoint to resume from in {ckpt_dir} is at step {start_step}, "
                 f"past it; pass --steps {start_step + 1} or more to continue, or another --checkpoint-dir "

@@ -81,6 +81,9 @@ def default_root(ckpt_dir: str, plan_hash, run_id: str = "0", base: str | None =
 def secure_dir(path: str) -> str:
     """Create ``path`` (0700) if absent; refuse it unless it is a folder (not a link) owned by this
     user with no group/other permissions (Note [memory tier trust])."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, 0o700, exist_ok=True)  # a --memory-dir that does not exist yet
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
