@@ -18,10 +18,12 @@ from runtime.errors import PlanMismatchError
 from runtime.program import load_program, seal_folder
 from runtime.torchrun import (listening_ports, loopback_interface, loopback_store, run_env, run_tree,
                               torchrun_command)
-from tests._runtime_folders import REPO, child_env, mlp_folder
+from _runtime_folders import REPO, child_env, mlp_folder
 
 # ---------------------------------------------------------------------------------------------
 # Network
+
+HELPERS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: workers import by path
 
 
 def _bound(port: int) -> set[str]:
@@ -283,7 +285,7 @@ def test_verify_timeout_leaves_no_worker_behind(compiled, tmp_path):
 
     folder = tmp_path / "sleepy"
     shutil.copytree(compiled, folder)
-    _edit_plan(folder, lambda plan: plan["program"]["data"].update(make_batch=["tests._slow_data:sleepy_batch", {}]))
+    _edit_plan(folder, lambda plan: plan["program"]["data"].update(make_batch=[f"{HELPERS}/_slow_data.py:sleepy_batch", {}]))
     seal_folder(str(folder))
     try:
         with pytest.raises(RuntimeError, match="did not finish"):
