@@ -34,3 +34,12 @@ def set_plan_fields(folder: str, **fields) -> None:
 
     seal_folder(folder)  # an edited plan.json is refused unless resealed
 
+
+
+def two_stage_mlp_folder(folder: str, *, model_fingerprint: str, plan_hash: str) -> str:
+    """A hand-made 2-stage MLP program (2 ranks) whose checkpoints record these identities."""
+    from _runtime_folders import mlp_folder
+
+    mlp_folder(folder, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
+    set_plan_fields(folder, model_fingerprint=model_fingerprint, plan_hash=plan_hash)
+    return folder

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from _checkpoint_helpers import assert_trains_identically, set_plan_fields
+from _checkpoint_helpers import assert_trains_identically, set_plan_fields, two_stage_mlp_folder
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import faults
@@ -29,10 +29,8 @@ FINGERPRINT = "mlp-8-32-32-32-4"
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
     """A 2-stage MLP program (2 ranks) with a fingerprint."""
-    folder = str(tmp_path_factory.mktemp("mlp2"))
-    mlp_folder(folder, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
-    set_plan_fields(folder, model_fingerprint=FINGERPRINT, plan_hash="plan-two-stages")
-    return folder
+    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2")),
+                                model_fingerprint=FINGERPRINT, plan_hash="plan-two-stages")
 
 
 def _snaps(trainers):

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-import partitioner
-from partitioner.cluster import ClusterSpec
+from _programs import compile_to
 from partitioner.models import gpt, hf_llama
 from runtime.program import load_program
 from runtime.stage import build_stage
-
-
-def compile_to(folder, workload, *, devices, **options):
-    plan = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(devices, "cpu"), global_batch=8, **options)
-    plan.save(folder)
-    return plan
 
 
 def test_meta_model_ranks_draw_the_same_weights_under_any_partition(tmp_path):

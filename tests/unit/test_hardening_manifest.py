@@ -14,8 +14,8 @@ import stat
 import pytest
 import torch
 
-from _checkpoint_helpers import set_plan_fields
-from _runtime_folders import mlp_folder, one_thread  # noqa: F401
+from _checkpoint_helpers import two_stage_mlp_folder
+from _runtime_folders import one_thread  # noqa: F401
 from partitioner.inspect import checkpoints as listing
 from runtime import checkpoint as ck
 from runtime.checkpoint_drills import FakeTrainer, newest_for_all, trainers_at
@@ -26,10 +26,8 @@ from runtime.recovery import agree_newest
 
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("mlp2"))
-    mlp_folder(folder, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
-    set_plan_fields(folder, model_fingerprint="mlp-8-32-32-32-4", plan_hash="plan-two-stages")
-    return folder
+    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2")),
+                                model_fingerprint="mlp-8-32-32-32-4", plan_hash="plan-two-stages")
 
 
 def _two_checkpoints(folder: str, ckpt: str):

@@ -4,9 +4,7 @@ HTML page is self-contained; the timeline follows the schedule; --node prices mo
 cost model on the solver's problem."""
 
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +14,10 @@ from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie
 from partitioner.solver import problem as sp
 from partitioner.solver import serialize
 from partitioner.solver.evaluate import evaluate
+from _golden import check_golden
 
-GOLDEN = Path(__file__).parent.parent / "golden"
+TEST_FILE = "tests/unit/test_inspect_report.py"
+
 KIB, GIB = 2**10, 2**30
 
 # docs/design.md §11: `partitioner inspect --json` prints at least these.
@@ -89,14 +89,6 @@ def hand_problem() -> tuple[sp.PartitionProblem, sp.Assignment]:
     return problem, assignment
 
 
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.is_file(), f"missing {path}: run UPDATE_GOLDEN=1 pytest {__file__}"
-    assert text == path.read_text(), f"{name} differs from its golden file; UPDATE_GOLDEN=1 if intended"
-
-
 @pytest.fixture(scope="module")
 def plan():
     return hand_plan()
@@ -104,7 +96,7 @@ def plan():
 
 def test_table_is_pinned(plan):
     text = report.table(plan)
-    check_golden("inspect_table.txt", text + "\n")
+    check_golden("inspect_table.txt", text + "\n", TEST_FILE)
     # Readable by eye: units in the header lines, every stage row as wide as the header.
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
@@ -116,7 +108,7 @@ def test_table_is_pinned(plan):
 
 def test_json_is_pinned_and_keeps_design_fields(plan):
     body = report.inspect_json(plan)
-    check_golden("inspect.json", report.to_json_text(body) + "\n")
+    check_golden("inspect.json", report.to_json_text(body) + "\n", TEST_FILE)
     assert DESIGN_TOP <= set(body)
     assert DESIGN_PREDICTED <= set(body["predicted"])
     assert DESIGN_SOLVER <= set(body["solver"])
@@ -132,7 +124,7 @@ def test_json_is_pinned_and_keeps_design_fields(plan):
 
 def test_dot_is_pinned_and_well_formed(plan):
     text = report.dot(plan)
-    check_golden("inspect.dot", text)
+    check_golden("inspect.dot", text, TEST_FILE)
     assert text.count("{") == text.count("}") and text.count('"') % 2 == 0
     declared = set(re.findall(r"^\s+(r\d+) \[", text, re.M))
     used = set(re.findall(r"(r\d+) -> (r\d+)", text))

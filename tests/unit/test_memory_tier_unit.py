@@ -6,15 +6,14 @@ picks and what they cost."""
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _checkpoint_helpers import assert_trains_identically, set_plan_fields
-from _runtime_folders import mlp_folder, one_thread  # noqa: F401
+from _checkpoint_helpers import assert_trains_identically, two_stage_mlp_folder
+from _runtime_folders import one_thread  # noqa: F401
 from runtime import checkpoint as ck
 from runtime import memtier as mt
 from runtime import recovery
@@ -25,10 +24,8 @@ from runtime.program_parts import MemoryTierPlan
 
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("mlp2_mem"))
-    mlp_folder(folder, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
-    set_plan_fields(folder, model_fingerprint="mlp-mem", plan_hash="plan-mem")
-    return folder
+    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2_mem")),
+                                model_fingerprint="mlp-mem", plan_hash="plan-mem")
 
 
 def _store(root, rank, hosts=(0, 1), mode="copy"):

@@ -20,8 +20,10 @@ import pytest
 import partitioner
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
+from _golden import check_golden
 
-GOLDEN = Path(__file__).parent.parent / "golden"
+TEST_FILE = "tests/unit/test_stage_code.py"
+
 REPO = Path(__file__).resolve().parents[2]
 # The plan hash covers the solver's figures: a change to the cost model must not look like a
 # change to the generated code.
@@ -30,15 +32,6 @@ HASH = re.compile(r"plan [0-9a-f]{16}")
 
 def tiny_gpt():
     return gpt(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    how = f"if the change is intended, regenerate with: UPDATE_GOLDEN=1 pytest {Path(__file__).relative_to(REPO)}"
-    assert path.is_file(), f"missing {path}: {how}"
-    assert text == path.read_text(), f"{name} differs from tests/golden/{name}; {how}, and review the diff"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +45,7 @@ def program(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["stage_0.py", "stage_1.py", "rank_1.py"])
 def test_generated_files_match_their_golden_copies(program, name):
-    check_golden(f"program_{name}", HASH.sub("plan <hash>", (program / name).read_text()))
+    check_golden(f"program_{name}", HASH.sub("plan <hash>", (program / name).read_text()), TEST_FILE)
 
 
 def test_the_program_object_round_trips_through_its_dataclass(program):
