@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -210,8 +211,6 @@ UNHASHED = ("compile_stats.json",)
 
 def program_hash(plan: dict) -> str:
     """sha256 of plan.json's content less its "program_hash" key (Note [folder integrity])."""
-    import hashlib
-
     body = {k: v for k, v in plan.items() if k != "program_hash"}
     blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
@@ -220,8 +219,6 @@ def program_hash(plan: dict) -> str:
 def file_digests(folder: str, names=None) -> dict[str, str]:
     """{relative path: sha256} of ``names`` (default: every file in ``folder`` except plan.json
     and UNHASHED, __pycache__ and the run's own output)."""
-    import hashlib
-
     if names is None:
         names = []
         for root, dirs, files in os.walk(folder):
@@ -260,7 +257,7 @@ def seal_folder(folder: str) -> dict:
 def verify_files(folder: str, plan: dict) -> None:
     """plan.json must carry its file map and program_hash, every listed file must hash as listed,
     and no unlisted importable file may sit in the folder (Note [folder integrity])."""
-    import hashlib
+
 
     recompile = f"recompile with `partitioner compile ... -o {folder}`"
     listed = plan.get("files")

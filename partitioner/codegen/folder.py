@@ -3,7 +3,6 @@ sibling, checked, hashed into plan.json, and renamed into place only when whole.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,11 +17,7 @@ from partitioner.codegen.stage_code import stage_source
 from partitioner.plan import Plan
 from partitioner.solver import serialize
 from runtime.entry_files import entry_files
-from runtime.program import seal_plan
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from runtime.program import file_digests, seal_plan
 
 
 def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
@@ -54,7 +49,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
                            for name in stage.params + stage.buffers}
                 save_file(tensors, str(tmp / "weights" / f"stage_{stage.index}.safetensors"),
                           metadata={"plan_hash": plan_hash})
-        digests = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        digests = file_digests(str(tmp))  # every file written so far (plan.json comes next)
         body = plan.stable_dict()
         body["plan_hash"] = plan_hash
         body["program"] = program
