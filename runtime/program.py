@@ -257,8 +257,6 @@ def seal_folder(folder: str) -> dict:
 def verify_files(folder: str, plan: dict) -> None:
     """plan.json must carry its file map and program_hash, every listed file must hash as listed,
     and no unlisted importable file may sit in the folder (Note [folder integrity])."""
-
-
     recompile = f"recompile with `partitioner compile ... -o {folder}`"
     listed = plan.get("files")
     if not isinstance(listed, dict) or not listed:
