@@ -23,13 +23,14 @@ from runtime import randomness
 COSTING_RANDOMNESS = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
 
 
-def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int):
+def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, example_kwargs: dict | None = None):
     """trace, then key every random op (partitioner/codegen/randomness.py): the graph the cost passes
     price is the graph the stages run (keyed attention with dropout is explicit attention, which
     keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
     from partitioner.codegen.randomness import lower_randomness
 
-    traced = trace(workload.model, example_args, workload.example_kwargs)
+    kwargs = workload.example_kwargs if example_kwargs is None else example_kwargs
+    traced = trace(workload.model, example_args, kwargs)
     return traced, lower_randomness(traced.gm, batch_size=batch_size)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from partitioner.plan import Plan
 from partitioner.solver.problem import Assignment, PartitionProblem
+from partitioner.user_source import UserSources
 from partitioner.workload import Workload
 
 
@@ -25,6 +26,7 @@ class Compiled:
     granularity: str
     problem: PartitionProblem
     assignment: Assignment
+    sources: UserSources | None = None  # where the ranks find make_batch and loss_fn (partitioner/user_source.py)
 
     def save(self, folder: str | Path) -> Path:
         """Write the program folder (docs/design.md §6): partitioner/lower.py."""

@@ -27,17 +27,10 @@ from partitioner import ir
 from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
 from partitioner.cluster import ClusterSpec
 from partitioner.compiled import Compiled
+from partitioner.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.workload import Workload
 from runtime import randomness
-
-DEFAULT_TRAINING = {
-    "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                  "warmup_steps": 2, "lr_schedule": "cosine", "total_steps": 1000},
-    "seed": 0,
-    "collective_timeout_s": 60,
-    "checkpoint_every": 0,
-}
 
 
 def _progress(report: Callable[[str], None] | None, message: str) -> None:
@@ -77,6 +70,10 @@ def compile_workload(
     from partitioner.solver.candidates import validate_options
 
     validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)  # before the trace
+    from partitioner.user_source import derive_sources
+
+    sources = derive_sources(workload)  # Note [user code travels]: refused before the trace, not after
+    training = training_settings(training)  # Note [training settings merge]: deep, checked
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
@@ -94,8 +91,8 @@ def compile_workload(
     solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
                      schedule=schedule, config=solver_config, progress=progress)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
-                     training={**DEFAULT_TRAINING, **(training or {})})
-    return Compiled(plan, workload, granularity, problem, solution.assignment)
+                     training=training)
+    return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
 
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:

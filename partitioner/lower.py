@@ -23,28 +23,31 @@ from partitioner.codegen import write_program
 from partitioner.plan import Plan
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
+from partitioner.user_source import UserSources, derive_sources
 from partitioner.workload import Workload
 from runtime.program import Program
 
 if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
     from partitioner.compiled import Compiled
 
-def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: dict | None = None) -> Program:
+def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: dict | None = None,
+                 sources: UserSources | None = None) -> Program:
     """The program the runtime runs (runtime.program.Program, validated here, at compile time);
     plan.json holds its ``to_dict()``. ``keyed_ops``: the random ops keyed by meaning;
-    ``init``: the init recipes of a model compiled on the meta device."""
+    ``init``: the init recipes of a model compiled on the meta device; ``sources``: where the ranks
+    find make_batch and loss_fn (default: derived from the workload, Note [user code travels])."""
     def values(vs):
         # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
         # positions) is the same for every sample: it crosses whole, never split by batch.
         return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype,
                  "batch_dim": 0 if v.shape and v.shape[0] == plan.microbatch_size else None} for v in vs]
 
-    missing = [k for k in ("make_batch", "loss_fn") if k not in workload.source]
-    if missing:
-        raise ValueError(
-            f"workload {workload.name!r} does not say where generated programs find {missing}: set "
-            "Workload(source={'make_batch': ('module:function', kwargs), 'loss_fn': (...)})"
-        )
+    sources = sources or derive_sources(workload)
+    keywords = list(workload.keywords)
+    if keywords:  # Note [keyword inputs] in runtime/data.py: the dict's keys in stage 0's order
+        names = [v.name for v in stages[0].inputs]
+        if names[len(names) - len(keywords):] != keywords:
+            raise AssertionError(f"stage 0's inputs {names} do not end with the keyword inputs {keywords}")
     return Program.from_dict({
         "world_size": plan.world_size,
         "num_stages": plan.num_stages,
@@ -60,7 +63,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
                     "inputs": values(s.inputs), "outputs": values(s.outputs)}
                    for s in stages],
         "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
-        "data": {"make_batch": list(workload.source["make_batch"]), "loss_fn": list(workload.source["loss_fn"])},
+        "data": {"make_batch": list(sources.specs["make_batch"]), "loss_fn": list(sources.specs["loss_fn"]),
+                 **({"keywords": keywords} if keywords else {})},
         "optimizer": plan.training["optimizer"],
         "seed": plan.training["seed"],
         "collective_timeout_s": plan.training["collective_timeout_s"],
@@ -122,7 +126,8 @@ def retrace(compiled: "Compiled"):
     """The graph at the plan's microbatch size, annotated and random ops keyed: (traced, gm, keyed ops)."""
     plan, workload = compiled.plan, compiled.workload
     traced, keyed_ops = trace_keyed(workload, workload.example_args_at(plan.microbatch_size),
-                                    batch_size=plan.microbatch_size)
+                                    batch_size=plan.microbatch_size,
+                                    example_kwargs=workload.example_kwargs_at(plan.microbatch_size))
     return traced, annotate(traced, granularity=compiled.granularity), keyed_ops
 
 
@@ -150,10 +155,11 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     stages = split_stages(plan, gm)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
     init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)} if on_meta else None
-    program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init)
+    sources = compiled.sources or derive_sources(workload)
+    program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources)
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.
     state = None if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
     return write_program(folder, plan=plan, stages=stages, program=program.to_dict(), state=state,
-                         problem=compiled.problem, assignment=compiled.assignment)
+                         problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files)

@@ -125,7 +125,7 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int):
     losses, state, _ = train_reference(
         model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
         program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
-        replicas=program.dp)
+        replicas=program.dp, keywords=data.keywords, call_with_keywords=oracle == "original model")
     return losses, state, oracle
 
 

@@ -16,7 +16,13 @@ class Workload:
     see, and costs are scaled per sample from it. ``loss_fn(output, target)`` returns a scalar, or is
     None when the model returns the loss itself. ``make_batch(step, batch_size)`` returns
     ``(args, target)`` and must be deterministic in ``step``: every rank calls it and takes its own
-    slice, which is what makes a partitioned run equal to the one-process run.
+    slice, which is what makes a partitioned run equal to the one-process run. ``args`` may be a
+    tuple of the forward's positional inputs or a dict of its keyword inputs (``input_ids``,
+    ``attention_mask``, ...; then give the example as ``example_kwargs`` with ``example_args=()``,
+    Note [keyword inputs] in runtime/data.py).
+
+    ``source`` is optional: generated programs find module-level ``make_batch`` and ``loss_fn``
+    from the functions themselves (Note [user code travels] in partitioner/user_source.py).
     """
 
     model: torch.nn.Module
@@ -25,8 +31,8 @@ class Workload:
     make_batch: Callable[[int, int], tuple[tuple, Any]] | None = None
     example_kwargs: dict = field(default_factory=dict)
     name: str = "model"
-    # Where generated programs find make_batch, loss_fn and the model builder ("module:function");
-    # built-ins point into `runtime` so generated programs import only torch and runtime.
+    # Where generated programs find make_batch and loss_fn ("module:function" or (spec, kwargs)),
+    # where given; else derived from the functions (partitioner/user_source.py).
     source: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -35,8 +41,20 @@ class Workload:
         if not isinstance(self.example_args, tuple):
             raise ValueError(
                 f"Workload.example_args must be a tuple of the forward's positional inputs, got "
-                f"{type(self.example_args).__name__}: wrap a single tensor as (tensor,)"
+                f"{type(self.example_args).__name__}: wrap a single tensor as (tensor,), and give "
+                f"keyword inputs as example_kwargs={{'input_ids': ...}}"
             )
+        if not isinstance(self.example_kwargs, dict):
+            raise ValueError(f"Workload.example_kwargs must be a dict of keyword inputs, got "
+                             f"{type(self.example_kwargs).__name__}")
+        if self.example_args and self.example_kwargs:
+            raise ValueError("Workload has both example_args and example_kwargs: give the forward's "
+                             "inputs one way, a tuple (positional) or a dict (keyword inputs), as make_batch returns them")
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """The keyword inputs, in the order the trace makes them stage 0's inputs."""
+        return tuple(self.example_kwargs)
 
     @property
     def example_batch_size(self) -> int:
@@ -56,6 +74,25 @@ class Workload:
                 f"{self.example_batch_size} and the workload has no make_batch: give make_batch, or "
                 f"fix --microbatches so that global_batch / (dp * microbatches) = {self.example_batch_size}"
             )
+        if self.example_kwargs:
+            return ()
         args, _target = self.make_batch(0, microbatch_size)
+        if isinstance(args, dict):
+            raise ValueError(f"workload {self.name!r}: make_batch returns a dict of keyword inputs "
+                             f"{sorted(args)} but example_args is a tuple: give the example as "
+                             "example_kwargs={...} with example_args=()")
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def example_kwargs_at(self, microbatch_size: int) -> dict:
+        """Keyword example inputs of one microbatch, in ``keywords`` order (see example_args_at)."""
+        if not self.example_kwargs or microbatch_size == self.example_batch_size:
+            return self.example_kwargs
+        self.example_args_at(microbatch_size)  # the errors when there is no make_batch
+        args, _target = self.make_batch(0, microbatch_size)
+        if not isinstance(args, dict) or set(args) != set(self.example_kwargs):
+            got = sorted(args) if isinstance(args, dict) else type(args).__name__
+            raise ValueError(f"workload {self.name!r}: make_batch returns inputs {got} but example_kwargs has "
+                             f"{sorted(self.example_kwargs)}: return a dict with the same keys")
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return {k: (args[k].to(device) if isinstance(args[k], torch.Tensor) else args[k]) for k in self.example_kwargs}

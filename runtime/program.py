@@ -97,6 +97,11 @@ class Program:
         return Layout.from_program(self)
 
     @property
+    def clip_grad_norm(self) -> float | None:
+        """The global gradient norm to clip to (optimizer.clip_grad_norm); None: no clipping."""
+        return self.optimizer.clip_grad_norm
+
+    @property
     def steps_to_train(self) -> int:
         return self.optimizer.total_steps if self.steps is None else self.steps
 

@@ -177,19 +177,28 @@ class DataSpec:
     """Where the ranks find the data: ``"module:function"`` or ``["module:function", {kwargs}]``;
     the module may also be a .py path relative to DIR (``resolve_callable``)."""
 
-    make_batch: str | tuple  # make_batch(step, global_batch) -> (args, target), target batch on dim 0
+    make_batch: str | tuple  # make_batch(step, global_batch) -> (inputs, target), target batch on dim 0
     loss_fn: str | tuple     # loss_fn(output, target): a mean over its microbatch
+    # make_batch's inputs are a dict of the forward's keyword inputs: their names, in the order of
+    # stage 0's inputs (Note [keyword inputs] in runtime/data.py). Empty: inputs are a tuple.
+    keywords: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "make_batch", callable_spec(self.make_batch, "data.make_batch"))
         object.__setattr__(self, "loss_fn", callable_spec(self.loss_fn, "data.loss_fn"))
+        object.__setattr__(self, "keywords", tuple(self.keywords))
+        if not all(isinstance(k, str) for k in self.keywords):
+            raise ValueError(f"data.keywords must be a list of input names, got {list(self.keywords)}")
 
     @staticmethod
     def from_dict(data: dict, where: str = "data") -> "DataSpec":
         return DataSpec(**known_keys(DataSpec, data, where))
 
     def to_dict(self) -> dict:
-        return {"make_batch": jsonable(self.make_batch), "loss_fn": jsonable(self.loss_fn)}
+        out = {"make_batch": jsonable(self.make_batch), "loss_fn": jsonable(self.loss_fn)}
+        if self.keywords:  # written only when set, so a positional program's object is unchanged
+            out["keywords"] = list(self.keywords)
+        return out
 
 
 @dataclass(frozen=True)
@@ -207,6 +216,7 @@ class OptimizerSettings:
     min_lr_ratio: float = 0.0
     fused: bool | None = None                 # None: the fused kernel where torch has it
     foreach: bool | None = None
+    clip_grad_norm: float | None = None       # clip the global gradient norm to this; None: no clipping
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -230,7 +240,8 @@ class OptimizerSettings:
         # Written only when set, so the compiler's object round-trips unchanged.
         if self.min_lr_ratio:
             out["min_lr_ratio"] = self.min_lr_ratio
-        out.update({k: getattr(self, k) for k in ("fused", "foreach") if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in ("fused", "foreach", "clip_grad_norm")
+                    if getattr(self, k) is not None})
         return out
 
 

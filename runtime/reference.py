@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from runtime import randomness
+from runtime.data import batch_inputs
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
 
 
@@ -51,7 +52,8 @@ def tie_stage_parameters(stages: Sequence[torch.nn.Module]) -> None:
 def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_batch: Callable,
                     loss_fn: Callable, optimizer_cfg: dict, global_batch: int,
                     num_microbatches: int, steps: int, seed: int = 0, *,
-                    batch_dims: Sequence[int] | None = None, replicas: int = 1):
+                    batch_dims: Sequence[int] | None = None, replicas: int = 1,
+                    keywords: Sequence[str] = (), call_with_keywords: bool = False):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
     model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
@@ -59,6 +61,9 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         (``runtime.stage.build_stage``), whose same-named parameters are tied. Keyed random ops
         draw the runtime's masks in either; unkeyed ones only in the stage chain (Note
         [randomness per microbatch] in runtime/train.py).
+    keywords: the program's keyword inputs (Note [keyword inputs] in runtime/data.py): a dict
+        batch is flattened in this order; ``call_with_keywords`` passes them back by name to a
+        ``model`` that is the user's module (a traced graph and the stages take them by position).
     replicas: the data-parallel degree whose buffer handling to reproduce: the microbatches are
         cut into ``replicas`` consecutive groups and buffers end each step as the first group
         left them (Note [buffers across replicas]).
@@ -78,8 +83,13 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         model = copy.deepcopy(model)
         modules = [model]
 
+        by_name = len(keywords) if call_with_keywords else 0
+
         def forward(step, mb, seed, *args):
             torch.manual_seed(microbatch_seed(seed, step, 0, mb))
+            if by_name:
+                positional = len(args) - by_name
+                return model(*args[:positional], **dict(zip(keywords, args[positional:])))
             return model(*args)
     else:
         modules = list(copy.deepcopy(list(model)))
@@ -101,8 +111,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     losses = []
     for step in range(steps):
         args, target = make_batch(step, global_batch)
-        if isinstance(args, torch.Tensor):
-            args = (args,)
+        args = batch_inputs(args, keywords)
         dims = list(batch_dims) if batch_dims is not None else [0] * len(args)
         arg_chunks = [torch.tensor_split(a, num_microbatches, dim=d) for a, d in zip(args, dims)]
         target_chunks = torch.tensor_split(target, num_microbatches, dim=0)
@@ -151,7 +160,7 @@ def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: in
         stages, resolve_callable(data.make_batch, folder), resolve_callable(data.loss_fn, folder),
         program.optimizer, program.global_batch,
         num_microbatches or program.dp * program.num_microbatches, steps, program.seed,
-        batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs],
+        batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs], keywords=data.keywords,
         replicas=program.dp if num_microbatches is None else 1)
 
 

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from runtime import randomness
+from runtime.data import batch_inputs
 from runtime.layout import Layout
 from runtime.program import Program
 from runtime.program_parts import OptimizerSettings
@@ -343,8 +344,7 @@ class RankTrainer:
         program = self.program
         m = program.num_microbatches
         args, target = self.make_batch(step, program.global_batch)
-        if isinstance(args, torch.Tensor):
-            args = (args,)
+        args = batch_inputs(args, program.data.keywords)  # Note [keyword inputs] in runtime/data.py
         specs = program.stages[0].inputs
         for hook in self.randomness_hooks:
             hook.start(step, self.replica * m)

@@ -22,6 +22,7 @@ EXAMPLES = {
   partitioner compile gpt -o out --devices 4
   partitioner compile gpt:layers=12,width=256 -o out --devices 8 --device h100 --global-batch 64
   partitioner compile mypkg.models:build -o out --cluster cluster.toml --stages 4 --dp 2
+  partitioner compile my_model.py:build -o out --job job.toml --lr 3e-4
   partitioner compile gpt -o out --devices 4 --calibrate --profile-out cpu.profile.json
   partitioner compile gpt:layers=8 -o out8 --devices 4 --profile cpu.profile.json
   partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
@@ -51,13 +52,28 @@ def cmd_compile(args) -> int:
     from partitioner.solver.solve import SolverConfig
     from runtime.checkpoint import parse_duration_s
 
+    from partitioner.job import load_job, training_settings
+
+    job = load_job(args.job) if args.job else None  # Note [training settings merge]: flags win
     if args.cluster:
         if not Path(args.cluster).is_file():
-            raise ValueError(f"--cluster {args.cluster}: no such file; write a cluster TOML (see README)")
+            raise ValueError(f"--cluster {args.cluster}: no such file; write a cluster TOML (README \"Cluster file\")")
         cluster = ClusterSpec.from_toml(args.cluster)
+    elif job is not None and job.cluster is not None and args.devices is None and args.device is None:
+        cluster = job.cluster
     else:
-        cluster = ClusterSpec.homogeneous(args.devices, args.device)
-    training = {"model_spec": args.model}  # lets `partitioner verify` rebuild the original model
+        cluster = ClusterSpec.homogeneous(2 if args.devices is None else args.devices, args.device or "cpu")
+    # Lets `partitioner verify` rebuild the original model, from any directory.
+    spec_file, colon, function = args.model.partition(":")
+    model_spec = f"{Path(spec_file).resolve()}{colon}{function}" if spec_file.endswith(".py") else args.model
+    training = {"model_spec": model_spec}
+    optimizer = {key: value for key, value in (("lr", args.lr), ("total_steps", args.steps),
+                                               ("warmup_steps", args.warmup_steps)) if value is not None}
+    if args.clip_grad_norm is not None:
+        optimizer["clip_grad_norm"] = None if args.clip_grad_norm.lower() == "none" else _float_flag(
+            "--clip-grad-norm", args.clip_grad_norm)
+    if optimizer:
+        training["optimizer"] = optimizer
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
                          "(0: only the last)")
@@ -76,6 +92,11 @@ def cmd_compile(args) -> int:
     if args.memory_tier is not None:
         training["memory_tier"] = {"mode": args.memory_tier, **({"group_size": args.parity_group}
                                                                if args.parity_group else {})}
+    if job is not None and ("checkpoint_every" in training or "mtbf_s" in training):
+        job.training.pop("checkpoint_every", None)  # one cadence: the flag's
+        job.training.pop("mtbf_s", None)
+    training = training_settings(job.training if job else None, training,
+                                 names=(f"job file {args.job} [training]", "flags"))
     from partitioner.cli.progress import CompileProgress
 
     say = CompileProgress(quiet=args.quiet, verbose=args.verbose)  # steps, times and the solver, on stderr
@@ -106,6 +127,13 @@ def cmd_compile(args) -> int:
         print(f"\nwrote {args.output} in {time.perf_counter() - started:.1f} s; "
               f"run it: partitioner run {args.output} --steps 20")
     return 0
+
+
+def _float_flag(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text}: give a number (e.g. {flag} 1.0) or none") from None
 
 
 def _checkpoint_target(target: Path, checkpoints: bool):
@@ -293,9 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function or file.py:function")
     c.add_argument("-o", "--output", required=True, help="program folder to write")
-    c.add_argument("--devices", type=int, default=2)
-    c.add_argument("--device", default="cpu", help="device kind: cpu, a100, a100-80gb, h100, h200")
-    c.add_argument("--cluster", help="cluster TOML file (overrides --devices/--device)")
+    c.add_argument("--devices", type=int, help="number of devices (default 2)")
+    c.add_argument("--device", help="device kind: cpu (default), a100, a100-80gb, h100, h200")
+    c.add_argument("--cluster", help="cluster TOML file (overrides --devices/--device and the job file's)")
+    c.add_argument("--job", metavar="FILE", help="job TOML: [training] settings and the cluster (README "
+                   "\"Job file\"); the flags below override it")
+    c.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    c.add_argument("--steps", type=int, help="training steps: the LR schedule's length and what `run` trains "
+                   "(default 1000)")
+    c.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2)")
+    c.add_argument("--clip-grad-norm", metavar="NORM", help="clip the global gradient norm to NORM (none: off)")
     c.add_argument("--global-batch", type=int, default=8)
     c.add_argument("--microbatches", type=int)
     c.add_argument("--stages", type=int)

@@ -21,11 +21,14 @@ from runtime.program import file_digests, seal_plan
 
 
 def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
-                  state: dict[str, torch.Tensor] | None, problem=None, assignment=None) -> Path:
+                  state: dict[str, torch.Tensor] | None, problem=None, assignment=None,
+                  user_files: dict[str, str] | None = None) -> Path:
     """Write the folder atomically: built in a temporary sibling, renamed into place when whole.
 
     ``problem`` and ``assignment`` (the solver's, plain numbers) go into plan.json beside the plan
-    (outside its hash), so `inspect --node` prices moves exactly as the solver would."""
+    (outside its hash), so `inspect --node` prices moves exactly as the solver would.
+    ``user_files``: {"user/<file>.py": original path}, the user's files the ranks import, copied
+    in and hashed like the rest (Note [user code travels] in partitioner/user_source.py)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     plan_hash = plan.content_hash()
@@ -40,6 +43,9 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
             (tmp / name).write_text(text)
             if name.endswith(".py"):
                 compile(text, name, "exec")  # a generated file that doesn't parse is our bug
+        for rel, original in sorted((user_files or {}).items()):
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(original, tmp / rel)
         if state is not None:
             from safetensors.torch import save_file
 

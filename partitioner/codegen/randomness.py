@@ -150,7 +150,8 @@ def keyed_graph(workload, microbatch_size: int) -> tuple[fx.GraphModule, list[Ke
     so that it draws the program's masks in one process."""
     from partitioner.trace import trace
 
-    traced = trace(workload.model, workload.example_args_at(microbatch_size), workload.example_kwargs)
+    traced = trace(workload.model, workload.example_args_at(microbatch_size),
+                   workload.example_kwargs_at(microbatch_size))
     lowered = lower_randomness(traced.gm, batch_size=microbatch_size)
     # A plain GraphModule over the same nodes and parameters, taking and returning flat tensors
     # as the stage files do (partitioner/codegen/split.py): export's module refuses .train(), which the
