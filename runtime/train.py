@@ -66,6 +66,7 @@ from runtime.layout import Layout
 from runtime.program import Program
 from runtime.program_parts import OptimizerSettings
 from runtime.user_code import resolve_callable
+from runtime.watch import StepWatch
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer and learning-rate schedule (shared with the reference)
@@ -383,6 +384,9 @@ class RankTrainer:
         losses = []
         times: list[float] = []
         metrics = None
+        # ETA, FLOP/s, MFU, peak memory per rank, TensorBoard (runtime/watch.py); on every rank
+        watch = StepWatch(self.folder, self.device, rank=self.rank, run_dir=self.run_dir, steps=steps,
+                          start_step=start_step) if log else None
         if self.rank == 0 and log:
             os.makedirs(self.run_dir, exist_ok=True)
             path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -398,21 +402,25 @@ class RankTrainer:
                 loss = self.train_step(step)
                 dt = time.perf_counter() - t0
                 losses.append(loss)
+                watched = watch.measure(step, dt) if watch is not None else {}
                 if metrics is not None:
                     rate = program.global_batch / dt
-                    metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt,
-                                              "samples_per_s": rate, "lr": lr,
-                                              "time_unix": time.time()}) + "\n")
+                    record = {"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": rate, "lr": lr,
+                              "time_unix": time.time(), **watched}
+                    metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
+                    watch.board_write(record)
                     times.append(dt)
                     if (step + 1) % log_every == 0 or step in (start_step, steps - 1):
                         print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step "
-                              f"{rate:.1f} samples/s", flush=True)
+                              f"{rate:.1f} samples/s{watch.line(record)}", flush=True)
                 if after_step is not None:
                     after_step(step, loss, dt)
         finally:
             if metrics is not None:
                 metrics.close()
+            if watch is not None:
+                watch.close()
         if metrics is not None and losses:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
