@@ -39,6 +39,7 @@ EXAMPLES = {
   partitioner run out --steps 50 --max-restarts 3 --checkpoint-every 10
   partitioner run out --steps 50 --mtbf 6h --checkpoint-dir /scratch/ckpt
   partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill
+  partitioner run out --steps 20 --memory-tier copy --hosts 0,0,1,1 --max-restarts 1 --fail-host 1:5
   partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
     "verify": """examples:
   partitioner verify out --steps 3""",
@@ -125,7 +126,8 @@ def cmd_compile(args) -> int:
     if not args.quiet:
         print(plan.summary())
         print(f"\nwrote {args.output} in {time.perf_counter() - started:.1f} s; "
-              f"run it: partitioner run {args.output} --steps 20")
+              f"run it: partitioner run {args.output} --steps 20 ({plan.world_size} ranks: torchrun "
+              f"--nproc-per-node {plan.world_size} {Path(args.output) / 'train.py'})")
     return 0
 
 
@@ -275,6 +277,7 @@ def cmd_run(args) -> int:
         extra += ["--fail-persist", args.fail_persist]
     if args.collective_timeout is not None:
         extra += ["--collective-timeout", str(args.collective_timeout)]
+    extra += _memory_tier_flags(args, plan.world_size)
     if args.run_dir:
         extra += ["--run-dir", str(Path(args.run_dir).resolve())]
     if args.measure_memory:
@@ -283,12 +286,15 @@ def cmd_run(args) -> int:
         extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
     elif args.log_every:
         raise ValueError(f"--log-every {args.log_every} thins the step lines of --quiet: add --quiet")
-    per_node = max(1, plan.world_size // 2)
     if not args.quiet:
-        print(f"[run] {plan.world_size} ranks on this host; on 2 nodes run on each: torchrun --nnodes 2 "
-              f"--nproc-per-node {per_node} --node-rank $NODE_RANK --rdzv-backend c10d "
-              f"--rdzv-endpoint $MASTER_HOST:$MASTER_PORT {folder / 'train.py'} (MASTER_PORT: a free port "
-              "on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")",
+        world = plan.world_size
+        nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly
+        print(f"[run] {world} ranks on this host (torchrun --nproc-per-node {world} {folder / 'train.py'}); "
+              + (f"on {nodes} nodes run on each: torchrun --nnodes {nodes} --nproc-per-node {world // nodes} "
+                 f"--node-rank $NODE_RANK --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
+                 f"{folder / 'train.py'} with --checkpoint-dir on a filesystem every node shares (MASTER_PORT: a "
+                 "free port on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")"
+                 if nodes > 1 else "README \"Multi-node\" says how to run it across nodes"),
               file=sys.stderr, flush=True)
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
     # in runtime/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
@@ -296,6 +302,38 @@ def cmd_run(args) -> int:
         command = torchrun_command(folder / "train.py", plan.world_size, args=extra,
                                    max_restarts=args.max_restarts, store_port=port)
         return run_tree(command, env=run_env()).returncode
+
+
+def _memory_tier_flags(args, world_size: int) -> list[str]:
+    """The memory-tier and host-fault flags train.py takes, checked here before any worker starts."""
+    from runtime.faults import parse_fail_host
+
+    extra = []
+    if args.memory_tier is not None:
+        extra += ["--memory-tier", args.memory_tier]
+    if args.memory_every is not None:
+        if args.memory_every < 1:
+            raise ValueError(f"--memory-every {args.memory_every}: snapshot every 1 or more steps")
+        extra += ["--memory-every", str(args.memory_every)]
+    if args.parity_group is not None:
+        if args.parity_group < 2:
+            raise ValueError(f"--parity-group {args.parity_group}: a parity group holds 2 or more hosts")
+        extra += ["--parity-group", str(args.parity_group)]
+    if args.hosts is not None:
+        try:
+            hosts = [int(h) for h in args.hosts.split(",")]
+        except ValueError:
+            hosts = []
+        if len(hosts) != world_size or min(hosts) < 0:
+            raise ValueError(f"--hosts {args.hosts}: give the host of each of the {world_size} ranks, comma-"
+                             f"separated (e.g. {','.join(str(r * 2 // world_size) for r in range(world_size))})")
+        extra += ["--hosts", args.hosts]
+    if args.memory_dir is not None:
+        extra += ["--memory-dir", str(Path(args.memory_dir).resolve())]
+    for fault in args.fail_host or []:
+        parse_fail_host(fault)
+        extra += ["--fail-host", fault]
+    return extra
 
 
 def cmd_verify(args) -> int:
@@ -386,6 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
                    "checkpoint STEP (fault injection, first attempt)")
     r.add_argument("--collective-timeout", type=float, help="seconds (default: the plan's)")
+    r.add_argument("--memory-tier", choices=["off", "auto", "none", "copy", "parity"], help="in-memory "
+                   "checkpoints every step, with redundancy across hosts (default: the plan's choice)")
+    r.add_argument("--memory-every", type=int, help="memory snapshot every K steps (default 1)")
+    r.add_argument("--parity-group", type=int, help="hosts per parity group (default: the plan's)")
+    r.add_argument("--hosts", help="host of each rank, e.g. 0,0,1,1 (default: LOCAL_WORLD_SIZE ranks a host)")
+    r.add_argument("--memory-dir", help="the memory tier's shared-memory folder (default /dev/shm)")
+    r.add_argument("--fail-host", action="append", help="HOST:STEP: kill every rank of HOST before STEP and "
+                   "wipe its memory tier (fault injection, first attempt)")
     r.add_argument("--measure-memory", action="store_true", help="measure each rank's peak memory and print "
                    "it next to the plan's prediction (RUN_DIR/memory_rank_<r>.json; always on with CUDA)")
     r.add_argument("-q", "--quiet", action="store_true", help="rank 0 prints every Nth step and the final "

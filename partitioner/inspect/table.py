@@ -36,25 +36,27 @@ def table(plan: Plan) -> str:
     ]
     mem_unit, mem_scale = byte_unit(max(s.peak_memory_bytes for s in plan.stages))
     send_unit, send_scale = byte_unit(max([s.send_bytes for s in plan.stages] + [1]))
+    # Two tables, time then memory, so that each fits a terminal; ranks as ranges (0-63), so a
+    # 1,024-device plan's rows are as wide as a 4-device plan's.
     header = ["stage", "ranks", "device", "regions held", "params", "fwd FLOP", "bwd FLOP", "compute",
-              "comm", "time", "weights", "grads", "optim", "activ", "buffers", "transient", "peak", "capacity",
-              "used", "send"]
-    units = ["", "", "", "", "", "/mb", "/mb", "ms/mb", "ms/mb", "ms/mb", mem_unit, mem_unit, mem_unit,
-             mem_unit, mem_unit, mem_unit, mem_unit, "GiB", "%", f"{send_unit}/mb"]
-    align = "><<<>>>>>>>>>>>>>>>>"
-    rows = []
+              "comm", "time", "send"]
+    units = ["", "", "", "", "", "/mb", "/mb", "ms/mb", "ms/mb", "ms/mb", f"{send_unit}/mb"]
+    rows, mem_rows = [], []
     for s in plan.stages:
         m = s.memory
         mem = [f"{b / mem_scale:.1f}" for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
                                                 m.activations_bytes, m.buffers_bytes, m.transient_bytes,
                                                 s.peak_memory_bytes)]
         used = 100.0 * s.peak_memory_bytes / s.memory_capacity_bytes if s.memory_capacity_bytes else 0.0
-        rows.append([str(s.index), ",".join(map(str, s.ranks)), s.device, held(s.region_names), si(s.params),
+        rows.append([str(s.index), rank_ranges(s.ranks), s.device, held(s.region_names), si(s.params),
                      si(s.fwd_flops), si(s.bwd_flops), ms(s.compute_time_s), ms(s.comm_time_s),
-                     ms(s.predicted_time_s), *mem, f"{s.memory_capacity_bytes / GIB:.1f}",
-                     "<0.01" if used < 0.01 else f"{used:.2f}" if used < 10 else f"{used:.1f}",
-                     f"{s.send_bytes / send_scale:.1f}" if s.send_bytes else "-"])
-    lines += render_columns(header, units, rows, align)
+                     ms(s.predicted_time_s), f"{s.send_bytes / send_scale:.1f}" if s.send_bytes else "-"])
+        mem_rows.append([str(s.index), *mem, f"{s.memory_capacity_bytes / GIB:.1f}",
+                         "<0.01" if used < 0.01 else f"{used:.2f}" if used < 10 else f"{used:.1f}"])
+    lines += render_columns(header, units, rows, "><<<>>>>>>>")
+    lines += ["", "memory per rank of each stage"]
+    lines += render_columns(["stage", "weights", "grads", "optim", "activ", "buffers", "transient", "peak",
+                             "capacity", "used"], [""] + [mem_unit] * 7 + ["GiB", "%"], mem_rows, ">>>>>>>>>>")
 
     bal = balance(plan)
     solver = plan.solver
@@ -104,6 +106,22 @@ def table(plan: Plan) -> str:
     if plan.training.get("memory_tier"):
         lines.append(memory_tier_line(plan.training["memory_tier"]))
     return "\n".join(lines)
+
+
+def rank_ranges(ranks) -> str:
+    """Ranks as runs: (0, 1, 2, 3) -> "0-3"; (0, 16, 32, 48) -> "0-48/16"; (0, 2, 3) -> "0,2-3"."""
+    ranks = sorted(ranks)
+    if len(ranks) >= 3:
+        step = ranks[1] - ranks[0]
+        if step > 1 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return f"{ranks[0]}-{ranks[-1]}/{step}"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def memory_tier_line(choice: dict) -> str:

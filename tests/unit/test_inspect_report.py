@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from partitioner.inspect.table import rank_ranges
+
 from partitioner import inspect as report
 from partitioner.cluster import ClusterSpec
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
@@ -99,11 +101,15 @@ def test_table_is_pinned(plan):
     check_golden("inspect_table.txt", text + "\n", TEST_FILE)
     # Readable by eye: units in the header lines, every stage row as wide as the header.
     lines = text.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
-    assert "ms/mb" in lines[header + 1] and "KiB" in lines[header + 1] and "GiB" in lines[header + 1]
-    rows = lines[header + 2:header + 5]
-    assert [r.split()[0] for r in rows] == ["0", "1", "2"]
-    assert len({len(lines[header]), *(len(r) for r in rows)}) <= 2  # right-aligned columns line up
+    headers = [i for i, line in enumerate(lines) if line.startswith("stage")]
+    assert len(headers) == 2  # time, then memory: each fits a terminal
+    assert "ms/mb" in lines[headers[0] + 1]
+    assert "KiB" in lines[headers[1] + 1] and "GiB" in lines[headers[1] + 1]
+    for header in headers:
+        rows = lines[header + 2:header + 5]
+        assert [r.split()[0] for r in rows] == ["0", "1", "2"]
+        assert len({len(lines[header]), *(len(r) for r in rows)}) <= 2  # right-aligned columns line up
+        assert max(len(line) for line in lines[header:header + 5]) <= 120
 
 
 def test_json_is_pinned_and_keeps_design_fields(plan):
@@ -198,3 +204,11 @@ def test_solver_problem_round_trips_through_json_and_tolerates_added_fields():
     del body["regions"][1]["param_bytes"]
     with pytest.raises(ValueError, match=r"problem\.regions\[1\] lacks fields RegionCost needs.*recompile"):
         serialize.problem_from_dict(body)
+
+
+def test_rank_ranges():
+    assert rank_ranges(range(64)) == "0-63"
+    assert rank_ranges([0, 16, 32, 48]) == "0-48/16"
+    assert rank_ranges([5]) == "5"
+    assert rank_ranges([0, 1, 3, 4, 5, 9]) == "0-1,3-5,9"
+    assert rank_ranges([2, 4]) == "2,4"  # two ranks: a stride says nothing shorter
