@@ -212,3 +212,15 @@ def test_rank_ranges():
     assert rank_ranges([5]) == "5"
     assert rank_ranges([0, 1, 3, 4, 5, 9]) == "0-1,3-5,9"
     assert rank_ranges([2, 4]) == "2,4"  # two ranks: a stride says nothing shorter
+
+
+def test_table_of_a_1024_rank_plan_fits_a_terminal(plan):
+    """Ranks as ranges: 64 replicas make a row no wider than one (was: 64 rank numbers per row)."""
+    import dataclasses
+
+    stages = tuple(dataclasses.replace(s, ranks=tuple(range(s.index * 64, (s.index + 1) * 64)))
+                   for s in plan.stages)
+    big = dataclasses.replace(plan, stages=stages, dp=64, world_size=64 * len(stages))
+    text = report.table(big)
+    assert "0-63" in text and "128-191" in text
+    assert max(len(line) for line in text.splitlines()) <= 120, max(text.splitlines(), key=len)
