@@ -26,6 +26,7 @@ because the current directory was on sys.path would fail inside every rank. Henc
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -79,22 +80,26 @@ def _unwrap(fn, role: str, workload_name: str) -> tuple[types.FunctionType, dict
     return fn, kwargs
 
 
-def _importable_root(module_name: str, path: str) -> str | None:
-    """The sys.path entry the module ``module_name`` at ``path`` is imported from, or None when
-    importing the name would not find this file."""
+def _found(module_name: str, path: str, entries: list[str] | None) -> bool:
+    """Does importing ``module_name``'s top package through ``entries`` (None: every sys.path
+    entry) or an import hook (editable installs) find the package holding ``path``?"""
     top = module_name.partition(".")[0]
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or os.path.realpath(spec.origin) != os.path.realpath(path):
-        return None
-    for entry in sys.path:
-        base = os.path.realpath(entry or os.curdir)
-        if (os.path.isfile(os.path.join(base, top + ".py")) or
-                os.path.isdir(os.path.join(base, top))) and os.path.realpath(path).startswith(base + os.sep):
-            return entry
-    return None
+    spec = importlib.machinery.PathFinder.find_spec(top, entries)
+    if spec is None and entries is not None:
+        for finder in sys.meta_path:  # editable installs and other import hooks, not sys.path's finder
+            if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
+                continue
+            try:
+                spec = finder.find_spec(top, None)
+            except Exception:  # noqa: BLE001 - a hook that cannot answer does not find it
+                spec = None
+            if spec is not None:
+                break
+    if spec is None:
+        return False
+    places = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
+    real = os.path.realpath(path)
+    return any(real.startswith(os.path.realpath(p) + os.sep) for p in places)
 
 
 def _cwd_only(entry: str) -> bool:
@@ -104,8 +109,8 @@ def _cwd_only(entry: str) -> bool:
     real = os.path.realpath(entry or os.curdir)
     if real in inherited:
         return False
-    return entry in ("", ".") or real == os.path.realpath(os.getcwd()) or (
-        bool(sys.argv and sys.argv[0]) and real == os.path.realpath(os.path.dirname(os.path.abspath(sys.argv[0]))))
+    script_dir = os.path.realpath(os.path.dirname(os.path.abspath(sys.argv[0]))) if sys.argv and sys.argv[0] else None
+    return entry in ("", ".") or real == os.path.realpath(os.getcwd()) or real == script_dir
 
 
 def derive_one(fn, role: str, workload_name: str = "model") -> tuple[tuple, dict]:
@@ -118,15 +123,15 @@ def derive_one(fn, role: str, workload_name: str = "model") -> tuple[tuple, dict
     module_name = fn.__module__ or ""
     module = sys.modules.get(module_name)
     registered = module is not None and getattr(module, fn.__name__, None) is fn
-    root = _importable_root(module_name, path) if registered and module_name != "__main__" else None
-    if root is not None and not _cwd_only(root):
+    importable = registered and module_name != "__main__" and _found(module_name, path, None)
+    if importable and _found(module_name, path, [e for e in sys.path if not _cwd_only(e)]):
         return (f"{module_name}:{fn.__name__}", kwargs), {}
-    if root is not None and "." in module_name:
+    if importable and "." in module_name:
+        here = os.path.realpath(os.getcwd())
         raise ValueError(
             f"workload {workload_name!r}: {role} is {module_name}.{fn.__name__}, importable here only "
-            f"because {os.path.realpath(root or os.curdir)} (the current directory) is on sys.path; the "
-            f"ranks run from their program folder and do not see it: install the package (pip install "
-            f"-e .), or export PYTHONPATH={os.path.realpath(root or os.curdir)}")
+            f"because the current directory ({here}) is on sys.path; the ranks run from their program "
+            f"folder and do not see it: install the package (pip install -e .), or export PYTHONPATH={here}")
     # A single file (loaded by path, or a top-level module next to the caller): it travels.
     if not path.endswith(".py"):
         raise ValueError(f"workload {workload_name!r}: {role} comes from {path}, not a .py file: {_fix(role)}")

@@ -71,24 +71,25 @@ class StepWatch:
     def __init__(self, folder: str, device: torch.device, *, rank: int, run_dir: str, steps: int, start_step: int):
         self.device, self.rank, self.steps, self.start_step = device, rank, steps, start_step
         self.step_flops, self.peak_flops_per_s = plan_step_flops(folder)
-        self.times: list[float] = []
-        self.started = time.perf_counter()
+        self.times: list[float] = []  # each step's time
+        self.ends: list[float] = []   # when each step's figures were taken
         self.board = _tensorboard(run_dir) if rank == 0 else None
 
     def eta_s(self, step: int) -> float:
-        """Seconds left after ``step``: the steps to go times the mean step so far (the first
-        step, which pays for warm-up, left out once there are others), checkpoints included."""
-        left = self.steps - 1 - step
-        done = len(self.times)
-        elapsed = time.perf_counter() - self.started
-        per_step = elapsed / done if done else 0.0
-        if done > 1:
-            per_step = (elapsed - self.times[0]) / (done - 1)
+        """Seconds left after ``step``: the steps to go times the wall time per step so far, from
+        the end of the first step (which pays for warm-up) to the end of the last, checkpoints and
+        logging included; after the first step alone, its own time."""
+        left = max(0, self.steps - 1 - step)
+        if len(self.ends) > 1:
+            per_step = (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1)
+        else:
+            per_step = self.times[-1] if self.times else 0.0
         return left * per_step
 
     def measure(self, step: int, step_time_s: float) -> dict:
         """The step's extra metrics fields (every rank calls it; the all_gather is collective)."""
         self.times.append(step_time_s)
+        self.ends.append(time.perf_counter())
         own, kind = peak_memory_bytes(self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             mine = torch.tensor([own], dtype=torch.int64, device=self.device)

@@ -1,0 +1,133 @@
+"""Where generated programs find make_batch and loss_fn (Note [user code travels] in
+partitioner/user_source.py): derived from the functions, and refused before tracing, with the fix,
+for what no rank can import. Plus keyword-input batches (Note [keyword inputs] in runtime/data.py)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+import time
+
+import pytest
+import torch
+
+from partitioner.cluster import ClusterSpec
+from partitioner.user_source import derive_one, derive_sources
+from partitioner.workload import Workload
+from runtime import data
+from runtime.data import batch_inputs
+
+
+def module_level(step, batch_size):
+    return (torch.zeros(batch_size, 4),), torch.zeros(batch_size, 2)
+
+
+def _workload(**overrides) -> Workload:
+    fields = dict(model=torch.nn.Linear(4, 2), example_args=(torch.zeros(2, 4),), loss_fn=data.mse_loss,
+                  make_batch=module_level, name="w")
+    fields.update(overrides)
+    return Workload(**fields)
+
+
+def test_an_importable_module_is_named_by_module():
+    spec, files = derive_one(functools.partial(data.token_batch, vocab=8, seq=4), "make_batch")
+    assert spec == ("runtime.data:token_batch", {"vocab": 8, "seq": 4}) and files == {}
+
+
+def test_a_file_loaded_by_path_travels_into_the_folder(tmp_path):
+    path = tmp_path / "my_data.py"
+    path.write_text("def batches(step, batch_size, scale=1.0):\n    return (), None\n")
+    spec = importlib.util.spec_from_file_location("my_data", path)  # as `compile my_data.py:build` loads it
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    got, files = derive_one(functools.partial(module.batches, scale=2.0), "make_batch")
+    assert got == ("user/my_data.py:batches", {"scale": 2.0})
+    assert files == {"user/my_data.py": str(path)}
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: (lambda step, b: None), "is a lambda"),
+    (lambda: _closure(), "defined inside another function"),
+    (lambda: _Batches().method, "is a bound method"),
+    (lambda: _Batches(), "_Batches object"),
+    (lambda: functools.partial(module_level, 3), "positional arguments"),
+    (lambda: functools.partial(module_level, table=torch.zeros(2)), "not all JSON values"),
+])
+def test_what_no_rank_can_import_is_refused_with_the_fix(make, words):
+    with pytest.raises(ValueError, match=words) as info:
+        derive_one(make(), "make_batch", "w")
+    assert "make_batch" in str(info.value) and ("def" in str(info.value) or "keyword" in str(info.value)
+                                                 or "plain values" in str(info.value))
+
+
+def test_a_module_found_only_through_the_current_directory_is_refused(tmp_path, monkeypatch):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "feed.py").write_text("def batches(step, batch_size):\n    return (), None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("")  # `python -m partitioner` puts the current directory first
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    import mypkg.feed
+
+    try:
+        with pytest.raises(ValueError, match="pip install -e .*PYTHONPATH"):
+            derive_one(mypkg.feed.batches, "make_batch")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # ranks inherit PYTHONPATH: then it is importable
+        assert derive_one(mypkg.feed.batches, "make_batch")[0] == ("mypkg.feed:batches", {})
+    finally:
+        for name in ("mypkg.feed", "mypkg"):
+            sys.modules.pop(name, None)
+
+
+def test_given_source_wins_and_a_missing_loss_says_what_to_write():
+    w = _workload(source={"make_batch": ("runtime.data:regression_batch", {"features": 4})})
+    sources = derive_sources(w)
+    assert sources.specs["make_batch"] == ("runtime.data:regression_batch", {"features": 4})
+    assert sources.specs["loss_fn"] == ("runtime.data:mse_loss", {})
+    with pytest.raises(ValueError, match="no loss_fn.*return output"):
+        derive_sources(_workload(loss_fn=None))
+
+
+def test_compile_refuses_a_lambda_before_tracing():
+    import partitioner
+
+    class Untraceable(torch.nn.Module):  # a trace would fail on it: the source check comes first
+        def forward(self, x):
+            raise AssertionError("traced")
+
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="loss_fn is a lambda"):
+        partitioner.compile(_workload(model=Untraceable(), loss_fn=lambda out, target: out.sum()),
+                            cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=4)
+    assert time.perf_counter() - started < 60  # (no trace, no solve: nothing slow ran)
+
+
+def test_batch_inputs_orders_keyword_inputs_and_names_mismatches():
+    ids, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    assert batch_inputs({"attention_mask": mask, "input_ids": ids}, ("input_ids", "attention_mask"))[0] is ids
+    assert batch_inputs(ids) == (ids,)
+    with pytest.raises(ValueError, match=r"missing \['attention_mask'\]"):
+        batch_inputs({"input_ids": ids}, ("input_ids", "attention_mask"))
+    with pytest.raises(ValueError, match="return a dict with those keys"):
+        batch_inputs((ids, mask), ("input_ids", "attention_mask"))
+    with pytest.raises(ValueError, match="compiled for positional inputs"):
+        batch_inputs({"input_ids": ids})
+
+
+def _closure():
+    seed = 3
+
+    def batches(step, batch_size):
+        return (torch.full((batch_size, 4), seed),), None
+
+    return batches
+
+
+class _Batches:
+    def method(self, step, batch_size):
+        return (), None
+
+    def __call__(self, step, batch_size):
+        return (), None
