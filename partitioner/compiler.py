@@ -72,7 +72,7 @@ def compile_workload(
     validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)  # before the trace
     from partitioner.user_source import derive_sources
 
-    sources = derive_sources(workload)  # Note [user code travels]: refused before the trace, not after
+    sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
     training = training_settings(training)  # Note [training settings merge]: deep, checked
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)

@@ -155,7 +155,9 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     stages = split_stages(plan, gm)
     on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
     init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)} if on_meta else None
-    sources = compiled.sources or derive_sources(workload)
+    sources = compiled.sources
+    if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
+        sources = derive_sources(workload)  # the error naming what is missing
     program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources)
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.

@@ -139,9 +139,10 @@ def derive_one(fn, role: str, workload_name: str = "model") -> tuple[tuple, dict
     return (f"{rel}:{fn.__name__}", kwargs), {rel: os.path.abspath(path)}
 
 
-def derive_sources(workload) -> UserSources:
+def derive_sources(workload, *, require: bool = True) -> UserSources:
     """Every role's spec: Workload.source's where given, else derived from the function; raises
-    ValueError naming the role and the fix. Called by compile() before the trace."""
+    ValueError naming the role and the fix. compile() calls it before the trace with
+    ``require=False`` (a plan needs no data; writing its program folder does: lowering requires)."""
     specs: dict = {}
     files: dict = {}
     for role in ROLES:
@@ -150,6 +151,8 @@ def derive_sources(workload) -> UserSources:
             specs[role] = (given, {}) if isinstance(given, str) else tuple(given)
             continue
         fn = getattr(workload, role)
+        if fn is None and not require:
+            continue
         if fn is None:
             if role == "loss_fn":
                 raise ValueError(f"workload {workload.name!r} has no loss_fn: generated programs need "
