@@ -298,6 +298,11 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     layout = program.layout
     groups = create_groups(layout, rank, timeout=timeout)
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
+    if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
+        from runtime.checkpoint.shared import check_shared
+        from runtime.memtier import hosts_of_ranks
+
+        check_shared(ckpt_dir, rank, hosts_of_ranks(world, flags.get("hosts")), device)
     quiet = bool(flags.get("quiet"))
     if rank == 0:
         print(f"program {program.plan_hash}: {world} ranks, {program.num_stages} "

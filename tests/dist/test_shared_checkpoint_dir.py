@@ -1,0 +1,54 @@
+"""A multi-node run says at start-up when its checkpoint folder is not one folder for every node
+(Note [shared checkpoint folder] in runtime/checkpoint/shared.py). Two real gloo processes on
+"hosts" 0 and 1; node-local disks are played by giving each rank its own folder."""
+
+from __future__ import annotations
+
+import os
+
+import torch.multiprocessing as mp
+
+from runtime.checkpoint.shared import check_shared, unshared_hosts
+
+
+def _rank(rank: int, init_file: str, folders: list[str], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    missing = check_shared(folders[rank], rank, (0, 1), torch.device("cpu"))
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(",".join(map(str, missing)))
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, folders, name):
+    out = str(tmp_path / name)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / f"{name}.init"), folders, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    return [open(f"{out}.{r}").read() for r in range(2)]
+
+
+def test_a_folder_each_node_sees_alone_is_reported_and_a_shared_one_is_not(tmp_path):
+    shared = str(tmp_path / "shared")
+    os.makedirs(shared)
+    assert _run(tmp_path, [shared, shared], "shared") == ["", ""]
+    assert os.listdir(shared) == []  # the marker is gone
+    local = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for path in local:
+        os.makedirs(path)
+    assert _run(tmp_path, local, "local") == ["1", "1"]
+
+
+def test_unshared_hosts():
+    assert unshared_hosts([True, True, False, False], (0, 0, 1, 1)) == [1]
+    assert unshared_hosts([True] * 4, (0, 0, 1, 1)) == []
