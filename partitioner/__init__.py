@@ -17,7 +17,11 @@ replica     one of the `dp` data-parallel copies of the whole pipeline.
 microbatch  a slice of a replica's batch; the pipeline keeps several in flight.
 """
 
-from partitioner.cluster import ClusterSpec
+from runtime.python_version import check_python as _check_python
+
+_check_python()  # before anything that needs 3.11 (tomllib in partitioner.cluster)
+
+from partitioner.cluster import ClusterSpec  # noqa: E402
 from partitioner.errors import (
     CheckpointCorruptError,
     PartitionerError,

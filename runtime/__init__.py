@@ -110,3 +110,7 @@ Launch: ``torchrun --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint 127.0.
 DIR/train.py`` (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts with gloo). A one-rank
 program also runs as ``python DIR/rank_0.py``.
 """
+
+from runtime.python_version import check_python as _check_python
+
+_check_python()  # Python >= 3.11, with a message saying what to do (runtime/python_version.py)
