@@ -2,7 +2,7 @@
 
     plan = compile(workload, cluster=ClusterSpec.homogeneous(4, "cpu"), global_batch=32)
     print(plan.summary())
-    plan.save("out/")          # the program folder: torchrun --nproc-per-node 4 out/train.py
+    plan.save("out/")          # the program folder: partitioner run out (plan.world_size ranks)
 
 Glossary (the words mean exactly this everywhere in the code):
 
