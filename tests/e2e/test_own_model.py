@@ -68,8 +68,12 @@ def test_dict_batch_model_with_a_job_file_runs_and_verifies(user_dir, tmp_path):
     assert optimizer["weight_decay"] == 0.1 and optimizer["eps"] == 1e-8
     assert program["checkpoint_every"] == 2
     run_dir = tmp_path / "run"
-    done = cli("run", user_dir / "dout", "--steps", "3", "--run-dir", run_dir,
-               "--checkpoint-dir", tmp_path / "ckpt", cwd=tmp_path)
+    # `run` takes train.py's memory-tier and host flags: two "hosts" here, one folder they share.
+    done = cli("run", user_dir / "dout", "--steps", "3", "--run-dir", run_dir, "--checkpoint-dir", tmp_path / "ckpt",
+               "--memory-tier", "none", "--hosts", "0,1", cwd=tmp_path)
+    said = done.stdout + done.stderr
+    assert "memory tier every 1 step(s)" in said and "(hosts 0,1)" in said, said
+    assert "not shared across nodes" not in done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and all(" eta " in line and " mfu " in line for line in lines), done.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
