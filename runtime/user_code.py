@@ -25,11 +25,24 @@ def resolve_callable(spec: list | tuple | str, folder: str | None = None) -> Cal
         raise ValueError(f"callable {target!r} must look like 'package.module:function'")
     if mod_name.endswith(".py"):
         path = mod_name if os.path.isabs(mod_name) or folder is None else os.path.join(folder, mod_name)
-        module = import_path(path)
+        module = _file_module(os.path.abspath(path))
     else:
         module = importlib.import_module(mod_name)
     fn = getattr(module, fn_name)
     return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+_FILE_MODULES: dict = {}
+
+
+def _file_module(path: str):
+    """One import per file and version of it: make_batch and loss_fn of one user file
+    (DIR/user/<file>.py) share a module, run once."""
+    stat = os.stat(path)
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    if key not in _FILE_MODULES:
+        _FILE_MODULES[key] = import_path(path)
+    return _FILE_MODULES[key]
 
 
 def import_path(path: str, name: str | None = None):
