@@ -69,8 +69,9 @@ class ShardChoice:
 
 
 def choose_shards(manifest: dict, program: Program, rank: int, needed: list[str]) -> ShardChoice:
-    """Each needed parameter comes from this rank's own shard when the plan is the same,
-    otherwise from the lowest-rank shard that holds it (Note [checkpoint format])."""
+    """Each needed parameter comes from this rank's own shard when the plan is the same and the
+    shard holds it, otherwise from the lowest-rank shard that holds it (Note [checkpoint format];
+    since format 2 a name is in one shard per data-parallel group, Note [one writer per byte])."""
     same_plan = (manifest.get("plan_hash") == program.plan_hash
                  and manifest.get("world_size") == program.world_size)
     entries = sorted(manifest["shards"], key=lambda e: e["rank"])

@@ -2,8 +2,10 @@
 thread, and the distributed commit (``Checkpointer``, what the trainer drives; its recovery side is
 runtime/recovery.py).
 
-Note [distributed commit]: at a checkpoint point every rank copies its state to host memory
-(``runtime.checkpoint.state.snapshot``, the only stall) and hands it to a background thread, which
+Note [distributed commit]: at a checkpoint point every rank copies the state it writes (Note [one
+writer per byte] in runtime/checkpoint/writers.py: its share of the replicated state, and its own
+RNG states) to host memory (``runtime.checkpoint.state.snapshot``, the only stall) and hands it to a
+background thread, which
 writes the rank's shard durably and then all-gathers (step, bytes, sha256, ok) over a gloo group
 of its own (created with the collective timeout, so a dead peer is an error, not a hang). Rank 0
 writes the manifest only when every rank's shard is durable, then prunes old checkpoints. The
@@ -26,6 +28,7 @@ from runtime.checkpoint.interval import young_daly_interval
 from runtime.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
 from runtime.checkpoint.shard import shard_filename
 from runtime.checkpoint.state import Snapshot, snapshot
+from runtime.checkpoint.writers import all_names, write_cost, writes_of_ranks
 from runtime.faults import FaultPoint, PersistFault, SimulatedCrash, first_attempt, say
 
 
@@ -52,6 +55,7 @@ class Checkpointer:
                 say(0, f"removed {path} (left by an earlier attempt)")
         # gloo even under nccl: the gathered tensors are tiny and live on the CPU.
         self.group = dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
+        self.writes = self._agree_writers()
         self.persist_fault = persist_fault if (persist_fault and persist_fault.rank == self.rank
                                                and first_attempt()) else None
         self.stats_path = stats_path
@@ -69,6 +73,17 @@ class Checkpointer:
                         f"(MTBF {mtbf_s:.0f} s)")
             else:
                 say(0, f"no --checkpoint-every or --mtbf: checkpointing only the last step into {ckpt_dir}")
+
+    def _agree_writers(self) -> dict[int, frozenset[str]]:
+        """Every rank's share of the state (Note [one writer per byte]): each rank knows the sizes
+        of its own names only, so one all-reduce (max) of a vector indexed by every name of the
+        program gives every rank the same sizes, and so the same assignment."""
+        program = self.trainer.program
+        names = all_names(program)
+        mine = write_cost(self.trainer)
+        sizes = torch.tensor([mine.get(n, -1) for n in names], dtype=torch.int64)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        return writes_of_ranks(program, {n: max(0, int(b)) for n, b in zip(names, sizes.tolist())})
 
     # --- checkpoint points --------------------------------------------------------------------
 
@@ -97,7 +112,7 @@ class Checkpointer:
     def checkpoint(self, done: int) -> float:
         """Snapshot now (returns the stall in seconds) and persist in the background."""
         self._join()
-        snap = snapshot(self.trainer)
+        snap = snapshot(self.trainer, self.writes[self.rank])
         assert snap.step == done, (snap.step, done)
         self.last_step = done
         self.thread = threading.Thread(target=self._persist, args=(snap,), daemon=True,
@@ -165,7 +180,7 @@ class Checkpointer:
                                       bytes(int(x) for x in t[3:].tolist()).hex())
                          for r, t in enumerate(rows)]
                 t1 = time.perf_counter()
-                write_manifest(self.ckpt_dir, manifest_for(snap.step, infos, self.trainer.program))
+                write_manifest(self.ckpt_dir, manifest_for(snap.step, infos, self.trainer.program, self.writes))
                 prune(self.ckpt_dir, keep=self.keep, newest=snap.step)
                 stat["commit_s"] = time.perf_counter() - t1
             self.committed.append(snap.step)
