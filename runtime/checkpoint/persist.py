@@ -120,6 +120,19 @@ class Checkpointer:
         self.thread.start()
         return snap.stall_s
 
+    def due(self, done: int) -> bool:
+        """Whether ``after_step`` checkpoints after ``done`` steps (runtime/sdc.py checks first)."""
+        return bool(self.every and done % self.every == 0) or bool(not self.every and self.mtbf_s)
+
+    def settle(self) -> None:
+        """Wait for the persist in flight (a rollback, runtime/sdc.py, starts after it)."""
+        self._join()
+
+    def rolled_back(self, step: int) -> None:
+        """The trainer went back to the checkpoint of ``step``: the next checkpoint points follow it."""
+        self._join()
+        self.last_step = step
+
     def finish(self) -> None:
         """Leave a committed checkpoint of the last step (then wait for its persist)."""
         if self.trainer.steps_done > 0 and self.trainer.steps_done != self.last_step:
