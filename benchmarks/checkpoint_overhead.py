@@ -14,6 +14,9 @@
 5. Writer balance (Note [one writer per byte]): a 1-stage x dp 2 program of the same model, in
    the same launch; bytes each rank writes per checkpoint, max/mean, and the total against every
    replica writing everything.
+6. Silent data corruption check (Note [replica digests]) of that dp 2 run at the default K: the
+   measured seconds per check over K steps against the median step time (target <= 1%), beside
+   the cost model's figure (partitioner/solver/sdc_cost.py).
 
     python benchmarks/checkpoint_overhead.py [--steps 40] [--width 256] [--layers 4]
 """
@@ -32,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _torchrun import DRIVER, REPO  # noqa: E402
 from _torchrun import rows as _rows  # noqa: E402
 from _torchrun import torchrun as _torchrun  # noqa: E402
+
+from runtime.sdc import DEFAULT_EVERY  # noqa: E402
 
 
 def raw_fsync_throughput(directory: str, total_mib: int = 64, chunk_mib: int = 1) -> float:
@@ -86,6 +91,22 @@ def writer_balance(root: str, steps: int) -> None:
           + f"; max/mean {max(per_rank.values()) / mean:.3f}; total {sum(per_rank.values()) / 2**20:.2f} MiB "
             f"against {full / 2**20:.2f} MiB with every replica writing everything "
             f"({sum(per_rank.values()) / full:.0%})")
+
+
+def sdc_overhead(root: str, folder: str) -> None:
+    from partitioner.plan import Plan
+    from partitioner.solver.sdc_cost import replica_check_s_per_step
+
+    checks = [json.load(open(f"{root}/run_dp2/sdc_stats_rank_{r}.json")) for r in range(2)]
+    per_check = statistics.median(s for c in checks for s in c["seconds"])
+    step = statistics.median(r["step_time_s"] for r in _rows(f"{root}/run_dp2/metrics.jsonl")[1:])
+    share = per_check / (DEFAULT_EVERY * step)
+    plan = Plan.load(folder)
+    predicted = replica_check_s_per_step(plan, DEFAULT_EVERY)
+    print(f"   {sum(c['checks'] for c in checks) // 2} checks per rank, median {per_check * 1e3:.2f} ms each; "
+          f"median step {step:.4f} s; per step at K={DEFAULT_EVERY}: {per_check / DEFAULT_EVERY * 1e3:.3f} ms = "
+          f"{share:.3%} of a step (target <= 1%: {'met' if share <= 0.01 else 'MISSED'}); cost model "
+          f"{predicted * 1e3:.3f} ms/step ({predicted / plan.predicted['step_time_s']:.3%} of the predicted step)")
 
 
 def _full_bytes_dp2(folder: str, root: str) -> None:
@@ -193,6 +214,9 @@ def main() -> int:
           f"{start - fault['time_unix']:.1f} s; the step: {first['step_time_s']:.2f} s)")
     print("\n5. writer balance, 1 stage x dp 2 (each name written by one replica, Note [one writer per byte])")
     writer_balance(root, args.steps)
+    print(f"\n6. replica digest check, 1 stage x dp 2, every {DEFAULT_EVERY} steps (the default K) and before "
+          "each checkpoint")
+    sdc_overhead(root, dp2)
     print(f"\nfolder: {root}")
     return 0
 

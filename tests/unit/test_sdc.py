@@ -66,3 +66,18 @@ def test_flip_bit_flips_one_bit_once_and_refuses_what_it_cannot_do():
     assert faults.flip_hook([faults.BitFlip(1, 2)], 0, {"w": w}) is None  # another rank's
     with pytest.raises(ValueError, match="holds no parameter 'nope'"):
         faults.flip_hook([faults.BitFlip(0, 2, "nope")], 0, {"w": w})
+
+
+def test_the_check_is_priced_per_step_by_the_cost_model():
+    from types import SimpleNamespace as NS
+
+    from partitioner.solver.sdc_cost import DIGEST_BYTES_PER_S, replica_check_s, replica_check_s_per_step
+
+    mem = lambda p, o: NS(params_bytes=p, optimizer_bytes=o)  # noqa: E731
+    stages = [NS(memory=mem(1e8, 2e8), device="cpu"), NS(memory=mem(4e8, 8e8), device="cpu")]
+    plan = NS(dp=2, world_size=4, stages=stages)
+    one = replica_check_s([3e8, 12e8], ["cpu", "cpu"], world_size=4, latency_s=1e-4)
+    assert one == 12e8 / DIGEST_BYTES_PER_S["cpu"] + 3 * 1e-4  # the stage with the most state, then the gather
+    assert replica_check_s_per_step(plan, 20, latency_s=1e-4) == pytest.approx(one / 20)
+    assert replica_check_s_per_step(plan, 0) == 0.0  # off
+    assert replica_check_s_per_step(NS(dp=1, world_size=2, stages=stages), 20) == 0.0  # nothing to compare
