@@ -83,6 +83,18 @@ def drill_writes(trainers, program: Program) -> dict[int, frozenset[str]]:
     return writes_of_ranks(program, nbytes)
 
 
+def lossless_snaps(trainers, writes, base: dict | None, base_step: int | None) -> list:
+    """Each rank's share encoded as the Checkpointer encodes it (Note [lossless deltas]): against
+    ``base`` (rank -> the tensors of its last committed share), or full when None."""
+    from runtime.checkpoint.delta import encode_snapshot
+
+    out = []
+    for t in trainers:
+        share = ck.snapshot(t, None if writes is None else writes[t.rank])
+        out.append(encode_snapshot(share, None if base is None else base[t.rank], base_step))
+    return out
+
+
 def count_commit(ckpt_dir: str, snaps, program, *, keep: int, writes=None) -> tuple[int, int]:
     """(bytes, operations) one commit_local performs from the state ``ckpt_dir`` is in (done on a
     scratch copy); the shards are the first sum(len(ck.serialize(s))) of those bytes."""

@@ -147,6 +147,10 @@ def parse_args(argv: list[str] | None) -> dict:
     parser.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (first attempt only)")
     parser.add_argument("--fail-persist", help="RANK:STEP:BYTES: SIGKILL RANK after writing BYTES "
                         "bytes of its shard of checkpoint STEP (first attempt only)")
+    parser.add_argument("--checkpoint-compression", choices=["none", "lossless"],
+                        help="lossless: store each tensor as a zstd'd XOR delta against the previous checkpoint")
+    parser.add_argument("--checkpoint-full-every", type=int, help="with lossless: a full checkpoint every K "
+                        "(default 8)")
     parser.add_argument("--sdc-every", type=int, help="compare the replicas' parameter digests every K steps "
                         "(0: never; default: the program's sdc_every, else 20); a mismatch rolls back")
     parser.add_argument("--flip-bit", action="append", help="RANK:STEP[:TENSOR]: flip one bit of a parameter "
@@ -262,6 +266,14 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                               f"{world} ranks (0..{world - 1})")
     fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
     from runtime import sdc
+    from runtime.checkpoint.delta import FULL_EVERY, _zstd
+
+    compression = flags.get("checkpoint_compression", "none")
+    full_every = flags.get("checkpoint_full_every", FULL_EVERY)
+    if full_every < 1:
+        raise LaunchError(f"--checkpoint-full-every {full_every}: give 1 or more (1: every checkpoint full)")
+    if compression == "lossless":
+        _zstd()  # a missing zstandard is a clear error here, not in the first persist
 
     sdc_every = flags.get("sdc_every", sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every)
     if sdc_every < 0:
@@ -340,7 +352,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                 "to start over")
         checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
                                     timeout=timeout, start_step=start_step,
-                                    persist_fault=fail_persist,
+                                    persist_fault=fail_persist, compression=compression, full_every=full_every,
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
     before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir),
                          faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir))

@@ -178,6 +178,9 @@ def roll_back(trainer, exc: SilentDataCorruption, *, ckpt_dir: str | None, check
     checkpointer.settle()  # the persist in flight (possibly of a step after the corruption) ends first
     if memory is not None:
         memory.settle()
+    # rank 0 commits (manifest, pruning) after the others' persists end: nobody lists the
+    # checkpoints before every rank, rank 0 included, has settled
+    dist.barrier()
     older = [s for s in ck.list_step_dirs(ckpt_dir) if s <= exc.last_agreed]
     step = recover(trainer, ckpt_dir, not_after=exc.last_agreed) if older else 0
     if step == 0:

@@ -245,6 +245,12 @@ def cmd_run(args) -> int:
     if args.fail_persist:
         parse_fail_persist(args.fail_persist)
         extra += ["--fail-persist", args.fail_persist]
+    if args.checkpoint_compression:
+        extra += ["--checkpoint-compression", args.checkpoint_compression]
+    if args.checkpoint_full_every is not None:
+        if args.checkpoint_full_every < 1:
+            raise ValueError(f"--checkpoint-full-every {args.checkpoint_full_every}: give 1 or more")
+        extra += ["--checkpoint-full-every", str(args.checkpoint_full_every)]
     for flip in args.flip_bit or []:  # runtime/sdc.py finds it
         parsed = parse_flip_bit(flip)
         if parsed.rank >= plan.world_size or (args.steps is not None and parsed.step >= args.steps):
@@ -360,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection, first attempt)")
     r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
                    "checkpoint STEP (fault injection, first attempt)")
+    r.add_argument("--checkpoint-compression", choices=["none", "lossless"], help="lossless: each tensor a zstd'd "
+                   "XOR delta against the previous checkpoint, a full one every --checkpoint-full-every (8)")
+    r.add_argument("--checkpoint-full-every", type=int, help="with lossless: a full checkpoint every K")
     r.add_argument("--flip-bit", action="append", help="RANK:STEP[:TENSOR]: flip one bit of a parameter "
                    "before STEP (silent data corruption drill, first attempt)")
     r.add_argument("--sdc-every", type=int, help="compare the replicas' digests every K steps (0: never)")

@@ -68,7 +68,8 @@ def _canonical(obj: dict) -> bytes:
 
 
 def manifest_for(step: int, shards: list[ShardInfo], program: Program,
-                 writes: dict[int, frozenset[str]] | None = None) -> dict:
+                 writes: dict[int, frozenset[str]] | None = None, *, base_step: int | None = None,
+                 compression: str = "none") -> dict:
     """The manifest of ``program``'s checkpoint at ``step``: each shard's params and buffers from
     the rank layout, only those its rank wrote when ``writes`` (rank -> names, Note [one writer
     per byte] in runtime/checkpoint/writers.py) is given."""
@@ -88,6 +89,8 @@ def manifest_for(step: int, shards: list[ShardInfo], program: Program,
                 "workload": program.workload, "world_size": program.world_size,
                 "num_stages": program.num_stages, "dp": program.dp,
                 "created_unix": time.time(), "shards": entries}
+    if compression != "none":  # Note [lossless deltas] in runtime/checkpoint/delta.py
+        manifest.update(compression=compression, base_step=base_step)
     manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
     return manifest
 
@@ -164,10 +167,31 @@ def prune(ckpt_dir: str, *, keep: int, newest: int, fault: FaultPoint | None = N
             kept += 1
         elif s < newest:
             doomed.append(s)
+    doomed = [s for s in doomed if s not in _bases_of_kept(ckpt_dir, doomed, newest)]
     for s in sorted(set(doomed)):
         remove_checkpoint(ckpt_dir, s, fault)
     clean_debris(ckpt_dir, fault, up_to=newest)
     return sorted(set(doomed))
+
+
+def _bases_of_kept(ckpt_dir: str, doomed: list[int], newest: int) -> set[int]:
+    """Every step a kept checkpoint's delta chain reads (Note [lossless deltas] in
+    runtime/checkpoint/delta.py): retention never deletes a base a kept delta needs."""
+    needed: set[int] = set()
+    for s in list_step_dirs(ckpt_dir):
+        if s > newest or s in doomed:
+            continue
+        step = s
+        while True:
+            try:
+                base = read_manifest(ckpt_dir, step).get("base_step")
+            except (CheckpointCorruptError, OSError):
+                break
+            if not isinstance(base, int) or base >= step or base in needed:
+                break
+            needed.add(base)
+            step = base
+    return needed
 
 
 def clean_debris(ckpt_dir: str, fault: FaultPoint | None = None, *, up_to: int | None = None) -> list[str]:
@@ -220,7 +244,9 @@ def commit_local(ckpt_dir: str, snaps: list, program: Program, *, keep: int = 3,
     distributed commit does across ranks, in the same order). Used by tests and benchmarks.
     ``writes``: what each rank's snapshot holds, when it was taken with ``snapshot(t, writes)``."""
     infos = [persist_shard(ckpt_dir, s, fault) for s in snaps]
-    manifest = manifest_for(snaps[0].step, infos, program, writes)
+    enc = snaps[0].meta.get("encoding")
+    manifest = manifest_for(snaps[0].step, infos, program, writes, base_step=enc and enc["base_step"],
+                            compression="lossless" if enc else "none")
     write_manifest(ckpt_dir, manifest, fault)
     prune(ckpt_dir, keep=keep, newest=manifest["step"], fault=fault)
     return manifest
@@ -288,6 +314,8 @@ _SHARD = {"file": lambda v: isinstance(v, str) and _bare_name(v), "rank": lambda
           "bytes": lambda v: _is_int(v) and v >= 0,
           "sha256": lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None}
 _SHARD_OPTIONAL = {"buffers": _is_str_list}  # absent in manifests written before mutable buffers
+_TOP_OPTIONAL = {"compression": lambda v: v in ("none", "lossless"),  # lossless checkpoints only
+                 "base_step": lambda v: v is None or (_is_int(v) and v > 0)}
 
 
 def _bare_name(name: str) -> bool:
@@ -303,6 +331,9 @@ def schema_problem(manifest) -> str | None:
         if key not in manifest:
             return f"no {key!r}"
         if not ok(manifest[key]):
+            return f"{key!r} is {manifest[key]!r}"
+    for key, ok in _TOP_OPTIONAL.items():
+        if key in manifest and not ok(manifest[key]):
             return f"{key!r} is {manifest[key]!r}"
     ranks, files = set(), set()
     for i, entry in enumerate(manifest["shards"]):

@@ -24,6 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from runtime.checkpoint.delta import FULL_EVERY, encode_snapshot
 from runtime.checkpoint.interval import young_daly_interval
 from runtime.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
 from runtime.checkpoint.shard import shard_filename
@@ -42,7 +43,8 @@ class Checkpointer:
 
     def __init__(self, trainer, ckpt_dir: str, *, every: int = 0, keep: int = 3,
                  mtbf_s: float | None = None, timeout=None, start_step: int = 0,
-                 persist_fault: PersistFault | None = None, stats_path: str | None = None):
+                 persist_fault: PersistFault | None = None, stats_path: str | None = None,
+                 compression: str = "none", full_every: int = FULL_EVERY):
         self.trainer, self.ckpt_dir, self.keep = trainer, ckpt_dir, keep
         self.every, self.mtbf_s = int(every or 0), mtbf_s
         self.rank = trainer.rank
@@ -59,6 +61,9 @@ class Checkpointer:
         self.persist_fault = persist_fault if (persist_fault and persist_fault.rank == self.rank
                                                and first_attempt()) else None
         self.stats_path = stats_path
+        self.compression, self.full_every = compression, max(1, int(full_every))
+        self.base: tuple[int, dict] | None = None  # (step, tensors) of the last commit (Note [lossless deltas])
+        self.chain = 0  # deltas since the last full checkpoint
         self.last_step = start_step  # newest step that has (or is getting) a checkpoint
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -132,6 +137,7 @@ class Checkpointer:
         """The trainer went back to the checkpoint of ``step``: the next checkpoint points follow it."""
         self._join()
         self.last_step = step
+        self.base, self.chain = None, 0  # the kept base may be newer than the rollback: start full
 
     def finish(self) -> None:
         """Leave a committed checkpoint of the last step (then wait for its persist)."""
@@ -168,7 +174,14 @@ class Checkpointer:
             fault = None
             if self.persist_fault is not None and self.persist_fault.step == snap.step:
                 fault = FaultPoint(after_bytes=self.persist_fault.after_bytes)
-            info = persist_shard(self.ckpt_dir, snap, fault)
+            written, base_step = snap, None
+            if self.compression == "lossless":
+                base = self.base if self.base is not None and self.chain + 1 < self.full_every else None
+                base_step = base[0] if base else None
+                t1 = time.perf_counter()
+                written = encode_snapshot(snap, base[1] if base else None, base_step)
+                encode_s = time.perf_counter() - t1
+            info = persist_shard(self.ckpt_dir, written, fault)
         except Exception as exc:  # noqa: BLE001 - reported through the gather, then re-raised
             failure = exc
         persist_s = time.perf_counter() - t0
@@ -183,7 +196,10 @@ class Checkpointer:
             if failure is not None:
                 raise failure
             stat = {"step": snap.step, "rank": self.rank, "stall_s": snap.stall_s,
-                    "persist_s": persist_s, "bytes": info.bytes, "gather_s": time.perf_counter() - t0 - persist_s}
+                    "persist_s": persist_s, "bytes": info.bytes, "gather_s": time.perf_counter() - t0 - persist_s,
+                    "tensor_bytes": sum(t.numel() * t.element_size() for t in snap.tensors.values())}
+            if self.compression == "lossless":
+                stat.update(encode_s=encode_s, base_step=base_step)
             if self.rank == 0:
                 bad = [r for r, t in enumerate(rows) if int(t[2]) != 1 or int(t[0]) != snap.step]
                 if bad:
@@ -193,10 +209,14 @@ class Checkpointer:
                                       bytes(int(x) for x in t[3:].tolist()).hex())
                          for r, t in enumerate(rows)]
                 t1 = time.perf_counter()
-                write_manifest(self.ckpt_dir, manifest_for(snap.step, infos, self.trainer.program, self.writes))
+                write_manifest(self.ckpt_dir, manifest_for(snap.step, infos, self.trainer.program, self.writes,
+                                                           base_step=base_step, compression=self.compression))
                 prune(self.ckpt_dir, keep=self.keep, newest=snap.step)
                 stat["commit_s"] = time.perf_counter() - t1
             self.committed.append(snap.step)
+            if self.compression == "lossless":  # the next checkpoint's base: what just committed
+                self.chain = 0 if base_step is None else self.chain + 1
+                self.base = (snap.step, snap.tensors)
             self.stats.append(stat)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next _join
             traceback.print_exc()

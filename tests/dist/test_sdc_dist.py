@@ -1,7 +1,8 @@
 """Silent data corruption in a real torchrun job (gloo, 3 ranks, 1 stage x dp 3): one bit flipped
 in replica 1's parameter (--flip-bit) is found within K steps, blamed on replica 1 by majority,
 and the job rolls back to the newest checkpoint whose digests agreed and trains on, ending bit for
-bit where the same run without the flip ends (losses, parameters, optimizer state)."""
+bit where the same run without the flip ends (losses, parameters, optimizer state); also with
+lossless delta checkpoints, where the rollback restores from a delta chain."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def runs(tmp_path_factory):
     common = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--sdc-every", str(K)]
     args = [folder, *common, "--run-dir", f"{root}/clean", "--checkpoint-dir", f"{root}/ck_clean", "--",
             folder, *common, "--run-dir", f"{root}/flip", "--checkpoint-dir", f"{root}/ck_flip",
-            "--flip-bit", FLIP]
+            "--flip-bit", FLIP, "--",
+            folder, *common, "--run-dir", f"{root}/lossless", "--checkpoint-dir", f"{root}/ck_lossless",
+            "--flip-bit", FLIP, "--checkpoint-compression", "lossless", "--checkpoint-full-every", "3",
+            "--keep-checkpoints", "1"]
     result = subprocess.run(torchrun_command(RUN_MANY, 3, args=args), env=child_env(), capture_output=True,
                             text=True, timeout=240)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -54,15 +58,29 @@ def test_a_flipped_bit_is_found_within_k_steps_and_blamed_on_its_replica(runs):
     assert "rolled back to the checkpoint of step 4" in result.stderr
 
 
-def test_the_recovered_run_ends_bit_identical_to_the_clean_run(runs):
+@pytest.mark.parametrize("run", ["flip", "lossless"])
+def test_the_recovered_run_ends_bit_identical_to_the_clean_run(runs, run):
     root, _ = runs
-    clean, flip = _rows(f"{root}/clean/metrics.jsonl"), _rows(f"{root}/flip/metrics.jsonl")
+    clean, flip = _rows(f"{root}/clean/metrics.jsonl"), _rows(f"{root}/{run}/metrics.jsonl")
     assert [r["step"] for r in flip] == list(range(STEPS))
     assert [r["loss"] for r in flip] == [r["loss"] for r in clean]
     for r in range(3):
         for name in ("rank", "optim_rank"):
-            got = load_file(f"{root}/flip/final/{name}_{r}.safetensors")
+            got = load_file(f"{root}/{run}/final/{name}_{r}.safetensors")
             want = load_file(f"{root}/clean/final/{name}_{r}.safetensors")
             assert sorted(got) == sorted(want)
             for key in want:
                 assert torch.equal(got[key], want[key]), (r, name, key)
+
+
+def test_lossless_checkpoints_are_delta_chains_that_the_rollback_restored_from(runs):
+    from runtime import checkpoint as ck
+
+    root, _ = runs
+    assert _rows(f"{root}/lossless/sdc.jsonl")[1]["rolled_back_to"] == 4
+    ckpt = f"{root}/ck_lossless"
+    # keep 1, but the newest (8, a delta on 6) keeps its chain; every 3rd is full
+    chain = {s: ck.read_manifest(ckpt, s).get("base_step") for s in ck.list_step_dirs(ckpt)}
+    assert chain == {8: 6, 6: None}, chain
+    stats = [row for r in range(3) for row in _rows(f"{root}/lossless/checkpoint_stats_rank_{r}.jsonl")]
+    assert any(row["base_step"] is not None for row in stats)
