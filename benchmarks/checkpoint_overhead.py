@@ -5,11 +5,18 @@
    (RUN_DIR/checkpoint_stats_rank_<r>.jsonl: stall_s, persist_s, bytes) and metrics.jsonl; plus
    the step-time change against a run without periodic checkpoints (the background persist
    shares the CPU with training).
-2. Persist throughput (shard bytes / persist seconds: serialize, sha256, write, fsync, rename)
-   against the raw fsync'd write throughput of the same directory, measured in the same run.
+2. Persist throughput (shard bytes / persist seconds: header, streamed tensor buffers hashed while
+   written, fsync, rename) against the raw fsync'd write throughput of the same directory,
+   measured in the same run, alternating (targets: >= 80% alone, >= 60% while training).
 3. The interval Young/Daly picks for --mtbf 6h from the measured stall.
 4. Recovery time: a rank SIGKILLed (--fail-at), torchrun restarts the job (--max-restarts 1);
    time from the kill to the end of the first resumed step.
+5. Writer balance (Note [one writer per byte]): a 1-stage x dp 2 program of the same model, in
+   the same launch; bytes each rank writes per checkpoint, max/mean, and the total against every
+   replica writing everything.
+6. Silent data corruption check (Note [replica digests]) of that dp 2 run at the default K: the
+   measured seconds per check over K steps against the median step time (target <= 1%), beside
+   the cost model's figure (partitioner/solver/sdc_cost.py).
 
     python benchmarks/checkpoint_overhead.py [--steps 40] [--width 256] [--layers 4]
 """
@@ -28,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _torchrun import DRIVER, REPO  # noqa: E402
 from _torchrun import rows as _rows  # noqa: E402
 from _torchrun import torchrun as _torchrun  # noqa: E402
+
+from runtime.sdc import DEFAULT_EVERY  # noqa: E402
 
 
 def raw_fsync_throughput(directory: str, total_mib: int = 64, chunk_mib: int = 1) -> float:
@@ -48,8 +57,10 @@ def raw_fsync_throughput(directory: str, total_mib: int = 64, chunk_mib: int = 1
     return (total_mib << 20) / elapsed
 
 
-def idle_persist_throughput(folder: str, root: str, reps: int = 3) -> float:
-    """Bytes/s of persisting rank 0's shard with nothing else running (median of ``reps``)."""
+def idle_persist_vs_raw(folder: str, root: str, reps: int = 5) -> tuple[float, float, int]:
+    """(persist bytes/s, raw fsync'd bytes/s, shard bytes) with nothing else of ours running:
+    rank 0's shard persisted and the raw probe run alternately, ``reps`` times each, medians (the
+    machine's other load hits both alike)."""
     import torch
 
     from runtime import checkpoint as ck
@@ -59,12 +70,53 @@ def idle_persist_throughput(folder: str, root: str, reps: int = 3) -> float:
     trainer = FakeTrainer(folder, 0)
     trainer.fake_step(0)
     snap = ck.snapshot(trainer)
-    rates = []
+    rates, raws = [], []
     for i in range(reps):
+        raws.append(raw_fsync_throughput(root))
         t0 = time.perf_counter()
         info = ck.persist_shard(os.path.join(root, f"idle_{i}"), snap)
         rates.append(info.bytes / (time.perf_counter() - t0))
-    return statistics.median(rates)
+    return statistics.median(rates), statistics.median(raws), info.bytes
+
+
+def writer_balance(root: str, steps: int) -> None:
+    """Section 5: bytes per rank per checkpoint of the dp 2 run."""
+    per_rank = {}
+    for r in range(2):
+        rows = [s for s in _rows(f"{root}/run_dp2/checkpoint_stats_rank_{r}.jsonl") if s["step"] < steps]
+        per_rank[r] = statistics.median(s["bytes"] for s in rows)
+    mean = sum(per_rank.values()) / len(per_rank)
+    full = _rows(f"{root}/dp2_full_bytes.jsonl")[0]["bytes"]
+    print(f"   bytes per checkpoint: " + ", ".join(f"rank {r} {b / 2**20:.2f} MiB" for r, b in per_rank.items())
+          + f"; max/mean {max(per_rank.values()) / mean:.3f}; total {sum(per_rank.values()) / 2**20:.2f} MiB "
+            f"against {full / 2**20:.2f} MiB with every replica writing everything "
+            f"({sum(per_rank.values()) / full:.0%})")
+
+
+def sdc_overhead(root: str, folder: str) -> None:
+    from partitioner.plan import Plan
+    from partitioner.solver.sdc_cost import replica_check_s_per_step
+
+    checks = [json.load(open(f"{root}/run_dp2/sdc_stats_rank_{r}.json")) for r in range(2)]
+    per_check = statistics.median(s for c in checks for s in c["seconds"])
+    step = statistics.median(r["step_time_s"] for r in _rows(f"{root}/run_dp2/metrics.jsonl")[1:])
+    share = per_check / (DEFAULT_EVERY * step)
+    plan = Plan.load(folder)
+    predicted = replica_check_s_per_step(plan, DEFAULT_EVERY)
+    print(f"   {sum(c['checks'] for c in checks) // 2} checks per rank, median {per_check * 1e3:.2f} ms each; "
+          f"median step {step:.4f} s; per step at K={DEFAULT_EVERY}: {per_check / DEFAULT_EVERY * 1e3:.3f} ms = "
+          f"{share:.3%} of a step (target <= 1%: {'met' if share <= 0.01 else 'MISSED'}); cost model "
+          f"{predicted * 1e3:.3f} ms/step ({predicted / plan.predicted['step_time_s']:.3%} of the predicted step)")
+
+
+def _full_bytes_dp2(folder: str, root: str) -> None:
+    """What one checkpoint of the dp 2 program would be if every replica wrote its whole state."""
+    from runtime import checkpoint as ck
+    from runtime.checkpoint_drills import trainers_at
+
+    total = sum(len(ck.serialize(ck.snapshot(t))) for t in trainers_at(folder, 1))
+    with open(f"{root}/dp2_full_bytes.jsonl", "w") as f:
+        f.write(json.dumps({"bytes": total}) + "\n")
 
 
 def main() -> int:
@@ -86,6 +138,9 @@ def main() -> int:
     plan = partitioner.compile(model, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8,
                                num_stages=2, dp=1, microbatches=2)
     plan.save(folder)
+    dp2 = os.path.join(root, "program_dp2")
+    partitioner.compile(model, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8,
+                        num_stages=1, dp=2, microbatches=2).save(dp2)
     print(f"model: gpt layers={args.layers} width={args.width} ({n_params / 1e6:.2f} M parameters), "
           f"2 stages on 2 ranks, {args.steps} steps per configuration, gloo on {os.cpu_count()} cores")
 
@@ -96,9 +151,11 @@ def main() -> int:
         tag = name.replace(" ", "_")
         job += [folder, "--steps", str(args.steps), "--run-dir", f"{root}/run_{tag}",
                 "--checkpoint-dir", f"{root}/ck_{tag}", *flags, "--"]
+    job += [dp2, "--steps", str(args.steps), "--run-dir", f"{root}/run_dp2", "--checkpoint-dir",
+            f"{root}/ck_dp2", "--checkpoint-every", "10"]
     result = _torchrun(2, [DRIVER, *job])
-    raw = raw_fsync_throughput(root)
-    idle = idle_persist_throughput(folder, root)
+    idle, raw, idle_bytes = idle_persist_vs_raw(folder, root)
+    _full_bytes_dp2(dp2, root)
 
     print("\n1. snapshot stall (copy to host memory; the only stall) vs step time")
     print(f"   {'config':<10} {'median step s':>13} {'stall ms':>9} {'stall/step time':>16} "
@@ -124,14 +181,19 @@ def main() -> int:
     with open(f"{root}/run_mtbf_6h/checkpoint_interval.json") as f:
         choice = json.load(f)
 
-    print("\n2. persist throughput (serialize + sha256 + write + fsync + rename of one rank's shard)")
+    print("\n2. persist throughput (header + streamed tensors hashed while written + fsync + rename of one "
+          "rank's shard)")
     total_bytes = sum(s["bytes"] for s in persist_rows)
     total_s = sum(s["persist_s"] for s in persist_rows)
+    training, alone = total_bytes / total_s / raw, idle / raw
     print(f"   shards: {len(persist_rows)} of {persist_rows[0]['bytes'] / 2**20:.1f} MiB; persist "
           f"{total_bytes / total_s / 2**20:.0f} MiB/s while training (the persist threads share the "
-          f"CPUs with training), {idle / 2**20:.0f} MiB/s alone; raw fsync'd write "
-          f"{raw / 2**20:.0f} MiB/s in the same folder ({total_bytes / total_s / raw:.0%} and "
-          f"{idle / raw:.0%} of it)")
+          f"CPUs with training), {idle / 2**20:.0f} MiB/s alone ({idle_bytes / 2**20:.1f} MiB shard); raw "
+          f"fsync'd write {raw / 2**20:.0f} MiB/s in the same folder (64 MiB, median of 5 alternating "
+          f"with the persist)")
+    print(f"   persist / raw: {alone:.0%} alone (target >= 80%: {'met' if alone >= 0.8 else 'MISSED'}), "
+          f"{training:.0%} while training (target >= 60%: {'met' if training >= 0.6 else 'MISSED'}); "
+          "a machine shared with other jobs: both figures are noisy")
 
     print("\n3. --mtbf 6h: " + next((line.split("] ", 1)[1] for line in result.stderr.splitlines()
                                      if "checkpoint interval: every" in line), json.dumps(choice)))
@@ -150,6 +212,11 @@ def main() -> int:
           f"kill -> first resumed step done: {first['time_unix'] - fault['time_unix']:.1f} s "
           f"(restart, imports, rendezvous, process groups, checkpoint load: "
           f"{start - fault['time_unix']:.1f} s; the step: {first['step_time_s']:.2f} s)")
+    print("\n5. writer balance, 1 stage x dp 2 (each name written by one replica, Note [one writer per byte])")
+    writer_balance(root, args.steps)
+    print(f"\n6. replica digest check, 1 stage x dp 2, every {DEFAULT_EVERY} steps (the default K) and before "
+          "each checkpoint")
+    sdc_overhead(root, dp2)
     print(f"\nfolder: {root}")
     return 0
 

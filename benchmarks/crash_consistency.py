@@ -1,8 +1,9 @@
 """Crash consistency of the checkpoint persist: SIGKILL at >= 1000 seeded random points.
 
-A compiled 2 x 2 GPT program's four rank shards (real optimizer state after a few steps) are
-committed with the runtime's protocol (``runtime.checkpoint.commit_local``: shards, manifest,
-pruning, in the order the distributed commit uses). Checkpoints of steps 1 and 2 exist; the
+A compiled 2 x 2 GPT program's four rank shards (real optimizer state after a few steps, each
+replica writing its share: Note [one writer per byte]) are committed with the runtime's protocol
+(``runtime.checkpoint.commit_local``: shards, manifest, pruning, in the order the distributed
+commit uses). Checkpoints of steps 1 and 2 exist; the
 persist of step 3 runs in a forked child that SIGKILLs itself after a random number of bytes or
 before a random operation (open, write, fsync, rename, mkdir, unlink, rmtree, directory fsync);
 the points cycle over a byte of the shards, a byte of the manifest, and an operation.
@@ -26,7 +27,8 @@ import time
 import torch
 
 from runtime import checkpoint as ck
-from runtime.checkpoint_drills import count_commit, killed_commit, newest_for_all, random_point, same_state, trainers_at
+from runtime.checkpoint_drills import (count_commit, drill_writes, killed_commit, newest_for_all, random_point,
+                                      same_state, trainers_at)
 from runtime.program import load_program
 
 
@@ -50,17 +52,22 @@ def main() -> int:
     plan.save(folder)
     program = load_program(folder)
     trainers = trainers_at(folder, 1)
+    writes = drill_writes(trainers, program)
     base = os.path.join(root, "base")
-    ck.commit_local(base, [ck.snapshot(t) for t in trainers], program, keep=args.keep)
+
+    def shares():  # what each rank writes now, and the whole state (what every load must equal)
+        return [ck.snapshot(t, writes[t.rank]) for t in trainers], [ck.snapshot(t) for t in trainers]
+
+    ck.commit_local(base, shares()[0], program, keep=args.keep, writes=writes)
     for t in trainers:
         t.fake_step(1)
-    old = [ck.snapshot(t) for t in trainers]
-    ck.commit_local(base, old, program, keep=args.keep)
+    old_share, old = shares()
+    ck.commit_local(base, old_share, program, keep=args.keep, writes=writes)
     for t in trainers:
         t.fake_step(2)
-    new = [ck.snapshot(t) for t in trainers]
-    total_bytes, total_ops = count_commit(base, new, program, keep=args.keep)
-    shard_bytes = sum(len(ck.serialize(s)) for s in new)
+    share, new = shares()
+    total_bytes, total_ops = count_commit(base, share, program, keep=args.keep, writes=writes)
+    shard_bytes = sum(len(ck.serialize(s)) for s in share)
     print(f"program: {program.world_size} shards, commit of step 3 = {total_bytes} bytes in "
           f"{total_ops} operations (shards, manifest, pruning with keep={args.keep})")
 
@@ -75,7 +82,7 @@ def main() -> int:
         shutil.copytree(base, work)
         point = random_point(rng, trial, total_bytes, total_ops, shard_bytes)
         kind = ("shard byte", "manifest byte", "op")[trial % 3]
-        if not killed_commit(work, new, program, keep=args.keep, **point):
+        if not killed_commit(work, share, program, keep=args.keep, writes=writes, **point):
             bad.append((trial, point, "the child was not killed"))
             continue
         by_kind[kind] += 1
@@ -89,7 +96,7 @@ def main() -> int:
             continue
         outcomes["previous (step 2)" if step == 2 else "new (step 3)"] += 1
         if trial % 10 == 0:
-            ck.commit_local(work, new, program, keep=args.keep)
+            ck.commit_local(work, share, program, keep=args.keep, writes=writes)
             step, loads = newest_for_all(work, program)
             if step != 3 or not all(same_state(loads[r], new[r]) for r in loads):
                 bad.append((trial, point, "the retry did not commit step 3"))

@@ -72,20 +72,43 @@ def random_point(rng, trial: int, total_bytes: int, total_ops: int, shard_bytes:
     return {"before_op": rng.randrange(0, total_ops)}
 
 
-def count_commit(ckpt_dir: str, snaps, program, *, keep: int) -> tuple[int, int]:
+def drill_writes(trainers, program: Program) -> dict[int, frozenset[str]]:
+    """What each rank of ``trainers`` writes (Note [one writer per byte]), as the Checkpointer
+    computes it across ranks."""
+    from runtime.checkpoint.writers import write_cost, writes_of_ranks
+
+    nbytes: dict[str, int] = {}
+    for t in trainers:
+        nbytes.update(write_cost(t))
+    return writes_of_ranks(program, nbytes)
+
+
+def lossless_snaps(trainers, writes, base: dict | None, base_step: int | None) -> list:
+    """Each rank's share encoded as the Checkpointer encodes it (Note [lossless deltas]): against
+    ``base`` (rank -> the tensors of its last committed share), or full when None."""
+    from runtime.checkpoint.delta import encode_snapshot
+
+    out = []
+    for t in trainers:
+        share = ck.snapshot(t, None if writes is None else writes[t.rank])
+        out.append(encode_snapshot(share, None if base is None else base[t.rank], base_step))
+    return out
+
+
+def count_commit(ckpt_dir: str, snaps, program, *, keep: int, writes=None) -> tuple[int, int]:
     """(bytes, operations) one commit_local performs from the state ``ckpt_dir`` is in (done on a
     scratch copy); the shards are the first sum(len(ck.serialize(s))) of those bytes."""
     scratch = ckpt_dir.rstrip("/") + ".count"
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(ckpt_dir, scratch)
     counter = ck.FaultPoint(action="raise")
-    ck.commit_local(scratch, snaps, program, keep=keep, fault=counter)
+    ck.commit_local(scratch, snaps, program, keep=keep, fault=counter, writes=writes)
     shutil.rmtree(scratch, ignore_errors=True)
     return counter.bytes_done, counter.ops_done
 
 
 def killed_commit(ckpt_dir: str, snaps, program, *, keep: int, after_bytes=None, before_op=None,
-                  timeout_s: float = 30.0) -> bool:
+                  timeout_s: float = 30.0, writes=None) -> bool:
     """Run commit_local in a forked child that SIGKILLs itself at the given point; True if it
     died there (False: the point lay beyond the end and the commit finished)."""
     pid = os.fork()
@@ -93,7 +116,7 @@ def killed_commit(ckpt_dir: str, snaps, program, *, keep: int, after_bytes=None,
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)  # the "[fault] killing ..." line, once per trial
         try:
-            ck.commit_local(ckpt_dir, snaps, program, keep=keep,
+            ck.commit_local(ckpt_dir, snaps, program, keep=keep, writes=writes,
                             fault=ck.FaultPoint(after_bytes=after_bytes, before_op=before_op))
             os._exit(0)
         except BaseException:  # noqa: BLE001
@@ -134,7 +157,8 @@ def newest_for_all(ckpt_dir: str, program: Program) -> tuple[int | None, dict]:
 
 
 def same_state(loaded: ck.LoadedCheckpoint, snap: ck.Snapshot) -> bool:
-    """Every parameter and optimizer tensor of ``loaded`` equals the snapshot's, bit for bit."""
+    """Every parameter and optimizer tensor of ``loaded`` equals the snapshot's (a whole one, taken
+    without ``writes``), bit for bit."""
     for name, t in loaded.params.items():
         if not torch.equal(t, snap.tensors[f"param/{name}"]):
             return False

@@ -11,6 +11,9 @@ fire these import this one).
 - ``--fail-host HOST:STEP[:ATTEMPT]`` (``parse_fail_host``, ``host_hook``): every rank of HOST
   marks the host lost (the memory tier wipes a lost host's shared memory at the restart) and
   SIGKILLs itself before step STEP, in that attempt of the torchrun job (default the first).
+- ``--flip-bit RANK:STEP[:TENSOR]`` (``BitFlip``, ``flip_hook``): just before step STEP, rank RANK
+  flips one bit of element 0 of parameter TENSOR (original name; default its first parameter):
+  the silent data corruption runtime/sdc.py must find. Fires once per process, first attempt only.
 - ``FaultPoint``: die after a number of bytes written or before a numbered file operation of a
   checkpoint persist (Note [crash consistency] in runtime/checkpoint/manifest.py); action "raise"
   is the in-process stand-in (``SimulatedCrash``) for the one-process drills.
@@ -72,6 +75,64 @@ def parse_fail_persist(text: str) -> PersistFault:
     except ValueError:
         raise ValueError(f"--fail-persist {text!r}: write RANK:STEP:BYTES, e.g. 0:4:1000") from None
     return PersistFault(rank, step, nbytes)
+
+
+@dataclass(frozen=True)
+class BitFlip:
+    rank: int
+    step: int
+    tensor: str | None = None
+
+
+def parse_flip_bit(text: str) -> BitFlip:
+    parts = str(text).split(":", 2)
+    try:
+        if len(parts) < 2 or int(parts[0]) < 0 or int(parts[1]) < 0:
+            raise ValueError
+        flip = BitFlip(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 and parts[2] else None)
+    except ValueError:
+        raise ValueError(f"--flip-bit {text!r}: write RANK:STEP[:TENSOR], e.g. 1:5 or 1:5:layers.0.weight") from None
+    return flip
+
+
+def flip_bit(tensor) -> int:
+    """Flip one bit of element 0 of ``tensor`` in place (bit 20 of a 4-byte word, a low mantissa
+    bit of a float32: the value changes, stays finite); returns the bit's index in its word."""
+    import torch
+
+    flat = tensor.detach().view(-1)
+    size = flat.element_size()
+    word = torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8
+    bit = {torch.int32: 20, torch.int16: 4, torch.uint8: 2}[word]
+    words = flat.view(word)
+    with torch.no_grad():
+        words[0:1].bitwise_xor_(torch.tensor(1 << bit, dtype=word, device=words.device))
+    return bit
+
+
+def flip_hook(flips: list[BitFlip], rank: int, params: dict, run_dir: str | None = None):
+    """A ``before_step(step)`` callable for --flip-bit on ``rank`` (``params``: original name ->
+    parameter), or None when none can fire. Each flip fires once (a rollback re-runs the step
+    clean). An unknown TENSOR is a ValueError naming the rank's parameters."""
+    mine = {f.step: f for f in flips if f.rank == rank}
+    if not mine or not first_attempt():
+        return None
+    for f in mine.values():
+        if f.tensor is not None and f.tensor not in params:
+            raise ValueError(f"--flip-bit {f.rank}:{f.step}:{f.tensor}: rank {rank} holds no parameter "
+                             f"{f.tensor!r}; it holds {sorted(params)[:8]}{' ...' if len(params) > 8 else ''}")
+    fired: set[int] = set()
+
+    def before_step(step: int) -> None:
+        if step in mine and step not in fired:
+            fired.add(step)
+            f = mine[step]
+            name = f.tensor or next(iter(params))
+            bit = flip_bit(params[name])
+            record(run_dir, rank, step, f"flip-bit {name}")
+            say(rank, f"fault injection: flipped bit {bit} of {name}[0] before step {step}")
+
+    return before_step
 
 
 def parse_fail_host(text: str) -> tuple[int, int, int]:

@@ -147,6 +147,14 @@ def parse_args(argv: list[str] | None) -> dict:
     parser.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (first attempt only)")
     parser.add_argument("--fail-persist", help="RANK:STEP:BYTES: SIGKILL RANK after writing BYTES "
                         "bytes of its shard of checkpoint STEP (first attempt only)")
+    parser.add_argument("--checkpoint-compression", choices=["none", "lossless"],
+                        help="lossless: store each tensor as a zstd'd XOR delta against the previous checkpoint")
+    parser.add_argument("--checkpoint-full-every", type=int, help="with lossless: a full checkpoint every K "
+                        "(default 8)")
+    parser.add_argument("--sdc-every", type=int, help="compare the replicas' parameter digests every K steps "
+                        "(0: never; default: the program's sdc_every, else 20); a mismatch rolls back")
+    parser.add_argument("--flip-bit", action="append", help="RANK:STEP[:TENSOR]: flip one bit of a parameter "
+                        "before STEP (silent data corruption drill, first attempt only)")
     parser.add_argument("--memory-tier", choices=["off", "auto", "none", "copy", "parity"],
                         help="in-memory checkpoints in host shared memory, with redundancy across hosts: "
                         "none (own host only), copy (a peer holds a full copy), parity (XOR over a group); "
@@ -257,6 +265,24 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             raise LaunchError(f"--fail-at {text}: rank {fault.rank} does not exist, the program has "
                               f"{world} ranks (0..{world - 1})")
     fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
+    from runtime import sdc
+    from runtime.checkpoint.delta import FULL_EVERY, _zstd
+
+    compression = flags.get("checkpoint_compression", "none")
+    full_every = flags.get("checkpoint_full_every", FULL_EVERY)
+    if full_every < 1:
+        raise LaunchError(f"--checkpoint-full-every {full_every}: give 1 or more (1: every checkpoint full)")
+    if compression == "lossless":
+        _zstd()  # a missing zstandard is a clear error here, not in the first persist
+
+    sdc_every = flags.get("sdc_every", sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every)
+    if sdc_every < 0:
+        raise LaunchError(f"--sdc-every {sdc_every}: give a number of steps >= 0 (0: no replica check)")
+    flips = [faults.parse_flip_bit(t) for t in flags.get("flip_bit", [])]
+    for text, flip in zip(flags.get("flip_bit", []), flips):
+        if flip.rank >= world:
+            raise LaunchError(f"--flip-bit {text}: rank {flip.rank} does not exist, the program has "
+                              f"{world} ranks (0..{world - 1})")
     from runtime import memtier
 
     memory_settings = memtier.settings_from(program.memory_tier, flags) if use_ckpt else None
@@ -331,22 +357,36 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                 "to start over")
         checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
                                     timeout=timeout, start_step=start_step,
-                                    persist_fault=fail_persist,
+                                    persist_fault=fail_persist, compression=compression, full_every=full_every,
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
-    before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir))
+    before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir),
+                         faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir))
     _at["ckpt_dir"] = ckpt_dir if use_ckpt else None
     after_step = checkpointer.after_step if checkpointer else None
     if use_ckpt and memory is not None:
         before_step = _chain(memory.fault_hook(), before_step)
         after_step = _chain(memory.after_step, after_step)
+    check = None  # Note [replica digests] in runtime/sdc.py: before the checkpoint points of a step
+    if sdc_every and program.dp > 1:
+        check = sdc.ReplicaCheck(trainer, sdc_every, run_dir=run_dir, last_step=steps,
+                                 also_at=checkpointer.due if checkpointer else None, start_step=start_step)
+        after_step = _chain(check.after_step, after_step)
     log_every = (flags.get("log_every") or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
     from runtime import memory as peak
 
     meter = peak.PeakMemory(trainer).start() if device.type == "cuda" or peak.requested(flags) else None
     if meter is not None:
         after_step = meter.unmeasured(after_step)
-    losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
-                         before_step=before_step, after_step=after_step)
+    while True:
+        try:
+            losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
+                                 before_step=before_step, after_step=after_step)
+            break
+        except sdc.SilentDataCorruption as exc:  # on every rank alike: roll back together, train on
+            start_step = sdc.roll_back(trainer, exc, ckpt_dir=ckpt_dir if use_ckpt else None,
+                                       checkpointer=checkpointer, memory=memory if use_ckpt else None, check=check)
+    if check is not None:
+        check.finish()
     if meter is not None:
         meter.stop()
         peak.report(meter, folder=folder, rank=rank, run_dir=run_dir)

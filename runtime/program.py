@@ -50,6 +50,8 @@ class Program:
     seed: int = 0              # random ops per microbatch and the host generators (seed + rank) derive from it
     collective_timeout_s: float = 600  # every collective and p2p op (Note [no hangs] in launch.py)
     checkpoint_every: int = 0          # checkpoint every K steps (0: see mtbf_s, else only the last)
+    sdc_every: int | None = None       # compare replica digests every K steps (0: never; None: runtime/sdc.py's
+                                       # DEFAULT_EVERY); Note [replica digests]
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
     memory_tier: MemoryTierPlan | None = None
@@ -127,6 +129,8 @@ def _validate(program: Program) -> None:
         raise ValueError(f"schedule {program.schedule!r} is not one of {SCHEDULES}")
     for name in ("world_size", "num_stages", "dp", "num_microbatches", "global_batch"):
         check_positive(getattr(program, name), name)
+    if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
+        raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
     if program.device not in ("cpu", "cuda"):
         raise ValueError(f"device {program.device!r} is not 'cpu' or 'cuda'")
     world, p, dp, m = program.world_size, program.num_stages, program.dp, program.num_microbatches

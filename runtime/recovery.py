@@ -54,13 +54,16 @@ _MAX_ROUNDS = 6
 # The disk tier (Note [recovery agreement])
 
 
-def recover(trainer, ckpt_dir: str, *, group=None) -> int:
+def recover(trainer, ckpt_dir: str, *, group=None, not_after: int | None = None) -> int:
     """Restore the newest checkpoint valid on every rank into ``trainer``; returns the step to
-    start at (0 when there is none). Collective over ``group`` (default: the world)."""
+    start at (0 when there is none). Collective over ``group`` (default: the world).
+    ``not_after``: only checkpoints of that step or older (a rollback, runtime/sdc.py)."""
     program, rank = trainer.program, trainer.rank
     needed = ck.needed_names(trainer)
     valid, newest = ck.find_valid(ckpt_dir, program, rank, needed, limit=ck.RESUME_CANDIDATES,
                                   warn=lambda msg: say(rank, "warning: " + msg))
+    if not_after is not None:
+        valid = [s for s in valid if s <= not_after]
     mine = torch.full((ck.RESUME_CANDIDATES,), -1, dtype=torch.int64)
     mine[:len(valid)] = torch.tensor(valid, dtype=torch.int64)
     world = dist.get_world_size(group)

@@ -227,7 +227,7 @@ def cmd_run(args) -> int:
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
     from partitioner.plan import Plan
     from runtime.checkpoint import check_writable, parse_duration_s
-    from runtime.faults import parse_fail_at, parse_fail_persist
+    from runtime.faults import parse_fail_at, parse_fail_persist, parse_flip_bit
 
     folder = Path(args.dir)
     if args.steps is not None and args.steps < 1:
@@ -275,6 +275,22 @@ def cmd_run(args) -> int:
     if args.fail_persist:
         parse_fail_persist(args.fail_persist)
         extra += ["--fail-persist", args.fail_persist]
+    if args.checkpoint_compression:
+        extra += ["--checkpoint-compression", args.checkpoint_compression]
+    if args.checkpoint_full_every is not None:
+        if args.checkpoint_full_every < 1:
+            raise ValueError(f"--checkpoint-full-every {args.checkpoint_full_every}: give 1 or more")
+        extra += ["--checkpoint-full-every", str(args.checkpoint_full_every)]
+    for flip in args.flip_bit or []:  # runtime/sdc.py finds it
+        parsed = parse_flip_bit(flip)
+        if parsed.rank >= plan.world_size or (args.steps is not None and parsed.step >= args.steps):
+            raise ValueError(f"--flip-bit {flip}: rank {parsed.rank} step {parsed.step} is never reached ({folder} "
+                             f"runs {plan.world_size} ranks{f' for {args.steps} steps' if args.steps else ''})")
+        extra += ["--flip-bit", flip]
+    if args.sdc_every is not None:
+        if args.sdc_every < 0:
+            raise ValueError(f"--sdc-every {args.sdc_every}: give a number of steps >= 0 (0: no replica check)")
+        extra += ["--sdc-every", str(args.sdc_every)]
     if args.collective_timeout is not None:
         extra += ["--collective-timeout", str(args.collective_timeout)]
     extra += _memory_tier_flags(args, plan.world_size)
@@ -423,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection, first attempt)")
     r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
                    "checkpoint STEP (fault injection, first attempt)")
+    r.add_argument("--checkpoint-compression", choices=["none", "lossless"], help="lossless: each tensor a zstd'd "
+                   "XOR delta against the previous checkpoint, a full one every --checkpoint-full-every (8)")
+    r.add_argument("--checkpoint-full-every", type=int, help="with lossless: a full checkpoint every K")
+    r.add_argument("--flip-bit", action="append", help="RANK:STEP[:TENSOR]: flip one bit of a parameter "
+                   "before STEP (silent data corruption drill, first attempt)")
+    r.add_argument("--sdc-every", type=int, help="compare the replicas' digests every K steps (0: never)")
     r.add_argument("--collective-timeout", type=float, help="seconds (default: the plan's)")
     r.add_argument("--memory-tier", choices=["off", "auto", "none", "copy", "parity"], help="in-memory "
                    "checkpoints every step, with redundancy across hosts (default: the plan's choice)")

@@ -15,6 +15,7 @@
     baselines.py        uniform-by-layer and parameter-balanced splits
     chain_dp.py         exact dynamic program for chains (the ILP's oracle in tests)
     serialize.py        problem and assignment to and from plain dicts (plan.json)
+    sdc_cost.py         what the replica digest check (runtime/sdc.py) costs a step, beside the plan
 """
 
 from partitioner.solver.baselines import BaselineCost, evaluate_baselines, param_balanced_split, uniform_split

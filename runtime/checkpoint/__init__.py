@@ -4,11 +4,13 @@ this package re-exports the names callers use (``from runtime import checkpoint 
 
 Rooms
 -----
-shard     the shard format, its one writer for the disk (``serialize``) and for preallocated memory
+shard     the shard format, its layout for the disk (``shard_pieces``, streamed) and for preallocated memory
           (``ShardLayout``), its one reader (``parse_shard``) (Note [checkpoint format])
 state     what a shard holds of a RankTrainer (``state_entries``, ``snapshot``, RNG states) and how
           a loaded one goes back in (``LoadedCheckpoint``, ``take_state``, ``restore``)
-durable   tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``
+durable   tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``;
+          ``write_pieces_atomic`` streams buffers and hashes them while writing
+writers   which rank writes each name (``writes_of_ranks``, ``assign_writers``; Note [one writer per byte])
 manifest  the commit record (``manifest_for``, ``write_manifest``, ``read_manifest`` with its schema
           check), the step directories, pruning to N that verify, debris, ``commit_local``
           (Notes [crash consistency], [manifest schema])
@@ -23,7 +25,8 @@ every rank resumes from, and the memory tier before it) is runtime/recovery.py; 
 is runtime/memtier/.
 """
 
-from runtime.checkpoint.durable import CHUNK_BYTES, check_writable, fsync_dir, makedirs_durable, write_file_atomic
+from runtime.checkpoint.durable import (CHUNK_BYTES, check_writable, fsync_dir, makedirs_durable, write_file_atomic,
+                                        write_pieces_atomic)
 from runtime.checkpoint.interval import parse_duration_s, young_daly_interval
 from runtime.checkpoint.load import (READS, RESUME_CANDIDATES, ShardChoice, choose_shards, find_valid, load_for_rank,
                                      loaded_from_bytes, parse_verified, read_shard)
@@ -31,19 +34,20 @@ from runtime.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, clean
                                          manifest_for, newest_committed, persist_shard, prune, read_manifest,
                                          remove_checkpoint, schema_problem, verifies, write_manifest)
 from runtime.checkpoint.persist import Checkpointer
-from runtime.checkpoint.shard import FORMAT, ShardLayout, parse_shard, serialize, shard_filename, step_dirname
+from runtime.checkpoint.shard import (FORMAT, READABLE_FORMATS, ShardLayout, parse_shard, serialize, shard_filename,
+                                      shard_pieces, step_dirname)
 from runtime.checkpoint.state import (LoadedCheckpoint, Snapshot, capture_rng, needed_names, restore, restore_rng,
                                       snapshot, state_entries, state_names, take_state)
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.faults import FaultPoint, SimulatedCrash
 
 __all__ = [
-    "CHUNK_BYTES", "FORMAT", "MANIFEST", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
+    "CHUNK_BYTES", "FORMAT", "MANIFEST", "READABLE_FORMATS", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
     "FaultPoint", "LoadedCheckpoint", "PlanMismatchError", "ShardChoice", "ShardInfo", "ShardLayout",
     "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "choose_shards", "clean_debris",
     "commit_local", "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes",
     "makedirs_durable", "manifest_for", "needed_names", "newest_committed", "parse_duration_s", "parse_shard",
     "parse_verified", "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore",
-    "restore_rng", "schema_problem", "serialize", "shard_filename", "snapshot", "state_entries", "state_names",
-    "step_dirname", "take_state", "verifies", "write_file_atomic", "write_manifest", "young_daly_interval",
+    "restore_rng", "schema_problem", "serialize", "shard_filename", "shard_pieces", "snapshot", "state_entries", "state_names",
+    "step_dirname", "take_state", "verifies", "write_file_atomic", "write_manifest", "write_pieces_atomic", "young_daly_interval",
 ]

@@ -31,8 +31,11 @@ def parse_verified(data, where: str) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointCorruptError(f"{where} does not parse ({exc})") from None
 
 
-def read_shard(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, meta) of one shard listed in ``manifest``, after checking size and sha256."""
+def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
+               cache: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) of one shard listed in ``manifest``, after checking size and sha256; an
+    encoded shard is decoded, reading the bases its deltas need (Note [lossless deltas] in
+    runtime/checkpoint/delta.py; ``cache``: shards and manifests already read in this load)."""
     name = entry.get("file") if isinstance(entry, dict) else None
     if not isinstance(name, str) or not _bare_name(name):  # read_manifest checked; a hand-built one may not be
         raise CheckpointCorruptError(f"shard file {name!r} of step {manifest.get('step')} is not a bare file name")
@@ -50,7 +53,44 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, to
     if digest != entry["sha256"]:
         raise CheckpointCorruptError(f"{path} fails its sha256 (manifest {entry['sha256'][:12]}..., "
                                      f"file {digest[:12]}...)")
-    return parse_verified(data, path)
+    tensors, meta = parse_verified(data, path)
+    if isinstance(meta, dict) and meta.get("encoding"):
+        tensors = _decoded(ckpt_dir, manifest, tensors, meta, path, {} if cache is None else cache)
+    return tensors, meta
+
+
+def _name_of(key: str) -> str:
+    """The parameter or buffer name of a shard key ("param/N", "optim/N/exp_avg", "buffer/N")."""
+    kind, rest = key.split("/", 1)
+    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
+
+
+def _decoded(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cache: dict):
+    from runtime.checkpoint.delta import decode_shard
+
+    enc = meta["encoding"]
+    base_step = enc.get("base_step") if isinstance(enc, dict) else None
+
+    def base_tensor(key: str) -> torch.Tensor:
+        if not isinstance(base_step, int) or not 0 < base_step < manifest["step"]:
+            raise CheckpointCorruptError(f"{where}: {key!r} is a delta with no valid base step ({base_step!r})")
+        try:
+            base = cache.get(("manifest", base_step)) or read_manifest(ckpt_dir, base_step)
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{where} is a delta against step {base_step}, which is not a "
+                                         f"checkpoint any more ({exc})") from None
+        cache[("manifest", base_step)] = base
+        holder = next((e for e in sorted(base["shards"], key=lambda e: e["rank"]) if _holds(e, _name_of(key))), None)
+        if holder is None:
+            raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {key!r}")
+        ident = ("shard", base_step, holder["file"])
+        if ident not in cache:
+            cache[ident] = read_shard(ckpt_dir, base, holder, cache)
+        if key not in cache[ident][0]:
+            raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {key!r}")
+        return cache[ident][0][key]
+
+    return decode_shard(tensors, meta, base_tensor, where)
 
 
 def _holds(entry: dict, name: str) -> bool:
@@ -69,8 +109,9 @@ class ShardChoice:
 
 
 def choose_shards(manifest: dict, program: Program, rank: int, needed: list[str]) -> ShardChoice:
-    """Each needed parameter comes from this rank's own shard when the plan is the same,
-    otherwise from the lowest-rank shard that holds it (Note [checkpoint format])."""
+    """Each needed parameter comes from this rank's own shard when the plan is the same and the
+    shard holds it, otherwise from the lowest-rank shard that holds it (Note [checkpoint format];
+    since format 2 a name is in one shard per data-parallel group, Note [one writer per byte])."""
     same_plan = (manifest.get("plan_hash") == program.plan_hash
                  and manifest.get("world_size") == program.world_size)
     entries = sorted(manifest["shards"], key=lambda e: e["rank"])
@@ -102,7 +143,8 @@ def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed:
     manifest = manifest or read_manifest(ckpt_dir, step)
     check_model(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
     choice = choose_shards(manifest, program, rank, needed)
-    read = {e["rank"]: read_shard(ckpt_dir, manifest, e) for e in choice.entries}
+    cache: dict = {}
+    read = {e["rank"]: read_shard(ckpt_dir, manifest, e, cache) for e in choice.entries}
     loaded = LoadedCheckpoint(step, manifest, {}, {}, {}, {}, None, None)
     sched = None
     for name in needed:

@@ -4,7 +4,9 @@ makes one a checkpoint (written last, verified first), the one-process commit, a
 manifest.json: {"format", "step", "plan_hash", "model_fingerprint", "workload", "world_size",
 "num_stages", "dp", "created_unix", "shards": [{"file", "rank", "stages", "replica", "params",
 "buffers", "bytes", "sha256"}], "manifest_sha256"} where manifest_sha256 hashes the canonical JSON
-(sort_keys, no spaces) of every other key. A directory without a manifest, or whose manifest is
+(sort_keys, no spaces) of every other key. A shard's "params" and "buffers" are the names it holds:
+since format 2 only those its rank writes (Note [one writer per byte] in
+runtime/checkpoint/writers.py), in format 1 every name of its stages. A directory without a manifest, or whose manifest is
 malformed (Note [manifest schema]) or whose manifest or shards fail their hashes, is not a
 checkpoint (Note [checkpoint format] in runtime/checkpoint/shard.py; the shards are checked where
 they are read, runtime/checkpoint/load.py).
@@ -33,8 +35,8 @@ import shutil
 import time
 from dataclasses import dataclass
 
-from runtime.checkpoint.durable import fsync_dir, makedirs_durable, write_file_atomic
-from runtime.checkpoint.shard import FORMAT, serialize, shard_filename, step_dirname
+from runtime.checkpoint.durable import fsync_dir, makedirs_durable, write_file_atomic, write_pieces_atomic
+from runtime.checkpoint.shard import FORMAT, READABLE_FORMATS, shard_filename, shard_pieces, step_dirname
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.faults import FaultPoint, armed
 from runtime.program import Program
@@ -56,23 +58,29 @@ def persist_shard(ckpt_dir: str, snap, fault: FaultPoint | None = None) -> Shard
     ``write_manifest``)."""
     step_dir = os.path.join(ckpt_dir, step_dirname(snap.step))
     makedirs_durable(step_dir, fault)
-    data = serialize(snap)
     name = shard_filename(snap.rank)
-    write_file_atomic(os.path.join(step_dir, name), data, fault)
-    return ShardInfo(name, snap.rank, len(data), hashlib.sha256(data).hexdigest())
+    nbytes, sha = write_pieces_atomic(os.path.join(step_dir, name), shard_pieces(snap), fault)
+    return ShardInfo(name, snap.rank, nbytes, sha)
 
 
 def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def manifest_for(step: int, shards: list[ShardInfo], program: Program) -> dict:
-    """The manifest of ``program``'s checkpoint at ``step`` (shard params from the rank layout)."""
+def manifest_for(step: int, shards: list[ShardInfo], program: Program,
+                 writes: dict[int, frozenset[str]] | None = None, *, base_step: int | None = None,
+                 compression: str = "none") -> dict:
+    """The manifest of ``program``'s checkpoint at ``step``: each shard's params and buffers from
+    the rank layout, only those its rank wrote when ``writes`` (rank -> names, Note [one writer
+    per byte] in runtime/checkpoint/writers.py) is given."""
     entries = []
     for info in sorted(shards, key=lambda s: s.rank):
         entry = program.rank(info.rank)
         params = program.params_of(entry.stages)
         buffers = [n for k in sorted(entry.stages) for n in program.stages[k].mutable_buffers]
+        if writes is not None:
+            params = [n for n in params if n in writes[info.rank]]
+            buffers = [n for n in buffers if n in writes[info.rank]]
         entries.append({"file": info.file, "rank": info.rank, "stages": sorted(entry.stages),
                         "replica": entry.replica, "params": params, "buffers": buffers,
                         "bytes": info.bytes, "sha256": info.sha256})
@@ -81,6 +89,8 @@ def manifest_for(step: int, shards: list[ShardInfo], program: Program) -> dict:
                 "workload": program.workload, "world_size": program.world_size,
                 "num_stages": program.num_stages, "dp": program.dp,
                 "created_unix": time.time(), "shards": entries}
+    if compression != "none":  # Note [lossless deltas] in runtime/checkpoint/delta.py
+        manifest.update(compression=compression, base_step=base_step)
     manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
     return manifest
 
@@ -157,10 +167,31 @@ def prune(ckpt_dir: str, *, keep: int, newest: int, fault: FaultPoint | None = N
             kept += 1
         elif s < newest:
             doomed.append(s)
+    doomed = [s for s in doomed if s not in _bases_of_kept(ckpt_dir, doomed, newest)]
     for s in sorted(set(doomed)):
         remove_checkpoint(ckpt_dir, s, fault)
     clean_debris(ckpt_dir, fault, up_to=newest)
     return sorted(set(doomed))
+
+
+def _bases_of_kept(ckpt_dir: str, doomed: list[int], newest: int) -> set[int]:
+    """Every step a kept checkpoint's delta chain reads (Note [lossless deltas] in
+    runtime/checkpoint/delta.py): retention never deletes a base a kept delta needs."""
+    needed: set[int] = set()
+    for s in list_step_dirs(ckpt_dir):
+        if s > newest or s in doomed:
+            continue
+        step = s
+        while True:
+            try:
+                base = read_manifest(ckpt_dir, step).get("base_step")
+            except (CheckpointCorruptError, OSError):
+                break
+            if not isinstance(base, int) or base >= step or base in needed:
+                break
+            needed.add(base)
+            step = base
+    return needed
 
 
 def clean_debris(ckpt_dir: str, fault: FaultPoint | None = None, *, up_to: int | None = None) -> list[str]:
@@ -208,11 +239,14 @@ def _unlink(path: str, removed: list[str]) -> None:
 
 
 def commit_local(ckpt_dir: str, snaps: list, program: Program, *, keep: int = 3,
-                 fault: FaultPoint | None = None) -> dict:
+                 fault: FaultPoint | None = None, writes: dict[int, frozenset[str]] | None = None) -> dict:
     """Persist every shard, write the manifest, prune: the whole protocol in one process (what the
-    distributed commit does across ranks, in the same order). Used by tests and benchmarks."""
+    distributed commit does across ranks, in the same order). Used by tests and benchmarks.
+    ``writes``: what each rank's snapshot holds, when it was taken with ``snapshot(t, writes)``."""
     infos = [persist_shard(ckpt_dir, s, fault) for s in snaps]
-    manifest = manifest_for(snaps[0].step, infos, program)
+    enc = snaps[0].meta.get("encoding")
+    manifest = manifest_for(snaps[0].step, infos, program, writes, base_step=enc and enc["base_step"],
+                            compression="lossless" if enc else "none")
     write_manifest(ckpt_dir, manifest, fault)
     prune(ckpt_dir, keep=keep, newest=manifest["step"], fault=fault)
     return manifest
@@ -247,7 +281,7 @@ def read_manifest(ckpt_dir: str, step: int) -> dict:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(f"{path} is not a valid manifest ({exc})") from None
     got = hashlib.sha256(_canonical(manifest)).hexdigest()
-    if got != want or manifest.get("format") != FORMAT or manifest.get("step") != step:
+    if got != want or manifest.get("format") not in READABLE_FORMATS or manifest.get("step") != step:
         raise CheckpointCorruptError(f"{path} fails its checksum or names another step")
     problem = schema_problem(manifest)
     if problem:
@@ -280,6 +314,8 @@ _SHARD = {"file": lambda v: isinstance(v, str) and _bare_name(v), "rank": lambda
           "bytes": lambda v: _is_int(v) and v >= 0,
           "sha256": lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None}
 _SHARD_OPTIONAL = {"buffers": _is_str_list}  # absent in manifests written before mutable buffers
+_TOP_OPTIONAL = {"compression": lambda v: v in ("none", "lossless"),  # lossless checkpoints only
+                 "base_step": lambda v: v is None or (_is_int(v) and v > 0)}
 
 
 def _bare_name(name: str) -> bool:
@@ -295,6 +331,9 @@ def schema_problem(manifest) -> str | None:
         if key not in manifest:
             return f"no {key!r}"
         if not ok(manifest[key]):
+            return f"{key!r} is {manifest[key]!r}"
+    for key, ok in _TOP_OPTIONAL.items():
+        if key in manifest and not ok(manifest[key]):
             return f"{key!r} is {manifest[key]!r}"
     ranks, files = set(), set()
     for i, entry in enumerate(manifest["shards"]):

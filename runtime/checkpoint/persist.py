@@ -2,8 +2,10 @@
 thread, and the distributed commit (``Checkpointer``, what the trainer drives; its recovery side is
 runtime/recovery.py).
 
-Note [distributed commit]: at a checkpoint point every rank copies its state to host memory
-(``runtime.checkpoint.state.snapshot``, the only stall) and hands it to a background thread, which
+Note [distributed commit]: at a checkpoint point every rank copies the state it writes (Note [one
+writer per byte] in runtime/checkpoint/writers.py: its share of the replicated state, and its own
+RNG states) to host memory (``runtime.checkpoint.state.snapshot``, the only stall) and hands it to a
+background thread, which
 writes the rank's shard durably and then all-gathers (step, bytes, sha256, ok) over a gloo group
 of its own (created with the collective timeout, so a dead peer is an error, not a hang). Rank 0
 writes the manifest only when every rank's shard is durable, then prunes old checkpoints. The
@@ -22,10 +24,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from runtime.checkpoint.delta import FULL_EVERY, encode_snapshot
 from runtime.checkpoint.interval import young_daly_interval
 from runtime.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
 from runtime.checkpoint.shard import shard_filename
 from runtime.checkpoint.state import Snapshot, snapshot
+from runtime.checkpoint.writers import all_names, write_cost, writes_of_ranks
 from runtime.faults import FaultPoint, PersistFault, SimulatedCrash, first_attempt, say
 
 
@@ -39,7 +43,8 @@ class Checkpointer:
 
     def __init__(self, trainer, ckpt_dir: str, *, every: int = 0, keep: int = 3,
                  mtbf_s: float | None = None, timeout=None, start_step: int = 0,
-                 persist_fault: PersistFault | None = None, stats_path: str | None = None):
+                 persist_fault: PersistFault | None = None, stats_path: str | None = None,
+                 compression: str = "none", full_every: int = FULL_EVERY):
         self.trainer, self.ckpt_dir, self.keep = trainer, ckpt_dir, keep
         self.every, self.mtbf_s = int(every or 0), mtbf_s
         self.rank = trainer.rank
@@ -52,9 +57,13 @@ class Checkpointer:
                 say(0, f"removed {path} (left by an earlier attempt)")
         # gloo even under nccl: the gathered tensors are tiny and live on the CPU.
         self.group = dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
+        self.writes = self._agree_writers()
         self.persist_fault = persist_fault if (persist_fault and persist_fault.rank == self.rank
                                                and first_attempt()) else None
         self.stats_path = stats_path
+        self.compression, self.full_every = compression, max(1, int(full_every))
+        self.base: tuple[int, dict] | None = None  # (step, tensors) of the last commit (Note [lossless deltas])
+        self.chain = 0  # deltas since the last full checkpoint
         self.last_step = start_step  # newest step that has (or is getting) a checkpoint
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -69,6 +78,17 @@ class Checkpointer:
                         f"(MTBF {mtbf_s:.0f} s)")
             else:
                 say(0, f"no --checkpoint-every or --mtbf: checkpointing only the last step into {ckpt_dir}")
+
+    def _agree_writers(self) -> dict[int, frozenset[str]]:
+        """Every rank's share of the state (Note [one writer per byte]): each rank knows the sizes
+        of its own names only, so one all-reduce (max) of a vector indexed by every name of the
+        program gives every rank the same sizes, and so the same assignment."""
+        program = self.trainer.program
+        names = all_names(program)
+        mine = write_cost(self.trainer)
+        sizes = torch.tensor([mine.get(n, -1) for n in names], dtype=torch.int64)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        return writes_of_ranks(program, {n: max(0, int(b)) for n, b in zip(names, sizes.tolist())})
 
     # --- checkpoint points --------------------------------------------------------------------
 
@@ -97,13 +117,27 @@ class Checkpointer:
     def checkpoint(self, done: int) -> float:
         """Snapshot now (returns the stall in seconds) and persist in the background."""
         self._join()
-        snap = snapshot(self.trainer)
+        snap = snapshot(self.trainer, self.writes[self.rank])
         assert snap.step == done, (snap.step, done)
         self.last_step = done
         self.thread = threading.Thread(target=self._persist, args=(snap,), daemon=True,
                                        name=f"checkpoint-persist-{done}")
         self.thread.start()
         return snap.stall_s
+
+    def due(self, done: int) -> bool:
+        """Whether ``after_step`` checkpoints after ``done`` steps (runtime/sdc.py checks first)."""
+        return bool(self.every and done % self.every == 0) or bool(not self.every and self.mtbf_s)
+
+    def settle(self) -> None:
+        """Wait for the persist in flight (a rollback, runtime/sdc.py, starts after it)."""
+        self._join()
+
+    def rolled_back(self, step: int) -> None:
+        """The trainer went back to the checkpoint of ``step``: the next checkpoint points follow it."""
+        self._join()
+        self.last_step = step
+        self.base, self.chain = None, 0  # the kept base may be newer than the rollback: start full
 
     def finish(self) -> None:
         """Leave a committed checkpoint of the last step (then wait for its persist)."""
@@ -140,7 +174,14 @@ class Checkpointer:
             fault = None
             if self.persist_fault is not None and self.persist_fault.step == snap.step:
                 fault = FaultPoint(after_bytes=self.persist_fault.after_bytes)
-            info = persist_shard(self.ckpt_dir, snap, fault)
+            written, base_step = snap, None
+            if self.compression == "lossless":
+                base = self.base if self.base is not None and self.chain + 1 < self.full_every else None
+                base_step = base[0] if base else None
+                t1 = time.perf_counter()
+                written = encode_snapshot(snap, base[1] if base else None, base_step)
+                encode_s = time.perf_counter() - t1
+            info = persist_shard(self.ckpt_dir, written, fault)
         except Exception as exc:  # noqa: BLE001 - reported through the gather, then re-raised
             failure = exc
         persist_s = time.perf_counter() - t0
@@ -155,7 +196,10 @@ class Checkpointer:
             if failure is not None:
                 raise failure
             stat = {"step": snap.step, "rank": self.rank, "stall_s": snap.stall_s,
-                    "persist_s": persist_s, "bytes": info.bytes, "gather_s": time.perf_counter() - t0 - persist_s}
+                    "persist_s": persist_s, "bytes": info.bytes, "gather_s": time.perf_counter() - t0 - persist_s,
+                    "tensor_bytes": sum(t.numel() * t.element_size() for t in snap.tensors.values())}
+            if self.compression == "lossless":
+                stat.update(encode_s=encode_s, base_step=base_step)
             if self.rank == 0:
                 bad = [r for r, t in enumerate(rows) if int(t[2]) != 1 or int(t[0]) != snap.step]
                 if bad:
@@ -165,10 +209,14 @@ class Checkpointer:
                                       bytes(int(x) for x in t[3:].tolist()).hex())
                          for r, t in enumerate(rows)]
                 t1 = time.perf_counter()
-                write_manifest(self.ckpt_dir, manifest_for(snap.step, infos, self.trainer.program))
+                write_manifest(self.ckpt_dir, manifest_for(snap.step, infos, self.trainer.program, self.writes,
+                                                           base_step=base_step, compression=self.compression))
                 prune(self.ckpt_dir, keep=self.keep, newest=snap.step)
                 stat["commit_s"] = time.perf_counter() - t1
             self.committed.append(snap.step)
+            if self.compression == "lossless":  # the next checkpoint's base: what just committed
+                self.chain = 0 if base_step is None else self.chain + 1
+                self.base = (snap.step, snap.tensors)
             self.stats.append(stat)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next _join
             traceback.print_exc()

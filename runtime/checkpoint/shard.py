@@ -16,10 +16,19 @@ rank, stages, replica, plan_hash, model_fingerprint, params (names), buffers (na
 numpy_random. ``runtime.checkpoint.state.state_entries`` is the one definition of a shard's
 contents; the manifest is runtime/checkpoint/manifest.py's.
 
-Two writers of the same format: ``serialize`` (safetensors' own layout, for the disk) and
-``ShardLayout`` (a header padded to a fixed capacity, so the memory tier copies each tensor into a
-preallocated buffer at a fixed offset). One reader, ``parse_shard``, for both: JSON and raw bytes
-only, never pickle; the integrity check (sha256 of the bytes) is the caller's, before it parses.
+One layout, ``ShardLayout``: the safetensors header (JSON), then every tensor's raw bytes, largest
+element size first, the data 64-byte aligned. The disk writes it as a header followed by the
+snapshot's own tensor buffers (``shard_pieces``, streamed by
+``runtime.checkpoint.durable.write_pieces_atomic``, hashed while written: no joined copy); the
+memory tier pads the header to a fixed capacity so every tensor has a fixed offset in a
+preallocated buffer. One reader, ``parse_shard``, for both and for any safetensors file: JSON and
+raw bytes only, never pickle; the integrity check (sha256 of the bytes) is the caller's, before it
+parses.
+
+Formats: ``partitioner-checkpoint/1`` shards were ``safetensors.torch.save``'s bytes and held every
+name of the rank; ``/2`` (``FORMAT``) is the layout above, and a shard holds only the names its
+rank writes (Note [one writer per byte] in runtime/checkpoint/writers.py: the manifest lists
+them). Both are read (``READABLE_FORMATS``; tests/golden/checkpoint_format_1 is a /1 one).
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors.torch import save as st_save
 
-FORMAT = "partitioner-checkpoint/1"
+FORMAT = "partitioner-checkpoint/2"
+READABLE_FORMATS = ("partitioner-checkpoint/1", FORMAT)
 
 # safetensors dtype names (the ones this torch has)
 _ST_DTYPES = {getattr(torch, name): st for name, st in (
@@ -52,9 +61,30 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def shard_pieces(snap) -> list:
+    """A snapshot's shard as the disk tier writes it (``snap.tensors``, ``snap.meta``): the header,
+    then each tensor's bytes in layout order (views of the snapshot's tensors)."""
+    items = sorted(snap.tensors.items())
+    layout = ShardLayout(items, meta_capacity=len(_meta_text(snap.meta)))
+    header = layout.header(snap.meta)
+    assert header is not None  # the capacity is the meta's own length
+    tensors = dict(items)
+    return [header] + [tensor_bytes(tensors[name]) for name in layout.order]
+
+
 def serialize(snap) -> bytes:
-    """A snapshot's shard as the disk tier writes it (``snap.tensors``, ``snap.meta``)."""
-    return st_save(snap.tensors, metadata={"meta": json.dumps(snap.meta, sort_keys=True)})
+    """The bytes ``shard_pieces`` writes, joined (tests and benchmarks)."""
+    return b"".join(bytes(p) for p in shard_pieces(snap))
+
+
+def _meta_text(meta: dict) -> str:
+    return json.dumps({"meta": json.dumps(meta, sort_keys=True)}, separators=(",", ":"))
 
 
 class ShardLayout:
@@ -69,6 +99,7 @@ class ShardLayout:
         order = sorted(self.signature, key=lambda e: (-_element_size(e[2]), e[0]))
         entries, offset = {}, 0
         self.offsets: dict[str, tuple[int, int]] = {}
+        self.order = [name for name, _, _ in order]
         for name, shape, dtype in order:
             nbytes = int(torch.Size(shape).numel()) * _element_size(dtype)
             entries[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
@@ -86,8 +117,7 @@ class ShardLayout:
 
     def header(self, meta: dict) -> bytes | None:
         """The 8-byte length and the padded JSON header; None when ``meta`` outgrew the capacity."""
-        meta_text = json.dumps({"meta": json.dumps(meta, sort_keys=True)}, separators=(",", ":"))
-        text = '{"__metadata__":' + meta_text + "," + self._tensor_json[1:]
+        text = '{"__metadata__":' + _meta_text(meta) + "," + self._tensor_json[1:]
         raw = text.encode()
         if len(raw) > self.header_len:
             return None

@@ -57,15 +57,19 @@ def _json_scheduler_state(sched) -> dict:
             if k != "lr_lambdas" and isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
-def state_entries(trainer) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[tuple[str, torch.Tensor]], dict]:
     """A RankTrainer's shard, by tensor name (Note [checkpoint format]), and its meta: the one
     definition both writers use (``snapshot`` and the memory tier's preallocated copy).
+    ``writes``: only these parameters and buffers (the disk tier, Note [one writer per byte] in
+    runtime/checkpoint/writers.py); None: all of them (the memory tier).
     Parameters and Adam state are the live tensors: the caller copies them before the optimizer
     next runs. Mutable buffers are copied now, because the next forward updates them while a
     background copy may still be running."""
     tensors: list[tuple[str, torch.Tensor]] = []
     names, param_steps = [], {}
     for name, p in trainer.named_parameters().items():
+        if writes is not None and name not in writes:
+            continue
         names.append(name)
         tensors.append((f"param/{name}", p.detach()))
         st = trainer.optimizer.state.get(p, {})
@@ -74,7 +78,7 @@ def state_entries(trainer) -> tuple[list[tuple[str, torch.Tensor]], dict]:
                 tensors.append((f"optim/{name}/{key}", st[key].detach()))
         if "step" in st:
             param_steps[name] = float(st["step"])
-    buffers = trainer.named_mutable_buffers()
+    buffers = {n: b for n, b in trainer.named_mutable_buffers().items() if writes is None or n in writes}
     with torch.no_grad():
         tensors += [(f"buffer/{name}", b.detach().to("cpu", copy=True)) for name, b in buffers.items()]
     rng_tensors, rng_meta = capture_rng()
@@ -97,10 +101,11 @@ class Snapshot:
     stall_s: float = 0.0
 
 
-def snapshot(trainer) -> Snapshot:
-    """Copy a RankTrainer's state to host memory, keyed by original names."""
+def snapshot(trainer, writes: frozenset[str] | None = None) -> Snapshot:
+    """Copy a RankTrainer's state (only ``writes``, when given) to host memory, keyed by original
+    names."""
     t0 = time.perf_counter()
-    entries, meta = state_entries(trainer)
+    entries, meta = state_entries(trainer, writes)
     with torch.no_grad():
         tensors = {name: t.to("cpu", copy=True) for name, t in entries}
     snap = Snapshot(trainer.steps_done, trainer.rank, tensors, meta)

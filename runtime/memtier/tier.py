@@ -182,6 +182,10 @@ class MemoryTier:
         self._stat["optimizer_wait_s"] += waited
         self._stat["stall_s"] += waited
 
+    def settle(self) -> None:
+        """Wait for the background copy and exchange (a rollback, runtime/sdc.py, starts after it)."""
+        self._join()
+
     def _join(self) -> None:
         if self.thread is not None:
             self.thread.join()

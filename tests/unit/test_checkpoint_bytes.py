@@ -1,7 +1,12 @@
 """The checkpoint format is pinned to the byte: a fixed trainer state gives the same shard, manifest
-and memory-tier slot bytes as when this test was written (Note [checkpoint format]), and a
-checkpoint written then (tests/golden/checkpoint_format_1) still loads. A change that alters these
-bytes changes the format: give it a new FORMAT and a reader of the old one, not a new digest."""
+and memory-tier slot bytes as when this test was written (Note [checkpoint format]), and the
+checkpoints written by every earlier format (tests/golden/checkpoint_format_<n>) still load. A
+change that alters these bytes changes the format: give it a new FORMAT and a reader of the old
+one, not a new digest.
+
+Format 2 (streamed shards, one writer per name) changed the pins deliberately: the shard is no
+longer safetensors.torch.save's layout, and the slot differs from format 1's only in its meta's
+"format" string (the slot's layout was already ShardLayout's)."""
 
 from __future__ import annotations
 
@@ -20,12 +25,14 @@ from runtime import checkpoint as ck
 from runtime import memtier as mt
 from runtime.program import Program
 
-GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden", "checkpoint_format_1")
-# sha256 of the files the format writes for ``_FixedTrainer`` (recorded before runtime/checkpoint.py
-# and runtime/memtier.py became packages)
-SHARD_SHA256 = "cb462d4cad27cca42eadba9aa8cbe1c24e2ccea662d3054d51d5bed68ca09fb7"
-MANIFEST_SHA256 = "6933cd5ac2f705b2986368bd704912364310cc0b58806a8cff36d82eb0b25b9c"
-SLOT_SHA256 = "c9864ea1a2bd7b94003820343851b5297bb739a36cd89673000ef21f6ad4ca94"
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden")
+GOLDEN = os.path.join(GOLDEN_DIR, "checkpoint_format_1")
+GOLDEN_2 = os.path.join(GOLDEN_DIR, "checkpoint_format_2")
+# sha256 of the files format 2 writes for ``_FixedTrainer``. Format 1's were shard cb462d4c...,
+# manifest 6933cd5a..., slot c9864ea1... (tests/golden/checkpoint_format_1 holds its files).
+SHARD_SHA256 = "86536a9694af10fa7846294875f7057f02a7628a37404bff3c5b41392c0450e3"
+MANIFEST_SHA256 = "22bf9b05cd30dfd9f878dcdac860720010e6e083de9f691e322413042b696886"
+SLOT_SHA256 = "f82bbe3611b4376f3df5207af4b95e9e3814fd1890b77d0df744a5ecf592d564"
 PROGRAM = Program.from_dict({
     "plan_hash": "plan-pinned", "model_fingerprint": "model-pinned", "workload": "pinned:test",
     "world_size": 1, "num_stages": 1, "dp": 1, "num_microbatches": 1, "global_batch": 1, "schedule": "1f1b",
@@ -96,9 +103,10 @@ def test_memory_slot_bytes_are_pinned(tmp_path):
     assert sha == _sha(slot.data_path, nbytes) == SLOT_SHA256
 
 
-def test_a_checkpoint_written_by_format_1_still_loads():
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_2], ids=["format_1", "format_2"])
+def test_a_checkpoint_written_by_each_format_still_loads(golden):
     want = _FixedTrainer()
-    loaded = ck.load_for_rank(GOLDEN, 2, PROGRAM, 0, NEEDED)
+    loaded = ck.load_for_rank(golden, 2, PROGRAM, 0, NEEDED)
     assert loaded.step == 2 and loaded.rng_tensors is not None
     for name, value in {**want.named_parameters(), **want.named_mutable_buffers()}.items():
         got = loaded.params.get(name, loaded.buffers.get(name))
@@ -112,14 +120,15 @@ def test_a_checkpoint_written_by_format_1_still_loads():
 
 
 def write_golden() -> None:
-    """(Re)write the golden checkpoint, only with a format change:
-    ``python tests/unit/test_checkpoint_bytes.py --write-golden``."""
+    """Write the golden checkpoint of the current format, only with a format change (the older
+    formats' stay as they are): ``python tests/unit/test_checkpoint_bytes.py --write-golden``."""
     import tempfile
 
+    target = os.path.join(GOLDEN_DIR, "checkpoint_format_" + ck.FORMAT.rsplit("/", 1)[1])
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as monkeypatch:
         _write_disk(tmp, monkeypatch)
-        shutil.rmtree(GOLDEN, ignore_errors=True)
-        shutil.copytree(tmp, GOLDEN)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(tmp, target)
 
 
 if __name__ == "__main__" and "--write-golden" in __import__("sys").argv:
