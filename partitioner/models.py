@@ -280,9 +280,20 @@ def _parse_value(text: str):
     return text
 
 
-def load_workload(spec: str) -> Workload:
-    """Resolve a MODEL spec to a Workload, with an error that names the spec and the fix."""
+def load_workload(spec: str, *, pretrained: str | None = None) -> Workload:
+    """Resolve a MODEL spec to a Workload, with an error that names the spec and the fix.
+    ``pretrained``: a folder of Hugging Face safetensors for an ``hf:`` spec (partitioner/hf.py)."""
     name, _, rest = spec.partition(":")
+    if name == "hf":  # a Hugging Face config by folder or cached name (partitioner/hf.py)
+        from partitioner.hf import hf_workload, parse_spec
+
+        hf_name, options = parse_spec(spec)
+        if pretrained is not None:
+            options["pretrained"] = pretrained
+        return hf_workload(hf_name, spec=spec, **options)
+    if pretrained is not None:
+        raise ValueError(f"--pretrained reads Hugging Face safetensors into an hf: model; MODEL {spec!r} is not "
+                         "one: give MODEL as hf:CONFIG_DIR")
     if name in BUILTINS:
         kwargs = {}
         for item in filter(None, rest.split(",")):

@@ -58,6 +58,8 @@ def cmd_compile(args) -> int:
     else:
         cluster = ClusterSpec.homogeneous(args.devices, args.device)
     training = {"model_spec": args.model}  # lets `partitioner verify` rebuild the original model
+    if args.pretrained:
+        training["pretrained"] = str(Path(args.pretrained).resolve())
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
                          "(0: only the last)")
@@ -90,7 +92,7 @@ def cmd_compile(args) -> int:
     elif args.profile_out:
         raise ValueError("--profile-out names where --calibrate saves its fit: add --calibrate")
     say(f"model {args.model}")
-    workload = load_workload(args.model)
+    workload = load_workload(args.model, pretrained=training.get("pretrained"))
     started = time.perf_counter()
     plan = partitioner.compile(
         workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
@@ -291,8 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile a model into a program folder", epilog=EXAMPLES["compile"],
                        formatter_class=fmt)
-    c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function or file.py:function")
+    c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function, file.py:function, "
+                   "or hf:CONFIG_DIR (a Hugging Face config, local files only)")
     c.add_argument("-o", "--output", required=True, help="program folder to write")
+    c.add_argument("--pretrained", metavar="DIR", help="Hugging Face safetensors (model.safetensors or a sharded "
+                   "index) an hf: MODEL starts from; each rank reads its own stage's tensors")
     c.add_argument("--devices", type=int, default=2)
     c.add_argument("--device", default="cpu", help="device kind: cpu, a100, a100-80gb, h100, h200")
     c.add_argument("--cluster", help="cluster TOML file (overrides --devices/--device)")
