@@ -1,4 +1,4 @@
-"""partitioner compile | inspect | run | verify.
+"""partitioner compile | inspect | run | verify | export.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
 Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
@@ -41,6 +41,9 @@ EXAMPLES = {
   partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
     "verify": """examples:
   partitioner verify out --steps 3""",
+    "export": """examples:
+  partitioner export out -o trained          # newest committed checkpoint of out/checkpoints
+  partitioner export /scratch/ckpt/step_000000100 --program out -o trained-100""",
 }
 
 
@@ -285,6 +288,14 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_export(args) -> int:
+    from partitioner.export import export
+
+    report = export(args.target, args.output, program_dir=args.program)
+    print(report.text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partitioner", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
@@ -371,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir")
     v.add_argument("--steps", type=int, default=3)
     v.set_defaults(func=cmd_verify)
+    e = sub.add_parser("export", help="a checkpoint as consolidated weights (and config) from_pretrained loads",
+                       epilog=EXAMPLES["export"], formatter_class=fmt)
+    e.add_argument("target", help="program folder, its run folder, a checkpoint folder, or one step_N in it")
+    e.add_argument("-o", "--output", required=True, help="folder to write (must not exist)")
+    e.add_argument("--program", metavar="DIR", help="the program folder, when the checkpoints are not beside it")
+    e.set_defaults(func=cmd_export)
     for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
         each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks on errors (compile: and the solver's per-candidate lines)")
