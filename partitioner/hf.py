@@ -199,8 +199,16 @@ def _materialized(model, config, architecture: str, seed: int, pretrained: str |
     if pretrained is None:
         weights.initial_weights(model, names, seed)  # materialises the model in place
         return model
-    loaded, info = getattr(transformers, architecture).from_pretrained(
-        pretrained, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one line per tensor group on stderr, in the middle of compile's steps
+    try:
+        loaded, info = getattr(transformers, architecture).from_pretrained(
+            pretrained, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     missing = [n for n in info.get("missing_keys", ()) if n in names]
     if missing:
         own = weights.initial_weights(weights.build_meta(json.loads(config.to_json_string(use_diff=False)),

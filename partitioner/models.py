@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import importlib.util
 from pathlib import Path
 
@@ -184,6 +185,11 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
         model = cls(config)
     model.train()
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    # On meta, every rank makes its weights by the model's own initialisation (Note [own
+    # initialisation per rank] in runtime/pretrained.py); on cpu they are this model's.
+    init = {"init": ("runtime.pretrained:hf_weights", {"config": json.loads(config.to_json_string(use_diff=False)),
+                                                       "architecture": cls.__name__, "seed": seed})
+            } if device == "meta" else {}
     return Workload(
         model=model,
         example_args=(tokens,),
@@ -191,7 +197,7 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
         make_batch=functools.partial(data.token_batch, vocab=vocab, seq=seq, seed=seed),
         name=f"hf-{kind}(layers={layers},width={width},heads={heads},vocab={vocab},seq={seq},attn={attn})",
         source={"make_batch": ("runtime.data:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}),
-                "loss_fn": ("runtime.data:causal_lm_loss", {})},
+                "loss_fn": ("runtime.data:causal_lm_loss", {}), **init},
     )
 
 
