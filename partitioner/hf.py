@@ -171,7 +171,7 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
         if limit is not None and seq > limit:
             raise ValueError(f"MODEL {spec!r}: seq={seq} is longer than the model's {limit} positions; "
                              f"give seq={limit} or less")
-    config_dict = json.loads(config.to_json_string(use_diff=False))
+    config_dict = weights.config_dict(config)
     model = weights.build_meta(config_dict, architecture)
     if device is None:
         device = "meta" if _state_bytes(model) > META_THRESHOLD_BYTES else "cpu"
@@ -211,7 +211,7 @@ def _materialized(model, config, architecture: str, seed: int, pretrained: str |
             hf_logging.enable_progress_bar()
     missing = [n for n in info.get("missing_keys", ()) if n in names]
     if missing:
-        own = weights.initial_weights(weights.build_meta(json.loads(config.to_json_string(use_diff=False)),
+        own = weights.initial_weights(weights.build_meta(weights.config_dict(config),
                                                          architecture), missing, seed)
         with torch.no_grad():
             for name in missing:

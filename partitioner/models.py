@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import importlib.util
 from pathlib import Path
 
@@ -187,7 +186,9 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
     # On meta, every rank makes its weights by the model's own initialisation (Note [own
     # initialisation per rank] in runtime/pretrained.py); on cpu they are this model's.
-    init = {"init": ("runtime.pretrained:hf_weights", {"config": json.loads(config.to_json_string(use_diff=False)),
+    from runtime.pretrained import config_dict
+
+    init = {"init": ("runtime.pretrained:hf_weights", {"config": config_dict(config),
                                                        "architecture": cls.__name__, "seed": seed})
             } if device == "meta" else {}
     return Workload(

@@ -4,14 +4,14 @@ pretrained safetensors read tensor by tensor.
 Note [own initialisation per rank]: a Hugging Face model initialises itself (``_init_weights``:
 GPT-2's residual projections scaled by 1/sqrt(2 * layers), ViT's truncated normals, rotary
 tables), drawing from torch's global generator in module order, so the values depend on every
-draw made before. To make them depend on (seed, module) only, ``own_init`` runs the model's own
-``initialize_weights`` over the whole model built on the meta device, and gives every random call
-made while module M is initialised a fresh generator seeded by (seed, M's name, how many random
-calls M's initialisation made before it). A draw into a meta tensor costs nothing and changes
-nothing, so a rank materialises only its stage's tensors (``materialize``), runs the same
-traversal, and gets exactly the values a process holding the whole model gets: the same on any
-partition, in the one-process oracle (partitioner/hf.py builds its model this way), and after a
-reshard. A tensor no initialisation writes is an error, not garbage: materialised tensors start
+draw made before. To make them depend on (seed, module, tensor) only, ``own_init`` runs the
+model's own ``initialize_weights`` over the whole model built on the meta device, and gives the
+random calls that initialise tensor T while module M is initialised a generator of their own,
+seeded by (seed, M's name, T's name) (``_KeyedDraws``). A draw into a meta tensor changes
+nothing and consumes no other tensor's generator, so a rank materialises only its stage's
+tensors (``materialize``; a tied group as one), runs the same traversal, and gets exactly the
+values a process holding the whole model gets: the same on any partition, in the one-process
+oracle (partitioner/hf.py builds its model this way), and after a reshard. A tensor no initialisation writes is an error, not garbage: materialised tensors start
 as NaN (integers: their minimum) and are checked afterwards.
 
 Note [pretrained per rank]: ``--pretrained DIR`` names Hugging Face safetensors (model.safetensors,
@@ -58,25 +58,49 @@ def _is_random(func) -> bool:
                                and getattr(func, "__module__", None) in _INIT_MODULES)
 
 
-def draw_seed(seed: int, module: str, index: int) -> int:
-    return (seed * 1_000_003 + zlib.crc32(f"{module}#{index}".encode())) % (2**63)
+def draw_seed(seed: int, module: str, tensor: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"{module}#{tensor}".encode())) % (2**63)
 
 
 class _KeyedDraws(TorchFunctionMode):
-    """Gives each random call a generator of its own, keyed by the module being initialised
-    (Note [own initialisation per rank])."""
+    """Gives the random calls that initialise tensor T while module M is initialised a generator of
+    their own, seeded by (seed, M, T) (Note [own initialisation per rank]). Keyed by tensor, not by
+    call: an initialiser may return early for a meta tensor or redraw until values fit
+    (trunc_normal_), so how many calls a module makes differs between ranks; a temporary an
+    initialiser draws into shares the generator of the tensor it is for."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, names: dict[int, str], storages: dict[int, str]):
         super().__init__()
-        self.seed, self.module, self.counts = seed, "", {}
+        self.seed, self.names, self.storages = seed, names, storages
+        self.module, self.target, self.generators = "", "", {}
+
+    def visit(self, module: str) -> None:
+        self.module, self.target = module, ""
+
+    def _name(self, t) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        name = self.names.get(id(t))
+        if name is None and t.device.type == "cpu" and t.numel():  # a view (.data, a slice) of a tensor
+            name = self.storages.get(t.untyped_storage().data_ptr())
+        return name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if _is_random(func):
-            index = self.counts.get(self.module, 0)
-            self.counts[self.module] = index + 1
-            kwargs["generator"] = torch.Generator().manual_seed(draw_seed(self.seed, self.module, index))
+            name = self._name(kwargs.get("tensor", args[0] if args else None))
+            if name is not None:
+                self.target = name
+            key = (self.module, self.target)
+            if key not in self.generators:
+                self.generators[key] = torch.Generator().manual_seed(draw_seed(self.seed, *key))
+            kwargs["generator"] = self.generators[key]
         return func(*args, **kwargs)
+
+
+def config_dict(config) -> dict:
+    """A transformers config as the plain JSON dict plan.json holds (``build_meta`` reads it back)."""
+    return json.loads(config.to_json_string(use_diff=False))
 
 
 def build_meta(config: dict, architecture: str) -> torch.nn.Module:
@@ -148,7 +172,13 @@ def own_init(model: torch.nn.Module, seed: int) -> None:
     """The model's own initialisation, keyed by module (Note [own initialisation per rank])."""
     from transformers import PreTrainedModel
 
-    mode = _KeyedDraws(seed)
+    names: dict[int, str] = {}
+    storages: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), name)
+        if t.device.type == "cpu" and t.numel():
+            storages.setdefault(t.untyped_storage().data_ptr(), name)
+    mode = _KeyedDraws(seed, names, storages)
     module_names: dict[int, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         module_names.setdefault(id(module), name)
@@ -158,7 +188,7 @@ def own_init(model: torch.nn.Module, seed: int) -> None:
             original = sub._init_weights
 
             def keyed(module, original=original):
-                mode.module = module_names.get(id(module), "")
+                mode.visit(module_names.get(id(module), ""))
                 return original(module)
 
             sub._init_weights = keyed  # an instance attribute shadows the method

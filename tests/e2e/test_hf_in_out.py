@@ -163,19 +163,3 @@ def test_export_refuses_corrupt_and_partial_checkpoints(hf, tmp_path):
     with pytest.raises(ValueError, match="no committed checkpoint"):
         export(ckpt, tmp_path / "out", program_dir=program)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # nothing half-written
-
-
-def test_hf_spec_errors_name_the_fix(tmp_path, hf):
-    with pytest.raises(ValueError, match=r"no local copy of 'no-such-org/no-such-model'.*hf:DIR"):
-        load_workload("hf:no-such-org/no-such-model")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds no readable config.json"):
-        load_workload(f"hf:{tmp_path / 'empty'}")
-    with pytest.raises(ValueError, match="is not one of task="):
-        load_workload(f"hf:{hf['dirs']['gpt2']},layers=3")
-    with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
-        load_workload(f"hf:{hf['dirs']['gpt2']}", pretrained=str(tmp_path / "empty"))
-    with pytest.raises(ValueError, match="longer than the model's 16 positions"):
-        load_workload(f"hf:{hf['dirs']['gpt2']},seq=64")
-    with pytest.raises(ValueError, match="reads Hugging Face safetensors"):
-        load_workload("gpt", pretrained=str(hf["dirs"]["gpt2-pretrained"]))
