@@ -25,6 +25,9 @@ import torch
 
 from partitioner.workload import Workload
 
+# Build on the meta device above this many bytes of training state, as the built-ins do
+# (partitioner/models.py imports this module, so the figure is repeated; a test keeps them equal).
+META_THRESHOLD_BYTES = 4 * 2**30
 TASKS = ("causal-lm", "masked-lm", "image-classification", "seq2seq")
 _MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
              "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
@@ -147,7 +150,6 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
                 device: str | None = None, attn: str = "sdpa", pretrained: str | None = None,
                 spec: str | None = None) -> Workload:
     """The Workload of a Hugging Face model from its config (this module's docstring)."""
-    from partitioner.models import META_THRESHOLD_BYTES
     from runtime import pretrained as weights
 
     spec = spec or f"hf:{name}"

@@ -68,6 +68,9 @@ def test_a_config_dir_builds_each_task(tmp_path):
 
 
 def test_a_large_config_stays_on_meta(tmp_path):
+    from partitioner import hf, models
+
+    assert hf.META_THRESHOLD_BYTES == models.META_THRESHOLD_BYTES
     transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
                              intermediate_size=11008, vocab_size=32000,
                              max_position_embeddings=2048).save_pretrained(tmp_path)
