@@ -134,7 +134,7 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> 
                          "export with the program folder that wrote it (--program)")
     groups = {tuple(names) for names in alias.values()}
     held = {names: next((state[n] for n in names if n in state), None) for names in groups}
-    made = pretrained.hf_weights([names[0] for names, v in held.items() if v is None], **kwargs)
+    made = pretrained.hf_weights([names[0] for names, v in held.items() if v is None], **kwargs, report=False)
     for names, value in held.items():
         value = made[names[0]] if value is None else value
         owner, leaf = pretrained._owner(model, names[0])
@@ -143,7 +143,10 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> 
         for name in names:
             o, l = pretrained._owner(model, name)
             (o._parameters if is_param else o._buffers)[l] = tensor
-    model.save_pretrained(str(tmp))
+    from partitioner.hf import no_progress_bars
+
+    with no_progress_bars():
+        model.save_pretrained(str(tmp))
     return kwargs["architecture"]
 
 

@@ -16,8 +16,8 @@ Nothing is downloaded: a name not in the local cache is an error that says how t
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import os
 from pathlib import Path
 
@@ -191,6 +191,20 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
                     source={"make_batch": batch_src, "loss_fn": loss_src, "init": init})
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' loading and saving bars would land between compile's (and export's) lines."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def _materialized(model, config, architecture: str, seed: int, pretrained: str | None):
     """The whole model on the CPU: its own initialisation, or ``from_pretrained`` (with what the
     files lack made as the ranks make it)."""
@@ -201,16 +215,9 @@ def _materialized(model, config, architecture: str, seed: int, pretrained: str |
     if pretrained is None:
         weights.initial_weights(model, names, seed)  # materialises the model in place
         return model
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # one line per tensor group on stderr, in the middle of compile's steps
-    try:
+    with no_progress_bars():
         loaded, info = getattr(transformers, architecture).from_pretrained(
             pretrained, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
     missing = [n for n in info.get("missing_keys", ()) if n in names]
     if missing:
         own = weights.initial_weights(weights.build_meta(weights.config_dict(config),

@@ -298,13 +298,17 @@ def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
     return out
 
 
-def hf_weights(names, *, config: dict, architecture: str, seed: int, pretrained: str | None = None):
+def hf_weights(names, *, config: dict, architecture: str, seed: int, pretrained: str | None = None,
+               report: bool = True):
     """What a rank calls for its stage's tensors (plan.json program.init.weights): pretrained
-    safetensors when the program names them, else the model's own initialisation."""
+    safetensors when the program names them, else the model's own initialisation. ``report``:
+    print how many tensors of the files this call read."""
     model = build_meta(config, architecture)
     names = list(names)
-    if pretrained is None:
+    if pretrained is None or not names:
         return initial_weights(model, names, seed)
+    if not report:
+        return pretrained_weights(model, names, pretrained, seed)
     before = sum(len(v) for v in OPENED.values())
     out = pretrained_weights(model, names, pretrained, seed, say=lambda m: print(m, file=sys.stderr, flush=True))
     read = sum(len(v) for v in OPENED.values()) - before
