@@ -26,7 +26,8 @@ class Workload:
     example_kwargs: dict = field(default_factory=dict)
     name: str = "model"
     # Where generated programs find make_batch, loss_fn and the model builder ("module:function");
-    # built-ins point into `runtime` so generated programs import only torch and runtime.
+    # built-ins point into `runtime` so generated programs import only torch and runtime. "init":
+    # a function(names) -> {name: tensor} every rank makes its weights with (runtime/pretrained.py).
     source: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -35,7 +35,9 @@ def _configs(root: Path) -> dict[str, Path]:
                                    architectures=["BertForMaskedLM"])
     vit = transformers.ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                                  image_size=16, patch_size=8, num_labels=5, architectures=["ViTForImageClassification"])
-    for name, config in (("gpt2", gpt2), ("bert", bert), ("vit", vit)):
+    t5 = transformers.T5Config(num_layers=1, d_model=32, num_heads=2, d_kv=16, d_ff=64, vocab_size=64,
+                               decoder_start_token_id=0, dropout_rate=0.0, architectures=["T5ForConditionalGeneration"])
+    for name, config in (("gpt2", gpt2), ("bert", bert), ("vit", vit), ("t5", t5)):
         config.save_pretrained(root / name)
         dirs[name] = root / name
     # Pretrained weights unlike our own initialisation (another seed, torch's global generator),
@@ -58,10 +60,10 @@ def hf(tmp_path_factory):
     assert cli(["compile", f"hf:{dirs['gpt2']}", "--pretrained", str(dirs["gpt2-pretrained"]), "-o",
                 str(root / "pretrained"), "--devices", "2", "--stages", "2", "--microbatches", "2", "-q"]) == 0
     for name, spec in (("meta", f"hf:{dirs['gpt2']},device=meta"), ("bert", f"hf:{dirs['bert']}"),
-                       ("vit", f"hf:{dirs['vit']}")):
+                       ("vit", f"hf:{dirs['vit']}"), ("t5", f"hf:{dirs['t5']},seq=8")):
         compile_to(root / name, load_workload(spec), devices=2, num_stages=2, microbatches=2,
                    training={"model_spec": spec})
-    out["stdout"] = run_folders(2, [root / n for n in ("gpt2", "pretrained", "meta", "bert", "vit")], steps=STEPS)
+    out["stdout"] = run_folders(2, [root / n for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5")], steps=STEPS)
     return out
 
 
@@ -80,9 +82,12 @@ def test_hf_config_dir_compiles_and_verifies(hf):
     assert not (hf["root"] / "gpt2" / "weights").exists()  # the ranks made their own
 
 
-@pytest.mark.parametrize("name", ["bert", "vit"])
-def test_masked_lm_and_image_classification_verify(hf, name):
+@pytest.mark.parametrize("name,architecture", [("bert", "BertForMaskedLM"), ("vit", "ViTForImageClassification"),
+                                               ("t5", "T5ForConditionalGeneration")])
+def test_masked_lm_image_classification_and_seq2seq_verify(hf, name, architecture):
     _verdict(hf["root"] / name)
+    program = json.loads((hf["root"] / name / "plan.json").read_text())["program"]
+    assert program["init"]["weights"][1]["architecture"] == architecture
 
 
 def test_meta_built_ranks_start_from_the_oracles_weights(hf):
