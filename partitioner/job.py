@@ -146,6 +146,7 @@ TRAINING_SCHEMA = {
     "mtbf_s": _positive,
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
+    "pretrained": _string,  # the Hugging Face weights folder an hf: model starts from (set by the CLI)
 }
 
 

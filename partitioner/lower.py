@@ -153,8 +153,15 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     plan, workload = compiled.plan, compiled.workload
     traced, gm, keyed_ops = retrace(compiled)
     stages = split_stages(plan, gm)
-    on_meta = any(p.device.type == "meta" for p in workload.model.parameters())
-    init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)} if on_meta else None
+    # A workload that names a weights source ("init": runtime/pretrained.py for Hugging Face
+    # models) has its ranks make their weights, on meta or not: no weights/ files.
+    by_ranks = "init" in workload.source
+    on_meta = by_ranks or any(p.device.type == "meta" for p in workload.model.parameters())
+    init = None
+    if by_ranks:
+        init = {"seed": plan.training["seed"], "params": {}, "weights": list(workload.source["init"])}
+    elif on_meta:
+        init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
     sources = compiled.sources
     if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
         sources = derive_sources(workload)  # the error naming what is missing

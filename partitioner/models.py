@@ -184,6 +184,13 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
         model = cls(config)
     model.train()
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    # On meta, every rank makes its weights by the model's own initialisation (Note [own
+    # initialisation per rank] in runtime/pretrained.py); on cpu they are this model's.
+    from runtime.pretrained import config_dict
+
+    init = {"init": ("runtime.pretrained:hf_weights", {"config": config_dict(config),
+                                                       "architecture": cls.__name__, "seed": seed})
+            } if device == "meta" else {}
     return Workload(
         model=model,
         example_args=(tokens,),
@@ -191,7 +198,7 @@ def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int,
         make_batch=functools.partial(data.token_batch, vocab=vocab, seq=seq, seed=seed),
         name=f"hf-{kind}(layers={layers},width={width},heads={heads},vocab={vocab},seq={seq},attn={attn})",
         source={"make_batch": ("runtime.data:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}),
-                "loss_fn": ("runtime.data:causal_lm_loss", {})},
+                "loss_fn": ("runtime.data:causal_lm_loss", {}), **init},
     )
 
 
@@ -280,9 +287,20 @@ def _parse_value(text: str):
     return text
 
 
-def load_workload(spec: str) -> Workload:
-    """Resolve a MODEL spec to a Workload, with an error that names the spec and the fix."""
+def load_workload(spec: str, *, pretrained: str | None = None) -> Workload:
+    """Resolve a MODEL spec to a Workload, with an error that names the spec and the fix.
+    ``pretrained``: a folder of Hugging Face safetensors for an ``hf:`` spec (partitioner/hf.py)."""
     name, _, rest = spec.partition(":")
+    if name == "hf":  # a Hugging Face config by folder or cached name (partitioner/hf.py)
+        from partitioner.hf import hf_workload, parse_spec
+
+        hf_name, options = parse_spec(spec)
+        if pretrained is not None:
+            options["pretrained"] = pretrained
+        return hf_workload(hf_name, spec=spec, **options)
+    if pretrained is not None:
+        raise ValueError(f"--pretrained reads Hugging Face safetensors into an hf: model; MODEL {spec!r} is not "
+                         "one: give MODEL as hf:CONFIG_DIR")
     if name in BUILTINS:
         kwargs = {}
         for item in filter(None, rest.split(",")):

@@ -139,7 +139,7 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     if workload is None and plan.training.get("model_spec"):
         from partitioner.models import load_workload
 
-        workload = load_workload(plan.training["model_spec"])
+        workload = load_workload(plan.training["model_spec"], pretrained=plan.training.get("pretrained"))
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
@@ -172,7 +172,7 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     if workload is None and plan.training.get("model_spec"):
         from partitioner.models import load_workload
 
-        workload = load_workload(plan.training["model_spec"])
+        workload = load_workload(plan.training["model_spec"], pretrained=plan.training.get("pretrained"))
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps

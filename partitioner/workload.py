@@ -32,7 +32,8 @@ class Workload:
     example_kwargs: dict = field(default_factory=dict)
     name: str = "model"
     # Where generated programs find make_batch and loss_fn ("module:function" or (spec, kwargs)),
-    # where given; else derived from the functions (partitioner/user_source.py).
+    # where given; else derived from the functions (partitioner/user_source.py). "init": a
+    # function(names) -> {name: tensor} every rank makes its weights with (runtime/pretrained.py).
     source: dict = field(default_factory=dict)
 
     def __post_init__(self):

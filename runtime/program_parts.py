@@ -305,10 +305,14 @@ class InitRecipe:
 
 @dataclass(frozen=True)
 class InitSpec:
-    """Present when the model was compiled on the meta device (DIR/weights/ then has no files)."""
+    """Present when the ranks make their own weights (DIR/weights/ then has no files): a model
+    compiled on the meta device, or one whose workload names a weights source."""
 
     seed: int
     params: dict[str, InitRecipe]  # original name -> recipe (parameters and buffers)
+    # ["module:function", {kwargs}]: function(names) -> {name: tensor}, used instead of the recipes
+    # (a Hugging Face model's own initialisation or pretrained files: runtime/pretrained.py)
+    weights: list | None = None
 
     @staticmethod
     def from_dict(data: dict, where: str = "init") -> "InitSpec":
@@ -317,7 +321,8 @@ class InitSpec:
         return InitSpec(**keys)
 
     def to_dict(self) -> dict:
-        return {"seed": self.seed, "params": jsonable(self.params)}
+        out = {"seed": self.seed, "params": jsonable(self.params)}
+        return out if self.weights is None else {**out, "weights": jsonable(list(self.weights))}
 
 
 # ---------------------------------------------------------------------------------------------

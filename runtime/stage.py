@@ -79,7 +79,12 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
             init = Program.from_dict(load_plan(folder)["program"]).init
             if not init:
                 raise StageFileError(f"{wpath} is missing and the program has no init recipes: recompile")
-            weights = materialize_all(param_names + buffer_names, init.params, init.seed)
+            if init.weights is not None:  # Notes [own initialisation per rank], [pretrained per rank]
+                from runtime.user_code import resolve_callable
+
+                weights = resolve_callable(init.weights, folder)(param_names + buffer_names)
+            else:
+                weights = materialize_all(param_names + buffer_names, init.params, init.seed)
     absent = [n for n in param_names + buffer_names if n not in weights]
     if absent:
         raise StageFileError(f"weights for stage {stage_index} lack {absent[:5]} "

@@ -1,4 +1,4 @@
-"""partitioner compile | inspect | run | verify.
+"""partitioner compile | inspect | run | verify | export.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
 Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
@@ -43,6 +43,9 @@ EXAMPLES = {
   partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
     "verify": """examples:
   partitioner verify out --steps 3""",
+    "export": """examples:
+  partitioner export out -o trained          # newest committed checkpoint of out/checkpoints
+  partitioner export /scratch/ckpt/step_000000100 --program out -o trained-100""",
 }
 
 
@@ -75,6 +78,8 @@ def cmd_compile(args) -> int:
             "--clip-grad-norm", args.clip_grad_norm)
     if optimizer:
         training["optimizer"] = optimizer
+    if args.pretrained:
+        training["pretrained"] = str(Path(args.pretrained).resolve())
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
                          "(0: only the last)")
@@ -112,7 +117,7 @@ def cmd_compile(args) -> int:
     elif args.profile_out:
         raise ValueError("--profile-out names where --calibrate saves its fit: add --calibrate")
     say(f"model {args.model}")
-    workload = load_workload(args.model)
+    workload = load_workload(args.model, pretrained=training.get("pretrained"))
     started = time.perf_counter()
     plan = partitioner.compile(
         workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
@@ -365,6 +370,14 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_export(args) -> int:
+    from partitioner.export import export
+
+    report = export(args.target, args.output, program_dir=args.program)
+    print(report.text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partitioner", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
@@ -373,8 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile a model into a program folder", epilog=EXAMPLES["compile"],
                        formatter_class=fmt)
-    c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function or file.py:function")
+    c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function, file.py:function, "
+                   "or hf:CONFIG_DIR (a Hugging Face config, local files only)")
     c.add_argument("-o", "--output", required=True, help="program folder to write")
+    c.add_argument("--pretrained", metavar="DIR", help="Hugging Face safetensors (model.safetensors or a sharded "
+                   "index) an hf: MODEL starts from; each rank reads its own stage's tensors")
     c.add_argument("--devices", type=int, help="number of devices (default 2)")
     c.add_argument("--device", help="device kind: cpu (default), a100, a100-80gb, h100, h200")
     c.add_argument("--cluster", help="cluster TOML file (overrides --devices/--device and the job file's)")
@@ -469,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir")
     v.add_argument("--steps", type=int, default=3)
     v.set_defaults(func=cmd_verify)
+    e = sub.add_parser("export", help="a checkpoint as consolidated weights (and config) from_pretrained loads",
+                       epilog=EXAMPLES["export"], formatter_class=fmt)
+    e.add_argument("target", help="program folder, its run folder, a checkpoint folder, or one step_N in it")
+    e.add_argument("-o", "--output", required=True, help="folder to write (must not exist)")
+    e.add_argument("--program", metavar="DIR", help="the program folder, when the checkpoints are not beside it")
+    e.set_defaults(func=cmd_export)
     for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
         each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks on errors (compile: and the solver's per-candidate lines)")
