@@ -66,17 +66,39 @@ def compile_workload(
     profiles=(),
     calibrate=None,
     progress: Callable[[object], None] | None = None,
+    precision: str | None = None,
+    clip_grad_norm: float | None = None,
+    shard_optimizer: str | bool = "auto",
 ) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
-    solver.solve.SolveProgress updates (str() of one is a status line)."""
-    from partitioner.solver.solve import solve
+    solver.solve.SolveProgress updates (str() of one is a status line).
+    ``precision``: "fp32" | "bf16-mixed" | "fp16-mixed" (Note [mixed precision] in
+    runtime/precision.py); None: training["precision"], else bf16-mixed on GPU kinds, fp32 on cpu.
+    ``clip_grad_norm``: clip the global gradient norm (None: training["clip_grad_norm"], else
+    off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
+    solver/zero_choice.py), "on"/True or "off"/False. training["no_weight_decay"]: "default",
+    "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
+    from partitioner.solver.zero_choice import solve_with_sharding
+    from runtime.grad_norm import no_decay_names
+    from runtime.precision import check_precision, default_precision
 
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
     from partitioner.solver.candidates import validate_options
 
     validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)  # before the trace
+    training = {**DEFAULT_TRAINING, **(training or {})}
+    training["precision"] = check_precision(precision or training.get("precision")
+                                            or default_precision(cluster.devices[0].kind))
+    clip = clip_grad_norm if clip_grad_norm is not None else training.get("clip_grad_norm")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        raise ValueError(f"clip_grad_norm={clip!r} must be a positive number (the largest global gradient "
+                         "norm), or None for no clipping")
+    training["clip_grad_norm"] = None if clip is None else float(clip)
+    shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
+    training["optimizer"] = {**training["optimizer"],
+                             "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
@@ -91,10 +113,11 @@ def compile_workload(
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
-    solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
-                     schedule=schedule, config=solver_config, progress=progress)
-    plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
-                     training={**DEFAULT_TRAINING, **(training or {})})
+    solution, problem, sharded = solve_with_sharding(
+        problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
+        schedule=schedule, config=solver_config, progress=progress)
+    training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
+    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training)
     return Compiled(plan, workload, granularity, problem, solution.assignment)
 
 

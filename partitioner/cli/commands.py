@@ -97,6 +97,7 @@ def cmd_compile(args) -> int:
         microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
         training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
         profiles=profiles, calibrate=calibration,
+        precision=args.precision, clip_grad_norm=args.clip_grad_norm, shard_optimizer=args.shard_optimizer,
     )
     say(f"write {args.output}")
     plan.save(args.output)
@@ -319,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibrate-repeats", type=int, default=10, help="timed repeats per region (median)")
     c.add_argument("--calibrate-threads", type=int, default=1, help="torch threads while measuring on CPU "
                    "(default 1, what `partitioner run` gives each rank; 0 = leave as is)")
+    c.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="autocast policy (default: bf16-mixed on GPU kinds, fp32 on cpu)")
+    c.add_argument("--clip-grad-norm", type=float, metavar="MAX", help="clip the global gradient norm to MAX")
+    c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
+                   help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr, no summary")
     c.set_defaults(func=cmd_compile)
 
