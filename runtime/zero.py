@@ -84,9 +84,11 @@ class ShardedOptimizer:
         self.pieces, self.length, self.padded = layout(self.names, self.numels, dp, replica)
         self.device = first[0].device if first else torch.device("cpu")
         self.dtype = first[0].dtype if first else torch.float32
-        with torch.no_grad():
-            self.masters = [torch.nn.Parameter(named[pc.name][0].detach().reshape(-1)[pc.start:pc.end].clone())
-                            for pc in self.pieces]
+        # Each piece is a view of its parameter's own storage (no master copy: the fp32
+        # parameters are the master weights, Note [mixed precision]); the optimizer updates this
+        # replica's slice in place and the all-gather fills in the others'.
+        self.masters = [torch.nn.Parameter(named[pc.name][0].data.view(-1)[pc.start:pc.end])
+                        for pc in self.pieces]
         self.optimizer, self.lr_scheduler = make_optimizer(self.masters, cfg, [pc.name for pc in self.pieces])
 
     # -- the step ------------------------------------------------------------------------------

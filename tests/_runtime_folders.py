@@ -180,7 +180,8 @@ def gpt_stage_sources(model: TinyGPT, splits: list[list[int]]):
 
 
 def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_microbatches,
-                 global_batch, schedule, data, steps=3, ties=(), seed=0, timeout_s=30, extra=None):
+                 global_batch, schedule, data, steps=3, ties=(), seed=0, timeout_s=30, extra=None,
+                 plan_hash=None):
     """Write plan.json, stage_<k>.py, weights/, rank_<r>.py, train.py. ``in_spec(k)`` and
     ``out_spec(k)`` give (shape, dtype) of stage k's input/output for one microbatch, or a list of
     them when the stage has several (then the source entry names a list too). ``extra``: more keys
@@ -206,15 +207,16 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
                "stages": stages, "ties": [dict(t) for t in ties], "data": data,
                "optimizer": OPTIMIZER, "seed": seed, "collective_timeout_s": timeout_s,
                "steps": steps, **(extra or {})})
+    plan_hash = plan_hash or "test-" + schedule
     with open(os.path.join(folder, "plan.json"), "w") as f:
-        json.dump({"plan_hash": "test-" + schedule, "program": program.to_dict()}, f, indent=1)
-    write_entry_files(folder, program, plan_hash="test-" + schedule)
+        json.dump({"plan_hash": plan_hash, "program": program.to_dict()}, f, indent=1)
+    write_entry_files(folder, program, plan_hash=plan_hash)
     seal_folder(folder)  # the file map and program_hash, as the compiler writes them
     return program
 
 
 def mlp_folder(folder, *, splits, ranks, dp=1, num_microbatches=4, global_batch=16,
-               schedule="1f1b", steps=3, seed=0, timeout_s=30):
+               schedule="1f1b", steps=3, seed=0, timeout_s=30, extra=None, plan_hash=None):
     torch.manual_seed(seed)
     model = MLP()
     sizes = [model.layers[0].in_features] + [l.out_features for l in model.layers]
@@ -228,7 +230,8 @@ def mlp_folder(folder, *, splits, ranks, dp=1, num_microbatches=4, global_batch=
         in_spec=lambda k: ([micro, sizes[splits[k][0]]], "torch.float32"),
         out_spec=lambda k: ([micro, sizes[splits[k][-1] + 1]], "torch.float32"),
         ranks=ranks, dp=dp, num_microbatches=num_microbatches, global_batch=global_batch,
-        schedule=schedule, data=data, steps=steps, seed=seed, timeout_s=timeout_s)
+        schedule=schedule, data=data, steps=steps, seed=seed, timeout_s=timeout_s, extra=extra,
+        plan_hash=plan_hash)
     return model, program
 
 
