@@ -5,7 +5,9 @@ one-process oracle under the same policy (runtime/reference.py):
   (a tie across the stages): losses, parameters and the recorded global gradient norm match the
   oracle within the policy's tolerance (partitioner/verify.py TOLERANCES), replicas agree exactly;
 - a checkpoint written at dp 2 with sharded state resumes at dp 1 (unsharded) and at dp 4
-  (sharded, other slices) on the oracle's losses.
+  (sharded, other slices) on the oracle's losses;
+- a compiled plan that fits only with sharded state (dp 2 asked for, devices too small for
+  replicated AdamW state) is chosen by the solver, and its program trains like the oracle.
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ import os
 import shutil
 import subprocess
 
+import dataclasses
+
 import pytest
 import torch
 
 from _runtime_folders import child_env, gpt_folder, mlp_folder, one_thread  # noqa: F401
-from partitioner.verify import GRAD_NORM_TOLERANCE, TOLERANCES, read_grad_norms, read_program_run
+from partitioner import PartitionInfeasibleError
+from partitioner import compile as compile_plan
+from partitioner.cluster import ClusterSpec
+from partitioner.models import load_workload
+from partitioner.verify import GRAD_NORM_TOLERANCE, check_run, TOLERANCES, read_grad_norms, read_program_run
 from runtime.reference import train_reference_from_folder
 from runtime.torchrun import RUN_MANY as DRIVER
 from runtime.torchrun import torchrun_command
@@ -32,6 +40,18 @@ def _launch(nproc, args, timeout=240):
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
+
+
+MLP_SPEC = "mlp:features=32,hidden=256,depth=4,outputs=8,batch=4"
+# Predicted peak per rank of that MLP at dp 2 (1 stage, global batch 8): 4.16 MB with replicated
+# AdamW state, 3.33 MB sharded (half the 1.66 MB of state): a 3.7 MB device fits only the latter.
+SMALL_DEVICE_BYTES = 3_700_000
+
+
+def _small_cluster():
+    base = ClusterSpec.homogeneous(2, "cpu")
+    return dataclasses.replace(base, devices=tuple(dataclasses.replace(d, memory_bytes=SMALL_DEVICE_BYTES)
+                                                   for d in base.devices))
 
 
 def _rows(run_dir):
@@ -57,8 +77,14 @@ def runs(tmp_path_factory):
         os.makedirs(folders[f"dp{dp}"])
         mlp_folder(folders[f"dp{dp}"], splits=[[0, 1, 2, 3]], ranks=[([0], r) for r in range(dp)], dp=dp,
                    num_microbatches=2, global_batch=16, steps=4, extra=extra, plan_hash=f"test-dp{dp}")
+    workload = load_workload(MLP_SPEC)
+    compiled = compile_plan(workload, cluster=_small_cluster(), global_batch=8, dp=2,
+                            training={"model_spec": MLP_SPEC})
+    folders["fits_sharded"] = os.path.join(root, "fits_sharded")
+    compiled.save(folders["fits_sharded"])
     ck = os.path.join(root, "ck_dp2")
-    _launch(2, [folders["dp2"], "--steps", "2", "--checkpoint-dir", ck])
+    _launch(2, [folders["dp2"], "--steps", "2", "--checkpoint-dir", ck, "--",
+                folders["fits_sharded"], "--steps", "3"])
     for dp in (1, 4):
         shutil.copytree(ck, os.path.join(root, f"ck_for_dp{dp}"))
     four = _launch(4, [folders["bf16-mixed"], "--", folders["fp16-mixed"], "--",
@@ -108,3 +134,17 @@ def test_sharded_checkpoint_resumes_at_another_dp(runs, dp):
     assert replica_diff == 0.0
     for name, value in params.items():
         torch.testing.assert_close(value, state[name], rtol=1e-4, atol=1e-4)
+
+
+def test_plan_that_fits_only_sharded_is_chosen_and_runs(runs):
+    from partitioner.plan import Plan
+
+    plan = Plan.load(runs["fits_sharded"])
+    assert plan.dp == 2 and plan.training["shard_optimizer"] is True
+    assert all(s.peak_memory_bytes <= SMALL_DEVICE_BYTES for s in plan.stages)
+    with pytest.raises(PartitionInfeasibleError):  # replicated state does not fit these devices
+        compile_plan(load_workload(MLP_SPEC), cluster=_small_cluster(), global_batch=8, dp=2, shard_optimizer="off")
+    with open(os.path.join(runs["fits_sharded"], "plan.json")) as f:
+        assert json.load(f)["program"]["shard_optimizer"] is True  # the program does what the plan says
+    report = check_run(runs["fits_sharded"], os.path.join(runs["fits_sharded"], "run"), steps=3)
+    assert report.ok, report.text()
