@@ -69,9 +69,9 @@ def layout(names: list[str], numels: list[int], dp: int, replica: int) -> tuple[
 class ShardedOptimizer:
     """The rank's AdamW over its pieces, and the collectives of Note [sharded optimizer state]."""
 
-    def __init__(self, named: dict[str, list[torch.nn.Parameter]], cfg, *, dp: int, replica: int, group):
-        from runtime.train import make_optimizer
-
+    def __init__(self, named: dict[str, list[torch.nn.Parameter]], cfg, *, dp: int, replica: int, group,
+                 make_optimizer):
+        """``make_optimizer(params, cfg, names)``: runtime/train.py's (passed in: train imports this)."""
         self.named = named  # name -> every copy of it on this rank (a tie on one rank: two)
         self.names = list(named)
         first = [named[n][0] for n in self.names]
