@@ -79,6 +79,7 @@ def compile_workload(
     off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
     solver/zero_choice.py), "on"/True or "off"/False. training["no_weight_decay"]: "default",
     "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
+    from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
     from partitioner.solver.zero_choice import solve_with_sharding
     from runtime.grad_norm import no_decay_names
     from runtime.precision import check_precision, default_precision
@@ -112,6 +113,9 @@ def compile_workload(
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
+    # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
+    problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
+    cluster = cluster_for_precision(cluster, training["precision"])
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
     solution, problem, sharded = solve_with_sharding(
         problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,

@@ -15,6 +15,7 @@ because:
   halves the activations that matmuls save, which is where mixed precision saves memory on
   activation-bound models. What bf16 parameters would save more of is ZeRO-sharded state (12 of
   16 bytes shardable instead of 8): a later step, not this one.
+The weight copies are cached for the whole step (``step_context``), not per microbatch.
 Tensors crossing a stage boundary are cast back to the dtype the plan declares for them (the
 traced dtype, fp32 for a fp32 model): PipelineStage's receive buffers are allocated from the plan,
 and the cast is exact in the direction bf16/fp16 -> fp32 (the cost model counts those bytes).
@@ -68,6 +69,17 @@ def autocast(precision: str, device_type: str):
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, str(name).removeprefix("torch."))
+
+
+def step_context(precision: str, device_type: str):
+    """Around a whole step's schedule under a mixed policy: an autocast region that is *off*
+    (backward runs outside autocast, as torch recommends) but keeps autocast's nesting above
+    zero, so the low-precision copy autocast makes of each weight is cached for the whole step
+    instead of remade (and saved again for backward) by every microbatch's forward: one copy per
+    weight, 2 bytes per parameter, for the step (the cost model's ``weight_copy_bytes``)."""
+    if AUTOCAST_DTYPE[check_precision(precision)] is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def cast_outputs(output, dtypes: list[torch.dtype]):

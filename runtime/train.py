@@ -387,8 +387,11 @@ class RankTrainer:
         feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []
         tgt = self._replica_rows(target, 0) if self.is_last else None
-        self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
-                           return_outputs=False)
+        from runtime.precision import step_context
+
+        with step_context(program.precision, self.device.type):  # Note [mixed precision]
+            self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
+                               return_outputs=False)
         scale_used = self.scaler.scale
         self.finish_gradients_and_step()
         sync_buffers(list(self.named_mutable_buffers().values()), self.layout, self.rank, self.groups)
