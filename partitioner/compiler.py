@@ -130,8 +130,12 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
 
+    from partitioner.solver.zero_choice import allgather_s
+
     assignment = solution.assignment
     cost = evaluate(problem, cluster, assignment)
+    # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
+    extra_s = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
     table = region_table(gm)
     b = assignment.microbatch_size
     stage_of = assignment.stage_of_region
@@ -182,7 +186,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     if training.get("memory_tier") is not None:
         training = {**training, "memory_tier": memory_tier_choice(training["memory_tier"], stages, cluster,
                                                                   assignment)}
-    step = cost.step_time_s
+    step = cost.step_time_s + extra_s
     return Plan(
         workload=workload.name,
         model_fingerprint=model_fingerprint(workload.model),
