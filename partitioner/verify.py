@@ -198,16 +198,15 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     """The verdict on a finished run of the program in ``folder`` (its metrics.jsonl and final/
     in ``run_dir``): the same steps trained by the oracle in this process. ``steps``: how many the
     run was asked for (default: as many as it logged)."""
-    from partitioner.plan import Plan
-    from runtime.program import load_program
+    from runtime.program import load_plan, load_program
 
     folder = Path(folder).resolve()
-    plan = Plan.load(folder)
     program = load_program(str(folder))
-    if workload is None and plan.training.get("model_spec"):
+    training = load_plan(str(folder)).get("training") or {}  # a hand-written folder has no full Plan
+    if workload is None and training.get("model_spec"):
         from partitioner.models import load_workload
 
-        workload = load_workload(plan.training["model_spec"])
+        workload = load_workload(training["model_spec"])
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps

@@ -96,6 +96,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 def test_mixed_precision_sharded_matches_oracle(runs, precision):
     folder = runs[precision]
+    report = check_run(folder, os.path.join(folder, "run"), steps=3)  # what `partitioner verify` decides
+    assert report.ok and report.precision == precision, report.text()
     norms: list[float] = []
     want_losses, state, _ = train_reference_from_folder(folder, 3, grad_norms=norms)
     losses, params, replica_diff = read_program_run(os.path.join(folder, "run"))
