@@ -11,15 +11,18 @@ Formulas (per sample = one sequence of s tokens):
 * flops: forward 2 · params · tokens for every matmul, plus attention scores and weighting
   2 · 2 · s^2 · h per layer; backward = 2 x forward, so training = 6 · params · tokens + attention.
   Head: 2 · s · h · V forward.
-* memory per parameter (mixed precision Adam, no ZeRO): 2 bytes weight, 2 bytes gradient,
-  12 bytes optimizer (fp32 master, m, v) = 16 bytes.
+* memory per parameter, as the runtime keeps it under bf16-mixed (Note [mixed precision] in
+  runtime/precision.py, no sharding): 4 bytes fp32 weight (the master weights) + 2 bytes of its
+  bf16 copy autocast caches for the step (the "weight" term, Note [precision in the cost model]),
+  4 bytes fp32 gradient, 8 bytes AdamW m and v = 18 bytes.
 * saved activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation",
   no tensor parallelism): s·h·34 + 5·a·s^2 bytes; split here as attention (with its norm)
   13·s·h + 5·a·s^2 and MLP (with its norm) 21·s·h. GPT only: for SwiGLU the MLP keeps
   4·s·h + 6·s·f (its input twice, then gate, up and their product at width f). Recomputing a
   region keeps only its input, 2·s·h bytes.
-* edges: the residual stream, 2·s·h bytes, between consecutive regions; logits are saved in
-  fp32 for the loss (4·s·V bytes on the head).
+* edges: the residual stream between consecutive regions, at the plan's fp32 boundary dtype
+  (the runtime casts a stage's outputs back to it): 4·s·h bytes ("op" granularity's inner edges
+  stay at the bf16 2·s·h); logits are saved in fp32 for the loss (4·s·V bytes on the head).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from partitioner.solver.problem import Edge, PartitionProblem, RegionCost, Share
 
 __all__ = ["gpt_like_problem", "gpt2_small", "llama_like", "PARAM_BYTES", "GRAD_BYTES", "OPTIMIZER_BYTES"]
 
-PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 6, 4, 8
 
 
 def _region(name, params, fwd_flops, saved, recompute_saved, layer=None) -> RegionCost:
@@ -82,7 +85,7 @@ def gpt_like_problem(
                                  core_saved=core_saved)
         head_params = 0 if tied else V * h
         regions.append(_region("head", head_params + h, 2 * s * h * V, residual + 4 * s * V, residual + 4 * s * V))
-        edges.append(Edge(previous, len(regions) - 1, residual))
+        edges.append(Edge(previous, len(regions) - 1, 2 * residual))  # fp32 boundary
         ties = (SharedParam(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
         return PartitionProblem(regions=tuple(regions), edges=tuple(edges), ties=ties, input_bytes_per_sample=8 * s)
     for layer in range(layers):
@@ -96,7 +99,7 @@ def gpt_like_problem(
             raise ValueError(f"granularity={granularity!r} must be 'op', 'fine' or 'block'")
     head_params = 0 if tied else V * h
     regions.append(_region("head", head_params + h, 2 * s * h * V, residual + 4 * s * V, residual + 4 * s * V))
-    edges = tuple(Edge(i, i + 1, residual) for i in range(len(regions) - 1))
+    edges = tuple(Edge(i, i + 1, 2 * residual) for i in range(len(regions) - 1))  # fp32 boundaries
     ties = (SharedParam(regions=(0, len(regions) - 1), param_bytes=PARAM_BYTES * V * h),) if tied else ()
     return PartitionProblem(regions=tuple(regions), edges=edges, ties=ties, input_bytes_per_sample=8 * s)
 

@@ -49,6 +49,7 @@ BENCHMARKS = [
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
     ("memory_tier", ["benchmarks/memory_tier.py"], 600),
     ("recompute", ["benchmarks/recompute.py"], 600),
+    ("precision", ["benchmarks/precision.py"], 600),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14

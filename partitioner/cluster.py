@@ -94,6 +94,28 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
 
+# Note [flops per dtype]: sustained FLOP/s per compute dtype, the same 40% of the datasheet's dense
+# peak the presets' ``flops_per_s`` take (which is the rate at the kind's default precision:
+# bf16 on the GPUs, fp32 on cpu; runtime/precision.py ``default_precision``). A100: 19.5 fp32,
+# 156 tf32, 312 bf16/fp16 TFLOP/s; H100/H200 SXM: 67, 495, 989, 989. torch computes fp32
+# matmuls in full fp32 unless told otherwise (allow_tf32 is off by default), so the fp32 policy
+# gets the fp32 rate. cpu: a 512^3 matmul alone (one thread, this Xeon with AMX-BF16) runs at fp32
+# 37, bf16 109, fp16 20 GFLOP/s, but a whole small GPT step under bf16 autocast measured 1.4x
+# *slower* than fp32 (benchmarks/precision.py: the casts and the non-matmul ops in bf16 cost
+# more than the matmuls save at these sizes), so the preset takes bf16 = fp32 / 1.4 and fp16 =
+# 0.55 x fp32 (its matmul ratio; nothing faster to expect) of the preset's 50 GFLOP/s. A CPU
+# without AMX is slower still in bf16: calibrate it.
+# ``partitioner.solver.precision_cost.cluster_for_precision`` scales each device's flops_per_s by
+# rate[policy dtype] / rate[default dtype] of its kind, so a cluster file's own figure is read
+# as its rate at the kind's default precision.
+FLOPS_PER_S_BY_DTYPE: Mapping[str, Mapping[str, float]] = {
+    "a100-40gb": {"fp32": 7.8e12, "tf32": 62.4e12, "bf16": 125e12, "fp16": 125e12},
+    "a100-80gb": {"fp32": 7.8e12, "tf32": 62.4e12, "bf16": 125e12, "fp16": 125e12},
+    "h100": {"fp32": 26.8e12, "tf32": 198e12, "bf16": 396e12, "fp16": 396e12},
+    "h200": {"fp32": 26.8e12, "tf32": 198e12, "bf16": 396e12, "fp16": 396e12},
+    "cpu": {"fp32": 50e9, "tf32": 50e9, "bf16": 36e9, "fp16": 27e9},
+}
+
 
 def default_cores(kind: str) -> int | None:
     """Cores a device of ``kind`` computes on (Note [core sharing]): this machine's count for

@@ -59,11 +59,23 @@ def compile_workload(
     profiles=(),
     calibrate=None,
     progress: Callable[[object], None] | None = None,
+    precision: str | None = None,
+    clip_grad_norm: float | None = None,
+    shard_optimizer: str | bool = "auto",
 ) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
-    solver.solve.SolveProgress updates (str() of one is a status line)."""
-    from partitioner.solver.solve import solve
+    solver.solve.SolveProgress updates (str() of one is a status line).
+    ``precision``: "fp32" | "bf16-mixed" | "fp16-mixed" (Note [mixed precision] in
+    runtime/precision.py); None: training["precision"], else bf16-mixed on GPU kinds, fp32 on cpu.
+    ``clip_grad_norm``: clip the global gradient norm (None: training["clip_grad_norm"], else
+    off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
+    solver/zero_choice.py), "on"/True or "off"/False. training["no_weight_decay"]: "default",
+    "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
+    from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+    from partitioner.solver.zero_choice import solve_with_sharding
+    from runtime.grad_norm import no_decay_names
+    from runtime.precision import check_precision, default_precision
 
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
@@ -74,6 +86,16 @@ def compile_workload(
 
     sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
     training = training_settings(training)  # Note [training settings merge]: deep, checked
+    training["precision"] = check_precision(precision or training.get("precision")
+                                            or default_precision(cluster.devices[0].kind))
+    clip = clip_grad_norm if clip_grad_norm is not None else training.get("clip_grad_norm")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        raise ValueError(f"clip_grad_norm={clip!r} must be a positive number (the largest global gradient "
+                         "norm), or None for no clipping")
+    training["clip_grad_norm"] = None if clip is None else float(clip)
+    shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
+    training["optimizer"] = {**training["optimizer"],
+                             "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
@@ -87,11 +109,15 @@ def compile_workload(
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
+    # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
+    problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
+    cluster = cluster_for_precision(cluster, training["precision"])
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
-    solution = solve(problem, cluster, global_batch, num_stages=num_stages, dp=dp, microbatches=microbatches,
-                     schedule=schedule, config=solver_config, progress=progress)
-    plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
-                     training=training)
+    solution, problem, sharded = solve_with_sharding(
+        problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
+        schedule=schedule, config=solver_config, progress=progress)
+    training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
+    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training)
     return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
 
 
@@ -100,8 +126,12 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
 
+    from partitioner.solver.zero_choice import allgather_s
+
     assignment = solution.assignment
     cost = evaluate(problem, cluster, assignment)
+    # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
+    extra_s = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
     table = region_table(gm)
     b = assignment.microbatch_size
     stage_of = assignment.stage_of_region
@@ -152,7 +182,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     if training.get("memory_tier") is not None:
         training = {**training, "memory_tier": memory_tier_choice(training["memory_tier"], stages, cluster,
                                                                   assignment)}
-    step = cost.step_time_s
+    step = cost.step_time_s + extra_s
     return Plan(
         workload=workload.name,
         model_fingerprint=model_fingerprint(workload.model),

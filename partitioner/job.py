@@ -103,6 +103,13 @@ def _boolean_or_none(value, where):
     return value
 
 
+def _no_weight_decay(value, where):
+    if value in ("default", "none") or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise ValueError(f"{where} = {value!r} must be \"default\", \"none\" or a list of parameter-name "
+                     "patterns (fnmatch), e.g. [\"*.bias\", \"*norm*\"]")
+
+
 def _string(value, where):
     if not isinstance(value, str):
         raise ValueError(f"{where} = {value!r} must be a string")
@@ -130,8 +137,6 @@ OPTIMIZER_SCHEMA = {
     "min_lr_ratio": lambda v, w: _number(v, w, low=0, high=1.000001),
     "fused": _boolean_or_none,
     "foreach": _boolean_or_none,
-    # Global gradient-norm clipping (runtime/train.py); None: no clipping.
-    "clip_grad_norm": _optional(_positive),
 }
 MEMORY_TIER_SCHEMA = {
     "mode": _choice(("auto", "none", "copy", "parity")),
@@ -146,7 +151,11 @@ TRAINING_SCHEMA = {
     "mtbf_s": _positive,
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
-    "pretrained": _string,  # the Hugging Face weights folder an hf: model starts from (set by the CLI)
+    "pretrained": _string,
+    # Global gradient-norm clipping (Note [global gradient norm] in runtime/grad_norm.py); None: off.
+    "clip_grad_norm": _optional(_positive),
+    "precision": _choice(("fp32", "bf16-mixed", "fp16-mixed")),  # Note [mixed precision]
+    "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])  # the Hugging Face weights folder an hf: model starts from (set by the CLI)
 }
 
 
@@ -199,7 +208,8 @@ JOB_TRAINING_KEYS = {
     "lr_schedule": ("optimizer", "lr_schedule"),
     "min_lr_ratio": ("optimizer", "min_lr_ratio"),
     "steps": ("optimizer", "total_steps"),
-    "clip_grad_norm": ("optimizer", "clip_grad_norm"),
+    "clip_grad_norm": ("clip_grad_norm",),
+    "precision": ("precision",),
     "checkpoint_every": ("checkpoint_every",),
     "mtbf": ("mtbf_s",),
     "seed": ("seed",),

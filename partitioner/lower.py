@@ -69,6 +69,11 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "seed": plan.training["seed"],
         "collective_timeout_s": plan.training["collective_timeout_s"],
         "checkpoint_every": plan.training.get("checkpoint_every", 0),
+        # Note [mixed precision] (runtime/precision.py), Note [global gradient norm]
+        # (runtime/grad_norm.py), Note [sharded optimizer state] (runtime/zero.py)
+        **({"precision": plan.training["precision"]} if plan.training.get("precision", "fp32") != "fp32" else {}),
+        **({"clip_grad_norm": plan.training["clip_grad_norm"]} if plan.training.get("clip_grad_norm") else {}),
+        **({"shard_optimizer": True} if plan.training.get("shard_optimizer") else {}),
         # Every run ends by printing what it measured next to this (runtime/train.py, RankTrainer.run).
         "predicted_step_time_s": float(plan.predicted["step_time_s"]),
         **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}

@@ -32,6 +32,19 @@ from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 # turns into steps of up to lr. 1e-4 is a tenth of one step at the default lr of 1e-3.
 LOSS_TOLERANCE = 1e-5
 PARAM_TOLERANCE = 1e-4
+# Per precision policy (Note [mixed precision] in runtime/precision.py): (loss, parameters).
+# Under autocast both runs round every matmul to bf16/fp16 in the same ops, so what differs is
+# still only summation order, but now of values rounded to 8 (bf16) or 11 (fp16) mantissa bits:
+# a different order of fp32 sums feeding a bf16 cast can flip its last bit, a relative 2**-8
+# (bf16) or 2**-11 (fp16) on that element. The loss is a mean over many such elements, so its
+# difference stays far below one rounding step of a single value: 1e-3 (bf16) and 2e-4 (fp16)
+# absolute on losses of order 1, the fp32 bound scaled by the mantissa ratio (2**16 and 2**13
+# coarser than fp32's 2**-24, damped by the averaging). Parameters follow Adam: a gradient
+# element whose sign flips under that noise moves its parameter by up to 2·lr in one step, so
+# the bound is 2e-3 (two steps of the default lr 1e-3 going the other way) for both policies.
+TOLERANCES = {"fp32": (LOSS_TOLERANCE, PARAM_TOLERANCE), "bf16-mixed": (1e-3, 2e-3), "fp16-mixed": (2e-4, 2e-3)}
+# The global gradient norm (metrics.jsonl grad_norm) against the oracle's, relative.
+GRAD_NORM_TOLERANCE = {"fp32": 1e-4, "bf16-mixed": 1e-2, "fp16-mixed": 2e-3}
 # Running statistics average activations made from those parameters: compared relative to their
 # size (|diff| / max(1, |oracle|)), and counters (num_batches_tracked) must agree exactly.
 BUFFER_TOLERANCE = 1e-4
@@ -49,11 +62,19 @@ class VerifyReport:
     oracle: str  # "original model", "unpartitioned traced graph (keyed randomness)" or "stage chain"
     max_buffer_diff: float = 0.0  # relative: |diff| / max(1, |oracle|)
     worst_buffer: str = "-"
+    precision: str = "fp32"
+    max_grad_norm_diff: float = 0.0  # relative: |program - oracle| / oracle, per step
+
+    @property
+    def tolerances(self) -> tuple[float, float]:
+        return TOLERANCES[self.precision]
 
     @property
     def ok(self) -> bool:
-        return (self.max_loss_diff <= LOSS_TOLERANCE and self.max_param_diff <= PARAM_TOLERANCE
-                and self.max_buffer_diff <= BUFFER_TOLERANCE and self.max_replica_diff == 0.0)
+        loss_tol, param_tol = self.tolerances
+        return (self.max_loss_diff <= loss_tol and self.max_param_diff <= param_tol
+                and self.max_buffer_diff <= BUFFER_TOLERANCE and self.max_replica_diff == 0.0
+                and self.max_grad_norm_diff <= GRAD_NORM_TOLERANCE[self.precision])
 
     def text(self) -> str:
         lines = [f"{'step':>4} {'program loss':>14} {'oracle loss':>14} {'diff':>10}"]
@@ -64,8 +85,10 @@ class VerifyReport:
             f"largest loss difference {self.max_loss_diff:.3e}; largest parameter difference "
             f"{self.max_param_diff:.3e} ({self.worst_param}); largest buffer difference "
             f"{self.max_buffer_diff:.3e} ({self.worst_buffer}); replicas differ by {self.max_replica_diff:.3e}",
-            f"verdict: {'PASS' if self.ok else 'FAIL'} (tolerance {LOSS_TOLERANCE:g} loss, {PARAM_TOLERANCE:g} "
-            f"parameters, {BUFFER_TOLERANCE:g} buffers)",
+            f"gradient norm differs by {self.max_grad_norm_diff:.3e} (relative)",
+            f"verdict: {'PASS' if self.ok else 'FAIL'} (precision {self.precision}: tolerance "
+            f"{self.tolerances[0]:g} loss, {self.tolerances[1]:g} parameters, {BUFFER_TOLERANCE:g} buffers, "
+            f"{GRAD_NORM_TOLERANCE[self.precision]:g} gradient norm)",
         ]
         return "\n".join(lines)
 
@@ -86,6 +109,16 @@ def _read_finals(run_dir: Path, pattern: str) -> tuple[dict[str, torch.Tensor], 
     return tensors, replica_diff
 
 
+def read_grad_norms(run_dir: Path) -> list[float]:
+    """metrics.jsonl's grad_norm per step (the last attempt of a re-run step)."""
+    norms: dict[int, float] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "grad_norm" in row:
+            norms[row["step"]] = float("inf") if row["grad_norm"] is None else row["grad_norm"]
+    return [norms[k] for k in sorted(norms)]
+
+
 def read_program_run(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """Per-step losses, final parameters by original name, and the largest difference between
     copies (of a parameter or of a mutable buffer)."""
@@ -103,13 +136,14 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
     return _read_finals(run_dir, "buffers_rank_*.safetensors")[0]
 
 
-def train_oracle(folder: str | Path, program: Program, workload, steps: int):
-    """(losses, final state, which oracle) of the one-process run ``verify`` compares against."""
+def train_oracle(folder: str | Path, program: Program, workload, steps: int, grad_norms: list | None = None):
+    """(losses, final state, which oracle) of the one-process run ``verify`` compares against,
+    under the program's precision policy and clipping; ``grad_norms`` gets the oracle's norms."""
     from runtime.user_code import resolve_callable
     from runtime.reference import train_reference, train_reference_from_folder
 
     if workload is None:
-        losses, state, _ = train_reference_from_folder(str(folder), steps)
+        losses, state, _ = train_reference_from_folder(str(folder), steps, grad_norms=grad_norms)
         return losses, state, "stage chain"
     if workload.model.parameters().__next__().device.type == "meta":
         raise ValueError("the workload's model is on the meta device: verify needs real weights; "
@@ -125,7 +159,8 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int):
     losses, state, _ = train_reference(
         model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
         program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
-        replicas=program.dp, keywords=data.keywords, call_with_keywords=oracle == "original model")
+        replicas=program.dp, keywords=data.keywords, call_with_keywords=oracle == "original model",
+        precision=program.precision, clip_grad_norm=program.clip_grad_norm, grad_norms=grad_norms)
     return losses, state, oracle
 
 
@@ -163,20 +198,25 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     """The verdict on a finished run of the program in ``folder`` (its metrics.jsonl and final/
     in ``run_dir``): the same steps trained by the oracle in this process. ``steps``: how many the
     run was asked for (default: as many as it logged)."""
-    from partitioner.plan import Plan
-    from runtime.program import load_program
+    from runtime.program import load_plan, load_program
 
     folder = Path(folder).resolve()
-    plan = Plan.load(folder)
     program = load_program(str(folder))
-    if workload is None and plan.training.get("model_spec"):
+    training = load_plan(str(folder)).get("training") or {}  # a hand-written folder has no full Plan
+    if workload is None and training.get("model_spec"):
         from partitioner.models import load_workload
 
-        workload = load_workload(plan.training["model_spec"], pretrained=plan.training.get("pretrained"))
+        workload = load_workload(training["model_spec"], pretrained=training.get("pretrained"))
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps
-    ref_losses, ref_state, oracle = train_oracle(folder, program, workload, steps)
+    ref_norms: list[float] = []
+    ref_losses, ref_state, oracle = train_oracle(folder, program, workload, steps, ref_norms)
+    norms = read_grad_norms(Path(run_dir))
+    norm_diff = max((0.0 if a == b else abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms, ref_norms)),
+                    default=0.0)  # both inf (a step fp16 skipped in both) is agreement
+    if norms and len(norms) != len(ref_norms):
+        norm_diff = float("inf")
     loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=float("inf"))
     if len(losses) != len(ref_losses):
         loss_diff = float("inf")
@@ -196,4 +236,4 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
         if diff > buffer_diff:
             worst_buffer, buffer_diff = name, diff
     return VerifyReport(steps, tuple(losses), tuple(ref_losses), loss_diff, param_diff, worst, replica_diff, oracle,
-                        buffer_diff, worst_buffer)
+                        buffer_diff, worst_buffer, program.precision, norm_diff)

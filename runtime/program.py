@@ -55,6 +55,12 @@ class Program:
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
     memory_tier: MemoryTierPlan | None = None
+    precision: str = "fp32"                   # "fp32" | "bf16-mixed" | "fp16-mixed" (Note [mixed precision]
+                                              # in runtime/precision.py)
+    clip_grad_norm: float | None = None       # clip the global gradient norm to this (Note [global
+                                              # gradient norm] in runtime/grad_norm.py); None: off
+    shard_optimizer: bool = False             # AdamW state sharded over the replicas (ZeRO-1, Note
+                                              # [sharded optimizer state] in runtime/zero.py)
     randomness: RandomnessSpec | None = None  # present only when the compiler keyed random ops
     init: InitSpec | None = None              # present only for a model compiled on the meta device
     steps: int | None = None                  # steps to train; None: optimizer.total_steps
@@ -89,19 +95,18 @@ class Program:
 
     def to_dict(self) -> dict:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
+        # The precision and sharding fields are written only when not the default, so a program
+        # compiled before them round-trips unchanged.
+        quiet = {"precision": "fp32", "shard_optimizer": False}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None}
+                if getattr(self, f.name) is not None
+                and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
 
     # -- What the runtime derives ---------------------------------------------------------------
 
     @functools.cached_property
     def layout(self) -> "Layout":
         return Layout.from_program(self)
-
-    @property
-    def clip_grad_norm(self) -> float | None:
-        """The global gradient norm to clip to (optimizer.clip_grad_norm); None: no clipping."""
-        return self.optimizer.clip_grad_norm
 
     @property
     def steps_to_train(self) -> int:
@@ -131,6 +136,13 @@ def _validate(program: Program) -> None:
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
+    from runtime.precision import check_precision
+
+    check_precision(program.precision)
+    if program.clip_grad_norm is not None and (isinstance(program.clip_grad_norm, bool)
+                                               or not isinstance(program.clip_grad_norm, (int, float))
+                                               or not program.clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm {program.clip_grad_norm!r} must be a positive number or null (off)")
     if program.device not in ("cpu", "cuda"):
         raise ValueError(f"device {program.device!r} is not 'cpu' or 'cuda'")
     world, p, dp, m = program.world_size, program.num_stages, program.dp, program.num_microbatches

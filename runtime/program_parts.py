@@ -216,10 +216,12 @@ class OptimizerSettings:
     min_lr_ratio: float = 0.0
     fused: bool | None = None                 # None: the fused kernel where torch has it
     foreach: bool | None = None
-    clip_grad_norm: float | None = None       # clip the global gradient norm to this; None: no clipping
+    no_decay: tuple[str, ...] = ()            # original names trained with weight_decay 0
+                                              # (Note [no weight decay] in runtime/grad_norm.py)
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
+        object.__setattr__(self, "no_decay", tuple(self.no_decay))
         if self.name.lower() != "adamw":
             raise ValueError(f"optimizer {self.name!r} is not supported (only 'adamw')")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -240,8 +242,9 @@ class OptimizerSettings:
         # Written only when set, so the compiler's object round-trips unchanged.
         if self.min_lr_ratio:
             out["min_lr_ratio"] = self.min_lr_ratio
-        out.update({k: getattr(self, k) for k in ("fused", "foreach", "clip_grad_norm")
-                    if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in ("fused", "foreach") if getattr(self, k) is not None})
+        if self.no_decay:
+            out["no_decay"] = list(self.no_decay)
         return out
 
 

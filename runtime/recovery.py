@@ -375,6 +375,8 @@ def preallocate_optimizer_state(trainer) -> list:
     start-up, for whichever tier then restores (runtime.checkpoint.restore fills tensors it finds).
     Returns the parameters given state; ``recover_any`` removes it again where nothing filled it."""
     made = []
+    if getattr(trainer, "zero", None) is not None:  # its optimizer holds pieces (runtime/zero.py)
+        return made
     with torch.no_grad():
         for p in trainer.named_parameters().values():
             if not trainer.optimizer.state.get(p):

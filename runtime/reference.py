@@ -18,8 +18,12 @@ from typing import Callable, Sequence
 
 import torch
 
+import math
+
+from runtime import grad_norm as gn
 from runtime import randomness
 from runtime.data import batch_inputs
+from runtime.precision import LossScaler, autocast, clip_coefficient, wrap_forward
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
 
 
@@ -53,7 +57,9 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
                     loss_fn: Callable, optimizer_cfg: dict, global_batch: int,
                     num_microbatches: int, steps: int, seed: int = 0, *,
                     batch_dims: Sequence[int] | None = None, replicas: int = 1,
-                    keywords: Sequence[str] = (), call_with_keywords: bool = False):
+                    keywords: Sequence[str] = (), call_with_keywords: bool = False,
+                    precision: str = "fp32", clip_grad_norm: float | None = None,
+                    grad_norms: list | None = None, skipped: list | None = None):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
     model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
@@ -67,6 +73,10 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     replicas: the data-parallel degree whose buffer handling to reproduce: the microbatches are
         cut into ``replicas`` consecutive groups and buffers end each step as the first group
         left them (Note [buffers across replicas]).
+    precision: the policy's autocast and fp16 loss scaling (Note [mixed precision] in
+        runtime/precision.py); clip_grad_norm: clip the global norm (Note [global gradient norm]
+        in runtime/grad_norm.py). grad_norms / skipped, when given, get each step's norm and
+        whether fp16 loss scaling skipped it.
     losses: per-step mean loss (Python floats of the fp32 values).
     final_state_dict: original name -> tensor, parameters (aliases of a tied parameter all
         present) and buffers.
@@ -107,7 +117,12 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         for n, b in m.named_buffers(remove_duplicate=False):
             buffers.setdefault(n, b)
     first_replica_end = num_microbatches // replicas
-    optimizer, lr_scheduler = make_optimizer(unique, optimizer_cfg)
+    name_of = {}
+    for n, p in named.items():
+        name_of.setdefault(id(p), n)
+    optimizer, lr_scheduler = make_optimizer(unique, optimizer_cfg, [name_of[id(p)] for p in unique])
+    scaler = LossScaler.for_policy(precision)
+    device_type = unique[0].device.type if unique else "cpu"
     losses = []
     for step in range(steps):
         args, target = make_batch(step, global_batch)
@@ -119,9 +134,10 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         for i in range(num_microbatches):
             randomness.set_context(seed=seed, step=step, microbatch=i,
                                    first_sample=i * (global_batch // num_microbatches))
-            out = forward(step, i, seed, *(c[i] for c in arg_chunks))
-            loss = loss_fn(out, target_chunks[i])
-            loss.backward()
+            with autocast(precision, device_type):
+                out = forward(step, i, seed, *(c[i] for c in arg_chunks))
+                loss = loss_fn(out, target_chunks[i])
+            (loss.float() * scaler.scale if scaler.enabled else loss).backward()
             total += loss.detach().float()
             if replicas > 1 and i == first_replica_end - 1:
                 kept = {n: b.detach().clone() for n, b in buffers.items()}
@@ -132,7 +148,18 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         for p in unique:
             if p.grad is not None:
                 p.grad.div_(num_microbatches)
-        optimizer.step()
+        grads = [p.grad for p in unique if p.grad is not None]
+        if scaler.enabled:
+            gn.scale_(grads, 1.0 / scaler.scale)
+        norm = gn.as_norm(float(gn.squares_sum(grads)))
+        take = scaler.update(math.isfinite(norm))
+        if take:
+            gn.scale_(grads, clip_coefficient(norm, clip_grad_norm))
+            optimizer.step()
+        if grad_norms is not None:
+            grad_norms.append(norm)
+        if skipped is not None:
+            skipped.append(not take)
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total / num_microbatches))
@@ -146,7 +173,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     return losses, state, opt_state
 
 
-def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None):
+def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None, **kwargs):
     """The oracle of a program folder: its stage modules chained in one process, with the
     program's data, loss, optimizer and seed (what ``partitioner verify`` compares against)."""
     from runtime.program import load_program
@@ -155,12 +182,15 @@ def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: in
 
     program = load_program(folder)
     stages = [build_stage(folder, k, "cpu") for k in range(program.num_stages)]
+    for k, stage in enumerate(stages):  # the boundary casts the runtime does (Note [mixed precision])
+        wrap_forward(stage, program.precision, "cpu", program.stages[k].outputs)
     data = program.data
     return train_reference(
         stages, resolve_callable(data.make_batch, folder), resolve_callable(data.loss_fn, folder),
         program.optimizer, program.global_batch,
         num_microbatches or program.dp * program.num_microbatches, steps, program.seed,
         batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs], keywords=data.keywords,
-        replicas=program.dp if num_microbatches is None else 1)
+        replicas=program.dp if num_microbatches is None else 1,
+        precision=program.precision, clip_grad_norm=program.clip_grad_norm, **kwargs)
 
 

@@ -91,10 +91,14 @@ def lr_factor(step: int, cfg: OptimizerSettings | dict) -> float:
     raise ValueError(f"lr_schedule {kind!r} is not one of 'cosine', 'linear', 'constant'")
 
 
-def make_optimizer(params, cfg: OptimizerSettings | dict):
-    """AdamW over ``params`` (all with the same weight decay) and its LambdaLR schedule.
+def make_optimizer(params, cfg: OptimizerSettings | dict, names: list[str] | None = None):
+    """AdamW over ``params`` and its LambdaLR schedule. ``names`` (one per parameter, original
+    names) put the parameters cfg.no_decay lists into a group without weight decay (Note [no
+    weight decay] in runtime/grad_norm.py); without names every parameter decays alike.
     cfg.fused (default: on where torch has the kernel) or cfg.foreach pick the kernel. A dict is
     read as ``OptimizerSettings.from_dict`` (tests and the reference pass plain dicts)."""
+    from runtime.grad_norm import param_groups
+
     cfg = OptimizerSettings.coerce(cfg)
     params = list(params)
     if not params:
@@ -107,10 +111,14 @@ def make_optimizer(params, cfg: OptimizerSettings | dict):
     if fused is None:
         fused = cfg.foreach is None and all(
             p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+    if names is not None and len(names) == len(params) and cfg.no_decay:
+        groups = param_groups(list(zip(names, params)), cfg.weight_decay, cfg.no_decay)
+    else:
+        groups = [{"params": params, "weight_decay": cfg.weight_decay}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas),
                             eps=cfg.eps, weight_decay=cfg.weight_decay,
                             foreach=cfg.foreach, fused=bool(fused) or None)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: lr_factor(s, cfg)] * len(groups))
     return opt, sched
 
 
@@ -232,7 +240,8 @@ def create_groups(layout: Layout, rank: int, *, timeout, backend: str | None = N
     return Groups(pipeline, dp_group, ties)
 
 
-def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Groups) -> None:
+def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Groups, *,
+                   data_parallel: bool = True) -> None:
     """Tie gradients: sum over every copy (local copies, then across the tie group of this
     replica). Then data-parallel: average every gradient over the replicas. Every rank runs the
     ties in program order, then data parallelism, so the collectives never cross."""
@@ -251,7 +260,7 @@ def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Gro
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         for c in copies:
             c.grad.copy_(total)
-    if groups.data_parallel is not None:
+    if data_parallel and groups.data_parallel is not None:
         allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program.dp)
 
 
@@ -329,9 +338,35 @@ class RankTrainer:
         data = program.data
         self.make_batch: Callable = resolve_callable(data.make_batch, folder)
         self.loss_fn: Callable = resolve_callable(data.loss_fn, folder)
-        self.schedule = build_schedule(self.pipe_stages, program, self.loss_fn)
-        self.optimizer, self.lr_scheduler = make_optimizer(
-            [p for m in self.modules for p in m.parameters()], program.optimizer)
+        from runtime.precision import LossScaler, autocast, wrap_forward
+
+        for s, m in zip(self.stage_ids, self.modules):  # Note [mixed precision] in runtime/precision.py
+            wrap_forward(m, program.precision, device.type, program.stages[s].outputs)
+        self.scaler = LossScaler.for_policy(program.precision)
+
+        def loss_under_policy(output, target):
+            with autocast(program.precision, device.type):
+                loss = self.loss_fn(output, target)
+            return loss.float() * self.scaler.scale if self.scaler.enabled else loss
+
+        self.schedule = build_schedule(self.pipe_stages, program, loss_under_policy)
+        self.zero = None
+        if program.shard_optimizer and program.dp > 1:  # Note [sharded optimizer state] in runtime/zero.py
+            from runtime.zero import ShardedOptimizer
+
+            named: dict[str, list] = {}
+            for m in self.modules:
+                for name in m.parameter_names:
+                    named.setdefault(name, []).append(m.get_parameter(name))
+            self.zero = ShardedOptimizer(named, program.optimizer, dp=program.dp, replica=self.replica,
+                                         group=groups.data_parallel, make_optimizer=make_optimizer)
+            self.optimizer, self.lr_scheduler = self.zero.optimizer, self.zero.lr_scheduler
+        else:
+            names_of = {id(m.get_parameter(n)): n for m in self.modules for n in m.parameter_names}
+            params = [p for m in self.modules for p in m.parameters()]
+            self.optimizer, self.lr_scheduler = make_optimizer(
+                params, program.optimizer, [names_of.get(id(p), "") for p in params])
+        self.last_grad_norm, self.last_skipped = 0.0, False
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
         self.steps_done = 0
@@ -353,21 +388,57 @@ class RankTrainer:
         feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []
         tgt = self._replica_rows(target, 0) if self.is_last else None
-        self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
-                           return_outputs=False)
-        sync_gradients(self.modules, program, self.groups)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        from runtime.precision import step_context
+
+        with step_context(program.precision, self.device.type):  # Note [mixed precision]
+            self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
+                               return_outputs=False)
+        scale_used = self.scaler.scale
+        self.finish_gradients_and_step()
         sync_buffers(list(self.named_mutable_buffers().values()), self.layout, self.rank, self.groups)
         # The step's loss: mean over microbatches and replicas (one all-reduce over the world).
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last:
             for item in losses:
                 loss_sum += item.detach().float()
+            if self.scaler.enabled:  # the schedule's losses are scaled (Note [loss scaling])
+                loss_sum /= scale_used
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         self.steps_done = step + 1
         return float(loss_sum / (m * program.dp))
+
+    def finish_gradients_and_step(self) -> None:
+        """Sync, unscale, the global norm, clip, step (or skip): Notes [global gradient norm],
+        [loss scaling], [sharded optimizer state]. Every rank runs the same collectives in the
+        same order."""
+        from runtime import grad_norm as gn
+        from runtime.precision import clip_coefficient
+
+        program = self.program
+        if self.zero is None:
+            sync_gradients(self.modules, program, self.groups)
+            grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
+            owned = gn.owned_gradients(self)
+        else:
+            sync_gradients(self.modules, program, self.groups, data_parallel=False)
+            grads = self.zero.reduce_scatter_grads()
+            owned = self.zero.owned_grads(gn.owned_names(self))
+        if self.scaler.enabled:
+            gn.scale_(grads, 1.0 / self.scaler.scale)
+        total = gn.squares_sum(owned).to(self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        norm = gn.as_norm(float(total))
+        take = self.scaler.update(math.isfinite(norm))
+        if take:
+            gn.scale_(grads, clip_coefficient(norm, program.clip_grad_norm))
+        if self.zero is None:
+            if take:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.zero.step(take)
+        self.lr_scheduler.step()
+        self.last_grad_norm, self.last_skipped = norm, not take
 
     def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,
             before_step: Callable[[int], None] | None = None,
@@ -406,6 +477,10 @@ class RankTrainer:
                 if metrics is not None:
                     rate = program.global_batch / dt
                     record = {"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": rate, "lr": lr,
+                              # null when not finite (an fp16 overflow: skipped)
+                              "grad_norm": self.last_grad_norm if math.isfinite(self.last_grad_norm) else None,
+                              **({"skipped": self.last_skipped, "loss_scale": self.scaler.scale}
+                                 if self.scaler.enabled else {}),
                               "time_unix": time.time(), **watched}
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()

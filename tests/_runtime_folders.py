@@ -180,10 +180,12 @@ def gpt_stage_sources(model: TinyGPT, splits: list[list[int]]):
 
 
 def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_microbatches,
-                 global_batch, schedule, data, steps=3, ties=(), seed=0, timeout_s=30):
+                 global_batch, schedule, data, steps=3, ties=(), seed=0, timeout_s=30, extra=None,
+                 plan_hash=None):
     """Write plan.json, stage_<k>.py, weights/, rank_<r>.py, train.py. ``in_spec(k)`` and
     ``out_spec(k)`` give (shape, dtype) of stage k's input/output for one microbatch, or a list of
-    them when the stage has several (then the source entry names a list too)."""
+    them when the stage has several (then the source entry names a list too). ``extra``: more keys
+    of the program object (precision, clip_grad_norm, shard_optimizer, optimizer overrides)."""
     os.makedirs(os.path.join(folder, "weights"), exist_ok=True)
     state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
     stages = []
@@ -204,16 +206,17 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
                "ranks": [{"rank": r, "stages": s, "replica": rep} for r, (s, rep) in enumerate(ranks)],
                "stages": stages, "ties": [dict(t) for t in ties], "data": data,
                "optimizer": OPTIMIZER, "seed": seed, "collective_timeout_s": timeout_s,
-               "steps": steps})
+               "steps": steps, **(extra or {})})
+    plan_hash = plan_hash or "test-" + schedule
     with open(os.path.join(folder, "plan.json"), "w") as f:
-        json.dump({"plan_hash": "test-" + schedule, "program": program.to_dict()}, f, indent=1)
-    write_entry_files(folder, program, plan_hash="test-" + schedule)
+        json.dump({"plan_hash": plan_hash, "program": program.to_dict()}, f, indent=1)
+    write_entry_files(folder, program, plan_hash=plan_hash)
     seal_folder(folder)  # the file map and program_hash, as the compiler writes them
     return program
 
 
 def mlp_folder(folder, *, splits, ranks, dp=1, num_microbatches=4, global_batch=16,
-               schedule="1f1b", steps=3, seed=0, timeout_s=30):
+               schedule="1f1b", steps=3, seed=0, timeout_s=30, extra=None, plan_hash=None):
     torch.manual_seed(seed)
     model = MLP()
     sizes = [model.layers[0].in_features] + [l.out_features for l in model.layers]
@@ -227,7 +230,8 @@ def mlp_folder(folder, *, splits, ranks, dp=1, num_microbatches=4, global_batch=
         in_spec=lambda k: ([micro, sizes[splits[k][0]]], "torch.float32"),
         out_spec=lambda k: ([micro, sizes[splits[k][-1] + 1]], "torch.float32"),
         ranks=ranks, dp=dp, num_microbatches=num_microbatches, global_batch=global_batch,
-        schedule=schedule, data=data, steps=steps, seed=seed, timeout_s=timeout_s)
+        schedule=schedule, data=data, steps=steps, seed=seed, timeout_s=timeout_s, extra=extra,
+        plan_hash=plan_hash)
     return model, program
 
 
@@ -255,7 +259,7 @@ def skip_folder(folder, *, schedule="gpipe", num_microbatches=4, global_batch=8,
 
 
 def gpt_folder(folder, *, splits, ranks, dp=1, num_microbatches=2, global_batch=4,
-               schedule="1f1b", steps=3, seed=0, dropout=0.0, vocab=64, seq=8, d=16):
+               schedule="1f1b", steps=3, seed=0, dropout=0.0, vocab=64, seq=8, d=16, extra=None):
     torch.manual_seed(seed)
     model = TinyGPT(vocab=vocab, seq=seq, d=d, layers=sum(len(s) for s in splits), dropout=dropout)
     micro = global_batch // (dp * num_microbatches)
@@ -268,7 +272,7 @@ def gpt_folder(folder, *, splits, ranks, dp=1, num_microbatches=2, global_batch=
         out_spec=lambda k: ([micro, seq, vocab] if k == last else [micro, seq, d], "torch.float32"),
         ranks=ranks, dp=dp, num_microbatches=num_microbatches, global_batch=global_batch,
         schedule=schedule, data=data, steps=steps, seed=seed,
-        ties=[{"param": "tok_emb.weight", "stages": [0, last]}])
+        ties=[{"param": "tok_emb.weight", "stages": [0, last]}], extra=extra)
     return model, program
 
 

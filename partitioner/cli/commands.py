@@ -73,11 +73,11 @@ def cmd_compile(args) -> int:
     training = {"model_spec": model_spec}
     optimizer = {key: value for key, value in (("lr", args.lr), ("total_steps", args.steps),
                                                ("warmup_steps", args.warmup_steps)) if value is not None}
-    if args.clip_grad_norm is not None:
-        optimizer["clip_grad_norm"] = None if args.clip_grad_norm.lower() == "none" else _float_flag(
-            "--clip-grad-norm", args.clip_grad_norm)
     if optimizer:
         training["optimizer"] = optimizer
+    if args.clip_grad_norm is not None:
+        training["clip_grad_norm"] = None if args.clip_grad_norm.lower() == "none" else _float_flag(
+            "--clip-grad-norm", args.clip_grad_norm)
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
@@ -124,6 +124,7 @@ def cmd_compile(args) -> int:
         microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
         training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
         profiles=profiles, calibrate=calibration,
+        precision=args.precision, shard_optimizer=args.shard_optimizer,  # clipping: in training
     )
     say(f"write {args.output}")
     plan.save(args.output)
@@ -424,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibrate-repeats", type=int, default=10, help="timed repeats per region (median)")
     c.add_argument("--calibrate-threads", type=int, default=1, help="torch threads while measuring on CPU "
                    "(default 1, what `partitioner run` gives each rank; 0 = leave as is)")
+    c.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="autocast policy (default: bf16-mixed on GPU kinds, fp32 on cpu)")
+    c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
+                   help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr, no summary")
     c.set_defaults(func=cmd_compile)
 

@@ -25,6 +25,16 @@ def samples_per_s(plan: Plan) -> float:
     return plan.predicted.get("samples_per_s") or (plan.global_batch / step if step > 0 else 0.0)
 
 
+def training_line(plan: Plan) -> str:
+    """Precision, optimizer-state sharding and clipping (Notes [mixed precision], [sharding as a
+    candidate], [global gradient norm])."""
+    t = plan.training or {}
+    shard = "sharded over the dp replicas (ZeRO-1)" if t.get("shard_optimizer") else "replicated"
+    clip = t.get("clip_grad_norm")
+    return (f"precision {t.get('precision', 'fp32')}; optimizer state {shard}; "
+            f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}")
+
+
 def table(plan: Plan) -> str:
     p = plan.predicted
     lines = [
@@ -32,6 +42,7 @@ def table(plan: Plan) -> str:
         f"{plan.num_stages} stage(s) x {plan.dp} data-parallel = {plan.world_size} rank(s); "
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch}); "
         f"schedule {plan.schedule}",
+        training_line(plan),
         "",
     ]
     mem_unit, mem_scale = byte_unit(max(s.peak_memory_bytes for s in plan.stages))

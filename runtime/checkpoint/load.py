@@ -14,7 +14,7 @@ import torch
 
 from runtime.checkpoint.manifest import _bare_name, check_model, list_step_dirs, read_manifest
 from runtime.checkpoint.shard import parse_shard, step_dirname
-from runtime.checkpoint.state import LoadedCheckpoint, take_state
+from runtime.checkpoint.state import LoadedCheckpoint, pieces_complete, take_pieces, take_state
 from runtime.errors import CheckpointCorruptError
 from runtime.program import Program
 
@@ -154,12 +154,39 @@ def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed:
             raise CheckpointCorruptError(f"shard {choice.param_source[name]['file']} says step "
                                          f"{meta.get('step')}, its directory says {step}")
         sched = sched or meta.get("lr_scheduler")
+    read_missing_pieces(ckpt_dir, manifest, loaded, needed, read, step)
     if choice.own is not None:
         rng_tensors, loaded.rng_meta = read[choice.own["rank"]]
         loaded.rng_tensors = _rng_of(rng_tensors)
         sched = loaded.rng_meta.get("lr_scheduler") or sched
     loaded.lr_scheduler = sched or {}
     return loaded
+
+
+def read_missing_pieces(ckpt_dir: str, manifest: dict, loaded: LoadedCheckpoint, needed: list[str],
+                        read: dict, step: int) -> None:
+    """Sharded optimizer state (Note [sharded optimizer state] in runtime/zero.py) is spread
+    over the shards of a stage's replicas: for each name whose pieces do not cover it yet, read
+    the other shards that hold it (verified as any shard) until they do."""
+    sharded = any(k.startswith("optim_shard/") for tensors, _meta in read.values() for k in tensors)
+    if not sharded:
+        return
+    for name in needed:
+        if pieces_complete(loaded, name, sharded):
+            continue
+        for entry in sorted(manifest["shards"], key=lambda e: e["rank"]):
+            if entry["rank"] in read or not _holds(entry, name):
+                continue
+            read[entry["rank"]] = read_shard(ckpt_dir, manifest, entry)
+            tensors, meta = read[entry["rank"]]
+            take_pieces(loaded, name, tensors, meta)
+            if pieces_complete(loaded, name, sharded):
+                break
+        for rank, (tensors, meta) in read.items():  # shards read for an earlier name hold pieces too
+            take_pieces(loaded, name, tensors, meta)
+        if not pieces_complete(loaded, name, sharded):
+            raise CheckpointCorruptError(f"checkpoint step {step}: the shards' optimizer pieces of {name!r} "
+                                         "do not cover it (a replica's shard is missing)")
 
 
 def find_valid(ckpt_dir: str, program: Program, rank: int, needed: list[str], *, warn=None,

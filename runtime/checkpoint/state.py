@@ -78,6 +78,7 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
                 tensors.append((f"optim/{name}/{key}", st[key].detach()))
         if "step" in st:
             param_steps[name] = float(st["step"])
+    pieces = sharded_state_entries(trainer, tensors, param_steps)
     buffers = {n: b for n, b in trainer.named_mutable_buffers().items() if writes is None or n in writes}
     with torch.no_grad():
         tensors += [(f"buffer/{name}", b.detach().to("cpu", copy=True)) for name, b in buffers.items()]
@@ -89,7 +90,24 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
             "plan_hash": program.plan_hash, "model_fingerprint": program.model_fingerprint,
             "params": names, "buffers": list(buffers), "param_steps": param_steps,
             "lr_scheduler": _json_scheduler_state(trainer.lr_scheduler), **rng_meta}
+    if pieces is not None:
+        meta["optim_pieces"] = pieces
+    scaler = getattr(trainer, "scaler", None)
+    if scaler is not None and scaler.enabled:
+        meta["loss_scale"] = scaler.state()
     return tensors, meta
+
+
+def sharded_state_entries(trainer, tensors: list, param_steps: dict) -> dict | None:
+    """The pieces of sharded optimizer state (Note [sharded optimizer state] in runtime/zero.py):
+    appended to ``tensors`` as optim_shard/<name>/<key>; returns meta optim_pieces, or None."""
+    zero = getattr(trainer, "zero", None)
+    if zero is None:
+        return None
+    more, pieces, steps = zero.state_entries()
+    tensors += more
+    param_steps.update(steps)
+    return pieces
 
 
 @dataclass
@@ -142,6 +160,10 @@ class LoadedCheckpoint:
     rng_tensors: dict[str, torch.Tensor] | None  # None after a reshard
     rng_meta: dict | None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # mutable buffers, original names
+    # sharded optimizer state: name -> [(start, end, {"exp_avg", "exp_avg_sq"})] in the flattened
+    # parameter (runtime/zero.py ``piece_state`` stitches them)
+    optim_pieces: dict[str, list] = field(default_factory=dict)
+    loss_scale: dict | None = None  # fp16-mixed's scale (Note [loss scaling])
 
 
 def take_state(loaded: LoadedCheckpoint, name: str, tensors: dict[str, torch.Tensor], meta: dict,
@@ -154,12 +176,45 @@ def take_state(loaded: LoadedCheckpoint, name: str, tensors: dict[str, torch.Ten
               if f"optim/{name}/{k}" in tensors}
         if st:
             loaded.optim[name] = st
+        take_pieces(loaded, name, tensors, meta)
         if name in meta.get("param_steps", {}):
             loaded.param_steps[name] = meta["param_steps"][name]
+        if meta.get("loss_scale") and loaded.loss_scale is None:
+            loaded.loss_scale = meta["loss_scale"]
     elif f"buffer/{name}" in tensors:
         loaded.buffers[name] = tensors[f"buffer/{name}"]
     else:
         raise CheckpointCorruptError(f"{where} lacks parameter or buffer {name!r}")
+
+
+def take_pieces(loaded: LoadedCheckpoint, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Add the shard's piece of ``name``'s sharded optimizer state, if it holds one."""
+    span = (meta.get("optim_pieces") or {}).get(name)
+    if span is None:
+        return
+    st = {k: tensors[f"optim_shard/{name}/{k}"] for k in ("exp_avg", "exp_avg_sq")
+          if f"optim_shard/{name}/{k}" in tensors}
+    if st:
+        have = loaded.optim_pieces.setdefault(name, [])
+        if all(tuple(span) != (a, b) for a, b, _ in have):
+            have.append((int(span[0]), int(span[1]), st))
+        if name in meta.get("param_steps", {}):  # the piece's shard knows its AdamW step
+            loaded.param_steps[name] = meta["param_steps"][name]
+
+
+def pieces_complete(loaded: LoadedCheckpoint, name: str, sharded: bool) -> bool:
+    """Whether the optimizer state of parameter ``name`` is whole: held unsharded, or (in a
+    checkpoint of ``sharded`` state) pieces covering it. Not a parameter: nothing to cover."""
+    if name in loaded.optim or name not in loaded.params:
+        return True
+    if name not in loaded.optim_pieces:
+        return not sharded
+    covered = 0
+    for a, b, _ in sorted(loaded.optim_pieces[name], key=lambda t: t[0]):
+        if a > covered:
+            return False
+        covered = max(covered, b)
+    return covered >= loaded.params[name].numel()
 
 
 def _mismatch(kind: str, name: str, live: torch.Tensor, saved: torch.Tensor, step: int) -> str | None:
@@ -199,6 +254,8 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
     buffer). Every tensor is checked against the live one first (``check_shapes``), so a wrong
     checkpoint changes nothing."""
     check_shapes(trainer, ckpt)
+    if ckpt.optim_pieces and getattr(trainer, "zero", None) is None:
+        _unshard_optim(trainer, ckpt)
     seen: set[int] = set()
     with torch.no_grad():
         for name, buffer in trainer.named_mutable_buffers().items():
@@ -212,7 +269,7 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
-                if name in ckpt.optim:
+                if name in ckpt.optim and getattr(trainer, "zero", None) is None:
                     old = trainer.optimizer.state.get(p) or {}
                     st = {}
                     for k, v in ckpt.optim[name].items():
@@ -223,12 +280,40 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
                     if name in ckpt.param_steps:
                         st["step"] = torch.tensor(ckpt.param_steps[name], dtype=torch.float32)
                     trainer.optimizer.state[p] = st
+    if getattr(trainer, "zero", None) is not None:
+        trainer.zero.restore(ckpt.params, ckpt.optim, ckpt.optim_pieces, ckpt.param_steps)
+    scaler = getattr(trainer, "scaler", None)
+    if scaler is not None:
+        scaler.load(ckpt.loss_scale)
     sched = trainer.lr_scheduler
     if ckpt.lr_scheduler:
         sched.__dict__.update({k: (list(v) if isinstance(v, list) else v)
                                for k, v in ckpt.lr_scheduler.items()})
+        _match_groups(sched, len(trainer.optimizer.param_groups))
         for group, lr in zip(trainer.optimizer.param_groups, sched.get_last_lr()):
             group["lr"] = lr
     if ckpt.rng_tensors is not None:
         restore_rng(ckpt.rng_tensors, ckpt.rng_meta or {})
     trainer.steps_done = ckpt.step
+
+
+def _unshard_optim(trainer, ckpt: LoadedCheckpoint) -> None:
+    """Sharded pieces -> whole Adam state by name, for a trainer without sharding (a reshard to
+    dp 1 or to replicated state)."""
+    from runtime.zero import full_state
+
+    for name, p in trainer.named_parameters().items():
+        if name not in ckpt.optim:
+            st = full_state(name, p.numel(), p.shape, ckpt.optim, ckpt.optim_pieces)
+            if st is not None:
+                ckpt.optim[name] = st
+
+
+def _match_groups(sched, num_groups: int) -> None:
+    """A checkpoint written with another number of parameter groups (a reshard moves the
+    no-decay parameters between ranks): every group shares one learning rate (Note [no weight
+    decay] in runtime/grad_norm.py), so the saved per-group lists are stretched or cut."""
+    for key in ("base_lrs", "_last_lr"):
+        values = getattr(sched, key, None)
+        if isinstance(values, list) and values and len(values) != num_groups:
+            setattr(sched, key, [values[0]] * num_groups)

@@ -64,7 +64,7 @@ def test_dict_batch_model_with_a_job_file_runs_and_verifies(user_dir, tmp_path):
     assert optimizer["lr"] == 0.003
     assert optimizer["betas"] == [0.8, 0.9] and optimizer["lr_schedule"] == "linear"
     assert optimizer["total_steps"] == 4 and optimizer["warmup_steps"] == 1
-    assert optimizer["clip_grad_norm"] == 1.0
+    assert program["clip_grad_norm"] == 1.0
     assert optimizer["weight_decay"] == 0.1 and optimizer["eps"] == 1e-8
     assert program["checkpoint_every"] == 2
     run_dir = tmp_path / "run"

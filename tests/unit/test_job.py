@@ -35,7 +35,9 @@ def test_later_layers_win_key_by_key():
     ({"optimizer": {"betas": [0.9]}}, r"training.optimizer.betas = \[0.9\] must be two numbers"),
     ({"optimizer": {"lr_schedule": "step"}}, r"lr_schedule = 'step' must be one of 'cosine'"),
     ({"optimizer": {"warmup_steps": 2.5}}, r"warmup_steps = 2.5 must be a whole number"),
-    ({"optimizer": {"clip_grad_norm": 0}}, r"clip_grad_norm = 0 must be > 0"),
+    ({"clip_grad_norm": 0}, r"clip_grad_norm = 0 must be > 0"),
+    ({"optimizer": {"clip_grad_norm": 1.0}}, r"training.optimizer has unknown key clip_grad_norm"),
+    ({"precision": "bf16"}, r"precision = 'bf16' must be one of"),
     ({"checkpoint_every": True}, r"checkpoint_every = True must be a whole number"),
     ({"memory_tier": "mirror"}, r"memory_tier = 'mirror' must be one of"),
 ])
@@ -44,13 +46,11 @@ def test_unknown_keys_and_wrong_types_name_the_key(settings, words):
         training_settings(settings)
 
 
-def test_clip_grad_norm_reaches_the_program_object():
-    from runtime.program_parts import OptimizerSettings
-
-    settings = OptimizerSettings.from_dict(training_settings({"optimizer": {"clip_grad_norm": 1.0}})["optimizer"])
-    assert settings.clip_grad_norm == 1.0 and settings.to_dict()["clip_grad_norm"] == 1.0
-    default = OptimizerSettings.from_dict(training_settings()["optimizer"])
-    assert default.clip_grad_norm is None and "clip_grad_norm" not in default.to_dict()
+def test_clip_grad_norm_is_a_training_setting():
+    # One place for it (like precision): training["clip_grad_norm"], which becomes the program
+    # object's clip_grad_norm (runtime/program.py) that runtime/train.py clips with.
+    assert training_settings({"clip_grad_norm": 1.0})["clip_grad_norm"] == 1.0
+    assert training_settings().get("clip_grad_norm") is None
 
 
 JOB = """
@@ -75,7 +75,7 @@ def test_a_job_file_reads_training_and_cluster(tmp_path):
     job = load_job(path)
     got = training_settings(job.training)
     assert got["optimizer"]["lr"] == 3e-4 and got["optimizer"]["total_steps"] == 500
-    assert got["optimizer"]["clip_grad_norm"] == 1.0 and got["mtbf_s"] == 6 * 3600
+    assert got["clip_grad_norm"] == 1.0 and got["mtbf_s"] == 6 * 3600
     assert got["optimizer"]["weight_decay"] == DEFAULT_TRAINING["optimizer"]["weight_decay"]
     assert job.cluster.num_devices == 16 and job.cluster.devices[0].kind == "h100"
 

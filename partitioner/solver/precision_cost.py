@@ -1,0 +1,60 @@
+"""The precision policy in the cost model (Note [mixed precision] in runtime/precision.py).
+
+Note [precision in the cost model]: the passes trace the model in its own dtype; the policy
+changes three figures, and this module changes them on the problem and the cluster before the
+solve, so the ILP, the chain DP, the checker and the baselines all see them alike:
+- compute: each device computes at the FLOP rate of the policy's dtype (``cluster_for_precision``,
+  Note [flops per dtype] in partitioner/cluster.py): fp32 -> fp32, bf16-mixed -> bf16,
+  fp16-mixed -> fp16;
+- weights: under autocast each weight a matmul reads is also held as a low-precision copy for
+  the step (runtime/precision.py ``step_context``): the weights term grows by 2 bytes per 4-byte
+  parameter (``precision_problem``: every parameter counted, which over-counts norms and
+  embeddings that are not cast: memory is predicted conservatively);
+- what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
+  the tensors crossing a stage boundary are cast back to the plan's dtype, so communication bytes
+  are the traced ones. Saved activations stay at the traced dtype too, which over-counts the
+  halves that autocast's matmuls save in bf16/fp16 (conservative, not modelled finer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from partitioner.cluster import FLOPS_PER_S_BY_DTYPE, resolve_kind
+
+POLICY_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+def _default_dtype(kind: str) -> str:
+    return "fp32" if kind == "cpu" else "bf16"
+
+
+def flops_ratio(kind: str, precision: str) -> float:
+    """rate[policy dtype] / rate[kind's default dtype]; 1 for a kind without a table."""
+    try:
+        table = FLOPS_PER_S_BY_DTYPE[resolve_kind(kind)]
+    except ValueError:
+        return 1.0
+    return table[POLICY_DTYPE[precision]] / table[_default_dtype(resolve_kind(kind))]
+
+
+def cluster_for_precision(cluster, precision: str):
+    """``cluster`` with each device's flops_per_s at the policy's dtype."""
+    devices = tuple(dataclasses.replace(d, flops_per_s=d.flops_per_s * flops_ratio(d.kind, precision))
+                    for d in cluster.devices)
+    return dataclasses.replace(cluster, devices=devices)
+
+
+def precision_problem(problem, precision: str, param_elem_bytes: int):
+    """``problem`` with the autocast weight copies in the weights term (Note [precision in the
+    cost model]); unchanged under fp32 or for a model already in 2-byte parameters."""
+    if precision == "fp32" or param_elem_bytes <= 2:
+        return problem
+    ratio = 2 / param_elem_bytes
+    ties = []
+    for t in problem.ties:
+        param, grad, opt = problem.tie_bytes(t)  # explicit before the ratios they default to move
+        ties.append(dataclasses.replace(t, param_bytes=int(param * (1 + ratio)), grad_bytes=int(grad),
+                                        optimizer_bytes=int(opt)))
+    regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio))) for r in problem.regions)
+    return dataclasses.replace(problem, regions=regions, ties=tuple(ties))

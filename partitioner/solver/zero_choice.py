@@ -1,0 +1,100 @@
+"""Whether to shard the optimizer state over the data-parallel replicas (ZeRO-1): a plan decision.
+
+Note [sharding as a candidate]: sharded optimizer state (runtime/zero.py, Note [sharded optimizer
+state]) changes two cost-model terms of every stage with d > 1 replicas, and nothing else:
+- memory: AdamW state / d per replica (the runtime's pieces are views of the parameters: no
+  master copy), and the step phase holds the whole flat gradient the reduce-scatter reads
+  instead of one all-reduce bucket (``allreduce_bucket_bytes`` unbounded);
+- time: under NCCL, reduce-scatter + all-gather move the same ring bytes, 2·(d-1)/d of the
+  gradient, as the all-reduce they replace: no extra term. Under gloo (the cpu kind) the runtime
+  all-reduces and then all-gathers the updated slices (gloo's reduce-scatter is slower than its
+  all-reduce, Note [sharded optimizer state]): one ring all-gather more, (d-1)·(G/d/bw + latency)
+  for a stage of G parameter bytes, the slowest stage's, times the core-sharing factor
+  (``allgather_s``). It is added to the candidate's step time after its solve (the ILP does not
+  see it: within one (p, d, m) it is nearly constant, the parameters being split over the stages
+  either way) and to the plan's predicted step time (partitioner/compiler.py).
+So a sharded candidate is the same partition problem with those terms changed
+(``sharded_problem``), solved by the same ILP, chain DP and checker, for each dp degree (the
+division depends on d). ``solve_with_sharding`` solves the unsharded space and, where asked, the
+sharded space per d, and keeps the faster plan; at equal predicted time the unsharded one (one
+collective fewer per step in practice, and its optimizer state needs no resharding). Sharding
+therefore wins exactly when memory is what holds the unsharded plans back: a candidate that
+fits only with sharded state (fewer stages, bigger microbatches, less recompute) is faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from partitioner.errors import PartitionInfeasibleError
+
+SHARD_CHOICES = ("auto", "on", "off")
+
+
+def sharded_problem(problem, dp: int):
+    """``problem`` with each replica holding 1/dp of the optimizer state (Note [sharding as a
+    candidate])."""
+    regions = tuple(dataclasses.replace(r, optimizer_bytes=int(math.ceil(r.optimizer_bytes / dp)))
+                    for r in problem.regions)
+    ties = tuple(t if t.optimizer_bytes is None else
+                 dataclasses.replace(t, optimizer_bytes=int(math.ceil(t.optimizer_bytes / dp)))
+                 for t in problem.ties)
+    return dataclasses.replace(problem, regions=regions, ties=ties, allreduce_bucket_bytes=2 ** 62)
+
+
+def allgather_s(problem, cluster, assignment) -> float:
+    """The all-gather a sharded plan adds on gloo (cpu devices); 0 under NCCL or at dp 1."""
+    from partitioner.solver.evaluate import evaluate
+    from partitioner.solver.problem import core_sharing_factor, plan_links
+
+    d = assignment.dp
+    if d < 2 or cluster.devices[0].kind != "cpu":
+        return 0.0
+    cost = evaluate(problem, cluster, assignment)
+    _, dp_links, _ = plan_links(cluster, assignment.device_of_stage_replica)
+    worst = max((d - 1) * (st.grads_bytes / d / link.bandwidth_bytes_per_s + link.latency_s)
+                for st, link in zip(cost.stages, dp_links) if link is not None)
+    return worst * core_sharing_factor(cluster, assignment.device_of_stage_replica)
+
+
+def dp_degrees(cluster, global_batch: int, dp: int | None) -> list[int]:
+    if dp is not None:
+        return [dp] if dp > 1 else []
+    return [d for d in range(2, cluster.num_devices + 1) if global_batch % d == 0]
+
+
+def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
+                        **solve_kwargs):
+    """(solution, the problem it was solved on, shard_optimizer) of the best plan over the
+    unsharded space and, unless ``shard`` is "off", the sharded one per dp degree ("on": only
+    sharded plans with dp > 1)."""
+    from partitioner.solver.solve import solve
+
+    if shard not in SHARD_CHOICES:
+        raise ValueError(f"shard_optimizer {shard!r} is not one of {list(SHARD_CHOICES)}")
+    results, errors = [], []
+    if shard in ("auto", "off"):
+        try:
+            results.append((solve(problem, cluster, global_batch, dp=dp, **solve_kwargs), problem, False))
+        except PartitionInfeasibleError as exc:
+            errors.append(exc)
+    if shard in ("auto", "on"):
+        for d in dp_degrees(cluster, global_batch, dp):
+            variant = sharded_problem(problem, d)
+            try:
+                results.append((solve(variant, cluster, global_batch, dp=d, **solve_kwargs), variant, True))
+            except (PartitionInfeasibleError, ValueError) as exc:  # ValueError: no (p, m) for this d
+                errors.append(exc)
+    if not results:
+        if errors and isinstance(errors[0], PartitionInfeasibleError):
+            raise errors[0]
+        if shard == "on":
+            raise ValueError("shard_optimizer 'on' needs a plan with dp > 1, and none fits this cluster and "
+                             "global batch: allow more devices, or use shard_optimizer 'auto'")
+        raise errors[0]
+    def step_s(result):
+        solution, variant, sharded = result
+        return solution.step_time_s + (allgather_s(variant, cluster, solution.assignment) if sharded else 0.0)
+
+    return min(results, key=lambda r: (step_s(r), r[2]))  # equal time: unsharded first
