@@ -187,7 +187,7 @@ def deep_merge(base: dict, override: dict) -> dict:
 def training_settings(*layers: dict | None, names: tuple[str, ...] | None = None) -> dict:
     """DEFAULT_TRAINING with each of ``layers`` (lowest first) merged over it, each checked first
     (Note [training settings merge]); ``names`` say where each layer came from, for the errors."""
-    merged = DEFAULT_TRAINING
+    merged = copy.deepcopy(DEFAULT_TRAINING)  # callers add keys to what they get: never to the defaults
     for i, layer in enumerate(layers):
         if not layer:
             continue

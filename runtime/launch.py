@@ -16,6 +16,7 @@ dead peer; torchrun's agent then tears down the remaining workers (and restarts 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import sys
 import traceback
@@ -208,7 +209,12 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         flags = parse_args(sys.argv[1:] if argv is None else argv)
         steps = flags.pop("steps", steps)
         run_dir = flags.pop("run_dir", run_dir)
-        return _main(folder, rank, steps=steps, run_dir=run_dir, flags=flags)
+        losses = _main(folder, rank, steps=steps, run_dir=run_dir, flags=flags)
+        # The trainer's objects (precision, sharding, their hooks) form reference cycles that keep
+        # the destroyed group's store, and so its listening port, alive until a collection: a
+        # second launch in this process (a notebook, a test driver) could not bind the port.
+        gc.collect()
+        return losses
     except Exception as exc:
         if not exit_on_error:
             raise
