@@ -106,10 +106,16 @@ def compile_workload(
     gm = annotate(traced, granularity=granularity, optimizer=optimizer,
                   loss_outside_graph=workload.loss_fn is not None)
     profiles = list(profiles)
+    for p in profiles:  # a fit is of one precision policy (calibrate's meta "precision")
+        fitted = p.meta.get("precision", "fp32")
+        if fitted != training["precision"]:
+            raise ValueError(f"the {p.kind} profile was fitted under precision {fitted}, but this plan trains in "
+                             f"{training['precision']}: recalibrate with --calibrate --precision {training['precision']}, "
+                             f"or compile with --precision {fitted}")
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
         with randomness.restored(COSTING_RANDOMNESS):
-            measured = calibrate.run(workload, gm, progress=progress)
+            measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"])
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
