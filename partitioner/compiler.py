@@ -98,6 +98,8 @@ def compile_workload(
                          "norm), or None for no clipping")
     training["clip_grad_norm"] = None if clip is None else float(clip)
     shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
+    if shard not in ("auto", "on", "off"):
+        raise ValueError(f"shard_optimizer={shard_optimizer!r} is not \"auto\", \"on\" or \"off\" (or a bool)")
     training["optimizer"] = {**training["optimizer"],
                              "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
     _progress(progress, "trace")
