@@ -94,6 +94,8 @@ def compile_workload(
                          "norm), or None for no clipping")
     training["clip_grad_norm"] = None if clip is None else float(clip)
     shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
+    if shard not in ("auto", "on", "off"):
+        raise ValueError(f"shard_optimizer={shard_optimizer!r} is not \"auto\", \"on\" or \"off\" (or a bool)")
     training["optimizer"] = {**training["optimizer"],
                              "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
     _progress(progress, "trace")
@@ -102,10 +104,16 @@ def compile_workload(
     gm = annotate(traced, granularity=granularity, optimizer=optimizer,
                   loss_outside_graph=workload.loss_fn is not None)
     profiles = list(profiles)
+    for p in profiles:  # a fit is of one precision policy (calibrate's meta "precision")
+        fitted = p.meta.get("precision", "fp32")
+        if fitted != training["precision"]:
+            raise ValueError(f"the {p.kind} profile was fitted under precision {fitted}, but this plan trains in "
+                             f"{training['precision']}: recalibrate with --calibrate --precision {training['precision']}, "
+                             f"or compile with --precision {fitted}")
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
         with randomness.restored(COSTING_RANDOMNESS):
-            measured = calibrate.run(workload, gm, progress=progress)
+            measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"])
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))

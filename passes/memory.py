@@ -13,7 +13,10 @@ constants (a stage must hold all of them). Only parameters that require grad get
     sgd_momentum      1 x param bytes   (momentum buffer)
     sgd               0
 
-Mixed precision with fp32 master weights is not modelled (parameters are taken at their dtype).
+Parameters, gradients and state are taken at the traced dtype, which is what the runtime keeps
+under every precision policy (fp32 parameters are the master weights under autocast); the
+policy's extra terms (autocast's weight copies, the compute dtype's FLOP rate) are added after the
+passes: Note [precision in the cost model] in partitioner/solver/precision_cost.py.
 
 Note [saved activations]: ``saved_activation_bytes`` is what autograd keeps from the forward until
 the backward. Each node is run alone on fake inputs under ``saved_tensors_hooks`` (Note [one op at

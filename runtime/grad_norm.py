@@ -31,6 +31,7 @@ import fnmatch
 import math
 
 import torch
+import torch.distributed as dist
 
 NORM_TYPES = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
               "LlamaRMSNorm", "T5LayerNorm", "InstanceNorm1d", "InstanceNorm2d")
@@ -121,3 +122,37 @@ def scale_(grads, factor: float) -> None:
 
 def as_norm(total_sq: float) -> float:
     return math.sqrt(total_sq) if math.isfinite(total_sq) and total_sq >= 0 else float("inf")
+
+
+def finish_step(trainer, sync_gradients) -> tuple[float, bool]:
+    """A step after its backward: sync the gradients (``sync_gradients``: runtime/train.py's),
+    unscale (fp16), the global norm, clip, then the optimizer step or, on an fp16 overflow, the
+    skip: Notes [global gradient norm], [loss scaling], [sharded optimizer state]. Every rank runs
+    the same collectives in the same order. Returns (norm, skipped)."""
+    from runtime.precision import clip_coefficient
+
+    program, zero, scaler = trainer.program, trainer.zero, trainer.scaler
+    if zero is None:
+        sync_gradients(trainer.modules, program, trainer.groups)
+        grads = [p.grad for m in trainer.modules for p in m.parameters() if p.grad is not None]
+        owned = owned_gradients(trainer)
+    else:
+        sync_gradients(trainer.modules, program, trainer.groups, data_parallel=False)
+        grads = zero.reduce_scatter_grads()
+        owned = zero.owned_grads(owned_names(trainer))
+    if scaler.enabled:
+        scale_(grads, 1.0 / scaler.scale)
+    total = squares_sum(owned).to(trainer.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    norm = as_norm(float(total))
+    take = scaler.update(math.isfinite(norm))
+    if take:
+        scale_(grads, clip_coefficient(norm, program.clip_grad_norm))
+    if zero is None:
+        if take:
+            trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    else:
+        zero.step(take)
+    trainer.lr_scheduler.step()
+    return norm, not take

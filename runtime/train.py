@@ -408,37 +408,10 @@ class RankTrainer:
         return float(loss_sum / (m * program.dp))
 
     def finish_gradients_and_step(self) -> None:
-        """Sync, unscale, the global norm, clip, step (or skip): Notes [global gradient norm],
-        [loss scaling], [sharded optimizer state]. Every rank runs the same collectives in the
-        same order."""
-        from runtime import grad_norm as gn
-        from runtime.precision import clip_coefficient
+        """Sync, unscale, the global norm, clip, step or skip (runtime/grad_norm.py ``finish_step``)."""
+        from runtime.grad_norm import finish_step
 
-        program = self.program
-        if self.zero is None:
-            sync_gradients(self.modules, program, self.groups)
-            grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
-            owned = gn.owned_gradients(self)
-        else:
-            sync_gradients(self.modules, program, self.groups, data_parallel=False)
-            grads = self.zero.reduce_scatter_grads()
-            owned = self.zero.owned_grads(gn.owned_names(self))
-        if self.scaler.enabled:
-            gn.scale_(grads, 1.0 / self.scaler.scale)
-        total = gn.squares_sum(owned).to(self.device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        norm = gn.as_norm(float(total))
-        take = self.scaler.update(math.isfinite(norm))
-        if take:
-            gn.scale_(grads, clip_coefficient(norm, program.clip_grad_norm))
-        if self.zero is None:
-            if take:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.zero.step(take)
-        self.lr_scheduler.step()
-        self.last_grad_norm, self.last_skipped = norm, not take
+        self.last_grad_norm, self.last_skipped = finish_step(self, sync_gradients)
 
     def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,
             before_step: Callable[[int], None] | None = None,

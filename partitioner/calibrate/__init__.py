@@ -61,16 +61,19 @@ __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "Li
 
 
 def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: int = 3, repeats: int = 10,
-              threads: int | None = 1, progress: Callable[[str], None] | None = None) -> DeviceProfile:
-    """Measure ``gm``'s regions and ops here and fit a profile for this device kind."""
+              threads: int | None = 1, progress: Callable[[str], None] | None = None,
+              precision: str = "fp32") -> DeviceProfile:
+    """Measure ``gm``'s regions and ops here and fit a profile for this device kind, under the
+    precision policy the program will train in (its meta records it: a profile fits one policy)."""
     kind = kind or local_device_kind()
-    rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress)
+    rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress,
+                   precision=precision)
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         return fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
-                                                  "threads": threads or old})
+                                                  "threads": threads or old, "precision": precision})
     finally:
         torch.set_num_threads(old)
 
@@ -89,9 +92,10 @@ class CalibrationConfig:
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"calibration repeats={self.repeats} must be >= 1 and warmup={self.warmup} >= 0")
 
-    def run(self, workload, gm: fx.GraphModule, *, progress: Callable[[str], None] | None = None) -> DeviceProfile:
+    def run(self, workload, gm: fx.GraphModule, *, progress: Callable[[str], None] | None = None,
+            precision: str = "fp32") -> DeviceProfile:
         profile = calibrate(workload, gm, kind=self.kind, warmup=self.warmup, repeats=self.repeats,
-                            threads=self.threads, progress=progress)
+                            threads=self.threads, progress=progress, precision=precision)
         if self.profile_out:
             profile.save(self.profile_out)
             if progress:

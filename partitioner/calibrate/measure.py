@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from partitioner import ir
 from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
 from runtime.memory import LiveBytes
+from runtime.precision import autocast
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -65,7 +66,8 @@ def _build_group(gm: fx.GraphModule, nodes: list[fx.Node], values: dict, needs: 
     return GroupRun(name, fx.GraphModule(gm, graph), inputs, input_needs)
 
 
-def _time_group(run: GroupRun, *, warmup: int, repeats: int, params) -> tuple[float, float, int]:
+def _time_group(run: GroupRun, *, warmup: int, repeats: int, params, precision: str = "fp32",
+                device: str = "cpu") -> tuple[float, float, int]:
     """(median forward s, median backward s, peak live bytes of one forward + backward)."""
     generator = torch.Generator().manual_seed(0)
     grads_out = None
@@ -78,7 +80,8 @@ def _time_group(run: GroupRun, *, warmup: int, repeats: int, params) -> tuple[fl
             mode.__enter__()
         try:
             start = time.perf_counter()
-            outs = run.module(*inputs)
+            with autocast(precision, device):
+                outs = run.module(*inputs)
             middle = time.perf_counter()
             flat = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             if grads_out is None:
@@ -114,11 +117,13 @@ def local_device_kind() -> str:
 
 def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10, single_ops: bool = True,
             threads: int | None = 1, device: str | None = None,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
+            progress: Callable[[str], None] | None = None, precision: str = "fp32") -> list[dict]:
     """Measure every region of the annotated ``gm`` (and every distinct op alone) on this machine.
 
     Returns one dict per measured group: name, kind ("region" or "op"), fwd_s, bwd_s,
-    peak_live_bytes and the (forward, backward) features (Note [measuring a region])."""
+    peak_live_bytes and the (forward, backward) features (Note [measuring a region]).
+    ``precision``: forwards run under that policy's autocast, as the program runs them (Note
+    [mixed precision] in runtime/precision.py), so the fit is the policy's."""
     if any(p.device.type == "meta" for p in gm.parameters()):
         raise ValueError(f"--calibrate runs the model, but {workload.name} lives on the meta device: calibrate "
                          "on a smaller configuration of the same model (same kinds of ops) and pass the "
@@ -129,7 +134,7 @@ def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10,
         torch.set_num_threads(threads)
     try:
         return _measure(workload, gm, warmup=warmup, repeats=repeats, single_ops=single_ops, device=device,
-                        progress=progress)
+                        progress=progress, precision=precision)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -144,7 +149,7 @@ def _example_inputs(workload) -> tuple:
     return tuple(args)
 
 
-def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress) -> list[dict]:
+def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision="fp32") -> list[dict]:
     gm = gm.to(device)
     params = list(gm.parameters())
     needs = requires_grad_nodes(gm)
@@ -184,7 +189,8 @@ def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress) -> 
     results = []
     for kind, name, nodes in groups:
         run = _build_group(gm, nodes, values, needs, name)
-        fwd_s, bwd_s, peak = _time_group(run, warmup=warmup, repeats=repeats, params=params)
+        fwd_s, bwd_s, peak = _time_group(run, warmup=warmup, repeats=repeats, params=params,
+                                         precision=precision, device=device)
         fwd_f, bwd_f = group_features(nodes, needs)
         results.append({"kind": kind, "name": name, "fwd_s": fwd_s, "bwd_s": bwd_s, "peak_live_bytes": peak,
                         "fwd_features": asdict(fwd_f), "bwd_features": asdict(bwd_f)})

@@ -10,6 +10,9 @@ solve, so the ILP, the chain DP, the checker and the baselines all see them alik
   the step (runtime/precision.py ``step_context``): the weights term grows by 2 bytes per 4-byte
   parameter (``precision_problem``: every parameter counted, which over-counts norms and
   embeddings that are not cast: memory is predicted conservatively);
+- calibration: ``--calibrate`` measures every region with its forward under the policy's
+  autocast, and the profile records the policy (meta "precision"); a profile fitted under another
+  policy is refused (partitioner/compiler.py), since its seconds are of other kernels;
 - what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
   the tensors crossing a stage boundary are cast back to the plan's dtype, so communication bytes
   are the traced ones. Saved activations stay at the traced dtype too, which over-counts the

@@ -106,3 +106,26 @@ def test_sharded_problem_divides_optimizer_state_and_precision_adds_weight_copie
     h100 = ClusterSpec.homogeneous(1, "h100")
     assert cluster_for_precision(h100, "fp32").devices[0].flops_per_s == pytest.approx(26.8e12)
     assert cluster_for_precision(h100, "bf16-mixed").devices[0].flops_per_s == pytest.approx(396e12)
+
+
+def test_calibration_fits_the_plans_precision_and_a_mismatched_profile_is_refused():
+    from partitioner import compile as compile_plan
+    from partitioner.calibrate import CalibrationConfig
+    from partitioner.cluster import ClusterSpec
+    from partitioner.models import mlp
+
+    cluster = ClusterSpec.homogeneous(2, "cpu")
+    compiled = compile_plan(mlp(), cluster=cluster, global_batch=8, precision="bf16-mixed",
+                            calibrate=CalibrationConfig(repeats=1, warmup=0))
+    assert compiled.plan.training["precision"] == "bf16-mixed"
+    measured = CalibrationConfig(repeats=1, warmup=0).run(mlp(), _annotated(mlp()), precision="bf16-mixed")
+    assert measured.meta["precision"] == "bf16-mixed"
+    with pytest.raises(ValueError, match="fitted under precision bf16-mixed.*--precision bf16-mixed"):
+        compile_plan(mlp(), cluster=cluster, global_batch=8, precision="fp32", profiles=[measured])
+
+
+def _annotated(workload):
+    from partitioner.analysis import annotate, trace_keyed
+
+    traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    return annotate(traced, granularity="block", optimizer="adamw", loss_outside_graph=True)
