@@ -119,6 +119,15 @@ def table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _first(items, n: int, *, join: bool = False) -> str:
+    """The first ``n`` of a long list and how many there are (a 1,024-device plan stays one line)."""
+    items = list(items)
+    shown = ", ".join(items[:n]) if join else str(items[:n])[:-1] if len(items) > n else str(items)
+    if len(items) <= n:
+        return ", ".join(items) if join else shown
+    return f"{shown}, ... ({len(items)} in all)" + ("" if join else "]")
+
+
 def rank_ranges(ranks) -> str:
     """Ranks as runs: (0, 1, 2, 3) -> "0-3"; (0, 16, 32, 48) -> "0-48/16"; (0, 2, 3) -> "0,2-3"."""
     ranks = sorted(ranks)
@@ -142,8 +151,8 @@ def memory_tier_line(choice: dict) -> str:
             "copy": "full copy on a peer host", "parity": f"XOR parity over groups of {choice['group_size']} hosts"}
     extra = [r / s for r, s in zip(choice["redundancy_bytes"], choice["own_bytes"]) if s]
     return (f"memory tier     every {choice['every']} step(s), {what.get(choice['mode'], choice['mode'])}"
-            + (f", groups {choice['groups']}" if choice["mode"] != "none" else "")
-            + f"; host memory {', '.join(f'{b / scale:.1f}' for b in choice['per_host_bytes'])} {unit} per host"
+            + (f", groups {_first(choice['groups'], 4)}" if choice["mode"] != "none" else "")
+            + f"; host memory {_first([f'{b / scale:.1f}' for b in choice['per_host_bytes']], 8, join=True)} {unit} per host"
             + (f" (redundancy {max(extra):.2f} x the own snapshots)" if extra and choice["mode"] != "none" else "")
             + " (two slots each)")
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from runtime.checkpoint.shared import check_shared, unshared_hosts
 
 
-def _rank(rank: int, init_file: str, folders: list[str], out: str) -> None:
+def _rank(rank: int, init_file: str, cases: list[list[str]], out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -20,33 +20,37 @@ def _rank(rank: int, init_file: str, folders: list[str], out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    missing = check_shared(folders[rank], rank, (0, 1), torch.device("cpu"))
+    answers = [check_shared(folders[rank], rank, (0, 1), torch.device("cpu")) for folders in cases]
     with open(f"{out}.{rank}", "w") as f:
-        f.write(",".join(map(str, missing)))
+        f.write(";".join(",".join(map(str, missing)) for missing in answers))
     dist.destroy_process_group()
 
 
-def _run(tmp_path, folders, name):
-    out = str(tmp_path / name)
+def _run(tmp_path, cases):
+    """One 2-process group (spawned once: importing torch is the slow part) answers every case."""
+    out = str(tmp_path / "answers")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / f"{name}.init"), folders, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "init"), cases, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
-        assert p.exitcode == 0
-    return [open(f"{out}.{r}").read() for r in range(2)]
+    for p in procs:
+        if p.is_alive():  # a hang fails the test, it does not keep the suite waiting
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    return [open(f"{out}.{r}").read().split(";") for r in range(2)]
 
 
 def test_a_folder_each_node_sees_alone_is_reported_and_a_shared_one_is_not(tmp_path):
     shared = str(tmp_path / "shared")
-    os.makedirs(shared)
-    assert _run(tmp_path, [shared, shared], "shared") == ["", ""]
-    assert os.listdir(shared) == []  # the marker is gone
     local = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    for path in local:
+    for path in [shared] + local:
         os.makedirs(path)
-    assert _run(tmp_path, local, "local") == ["1", "1"]
+    answers = _run(tmp_path, [[shared, shared], local])
+    assert answers == [["", "1"], ["", "1"]]  # by rank: the shared folder, then the node-local ones
+    assert os.listdir(shared) == []  # the marker is gone
 
 
 def test_unshared_hosts():

@@ -1,6 +1,7 @@
 """A user's own model, as README "Use it" shows it: a file with a model class, build(), module-level
 make_batch and loss, no Workload.source, compiled, run and verified from the CLI in the user's
-folder; a model whose batches are dicts of keyword inputs, compiled with a job file and flags.
+folder; a Hugging Face model whose batches are dicts of keyword inputs (input_ids, attention_mask,
+labels; it computes its own loss), compiled with a job file and flags.
 
 The model files are tests/own_model/*.py, copied into a temporary folder that is no package and
 not on sys.path, as a user's would be.
@@ -29,7 +30,7 @@ def cli(*args, cwd, timeout=600):
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
     home = tmp_path_factory.mktemp("user")
-    for name in ("my_model.py", "dict_model.py", "job.toml"):
+    for name in ("my_model.py", "hf_labels_model.py", "job.toml"):
         shutil.copy(OWN / name, home / name)
     return home
 
@@ -52,12 +53,12 @@ def test_own_model_file_compiles_runs_and_verifies_from_the_cli(user_dir, tmp_pa
 def test_dict_batch_model_with_a_job_file_runs_and_verifies(user_dir, tmp_path):
     from partitioner.verify import check_run
 
-    cli("compile", "dict_model.py:build", "-o", "dout", "--job", "job.toml", "--lr", "0.003", "--stages", "2",
+    cli("compile", "hf_labels_model.py:build", "-o", "dout", "--job", "job.toml", "--lr", "0.003", "--stages", "2",
         "--global-batch", "8", "-q", cwd=user_dir)
     plan = json.loads((user_dir / "dout" / "plan.json").read_text())
     program = plan["program"]
     assert program["world_size"] == 2  # the job file's cluster: 2 cpu devices
-    assert program["data"]["keywords"] == ["input_ids", "attention_mask"]
+    assert program["data"]["keywords"] == ["input_ids", "attention_mask", "labels"]
     # Note [training settings merge]: the flag beats the job file, the job file beats the defaults,
     # and what neither says keeps its default.
     optimizer = program["optimizer"]
@@ -85,4 +86,5 @@ def test_dict_batch_model_with_a_job_file_runs_and_verifies(user_dir, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))  # tensorboard is in the test extras
     report = check_run(user_dir / "dout", run_dir)  # verify's verdict: the one-process oracle, keyword inputs
     assert report.ok, report.text()
-    assert report.oracle == "original model"
+    # GPT-2's default dropout: the oracle is the traced graph with keyed random ops, fed by position
+    assert report.oracle == "unpartitioned traced graph (keyed randomness)"

@@ -224,3 +224,13 @@ def test_table_of_a_1024_rank_plan_fits_a_terminal(plan):
     text = report.table(big)
     assert "0-63" in text and "128-191" in text
     assert max(len(line) for line in text.splitlines()) <= 120, max(text.splitlines(), key=len)
+
+
+def test_memory_tier_line_of_many_hosts_stays_one_short_line():
+    from partitioner.inspect.table import memory_tier_line
+
+    hosts = 128
+    choice = {"mode": "copy", "every": 1, "group_size": None, "groups": [[h * 8, h * 8 + 8] for h in range(hosts)],
+              "per_host_bytes": [2**30] * hosts, "redundancy_bytes": [1] * hosts, "own_bytes": [1] * hosts}
+    line = memory_tier_line(choice)
+    assert "(128 in all)" in line and len(line) < 300

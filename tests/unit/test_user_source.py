@@ -131,3 +131,44 @@ class _Batches:
 
     def __call__(self, step, batch_size):
         return (), None
+
+
+class _KeywordModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask):
+        return self.out(self.emb(input_ids) * attention_mask.unsqueeze(-1))
+
+
+class _Positional(torch.nn.Module):  # the same model, taking the inputs in the program's order
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, attention_mask, input_ids):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def _keyword_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 8, (batch_size, 3), generator=g)
+    return {"input_ids": ids, "attention_mask": (ids % 2).float()}, torch.randn(batch_size, 3, 2, generator=g)
+
+
+def test_the_oracle_calls_the_users_module_by_keyword():
+    from runtime.reference import train_reference
+
+    torch.manual_seed(0)
+    model = _KeywordModel()
+    keywords = ("attention_mask", "input_ids")  # the order the program records (Note [keyword inputs])
+    opt = {"lr": 1e-2, "total_steps": 3}
+    by_name = train_reference(model, _keyword_batch, data.mse_loss, opt, 4, 2, 3, keywords=keywords,
+                              call_with_keywords=True)
+    by_position = train_reference(_Positional(model), _keyword_batch, data.mse_loss, opt, 4, 2, 3,
+                                  keywords=keywords)
+    assert by_name[0] == by_position[0]
+    with pytest.raises(RuntimeError, match="indices"):  # fed by position in that order, the user's module would get them swapped
+        train_reference(model, _keyword_batch, data.mse_loss, opt, 4, 2, 1, keywords=keywords)
