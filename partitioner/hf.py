@@ -57,7 +57,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def load_config(name: str, *, attn: str = "sdpa"):
     """AutoConfig from a folder or the local cache only (HF_HUB_OFFLINE semantics)."""
-    import transformers
+    from runtime.pretrained import require_transformers
+
+    transformers = require_transformers()
 
     try:
         return transformers.AutoConfig.from_pretrained(name, local_files_only=True, attn_implementation=attn)

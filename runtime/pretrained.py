@@ -103,9 +103,18 @@ def config_dict(config) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("Hugging Face models need transformers on every node: pip install "
+                         "'partitioner[hf]' (transformers==5.24.0, the version the tests pin)") from None
+    return transformers
+
+
 def build_meta(config: dict, architecture: str) -> torch.nn.Module:
     """The model class ``architecture`` (a transformers class name) from a config dict, on meta."""
-    import transformers
+    transformers = require_transformers()
 
     cls = getattr(transformers, architecture, None)
     if cls is None:
