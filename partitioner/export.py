@@ -137,11 +137,11 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> 
     made = pretrained.hf_weights([names[0] for names, v in held.items() if v is None], **kwargs, report=False)
     for names, value in held.items():
         value = made[names[0]] if value is None else value
-        owner, leaf = pretrained._owner(model, names[0])
+        owner, leaf = pretrained.owner_of(model, names[0])
         is_param = leaf in owner._parameters
         tensor = torch.nn.Parameter(value.clone(), requires_grad=True) if is_param else value.clone()
         for name in names:
-            o, l = pretrained._owner(model, name)
+            o, l = pretrained.owner_of(model, name)
             (o._parameters if is_param else o._buffers)[l] = tensor
     from partitioner.hf import no_progress_bars
 

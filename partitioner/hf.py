@@ -57,7 +57,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def load_config(name: str, *, attn: str = "sdpa"):
     """AutoConfig from a folder or the local cache only (HF_HUB_OFFLINE semantics)."""
-    import transformers
+    from runtime.pretrained import require_transformers
+
+    transformers = require_transformers()
 
     try:
         return transformers.AutoConfig.from_pretrained(name, local_files_only=True, attn_implementation=attn)
@@ -175,6 +177,9 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
                              f"give seq={limit} or less")
     config_dict = weights.config_dict(config)
     model = weights.build_meta(config_dict, architecture)
+    if pretrained is not None and not weights.check_shapes(model, pretrained):
+        raise ValueError(f"--pretrained {pretrained}: none of its tensors is a tensor of {architecture} (by name, "
+                         "with or without the base model's prefix): pass the weights of this model")
     if device is None:
         device = "meta" if _state_bytes(model) > META_THRESHOLD_BYTES else "cpu"
     if device == "cpu":
@@ -224,6 +229,6 @@ def _materialized(model, config, architecture: str, seed: int, pretrained: str |
                                                          architecture), missing, seed)
         with torch.no_grad():
             for name in missing:
-                owner, leaf = weights._owner(loaded, name)
+                owner, leaf = weights.owner_of(loaded, name)
                 getattr(owner, leaf).copy_(own[name])
     return loaded

@@ -164,6 +164,14 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     on_meta = by_ranks or any(p.device.type == "meta" for p in workload.model.parameters())
     init = None
     if by_ranks:
+        model = workload.model
+        held = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
+            n for n, _ in model.named_buffers(remove_duplicate=False)}
+        lifted = [n for stage in stages for n in stage.params + stage.buffers if n not in held]
+        if lifted:
+            raise ValueError(f"workload {workload.name!r}: the stages read tensors the model holds under no name "
+                             f"({lifted[:3]}: constants the trace lifted), which the ranks cannot make from "
+                             "Workload.source['init']: register them as buffers, or leave 'init' out of source")
         init = {"seed": plan.training["seed"], "params": {}, "weights": list(workload.source["init"])}
     elif on_meta:
         init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}

@@ -103,9 +103,18 @@ def config_dict(config) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("Hugging Face models need transformers on every node: pip install "
+                         "'partitioner[hf]' (transformers==5.24.0, the version the tests pin)") from None
+    return transformers
+
+
 def build_meta(config: dict, architecture: str) -> torch.nn.Module:
     """The model class ``architecture`` (a transformers class name) from a config dict, on meta."""
-    import transformers
+    transformers = require_transformers()
 
     cls = getattr(transformers, architecture, None)
     if cls is None:
@@ -117,7 +126,7 @@ def build_meta(config: dict, architecture: str) -> torch.nn.Module:
     return model
 
 
-def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+def owner_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     prefix, _, leaf = name.rpartition(".")
     return (model.get_submodule(prefix) if prefix else model), leaf
 
@@ -157,13 +166,13 @@ def materialize(model: torch.nn.Module, names) -> None:
             continue
         if name not in alias:
             raise ValueError(f"the model has no parameter or buffer {name!r}: recompile the program")
-        owner, leaf = _owner(model, name)
+        owner, leaf = owner_of(model, name)
         old = getattr(owner, leaf)
         new = _sentinel(old)
         if isinstance(old, torch.nn.Parameter):  # one Parameter for all its tied names
             new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
         for each in alias[name]:
-            o, l = _owner(model, each)
+            o, l = owner_of(model, each)
             (o._parameters if isinstance(old, torch.nn.Parameter) else o._buffers)[l] = new
             done.add(each)
 
@@ -210,7 +219,7 @@ def initial_weights(model: torch.nn.Module, names, seed: int) -> dict[str, torch
     own_init(model, seed)
     out = {}
     for name in names:
-        owner, leaf = _owner(model, name)
+        owner, leaf = owner_of(model, name)
         value = getattr(owner, leaf).detach()
         if _unset(value):
             raise ValueError(f"{type(model).__name__}'s own initialisation (_init_weights) does not set {name!r}, "
@@ -255,21 +264,50 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return out
 
 
+def locate(model: torch.nn.Module, names, folder: str) -> dict[str, tuple[str, str]]:
+    """Our name -> (file, its name in the file) for the ``names`` the folder holds, through the
+    base model's prefix and tied aliases (Note [pretrained per rank])."""
+    files = weight_files(folder)
+    alias = aliases(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    found: dict[str, tuple[str, str]] = {}
+    for name in names:
+        for candidate in (c for each in alias.get(name, [name]) for c in _candidates(each, prefix)):
+            if candidate in files:
+                found[name] = (files[candidate], candidate)
+                break
+    return found
+
+
+def check_shapes(model: torch.nn.Module, folder: str) -> int:
+    """Every tensor of a meta-built ``model`` that ``folder`` holds has the model's shape (read
+    from the files' headers only); returns how many it holds. The compiler calls this, so that a
+    mismatch is one error at compile time, not one per rank."""
+    from safetensors import safe_open
+
+    found = locate(model, list(aliases(model)), folder)
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _) in found.items():
+        by_file.setdefault(file, []).append(name)
+    for file, ours in by_file.items():
+        with safe_open(file, framework="pt") as fh:
+            for name in ours:
+                shape = tuple(fh.get_slice(found[name][1]).get_shape())
+                want = tuple(getattr(*owner_of(model, name)).shape)
+                if shape != want:
+                    raise ValueError(f"--pretrained {folder}: {found[name][1]} is {shape} in {os.path.basename(file)}, "
+                                     f"the model's {name} is {want}: the weights are of another configuration; "
+                                     "compile with their config.json")
+    return len(found)
+
+
 def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
                        say=None) -> dict[str, torch.Tensor]:
     """``names`` read from ``folder``'s safetensors (Note [pretrained per rank]); what the files lack
     is made by the model's own initialisation."""
     from safetensors import safe_open
 
-    files = weight_files(folder)
-    alias = aliases(model)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    plan: dict[str, tuple[str, str]] = {}  # our name -> (file, name in the file)
-    for name in names:
-        for candidate in (c for each in alias.get(name, [name]) for c in _candidates(each, prefix)):
-            if candidate in files:
-                plan[name] = (files[candidate], candidate)
-                break
+    plan = locate(model, names, folder)
     missing = [n for n in names if n not in plan]
     out = initial_weights(model, missing, seed) if missing else {}
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -288,7 +326,7 @@ def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
                 stored = plan[name][1]
                 tensor = fh.get_tensor(stored)
                 OPENED.setdefault(file, []).append(stored)
-                owner, leaf = _owner(model, name)
+                owner, leaf = owner_of(model, name)
                 want = getattr(owner, leaf)
                 if tuple(tensor.shape) != tuple(want.shape):
                     raise ValueError(f"--pretrained {folder}: {stored} is {tuple(tensor.shape)} in "

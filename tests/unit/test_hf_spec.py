@@ -120,3 +120,5 @@ def test_pretrained_of_another_configuration_is_refused(tmp_path):
     model = pretrained.build_meta(transformers.AutoConfig.from_pretrained(small).to_dict(), "GPT2LMHeadModel")
     with pytest.raises(ValueError, match=r"transformer.wte.weight is \(64, 16\).*another configuration"):
         pretrained.pretrained_weights(model, ["lm_head.weight"], str(tmp_path / "other"), 0)
+    with pytest.raises(ValueError, match=r"is \(64, 16\).*another configuration"):  # at compile time
+        load_workload(f"hf:{small}", pretrained=str(tmp_path / "other"))
