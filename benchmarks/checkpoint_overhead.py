@@ -17,6 +17,10 @@
 6. Silent data corruption check (Note [replica digests]) of that dp 2 run at the default K: the
    measured seconds per check over K steps against the median step time (target <= 1%), beside
    the cost model's figure (partitioner/solver/sdc_cost.py).
+7. Lossless incremental checkpoints (--checkpoint-compression lossless, every 2 steps, a full one
+   every 8): bytes per checkpoint against the plain shards of the same program, compression
+   (encode) throughput, end-to-end persist time, and restore throughput (reading the newest
+   checkpoint through its delta chain against reading a plain one).
 
     python benchmarks/checkpoint_overhead.py [--steps 40] [--width 256] [--layers 4]
 """
@@ -109,6 +113,42 @@ def sdc_overhead(root: str, folder: str) -> None:
           f"{predicted * 1e3:.3f} ms/step ({predicted / plan.predicted['step_time_s']:.3%} of the predicted step)")
 
 
+def lossless(root: str, folder: str, steps: int) -> None:
+    from runtime import checkpoint as ck
+    from runtime.program import load_program
+
+    plain = [s for r in range(2) for s in _rows(f"{root}/run_every_1/checkpoint_stats_rank_{r}.jsonl")]
+    rows = [s for r in range(2) for s in _rows(f"{root}/run_lossless/checkpoint_stats_rank_{r}.jsonl")]
+    deltas = [s for s in rows if s["base_step"] is not None]
+    fulls = [s for s in rows if s["base_step"] is None]
+    med = statistics.median
+    plain_bytes = med(s["bytes"] for s in plain)
+    print(f"   bytes per rank's shard (median): plain {plain_bytes / 2**20:.2f} MiB; lossless full "
+          f"{med(s['bytes'] for s in fulls) / 2**20:.2f} MiB ({med(s['bytes'] for s in fulls) / plain_bytes:.0%}), "
+          f"lossless delta {med(s['bytes'] for s in deltas) / 2**20:.2f} MiB "
+          f"({med(s['bytes'] for s in deltas) / plain_bytes:.0%}); over the run "
+          f"{sum(s['bytes'] for s in rows) / sum(s['tensor_bytes'] for s in rows):.0%} of the tensor bytes "
+          f"({len(fulls)} full, {len(deltas)} deltas)")
+    enc = sum(s["tensor_bytes"] for s in rows) / sum(s["encode_s"] for s in rows)
+    print(f"   compression {enc / 2**20:.0f} MiB/s of tensor bytes (in the persist thread, while training); "
+          f"end-to-end persist (encode + write + fsync + commit gather) median {med(s['persist_s'] for s in rows):.3f} s "
+          f"lossless vs {med(s['persist_s'] for s in plain):.3f} s plain (every-1 run)")
+    program = load_program(folder)
+    needed = ck.state_names(program, program.layout.stages_of_rank[0])
+    times = {}
+    for name, ckpt in (("lossless", f"{root}/ck_lossless"), ("plain", f"{root}/ck_every_1")):
+        step = ck.list_step_dirs(ckpt)[0]
+        t0 = time.perf_counter()
+        loaded = ck.load_for_rank(ckpt, step, program, 0, needed)
+        times[name] = (time.perf_counter() - t0, step, ck.read_manifest(ckpt, step).get("base_step"))
+    nbytes = sum(t.numel() * t.element_size() for t in loaded.params.values()) + sum(
+        v.numel() * v.element_size() for st in loaded.optim.values() for v in st.values())
+    (lt, ls, lb), (pt, _, _) = times["lossless"], times["plain"]
+    print(f"   restore of rank 0's state ({nbytes / 2**20:.1f} MiB): lossless step {ls} (a delta on {lb}) "
+          f"{nbytes / lt / 2**20:.0f} MiB/s, {lt:.3f} s; plain {nbytes / pt / 2**20:.0f} MiB/s, {pt:.3f} s "
+          "(verify, read, decode the chain, check every tensor's sha256)")
+
+
 def _full_bytes_dp2(folder: str, root: str) -> None:
     """What one checkpoint of the dp 2 program would be if every replica wrote its whole state."""
     from runtime import checkpoint as ck
@@ -151,6 +191,9 @@ def main() -> int:
         tag = name.replace(" ", "_")
         job += [folder, "--steps", str(args.steps), "--run-dir", f"{root}/run_{tag}",
                 "--checkpoint-dir", f"{root}/ck_{tag}", *flags, "--"]
+    job += [folder, "--steps", str(args.steps), "--run-dir", f"{root}/run_lossless", "--checkpoint-dir",
+            f"{root}/ck_lossless", "--checkpoint-every", "2", "--checkpoint-compression", "lossless",
+            "--keep-checkpoints", "2", "--"]
     job += [dp2, "--steps", str(args.steps), "--run-dir", f"{root}/run_dp2", "--checkpoint-dir",
             f"{root}/ck_dp2", "--checkpoint-every", "10"]
     result = _torchrun(2, [DRIVER, *job])
@@ -217,6 +260,9 @@ def main() -> int:
     print(f"\n6. replica digest check, 1 stage x dp 2, every {DEFAULT_EVERY} steps (the default K) and before "
           "each checkpoint")
     sdc_overhead(root, dp2)
+    print("\n7. lossless incremental checkpoints (XOR delta against the previous commit, byte planes, zstd "
+          "level 1; every 2 steps, a full one every 8)")
+    lossless(root, folder, args.steps)
     print(f"\nfolder: {root}")
     return 0
 
