@@ -17,6 +17,10 @@
 6. Silent data corruption check (Note [replica digests]) of that dp 2 run at the default K: the
    measured seconds per check over K steps against the median step time (target <= 1%), beside
    the cost model's figure (partitioner/solver/sdc_cost.py).
+7. Lossless incremental checkpoints (--checkpoint-compression lossless, every 2 steps, a full one
+   every 8): bytes per checkpoint against the plain shards of the same program, compression
+   (encode) throughput, end-to-end persist time, and restore throughput (reading the newest
+   checkpoint through its delta chain against reading a plain one).
 
     python benchmarks/checkpoint_overhead.py [--steps 40] [--width 256] [--layers 4]
 """
@@ -24,6 +28,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -70,13 +75,26 @@ def idle_persist_vs_raw(folder: str, root: str, reps: int = 5) -> tuple[float, f
     trainer = FakeTrainer(folder, 0)
     trainer.fake_step(0)
     snap = ck.snapshot(trainer)
-    rates, raws = [], []
+    rates, raws, unhashed, hashes = [], [], [], []
+    pieces = ck.shard_pieces(snap)
     for i in range(reps):
         raws.append(raw_fsync_throughput(root))
         t0 = time.perf_counter()
         info = ck.persist_shard(os.path.join(root, f"idle_{i}"), snap)
         rates.append(info.bytes / (time.perf_counter() - t0))
+        t0 = time.perf_counter()  # what the persist's two halves cost apart: the streamed write ...
+        ck.write_pieces_atomic(os.path.join(root, f"idle_{i}", "unhashed"), pieces, digest=False)
+        unhashed.append(info.bytes / (time.perf_counter() - t0))
+        t0 = time.perf_counter()  # ... and the sha256 on one core
+        h = hashlib.sha256()
+        for p in pieces:
+            h.update(p)
+        hashes.append(info.bytes / (time.perf_counter() - t0))
+    IDLE_PARTS.update(unhashed=statistics.median(unhashed), sha256=statistics.median(hashes))
     return statistics.median(rates), statistics.median(raws), info.bytes
+
+
+IDLE_PARTS: dict = {}
 
 
 def writer_balance(root: str, steps: int) -> None:
@@ -107,6 +125,42 @@ def sdc_overhead(root: str, folder: str) -> None:
           f"median step {step:.4f} s; per step at K={DEFAULT_EVERY}: {per_check / DEFAULT_EVERY * 1e3:.3f} ms = "
           f"{share:.3%} of a step (target <= 1%: {'met' if share <= 0.01 else 'MISSED'}); cost model "
           f"{predicted * 1e3:.3f} ms/step ({predicted / plan.predicted['step_time_s']:.3%} of the predicted step)")
+
+
+def lossless(root: str, folder: str, steps: int) -> None:
+    from runtime import checkpoint as ck
+    from runtime.program import load_program
+
+    plain = [s for r in range(2) for s in _rows(f"{root}/run_every_1/checkpoint_stats_rank_{r}.jsonl")]
+    rows = [s for r in range(2) for s in _rows(f"{root}/run_lossless/checkpoint_stats_rank_{r}.jsonl")]
+    deltas = [s for s in rows if s["base_step"] is not None]
+    fulls = [s for s in rows if s["base_step"] is None]
+    med = statistics.median
+    plain_bytes = med(s["bytes"] for s in plain)
+    print(f"   bytes per rank's shard (median): plain {plain_bytes / 2**20:.2f} MiB; lossless full "
+          f"{med(s['bytes'] for s in fulls) / 2**20:.2f} MiB ({med(s['bytes'] for s in fulls) / plain_bytes:.0%}), "
+          f"lossless delta {med(s['bytes'] for s in deltas) / 2**20:.2f} MiB "
+          f"({med(s['bytes'] for s in deltas) / plain_bytes:.0%}); over the run "
+          f"{sum(s['bytes'] for s in rows) / sum(s['tensor_bytes'] for s in rows):.0%} of the tensor bytes "
+          f"({len(fulls)} full, {len(deltas)} deltas)")
+    enc = sum(s["tensor_bytes"] for s in rows) / sum(s["encode_s"] for s in rows)
+    print(f"   compression {enc / 2**20:.0f} MiB/s of tensor bytes (in the persist thread, while training); "
+          f"end-to-end persist (encode + write + fsync + commit gather) median {med(s['persist_s'] for s in rows):.3f} s "
+          f"lossless vs {med(s['persist_s'] for s in plain):.3f} s plain (every-1 run)")
+    program = load_program(folder)
+    needed = ck.state_names(program, program.layout.stages_of_rank[0])
+    times = {}
+    for name, ckpt in (("lossless", f"{root}/ck_lossless"), ("plain", f"{root}/ck_every_1")):
+        step = ck.list_step_dirs(ckpt)[0]
+        t0 = time.perf_counter()
+        loaded = ck.load_for_rank(ckpt, step, program, 0, needed)
+        times[name] = (time.perf_counter() - t0, step, ck.read_manifest(ckpt, step).get("base_step"))
+    nbytes = sum(t.numel() * t.element_size() for t in loaded.params.values()) + sum(
+        v.numel() * v.element_size() for st in loaded.optim.values() for v in st.values())
+    (lt, ls, lb), (pt, _, _) = times["lossless"], times["plain"]
+    print(f"   restore of rank 0's state ({nbytes / 2**20:.1f} MiB): lossless step {ls} (a delta on {lb}) "
+          f"{nbytes / lt / 2**20:.0f} MiB/s, {lt:.3f} s; plain {nbytes / pt / 2**20:.0f} MiB/s, {pt:.3f} s "
+          "(verify, read, decode the chain, check every tensor's sha256)")
 
 
 def _full_bytes_dp2(folder: str, root: str) -> None:
@@ -151,6 +205,9 @@ def main() -> int:
         tag = name.replace(" ", "_")
         job += [folder, "--steps", str(args.steps), "--run-dir", f"{root}/run_{tag}",
                 "--checkpoint-dir", f"{root}/ck_{tag}", *flags, "--"]
+    job += [folder, "--steps", str(args.steps), "--run-dir", f"{root}/run_lossless", "--checkpoint-dir",
+            f"{root}/ck_lossless", "--checkpoint-every", "2", "--checkpoint-compression", "lossless",
+            "--keep-checkpoints", "2", "--"]
     job += [dp2, "--steps", str(args.steps), "--run-dir", f"{root}/run_dp2", "--checkpoint-dir",
             f"{root}/ck_dp2", "--checkpoint-every", "10"]
     result = _torchrun(2, [DRIVER, *job])
@@ -191,6 +248,10 @@ def main() -> int:
           f"CPUs with training), {idle / 2**20:.0f} MiB/s alone ({idle_bytes / 2**20:.1f} MiB shard); raw "
           f"fsync'd write {raw / 2**20:.0f} MiB/s in the same folder (64 MiB, median of 5 alternating "
           f"with the persist)")
+    print(f"   its halves alone: the streamed write without the hash {IDLE_PARTS['unhashed'] / 2**20:.0f} MiB/s "
+          f"({IDLE_PARTS['unhashed'] / raw:.0%} of raw), sha256 of the same bytes on one core "
+          f"{IDLE_PARTS['sha256'] / 2**20:.0f} MiB/s: the persist runs them in two threads, so it is bound "
+          "by the slower where a core is free for each")
     print(f"   persist / raw: {alone:.0%} alone (target >= 80%: {'met' if alone >= 0.8 else 'MISSED'}), "
           f"{training:.0%} while training (target >= 60%: {'met' if training >= 0.6 else 'MISSED'}); "
           "a machine shared with other jobs: both figures are noisy")
@@ -217,6 +278,9 @@ def main() -> int:
     print(f"\n6. replica digest check, 1 stage x dp 2, every {DEFAULT_EVERY} steps (the default K) and before "
           "each checkpoint")
     sdc_overhead(root, dp2)
+    print("\n7. lossless incremental checkpoints (XOR delta against the previous commit, byte planes, zstd "
+          "level 1; every 2 steps, a full one every 8)")
+    lossless(root, folder, args.steps)
     print(f"\nfolder: {root}")
     return 0
 

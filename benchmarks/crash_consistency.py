@@ -10,8 +10,11 @@ the points cycle over a byte of the shards, a byte of the manifest, and an opera
 After each kill, every rank's recovery view is computed and agreed on, as at start-up; the
 checkpoint chosen must be step 2 or step 3 and equal, tensor for tensor, to what was snapshotted.
 Every 10th trial also re-runs the persist over the debris and checks that step 3 commits.
+With ``--compression lossless`` steps 2 and 3 are deltas (step 3 against step 2, step 2 against
+the full step 1: Note [lossless deltas]), so every kill lands in a delta's persist and every
+recovered step is read through its chain.
 
-    python benchmarks/crash_consistency.py [--trials 1000] [--seed 0]
+    python benchmarks/crash_consistency.py [--trials 1000] [--seed 0] [--compression none|lossless]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from runtime import checkpoint as ck
 from runtime.checkpoint_drills import (count_commit, drill_writes, killed_commit, newest_for_all, random_point,
                                       same_state, trainers_at)
+from runtime.checkpoint.delta import encode_snapshot
 from runtime.program import load_program
 
 
@@ -37,6 +41,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=int, default=2)
+    parser.add_argument("--compression", choices=["none", "lossless"], default="none")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -55,8 +60,15 @@ def main() -> int:
     writes = drill_writes(trainers, program)
     base = os.path.join(root, "base")
 
+    last: dict = {}  # the previous commit's shares (a delta's base), by rank
+
     def shares():  # what each rank writes now, and the whole state (what every load must equal)
-        return [ck.snapshot(t, writes[t.rank]) for t in trainers], [ck.snapshot(t) for t in trainers]
+        plain = [ck.snapshot(t, writes[t.rank]) for t in trainers]
+        out = plain
+        if args.compression == "lossless":
+            out = [encode_snapshot(s, last.get("tensors", {}).get(s.rank), last.get("step")) for s in plain]
+        last.update(step=plain[0].step, tensors={s.rank: s.tensors for s in plain})
+        return out, [ck.snapshot(t) for t in trainers]
 
     ck.commit_local(base, shares()[0], program, keep=args.keep, writes=writes)
     for t in trainers:
@@ -69,7 +81,9 @@ def main() -> int:
     total_bytes, total_ops = count_commit(base, share, program, keep=args.keep, writes=writes)
     shard_bytes = sum(len(ck.serialize(s)) for s in share)
     print(f"program: {program.world_size} shards, commit of step 3 = {total_bytes} bytes in "
-          f"{total_ops} operations (shards, manifest, pruning with keep={args.keep})")
+          f"{total_ops} operations (shards, manifest, pruning with keep={args.keep}); compression "
+          f"{args.compression}" + (f" (step 3 a delta on step {ck.read_manifest(base, 2).get('base_step') and 2})"
+                                   if args.compression == "lossless" else ""))
 
     rng = random.Random(args.seed)
     outcomes = {"previous (step 2)": 0, "new (step 3)": 0}

@@ -11,6 +11,7 @@ state     what a shard holds of a RankTrainer (``state_entries``, ``snapshot``, 
 durable   tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``;
           ``write_pieces_atomic`` streams buffers and hashes them while writing
 writers   which rank writes each name (``writes_of_ranks``, ``assign_writers``; Note [one writer per byte])
+delta     lossless incremental shards: XOR against the last commit, byte planes, zstd (Note [lossless deltas])
 manifest  the commit record (``manifest_for``, ``write_manifest``, ``read_manifest`` with its schema
           check), the step directories, pruning to N that verify, debris, ``commit_local``
           (Notes [crash consistency], [manifest schema])

@@ -43,11 +43,26 @@ def _zstd():
 
 
 def _planes(raw: torch.Tensor, size: int) -> torch.Tensor:
-    return raw.view(-1, size).t().contiguous().view(-1) if size > 1 else raw
+    """Byte k of every element, for k = 0..size-1 (numpy's strided slices: ~4x torch's transpose)."""
+    if size == 1:
+        return raw
+    x, n = raw.numpy(), raw.numel() // size
+    out = torch.empty(raw.numel(), dtype=torch.uint8)
+    o = out.numpy()
+    for k in range(size):
+        o[k * n:(k + 1) * n] = x[k::size]
+    return out
 
 
 def _unplanes(planes: torch.Tensor, size: int) -> torch.Tensor:
-    return planes.view(size, -1).t().contiguous().view(-1) if size > 1 else planes
+    if size == 1:
+        return planes
+    x, n = planes.numpy(), planes.numel() // size
+    out = torch.empty(planes.numel(), dtype=torch.uint8)
+    o = out.numpy()
+    for k in range(size):
+        o[k::size] = x[k * n:(k + 1) * n]
+    return out
 
 
 def encode_tensor(t: torch.Tensor, base: torch.Tensor | None) -> bytes:
@@ -62,7 +77,9 @@ def encode_tensor(t: torch.Tensor, base: torch.Tensor | None) -> bytes:
 def decode_tensor(blob, dtype: torch.dtype, shape, base: torch.Tensor | None) -> torch.Tensor:
     size = torch.empty((), dtype=dtype).element_size()
     nbytes = int(torch.Size(shape).numel()) * size
-    data = _zstd().ZstdDecompressor().decompress(bytes(blob), max_output_size=nbytes)
+    if isinstance(blob, torch.Tensor):  # a uint8 view of the shard's bytes
+        blob = tensor_bytes(blob)
+    data = _zstd().ZstdDecompressor().decompress(blob, max_output_size=nbytes)
     if len(data) != nbytes:
         raise ValueError(f"decompressed {len(data)} bytes, want {nbytes}")
     raw = _unplanes(torch.frombuffer(bytearray(data), dtype=torch.uint8), size) if nbytes else \

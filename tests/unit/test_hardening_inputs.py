@@ -135,6 +135,10 @@ def test_compile_flags_that_were_accepted_silently(capsys, tmp_path, flags, need
     (["--max-restarts", "-1"], ["--max-restarts -1"]),
     (["--fail-at", "2:3"], ["--fail-at 2:3", "rank 2 does not exist", "0..1"]),
     (["--fail-at", "1:20", "--steps", "10"], ["step 20 is never reached", "0..9"]),
+    (["--flip-bit", "x"], ["--flip-bit 'x'", "RANK:STEP[:TENSOR]"]),
+    (["--flip-bit", "2:1"], ["--flip-bit 2:1", "never reached"]),
+    (["--sdc-every", "-1"], ["--sdc-every -1", ">= 0"]),
+    (["--checkpoint-full-every", "0"], ["--checkpoint-full-every 0", "1 or more"]),
 ])
 def test_run_flags_are_checked_before_torchrun(capsys, folder, monkeypatch, flags, needles):
     import subprocess
