@@ -95,6 +95,8 @@ def compile_workload(
                      schedule=schedule, config=solver_config, progress=progress)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch,
                      training={**DEFAULT_TRAINING, **(training or {})})
+    if solution.optimal_over:
+        plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
     return Compiled(plan, workload, granularity, problem, solution.assignment)
 
 
@@ -261,9 +263,10 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 def solution_summary(solution) -> dict:
     return {
         "status": solution.status,
-        "objective": float(solution.objective),
-        "bound": float(solution.bound),
-        "gap": float(abs(solution.objective - solution.bound) / solution.objective) if solution.objective else 0.0,
+        "objective": None if solution.objective is None else float(solution.objective),
+        "bound": None if solution.bound is None else float(solution.bound),
+        "gap": (float(max(0, solution.objective - solution.bound) / solution.objective)
+                if solution.objective and solution.bound is not None else None),
         "solve_time_s": float(solution.solve_time_s),
     }
 

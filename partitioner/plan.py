@@ -294,7 +294,8 @@ _FIGURES = {
     "predicted": {"step_time_s": ("float", True), "bubble_fraction": ("float", True),
                   "lower_bound_step_time_s": ("float", True), "samples_per_s": ("float", False)},
     "solver": {"status": ("str", True), "objective": ("float | None", False), "bound": ("float | None", False),
-               "gap": ("float | None", False), "solve_time_s": ("float", False)},
+               "gap": ("float | None", False), "solve_time_s": ("float", False),
+               "optimal_over": ("str", False)},
 }
 
 

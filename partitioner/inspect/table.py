@@ -66,9 +66,11 @@ def table(plan: Plan) -> str:
         + (f" (step is {p['step_time_s'] / lower:.2f}x it)" if lower > 0 else ""),
         f"balance         max/mean stage time {bal['time_max_over_mean']:.3f}, "
         f"max/mean peak memory {bal['memory_max_over_mean']:.3f}",
-        f"solver          {solver['status']}, objective {solver['objective']:.6g}, bound {solver['bound']:.6g}, "
-        f"gap {solver.get('gap', 0.0) * 100:.2f}%, {solver.get('solve_time_s', 0.0):.2f} s",
+        f"solver          {solver['status']}, objective {_num(solver.get('objective'))}, "
+        f"bound {_num(solver.get('bound'))}, gap {_pct(solver.get('gap'))}, {solver.get('solve_time_s', 0.0):.2f} s",
     ]
+    if solver.get("optimal_over"):
+        lines.append(f"optimal over    {solver['optimal_over']}")
 
     base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
     for name in ("uniform", "param_balanced"):
@@ -118,3 +120,10 @@ def memory_tier_line(choice: dict) -> str:
             + (f" (redundancy {max(extra):.2f} x the own snapshots)" if extra and choice["mode"] != "none" else "")
             + " (two slots each)")
 
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value * 100:.2f}%"

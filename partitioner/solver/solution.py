@@ -104,6 +104,7 @@ class Solution:
     baselines: Mapping[str, float] = field(default_factory=dict, compare=False)  # name -> step_time_s
     baseline_details: Mapping[str, BaselineCost] = field(default_factory=dict, compare=False)
     candidates: tuple[CandidateRecord, ...] = ()
+    optimal_over: str = ""  # what OPTIMAL is a proof over (solve.optimality_scope)
 
     @property
     def assignment(self) -> Assignment:

@@ -174,10 +174,35 @@ def solve(
         status = "FEASIBLE"
         bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
     report(finished=True, status=status,
-           bound_s=best.step_time_s * bound / best.objective if best.objective else best.step_time_s)
+           bound_s=bound * best.time_unit_s)
+    scope = optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best)
     return replace(best, baselines={name: cost.step_time_s for name, cost in baselines.items()},
                    baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
-                   solve_time_s=time.perf_counter() - start)
+                   solve_time_s=time.perf_counter() - start, optimal_over=scope)
+
+
+def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best) -> str:
+    """What the plan's OPTIMAL is a proof over, in words (``partitioner inspect`` prints it)."""
+    limit = f", at most {config.max_microbatches}" if config.max_microbatches is not None and microbatches is None else ""
+    parts = [
+        f"stages {num_stages} (fixed)" if num_stages is not None else "every stage count",
+        f"dp {dp} (fixed)" if dp is not None else "every dp",
+        (f"{microbatches} microbatches (fixed)" if microbatches is not None
+         else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
+        f"the {schedule} schedule",
+        "recompute per region" if config.allow_recompute else "no recompute",
+    ]
+    if cluster.is_homogeneous:
+        parts.append("rank = stage * dp + replica on the devices in cluster order")
+    elif len({d.node for d in cluster.devices}) == 1:
+        parts.append("a device class per stage (one node: every link the same)")
+    else:
+        parts.append(f"every placement of stages on devices (class and node; beyond {config.max_placements} "
+                     "placements a fastest-link relaxation bounds them)")
+    parts.append(f"time in integer units of {best.time_unit_s:.3g} s (coefficients rounded, "
+                 f"<= {best.rounding_slack_units * best.time_unit_s:.3g} s on this plan), memory rounded up "
+                 f"to {best.memory_unit_bytes} B")
+    return "; ".join(parts)
 
 
 def _raise_infeasible(problem, cluster, global_batch, records, schedule, config) -> None:

@@ -1,0 +1,177 @@
+"""One candidate (p, d, m) solved over its placements: exactly, one CP-SAT model per placement
+(Note [exact placements] in placements.py), or by the class-choice relaxation when there are too
+many (Note [heterogeneous devices] in model.py).
+
+Both return a ``PlacedResult``: the best plan in exact figures (``evaluate``), its objective in
+the common time unit, and a bound in that unit valid for every plan of every placement.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+from partitioner.cluster import ClusterSpec
+from partitioner.solver.evaluate import CostBreakdown, evaluate
+from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
+from partitioner.solver.problem import Assignment, PartitionProblem, place_stages, region_times_s
+
+__all__ = ["PlacedResult", "common_time_unit_s", "solve_placements", "solve_relaxed"]
+
+
+@dataclass(frozen=True)
+class PlacedResult:
+    status: str                          # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN
+    assignment: Assignment | None
+    cost: CostBreakdown | None
+    objective: int | None                # time units
+    bound: int | None                    # time units; a bound over every placement
+    time_unit_s: float
+    memory_unit_bytes: int
+    rounding_slack_units: float
+    exact_links: bool
+    solve_time_s: float
+    placements: int                      # how many were solved (0: the relaxation)
+
+
+def common_time_unit_s(problem: PartitionProblem, cluster: ClusterSpec, microbatch_size: int,
+                       config: SolverConfig) -> float:
+    """One unit for every placement's model (so their objectives and bounds compare): the
+    automatic unit of Note [ILP scaling] for the fastest device class."""
+    if config.time_unit_s is not None:
+        return config.time_unit_s
+    work_s = min(sum(sum(region_times_s(r, device, microbatch_size)) for r in problem.regions)
+                 for device in cluster.devices)
+    return min(1e-6, 10.0 ** math.floor(math.log10(work_s / 1e6))) if work_s > 0 else 1e-6
+
+
+def _hinted_model(problem, cluster, placement, *, p, d, m, b, schedule, config, incumbent_s, hints):
+    """A model on ``placement`` (or the relaxation for None), hinted and capped."""
+    from partitioner.solver.candidates import _best_hint, _hint_plans
+
+    model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                           schedule=schedule, config=config, placement=placement)
+    plans = []
+    if config.use_hint and hints is not None:
+        plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule, placement=hints)
+        values = _best_hint(model, plans, cluster, hints)
+        if values is not None:
+            model.add_hint(values)
+    if incumbent_s is not None:
+        # objective <= incumbent + the rounding any plan's objective may carry (Note [ILP scaling])
+        model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
+    return model, plans
+
+
+def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, config, time_limit_s,
+                     incumbent_s, time_unit_s=None) -> PlacedResult:
+    """Solve every placement's model (exact links), capping each at the best plan so far; the
+    bound is the smallest over placements (a placement proven unable to beat the cap is bounded
+    by the cap). OPTIMAL when the best plan's objective reaches that bound."""
+    start = time.perf_counter()
+    limit = time_limit_s or config.time_limit_s
+    if time_unit_s is not None:
+        config = replace(config, time_unit_s=time_unit_s)
+    best = None  # (cost, assignment, objective, model, result)
+    bounds: list[float] = []
+    statuses: list[str] = []
+    unit = mem_unit = None
+    for i, placement in enumerate(placements):
+        cap_s = incumbent_s
+        if best is not None:
+            cap_s = best[0].step_time_s if cap_s is None else min(cap_s, best[0].step_time_s)
+        left = limit - (time.perf_counter() - start)
+        each = max(left / (len(placements) - i), 0.05)
+        model, _ = _hinted_model(problem, cluster, placement, p=p, d=d, m=m, b=b, schedule=schedule,
+                                 config=config, incumbent_s=cap_s, hints=placement)
+        unit, mem_unit = model.time_unit_s, model.mem_unit
+        result = model.solve(each)
+        statuses.append(result.status)
+        if result.stage_of_region is None:
+            if result.status == "INFEASIBLE":
+                # nothing on this placement beats the cap (or fits memory, without one)
+                bounds.append(math.inf if cap_s is None else math.floor(
+                    (cap_s + model.max_rounding_s()) / unit) + 1)
+            else:
+                bounds.append(0)
+            continue
+        bounds.append(result.bound)
+        assignment = Assignment(stage_of_region=result.stage_of_region, recompute=result.recompute,
+                                device_of_stage_replica=placement, num_stages=p, dp=d, num_microbatches=m,
+                                microbatch_size=b, schedule=schedule)
+        cost = evaluate(problem, cluster, assignment)
+        if best is None or cost.step_time_s < best[0].step_time_s:
+            best = (cost, assignment, result.objective, model, result)
+    elapsed = time.perf_counter() - start
+    if best is None:
+        status = "INFEASIBLE" if all(s == "INFEASIBLE" for s in statuses) else "UNKNOWN"
+        return PlacedResult(status, None, None, None, None, unit or 1e-6, mem_unit or 1, 0.0, True, elapsed,
+                            len(placements))
+    cost, assignment, objective, model, result = best
+    bound = min(bounds)
+    bound = objective if math.isinf(bound) else int(bound)
+    status = "OPTIMAL" if objective <= bound else "FEASIBLE"
+    return PlacedResult(status, assignment, cost, objective, bound, unit, mem_unit, result.rounding_slack_units,
+                        model.exact_links, elapsed, len(placements))
+
+
+def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_s, incumbent_s,
+                  time_unit_s=None) -> PlacedResult:
+    """The class-choice model with the fastest links (Note [heterogeneous devices] in model.py):
+    its bound holds for every placement; its plan, and every hint, placed by ``place_stages``
+    and costed by ``evaluate``; the cheapest fitting one is kept, with its exact cost as objective.
+    OPTIMAL only when that exact cost reaches the relaxation's bound."""
+    from partitioner.solver.candidates import _fastest_stage_classes
+
+    start = time.perf_counter()
+    if time_unit_s is not None:
+        config = replace(config, time_unit_s=time_unit_s)
+    from partitioner.solver.candidates import _best_hint, _hint_plans
+
+    model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                           schedule=schedule, config=config)
+    hint_placement = place_stages(cluster, p, d, _fastest_stage_classes(model, p))
+    plans = []
+    if config.use_hint:
+        plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
+                            placement=hint_placement)
+        values = _best_hint(model, plans, cluster, hint_placement)
+        if values is not None:
+            model.add_hint(values)
+    if incumbent_s is not None:
+        model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
+    result = model.solve(time_limit_s)
+    unit = model.time_unit_s
+    options = []
+    if result.stage_of_region is not None:
+        options.append(Assignment(result.stage_of_region, result.recompute,
+                                  place_stages(cluster, p, d, list(result.stage_classes)), p, d, m, b, schedule))
+    options += [Assignment(s, r, hint_placement, p, d, m, b, schedule) for s, r in plans]
+    best = None
+    for assignment in options:
+        cost = evaluate(problem, cluster, assignment)
+        if cost.fits_memory and (best is None or cost.step_time_s < best[0].step_time_s):
+            best = (cost, assignment)
+    if result.stage_of_region is not None:
+        bound = result.bound
+    elif result.status == "INFEASIBLE":
+        bound = (math.inf if incumbent_s is None
+                 else math.floor((incumbent_s + model.max_rounding_s()) / unit) + 1)
+    else:
+        bound = 0
+    elapsed = time.perf_counter() - start
+    if best is None:
+        return PlacedResult(result.status if result.status != "OPTIMAL" else "INFEASIBLE", None, None, None, None,
+                            unit, model.mem_unit, 0.0, False, elapsed, 0)
+    cost, assignment = best
+    objective = round(cost.step_time_s / unit)
+    bound = objective if math.isinf(bound) else int(bound)
+    # The relaxed model's bound is on its rounded coefficients: it may pass the exact cost by at
+    # most the rounding a plan's objective carries; more would be a bug (Note [no clamped bound]).
+    if bound > objective:
+        if (bound - objective) * unit > model.max_rounding_s():
+            raise InconsistentBoundError(objective, bound, float(bound), "relaxation")
+        bound = objective
+    status = "OPTIMAL" if objective <= bound else "FEASIBLE"
+    return PlacedResult(status, assignment, cost, objective, bound, unit, model.mem_unit, 1.0, True, elapsed, 0)
