@@ -105,14 +105,10 @@ def enumerate_placements(
             found.setdefault(placement_key(cluster, tuple(grid)), tuple(grid))
             return
         for device_class in sorted({label[0] for label in labels}):
-            for row in stage_rows(device_class, 0, []):
-                for label in row:
-                    left[label] -= 1
+            for row in stage_rows(device_class, 0, []):  # holds the row's devices while it yields
                 grid.append(row)
                 walk(s + 1, grid)
                 grid.pop()
-                for label in row:
-                    left[label] += 1
 
     walk(0, [])
     if visited > budget or len(found) > limit:
