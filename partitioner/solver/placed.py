@@ -13,9 +13,17 @@ import time
 from dataclasses import dataclass, replace
 
 from partitioner.cluster import ClusterSpec
+from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_time_s
+from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
-from partitioner.solver.problem import Assignment, PartitionProblem, place_stages, region_times_s
+from partitioner.solver.problem import (
+    Assignment,
+    PartitionProblem,
+    core_sharing_factor,
+    place_stages,
+    region_times_s,
+)
 
 __all__ = ["PlacedResult", "common_time_unit_s", "solve_placements", "solve_relaxed"]
 
@@ -77,43 +85,94 @@ def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, conf
     bounds: list[float] = []
     statuses: list[str] = []
     unit = mem_unit = None
-    for i, placement in enumerate(placements):
+    chain = has_chain_backbone(problem)
+    ranked = sorted((placement_bound_s(problem, cluster, placement, p=p, d=d, m=m, b=b, schedule=schedule,
+                                       allow_recompute=config.allow_recompute, chain=chain), placement)
+                    for placement in placements)
+    placements = [placement for _, placement in ranked]
+    for i, (lower_s, placement) in enumerate(ranked):
+        if math.isinf(lower_s):  # no plan on it fits memory
+            bounds.append(math.inf)
+            statuses.append("INFEASIBLE")
+            continue
+        if best is not None and lower_s >= best[0].step_time_s * (1 - 1e-9):
+            # this and every later placement are bounded at or above the best plan: pruned
+            bounds.append(math.floor(lower_s / best[3].time_unit_s))
+            break
+        left = limit - (time.perf_counter() - start)
+        if best is not None and left < 0.05:  # out of time: the rest keep their bounds (ranked)
+            bounds.append(math.floor(lower_s / best[3].time_unit_s))
+            statuses.append("SKIPPED")
+            break
         cap_s = incumbent_s
         if best is not None:
             cap_s = best[0].step_time_s if cap_s is None else min(cap_s, best[0].step_time_s)
-        left = limit - (time.perf_counter() - start)
-        each = max(left / (len(placements) - i), 0.05)
-        model, _ = _hinted_model(problem, cluster, placement, p=p, d=d, m=m, b=b, schedule=schedule,
-                                 config=config, incumbent_s=cap_s, hints=placement)
+        # the most promising placements come first and get the larger share
+        each = max(left / (len(ranked) - i), min(max(left, 0.05), limit / 4))
+        model, plans = _hinted_model(problem, cluster, placement, p=p, d=d, m=m, b=b, schedule=schedule,
+                                     config=config, incumbent_s=cap_s, hints=placement)
         unit, mem_unit = model.time_unit_s, model.mem_unit
         result = model.solve(each)
         statuses.append(result.status)
-        if result.stage_of_region is None:
-            if result.status == "INFEASIBLE":
-                # nothing on this placement beats the cap (or fits memory, without one)
-                bounds.append(math.inf if cap_s is None else math.floor(
-                    (cap_s + model.max_rounding_s()) / unit) + 1)
-            else:
-                bounds.append(0)
-            continue
-        bounds.append(result.bound)
-        assignment = Assignment(stage_of_region=result.stage_of_region, recompute=result.recompute,
-                                device_of_stage_replica=placement, num_stages=p, dp=d, num_microbatches=m,
-                                microbatch_size=b, schedule=schedule)
-        cost = evaluate(problem, cluster, assignment)
-        if best is None or cost.step_time_s < best[0].step_time_s:
-            best = (cost, assignment, result.objective, model, result)
+        found = []
+        if result.stage_of_region is not None:
+            bounds.append(result.bound)
+            found.append((result.stage_of_region, result.recompute, result.objective, result.rounding_slack_units))
+        elif result.status == "INFEASIBLE":
+            # nothing on this placement beats the cap (or fits memory, without one)
+            bounds.append(math.inf if cap_s is None else math.floor((cap_s + model.max_rounding_s()) / unit) + 1)
+        else:  # time limit without a solution: the placement's own bound stands
+            bounds.append(math.floor(lower_s / unit))
+        if result.status != "OPTIMAL":  # a hint may still be the best plan found on it
+            for stage_of_region, recompute in plans:
+                values = model.hint_values(stage_of_region, recompute)
+                if model.memory_fits(values, model.classes):
+                    found.append((stage_of_region, recompute, model.objective.value(values),
+                                  model._rounding_slack(stage_of_region, recompute)))
+        for stage_of_region, recompute, objective, slack in found:
+            assignment = Assignment(stage_of_region=stage_of_region, recompute=recompute,
+                                    device_of_stage_replica=placement, num_stages=p, dp=d, num_microbatches=m,
+                                    microbatch_size=b, schedule=schedule)
+            cost = evaluate(problem, cluster, assignment)
+            if cost.fits_memory and (best is None or cost.step_time_s < best[0].step_time_s):
+                best = (cost, assignment, objective, model, slack)
     elapsed = time.perf_counter() - start
     if best is None:
         status = "INFEASIBLE" if all(s == "INFEASIBLE" for s in statuses) else "UNKNOWN"
         return PlacedResult(status, None, None, None, None, unit or 1e-6, mem_unit or 1, 0.0, True, elapsed,
                             len(placements))
-    cost, assignment, objective, model, result = best
+    cost, assignment, objective, model, slack = best
     bound = min(bounds)
     bound = objective if math.isinf(bound) else int(bound)
+    bound = _within_rounding(bound, objective, model)
     status = "OPTIMAL" if objective <= bound else "FEASIBLE"
-    return PlacedResult(status, assignment, cost, objective, bound, unit, mem_unit, result.rounding_slack_units,
+    return PlacedResult(status, assignment, cost, objective, bound, unit, mem_unit, slack,
                         model.exact_links, elapsed, len(placements))
+
+
+def _within_rounding(bound: int, objective: int, model) -> int:
+    """A bound from another model or from floats (a placement's, the relaxation's) is exact only
+    to the rounding of Note [ILP scaling]: it may pass a plan's rounded objective by at most that
+    rounding, and is then the objective; by more, it is a bug (Note [no clamped bound])."""
+    if bound <= objective:
+        return bound
+    if (bound - objective) * model.time_unit_s > model.max_rounding_s():
+        raise InconsistentBoundError(objective, bound, float(bound), "combined over placements")
+    return objective
+
+
+def placement_bound_s(problem, cluster, placement, *, p, d, m, b, schedule, allow_recompute, chain) -> float:
+    """A lower bound on every plan on ``placement`` (inf: none fits memory): the chain DP's bound
+    when every plan is contiguous (its links and devices are the placement's), else perfectly
+    divisible work on its devices; plus the all-reduce's bound; times its core-sharing factor."""
+    scale = core_sharing_factor(cluster, placement)
+    if chain:
+        pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
+                                       schedule=schedule, placement=placement, allow_recompute=allow_recompute)
+    else:
+        pipeline = scale * lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                                   microbatch_size=b, stage_devices=[row[0] for row in placement])
+    return pipeline + scale * allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)
 
 
 def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_s, incumbent_s,
@@ -167,11 +226,6 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     cost, assignment = best
     objective = round(cost.step_time_s / unit)
     bound = objective if math.isinf(bound) else int(bound)
-    # The relaxed model's bound is on its rounded coefficients: it may pass the exact cost by at
-    # most the rounding a plan's objective carries; more would be a bug (Note [no clamped bound]).
-    if bound > objective:
-        if (bound - objective) * unit > model.max_rounding_s():
-            raise InconsistentBoundError(objective, bound, float(bound), "relaxation")
-        bound = objective
+    bound = _within_rounding(bound, objective, model)
     status = "OPTIMAL" if objective <= bound else "FEASIBLE"
     return PlacedResult(status, assignment, cost, objective, bound, unit, model.mem_unit, 1.0, True, elapsed, 0)

@@ -157,8 +157,9 @@ def solve(
         if solution is not None and (best is None or solution.step_time_s < best.step_time_s):
             best = solution
         report(records[-1])
-    proven.extend(bound for key, bound in unresolved.items() if key != (best.num_stages, best.dp, best.num_microbatches)
-                  if best is not None)
+    if best is not None:
+        proven.extend(bound for key, bound in unresolved.items()
+                      if key != (best.num_stages, best.dp, best.num_microbatches))
     for lower, _, p, d, m, _ in queue:
         if (p, d, m) not in unresolved:
             records.append(CandidateRecord(p, d, m, global_batch // (d * m), "PRUNED", None, lower, 0.0))
@@ -168,6 +169,9 @@ def solve(
                                    num_microbatches=best.num_microbatches, microbatch_size=best.microbatch_size,
                                    schedule=schedule, placement=best.device_of_stage_replica)
     status, bound = best.status, best.bound
+    own = unresolved.get((best.num_stages, best.dp, best.num_microbatches))
+    if own is not None and best.objective is not None:  # its cheap or strong bound may be the better one
+        bound = max(bound, min(math.floor(own / best.time_unit_s), best.objective))
     slack_s = best.rounding_slack_units * best.time_unit_s
     open_bounds = [x for x in proven if x < best.step_time_s - slack_s]
     if open_bounds:  # best found; the enumerated optimum may be as low as the smallest open bound
