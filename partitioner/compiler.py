@@ -174,10 +174,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         cut_edges=cut_edges,
         ties=ties,
         predicted={"step_time_s": step, "bubble_fraction": cost.bubble_fraction,
-                   "lower_bound_step_time_s": cost.lower_bound_step_time_s,
+                   "lower_bound_step_time_s": solution.lower_bound_step_time_s,  # the whole space's
                    "samples_per_s": global_batch / step if step > 0 else 0.0},
         solver=solution_summary(solution),
-        baselines={name: {"step_time_s": value} for name, value in sorted(solution_baselines(solution).items())},
+        baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
         training=training,
     )
@@ -269,6 +269,19 @@ def solution_summary(solution) -> dict:
                 if solution.objective and solution.bound is not None else None),
         "solve_time_s": float(solution.solve_time_s),
     }
+
+
+def baseline_figures(solution) -> dict:
+    """name -> its step time (None when it fits no configuration) and the configuration it was
+    priced at (Note [fair baselines] in partitioner/solver/fair_baselines.py)."""
+    out = {}
+    for name, value in sorted(solution_baselines(solution).items()):
+        detail = (getattr(solution, "baseline_details", {}) or {}).get(name)
+        out[name] = {"step_time_s": value}
+        if detail is not None and detail.num_stages is not None:
+            out[name].update(fits_memory=detail.fits_memory, num_stages=detail.num_stages, dp=detail.dp,
+                             num_microbatches=detail.num_microbatches, recompute=detail.recompute)
+    return out
 
 
 def solution_baselines(solution) -> dict:

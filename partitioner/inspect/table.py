@@ -74,12 +74,17 @@ def table(plan: Plan) -> str:
 
     base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
     for name in ("uniform", "param_balanced"):
-        t = (plan.baselines.get(name) or {}).get("step_time_s")
+        base = plan.baselines.get(name) or {}
+        t = base.get("step_time_s")
+        label = name
+        if base.get("num_stages") is not None:  # priced at its own best (Note [fair baselines])
+            label += (f" ({base['num_stages']} x dp {base['dp']}, {base['num_microbatches']} mb"
+                      f"{', recompute' if base.get('recompute') else ''})")
         if t:
-            base_rows.append([name, ms(t), f"{plan.global_batch / t:.1f}", f"{t / p['step_time_s']:.2f}x"])
+            base_rows.append([label, ms(t), f"{plan.global_batch / t:.1f}", f"{t / p['step_time_s']:.2f}x"])
         elif name in plan.baselines:
-            base_rows.append([name, "-", "-", "n/a"])
-    lines += ["", "baselines (same cost model)"]
+            base_rows.append([label, "does not fit", "-", "-"])
+    lines += ["", "baselines (same cost model, each at its own best stages x dp x microbatches)"]
     lines += ["  " + x for x in render_columns(["split", "step", "samples/s", "vs ours"],
                                                  ["", "ms", "", "time"], base_rows, "<>>>")]
 
