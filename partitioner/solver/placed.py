@@ -55,21 +55,34 @@ def common_time_unit_s(problem: PartitionProblem, cluster: ClusterSpec, microbat
 
 
 def _hinted_model(problem, cluster, placement, *, p, d, m, b, schedule, config, incumbent_s, hints):
-    """A model on ``placement`` (or the relaxation for None), hinted and capped."""
-    from partitioner.solver.candidates import _best_hint, _hint_plans
+    """A model on ``placement``, hinted and capped."""
+    from partitioner.solver.candidates import _hint_plans
 
     model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                            schedule=schedule, config=config, placement=placement)
     plans = []
     if config.use_hint and hints is not None:
         plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule, placement=hints)
-        values = _best_hint(model, plans, cluster, hints)
-        if values is not None:
-            model.add_hint(values)
-    if incumbent_s is not None:
-        # objective <= incumbent + the rounding any plan's objective may carry (Note [ILP scaling])
-        model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
+    _hint_and_cap(model, plans, cluster, hints, incumbent_s)
     return model, plans
+
+
+def _hint_and_cap(model, plans, cluster, hint_placement, incumbent_s) -> None:
+    """Hint the best hint plan and cap the objective at the incumbent (+ the rounding any plan's
+    objective may carry, Note [ILP scaling]). A hint above the cap is left out: it cannot be a
+    solution, and OR-Tools 9.15 aborts the process (``Check failed: heuristics.fixed_search !=
+    nullptr``) on such a model with interleave_search and 2 workers once presolve proves it
+    infeasible (seen on GPT-2 small, 4 stages on 2 x A100 + 2 x H100)."""
+    from partitioner.solver.candidates import _best_hint
+
+    cap = None
+    if incumbent_s is not None:
+        cap = math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s)
+    values = _best_hint(model, plans, cluster, hint_placement) if plans else None
+    if values is not None and (cap is None or model.objective.value(values) <= cap):
+        model.add_hint(values)
+    if cap is not None:
+        model.cap_objective(cap)
 
 
 def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, config, time_limit_s,
@@ -186,7 +199,7 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     start = time.perf_counter()
     if time_unit_s is not None:
         config = replace(config, time_unit_s=time_unit_s)
-    from partitioner.solver.candidates import _best_hint, _hint_plans
+    from partitioner.solver.candidates import _hint_plans
 
     model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                            schedule=schedule, config=config)
@@ -195,11 +208,7 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     if config.use_hint:
         plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
                             placement=hint_placement)
-        values = _best_hint(model, plans, cluster, hint_placement)
-        if values is not None:
-            model.add_hint(values)
-    if incumbent_s is not None:
-        model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
+    _hint_and_cap(model, plans, cluster, hint_placement, incumbent_s)
     result = model.solve(time_limit_s)
     unit = model.time_unit_s
     options = []
