@@ -45,8 +45,8 @@ def scenarios(granularity: str):
            ClusterSpec.homogeneous(16, "h100"), dict(global_batch=64, microbatches=None, num_stages=None, dp=None))
     two_by_two = ClusterSpec.from_dict({"group": [{"kind": "h100", "count": 2, "node": 0},
                                                   {"kind": "a100-40gb", "count": 2, "node": 1}]})
-    yield ("GPT-2 small, 2 x H100 (node 0) + 2 x A100-40GB (node 1), solver picks stages x dp",
-           gpt2_small(granularity), two_by_two, dict(global_batch=16, microbatches=None, num_stages=None, dp=None))
+    yield ("GPT-2 small, 2 x H100 (node 0) + 2 x A100-40GB (node 1), 4 stages",
+           gpt2_small(granularity), two_by_two, dict(num_stages=4, dp=1, microbatches=16, global_batch=16))
     hetero = ClusterSpec.from_dict({"group": [{"kind": "h100", "count": 4, "node": 0},
                                               {"kind": "a100-40gb", "count": 4, "node": 1}]})
     yield ("GPT-like 2.7B (32 layers, h=2560, s=2048), 4 x H100 (node 0) + 4 x A100-40GB (node 1)",

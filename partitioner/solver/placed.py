@@ -128,8 +128,8 @@ def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, conf
         result = model.solve(each)
         statuses.append(result.status)
         found = []
-        if result.stage_of_region is not None:
-            bounds.append(result.bound)
+        if result.stage_of_region is not None:  # CP-SAT's bound or the placement's own, the larger
+            bounds.append(max(result.bound, math.floor(lower_s / unit)))
             found.append((result.stage_of_region, result.recompute, result.objective, result.rounding_slack_units))
         elif result.status == "INFEASIBLE":
             # nothing on this placement beats the cap (or fits memory, without one)
