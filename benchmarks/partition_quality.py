@@ -8,7 +8,7 @@ Each baseline is priced at its own best (stages, dp, microbatches, recompute) am
 configurations the row allows (Note [fair baselines] in partitioner/solver/fair_baselines.py):
 devices in cluster order, on mixed classes the fastest class first, and "uniform" there gives each
 stage blocks in proportion to its device's speed; a baseline that fits no configuration shows
-"no fit" and no ratio. Lower bound: the smallest over every allowed candidate of perfectly
+"no-fit" and no ratio. Lower bound: the smallest over every allowed candidate of perfectly
 divisible work on the fastest devices + memory-forced recompute + the data-parallel all-reduce
 (Note [whole-space lower bound] in partitioner/solver/solve.py); it leaves out communication
 beyond latencies, which every plan pays. The two heterogeneous rows are two nodes (H100s on
@@ -85,7 +85,7 @@ def main() -> int:
             if base is None:
                 return f"{'-':>{width}}", "-"
             if not base.fits_memory:
-                return f"{'no fit':>{width}}", "-"
+                return f"{'no-fit':>{width}}", "-"
             return f"{base.step_time_s:>{width}.4f}", f"{base.step_time_s / solution.step_time_s:.3f}"
 
         uniform, uniform_ratio = cell("uniform", 10)
@@ -94,7 +94,7 @@ def main() -> int:
         print(f"{solution.step_time_s:>9.4f} {sublayer.step_time_s:>10.4f} {uniform} {balanced} {lower:>9.4f} "
               f"{uniform_ratio:>8} {balanced_ratio:>8} {solution.step_time_s / lower:>7.3f} "
               f"{sublayer.step_time_s / sublayer.lower_bound_step_time_s:>7.3f}")
-    print("\nratios > 1 mean ours is faster; no fit = the baseline fits memory in no allowed configuration;"
+    print("\nratios > 1 mean ours is faster; no-fit = the baseline fits memory in no allowed configuration;"
           "\nsub/lb: the sublayer plan against its own lower bound (the same space, so the same bound)")
     return 0
 
