@@ -2,55 +2,22 @@
 
 A candidate is (pipeline depth p, data-parallel degree d, microbatch count m) for one schedule;
 ``enumerate_candidates`` lists those the request allows (m divides the per-replica batch), and
-``solve_candidate`` builds its CP-SAT model, hints it with the best baseline or chain-DP plan
-(Note [search help] in model.py) and solves it.
+``solve_candidate`` solves it: one CP-SAT model per device placement, each hinted with the best
+baseline or chain-DP plan (Note [search help] in model.py), or the class-choice relaxation
+(placed.py, Note [exact placements] in placements.py), and verifies the plan.
 """
 
 from __future__ import annotations
 
 from partitioner.cluster import ClusterSpec
-from partitioner.solver.baselines import baseline_assignments
-from partitioner.solver.chain_dp import solve_chain_dp
 from partitioner.solver.check import check_assignment
-from partitioner.solver.model import CandidateModel, SolverConfig
+from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
-from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages, schedule_refusal
+from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages, schedule_refusal
 from partitioner.solver.solution import Solution
 
 __all__ = ["enumerate_candidates", "solve_candidate", "validate_request"]
-
-
-def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement):
-    """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute)."""
-    plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
-    for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                                  schedule=schedule, placement=placement).values():
-        plans.append((a.stage_of_region, a.recompute))
-    recompute_options: list = [(False,) * problem.num_regions]
-    if model.rec:
-        recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
-        recompute_options.append("greedy")
-    for recompute in recompute_options:
-        dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                   schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
-        if dp_result is not None:
-            plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))
-    return plans
-
-
-def _best_hint(model: CandidateModel, plans, cluster, placement):
-    """The hint plan of smallest model objective that fits memory, as model variable values, or None."""
-    stage_classes = [cluster.devices[row[0]].device_class for row in placement]
-    best = None
-    for stage_of_region, recompute in plans:
-        values = model.hint_values(stage_of_region, recompute, stage_classes)
-        if not model.memory_fits(values, stage_classes):
-            continue
-        objective = model.objective.value(values)
-        if best is None or objective < best[0]:
-            best = (objective, values)
-    return None if best is None else best[1]
 
 
 def solve_candidate(
@@ -114,11 +81,6 @@ def solve_candidate(
     )
     check_assignment(problem, cluster, solution)  # raises AssignmentError on any violation
     return solution, result.status, result.solve_time_s
-
-
-def _fastest_stage_classes(model: CandidateModel, p: int) -> list[tuple]:
-    slots = [c for c in model.classes for _ in range(model.class_slots[c])]  # fastest first
-    return slots[:p]
 
 
 def _divisors(n: int) -> list[int]:

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, replace
 
 from partitioner.cluster import ClusterSpec
+from partitioner.solver.baselines import baseline_assignments
 from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_time_s
-from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone
+from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import (
@@ -56,8 +57,6 @@ def common_time_unit_s(problem: PartitionProblem, cluster: ClusterSpec, microbat
 
 def _hinted_model(problem, cluster, placement, *, p, d, m, b, schedule, config, incumbent_s, hints):
     """A model on ``placement``, hinted and capped."""
-    from partitioner.solver.candidates import _hint_plans
-
     model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                            schedule=schedule, config=config, placement=placement)
     plans = []
@@ -73,8 +72,6 @@ def _hint_and_cap(model, plans, cluster, hint_placement, incumbent_s) -> None:
     solution, and OR-Tools 9.15 aborts the process (``Check failed: heuristics.fixed_search !=
     nullptr``) on such a model with interleave_search and 2 workers once presolve proves it
     infeasible (seen on GPT-2 small, 4 stages on 2 x A100 + 2 x H100)."""
-    from partitioner.solver.candidates import _best_hint
-
     cap = None
     if incumbent_s is not None:
         cap = math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s)
@@ -194,13 +191,9 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     its bound holds for every placement; its plan, and every hint, placed by ``place_stages``
     and costed by ``evaluate``; the cheapest fitting one is kept, with its exact cost as objective.
     OPTIMAL only when that exact cost reaches the relaxation's bound."""
-    from partitioner.solver.candidates import _fastest_stage_classes
-
     start = time.perf_counter()
     if time_unit_s is not None:
         config = replace(config, time_unit_s=time_unit_s)
-    from partitioner.solver.candidates import _hint_plans
-
     model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
                            schedule=schedule, config=config)
     hint_placement = place_stages(cluster, p, d, _fastest_stage_classes(model, p))
@@ -238,3 +231,40 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     bound = _within_rounding(bound, objective, model)
     status = "OPTIMAL" if objective <= bound else "FEASIBLE"
     return PlacedResult(status, assignment, cost, objective, bound, unit, model.mem_unit, 1.0, True, elapsed, 0)
+
+
+def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement):
+    """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute)."""
+    plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
+    for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                                  schedule=schedule, placement=placement).values():
+        plans.append((a.stage_of_region, a.recompute))
+    recompute_options: list = [(False,) * problem.num_regions]
+    if model.rec:
+        recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
+        recompute_options.append("greedy")
+    for recompute in recompute_options:
+        dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
+                                   schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
+        if dp_result is not None:
+            plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))
+    return plans
+
+
+def _best_hint(model: CandidateModel, plans, cluster, placement):
+    """The hint plan of smallest model objective that fits memory, as model variable values, or None."""
+    stage_classes = [cluster.devices[row[0]].device_class for row in placement]
+    best = None
+    for stage_of_region, recompute in plans:
+        values = model.hint_values(stage_of_region, recompute, stage_classes)
+        if not model.memory_fits(values, stage_classes):
+            continue
+        objective = model.objective.value(values)
+        if best is None or objective < best[0]:
+            best = (objective, values)
+    return None if best is None else best[1]
+
+
+def _fastest_stage_classes(model: CandidateModel, p: int) -> list[tuple]:
+    slots = [c for c in model.classes for _ in range(model.class_slots[c])]  # fastest first
+    return slots[:p]
