@@ -1,8 +1,8 @@
 """Random chains on heterogeneous multi-node clusters and their optimum by exhaustive search.
 
 The reference is independent of the solver: every contiguous split (for a chain every valid plan
-is contiguous) times every ordered choice of devices (all permutations, deduplicated only by
-the exact (device class, node) of every slot), costed by the project's ``evaluate``."""
+is contiguous) times every ordered choice of devices torchrun can start (all permutations, deduplicated only by the
+exact (device class, node) of every slot), costed by the project's ``evaluate``."""
 
 from __future__ import annotations
 
@@ -46,13 +46,32 @@ def contiguous_splits(n: int, p: int):
         yield tuple(s for s in range(p) for _ in range(bounds[s], bounds[s + 1]))
 
 
+def torchrun_can_start(cluster: ClusterSpec, devices) -> bool:
+    """torchrun hands each node a block of consecutive ranks, and rank r runs on cuda:LOCAL_RANK:
+    the k-th rank of a node's block must run on the node's k-th device."""
+    on_node = {}
+    for rank, i in enumerate(devices):
+        on_node.setdefault(cluster.devices[i].node, []).append((rank, i))
+    for node, pairs in on_node.items():
+        local = [i for i, dev in enumerate(cluster.devices) if dev.node == node]
+        ranks = [r for r, _ in pairs]
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+            return False
+        if [i for _, i in pairs] != local[:len(pairs)]:
+            return False
+    return True
+
+
 def device_orders(cluster: ClusterSpec, p: int, d: int):
-    """Every (stage, replica) -> device grid, one per distinct grid of (class, node) labels."""
+    """Every (stage, replica) -> device grid torchrun can start, one per distinct grid of
+    (class, node) labels."""
     seen = set()
     label = [(dev.device_class, dev.node) for dev in cluster.devices]
     for devices in itertools.permutations(range(cluster.num_devices), p * d):
         grid = tuple(tuple(devices[s * d:(s + 1) * d]) for s in range(p))
         if any(len({cluster.devices[i].device_class for i in row}) > 1 for row in grid):
+            continue
+        if not torchrun_can_start(cluster, devices):
             continue
         key = tuple(tuple(label[i] for i in row) for row in grid)
         if key not in seen:

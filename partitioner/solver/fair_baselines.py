@@ -18,6 +18,7 @@ from __future__ import annotations
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.baselines import BaselineCost, param_balanced_split, uniform_split
 from partitioner.solver.evaluate import evaluate
+from partitioner.solver.placements import is_launchable
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages, region_times_s
 
 __all__ = ["best_baselines", "hand_placement", "hand_placements"]
@@ -36,7 +37,8 @@ def hand_placements(cluster: ClusterSpec, num_stages: int, dp: int) -> list[tupl
     if len(slots) < num_stages:
         return []
     orders = [slots] + ([slots[::-1]] if slots[::-1] != slots else [])
-    return [place_stages(cluster, num_stages, dp, order) for order in orders]
+    placements = [place_stages(cluster, num_stages, dp, order) for order in orders]
+    return [pl for pl in placements if is_launchable(cluster, pl)]
 
 
 def hand_placement(cluster: ClusterSpec, num_stages: int, dp: int) -> tuple[tuple[int, ...], ...] | None:

@@ -18,6 +18,7 @@ from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_
 from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
+from partitioner.solver.placements import is_launchable
 from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
@@ -211,6 +212,8 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     options += [Assignment(s, r, hint_placement, p, d, m, b, schedule) for s, r in plans]
     best = None
     for assignment in options:
+        if not is_launchable(cluster, assignment.device_of_stage_replica):  # Note [exact placements]
+            continue
         cost = evaluate(problem, cluster, assignment)
         if cost.fits_memory and (best is None or cost.step_time_s < best[0].step_time_s):
             best = (cost, assignment)

@@ -11,6 +11,13 @@ Note [exact placements]
     short without losing a cost: replicas are interchangeable as whole columns (replica r of
     every stage with replica r' of every stage), and so are nodes holding the same devices.
 
+    Only placements torchrun can launch are listed (``is_launchable``): torchrun gives each node
+    a contiguous block of ranks (any node may take any block: its --node-rank), and the runtime
+    runs local rank k on the node's k-th device (cuda:LOCAL_RANK). So the ranks (rank = stage *
+    dp + replica) on a node must be consecutive, and their device classes, in rank order, those
+    of the node's first devices. A grid such as H100, A100, H100, A100 over two nodes costs what
+    it costs but cannot be started, so it is not searched.
+
     ``solve_candidate`` solves one CP-SAT model per placement, each with exact links and the
     exact core-sharing factor, and keeps the best: OPTIMAL then means optimal over every
     placement (every device choice and rank order), not over device classes priced at some
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from partitioner.cluster import ClusterSpec, LinkSpec
 
-__all__ = ["enumerate_placements", "fastest_link", "placement_key"]
+__all__ = ["enumerate_placements", "fastest_link", "is_launchable", "placement_key"]
 
 Label = tuple  # (device_class, node)
 
@@ -34,6 +41,27 @@ def fastest_link(cluster: ClusterSpec) -> LinkSpec:
     if len({d.node for d in cluster.devices}) > 1:
         links.append(cluster.inter_node_link)
     return LinkSpec(max(link.bandwidth_bytes_per_s for link in links), min(link.latency_s for link in links))
+
+
+def is_launchable(cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether torchrun can start ``placement`` (Note [exact placements]): every node's ranks
+    consecutive, and rank a + k of a node whose first rank is a on a device of the class of the
+    node's k-th device."""
+    ranks = [i for row in placement for i in row]  # device of rank r = ranks[r]
+    node_devices: dict[int, list[int]] = {}
+    for i, device in enumerate(cluster.devices):
+        node_devices.setdefault(device.node, []).append(i)
+    seen: dict[int, list[int]] = {}
+    for rank, i in enumerate(ranks):
+        seen.setdefault(cluster.devices[i].node, []).append(rank)
+    for node, node_ranks in seen.items():
+        if node_ranks != list(range(node_ranks[0], node_ranks[0] + len(node_ranks))):
+            return False
+        local = node_devices[node]
+        for k, rank in enumerate(node_ranks):
+            if cluster.devices[ranks[rank]].device_class != cluster.devices[local[k]].device_class:
+                return False
+    return True
 
 
 def _groups(cluster: ClusterSpec) -> dict[Label, list[int]]:
@@ -102,7 +130,8 @@ def enumerate_placements(
             return
         if s == num_stages:
             visited += 1
-            found.setdefault(placement_key(cluster, tuple(grid)), tuple(grid))
+            if is_launchable(cluster, _devices_of(groups, labels, grid)):
+                found.setdefault(placement_key(cluster, tuple(grid)), tuple(grid))
             return
         for device_class in sorted({label[0] for label in labels}):
             for row in stage_rows(device_class, 0, []):  # holds the row's devices while it yields
@@ -113,8 +142,11 @@ def enumerate_placements(
     walk(0, [])
     if visited > budget or len(found) > limit:
         return None
-    out = []
-    for grid in found.values():
-        free = {label: list(groups[label]) for label in labels}
-        out.append(tuple(tuple(free[label].pop(0) for label in row) for row in grid))
-    return sorted(out)
+    return sorted(_devices_of(groups, labels, grid) for grid in found.values())
+
+
+def _devices_of(groups, labels, grid) -> tuple[tuple[int, ...], ...]:
+    """Device indices for a label grid: each label's devices in index order, in rank order (so
+    a node's ranks take its devices in local order)."""
+    free = {label: list(groups[label]) for label in labels}
+    return tuple(tuple(free[label].pop(0) for label in row) for row in grid)

@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hetero_instances import exhaustive_optimum, het_cluster, random_chain  # noqa: E402
 
 from partitioner.solver import SolverConfig, solve, solve_candidate  # noqa: E402
-from partitioner.solver.placements import enumerate_placements  # noqa: E402
+from partitioner.cluster import ClusterSpec  # noqa: E402
+from partitioner.solver.placements import enumerate_placements, is_launchable  # noqa: E402
 
 M, B = 8, 4
 
@@ -70,14 +71,23 @@ def test_solve_over_every_stage_count_is_the_exhaustive_optimum():
     assert "every placement of stages on devices" in solution.optimal_over
 
 
-def test_placements_are_distinct_and_cover_every_label_grid():
+def test_placements_are_the_launchable_label_grids():
+    """Of the 4! / (2! 2!) = 6 orders of H, H, A, A only HHAA and AAHH give each node consecutive
+    ranks (torchrun's blocks; Note [exact placements])."""
     cluster = het_cluster()
-    placements = enumerate_placements(cluster, 4, 1)
-    assert len(placements) == 6  # 4! / (2! 2!) orders of H, H, A, A
-    assert len(set(placements)) == 6
+    assert enumerate_placements(cluster, 4, 1) == [((0,), (1,), (2,), (3,)), ((2,), (3,), (0,), (1,))]
+    assert len(enumerate_placements(cluster, 3, 1)) == 4  # HHA, HAA, AHH, AAH
     assert enumerate_placements(cluster, 2, 2) == [((0, 1), (2, 3)), ((2, 3), (0, 1))]
-    assert enumerate_placements(het_cluster(per_node=4), 8, 1, limit=10) is None  # 70 > 10: relaxation
+    mixed = ClusterSpec.from_dict({"group": [{"kind": "h100", "count": 2, "node": 0},
+                                             {"kind": "a100-40gb", "count": 2, "node": 0},
+                                             {"kind": "h100", "count": 4, "node": 1}]})
+    placements = enumerate_placements(mixed, 4, 1, limit=10_000)
+    assert placements and all(is_launchable(mixed, pl) for pl in placements)
+    assert ((0,), (2,), (1,), (3,)) not in placements  # H, A, H, A on node 0: not cuda:0..3 in order
     assert enumerate_placements(cluster, 1, 4) == []  # no class has 4 devices
+    many = ClusterSpec.from_dict({"group": [{"kind": kind, "count": 1, "node": node}
+                                            for node in range(4) for kind in ("h100", "a100-40gb")]})
+    assert enumerate_placements(many, 8, 1, limit=10) is None  # too many: the relaxation
 
 
 def test_compile_on_a_heterogeneous_two_node_cluster_file_from_the_cli(tmp_path, capsys):
