@@ -136,6 +136,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             peak_memory_bytes=int(sc.memory_bytes),
             memory_capacity_bytes=int(sc.capacity_bytes),
             send_bytes=int(sc.send_bytes),
+            nodes=tuple(cluster.devices[i].node for i in assignment.device_of_stage_replica[s]),
         ))
     regions = tuple(
         PlanRegion(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],

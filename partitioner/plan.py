@@ -69,6 +69,7 @@ class StagePlan:
     peak_memory_bytes: int
     memory_capacity_bytes: int
     send_bytes: int                  # activation bytes sent to the next stage per microbatch
+    nodes: tuple[int, ...] = ()      # the cluster node of each replica's device (Note [exact placements])
 
 
 @dataclass(frozen=True)

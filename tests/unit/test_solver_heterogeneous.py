@@ -107,3 +107,10 @@ def test_compile_on_a_heterogeneous_two_node_cluster_file_from_the_cli(tmp_path,
     assert plan["solver"]["bound"] <= plan["solver"]["objective"]
     kinds = [stage["device"] for stage in plan["stages"]]
     assert sorted(kinds) == ["a100-40gb", "a100-40gb", "h100", "h100"]
+    # each node runs a block of consecutive ranks, and the folder's README says which
+    nodes = [stage["nodes"][0] for stage in plan["stages"]]
+    assert nodes in ([0, 0, 1, 1], [1, 1, 0, 0])
+    readme = (out / "README.md").read_text()
+    first = nodes[0]
+    assert f"- cluster node {first}: --node-rank 0 --nproc-per-node 2, ranks 0..1" in readme
+    assert f"- cluster node {1 - first}: --node-rank 1 --nproc-per-node 2, ranks 2..3" in readme
