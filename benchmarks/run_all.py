@@ -253,7 +253,9 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
     quality = results.get("partition_quality_table")
     if quality:
         lines += ["", "**Plan quality** (predicted step time, same cost model; ours at op granularity, a region "
-                  "per matmul; * = does not fit memory; lower bound = perfectly balanced stages, no communication):",
+                  "per matmul; each baseline at its own best stages x dp x microbatches x recompute, - = fits no "
+                  "configuration; lower bound = perfectly divisible work + forced recompute + all-reduce, the "
+                  "smallest over every allowed candidate):",
                   "", "| scenario | ours s | ours / lower bound | uniform s | param-balanced s | lower bound s | "
                   "uniform / ours | sublayer granularity / its bound |", "|---|---|---|---|---|---|---|---|"]
         for r in quality:

@@ -126,6 +126,8 @@ def compile_workload(
         schedule=schedule, config=solver_config, progress=progress)
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training)
+    if solution.optimal_over:
+        plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
     return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
 
 
@@ -169,6 +171,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             peak_memory_bytes=int(sc.memory_bytes),
             memory_capacity_bytes=int(sc.capacity_bytes),
             send_bytes=int(sc.send_bytes),
+            nodes=tuple(cluster.devices[i].node for i in assignment.device_of_stage_replica[s]),
         ))
     regions = tuple(
         PlanRegion(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
@@ -207,10 +210,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         cut_edges=cut_edges,
         ties=ties,
         predicted={"step_time_s": step, "bubble_fraction": cost.bubble_fraction,
-                   "lower_bound_step_time_s": cost.lower_bound_step_time_s,
+                   "lower_bound_step_time_s": solution.lower_bound_step_time_s,  # the whole space's
                    "samples_per_s": global_batch / step if step > 0 else 0.0},
         solver=solution_summary(solution),
-        baselines={name: {"step_time_s": value} for name, value in sorted(solution_baselines(solution).items())},
+        baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
         training=training,
     )
@@ -296,11 +299,25 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 def solution_summary(solution) -> dict:
     return {
         "status": solution.status,
-        "objective": float(solution.objective),
-        "bound": float(solution.bound),
-        "gap": float(abs(solution.objective - solution.bound) / solution.objective) if solution.objective else 0.0,
+        "objective": None if solution.objective is None else float(solution.objective),
+        "bound": None if solution.bound is None else float(solution.bound),
+        "gap": (float(max(0, solution.objective - solution.bound) / solution.objective)
+                if solution.objective and solution.bound is not None else None),
         "solve_time_s": float(solution.solve_time_s),
     }
+
+
+def baseline_figures(solution) -> dict:
+    """name -> its step time (None when it fits no configuration) and the configuration it was
+    priced at (Note [fair baselines] in partitioner/solver/fair_baselines.py)."""
+    out = {}
+    for name, value in sorted(solution_baselines(solution).items()):
+        detail = (getattr(solution, "baseline_details", {}) or {}).get(name)
+        out[name] = {"step_time_s": value}
+        if detail is not None and detail.num_stages is not None:
+            out[name].update(fits_memory=detail.fits_memory, num_stages=detail.num_stages, dp=detail.dp,
+                             num_microbatches=detail.num_microbatches, recompute=detail.recompute)
+    return out
 
 
 def solution_baselines(solution) -> dict:

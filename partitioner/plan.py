@@ -69,6 +69,7 @@ class StagePlan:
     peak_memory_bytes: int
     memory_capacity_bytes: int
     send_bytes: int                  # activation bytes sent to the next stage per microbatch
+    nodes: tuple[int, ...] = ()      # the cluster node of each replica's device (Note [exact placements])
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,8 @@ _FIGURES = {
     "predicted": {"step_time_s": ("float", True), "bubble_fraction": ("float", True),
                   "lower_bound_step_time_s": ("float", True), "samples_per_s": ("float", False)},
     "solver": {"status": ("str", True), "objective": ("float | None", False), "bound": ("float | None", False),
-               "gap": ("float | None", False), "solve_time_s": ("float", False)},
+               "gap": ("float | None", False), "solve_time_s": ("float", False),
+               "optimal_over": ("str", False)},
 }
 
 

@@ -32,6 +32,21 @@ output node the last. If module boundaries would make the region graph cyclic, t
 cycle are merged (strongly connected components), so the result is always a DAG; region ids are a
 topological order (ties broken by first node position), so every edge goes from a lower id to a
 higher one.
+
+Note [one priced reader]
+    A tensor read in several regions (Llama's normed input by q, k and v; the residual stream by
+    a norm and, later, by the add) is sent across a boundary once, then forwarded (Note [stages
+    talk only to their neighbours] in partitioner/codegen/split.py): it crosses boundary k when
+    its producer's stage <= k < the latest reader's stage. The problem prices it on one edge,
+    to a reader that is always on the latest stage, and keeps 0-byte edges to the other readers
+    (true dependencies). Such a reader exists when one reader is reached from every other one
+    through data dependencies (the add after the norm): then it is exact, with no extra
+    constraint. When several readers are maximal (q, k, v at ``op`` granularity: none feeds
+    another), the one of highest id is priced and 0-byte ordering edges from the other maximal
+    readers to it make it the latest: that is a constraint no data dependency implies, and it
+    narrows the plans searched. ``ordering_edges`` lists those; tests/unit/test_passes_regions.py
+    solves the model zoo's problems with and without them (without them the problem underprices,
+    so its optimum is a lower bound) and checks the optima agree.
 """
 
 from __future__ import annotations
@@ -338,31 +353,61 @@ def _readers(gm: fx.GraphModule):
         yield node, src, by_dst
 
 
-def region_cut_edges(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
-    """Edges for pricing stage boundaries: each tensor once per boundary it crosses.
+def region_cut_edges(gm: fx.GraphModule, *, order_readers: bool = True) -> list[tuple[int, int, int]]:
+    """Edges for pricing stage boundaries: each tensor once per boundary it crosses
+    (Note [one priced reader]). Same (src, dst) pairs summed; sorted.
 
-    A tensor read in several regions (Llama's normed input by q, k and v; the residual stream by
-    a norm and, later, by the add) is sent across a boundary once, then forwarded (Note [stages
-    talk only to their neighbours] in partitioner/codegen/split.py). So each tensor becomes one edge to
-    its last reader (highest region id) carrying its bytes, 0-byte edges to its other readers,
-    and 0-byte edges from those readers to the last one: that ordering (no reader on a later
-    stage than the last) makes "crosses boundary k" the same test for the tensor as for its one
-    priced edge. Same (src, dst) pairs summed; sorted."""
+    ``order_readers=False`` leaves out the ordering edges of that Note: the problem is then a
+    relaxation (it may underprice a plan that puts a non-priced reader after the priced one),
+    used to show that they do not change the optimum (tests/unit/test_passes_regions.py)."""
     edges: dict[tuple[int, int], int] = {}
 
     def add(src: int, dst: int, num_bytes: int) -> None:
         edges[(src, dst)] = edges.get((src, dst), 0) + num_bytes
 
-    for node, src, by_dst in _readers(gm):
+    readers = list(_readers(gm))
+    reach = _reachability(readers)
+    for node, src, by_dst in readers:
         if not by_dst:
             continue
-        last = max(by_dst)
+        # the readers no other reader depends on: one of them is on the latest stage
+        maximal = [r for r in by_dst if not any(other != r and (reach[r] >> other) & 1 for other in by_dst)]
+        last = max(maximal)
         add(src, last, max(_consumed_bytes(node, users) for users in by_dst.values()))
         for dst in by_dst:
             if dst != last:
                 add(src, dst, 0)
-                add(dst, last, 0)
+        if order_readers:
+            for dst in maximal:
+                if dst != last:
+                    add(dst, last, 0)
     return [(s, d, b) for (s, d), b in sorted(edges.items())]
+
+
+def ordering_edges(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """The (reader, priced reader) pairs Note [one priced reader] adds that no data dependency
+    implies: each one narrows the plans searched."""
+    true = {(s, d) for s, d, _ in region_cut_edges(gm, order_readers=False)}
+    return sorted((s, d) for s, d, _ in region_cut_edges(gm) if (s, d) not in true)
+
+
+def _reachability(readers) -> dict[int, int]:
+    """Region -> bitmask of the regions it reaches through data dependencies."""
+    succ: dict[int, set[int]] = {}
+    regions: set[int] = set()
+    for _, src, by_dst in readers:
+        regions.add(src)
+        for dst in by_dst:
+            regions.add(dst)
+            if dst > src:
+                succ.setdefault(src, set()).add(dst)
+    reach: dict[int, int] = {}
+    for r in sorted(regions, reverse=True):  # region ids are topological: successors first
+        mask = 0
+        for dst in succ.get(r, ()):
+            mask |= (1 << dst) | reach.get(dst, 0)
+        reach[r] = mask
+    return reach
 
 
 def region_ties(gm: fx.GraphModule) -> list[TieRow]:

@@ -33,7 +33,7 @@ says so at start-up). torch's stores listen on every interface and do not
 authenticate: run across nodes only on a network where every host is trusted. `partitioner run`
 and `train.py` execute this folder's code: run only folders you trust.
 
-## Files
+{_node_section(plan)}## Files
 
 - `plan.json`: the plan, the program the runtime reads, and the sha256 of every file below.
 - `stage_<k>.py`: each stage's forward, one statement per op, with the model's source lines as comments.
@@ -41,3 +41,29 @@ and `train.py` execute this folder's code: run only folders you trust.
 - `weights/stage_<k>.safetensors`: initial parameters by their original names.
 - `user/`: the file(s) of your make_batch and loss, when they are no installed module: the ranks import this copy.
 """
+
+
+def _node_section(plan: Plan) -> str:
+    """Which ranks each cluster node runs, when the plan spans several (Note [exact placements]
+    in partitioner/solver/placements.py): torchrun gives node-rank k the k-th block of ranks."""
+    node_of_rank: dict[int, int] = {}
+    kind_of_rank: dict[int, str] = {}
+    for stage in plan.stages:
+        for rank, node in zip(stage.ranks, stage.nodes):
+            node_of_rank[rank], kind_of_rank[rank] = node, stage.device
+    if len(set(node_of_rank.values())) < 2:
+        return ""
+    blocks: list[tuple[int, list[int]]] = []
+    for rank in sorted(node_of_rank):
+        if blocks and blocks[-1][0] == node_of_rank[rank]:
+            blocks[-1][1].append(rank)
+        else:
+            blocks.append((node_of_rank[rank], [rank]))
+    lines = ["## Where the ranks run", "",
+             "The plan puts each rank on a device of a given cluster node (its links and speed are what the",
+             "plan was solved for). Start the node of each row with its --node-rank and --nproc-per-node:", ""]
+    for k, (node, ranks) in enumerate(blocks):
+        kinds = ", ".join(kind_of_rank[r] for r in ranks)
+        lines.append(f"- cluster node {node}: --node-rank {k} --nproc-per-node {len(ranks)}, ranks "
+                     f"{ranks[0]}..{ranks[-1]} on its first {len(ranks)} device(s) ({kinds})")
+    return "\n".join(lines) + "\n\n"

@@ -167,7 +167,7 @@ def explain_node(plan: Plan, name: str, problem: PartitionProblem, assignment: A
     else:
         best = min((m for m in priced if m["fits_memory"]), key=lambda m: m["step_time_s"])
         out["verdict"] = (f"moving to stage {best['to_stage']} would be {-best['change'] * 100:.1f}% faster "
-                          f"(solver status {plan.solver['status']}, gap {plan.solver.get('gap', 0) * 100:.2f}%: "
+                          f"(solver status {plan.solver['status']}, gap {(plan.solver.get('gap') or 0) * 100:.2f}%: "
                           "it stopped before proving this plan optimal)")
     if out["repriced_error"] > 0.01:
         out["verdict"] += (f" (the stored problem prices this plan {out['repriced_error'] * 100:.1f}% off the plan's "

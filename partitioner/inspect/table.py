@@ -79,18 +79,25 @@ def table(plan: Plan) -> str:
         + (f" (step is {p['step_time_s'] / lower:.2f}x it)" if lower > 0 else ""),
         f"balance         max/mean stage time {bal['time_max_over_mean']:.3f}, "
         f"max/mean peak memory {bal['memory_max_over_mean']:.3f}",
-        f"solver          {solver['status']}, objective {solver['objective']:.6g}, bound {solver['bound']:.6g}, "
-        f"gap {solver.get('gap', 0.0) * 100:.2f}%, {solver.get('solve_time_s', 0.0):.2f} s",
+        f"solver          {solver['status']}, objective {_num(solver.get('objective'))}, "
+        f"bound {_num(solver.get('bound'))}, gap {_pct(solver.get('gap'))}, {solver.get('solve_time_s', 0.0):.2f} s",
     ]
+    if solver.get("optimal_over"):
+        lines.append(f"optimal over    {solver['optimal_over']}")
 
     base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
     for name in ("uniform", "param_balanced"):
-        t = (plan.baselines.get(name) or {}).get("step_time_s")
+        base = plan.baselines.get(name) or {}
+        t = base.get("step_time_s")
+        label = name
+        if base.get("num_stages") is not None:  # priced at its own best (Note [fair baselines])
+            label += (f" ({base['num_stages']} x dp {base['dp']}, {base['num_microbatches']} mb"
+                      f"{', recompute' if base.get('recompute') else ''})")
         if t:
-            base_rows.append([name, ms(t), f"{plan.global_batch / t:.1f}", f"{t / p['step_time_s']:.2f}x"])
+            base_rows.append([label, ms(t), f"{plan.global_batch / t:.1f}", f"{t / p['step_time_s']:.2f}x"])
         elif name in plan.baselines:
-            base_rows.append([name, "-", "-", "n/a"])
-    lines += ["", "baselines (same cost model)"]
+            base_rows.append([label, "does not fit", "-", "-"])
+    lines += ["", "baselines (same cost model, each at its own best stages x dp x microbatches)"]
     lines += ["  " + x for x in render_columns(["split", "step", "samples/s", "vs ours"],
                                                  ["", "ms", "", "time"], base_rows, "<>>>")]
 
@@ -156,3 +163,10 @@ def memory_tier_line(choice: dict) -> str:
             + (f" (redundancy {max(extra):.2f} x the own snapshots)" if extra and choice["mode"] != "none" else "")
             + " (two slots each)")
 
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value * 100:.2f}%"

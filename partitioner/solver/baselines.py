@@ -6,8 +6,10 @@
   more block.
 * param_balanced: DeepSpeed's ``partition_method="parameters"``: contiguous stages (in the
   regions' topological order) minimizing the largest parameter count.
-Both run without recompute. A contiguous split of a topological order never sends data backwards,
-so both are valid for any DAG.
+``baseline_assignments`` prices them at one given configuration without recompute (the hints
+of solve_candidate); fair_baselines.best_baselines gives each its own best configuration, and
+"uniform" on mixed devices blocks in proportion to speed (Note [fair baselines] there). A
+contiguous split of a topological order never sends data backwards, so both are valid for any DAG.
 """
 
 from __future__ import annotations
@@ -29,24 +31,49 @@ class BaselineCost:
     step_time_s: float
     fits_memory: bool
     stage_of_region: tuple[int, ...]
+    # the configuration it was priced at (fair_baselines.best_baselines: its own best)
+    num_stages: int | None = None
+    dp: int | None = None
+    num_microbatches: int | None = None
+    recompute: bool = False
 
 
-def uniform_split(problem: PartitionProblem, num_stages: int) -> tuple[int, ...] | None:
-    """Stage of every region for equal blocks per stage; None when there are fewer blocks than
-    stages. Regions without a block index follow the block before them (the head, after the last
-    block, goes to the last stage). Without any block index, regions are split evenly by count."""
+def proportional_counts(total: int, speeds: list[float]) -> list[int] | None:
+    """``total`` items over len(speeds) stages in proportion to their speeds, at least one each
+    (largest remainder; ties to earlier stages); None when total < stages."""
+    p = len(speeds)
+    if total < p:
+        return None
+    shares = [total * v / sum(speeds) for v in speeds]
+    counts = [max(1, int(x)) for x in shares]
+    while sum(counts) > total:  # the minimum of one pushed us over: take from the largest
+        counts[max(range(p), key=lambda s: (counts[s] - shares[s], counts[s]))] -= 1
+    while sum(counts) < total:
+        counts[max(range(p), key=lambda s: (shares[s] - counts[s], -s))] += 1
+    return counts
+
+
+def uniform_split(problem: PartitionProblem, num_stages: int,
+                  speeds: list[float] | None = None) -> tuple[int, ...] | None:
+    """Stage of every region for equal blocks per stage (with ``speeds``, one per stage: blocks in
+    proportion to them, what one does by hand on mixed devices); None when there are fewer blocks
+    than stages. Regions without a block index follow the block before them (the head, after the
+    last block, goes to the last stage). Without any block index, regions are split by count."""
     n, p = problem.num_regions, num_stages
     layers = sorted({r.layer for r in problem.regions if r.layer is not None})
-    if not layers:
-        if n < p:
-            return None
-        return tuple(min(i * p // n, p - 1) for i in range(n))
-    if len(layers) < p:
+    total = len(layers) if layers else n
+    if total < p:
         return None
-    per_stage, extra = divmod(len(layers), p)
+    if speeds is not None and len(set(speeds)) > 1:
+        counts = proportional_counts(total, speeds)
+    else:
+        per_stage, extra = divmod(total, p)
+        counts = [per_stage + (1 if s < extra else 0) for s in range(p)]
+    if not layers:
+        return tuple(s for s in range(p) for _ in range(counts[s]))
     stage_of_layer, layer_index = {}, 0
     for s in range(p):
-        for _ in range(per_stage + (1 if s < extra else 0)):
+        for _ in range(counts[s]):
             stage_of_layer[layers[layer_index]] = s
             layer_index += 1
     last_layer_region = max(i for i, r in enumerate(problem.regions) if r.layer is not None)

@@ -2,56 +2,22 @@
 
 A candidate is (pipeline depth p, data-parallel degree d, microbatch count m) for one schedule;
 ``enumerate_candidates`` lists those the request allows (m divides the per-replica batch), and
-``solve_candidate`` builds its CP-SAT model, hints it with the best baseline or chain-DP plan
-(Note [search help] in model.py) and solves it.
+``solve_candidate`` solves it: one CP-SAT model per device placement, each hinted with the best
+baseline or chain-DP plan (Note [search help] in model.py), or the class-choice relaxation
+(placed.py, Note [exact placements] in placements.py), and verifies the plan.
 """
 
 from __future__ import annotations
 
-import math
-
 from partitioner.cluster import ClusterSpec
-from partitioner.solver.baselines import baseline_assignments
-from partitioner.solver.chain_dp import solve_chain_dp
 from partitioner.solver.check import check_assignment
-from partitioner.solver.evaluate import evaluate
-from partitioner.solver.model import CandidateModel, SolverConfig
-from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, place_stages, schedule_refusal
+from partitioner.solver.model import SolverConfig
+from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
+from partitioner.solver.placements import enumerate_placements
+from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages, schedule_refusal
 from partitioner.solver.solution import Solution
 
 __all__ = ["enumerate_candidates", "solve_candidate", "validate_request"]
-
-
-def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement):
-    """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute)."""
-    plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
-    for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                                  schedule=schedule, placement=placement).values():
-        plans.append((a.stage_of_region, a.recompute))
-    recompute_options: list = [(False,) * problem.num_regions]
-    if model.rec:
-        recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
-        recompute_options.append("greedy")
-    for recompute in recompute_options:
-        dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                   schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
-        if dp_result is not None:
-            plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))
-    return plans
-
-
-def _best_hint(model: CandidateModel, plans, cluster, placement):
-    """The hint plan of smallest model objective that fits memory, as model variable values, or None."""
-    stage_classes = [cluster.devices[row[0]].device_class for row in placement]
-    best = None
-    for stage_of_region, recompute in plans:
-        values = model.hint_values(stage_of_region, recompute, stage_classes)
-        if not model.memory_fits(values, stage_classes):
-            continue
-        objective = model.objective.value(values)
-        if best is None or objective < best[0]:
-            best = (objective, values)
-    return None if best is None else best[1]
 
 
 def solve_candidate(
@@ -73,73 +39,48 @@ def solve_candidate(
     plans whose objective can be below it (INFEASIBLE then means: cannot beat it)."""
     p, d, m = num_stages, dp, num_microbatches
     b = global_batch // (d * m)
-    homogeneous = cluster.is_homogeneous
-    placement = place_stages(cluster, p, d) if homogeneous else None
-    model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                           schedule=schedule, config=config, placement=placement)
-    plans: list = []
-    # Hints on a heterogeneous cluster use the fastest class slots, in stage order.
-    hint_placement = placement or place_stages(cluster, p, d, _fastest_stage_classes(model, p))
-    if config.use_hint:
-        plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
-                            placement=hint_placement)
-        values = _best_hint(model, plans, cluster, hint_placement)
-        if values is not None:
-            model.add_hint(values)
-    if incumbent_s is not None:
-        # objective <= incumbent + the rounding any plan's objective may carry (Note [ILP scaling])
-        model.cap_objective(math.floor((incumbent_s + model.max_rounding_s()) / model.time_unit_s))
-    result = model.solve(time_limit_s)
-    status, objective, bound = result.status, result.objective, result.bound
-    assignment = cost = None
-    if result.stage_of_region is not None:
-        assignment = Assignment(
-            stage_of_region=result.stage_of_region, recompute=result.recompute,
-            device_of_stage_replica=placement or place_stages(cluster, p, d, list(result.stage_classes)),
-            num_stages=p, dp=d, num_microbatches=m, microbatch_size=b, schedule=schedule,
-        )
-        cost = evaluate(problem, cluster, assignment)
-    if not model.exact_links:
-        # The model prices every boundary with the slowest link (Note [heterogeneous devices]), so
-        # a hint may cost less than the model's optimum once its real links are known: keep the
-        # cheaper plan in exact figures (a FEASIBLE plan, with no objective to check against).
-        for stage_of_region, recompute in plans:
-            hint = Assignment(stage_of_region=stage_of_region, recompute=recompute,
-                              device_of_stage_replica=hint_placement, num_stages=p, dp=d, num_microbatches=m,
-                              microbatch_size=b, schedule=schedule)
-            hint_cost = evaluate(problem, cluster, hint)
-            if hint_cost.fits_memory and (cost is None or hint_cost.step_time_s < cost.step_time_s):
-                assignment, cost, status, objective = hint, hint_cost, "FEASIBLE", None
-                bound = bound if bound is not None else 0
-    if assignment is None:
+    single_node = len({device.node for device in cluster.devices}) == 1
+    if cluster.is_homogeneous:
+        result = solve_placements(problem, cluster, [place_stages(cluster, p, d)], p=p, d=d, m=m, b=b,
+                                  schedule=schedule, config=config, time_limit_s=time_limit_s,
+                                  incumbent_s=incumbent_s)
+    else:
+        # Note [exact placements]; on one node every link is the same and class choice is exact.
+        placements = None if single_node else enumerate_placements(cluster, p, d, limit=config.max_placements)
+        unit = common_time_unit_s(problem, cluster, b, config)
+        if placements:
+            result = solve_placements(problem, cluster, placements, p=p, d=d, m=m, b=b, schedule=schedule,
+                                      config=config, time_limit_s=time_limit_s, incumbent_s=incumbent_s,
+                                      time_unit_s=unit)
+        elif placements == []:
+            return None, "INFEASIBLE", 0.0
+        else:
+            result = solve_relaxed(problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule, config=config,
+                                   time_limit_s=time_limit_s, incumbent_s=incumbent_s, time_unit_s=unit)
+    if result.assignment is None:
         return None, result.status, result.solve_time_s
-    placement = assignment.device_of_stage_replica
+    assignment, cost = result.assignment, result.cost
     solution = Solution(
         stage_of_region=assignment.stage_of_region,
         recompute=assignment.recompute,
-        device_of_stage_replica=placement,
+        device_of_stage_replica=assignment.device_of_stage_replica,
         num_stages=p, dp=d, num_microbatches=m, microbatch_size=b, schedule=schedule, global_batch=global_batch,
         stages=cost.stages,
         step_time_s=cost.step_time_s,
         bubble_fraction=cost.bubble_fraction,
         lower_bound_step_time_s=cost.lower_bound_step_time_s,
         ties=cost.ties,
-        status=status,
-        objective=objective,
-        bound=bound,
+        status=result.status,
+        objective=result.objective,
+        bound=result.bound,
         solve_time_s=result.solve_time_s,
-        time_unit_s=model.time_unit_s,
-        memory_unit_bytes=model.mem_unit,
+        time_unit_s=result.time_unit_s,
+        memory_unit_bytes=result.memory_unit_bytes,
         rounding_slack_units=result.rounding_slack_units,
-        exact_links=model.exact_links,
+        exact_links=result.exact_links,
     )
     check_assignment(problem, cluster, solution)  # raises AssignmentError on any violation
-    return solution, status, result.solve_time_s
-
-
-def _fastest_stage_classes(model: CandidateModel, p: int) -> list[tuple]:
-    slots = [c for c in model.classes for _ in range(model.class_slots[c])]  # fastest first
-    return slots[:p]
+    return solution, result.status, result.solve_time_s
 
 
 def _divisors(n: int) -> list[int]:

@@ -6,7 +6,15 @@ the variables and solves; the families live beside it, one mixin a concern:
   model_placement.py  upto, in_stage, recompute, tie holding, device classes
   model_time.py       stage times, bottleneck, prefix work, all-reduce, ties, the objective
   model_memory.py     every stage's memory within its capacity
-  model_hints.py      hints, the objective cap and the stage fixings it implies (Note [search help])
+  model_hints.py      hints, the objective cap and the stage fixings it implies (Note [no clamped bound]
+    CP-SAT's bound is a bound on the model's optimum, and the plan's own objective (re-evaluated at
+    tight values, Note [tight objective]) is the objective of a feasible assignment of the same
+    model, so bound <= objective always holds for a sound model. A bound above it means the tight
+    values of the plan violate some constraint (a family that does not transcribe ``evaluate``,
+    or an epigraph variable forced above its terms): ``solve`` raises InconsistentBoundError
+    instead of lowering the bound to the objective and calling the plan OPTIMAL.
+
+Note [search help])
 
 Note [ILP scaling]
     Time is counted in integer units of ``time_unit_s`` (1 us, or finer for models whose whole
@@ -19,11 +27,16 @@ Note [ILP scaling]
 
 Note [heterogeneous devices]
     With one device class (kind, memory, speed) the placement is fixed before the model is built
-    (rank = stage * dp + replica) and links are exact. With several classes, ``on_class[s, c]``
-    chooses the class of stage s (all its d replicas), at most count_c // d stages per class;
-    stage time and memory constraints are enforced only under the chosen class (no big-M).
-    Links are then taken as the slowest link in the cluster, conservatively; devices are placed
-    after solving (``place_stages``) and the plan is costed exactly by ``evaluate``.
+    (rank = stage * dp + replica) and links are exact. On several nodes with several classes,
+    ``solve_candidate`` enumerates the placements (Note [exact placements] in placements.py) and
+    builds one model per placement, again with exact links. Without a placement,
+    ``on_class[s, c]`` chooses the class of stage s (all its d replicas), at most count_c // d
+    stages per class; stage time and memory constraints are enforced only under the chosen
+    class (no big-M). That model is exact on one node (every link intra-node); on several it
+    is a relaxation: every link is priced at the fastest bandwidth and latency the cluster has
+    and the core-sharing factor at 1, so its optimum is a lower bound on every plan of every
+    placement, and the plan it finds is placed (``place_stages``) and costed by ``evaluate``
+    (placed.solve_relaxed). It is used when a candidate has too many placements to enumerate.
 
 Note [tight objective]
     ``bottleneck`` and ``dp_allreduce`` are epigraph variables (>= every stage's term), tight only
@@ -56,6 +69,7 @@ from partitioner.solver.model_hints import SearchHelp
 from partitioner.solver.model_memory import MemoryConstraints
 from partitioner.solver.model_placement import PlacementConstraints
 from partitioner.solver.model_time import TimeConstraints
+from partitioner.solver.placements import fastest_link
 from partitioner.solver.problem import (
     SCHEDULES,
     PartitionProblem,
@@ -65,7 +79,7 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 
-__all__ = ["SolverConfig", "CandidateModel", "CandidateResult"]
+__all__ = ["SolverConfig", "CandidateModel", "CandidateResult", "InconsistentBoundError"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class SolverConfig:
     max_microbatches: int | None = None  # cap on m when solve() enumerates it
     total_time_limit_s: float | None = 30.0  # whole enumeration (Note [candidate pruning]); None: none
     log_search: bool = False
+    max_placements: int = 64  # per candidate on a multi-node heterogeneous cluster (Note [exact placements])
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
@@ -93,8 +108,25 @@ class SolverConfig:
             raise ValueError(f"SolverConfig.memory_unit_bytes={self.memory_unit_bytes!r} must be an int >= 1")
         if self.total_time_limit_s is not None and not self.total_time_limit_s > 0:
             raise ValueError(f"SolverConfig.total_time_limit_s={self.total_time_limit_s!r} must be > 0 or None")
+        if isinstance(self.max_placements, bool) or not isinstance(self.max_placements, int) or self.max_placements < 1:
+            raise ValueError(f"SolverConfig.max_placements={self.max_placements!r} must be an int >= 1 (e.g. 64)")
         if self.max_microbatches is not None and not (isinstance(self.max_microbatches, int) and self.max_microbatches >= 1):
             raise ValueError(f"SolverConfig.max_microbatches={self.max_microbatches!r} must be an int >= 1 or None")
+
+
+class InconsistentBoundError(AssertionError):
+    """CP-SAT proved a bound above the objective of a plan it returned (Note [no clamped bound]):
+    a bug in the model, not in the user's input."""
+
+    def __init__(self, objective: int, bound: int, cp_sat_objective: float, status: str,
+                 stage_of_region: tuple[int, ...] | None = None, time_unit_s: float | None = None):
+        self.objective, self.bound, self.cp_sat_objective, self.status = objective, bound, cp_sat_objective, status
+        self.stage_of_region, self.time_unit_s = stage_of_region, time_unit_s
+        super().__init__(
+            f"solver model inconsistent: CP-SAT ({status}) proved a bound of {bound} units but returned a plan "
+            f"whose own objective is {objective} units (CP-SAT's value of it: {cp_sat_objective:.0f}); the tight "
+            "values of that plan violate a constraint of the model (Note [no clamped bound] in "
+            "partitioner/solver/model.py). Please report it with the model and cluster.")
 
 
 @dataclass(frozen=True)
@@ -157,12 +189,13 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
             self.class_slots = {c: k // dp for c, k in counts.items() if k // dp > 0}
             self.classes = sorted(self.class_slots, key=lambda c: -c[2])  # candidates, fastest first
             self.class_capacity = {c: c[1] for c in self.classes}
-            worst = cluster.slowest_link(list(range(cluster.num_devices))) or cluster.intra_node_link
-            self.boundary_links = [worst] * (p - 1)
-            self.dp_links = [worst if dp > 1 else None] * p
-            self.tie_link = worst if p > 1 else None
-            # One node whose devices are all core-bound, or none: the core-sharing factor of
-            # p * d ranks there is exact too (Note [whole-step terms]).
+            fastest = fastest_link(cluster)
+            self.boundary_links = [fastest] * (p - 1)
+            self.dp_links = [fastest if dp > 1 else None] * p
+            self.tie_link = fastest if p > 1 else None
+            # One node whose devices are all core-bound, or none: every link is the intra-node
+            # one and the core-sharing factor of p * d ranks there is exact too (Note [whole-step
+            # terms]); else this model is a relaxation (Note [heterogeneous devices]).
             self.exact_links = (len({d.node for d in cluster.devices}) == 1
                                 and len({d.cores is None for d in cluster.devices}) == 1)
 
@@ -177,8 +210,12 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
             self.time_unit_s = min(1e-6, 10.0 ** math.floor(math.log10(work_s / 1e6)))
         else:
             self.time_unit_s = 1e-6
-        self.core_sharing = (core_sharing_factor(cluster, placement) if placement is not None
-                             else core_sharing_factor(cluster, num_ranks=num_stages * dp))
+        if placement is not None:
+            self.core_sharing = core_sharing_factor(cluster, placement)
+        elif self.exact_links:
+            self.core_sharing = core_sharing_factor(cluster, num_ranks=num_stages * dp)
+        else:
+            self.core_sharing = 1.0  # no placement shares cores less (a relaxation)
         self.coef_unit_s = self.time_unit_s / self.core_sharing  # Note [ILP scaling]
         self.mem_unit = config.memory_unit_bytes
         unit = self.coef_unit_s
@@ -289,10 +326,15 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
             stage_classes = tuple(next(c for c in self.classes if solver.value(self.on_class[s][c])) for s in range(p))
         # Note [tight objective]: report the plan's own objective, not CP-SAT's variable values.
         objective = self.objective.value(self.hint_values(stage_of_region, recompute, stage_classes))
-        bound = min(round(solver.best_objective_bound), objective)
+        slack = self._rounding_slack(stage_of_region, recompute)
+        if self.minimize_memory:  # CP-SAT's objective is the overflow there: no bound on time
+            return CandidateResult(name, stage_of_region, recompute, stage_classes, objective, None, elapsed, slack)
+        bound = math.ceil(solver.best_objective_bound - 1e-6)  # integer objective: integer bound
+        if bound > objective:  # Note [no clamped bound]
+            raise InconsistentBoundError(objective, bound, solver.objective_value, name, stage_of_region,
+                                         self.time_unit_s)
         if objective <= bound:
             name = "OPTIMAL"
-        slack = self._rounding_slack(stage_of_region, recompute)
         return CandidateResult(name, stage_of_region, recompute, stage_classes, objective, bound, elapsed, slack)
 
     def _rounding_slack(self, stage_of_region, recompute) -> float:

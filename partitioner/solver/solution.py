@@ -101,9 +101,10 @@ class Solution:
     memory_unit_bytes: int
     rounding_slack_units: float
     exact_links: bool
-    baselines: Mapping[str, float] = field(default_factory=dict, compare=False)  # name -> step_time_s
+    baselines: Mapping[str, float | None] = field(default_factory=dict, compare=False)  # name -> step_time_s (None: fits nothing)
     baseline_details: Mapping[str, BaselineCost] = field(default_factory=dict, compare=False)
     candidates: tuple[CandidateRecord, ...] = ()
+    optimal_over: str = ""  # what OPTIMAL is a proof over (solve.optimality_scope)
 
     @property
     def assignment(self) -> Assignment:
@@ -145,5 +146,5 @@ class Solution:
             lines.append(f"{s:>5} {ranks:>12} {len(st.regions):>9} {st.compute_s:>11.4g} {st.comm_s:>10.3g} "
                          f"{st.memory_bytes / GIB:>8.3f} {st.capacity_bytes / GIB:>8.2f}")
         for name, base in self.baseline_details.items():
-            lines.append(f"baseline {name}: {base.step_time_s:.6g} s{'' if base.fits_memory else ' (does not fit memory)'}")
+            lines.append(f"baseline {name}: " + (f"{base.step_time_s:.6g} s" if base.fits_memory else "does not fit memory"))
         return "\n".join(lines)

@@ -31,7 +31,6 @@ from typing import Callable
 
 from partitioner.cluster import GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
-from partitioner.solver.baselines import evaluate_baselines
 from partitioner.solver.bounds import (
     allreduce_lower_bound_s,
     candidate_lower_bound_s,
@@ -40,7 +39,8 @@ from partitioner.solver.bounds import (
 from partitioner.solver.candidates import enumerate_candidates, solve_candidate, validate_request
 from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone
 from partitioner.solver.evaluate import evaluate
-from partitioner.solver.model import CandidateModel, SolverConfig
+from partitioner.solver.fair_baselines import best_baselines
+from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 
@@ -92,6 +92,8 @@ def solve(
 
     # (bound, strong?, p, d, m, tries); Note [candidate pruning]
     queue = [(cheap_bound(p, d, m), False, p, d, m, 0) for p, d, m in candidates]
+    # Note [whole-space lower bound]
+    whole_space_lower_s = min(bound for bound, *_ in queue)
     heapq.heapify(queue)
     start = time.perf_counter()
     deadline = None if config.total_time_limit_s is None else start + config.total_time_limit_s
@@ -157,27 +159,69 @@ def solve(
         if solution is not None and (best is None or solution.step_time_s < best.step_time_s):
             best = solution
         report(records[-1])
-    proven.extend(bound for key, bound in unresolved.items() if key != (best.num_stages, best.dp, best.num_microbatches)
-                  if best is not None)
+    if best is not None:
+        proven.extend(bound for key, bound in unresolved.items()
+                      if key != (best.num_stages, best.dp, best.num_microbatches))
     for lower, _, p, d, m, _ in queue:
         if (p, d, m) not in unresolved:
             records.append(CandidateRecord(p, d, m, global_batch // (d * m), "PRUNED", None, lower, 0.0))
     if best is None:
         _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
-    baselines = evaluate_baselines(problem, cluster, num_stages=best.num_stages, dp=best.dp,
-                                   num_microbatches=best.num_microbatches, microbatch_size=best.microbatch_size,
-                                   schedule=schedule, placement=best.device_of_stage_replica)
+    baselines = best_baselines(problem, cluster, candidates, global_batch, schedule=schedule,
+                               allow_recompute=config.allow_recompute)  # Note [fair baselines]
     status, bound = best.status, best.bound
+    own = unresolved.get((best.num_stages, best.dp, best.num_microbatches))
+    if own is not None and best.objective is not None:  # its cheap or strong bound may be the better one
+        own_units = math.floor(own / best.time_unit_s)
+        if own_units > best.objective + best.rounding_slack_units:  # Note [no clamped bound]
+            raise InconsistentBoundError(best.objective, own_units, float(own_units), "candidate bound")
+        bound = max(bound, min(own_units, best.objective))  # above it by the rounding only
     slack_s = best.rounding_slack_units * best.time_unit_s
     open_bounds = [x for x in proven if x < best.step_time_s - slack_s]
     if open_bounds:  # best found; the enumerated optimum may be as low as the smallest open bound
         status = "FEASIBLE"
         bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
     report(finished=True, status=status,
-           bound_s=best.step_time_s * bound / best.objective if best.objective else best.step_time_s)
-    return replace(best, baselines={name: cost.step_time_s for name, cost in baselines.items()},
+           bound_s=bound * best.time_unit_s)
+    scope = optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best)
+    return replace(best, baselines={name: cost.step_time_s if cost.fits_memory else None
+                                    for name, cost in baselines.items()},
                    baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
-                   solve_time_s=time.perf_counter() - start)
+                   solve_time_s=time.perf_counter() - start, optimal_over=scope,
+                   lower_bound_step_time_s=min(whole_space_lower_s, best.step_time_s))
+
+
+def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best) -> str:
+    """What the plan's OPTIMAL is a proof over, in words (``partitioner inspect`` prints it)."""
+    limit = f", at most {config.max_microbatches}" if config.max_microbatches is not None and microbatches is None else ""
+    parts = [
+        f"stages {num_stages} (fixed)" if num_stages is not None else "every stage count",
+        f"dp {dp} (fixed)" if dp is not None else "every dp",
+        (f"{microbatches} microbatches (fixed)" if microbatches is not None
+         else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
+        f"the {schedule} schedule",
+        "recompute per region" if config.allow_recompute else "no recompute",
+    ]
+    if cluster.is_homogeneous:
+        parts.append("rank = stage * dp + replica on the devices in cluster order")
+    elif len({d.node for d in cluster.devices}) == 1:
+        parts.append("a device class per stage (one node: every link the same)")
+    else:
+        parts.append(f"every placement of stages on devices (class and node; beyond {config.max_placements} "
+                     "placements a fastest-link relaxation bounds them)")
+    parts.append(f"time in integer units of {best.time_unit_s:.3g} s (coefficients rounded, "
+                 f"<= {best.rounding_slack_units * best.time_unit_s:.3g} s on this plan), memory rounded up "
+                 f"to {best.memory_unit_bytes} B")
+    return "; ".join(parts)
+
+
+# Note [whole-space lower bound]
+#     The Solution's lower_bound_step_time_s is the smallest cheap bound over every candidate the
+#     request allows (bounds.candidate_lower_bound_s: perfectly divisible work on the fastest
+#     devices, memory-forced recompute, the data-parallel all-reduce, the core-sharing factor):
+#     no plan of any allowed (stages, dp, microbatches) can beat it under the model, so "ours /
+#     lower bound" is the gap to the best any plan could do. Ties are left at 0 (a colocated tie
+#     costs no synchronisation); it is not the solver's proof (``bound``), which is much tighter.
 
 
 def _raise_infeasible(problem, cluster, global_batch, records, schedule, config) -> None:

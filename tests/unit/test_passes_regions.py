@@ -188,12 +188,55 @@ def test_cut_edges_price_each_tensor_once_per_boundary():
     cut = {(s, d): b for s, d, b in passes.region_cut_edges(gm)}
     tables = per_destination[(0, 2)]
     last_block = max(d for _, d in per_destination if d < len(regions_of(gm, "block")) - 1)
-    assert cut[(0, last_block)] == tables and cut[(0, 2)] == 0 and cut[(1, last_block)] == 0
+    assert cut[(0, last_block)] == tables and cut[(0, 2)] == 0
+    # block 1 reaches the last block through the residual stream: no ordering edge between them
+    # (Note [one priced reader]); the old pass added a 0-byte one
+    assert (1, last_block) not in cut or last_block == 2
     assert cut[(0, 1)] == per_destination[(0, 1)] - tables  # the residual stream only
     crossing = lambda edges, k: sum(b for (s, d), b in edges.items() if s <= k < d)  # noqa: E731
     assert crossing(per_destination, 1) - crossing(cut, 1) == tables  # counted twice before, once now
     # Every reader still depends on the producer, so the region DAG is unchanged.
     assert {(s, d) for (s, d) in cut if (s, d) in per_destination} == set(per_destination)
+
+
+def test_ordering_edges_only_where_no_dependency_orders_the_readers():
+    """Note [one priced reader]: at block, sublayer and op granularity no zoo model needs an
+    ordering edge (the search is over data dependencies only); at node granularity some do."""
+    for key in ("gpt12", "llama", "bert"):
+        _, gm = traced(key)
+        for granularity in ("block", "sublayer", "op"):
+            regions_of(gm, granularity)
+            assert passes.regions.ordering_edges(gm) == [], (key, granularity)
+    _, gm = traced("bert")
+    regions_of(gm, "node")
+    assert passes.regions.ordering_edges(gm)  # q, k, v read the same hidden state, none feeds another
+
+
+@pytest.mark.parametrize("key, stages", [("bert", 4), ("gpt12", 2)])
+def test_ordering_edges_do_not_change_the_optimum(key, stages):
+    """Without the ordering edges the problem can only underprice (a plan with a reader after the
+    priced one pays less than it sends), so its optimum is a lower bound on the true one, and the
+    optimum with them an upper bound: equal optima prove the edges cost nothing here."""
+    import dataclasses
+
+    from partitioner.analysis import build_problem
+    from partitioner.cluster import ClusterSpec
+    from partitioner.solver import Edge, SolverConfig, solve
+
+    workload, gm = traced(key)
+    regions_of(gm, "node")
+    batch = workload.example_batch_size
+    problem = build_problem(gm, batch)
+    relaxed = dataclasses.replace(problem, edges=tuple(
+        Edge(s, d, int(round(b / batch))) for s, d, b in passes.region_cut_edges(gm, order_readers=False)))
+    assert len(relaxed.edges) < len(problem.edges)
+    cluster = ClusterSpec.homogeneous(stages, "h100")
+    config = SolverConfig(time_limit_s=20, total_time_limit_s=60)
+    ordered, free = (solve(pr, cluster, 8, num_stages=stages, dp=1, microbatches=8, config=config)
+                     for pr in (problem, relaxed))
+    assert ordered.status == free.status == "OPTIMAL"
+    slack = max(s.rounding_slack_units * s.time_unit_s for s in (ordered, free))
+    assert abs(ordered.step_time_s - free.step_time_s) <= slack
 
 
 class Ping(nn.Module):

@@ -1,0 +1,88 @@
+"""Each baseline at its own best configuration, under the same cost model as our plan.
+
+Note [fair baselines]
+    A baseline priced at our plan's (stages, dp, microbatches) and without recompute is a split
+    nobody would pick: a person using it would tune those too. So each baseline (uniform,
+    param_balanced) is priced by ``evaluate`` on every candidate (p, d, m) the request allows
+    (the same list ``solve`` searches), with recompute off and, where the solver may recompute,
+    on for every region it saves memory in (activation checkpointing is one switch in practice),
+    and the fastest that fits memory is kept. Devices are what a careful person picks by hand:
+    on one class, cluster order (rank = stage * dp + replica); on mixed classes, the fastest
+    class first or last, each class's devices node by node (``place_stages``), and "uniform" gives each
+    stage blocks in proportion to its device's speed (1 / its time for the whole model). A
+    baseline no configuration fits is reported as not fitting: no time, no ratio.
+"""
+
+from __future__ import annotations
+
+from partitioner.cluster import ClusterSpec
+from partitioner.solver.baselines import BaselineCost, param_balanced_split, uniform_split
+from partitioner.solver.evaluate import evaluate
+from partitioner.solver.placements import is_launchable
+from partitioner.solver.problem import Assignment, PartitionProblem, place_stages, region_times_s
+
+__all__ = ["best_baselines", "hand_placement", "hand_placements"]
+
+
+def hand_placements(cluster: ClusterSpec, num_stages: int, dp: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Devices a person picks (Note [fair baselines]): cluster order on one class; on mixed
+    classes the fastest stage slots, fastest class first and, as the other natural try, last
+    (the head then lands on a fast device); [] when the classes cannot host p x d."""
+    if cluster.is_homogeneous:
+        return [place_stages(cluster, num_stages, dp)]
+    counts: dict[tuple, int] = {}
+    for device in cluster.devices:
+        counts[device.device_class] = counts.get(device.device_class, 0) + 1
+    slots = [c for c in sorted(counts, key=lambda c: -c[2]) for _ in range(counts[c] // dp)][:num_stages]
+    if len(slots) < num_stages:
+        return []
+    orders = [slots] + ([slots[::-1]] if slots[::-1] != slots else [])
+    placements = [place_stages(cluster, num_stages, dp, order) for order in orders]
+    return [pl for pl in placements if is_launchable(cluster, pl)]
+
+
+def hand_placement(cluster: ClusterSpec, num_stages: int, dp: int) -> tuple[tuple[int, ...], ...] | None:
+    """The first of ``hand_placements`` (fastest class first), or None."""
+    placements = hand_placements(cluster, num_stages, dp)
+    return placements[0] if placements else None
+
+
+def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, global_batch: int, *,
+                   schedule: str, allow_recompute: bool) -> dict[str, BaselineCost]:
+    """name -> the fastest fitting configuration of that baseline over ``candidates`` ((p, d, m)
+    tuples); a baseline that fits none is the least-over-memory one, with fits_memory False."""
+    n = problem.num_regions
+    recompute_options = [(False,) * n]
+    saving = tuple(r.activation_bytes_per_sample > r.recompute_activation_bytes_per_sample for r in problem.regions)
+    if allow_recompute and any(saving):
+        recompute_options.append(saving)
+    speed_of: dict[tuple, float] = {}
+    best: dict[str, tuple] = {}
+    for p, d, m in candidates:
+        for placement in hand_placements(cluster, p, d):
+            _price(problem, cluster, placement, p, d, m, global_batch // (d * m), schedule, recompute_options,
+                   speed_of, best)
+    return {name: value for name, (_, value) in sorted(best.items())}
+
+
+def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options, speed_of, best) -> None:
+    """Both baselines on one placement and configuration, kept in ``best`` if they beat it."""
+    speeds = []
+    for row in placement:
+        device = cluster.devices[row[0]]
+        if device.device_class not in speed_of:
+            speed_of[device.device_class] = 1.0 / max(
+                sum(sum(region_times_s(r, device, 1)) for r in problem.regions), 1e-30)
+        speeds.append(speed_of[device.device_class])
+    for name, split in (("uniform", uniform_split(problem, p, speeds)),
+                        ("param_balanced", param_balanced_split(problem, p))):
+        if split is None:
+            continue
+        for recompute in recompute_options:
+            cost = evaluate(problem, cluster, Assignment(split, recompute, placement, p, d, m, b, schedule))
+            over = max(st.memory_bytes / st.capacity_bytes for st in cost.stages)
+            # fitting first, then fastest; among the unfit, the least over memory
+            key = (0, cost.step_time_s) if cost.fits_memory else (1, over)
+            if name not in best or key < best[name][0]:
+                best[name] = (key, BaselineCost(cost.step_time_s, cost.fits_memory, split, p, d, m,
+                                                any(recompute)))
