@@ -125,6 +125,10 @@ def compile_workload(
         problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
         schedule=schedule, config=solver_config, progress=progress)
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
+    if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate
+        from partitioner.solver.sdc_cost import default_every
+
+        training["sdc_every"] = default_every(solution.assignment.dp)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
@@ -139,7 +143,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     from partitioner.solver.zero_choice import allgather_s
 
     assignment = solution.assignment
-    cost = evaluate(problem, cluster, assignment)
+    cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0))
     # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
     extra_s = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
     table = region_table(gm)
@@ -211,7 +215,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         ties=ties,
         predicted={"step_time_s": step, "bubble_fraction": cost.bubble_fraction,
                    "lower_bound_step_time_s": solution.lower_bound_step_time_s,  # the whole space's
-                   "samples_per_s": global_batch / step if step > 0 else 0.0},
+                   "samples_per_s": global_batch / step if step > 0 else 0.0,
+                   "sdc_check_s_per_step": cost.sdc_check_s},  # in step_time_s (Note [cost model])
         solver=solution_summary(solution),
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),

@@ -22,6 +22,7 @@ A job file (TOML, README "Job file")::
     steps = 2000                # the schedule's length, and the steps `partitioner run` trains
     clip_grad_norm = 1.0        # global gradient-norm clipping; leave out for none
     checkpoint_every = 200      # or mtbf = "6h"
+    sdc_every = 20              # compare the replicas' digests every K steps (0: off; Note [replica digests])
     seed = 0
 
     [cluster]                   # the cluster file's format, inline; or: cluster = "cluster.toml"
@@ -148,6 +149,8 @@ TRAINING_SCHEMA = {
     "seed": lambda v, w: _integer(v, w, low=0),
     "collective_timeout_s": _positive,
     "checkpoint_every": lambda v, w: _integer(v, w, low=0),
+    # Note [replica digests] (runtime/sdc.py); 0: off; left out: sdc_cost.default_every(dp)
+    "sdc_every": lambda v, w: _integer(v, w, low=0),
     "mtbf_s": _positive,
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
@@ -211,6 +214,7 @@ JOB_TRAINING_KEYS = {
     "clip_grad_norm": ("clip_grad_norm",),
     "precision": ("precision",),
     "checkpoint_every": ("checkpoint_every",),
+    "sdc_every": ("sdc_every",),
     "mtbf": ("mtbf_s",),
     "seed": ("seed",),
     "collective_timeout_s": ("collective_timeout_s",),

@@ -69,6 +69,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "seed": plan.training["seed"],
         "collective_timeout_s": plan.training["collective_timeout_s"],
         "checkpoint_every": plan.training.get("checkpoint_every", 0),
+        # Note [replica digests] (runtime/sdc.py); an older plan without it: the runtime's default
+        **({"sdc_every": plan.training["sdc_every"]} if plan.training.get("sdc_every") is not None else {}),
         # Note [mixed precision] (runtime/precision.py), Note [global gradient norm]
         # (runtime/grad_norm.py), Note [sharded optimizer state] (runtime/zero.py)
         **({"precision": plan.training["precision"]} if plan.training.get("precision", "fp32") != "fp32" else {}),

@@ -93,6 +93,10 @@ def cmd_compile(args) -> int:
             raise ValueError(f"--parity-group {args.parity_group}: a parity group holds 2 or more nodes")
     if args.checkpoint_every is not None:
         training["checkpoint_every"] = args.checkpoint_every
+    if args.sdc_every is not None:  # Note [replica digests]
+        if args.sdc_every < 0:
+            raise ValueError(f"--sdc-every {args.sdc_every}: give a number of steps >= 0 (0: no replica check)")
+        training["sdc_every"] = args.sdc_every
     if args.mtbf is not None:
         training["mtbf_s"] = parse_duration_s(args.mtbf)
     if args.memory_tier is not None:
@@ -416,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "every step with redundancy across nodes (auto: none on one node, copy on two, parity on "
                    "more); the plan says what it costs in host memory")
     c.add_argument("--parity-group", type=int, help="nodes per parity group (default min(nodes, 4))")
+    c.add_argument("--sdc-every", type=int, help="the plan compares its replicas' digests every K steps "
+                   "(0: never; default 20 with dp > 1); its cost is in the predicted step")
     c.add_argument("--calibrate", action="store_true", help="measure every region on this machine, fit the "
                    "time model for its device kind and compile with it (see --profile-out)")
     c.add_argument("--profile-out", metavar="FILE", help="where --calibrate saves the fitted profile "

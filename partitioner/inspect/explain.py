@@ -115,7 +115,8 @@ def explain_node(plan: Plan, name: str, problem: PartitionProblem, assignment: A
 
     _check_matches(plan, problem, assignment)
     cluster = ClusterSpec.from_dict(plan.cluster)
-    now_step = evaluate(problem, cluster, assignment).step_time_s
+    sdc_every = plan.training.get("sdc_every") or 0  # priced in the plan's step (Note [cost model])
+    now_step = evaluate(problem, cluster, assignment, sdc_every=sdc_every).step_time_s
     out["repriced_step_time_s"] = now_step
     out["plan_step_time_s"] = plan.predicted["step_time_s"]
     out["repriced_error"] = abs(now_step - plan.predicted["step_time_s"]) / plan.predicted["step_time_s"]
@@ -142,7 +143,7 @@ def explain_node(plan: Plan, name: str, problem: PartitionProblem, assignment: A
             move["possible"] = False
             move["why_not"] = violations[0]
             continue
-        cost = evaluate(problem, cluster, trial)
+        cost = evaluate(problem, cluster, trial, sdc_every=sdc_every)
         step = cost.step_time_s
         bottleneck = max(range(plan.num_stages), key=lambda s: cost.stages[s].time_s)
         over = [s for s, st in enumerate(cost.stages) if st.memory_bytes > st.capacity_bytes]

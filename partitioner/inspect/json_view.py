@@ -32,6 +32,8 @@ def inspect_json(plan: Plan) -> dict:
         })
     predicted = {k: plan.predicted[k] for k in ("step_time_s", "bubble_fraction", "lower_bound_step_time_s")}
     predicted["samples_per_s"] = samples_per_s(plan)
+    if "sdc_check_s_per_step" in plan.predicted:  # Note [replica digests]: part of step_time_s
+        predicted["sdc_check_s_per_step"] = plan.predicted["sdc_check_s_per_step"]
     solver = {k: plan.solver.get(k) for k in ("status", "objective", "bound", "solve_time_s")}
     solver["gap"] = plan.solver.get("gap", 0.0)
     return {
@@ -47,6 +49,7 @@ def inspect_json(plan: Plan) -> dict:
         "precision": (plan.training or {}).get("precision", "fp32"),
         "shard_optimizer": bool((plan.training or {}).get("shard_optimizer")),
         "clip_grad_norm": (plan.training or {}).get("clip_grad_norm"),
+        **({"sdc_every": plan.training["sdc_every"]} if (plan.training or {}).get("sdc_every") is not None else {}),
         "predicted": predicted,
         "balance": balance(plan),
         "solver": solver,

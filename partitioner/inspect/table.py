@@ -123,7 +123,19 @@ def table(plan: Plan) -> str:
                      f"costs {ms(t.cost_s)} ms/step")
     if plan.training.get("memory_tier"):
         lines.append(memory_tier_line(plan.training["memory_tier"]))
+    if plan.dp > 1 and plan.training.get("sdc_every") is not None:
+        lines.append(sdc_line(plan))
     return "\n".join(lines)
+
+
+def sdc_line(plan) -> str:
+    """The replica check's interval and what it adds to the predicted step (Note [replica digests])."""
+    every = plan.training["sdc_every"]
+    if not every:
+        return "replica check   off (sdc_every = 0): replicas' digests are never compared"
+    cost = plan.predicted.get("sdc_check_s_per_step", 0.0)
+    return (f"replica check   digests of the {plan.dp} replicas compared every {every} steps, "
+            f"{ms(cost)} ms/step in the predicted step")
 
 
 def _first(items, n: int, *, join: bool = False) -> str:

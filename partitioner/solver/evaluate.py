@@ -16,7 +16,11 @@ Note [cost model]
                    2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1).
     * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
                    (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
-    * step_time  = pipeline + dp_allreduce + sum of tie costs.
+    * sdc_check  = the replica digest check every K = sdc_every steps, amortised: (slowest stage's
+                   digest of params + optimizer state + (world - 1) * latency) / K (0 when d = 1
+                   or K = 0; partitioner/solver/sdc_cost.py). The ILP leaves it out: its callers
+                   pass no sdc_every.
+    * step_time  = pipeline + dp_allreduce + sdc_check + sum of tie costs.
     * every time term above is multiplied by the candidate's core-sharing factor (ranks per CPU
                    core on the most crowded node, at least 1; Note [whole-step terms]).
     * memory_s   = see Note [memory model].
@@ -74,6 +78,7 @@ from partitioner.solver.problem import (
     plan_links,
     region_times_s,
 )
+from partitioner.solver.sdc_cost import replica_check_s
 
 __all__ = ["StageCost", "TieCost", "CostBreakdown", "evaluate", "stage_memory"]
 
@@ -122,6 +127,7 @@ class CostBreakdown:
     step_time_s: float
     bubble_fraction: float
     lower_bound_step_time_s: float
+    sdc_check_s: float = 0.0  # per step (Note [cost model])
 
     @property
     def fits_memory(self) -> bool:
@@ -129,10 +135,10 @@ class CostBreakdown:
 
 
 def evaluate(
-    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment
+    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment, *, sdc_every: int = 0
 ) -> CostBreakdown:
     """Cost of ``assignment`` in floats (Note [cost model]). Assumes it is structurally valid
-    (see ``structural_violations``)."""
+    (see ``structural_violations``). ``sdc_every``: the plan's replica check interval (0: none)."""
     a = assignment
     p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
     devices = cluster.devices
@@ -218,7 +224,13 @@ def evaluate(
     total = sum(st.time_s for st in stage_costs)
     pipeline = (m - 1) * bottleneck + total
     dp_allreduce = max(st.dp_allreduce_s for st in stage_costs)
-    step = pipeline + dp_allreduce + sum(t.cost_s for t in tie_costs)
+    sdc_check = 0.0
+    if sdc_every > 0 and d > 1:
+        sdc_check = scale * replica_check_s(
+            [st.params_bytes + st.optimizer_bytes for st in stage_costs],
+            [devices[row[0]].kind for row in a.device_of_stage_replica], world_size=p * d,
+            latency_s=max(link.latency_s for link in dp_links if link is not None)) / sdc_every
+    step = pipeline + dp_allreduce + sdc_check + sum(t.cost_s for t in tie_costs)
     bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
     return CostBreakdown(
         stages=tuple(stage_costs),
@@ -228,6 +240,7 @@ def evaluate(
         dp_allreduce_s=dp_allreduce,
         ties=tuple(tie_costs),
         step_time_s=step,
+        sdc_check_s=sdc_check,
         bubble_fraction=bubble,
         lower_bound_step_time_s=scale * lower_bound_step_time_s(
             problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,

@@ -9,8 +9,10 @@ bit patterns, memory-bound) and takes part in one all_gather of 16 bytes per ran
 
 The check is the same on every partition up to which stage holds the most state, and it is a
 fraction of a percent of a step at the default K (benchmarks/checkpoint_overhead.py measures
-it), so it is priced here, beside the plan, rather than inside the ILP's objective, where it would
-change no choice.
+it), so it stays out of the ILP's objective, where it would change no choice; ``evaluate``
+(Note [whole-step terms] in problem.py) adds it to the plan's predicted step time, next to the
+data-parallel all-reduce, when given the plan's ``sdc_every`` (``training["sdc_every"]``, default
+``default_every(dp)``); plan.json keeps it as ``predicted.sdc_check_s_per_step``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from __future__ import annotations
 # on a loaded 2-core machine); an accelerator reads HBM at TB/s, of which a reduction gets ~1/3.
 DIGEST_BYTES_PER_S = {"cpu": 0.5e9}
 DEFAULT_ACCELERATOR_DIGEST_BYTES_PER_S = 1e12
+
+
+def default_every(dp: int) -> int:
+    """The plan's K when the training settings leave ``sdc_every`` out: the runtime's default with
+    replicas to compare, else 0 (off)."""
+    from runtime.sdc import DEFAULT_EVERY
+
+    return DEFAULT_EVERY if dp > 1 else 0
 
 
 def digest_rate(device_kind: str) -> float:

@@ -2,7 +2,9 @@
 in replica 1's parameter (--flip-bit) is found within K steps, blamed on replica 1 by majority,
 and the job rolls back to the newest checkpoint whose digests agreed and trains on, ending bit for
 bit where the same run without the flip ends (losses, parameters, optimizer state); also with
-lossless delta checkpoints, where the rollback restores from a delta chain."""
+lossless delta checkpoints, where the rollback restores from a delta chain. K is the program
+object's sdc_every (what `partitioner compile --sdc-every` writes): the flipped run passes no
+--sdc-every, the others pass the same K as a flag."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sdc")
     folder = str(root / "mlp_dp3")
     mlp_folder(folder, splits=[[0, 1, 2, 3]], ranks=[([0], 0), ([0], 1), ([0], 2)], dp=3,
-               global_batch=24, num_microbatches=2, steps=STEPS)
-    common = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--sdc-every", str(K)]
+               global_batch=24, num_microbatches=2, steps=STEPS, extra={"sdc_every": K})
+    plan_k = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY)]  # K from the program object
+    common = [*plan_k, "--sdc-every", str(K)]
     args = [folder, *common, "--run-dir", f"{root}/clean", "--checkpoint-dir", f"{root}/ck_clean", "--",
-            folder, *common, "--run-dir", f"{root}/flip", "--checkpoint-dir", f"{root}/ck_flip",
+            folder, *plan_k, "--run-dir", f"{root}/flip", "--checkpoint-dir", f"{root}/ck_flip",
             "--flip-bit", FLIP, "--",
             folder, *common, "--run-dir", f"{root}/lossless", "--checkpoint-dir", f"{root}/ck_lossless",
             "--flip-bit", FLIP, "--checkpoint-compression", "lossless", "--checkpoint-full-every", "3",
@@ -47,6 +50,8 @@ def runs(tmp_path_factory):
 def test_a_flipped_bit_is_found_within_k_steps_and_blamed_on_its_replica(runs):
     root, result = runs
     assert not os.path.exists(f"{root}/clean/sdc.jsonl")  # the clean run's replicas always agree
+    for r in range(3):  # the flipped run checked at the program's K, given no flag
+        assert json.load(open(f"{root}/flip/sdc_stats_rank_{r}.json"))["every"] == K
     finding, rollback = _rows(f"{root}/flip/sdc.jsonl")
     flip_rank, flip_step = (int(x) for x in FLIP.split(":"))
     assert flip_step < finding["step"] <= flip_step + K  # detected within K steps of the flip

@@ -40,6 +40,8 @@ def test_later_layers_win_key_by_key():
     ({"precision": "bf16"}, r"precision = 'bf16' must be one of"),
     ({"checkpoint_every": True}, r"checkpoint_every = True must be a whole number"),
     ({"memory_tier": "mirror"}, r"memory_tier = 'mirror' must be one of"),
+    ({"sdc_every": -1}, r"training.sdc_every = -1 must be >= 0"),
+    ({"sdc_every": "often"}, r"training.sdc_every = 'often' must be a whole number"),
 ])
 def test_unknown_keys_and_wrong_types_name_the_key(settings, words):
     with pytest.raises(ValueError, match=words):
@@ -78,6 +80,9 @@ def test_a_job_file_reads_training_and_cluster(tmp_path):
     assert got["clip_grad_norm"] == 1.0 and got["mtbf_s"] == 6 * 3600
     assert got["optimizer"]["weight_decay"] == DEFAULT_TRAINING["optimizer"]["weight_decay"]
     assert job.cluster.num_devices == 16 and job.cluster.devices[0].kind == "h100"
+    assert "sdc_every" not in got  # left out: the compiler picks it by dp (sdc_cost.default_every)
+    (tmp_path / "k.toml").write_text("[training]\nsdc_every = 0\n")
+    assert training_settings(load_job(tmp_path / "k.toml").training)["sdc_every"] == 0
 
 
 def test_a_job_file_may_name_a_cluster_file(tmp_path):
@@ -93,6 +98,8 @@ def test_a_job_file_may_name_a_cluster_file(tmp_path):
     ("[training]\nmtbf = \"soon\"\n", r"\[training\].mtbf"),
     ("[training]\ncheckpoint_every = 5\nmtbf = \"6h\"\n", r"both checkpoint_every and mtbf"),
     ("[trainig]\nlr = 1\n", r"unknown key trainig"),
+    ("[training]\nsdc_every = 2.5\n", r"\[training\].sdc_every = 2.5 must be a whole number"),
+    ("[training]\nsdc_every = -3\n", r"\[training\].sdc_every = -3 must be >= 0"),
     ("[cluster]\n[[cluster.group]]\nkind = \"cpu\"\n", r"\[cluster\]: group\[0\] needs 'kind' and 'count'"),
     ("[training\n", r"not valid TOML"),
 ])
