@@ -75,3 +75,24 @@ def test_auto_is_accepted_and_interleaved_still_refused():
     validate_options(cluster, 8, 2, 1, 4, "auto")
     with pytest.raises(ValueError, match="interleaved not priced"):
         validate_options(cluster, 8, 2, 1, 4, "interleaved")
+
+
+def test_cli_auto_compiles_where_1f1b_cannot_and_inspect_names_the_schedule(tmp_path, capsys):
+    """4 fixed stages and a global batch of 2: 1F1B has no runnable plan (microbatches < stages);
+    auto compiles GPipe, and inspect says so."""
+    import json
+
+    from partitioner.cli import main
+
+    args = ["compile", "mlp", "--device", "h100", "--devices", "4", "--stages", "4", "--dp", "1",
+            "--global-batch", "2", "-q"]
+    assert main(args + ["--schedule", "1f1b", "-o", str(tmp_path / "fixed")]) != 0
+    assert "--schedule gpipe" in capsys.readouterr().err
+    out = tmp_path / "auto"
+    assert main(args + ["--schedule", "auto", "-o", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["schedule"] == "gpipe" and plan["num_stages"] == 4
+    assert "chose gpipe" in plan["solver"]["optimal_over"] and "1f1b has no plan" in plan["solver"]["optimal_over"]
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "schedule gpipe" in capsys.readouterr().out
