@@ -42,6 +42,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
+from partitioner.solver.schedule_choice import AUTO, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 
 __all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate"]
@@ -61,10 +62,14 @@ def solve(
 ) -> Solution:
     """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
     (an argument given fixes it). Raises PartitionInfeasibleError when nothing fits memory.
+    ``schedule="auto"`` weighs every priced schedule (Note [schedule choice] in schedule_choice.py).
 
     ``progress(SolveProgress)``, if given, hears of the start, of every candidate finished (with
     the incumbent and the bound so far) and of the end; it does not change the result."""
     config = config if config is not None else SolverConfig()
+    if schedule == AUTO:  # Note [schedule choice]
+        return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
+                                  microbatches=microbatches, config=config, progress=progress)
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
     candidates = enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
