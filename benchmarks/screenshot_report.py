@@ -32,8 +32,9 @@ def main() -> int:
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     started = time.perf_counter()
+    # compile() returns Compiled, whose .workload is the Workload object: the page wants the Plan.
     plan = partitioner.compile(load_workload(MODEL), cluster=ClusterSpec.homogeneous(4, "cpu"), global_batch=16,
-                                num_stages=4)
+                               num_stages=4).plan
     page = inspect.write_html(plan, docs / "report.html")
     print(f"compiled {MODEL} in {time.perf_counter() - started:.1f} s: {plan.num_stages} stages x dp {plan.dp}, "
           f"{plan.num_microbatches} microbatches; wrote {page} ({page.stat().st_size / 1024:.0f} KiB)")
