@@ -129,5 +129,10 @@ def test_two_hosts_lost_in_one_parity_group_fall_back_to_disk(job):
     rows = _recoveries(f"{job['root']}/B", 4)
     assert [r["tier"] for r in rows] == ["disk"] * WORLD and rows[0]["step"] == 4
     assert all(r["disk_shards_read"] > 0 for r in rows)
-    assert "parity group [0, 1, 2, 3] lost 2 members" in job["out"] and "recovering from disk" in job["out"]
+    # Two reasons are right, depending on timing: the parity group is short of two members, or (on a
+    # loaded machine, where the disk checkpoint commits before the kill) the disk is already as new
+    # as memory's newest step and recovery never looks at memory (runtime/recovery.py).
+    assert "recovering from disk" in job["out"]
+    assert ("parity group [0, 1, 2, 3] lost 2 members" in job["out"]
+            or "the disk holds step 4, as new as memory's newest (4)" in job["out"]), job["out"][-3000:]
     # and never a wrong answer: B ends bit-exact with the uninterrupted run (test above)
