@@ -62,6 +62,7 @@ def compile_workload(
     precision: str | None = None,
     clip_grad_norm: float | None = None,
     shard_optimizer: str | bool = "auto",
+    tensor_parallel: int | None = None,
 ) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
@@ -70,7 +71,9 @@ def compile_workload(
     runtime/precision.py); None: training["precision"], else bf16-mixed on GPU kinds, fp32 on cpu.
     ``clip_grad_norm``: clip the global gradient norm (None: training["clip_grad_norm"], else
     off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
-    solver/zero_choice.py), "on"/True or "off"/False. training["no_weight_decay"]: "default",
+    solver/zero_choice.py), "on"/True or "off"/False. ``tensor_parallel``: the tensor-parallel
+    degree (None: 1 until the solver searches it; Note [tensor groups] in
+    partitioner/solver/tensor_parallel.py). training["no_weight_decay"]: "default",
     "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
     from partitioner.solver.zero_choice import solve_with_sharding
@@ -81,7 +84,13 @@ def compile_workload(
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
     from partitioner.solver.candidates import validate_options
 
-    validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)  # before the trace
+    from partitioner.tensor_parallel import check_tensor_parallel, grouped
+
+    tp = check_tensor_parallel(tensor_parallel, cluster, shard_optimizer=shard_optimizer, precision=precision,
+                               training={**(training or {}), **({"clip_grad_norm": clip_grad_norm}
+                                                                if clip_grad_norm is not None else {})}, dp=dp)
+    dp = 1 if tp > 1 else dp
+    validate_options(grouped(cluster, tp), global_batch, num_stages, dp, microbatches, schedule)  # before the trace
     from partitioner.user_source import derive_sources
 
     sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
@@ -120,6 +129,13 @@ def compile_workload(
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, training["precision"])
+    if tp > 1:  # Note [tensor groups]: plan tensor groups as devices
+        from partitioner.solver.tensor_parallel import group_cluster, tp_problem
+        from passes.tensor_parallel import check_degree
+
+        check_degree(gm, tp)
+        problem, cluster = tp_problem(problem, tp), group_cluster(cluster, tp)
+        shard = "off"
     _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
     solution, problem, sharded = solve_with_sharding(
         problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
@@ -129,13 +145,13 @@ def compile_workload(
         from partitioner.solver.sdc_cost import default_every
 
         training["sdc_every"] = default_every(solution.assignment.dp)
-    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training)
+    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training, tp=tp)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
     return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
 
 
-def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
+def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training, tp: int = 1) -> Plan:
     from passes.regions import region_table
     from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
@@ -159,7 +175,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         elem = max(1, _param_elem_bytes(workload.model))
         stages.append(StagePlan(
             index=s,
-            ranks=tuple(assignment.rank_of(s, rep) for rep in range(assignment.dp)),
+            ranks=tuple(assignment.rank_of(s, rep) * tp for rep in range(assignment.dp)),  # tensor groups' first
             device=cluster.devices[device_index].kind,
             regions=regs,
             region_names=tuple(problem.regions[r].name for r in regs),
@@ -207,7 +223,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         microbatch_size=b,
         global_batch=global_batch,
         schedule=assignment.schedule,
-        world_size=assignment.num_stages * assignment.dp,
+        world_size=assignment.num_stages * assignment.dp * tp,
         device_type="cpu" if cluster.devices[0].kind == "cpu" else "cuda",
         stages=tuple(stages),
         regions=regions,
@@ -221,6 +237,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
         training=training,
+        tensor_parallel=tp,
     )
 
 
