@@ -129,17 +129,23 @@ def compile_workload(
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, training["precision"])
-    if tp > 1:  # Note [tensor groups]: plan tensor groups as devices
-        from partitioner.solver.tensor_parallel import group_cluster, tp_problem
+    tp_degrees = (tp,)
+    if tensor_parallel is None:  # Note [one enumeration] in solver/space.py: the solver weighs each runnable degree
+        from partitioner.solver.tensor_parallel import degrees_to_search
+
+        tp_degrees = degrees_to_search(cluster, lambda t: _tp_runs(gm, t, cluster, shard_optimizer, precision,
+                                                                  training, dp))
+    elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tensor_parallel import check_degree
 
         check_degree(gm, tp)
-        problem, cluster = tp_problem(problem, tp), group_cluster(cluster, tp)
         shard = "off"
-    _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
-    solution, problem, sharded = solve_with_sharding(
+    _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices"
+              + (f", tensor-parallel degrees {', '.join(map(str, tp_degrees))}" if tp_degrees != (1,) else ""))
+    solution, problem, cluster, sharded = solve_with_sharding(
         problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
-        schedule=schedule, config=solver_config, progress=progress)
+        schedule=schedule, config=solver_config, progress=progress, tp_degrees=tp_degrees, tp_dp=False)
+    tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
     if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate
         from partitioner.solver.sdc_cost import default_every
@@ -266,6 +272,21 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
             "hosts": hosts, "groups": [list(g) for g in red.groups],
             "shard_bytes": shard, "own_bytes": cost["own_bytes"], "redundancy_bytes": cost["redundancy_bytes"],
             "per_host_bytes": cost["per_host_bytes"]}
+
+
+def _tp_runs(gm, tp, cluster, shard_optimizer, precision, training, dp) -> bool:
+    """Whether the program runs tensor-parallel degree ``tp`` with these settings (Note [only
+    runnable plans]): the degree divides what the sharded nodes split, and compile() would accept it."""
+    from partitioner.tensor_parallel import check_tensor_parallel
+    from passes.tensor_parallel import check_degree
+
+    try:
+        check_degree(gm, tp)
+        check_tensor_parallel(tp, cluster, shard_optimizer=shard_optimizer, precision=precision, training=training,
+                              dp=dp)
+    except ValueError:
+        return False
+    return True
 
 
 def _param_elem_bytes(model: torch.nn.Module) -> int:

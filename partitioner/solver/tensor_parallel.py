@@ -82,3 +82,83 @@ def tp_problem(problem, tp: int):
                                input_bytes_per_sample=problem.input_bytes_per_sample * tp,
                                target_bytes_per_sample=problem.target_bytes_per_sample * tp,
                                allreduce_bucket_bytes=problem.allreduce_bucket_bytes * tp)
+
+
+# Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (this
+# part is the solver's; ``group_cluster`` gives a group tp x one member's FLOP/s and memory):
+# - compute: a region's FLOPs split in proportion to its sharded parameter bytes (its matmuls and
+#   the attention between them split on heads / features, Megatron's pairing); the rest (norms,
+#   a region without sharded parameters) runs whole on every member, so counts tp times against
+#   the group's tp x FLOP/s. The parameter share stands in for the FLOP share: on a transformer
+#   block both are > 99.9% (norm weights are the only replicated parameters); smaller matmuls'
+#   lower efficiency is not priced;
+# - collectives: every member all-reduces the region's ``tp_comm_bytes`` per sample in forward
+#   and the same again in backward, a ring over the intra-node link:
+#   2 (tp-1)/tp * bytes / bandwidth + 2 (tp-1) * latency per direction and microbatch (one
+#   collective's latency per region and direction: a block's second all-reduce adds ~2(tp-1)
+#   latencies more, microseconds on NVLink, not counted). The vocab head's all-gather is priced
+#   as an all-reduce (twice its bytes: conservative). The seconds go into the region's per-kind
+#   times (``fwd_s_per_sample_by_kind`` and ``..._per_microbatch_by_kind``, Note [time model] in
+#   problem.py), so the ILP, the chain DP, the baselines and the checker all see them alike;
+# - activations: kept whole on every member (``tp_problem``): the column outputs a member holds
+#   are 1/tp of them, so this over-counts (memory is predicted conservatively).
+
+
+def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
+    """``tp_problem`` with the compute and collectives of Note [tensor-parallel pricing]."""
+    if tp == 1:
+        return problem
+    grouped = tp_problem(problem, tp)
+    link = cluster.intra_node_link
+    ring = 2 * (tp - 1) / tp
+    rate_of = {}  # kind -> one member's FLOP/s
+    for device in cluster.devices:
+        rate_of.setdefault(device.kind, device.flops_per_s)
+    regions = []
+    for original, r in zip(problem.regions, grouped.regions):
+        share = min(1.0, original.tp_sharded_param_bytes / original.param_bytes) if original.param_bytes else 0.0
+        whole = share + (1 - share) * tp  # FLOPs in units of one group's rate
+        changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,
+                       bwd_flops_per_sample=original.bwd_flops_per_sample * whole)
+        calibrated = original.fwd_s_per_sample_by_kind or original.bwd_s_per_sample_by_kind
+        if original.tp_comm_bytes > 0 or calibrated:
+            comm_s = ring * original.tp_comm_bytes / link.bandwidth_bytes_per_s
+            latency_s = 2 * (tp - 1) * link.latency_s if original.tp_comm_bytes > 0 else 0.0
+            fraction = share / tp + (1 - share)  # of one member's seconds
+            fwd, bwd, fwd_fixed, bwd_fixed = {}, {}, {}, {}
+            for kind, rate in rate_of.items():
+                f_meas = (original.fwd_s_per_sample_by_kind or {}).get(kind)
+                b_meas = (original.bwd_s_per_sample_by_kind or {}).get(kind)
+                fwd[kind] = (f_meas * fraction if f_meas is not None
+                             else original.fwd_flops_per_sample * fraction / rate) + comm_s
+                bwd[kind] = (b_meas * fraction if b_meas is not None
+                             else original.bwd_flops_per_sample * fraction / rate) + comm_s
+                fwd_fixed[kind] = ((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0)
+                                   if f_meas is not None else 0.0) + latency_s
+                bwd_fixed[kind] = ((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0)
+                                   if b_meas is not None else 0.0) + latency_s
+            changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
+                           fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed)
+        regions.append(dataclasses.replace(r, **changes))
+    return dataclasses.replace(grouped, regions=tuple(regions))
+
+
+def degrees_to_search(cluster: ClusterSpec, runs=lambda tp: True) -> tuple[int, ...]:
+    """Tensor-parallel degrees the solver weighs: each divides every node's device count (a group
+    stays within a node, of one device class) and ``runs(tp)`` (the program runs it: the degree
+    divides the heads, features and vocabulary the sharded nodes split, and the settings allow it;
+    partitioner/compiler.py)."""
+    per_node: dict[int, int] = {}
+    for device in cluster.devices:
+        per_node[device.node] = per_node.get(device.node, 0) + 1
+    out = []
+    for tp in range(1, min(per_node.values()) + 1):
+        if any(count % tp for count in per_node.values()):
+            continue
+        try:
+            group_cluster(cluster, tp)
+        except ValueError:  # a group would straddle nodes or mix classes
+            continue
+        if tp == 1 or runs(tp):
+            out.append(tp)
+    return tuple(out)

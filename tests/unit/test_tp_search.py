@@ -1,0 +1,121 @@
+"""Tensor parallelism in the search (Note [one enumeration] in partitioner/solver/space.py, Note
+[tensor-parallel pricing] in partitioner/solver/tensor_parallel.py): the solver picks tp > 1 where
+memory forces it, the priced terms match a hand computation, and inspect shows the layout."""
+
+from __future__ import annotations
+
+import pytest
+
+import partitioner
+from partitioner.cluster import GIB, ClusterSpec
+from partitioner.errors import PartitionInfeasibleError
+from partitioner.inspect import inspect_json, table
+from partitioner.models import hf_llama
+from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, solve
+from partitioner.solver.problem import Assignment, region_times_s
+from partitioner.solver.space import SearchSpace, Variant
+from partitioner.solver.tensor_parallel import degrees_to_search, group_cluster, tp_priced_problem
+
+MIB = 2**20
+FAST = SolverConfig(time_limit_s=5)
+
+
+def _block(name, *, param, comm=0, fwd=1e9, act=MIB):
+    return RegionCost(name, fwd, 2 * fwd, param, param, 2 * param, act, act, layer=None,
+                      tp_comm_bytes=comm, tp_sharded_param_bytes=param)
+
+
+def _two_blocks(param):
+    return PartitionProblem((_block("b0", param=param, comm=4096), _block("b1", param=param, comm=4096)),
+                            (Edge(0, 1, 4096),))
+
+
+def _h100s(n, memory_bytes):
+    return ClusterSpec.from_dict({"group": [{"kind": "h100", "count": n, "memory_bytes": memory_bytes,
+                                            "usable_memory_fraction": 1.0, "memory_reserve_bytes": 0}]})
+
+
+def test_the_search_picks_tensor_parallelism_where_memory_forces_it():
+    # Each block holds 4 x 400 MiB of parameters, gradients and AdamW state: 1.6 GiB on one 1 GiB
+    # device (2 stages, at most: two blocks), 1.2 GiB with the state sharded over 2 replicas; a
+    # tensor group of 2 holds 0.8 GiB per member (2 stages of a group of 2 on the 4 devices).
+    problem, cluster = _two_blocks(400 * MIB), _h100s(4, GIB)
+    with pytest.raises(PartitionInfeasibleError):
+        solve(problem, cluster, 4, shard="auto", config=FAST)
+    sol = solve(problem, cluster, 4, shard="auto", tp_degrees=(1, 2), config=FAST)
+    assert (sol.tensor_parallel, sol.num_stages, sol.dp) == (2, 2, 1)
+    assert sol.status == "OPTIMAL" and "tensor-parallel degrees 1, 2" in sol.optimal_over
+    # the figures are of the tensor group's problem: each member holds half the bytes, under 1 GiB
+    assert sol.stages[0].memory_bytes / 2 < GIB
+    tried = {(r.tensor_parallel, r.num_stages, r.dp) for r in sol.candidates}
+    assert (1, 2, 2) in tried and (2, 1, 2) in tried  # pp x dp and tp x dp were weighed too
+
+
+def test_with_room_the_search_keeps_tp_one_when_its_collectives_cost_more():
+    # Every byte fits one device: tp 2 halves compute but adds its all-reduces; pp 2 / dp 2 win
+    # unless the collectives are free. The chosen plan is OPTIMAL over both degrees.
+    problem = _two_blocks(MIB)
+    problem = PartitionProblem(tuple(RegionCost(**{**r.__dict__, "tp_comm_bytes": 10**9}) for r in problem.regions),
+                               problem.edges)
+    sol = solve(problem, _h100s(2, 80 * GIB), 4, shard="auto", tp_degrees=(1, 2), config=FAST)
+    assert sol.tensor_parallel == 1 and sol.status == "OPTIMAL"
+
+
+def test_priced_terms_match_a_hand_computation():
+    cluster = ClusterSpec.homogeneous(8, "h100")
+    rate, link = cluster.devices[0].flops_per_s, cluster.intra_node_link
+    region = RegionCost("b", 3e12, 6e12, 100 * MIB, 100 * MIB, 200 * MIB, 8 * MIB, 2 * MIB,
+                        tp_comm_bytes=16 * MIB, tp_sharded_param_bytes=75 * MIB)  # 3/4 of it sharded
+    problem = PartitionProblem((region,), ())
+    tp, b = 4, 2
+    priced = tp_priced_problem(problem, cluster, tp).regions[0]
+    group = group_cluster(cluster, tp).devices[0]
+    fwd_s, bwd_s = region_times_s(priced, group, b)
+    compute_fraction = 0.75 / tp + 0.25  # sharded part / tp, the rest whole on every member
+    ring_s = 2 * (tp - 1) / tp * 16 * MIB / link.bandwidth_bytes_per_s  # per sample, each direction
+    latency_s = 2 * (tp - 1) * link.latency_s  # per microbatch, each direction
+    assert fwd_s == pytest.approx(b * (3e12 * compute_fraction / rate + ring_s) + latency_s)
+    assert bwd_s == pytest.approx(b * (6e12 * compute_fraction / rate + ring_s) + latency_s)
+    # bytes per group: the sharded 75 MiB once, the 25 MiB replicated on each of the 4 members
+    assert priced.param_bytes == 75 * MIB + 4 * 25 * MIB
+    assert priced.optimizer_bytes == 2 * priced.param_bytes
+    assert priced.activation_bytes_per_sample == 4 * 8 * MIB  # kept whole on every member
+    # evaluate prices a one-stage plan on one group with exactly those seconds
+    assignment = Assignment((0,), (False,), ((0,),), 1, 1, 1, b, "1f1b")
+    cost = evaluate(tp_priced_problem(problem, cluster, tp), group_cluster(cluster, tp), assignment)
+    assert cost.stages[0].compute_s == pytest.approx(fwd_s + bwd_s)
+
+
+def test_degrees_stay_within_a_node_and_divide_what_is_split():
+    cluster = ClusterSpec.homogeneous(16, "h100", devices_per_node=8)
+    assert degrees_to_search(cluster) == (1, 2, 4, 8)
+    assert degrees_to_search(cluster, lambda tp: 12 % tp == 0) == (1, 2, 4)  # 12 heads
+    assert degrees_to_search(ClusterSpec.homogeneous(12, "h100", devices_per_node=6)) == (1, 2, 3, 6)
+
+
+def test_sharding_is_a_relaxation_on_nccl_and_not_on_gloo():
+    problem = _two_blocks(MIB)
+    assert SearchSpace(problem, _h100s(4, GIB), shard="auto").variants(2) == [Variant(1, True)]
+    cpu = ClusterSpec.homogeneous(4, "cpu")
+    assert SearchSpace(problem, cpu, shard="auto").variants(2) == [Variant(1, False), Variant(1, True)]
+    # tp > 1 with dp > 1 only where the runtime runs it
+    assert SearchSpace(problem, _h100s(4, GIB), shard="off", tp_degrees=(1, 2), tp_dp=False).variants(2) == \
+        [Variant(1, False)]
+
+
+def test_inspect_shows_tensor_groups_stages_and_replicas(tmp_path):
+    # fp32 on cpu: what the program runs with tensor parallelism (Note [what tensor parallelism
+    # runs with]); 4 ranks as 2 stages of a tensor group of 2
+    workload = hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8)
+    plan = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(4, "cpu"), global_batch=4,
+                               num_stages=2, tensor_parallel=2, solver_config=FAST).plan
+    assert (plan.tensor_parallel, plan.num_stages, plan.world_size) == (2, 2, 4)
+    text = table(plan)
+    assert "2 stage(s) x 1 data-parallel x 2 tensor-parallel = 4 rank(s)" in text
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if "tensor group ranks" in line)
+    assert lines[at + 1].split() == ["0", "0", "0-1"] and lines[at + 2].split() == ["1", "0", "2-3"]
+    layout = inspect_json(plan)["layout"]
+    assert layout["tensor_parallel"] == 2 and layout["world_size"] == 4
+    assert layout["tensor_groups"] == [{"stage": 0, "replica": 0, "ranks": [0, 1]},
+                                       {"stage": 1, "replica": 0, "ranks": [2, 3]}]
