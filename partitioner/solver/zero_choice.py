@@ -56,6 +56,12 @@ def allgather_s(problem, cluster, assignment) -> float:
     return worst * core_sharing_factor(cluster, assignment.device_of_stage_replica)
 
 
+def dp_degrees_for_test(cluster, global_batch: int) -> list[int]:
+    """Every dp > 1 the batch allows: the separate searches the one enumeration replaced (tests
+    compare with them)."""
+    return [d for d in range(2, cluster.num_devices + 1) if global_batch % d == 0]
+
+
 def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
                         tp_degrees=(1,), tp_dp: bool = True, **solve_kwargs):
     """(solution, its problem, its cluster, shard_optimizer) of the best plan over the unsharded

@@ -20,13 +20,14 @@ MIB = 2**20
 FAST = SolverConfig(time_limit_s=5)
 
 
-def _block(name, *, param, comm=0, fwd=1e9, act=MIB):
-    return RegionCost(name, fwd, 2 * fwd, param, param, 2 * param, act, act, layer=None,
+def _block(name, *, param, comm=0, fwd=1e9, act=MIB, opt=2):
+    return RegionCost(name, fwd, 2 * fwd, param, param, opt * param, act, act, layer=None,
                       tp_comm_bytes=comm, tp_sharded_param_bytes=param)
 
 
-def _two_blocks(param):
-    return PartitionProblem((_block("b0", param=param, comm=4096), _block("b1", param=param, comm=4096)),
+def _two_blocks(param, opt=2):
+    return PartitionProblem((_block("b0", param=param, comm=4096, opt=opt),
+                             _block("b1", param=param, comm=4096, opt=opt)),
                             (Edge(0, 1, 4096),))
 
 
@@ -119,3 +120,54 @@ def test_inspect_shows_tensor_groups_stages_and_replicas(tmp_path):
     assert layout["tensor_parallel"] == 2 and layout["world_size"] == 4
     assert layout["tensor_groups"] == [{"stage": 0, "replica": 0, "ranks": [0, 1]},
                                        {"stage": 1, "replica": 0, "ranks": [2, 3]}]
+
+
+def test_one_enumeration_finds_the_best_of_the_separate_searches():
+    # Blocks of 150 MiB parameters, as much gradient and 6 x as much optimizer state (fp32 AdamW
+    # of 2-byte weights) on 1 GiB devices: a stage per block needs 1200 MiB unsharded, 900 MiB
+    # sharded over 2 replicas (with the whole flat gradient in the step). The one search must find what solving the unsharded
+    # space and each sharded dp degree separately finds, and call it OPTIMAL only as a proof.
+    from partitioner.solver.zero_choice import dp_degrees_for_test, sharded_problem
+
+    problem, cluster = _two_blocks(150 * MIB, opt=6), _h100s(4, GIB)
+    one = solve(problem, cluster, 4, shard="auto", config=FAST)
+    separate = []
+    for d in dp_degrees_for_test(cluster, 4):
+        try:
+            separate.append(solve(sharded_problem(problem, d), cluster, 4, dp=d, config=FAST).step_time_s)
+        except PartitionInfeasibleError:
+            pass
+    assert one.shard_optimizer and one.dp > 1 and one.status == "OPTIMAL"
+    assert one.step_time_s == pytest.approx(min(separate))
+
+
+def test_a_timeout_beside_memory_failures_is_reported_as_a_timeout():
+    from partitioner.solver.solution import CandidateRecord
+    from partitioner.solver.solve import _raise_infeasible
+
+    problem, cluster = _two_blocks(400 * MIB), _h100s(4, GIB)
+    space = SearchSpace(problem, cluster, shard="auto")
+    infeasible = CandidateRecord(2, 1, 4, 1, "INFEASIBLE", None, float("inf"), 0.0)
+    timed_out = CandidateRecord(2, 2, 2, 1, "UNKNOWN", None, 1.0, 5.0, shard_optimizer=True)
+    with pytest.raises(PartitionInfeasibleError, match="time limit, not a proof") as err:
+        _raise_infeasible(space, 4, [infeasible, timed_out], "1f1b", FAST)
+    assert err.value.timed_out
+    # the same candidate solved again and then proven infeasible: a memory failure after all
+    again = CandidateRecord(2, 2, 2, 1, "INFEASIBLE", None, 1.0, 5.0, shard_optimizer=True)
+    with pytest.raises(PartitionInfeasibleError, match="no partition fits in memory") as err:
+        _raise_infeasible(space, 4, [infeasible, timed_out, again], "1f1b", FAST)
+    assert not err.value.timed_out
+
+
+def test_schedule_auto_is_not_optimal_when_the_other_schedule_timed_out():
+    from partitioner.solver.schedule_choice import solve_any_schedule
+
+    problem = _two_blocks(MIB)
+
+    def solve_gpipe_times_out(*args, schedule, **kwargs):  # the real solve, but gpipe hit its limit
+        if schedule == "gpipe":
+            raise PartitionInfeasibleError("no plan found within the time limit", timed_out=True)
+        return solve(*args, schedule=schedule, **kwargs)
+
+    auto = solve_any_schedule(solve_gpipe_times_out, problem, _h100s(2, 80 * GIB), 4, config=FAST)
+    assert auto.schedule == "1f1b" and auto.status == "FEASIBLE"
