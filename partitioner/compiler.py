@@ -76,7 +76,7 @@ def compile_workload(
     partitioner/solver/tensor_parallel.py). training["no_weight_decay"]: "default",
     "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
-    from partitioner.solver.zero_choice import solve_with_sharding
+    from partitioner.solver.solve import solve_with_sharding
     from runtime.grad_norm import no_decay_names
     from runtime.precision import check_precision, default_precision
 

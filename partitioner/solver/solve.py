@@ -46,7 +46,8 @@ from partitioner.solver.schedule_choice import AUTO, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 from partitioner.solver.space import SearchSpace, Variant
 
-__all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate"]
+__all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate",
+           "solve_with_sharding"]
 
 
 def solve(
@@ -224,6 +225,21 @@ def solve(
                    solve_time_s=time.perf_counter() - start, optimal_over=f"{scope}; {space.scope_words()}",
                    lower_bound_step_time_s=min(whole_space_lower_s, best.step_time_s),
                    shard_optimizer=winner.sharded)
+
+
+def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
+                        tp_degrees=(1,), tp_dp: bool = True, **solve_kwargs):
+    """(solution, its problem, its cluster, shard_optimizer) of the best plan over the unsharded
+    space and, unless ``shard`` is "off", the sharded one per dp degree ("on": only sharded plans
+    with dp > 1), times the tensor-parallel degrees ``tp_degrees``: one enumeration (Note [one
+    enumeration] in space.py). The problem and cluster are the winning variant's (tensor groups
+    as devices when ``solution.tensor_parallel`` > 1)."""
+    solution = solve(problem, cluster, global_batch, dp=dp, shard=shard, tp_degrees=tuple(tp_degrees), tp_dp=tp_dp,
+                     **solve_kwargs)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
+    variant = Variant(solution.tensor_parallel, solution.shard_optimizer)
+    used_problem, used_cluster = space.inputs(variant, solution.dp)
+    return solution, used_problem, used_cluster, variant.sharded
 
 
 def _key_of(solution: Solution) -> tuple:

@@ -60,23 +60,3 @@ def dp_degrees_for_test(cluster, global_batch: int) -> list[int]:
     """Every dp > 1 the batch allows: the separate searches the one enumeration replaced (tests
     compare with them)."""
     return [d for d in range(2, cluster.num_devices + 1) if global_batch % d == 0]
-
-
-def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
-                        tp_degrees=(1,), tp_dp: bool = True, **solve_kwargs):
-    """(solution, its problem, its cluster, shard_optimizer) of the best plan over the unsharded
-    space and, unless ``shard`` is "off", the sharded one per dp degree ("on": only sharded plans
-    with dp > 1), times the tensor-parallel degrees ``tp_degrees``: one enumeration (Note [one
-    enumeration] in space.py). The problem and cluster are the winning variant's (tensor groups
-    as devices when ``solution.tensor_parallel`` > 1)."""
-    from partitioner.solver.solve import solve
-    from partitioner.solver.space import SearchSpace, Variant
-
-    if shard not in SHARD_CHOICES:
-        raise ValueError(f"shard_optimizer {shard!r} is not one of {list(SHARD_CHOICES)}")
-    solution = solve(problem, cluster, global_batch, dp=dp, shard=shard, tp_degrees=tuple(tp_degrees), tp_dp=tp_dp,
-                     **solve_kwargs)
-    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
-    variant = Variant(solution.tensor_parallel, solution.shard_optimizer)
-    used_problem, used_cluster = space.inputs(variant, solution.dp)
-    return solution, used_problem, used_cluster, variant.sharded
