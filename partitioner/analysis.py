@@ -69,7 +69,10 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
 
     from passes.regions import region_cut_edges, region_edges, region_table, region_ties
 
+    from passes.tp_activations import sharded_saved_bytes
+
     table = region_table(gm)
+    split = sharded_saved_bytes(gm)  # Note [sharded activations]
     edges = region_edges(gm)
     incoming = {r.region_id: 0 for r in table}
     for src, dst, num_bytes in edges:
@@ -96,6 +99,8 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             transient_fixed_bytes=r.bwd_param_grad_bytes,
             tp_comm_bytes=-(-r.tp_comm_bytes // batch_size),
             tp_sharded_param_bytes=int(r.tp_sharded_param_bytes),
+            tp_sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
+                                                       -(-(r.saved_activation_bytes + r.held_bytes) // batch_size)),
         )
         for r in table
     )

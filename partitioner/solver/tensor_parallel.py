@@ -100,8 +100,11 @@ def tp_problem(problem, tp: int):
 #   as an all-reduce (twice its bytes: conservative). The seconds go into the region's per-kind
 #   times (``fwd_s_per_sample_by_kind`` and ``..._per_microbatch_by_kind``, Note [time model] in
 #   problem.py), so the ILP, the chain DP, the baselines and the checker all see them alike;
-# - activations: kept whole on every member (``tp_problem``): the column outputs a member holds
-#   are 1/tp of them, so this over-counts (memory is predicted conservatively).
+# - activations: the saved bytes between a column and its row linear
+#   (``tp_sharded_activation_bytes_per_sample``, Note [sharded activations] in
+#   passes/tp_activations.py) held once per group, i.e. 1/tp per member; the rest (norms,
+#   residuals, the row outputs, a recomputed region's inputs) whole on every member, as
+#   ``tp_problem`` counts everything.
 
 
 def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
@@ -118,8 +121,10 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
     for original, r in zip(problem.regions, grouped.regions):
         share = min(1.0, original.tp_sharded_param_bytes / original.param_bytes) if original.param_bytes else 0.0
         whole = share + (1 - share) * tp  # FLOPs in units of one group's rate
+        split = min(original.tp_sharded_activation_bytes_per_sample, original.activation_bytes_per_sample)
         changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,
-                       bwd_flops_per_sample=original.bwd_flops_per_sample * whole)
+                       bwd_flops_per_sample=original.bwd_flops_per_sample * whole,
+                       activation_bytes_per_sample=(original.activation_bytes_per_sample - split) * tp + split)
         calibrated = original.fwd_s_per_sample_by_kind or original.bwd_s_per_sample_by_kind
         if original.tp_comm_bytes > 0 or calibrated:
             comm_s = ring * original.tp_comm_bytes / link.bandwidth_bytes_per_s

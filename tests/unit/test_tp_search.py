@@ -66,7 +66,8 @@ def test_priced_terms_match_a_hand_computation():
     cluster = ClusterSpec.homogeneous(8, "h100")
     rate, link = cluster.devices[0].flops_per_s, cluster.intra_node_link
     region = RegionCost("b", 3e12, 6e12, 100 * MIB, 100 * MIB, 200 * MIB, 8 * MIB, 2 * MIB,
-                        tp_comm_bytes=16 * MIB, tp_sharded_param_bytes=75 * MIB)  # 3/4 of it sharded
+                        tp_comm_bytes=16 * MIB, tp_sharded_param_bytes=75 * MIB,  # 3/4 of it sharded
+                        tp_sharded_activation_bytes_per_sample=6 * MIB)
     problem = PartitionProblem((region,), ())
     tp, b = 4, 2
     priced = tp_priced_problem(problem, cluster, tp).regions[0]
@@ -80,11 +81,32 @@ def test_priced_terms_match_a_hand_computation():
     # bytes per group: the sharded 75 MiB once, the 25 MiB replicated on each of the 4 members
     assert priced.param_bytes == 75 * MIB + 4 * 25 * MIB
     assert priced.optimizer_bytes == 2 * priced.param_bytes
-    assert priced.activation_bytes_per_sample == 4 * 8 * MIB  # kept whole on every member
+    # activations: the split 6 MiB once per group, the other 2 MiB whole on each member
+    assert priced.activation_bytes_per_sample == 6 * MIB + 4 * 2 * MIB
     # evaluate prices a one-stage plan on one group with exactly those seconds
     assignment = Assignment((0,), (False,), ((0,),), 1, 1, 1, b, "1f1b")
     cost = evaluate(tp_priced_problem(problem, cluster, tp), group_cluster(cluster, tp), assignment)
     assert cost.stages[0].compute_s == pytest.approx(fwd_s + bwd_s)
+
+
+def test_the_activations_between_column_and_row_linears_are_the_split_ones():
+    from partitioner.analysis import annotate, build_problem, trace_keyed
+    from partitioner import ir
+    from passes.tp_activations import split_nodes
+
+    workload = hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8)
+    traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    gm = annotate(traced, granularity="block", loss_outside_graph=True)
+    split = split_nodes(gm)
+    roles = {n: ir.get(n, ir.TP).role for n in gm.graph.nodes}
+    assert any(roles[n] == "column" for n in split)
+    assert not any(roles[n] in ("row", "vocab") for n in split)  # all-reduced / gathered: whole
+    sdpa = [n for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert sdpa and all(n in split for n in sdpa)  # per-head attention: split on heads
+    problem = build_problem(gm, workload.example_batch_size)
+    blocks = [r for r in problem.regions if r.layer is not None]
+    assert all(0 < r.tp_sharded_activation_bytes_per_sample < r.activation_bytes_per_sample for r in blocks)
+    assert problem.regions[0].tp_sharded_activation_bytes_per_sample == 0  # the embedding's output is whole
 
 
 def test_degrees_stay_within_a_node_and_divide_what_is_split():
