@@ -85,7 +85,7 @@ def llama70b_rows(time_limit_s: float) -> None:
 
     print("\nLlama-70B-like (80 layers, h=8192, 64 heads, s=4096), 64 x H100 (8 per node), global batch 512,"
           " solver picks everything; optimizer state sharding auto")
-    print(f"  {'precision':<10} {'search':<34} {'step_s':>8} {'fits':>4}  {'layout (tp x pp x dp, microbatches)':<44}"
+    print(f"  {'precision':<10} {'search':<38} {'step_s':>8} {'fits':>4}  {'layout (tp x pp x dp, microbatches)':<44}"
           f" {'status':<9} {'solve_s':>7} {'candidates':>10}")
     config = SolverConfig(time_limit_s=time_limit_s)
     for precision, (problem, cluster) in llama70b_problems().items():
@@ -99,11 +99,11 @@ def llama70b_rows(time_limit_s: float) -> None:
             try:
                 sol = solve(problem, cluster, 512, config=config, shard="auto", **kwargs)
             except ValueError as err:  # PartitionInfeasibleError: fits no plan
-                print(f"  {precision:<10} {name:<34} {'-':>8} {'no':>4}  {str(err)[:60]}")
+                print(f"  {precision:<10} {name:<38} {'-':>8} {'no':>4}  {str(err)[:60]}")
                 continue
             layout = (f"tp {sol.tensor_parallel} x pp {sol.num_stages} x dp {sol.dp}, {sol.num_microbatches} mb"
                       f"{', sharded state' if sol.shard_optimizer else ''}{', recompute' if any(sol.recompute) else ''}")
-            print(f"  {precision:<10} {name:<34} {sol.step_time_s:>8.3f} {'yes':>4}  {layout:<44} {sol.status:<9} "
+            print(f"  {precision:<10} {name:<38} {sol.step_time_s:>8.3f} {'yes':>4}  {layout:<44} {sol.status:<9} "
                   f"{sol.solve_time_s:>7.1f} {len(sol.candidates):>10}")
     print("  Megatron-LM's published layout for 70B: tp 8 within a node x pipeline across nodes")
 

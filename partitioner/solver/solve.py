@@ -1,5 +1,7 @@
-"""solve(): enumerate pipeline depth x data-parallel degree x microbatch count (candidates.py),
-solve each candidate's CP-SAT model in order of its lower bound, keep the best plan, verify it.
+"""solve(): enumerate pipeline depth x data-parallel degree x microbatch count (candidates.py)
+times each variant of the problem (tensor-parallel degree, sharded optimizer state: space.py,
+Note [one enumeration]), solve each candidate's CP-SAT model in order of its lower bound, keep
+the best plan, verify it.
 
 Note [candidate pruning]
     Every candidate gets a cheap lower bound (bounds.candidate_lower_bound_s: fluid bubble +
@@ -18,7 +20,12 @@ Note [candidate pruning]
     time_limit_s; never more than the time left). Candidates left when it runs out are SKIPPED; the Solution is
     then the best found, its ``status`` FEASIBLE and its ``bound`` the smallest proven bound over
     every candidate (CP-SAT's for the solved ones, ours for the rest), so the plan's gap states
-    how far from the enumerated optimum it can be.
+    how far from the enumerated optimum it can be. A candidate solved twice (time limit, then
+    again) that finds the same step time the second time replaces its first Solution, so an
+    OPTIMAL proven on the second pass is reported as such. A candidate left at its time limit
+    without any plan keeps its bound open: the result is FEASIBLE, and when no plan was found at
+    all the error says it was a time limit (``PartitionInfeasibleError.timed_out``), whatever
+    other candidates proved about memory.
 """
 
 from __future__ import annotations
