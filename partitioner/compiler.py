@@ -72,7 +72,8 @@ def compile_workload(
     ``clip_grad_norm``: clip the global gradient norm (None: training["clip_grad_norm"], else
     off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
     solver/zero_choice.py), "on"/True or "off"/False. ``tensor_parallel``: the tensor-parallel
-    degree (None: 1 until the solver searches it; Note [tensor groups] in
+    degree (None: the solver weighs every degree the program runs, Note [one enumeration] in
+    partitioner/solver/space.py; Note [tensor groups] in
     partitioner/solver/tensor_parallel.py). training["no_weight_decay"]: "default",
     "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem

@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stages", type=int)
     c.add_argument("--dp", type=int)
     c.add_argument("--tp", type=int, help="tensor-parallel degree: ranks per tensor group, each stage's linear "
-                   "layers sharded across them (default 1)")
+                   "layers sharded across them (default: the solver chooses among the degrees the program runs)")
     c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "auto"],
                    help="auto: the solver weighs gpipe and 1f1b by predicted step time (interleaved is "
                         "refused: not priced yet)")
