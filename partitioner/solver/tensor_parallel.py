@@ -12,9 +12,11 @@ Megatron lays them out). This first version prices a group as
   instead of once per device, i.e. divided by tp, and everything else (norms, biases of row
   linears, activations) held whole by every member: so the group's memory is tp x one member's.
 
-Not priced yet (the collectives ``RegionCost.tp_comm_bytes`` names on the intra-node link, the
-compute efficiency of smaller matmuls, activations that stay whole on every rank): the next
-version of this module.
+``tp_priced_problem`` adds what the solver prices on top (Note [tensor-parallel pricing] below:
+the compute a group does not divide, the collectives ``RegionCost.tp_comm_bytes`` names on the
+intra-node link, the activations a group splits); the search over degrees is
+``degrees_to_search`` with solver/space.py (Note [one enumeration]). Not priced: the lower
+efficiency of smaller matmuls.
 """
 
 from __future__ import annotations
