@@ -192,11 +192,12 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             compute_time_s=sc.compute_s,
             comm_time_s=sc.comm_s,
             predicted_time_s=sc.time_s,
-            memory=MemoryBreakdown(int(sc.params_bytes), int(sc.grads_bytes), int(sc.optimizer_bytes),
-                                   int(sc.activations_bytes), int(sc.buffers_bytes), int(sc.transient_bytes),
-                                   int(sc.step_buffers_bytes)),
-            peak_memory_bytes=int(sc.memory_bytes),
-            memory_capacity_bytes=int(sc.capacity_bytes),
+            # per rank: a tensor group's figures are tp x one member's (Note [tensor groups])
+            memory=MemoryBreakdown(*(int(x / tp) for x in (
+                sc.params_bytes, sc.grads_bytes, sc.optimizer_bytes, sc.activations_bytes, sc.buffers_bytes,
+                sc.transient_bytes, sc.step_buffers_bytes))),
+            peak_memory_bytes=int(sc.memory_bytes / tp),
+            memory_capacity_bytes=int(sc.capacity_bytes / tp),
             send_bytes=int(sc.send_bytes),
             nodes=tuple(cluster.devices[i].node for i in assignment.device_of_stage_replica[s]),
         ))

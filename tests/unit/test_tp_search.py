@@ -193,3 +193,20 @@ def test_schedule_auto_is_not_optimal_when_the_other_schedule_timed_out():
 
     auto = solve_any_schedule(solve_gpipe_times_out, problem, _h100s(2, 80 * GIB), 4, config=FAST)
     assert auto.schedule == "1f1b" and auto.status == "FEASIBLE"
+
+
+def test_compile_picks_tensor_parallelism_when_no_pipeline_or_replica_plan_fits():
+    # One Llama block of ~0.8 M parameters with AdamW: ~13.7 MiB on one rank, and dp 2 with
+    # sharded state still needs the whole block per rank; a tensor group of 2 holds ~7 MiB each.
+    # The user gives no --tp: compile weighs the degrees the program runs (fp32 on cpu).
+    workload = hf_llama(layers=1, width=256, heads=4, vocab=64, seq=8)
+    cluster = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2, "memory_bytes": 8 * MIB,
+                                                "usable_memory_fraction": 1.0, "memory_reserve_bytes": 0}]})
+    with pytest.raises(PartitionInfeasibleError, match="no partition fits in memory"):
+        partitioner.compile(workload, cluster=cluster, global_batch=2, tensor_parallel=1, solver_config=FAST)
+    plan = partitioner.compile(workload, cluster=cluster, global_batch=2, solver_config=FAST).plan
+    assert (plan.tensor_parallel, plan.world_size) == (2, 2)
+    assert "tensor-parallel degrees 1, 2" in plan.solver["optimal_over"]
+    for stage in plan.stages:  # the plan's memory is per rank: each member of the group under its 8 MiB
+        assert stage.memory_capacity_bytes == 8 * MIB and stage.peak_memory_bytes <= 8 * MIB
+    assert [r["tp_index"] for r in plan.rank_layout()] == [0, 1]
