@@ -15,6 +15,15 @@ beyond latencies, which every plan pays. The two heterogeneous rows are two node
 node 0, A100s on node 1): our plan is searched over every placement of stages on devices (Note
 [exact placements]), its status says whether that search was proven.
 
+The last rows are a Llama-70B-like model (compile_large.py's configuration, traced on the meta
+device: its tensor-parallel figures come from passes/tensor_parallel.py) on 64 H100 (8 per node),
+searched without and with tensor parallelism (Note [one enumeration] in partitioner/solver/space.py,
+Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py): under bf16-mixed (the
+H100 default) tp x pp x dp in the cost model, which the runtime does not run yet (tp with dp > 1
+or mixed precision is refused: Note [what tensor parallelism runs with]), and under fp32, where
+the runnable space is tp x pp at dp 1. Megatron-LM's published layout for 70B is tp 8 within a
+node, pipeline across nodes.
+
 "ours" is solved at "op" granularity (a region per matmul: passes/regions.py), the "sublayer"
 column at attention/MLP granularity, to show what the finer regions buy. The baselines split
 whole layers, so granularity does not change them.
@@ -54,10 +63,59 @@ def scenarios(granularity: str):
            dict(num_stages=8, dp=1, microbatches=32, global_batch=32))
 
 
+def llama70b_problems():
+    """{precision: (problem, cluster)} of compile_large.py's Llama-70B on 64 H100, as compile() builds them."""
+    from compile_large import llama70b
+
+    from partitioner.analysis import annotate, build_problem, target_bytes_of, trace_keyed
+    from partitioner.compiler import _param_elem_bytes
+    from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+
+    workload = llama70b(4096)
+    traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    gm = annotate(traced, granularity="block", loss_outside_graph=True)
+    base = build_problem(gm, workload.example_batch_size, target_bytes=target_bytes_of(workload))
+    cluster = ClusterSpec.homogeneous(64, "h100")
+    return {precision: (precision_problem(base, precision, _param_elem_bytes(workload.model)),
+                        cluster_for_precision(cluster, precision)) for precision in ("bf16-mixed", "fp32")}
+
+
+def llama70b_rows(time_limit_s: float) -> None:
+    from partitioner.solver.tensor_parallel import degrees_to_search
+
+    print("\nLlama-70B-like (80 layers, h=8192, 64 heads, s=4096), 64 x H100 (8 per node), global batch 512,"
+          " solver picks everything; optimizer state sharding auto")
+    print(f"  {'precision':<10} {'search':<38} {'step_s':>8} {'fits':>4}  {'layout (tp x pp x dp, microbatches)':<44}"
+          f" {'status':<9} {'solve_s':>7} {'candidates':>10}")
+    config = SolverConfig(time_limit_s=time_limit_s)
+    for precision, (problem, cluster) in llama70b_problems().items():
+        degrees = degrees_to_search(cluster, lambda tp: 64 % tp == 0)  # the heads
+        searches = [("pp x dp (tp 1)", dict(tp_degrees=(1,)))]
+        if precision == "fp32":
+            searches.append(("tp x pp, dp 1 (what the runtime runs)", dict(tp_degrees=degrees, tp_dp=False)))
+        else:
+            searches.append(("tp x pp x dp (cost model only)", dict(tp_degrees=degrees, tp_dp=True)))
+        for name, kwargs in searches:
+            try:
+                sol = solve(problem, cluster, 512, config=config, shard="auto", **kwargs)
+            except ValueError as err:  # PartitionInfeasibleError: fits no plan
+                print(f"  {precision:<10} {name:<38} {'-':>8} {'no':>4}  {str(err)[:60]}")
+                continue
+            layout = (f"tp {sol.tensor_parallel} x pp {sol.num_stages} x dp {sol.dp}, {sol.num_microbatches} mb"
+                      f"{', sharded state' if sol.shard_optimizer else ''}{', recompute' if any(sol.recompute) else ''}")
+            print(f"  {precision:<10} {name:<38} {sol.step_time_s:>8.3f} {'yes':>4}  {layout:<44} {sol.status:<9} "
+                  f"{sol.solve_time_s:>7.1f} {len(sol.candidates):>10}")
+    print("  Megatron-LM's published layout for 70B: tp 8 within a node x pipeline across nodes")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--only-70b", action="store_true", help="only the Llama-70B tensor-parallel rows")
     args = parser.parse_args()
+    if args.only_70b:
+        llama70b_rows(args.time_limit)
+        return 0
     config = SolverConfig(time_limit_s=args.time_limit, max_microbatches=64)
     header = (f"{'ours_s':>9} {'sublayer_s':>10} {'uniform_s':>10} {'param_bal_s':>11} {'lower_s':>9} "
               f"{'uni/ours':>8} {'par/ours':>8} {'ours/lb':>7} {'sub/lb':>7}")
@@ -96,6 +154,7 @@ def main() -> int:
               f"{sublayer.step_time_s / sublayer.lower_bound_step_time_s:>7.3f}")
     print("\nratios > 1 mean ours is faster; no-fit = the baseline fits memory in no allowed configuration;"
           "\nsub/lb: the sublayer plan against its own lower bound (the same space, so the same bound)")
+    llama70b_rows(args.time_limit)
     return 0
 
 

@@ -39,7 +39,7 @@ PY = sys.executable
 # (name, arguments, timeout seconds). Order: the cheap, deterministic ones first.
 BENCHMARKS = [
     ("solver_scaling", ["benchmarks/solver_scaling.py"], 420),
-    ("partition_quality", ["benchmarks/partition_quality.py"], 300),
+    ("partition_quality", ["benchmarks/partition_quality.py"], 600),  # with the traced Llama-70B tp rows
     ("trace_large", ["benchmarks/trace_large.py"], 180),
     ("compile_large", ["benchmarks/compile_large.py"], 240),
     ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 720),

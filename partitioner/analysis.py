@@ -37,6 +37,7 @@ def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, exa
 def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
              loss_outside_graph: bool = False) -> fx.GraphModule:
     from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
+    from passes.tensor_parallel import annotate_tensor_parallel
 
     gm = traced.gm
     with randomness.restored(COSTING_RANDOMNESS):
@@ -44,6 +45,7 @@ def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "ad
         annotate_flops(gm)
         annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
         annotate_regions(gm, granularity=granularity)
+        annotate_tensor_parallel(gm)
     return gm
 
 
@@ -67,7 +69,10 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
 
     from passes.regions import region_cut_edges, region_edges, region_table, region_ties
 
+    from passes.tp_activations import sharded_saved_bytes
+
     table = region_table(gm)
+    split = sharded_saved_bytes(gm)  # Note [sharded activations]
     edges = region_edges(gm)
     incoming = {r.region_id: 0 for r in table}
     for src, dst, num_bytes in edges:
@@ -92,6 +97,10 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             # max over nodes of each part: at least the max of their sums, at any microbatch size
             transient_bytes_per_sample=-(-r.bwd_transient_bytes // batch_size),
             transient_fixed_bytes=r.bwd_param_grad_bytes,
+            tp_comm_bytes=-(-r.tp_comm_bytes // batch_size),
+            tp_sharded_param_bytes=int(r.tp_sharded_param_bytes),
+            tp_sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
+                                                       -(-(r.saved_activation_bytes + r.held_bytes) // batch_size)),
         )
         for r in table
     )

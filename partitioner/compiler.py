@@ -62,6 +62,7 @@ def compile_workload(
     precision: str | None = None,
     clip_grad_norm: float | None = None,
     shard_optimizer: str | bool = "auto",
+    tensor_parallel: int | None = None,
 ) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
@@ -70,10 +71,13 @@ def compile_workload(
     runtime/precision.py); None: training["precision"], else bf16-mixed on GPU kinds, fp32 on cpu.
     ``clip_grad_norm``: clip the global gradient norm (None: training["clip_grad_norm"], else
     off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
-    solver/zero_choice.py), "on"/True or "off"/False. training["no_weight_decay"]: "default",
+    solver/zero_choice.py), "on"/True or "off"/False. ``tensor_parallel``: the tensor-parallel
+    degree (None: the solver weighs every degree the program runs, Note [one enumeration] in
+    partitioner/solver/space.py; Note [tensor groups] in
+    partitioner/solver/tensor_parallel.py). training["no_weight_decay"]: "default",
     "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
-    from partitioner.solver.zero_choice import solve_with_sharding
+    from partitioner.solver.solve import solve_with_sharding
     from runtime.grad_norm import no_decay_names
     from runtime.precision import check_precision, default_precision
 
@@ -81,7 +85,13 @@ def compile_workload(
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
     from partitioner.solver.candidates import validate_options
 
-    validate_options(cluster, global_batch, num_stages, dp, microbatches, schedule)  # before the trace
+    from partitioner.tensor_parallel import check_tensor_parallel, grouped
+
+    tp = check_tensor_parallel(tensor_parallel, cluster, shard_optimizer=shard_optimizer, precision=precision,
+                               training={**(training or {}), **({"clip_grad_norm": clip_grad_norm}
+                                                                if clip_grad_norm is not None else {})}, dp=dp)
+    dp = 1 if tp > 1 else dp
+    validate_options(grouped(cluster, tp), global_batch, num_stages, dp, microbatches, schedule)  # before the trace
     from partitioner.user_source import derive_sources
 
     sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
@@ -120,22 +130,35 @@ def compile_workload(
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, training["precision"])
-    _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices")
-    solution, problem, sharded = solve_with_sharding(
+    tp_degrees = (tp,)
+    if tensor_parallel is None:  # Note [one enumeration] in solver/space.py: the solver weighs each runnable degree
+        from partitioner.solver.tensor_parallel import degrees_to_search
+
+        tp_degrees = degrees_to_search(cluster, lambda t: _tp_runs(gm, t, cluster, shard_optimizer, precision,
+                                                                  training, dp))
+    elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
+        from passes.tensor_parallel import check_degree
+
+        check_degree(gm, tp)
+        shard = "off"
+    _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices"
+              + (f", tensor-parallel degrees {', '.join(map(str, tp_degrees))}" if tp_degrees != (1,) else ""))
+    solution, problem, cluster, sharded = solve_with_sharding(
         problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
-        schedule=schedule, config=solver_config, progress=progress)
+        schedule=schedule, config=solver_config, progress=progress, tp_degrees=tp_degrees, tp_dp=False)
+    tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
     if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate
         from partitioner.solver.sdc_cost import default_every
 
         training["sdc_every"] = default_every(solution.assignment.dp)
-    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training)
+    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training, tp=tp)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
     return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
 
 
-def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training) -> Plan:
+def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training, tp: int = 1) -> Plan:
     from passes.regions import region_table
     from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
@@ -159,7 +182,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         elem = max(1, _param_elem_bytes(workload.model))
         stages.append(StagePlan(
             index=s,
-            ranks=tuple(assignment.rank_of(s, rep) for rep in range(assignment.dp)),
+            ranks=tuple(assignment.rank_of(s, rep) * tp for rep in range(assignment.dp)),  # tensor groups' first
             device=cluster.devices[device_index].kind,
             regions=regs,
             region_names=tuple(problem.regions[r].name for r in regs),
@@ -169,11 +192,12 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             compute_time_s=sc.compute_s,
             comm_time_s=sc.comm_s,
             predicted_time_s=sc.time_s,
-            memory=MemoryBreakdown(int(sc.params_bytes), int(sc.grads_bytes), int(sc.optimizer_bytes),
-                                   int(sc.activations_bytes), int(sc.buffers_bytes), int(sc.transient_bytes),
-                                   int(sc.step_buffers_bytes)),
-            peak_memory_bytes=int(sc.memory_bytes),
-            memory_capacity_bytes=int(sc.capacity_bytes),
+            # per rank: a tensor group's figures are tp x one member's (Note [tensor groups])
+            memory=MemoryBreakdown(*(int(x / tp) for x in (
+                sc.params_bytes, sc.grads_bytes, sc.optimizer_bytes, sc.activations_bytes, sc.buffers_bytes,
+                sc.transient_bytes, sc.step_buffers_bytes))),
+            peak_memory_bytes=int(sc.memory_bytes / tp),
+            memory_capacity_bytes=int(sc.capacity_bytes / tp),
             send_bytes=int(sc.send_bytes),
             nodes=tuple(cluster.devices[i].node for i in assignment.device_of_stage_replica[s]),
         ))
@@ -207,7 +231,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         microbatch_size=b,
         global_batch=global_batch,
         schedule=assignment.schedule,
-        world_size=assignment.num_stages * assignment.dp,
+        world_size=assignment.num_stages * assignment.dp * tp,
         device_type="cpu" if cluster.devices[0].kind == "cpu" else "cuda",
         stages=tuple(stages),
         regions=regions,
@@ -221,6 +245,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
         training=training,
+        tensor_parallel=tp,
     )
 
 
@@ -249,6 +274,21 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
             "hosts": hosts, "groups": [list(g) for g in red.groups],
             "shard_bytes": shard, "own_bytes": cost["own_bytes"], "redundancy_bytes": cost["redundancy_bytes"],
             "per_host_bytes": cost["per_host_bytes"]}
+
+
+def _tp_runs(gm, tp, cluster, shard_optimizer, precision, training, dp) -> bool:
+    """Whether the program runs tensor-parallel degree ``tp`` with these settings (Note [only
+    runnable plans]): the degree divides what the sharded nodes split, and compile() would accept it."""
+    from partitioner.tensor_parallel import check_tensor_parallel
+    from passes.tensor_parallel import check_degree
+
+    try:
+        check_degree(gm, tp)
+        check_tensor_parallel(tp, cluster, shard_optimizer=shard_optimizer, precision=precision, training=training,
+                              dp=dp)
+    except ValueError:
+        return False
+    return True
 
 
 def _param_elem_bytes(model: torch.nn.Module) -> int:

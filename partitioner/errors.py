@@ -24,7 +24,14 @@ class TraceError(PartitionerError):
 
 
 class PartitionInfeasibleError(PartitionerError, ValueError):
-    """No partition of the model fits the cluster's memory under the requested settings."""
+    """No partition of the model fits the cluster's memory under the requested settings.
+
+    ``timed_out``: some candidate was left at the solver's time limit, so this is no proof that
+    nothing fits (a caller weighing several searches must not count it as one)."""
+
+    def __init__(self, *args, timed_out: bool = False):
+        super().__init__(*args)
+        self.timed_out = timed_out
 
 
 # Raised by generated programs too, so they live in runtime (which never imports partitioner).

@@ -24,6 +24,7 @@ FLOPS = "partitioner.flops"
 MEMORY = "partitioner.memory"
 REGION = "partitioner.region"
 STAGE = "partitioner.stage"
+TP = "tp_role"  # the key named in the tensor-parallel contract (docs/design.md §4)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,21 @@ class RegionMeta:
 
 
 @dataclass(frozen=True)
+class TpMeta:
+    """What tensor parallelism does to a node (Note [tensor-parallel roles] in passes/tensor_parallel.py).
+
+    ``role``: "column", "row", "vocab" or "replicated" on linear / embedding nodes whose weight is a
+    parameter, None on every other node. ``comm_bytes``: the payload of the collective it adds in
+    forward, per traced batch; ``sharded_param_bytes``: on a get_attr node, the bytes of its
+    parameter that the tensor group divides; ``divisor``: what the degree must divide (0: nothing)."""
+
+    role: str | None
+    comm_bytes: int = 0
+    sharded_param_bytes: int = 0
+    divisor: int = 0
+
+
+@dataclass(frozen=True)
 class StageMeta:
     stage: int
 
@@ -91,6 +107,7 @@ VALUE_TYPES: dict[str, type] = {
     MEMORY: MemoryMeta,
     REGION: RegionMeta,
     STAGE: StageMeta,
+    TP: TpMeta,
 }
 
 WRITER: dict[str, str] = {
@@ -99,6 +116,7 @@ WRITER: dict[str, str] = {
     MEMORY: "passes.memory.annotate_memory",
     REGION: "passes.regions.annotate_regions",
     STAGE: "partitioner.codegen (plan application)",
+    TP: "passes.tensor_parallel.annotate_tensor_parallel",
 }
 
 

@@ -131,6 +131,11 @@ class Plan:
     baselines: dict                  # {"uniform": {"step_time_s"}, "param_balanced": {...}}
     cluster: dict
     training: dict = field(default_factory=dict)   # optimizer, lr schedule, seed, checkpoint interval
+    # Tensor-parallel degree: each stage replica runs on a tensor group of this many consecutive
+    # ranks (Note [tensor groups] in partitioner/solver/tensor_parallel.py); ``stages[].ranks``
+    # hold each group's first rank, ``world_size`` counts every rank. plan.json writes the key only
+    # when it is not 1, so a plan without it (an older one) is tp 1 and hashes as before.
+    tensor_parallel: int = 1
     version: int = PLAN_VERSION
 
     # --- serialization -------------------------------------------------------------------
@@ -138,6 +143,8 @@ class Plan:
         body = _jsonable(asdict(self))
         body["stages"] = [_renamed(s, _JSON_KEYS) for s in body["stages"]]   # Note [json keys]
         body["regions"] = [_renamed(r, _JSON_KEYS) for r in body["regions"]]
+        if body.get("tensor_parallel") == 1:
+            del body["tensor_parallel"]
         return body
 
     def stable_dict(self) -> dict:
@@ -220,12 +227,15 @@ class Plan:
 
     # --- derived figures ---------------------------------------------------------------
     def rank_layout(self) -> list[dict]:
-        """Rank → (stages it holds, data-parallel replica)."""
+        """Rank → (stages it holds, data-parallel replica, index in its tensor group); every rank of
+        a stage replica's tensor group holds the same stages (the tensor index is innermost)."""
         layout = {}
         for stage in self.stages:
-            for replica, rank in enumerate(stage.ranks):
-                entry = layout.setdefault(rank, {"rank": rank, "stages": [], "replica": replica})
-                entry["stages"].append(stage.index)
+            for replica, first in enumerate(stage.ranks):
+                for t in range(self.tensor_parallel):
+                    rank = first + t
+                    entry = layout.setdefault(rank, {"rank": rank, "stages": [], "replica": replica, "tp_index": t})
+                    entry["stages"].append(stage.index)
         return [layout[r] for r in sorted(layout)]
 
 

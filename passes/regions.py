@@ -82,6 +82,9 @@ class RegionRow:
     bwd_param_grad_bytes: int  # the largest of its nodes'
     bwd_transient_bytes: int  # the largest of its nodes' (Note [backward transients] in passes/memory.py)
     output_bytes: int  # bytes of this region's tensors consumed by other regions (each tensor once)
+    # Note [tensor-parallel roles] in passes/tensor_parallel.py (0 until that pass ran):
+    tp_comm_bytes: int = 0  # collective payload tensor parallelism adds in forward, this batch
+    tp_sharded_param_bytes: int = 0  # parameter bytes a tensor group divides
 
 
 @dataclass(frozen=True)
@@ -476,5 +479,7 @@ def region_table(gm: fx.GraphModule) -> list[RegionRow]:
             bwd_transient_bytes=max((m.bwd_transient_bytes for m in memory), default=0),
             bwd_param_grad_bytes=max((m.bwd_param_grad_bytes for m in memory), default=0),
             output_bytes=crossing.get(rid, 0),
+            tp_comm_bytes=sum(ir.get(n, ir.TP).comm_bytes for n in nodes if ir.has(n, ir.TP)),
+            tp_sharded_param_bytes=sum(ir.get(n, ir.TP).sharded_param_bytes for n in nodes if ir.has(n, ir.TP)),
         ))
     return table

@@ -3,6 +3,7 @@ object (runtime/program.py), pure Python."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,10 +32,25 @@ class Layout:
 
     @staticmethod
     def from_program(program: Program) -> "Layout":
-        world, p, dp = program.world_size, program.num_stages, program.dp
+        """With tensor parallelism this is the layout of the tensor groups (logical rank g is
+        physical ranks g*tp .. g*tp+tp-1, Note [tensor-parallel stages] in runtime/tensor_parallel.py):
+        every tensor index runs the same pipelines over its own ranks."""
+        tp = program.tensor_parallel
+        world, p, dp = program.world_size // tp, program.num_stages, program.dp
+        if program.world_size % tp:
+            raise ValueError(f"world_size={program.world_size} is not a multiple of tensor_parallel={tp}")
+        entries = list(program.ranks)
+        if tp > 1:
+            by_rank = {e.rank: e for e in entries}
+            for e in entries:
+                first = by_rank.get(e.rank - e.tp_index)
+                if e.tp_index != e.rank % tp or first is None or (first.stages, first.replica) != (e.stages, e.replica):
+                    raise ValueError(f"rank entry {e.to_dict()}: with tensor_parallel={tp} rank r has tp_index "
+                                     f"r % {tp} and the stages and replica of rank r - r % {tp}: recompile")
+            entries = [dataclasses.replace(e, rank=e.rank // tp) for e in entries if e.tp_index == 0]
         stages_of = [()] * world
         replica_of = [0] * world
-        for entry in program.ranks:
+        for entry in entries:
             r = entry.rank
             if not 0 <= r < world:
                 raise ValueError(f"rank entry {entry.to_dict()} is outside world_size={world}")

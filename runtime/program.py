@@ -61,6 +61,8 @@ class Program:
                                               # gradient norm] in runtime/grad_norm.py); None: off
     shard_optimizer: bool = False             # AdamW state sharded over the replicas (ZeRO-1, Note
                                               # [sharded optimizer state] in runtime/zero.py)
+    tensor_parallel: int = 1                  # ranks per tensor group (Note [tensor-parallel stages]
+                                              # in runtime/tensor_parallel.py)
     randomness: RandomnessSpec | None = None  # present only when the compiler keyed random ops
     init: InitSpec | None = None              # present only for a model compiled on the meta device
     steps: int | None = None                  # steps to train; None: optimizer.total_steps
@@ -97,7 +99,7 @@ class Program:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
         # The precision and sharding fields are written only when not the default, so a program
         # compiled before them round-trips unchanged.
-        quiet = {"precision": "fp32", "shard_optimizer": False}
+        quiet = {"precision": "fp32", "shard_optimizer": False, "tensor_parallel": 1}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None
                 and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
@@ -132,7 +134,7 @@ def _validate(program: Program) -> None:
     """Consistency of a Program (its parts checked themselves); ValueError naming values and fix."""
     if program.schedule not in SCHEDULES:
         raise ValueError(f"schedule {program.schedule!r} is not one of {SCHEDULES}")
-    for name in ("world_size", "num_stages", "dp", "num_microbatches", "global_batch"):
+    for name in ("world_size", "num_stages", "dp", "num_microbatches", "global_batch", "tensor_parallel"):
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")

@@ -141,6 +141,7 @@ class RankSpec:
     rank: int
     stages: tuple[int, ...]  # the stages it holds (one, or several under "interleaved")
     replica: int             # its data-parallel replica, 0..dp-1
+    tp_index: int = 0        # its place in its tensor group, 0..tensor_parallel-1 (innermost)
 
     def __post_init__(self):
         object.__setattr__(self, "stages", int_tuple(self.stages, f"rank {self.rank} stages"))
@@ -150,7 +151,8 @@ class RankSpec:
         return RankSpec(**known_keys(RankSpec, data, where))
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "stages": list(self.stages), "replica": self.replica}
+        return {"rank": self.rank, "stages": list(self.stages), "replica": self.replica,
+                **({"tp_index": self.tp_index} if self.tp_index else {})}
 
 
 @dataclass(frozen=True)

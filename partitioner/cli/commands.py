@@ -129,6 +129,7 @@ def cmd_compile(args) -> int:
         training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
         profiles=profiles, calibrate=calibration,
         precision=args.precision, shard_optimizer=args.shard_optimizer,  # clipping: in training
+        tensor_parallel=args.tp,
     )
     say(f"write {args.output}")
     plan.save(args.output)
@@ -410,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--microbatches", type=int)
     c.add_argument("--stages", type=int)
     c.add_argument("--dp", type=int)
+    c.add_argument("--tp", type=int, help="tensor-parallel degree: ranks per tensor group, each stage's linear "
+                   "layers sharded across them (default: the solver chooses among the degrees the program runs)")
     c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "auto"],
                    help="auto: the solver weighs gpipe and 1f1b by predicted step time (interleaved is "
                         "refused: not priced yet)")

@@ -6,6 +6,7 @@ import json
 import math
 from typing import TYPE_CHECKING
 
+from partitioner.inspect.layout import layout_json
 from partitioner.inspect.table import balance, samples_per_s
 
 if TYPE_CHECKING:  # annotations only
@@ -46,6 +47,7 @@ def inspect_json(plan: Plan) -> dict:
         "global_batch": plan.global_batch,
         "schedule": plan.schedule,
         "world_size": plan.world_size,
+        "layout": layout_json(plan),  # tensor groups x stages x replicas (inspect/layout.py)
         "precision": (plan.training or {}).get("precision", "fp32"),
         "shard_optimizer": bool((plan.training or {}).get("shard_optimizer")),
         "clip_grad_norm": (plan.training or {}).get("clip_grad_norm"),

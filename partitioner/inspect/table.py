@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from partitioner.inspect.layout import layout_lines
 from partitioner.inspect.units import GIB, byte_unit, held, ms, render_columns, si
 
 if TYPE_CHECKING:  # annotations only
@@ -39,7 +40,9 @@ def table(plan: Plan) -> str:
     p = plan.predicted
     lines = [
         f"plan {plan.content_hash()}  {plan.workload}",
-        f"{plan.num_stages} stage(s) x {plan.dp} data-parallel = {plan.world_size} rank(s); "
+        f"{plan.num_stages} stage(s) x {plan.dp} data-parallel"
+        + (f" x {plan.tensor_parallel} tensor-parallel" if plan.tensor_parallel > 1 else "")
+        + f" = {plan.world_size} rank(s); "
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch}); "
         f"schedule {plan.schedule}",
         training_line(plan),
@@ -65,6 +68,7 @@ def table(plan: Plan) -> str:
         mem_rows.append([str(s.index), *mem, f"{s.memory_capacity_bytes / GIB:.1f}",
                          "<0.01" if used < 0.01 else f"{used:.2f}" if used < 10 else f"{used:.1f}"])
     lines += render_columns(header, units, rows, "><<<>>>>>>>")
+    lines += layout_lines(plan)  # tensor groups, at tp > 1
     lines += ["", "memory per rank of each stage"]
     lines += render_columns(["stage", "weights", "grads", "optim", "activ", "buffers", "transient", "peak",
                              "capacity", "used"], [""] + [mem_unit] * 7 + ["GiB", "%"], mem_rows, ">>>>>>>>>>")

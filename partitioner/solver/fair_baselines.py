@@ -48,24 +48,34 @@ def hand_placement(cluster: ClusterSpec, num_stages: int, dp: int) -> tuple[tupl
 
 
 def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, global_batch: int, *,
-                   schedule: str, allow_recompute: bool) -> dict[str, BaselineCost]:
+                   schedule: str, allow_recompute: bool, bound_of=None) -> dict[str, BaselineCost]:
     """name -> the fastest fitting configuration of that baseline over ``candidates`` ((p, d, m)
-    tuples); a baseline that fits none is the least-over-memory one, with fits_memory False."""
+    tuples); a baseline that fits none is the least-over-memory one, with fits_memory False.
+
+    ``bound_of``: (p, d, m) -> a lower bound on every plan of it (the search's, Note [candidate
+    pruning]); candidates are then priced in order of it, and once both baselines fit, one
+    whose bound is at least both of their times is skipped: it cannot beat them. A split
+    depends on p (and the devices' speeds) only, so each is computed once."""
     n = problem.num_regions
     recompute_options = [(False,) * n]
     saving = tuple(r.activation_bytes_per_sample > r.recompute_activation_bytes_per_sample for r in problem.regions)
     if allow_recompute and any(saving):
         recompute_options.append(saving)
     speed_of: dict[tuple, float] = {}
+    splits: dict[tuple, tuple] = {}
     best: dict[str, tuple] = {}
-    for p, d, m in candidates:
+    bound_of = bound_of or {}
+    for p, d, m in sorted(candidates, key=lambda c: bound_of.get(c, 0.0)):
+        fitting = [key[1] for key, _ in best.values() if key[0] == 0]
+        if len(fitting) == 2 and bound_of.get((p, d, m), 0.0) >= max(fitting):
+            break  # sorted by bound: every later candidate is bounded at or above both
         for placement in hand_placements(cluster, p, d):
             _price(problem, cluster, placement, p, d, m, global_batch // (d * m), schedule, recompute_options,
-                   speed_of, best)
+                   speed_of, best, splits)
     return {name: value for name, (_, value) in sorted(best.items())}
 
 
-def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options, speed_of, best) -> None:
+def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options, speed_of, best, splits) -> None:
     """Both baselines on one placement and configuration, kept in ``best`` if they beat it."""
     speeds = []
     for row in placement:
@@ -74,8 +84,11 @@ def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options,
             speed_of[device.device_class] = 1.0 / max(
                 sum(sum(region_times_s(r, device, 1)) for r in problem.regions), 1e-30)
         speeds.append(speed_of[device.device_class])
-    for name, split in (("uniform", uniform_split(problem, p, speeds)),
-                        ("param_balanced", param_balanced_split(problem, p))):
+    key = (p, tuple(speeds))
+    if key not in splits:
+        splits[key] = (("uniform", uniform_split(problem, p, speeds)),
+                       ("param_balanced", param_balanced_split(problem, p)))
+    for name, split in splits[key]:
         if split is None:
             continue
         for recompute in recompute_options:

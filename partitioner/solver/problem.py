@@ -103,6 +103,14 @@ class RegionCost:
     # rerun forward's saved activations (activation_bytes_per_sample) to it.
     transient_bytes_per_sample: int = 0
     transient_fixed_bytes: int = 0
+    # Tensor parallelism (Note [tensor-parallel roles] in passes/tensor_parallel.py): the bytes one
+    # tensor-parallel rank all-reduces (or all-gathers, for a vocab-split head) per sample in
+    # forward at tp > 1 (backward moves the same again), and the parameter bytes tp divides.
+    tp_comm_bytes: int = 0
+    tp_sharded_param_bytes: int = 0
+    # Saved activation bytes per sample a tensor group splits (Note [sharded activations] in
+    # passes/tp_activations.py): part of activation_bytes_per_sample.
+    tp_sharded_activation_bytes_per_sample: int = 0
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -116,7 +124,8 @@ class RegionCost:
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
                      "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
-                     "transient_fixed_bytes"):
+                     "transient_fixed_bytes", "tp_comm_bytes", "tp_sharded_param_bytes",
+                     "tp_sharded_activation_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
             raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")

@@ -55,7 +55,7 @@ def solve_any_schedule(solve, problem, cluster, global_batch, **kwargs) -> Solut
             status = "FEASIBLE"
             if bound is not None:
                 bound = min(bound, max(0, math.floor(other_bound_s / chosen.time_unit_s)))
-    if any(str(e).startswith("no plan found within") for e in errors.values()):  # a time limit, not a proof
+    if any(getattr(e, "timed_out", False) for e in errors.values()):  # a time limit, not a proof
         status, bound = "FEASIBLE", (0 if bound is not None else None)
     others = ", ".join(f"{s} {r.step_time_s:.6g} s ({r.status})" for s, r in results.items() if s != chosen_name)
     others += "".join(f", {s} has no plan" for s in errors)

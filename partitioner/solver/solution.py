@@ -33,6 +33,8 @@ class CandidateRecord:
     step_time_s: float | None
     lower_bound_step_time_s: float
     solve_time_s: float
+    tensor_parallel: int = 1        # the variant (Note [one enumeration] in space.py)
+    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,14 @@ class SolveProgress:
     candidate: CandidateRecord | None = None
     finished: bool = False
     status: str | None = None        # the Solution's status, when finished
+    incumbent_tp: int = 1            # the best plan's tensor-parallel degree
 
     def __str__(self) -> str:
         text = f"solve: {self.done}/{self.total} candidates"
         if self.incumbent_s is not None:
             p, d, m = self.incumbent
-            text += f", best {self.incumbent_s * 1e3:.4g} ms ({p} stage{'s' * (p > 1)} x dp {d}, {m} microbatch" \
+            tp = f"tp {self.incumbent_tp} x " if self.incumbent_tp > 1 else ""
+            text += f", best {self.incumbent_s * 1e3:.4g} ms ({tp}{p} stage{'s' * (p > 1)} x dp {d}, {m} microbatch" \
                     f"{'es' * (m > 1)})"
         if self.bound_s is not None and math.isfinite(self.bound_s):
             text += f", bound {self.bound_s * 1e3:.4g} ms"
@@ -67,7 +71,9 @@ class SolveProgress:
         if r is None:
             return None
         time_s = "-" if r.step_time_s is None else f"{r.step_time_s * 1e3:.4g} ms"
-        return (f"candidate {r.num_stages} stage{'s' * (r.num_stages > 1)} x dp {r.dp}, {r.num_microbatches} "
+        tp = f"tp {r.tensor_parallel} x " if r.tensor_parallel > 1 else ""
+        shard = " (sharded state)" if r.shard_optimizer else ""
+        return (f"candidate {tp}{r.num_stages} stage{'s' * (r.num_stages > 1)} x dp {r.dp}{shard}, {r.num_microbatches} "
                 f"microbatch{'es' * (r.num_microbatches > 1)} of "
                 f"{r.microbatch_size}: {r.status}, step {time_s}, bound {r.lower_bound_step_time_s * 1e3:.4g} ms, "
                 f"{r.solve_time_s:.2f} s")
@@ -105,6 +111,10 @@ class Solution:
     baseline_details: Mapping[str, BaselineCost] = field(default_factory=dict, compare=False)
     candidates: tuple[CandidateRecord, ...] = ()
     optimal_over: str = ""  # what OPTIMAL is a proof over (solve.optimality_scope)
+    # The variant that won (Note [one enumeration] in space.py): devices above are tensor groups
+    # of this many ranks when > 1; the figures are of SearchSpace.inputs(variant, dp).
+    tensor_parallel: int = 1
+    shard_optimizer: bool = False
 
     @property
     def assignment(self) -> Assignment:

@@ -1,5 +1,7 @@
-"""solve(): enumerate pipeline depth x data-parallel degree x microbatch count (candidates.py),
-solve each candidate's CP-SAT model in order of its lower bound, keep the best plan, verify it.
+"""solve(): enumerate pipeline depth x data-parallel degree x microbatch count (candidates.py)
+times each variant of the problem (tensor-parallel degree, sharded optimizer state: space.py,
+Note [one enumeration]), solve each candidate's CP-SAT model in order of its lower bound, keep
+the best plan, verify it.
 
 Note [candidate pruning]
     Every candidate gets a cheap lower bound (bounds.candidate_lower_bound_s: fluid bubble +
@@ -18,7 +20,12 @@ Note [candidate pruning]
     time_limit_s; never more than the time left). Candidates left when it runs out are SKIPPED; the Solution is
     then the best found, its ``status`` FEASIBLE and its ``bound`` the smallest proven bound over
     every candidate (CP-SAT's for the solved ones, ours for the rest), so the plan's gap states
-    how far from the enumerated optimum it can be.
+    how far from the enumerated optimum it can be. A candidate solved twice (time limit, then
+    again) that finds the same step time the second time replaces its first Solution, so an
+    OPTIMAL proven on the second pass is reported as such. A candidate left at its time limit
+    without any plan keeps its bound open: the result is FEASIBLE, and when no plan was found at
+    all the error says it was a time limit (``PartitionInfeasibleError.timed_out``), whatever
+    other candidates proved about memory.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from partitioner.solver.model import CandidateModel, InconsistentBoundError, Sol
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
+from partitioner.solver.space import SearchSpace, Variant
 
-__all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate"]
+__all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate",
+           "solve_with_sharding"]
 
 
 def solve(
@@ -59,9 +68,17 @@ def solve(
     schedule: str = "1f1b",
     config: SolverConfig | None = None,
     progress: Callable[[SolveProgress], None] | None = None,
+    shard: str = "off",
+    tp_degrees: tuple[int, ...] = (1,),
+    tp_dp: bool = True,
 ) -> Solution:
     """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
-    (an argument given fixes it). Raises PartitionInfeasibleError when nothing fits memory.
+    (an argument given fixes it), times every variant (Note [one enumeration] in space.py):
+    ``shard`` "off" | "on" | "auto" (optimizer state sharding, Note [sharding as a candidate]) and
+    the tensor-parallel degrees ``tp_degrees`` (``tp_dp``: whether tp > 1 may have d > 1). The
+    Solution's ``tensor_parallel`` and ``shard_optimizer`` say which variant won; its figures
+    are of that variant's problem and cluster (``SearchSpace.inputs``). Raises
+    PartitionInfeasibleError when nothing fits memory.
     ``schedule="auto"`` weighs every priced schedule (Note [schedule choice] in schedule_choice.py).
 
     ``progress(SolveProgress)``, if given, hears of the start, of every candidate finished (with
@@ -69,131 +86,192 @@ def solve(
     config = config if config is not None else SolverConfig()
     if schedule == AUTO:  # Note [schedule choice]
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
-                                  microbatches=microbatches, config=config, progress=progress)
+                                  microbatches=microbatches, config=config, progress=progress, shard=shard,
+                                  tp_degrees=tp_degrees, tp_dp=tp_dp)
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
-    candidates = enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
+    candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
+        if shard == "on":
+            raise ValueError("shard_optimizer 'on' needs a plan with dp > 1, and none fits this cluster and "
+                             "global batch: allow more devices, or use shard_optimizer 'auto'")
         raise ValueError(f"no (stages, dp, microbatches) combination fits {cluster.num_devices} devices and "
                          f"global_batch={global_batch} with the given num_stages={num_stages}, dp={dp}, "
                          f"microbatches={microbatches} under schedule {schedule} (which needs microbatches >= "
                          "stages for 1f1b): raise the global batch, fix fewer stages, or use --schedule gpipe")
-    homogeneous = cluster.is_homogeneous
     chain = has_chain_backbone(problem)
 
-    def cheap_bound(p, d, m):
-        return candidate_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+    def cheap_bound(p, d, m, v):
+        prob, clus = space.inputs(v, d)
+        return candidate_lower_bound_s(prob, clus, num_stages=p, dp=d, num_microbatches=m,
                                        microbatch_size=global_batch // (d * m), schedule=schedule,
                                        allow_recompute=config.allow_recompute)
 
-    def strong_bound(p, d, m, cheap):
-        if not (homogeneous and chain) or not math.isfinite(cheap):
+    def strong_bound(p, d, m, v, cheap):
+        prob, clus = space.inputs(v, d)
+        if not (clus.is_homogeneous and chain) or not math.isfinite(cheap):
             return cheap
         b = global_batch // (d * m)
-        pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                       schedule=schedule, placement=place_stages(cluster, p, d),
+        pipeline = chain_lower_bound_s(prob, clus, num_stages=p, num_microbatches=m, microbatch_size=b,
+                                       schedule=schedule, placement=place_stages(clus, p, d),
                                        allow_recompute=config.allow_recompute)
-        allreduce = allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)
-        return max(cheap, pipeline + allreduce * core_sharing_lower_bound(cluster, num_stages=p, dp=d))
+        allreduce = allreduce_lower_bound_s(prob, clus, num_stages=p, dp=d)
+        return max(cheap, pipeline + allreduce * core_sharing_lower_bound(clus, num_stages=p, dp=d))
 
-    # (bound, strong?, p, d, m, tries); Note [candidate pruning]
-    queue = [(cheap_bound(p, d, m), False, p, d, m, 0) for p, d, m in candidates]
+    # (bound, strong?, p, d, m, variant, tries); Note [candidate pruning]
+    queue = [(cheap_bound(p, d, m, v), False, p, d, m, v, 0) for p, d, m, v in candidates]
     # Note [whole-space lower bound]
     whole_space_lower_s = min(bound for bound, *_ in queue)
     heapq.heapify(queue)
     start = time.perf_counter()
     deadline = None if config.total_time_limit_s is None else start + config.total_time_limit_s
     best: Solution | None = None
+    best_s = math.inf  # best's step time with what the ILP does not see (SearchSpace.extra_s)
     records: list[CandidateRecord] = []
     proven: list[float] = []  # lower bounds (s) of candidates left open (SKIPPED, time limit)
-    unresolved: dict[tuple[int, int, int], float] = {}  # solved at the time limit: its bound (s)
-    done: set[tuple[int, int, int]] = set()
+    unresolved: dict[tuple, float] = {}  # solved at the time limit: its bound (s)
+    done: set[tuple] = set()
 
-    def report(record: CandidateRecord | None = None, *, finished: bool = False, status=None, bound_s=None) -> None:
+    def record(p, d, m, v, status, step_s, lower, seconds) -> CandidateRecord:
+        return CandidateRecord(p, d, m, global_batch // (d * m), status, step_s, lower, seconds,
+                               tensor_parallel=v.tp, shard_optimizer=v.sharded)
+
+    def report(rec: CandidateRecord | None = None, *, finished: bool = False, status=None, bound_s=None) -> None:
         if progress is None:
             return
         if bound_s is None:
             open_bounds = [queue[0][0]] if queue else []
-            open_bounds += list(unresolved.values()) + ([best.step_time_s] if best is not None else [])
+            open_bounds += list(unresolved.values()) + ([best_s] if best is not None else [])
             bound_s = min(open_bounds) if open_bounds else None
         progress(SolveProgress(
             done=len(candidates) if finished else len(done), total=len(candidates),
-            incumbent_s=None if best is None else best.step_time_s,
+            incumbent_s=None if best is None else best_s,
             incumbent=None if best is None else (best.num_stages, best.dp, best.num_microbatches),
-            bound_s=bound_s, elapsed_s=time.perf_counter() - start, candidate=record, finished=finished,
-            status=status))
+            bound_s=bound_s, elapsed_s=time.perf_counter() - start, candidate=rec, finished=finished,
+            status=status, incumbent_tp=1 if best is None else best.tensor_parallel))
 
     report()
     while queue:
-        lower, strong, p, d, m, tries = queue[0]
-        b = global_batch // (d * m)
-        if best is not None and lower >= best.step_time_s * (1 - 1e-9):
+        lower, strong, p, d, m, v, tries = queue[0]
+        key = (p, d, m, v)
+        if best is not None and lower >= best_s * (1 - 1e-9):
             break  # every bound left is at least the incumbent: all PRUNED below
         heapq.heappop(queue)
         if not math.isfinite(lower):  # cannot fit memory even fractionally
-            records.append(CandidateRecord(p, d, m, b, "INFEASIBLE", None, lower, 0.0))
-            done.add((p, d, m))
+            records.append(record(p, d, m, v, "INFEASIBLE", None, lower, 0.0))
+            done.add(key)
             report(records[-1])
             continue
         if not strong:
-            heapq.heappush(queue, (strong_bound(p, d, m, lower), True, p, d, m, 0))
+            heapq.heappush(queue, (strong_bound(p, d, m, v, lower), True, p, d, m, v, 0))
             continue
         left = None if deadline is None else deadline - time.perf_counter()
         if best is not None and left is not None and left < 0.2:
-            records.append(CandidateRecord(p, d, m, b, "SKIPPED", None, lower, 0.0))
+            records.append(record(p, d, m, v, "SKIPPED", None, lower, 0.0))
             proven.append(lower)
-            done.add((p, d, m))
+            done.add(key)
             report(records[-1])
             continue
         # A first pass gets a quarter of time_limit_s (an incumbent early prunes the most); a
         # candidate left at that limit is queued again by its bound for the full limit.
         limit = config.time_limit_s / 4 if tries == 0 else config.time_limit_s
         limit = limit if left is None or best is None else min(limit, left)
+        prob, clus = space.inputs(v, d)
         solution, status, seconds = solve_candidate(
-            problem, cluster, num_stages=p, dp=d, num_microbatches=m, global_batch=global_batch,
+            prob, clus, num_stages=p, dp=d, num_microbatches=m, global_batch=global_batch,
             schedule=schedule, config=config, time_limit_s=limit,
-            incumbent_s=None if best is None else best.step_time_s)
-        records.append(CandidateRecord(p, d, m, b, status, solution.step_time_s if solution else None, lower, seconds))
-        unresolved.pop((p, d, m), None)
+            incumbent_s=None if best is None else best_s)
+        total_s = None
+        if solution is not None:
+            solution = replace(solution, tensor_parallel=v.tp, shard_optimizer=v.sharded)
+            total_s = solution.step_time_s + space.extra_s(v, solution.assignment)
+        records.append(record(p, d, m, v, status, total_s, lower, seconds))
+        unresolved.pop(key, None)
         if status in ("FEASIBLE", "UNKNOWN"):  # time limit: it may still hold a better plan
             bound = max(lower, solution.bound * solution.time_unit_s if solution is not None else lower)
-            unresolved[(p, d, m)] = bound
+            unresolved[key] = bound
             if tries == 0:  # once more, later, capped at the incumbent then
-                heapq.heappush(queue, (bound, True, p, d, m, 1))
+                heapq.heappush(queue, (bound, True, p, d, m, v, 1))
         if not (tries == 0 and status in ("FEASIBLE", "UNKNOWN")):
-            done.add((p, d, m))
-        if solution is not None and (best is None or solution.step_time_s < best.step_time_s):
-            best = solution
+            done.add(key)
+        # The same candidate solved again at the same step time replaces itself: its status and
+        # bound are the newer, stronger ones (a second pass that proves OPTIMAL must say so).
+        if solution is not None and (best is None or total_s < best_s
+                                     or (total_s <= best_s and key == _key_of(best))):
+            best, best_s = solution, total_s
         report(records[-1])
     if best is not None:
-        proven.extend(bound for key, bound in unresolved.items()
-                      if key != (best.num_stages, best.dp, best.num_microbatches))
-    for lower, _, p, d, m, _ in queue:
-        if (p, d, m) not in unresolved:
-            records.append(CandidateRecord(p, d, m, global_batch // (d * m), "PRUNED", None, lower, 0.0))
+        proven.extend(bound for key, bound in unresolved.items() if key != _key_of(best))
+    for lower, _, p, d, m, v, _ in queue:
+        if (p, d, m, v) not in unresolved:
+            records.append(record(p, d, m, v, "PRUNED", None, lower, 0.0))
     if best is None:
-        _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
-    baselines = best_baselines(problem, cluster, candidates, global_batch, schedule=schedule,
-                               allow_recompute=config.allow_recompute)  # Note [fair baselines]
+        _raise_infeasible(space, global_batch, records, schedule, config)
+    baselines = best_baselines(problem, cluster, baseline_candidates(problem, cluster, global_batch, num_stages, dp,
+                                                                      microbatches, config, schedule),
+                               global_batch, schedule=schedule, allow_recompute=config.allow_recompute,
+                               bound_of=_bounds_for_baselines(queue, records, space))  # Note [fair baselines]
     status, bound = best.status, best.bound
-    own = unresolved.get((best.num_stages, best.dp, best.num_microbatches))
+    own = unresolved.get(_key_of(best))
     if own is not None and best.objective is not None:  # its cheap or strong bound may be the better one
         own_units = math.floor(own / best.time_unit_s)
         if own_units > best.objective + best.rounding_slack_units:  # Note [no clamped bound]
             raise InconsistentBoundError(best.objective, own_units, float(own_units), "candidate bound")
         bound = max(bound, min(own_units, best.objective))  # above it by the rounding only
     slack_s = best.rounding_slack_units * best.time_unit_s
-    open_bounds = [x for x in proven if x < best.step_time_s - slack_s]
+    open_bounds = [x for x in proven if x < best_s - slack_s]
     if open_bounds:  # best found; the enumerated optimum may be as low as the smallest open bound
         status = "FEASIBLE"
         bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
-    report(finished=True, status=status,
-           bound_s=bound * best.time_unit_s)
+    report(finished=True, status=status, bound_s=bound * best.time_unit_s)
+    winner = space.unsharded_if_it_fits(Variant(best.tensor_parallel, best.shard_optimizer), best.assignment)
     scope = optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best)
     return replace(best, baselines={name: cost.step_time_s if cost.fits_memory else None
                                     for name, cost in baselines.items()},
                    baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
-                   solve_time_s=time.perf_counter() - start, optimal_over=scope,
-                   lower_bound_step_time_s=min(whole_space_lower_s, best.step_time_s))
+                   solve_time_s=time.perf_counter() - start, optimal_over=f"{scope}; {space.scope_words()}",
+                   lower_bound_step_time_s=min(whole_space_lower_s, best.step_time_s),
+                   shard_optimizer=winner.sharded)
+
+
+def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
+                        tp_degrees=(1,), tp_dp: bool = True, **solve_kwargs):
+    """(solution, its problem, its cluster, shard_optimizer) of the best plan over the unsharded
+    space and, unless ``shard`` is "off", the sharded one per dp degree ("on": only sharded plans
+    with dp > 1), times the tensor-parallel degrees ``tp_degrees``: one enumeration (Note [one
+    enumeration] in space.py). The problem and cluster are the winning variant's (tensor groups
+    as devices when ``solution.tensor_parallel`` > 1)."""
+    solution = solve(problem, cluster, global_batch, dp=dp, shard=shard, tp_degrees=tuple(tp_degrees), tp_dp=tp_dp,
+                     **solve_kwargs)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
+    variant = Variant(solution.tensor_parallel, solution.shard_optimizer)
+    used_problem, used_cluster = space.inputs(variant, solution.dp)
+    return solution, used_problem, used_cluster, variant.sharded
+
+
+def _key_of(solution: Solution) -> tuple:
+    return (solution.num_stages, solution.dp, solution.num_microbatches,
+            Variant(solution.tensor_parallel, solution.shard_optimizer))
+
+
+def baseline_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule):
+    """The (p, d, m) the baselines are priced over: every one the request allows at tensor-parallel
+    degree 1 (Note [fair baselines]: a person's pipeline x data-parallel split)."""
+    return enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
+
+
+def _bounds_for_baselines(queue, records, space) -> dict:
+    """(p, d, m) -> a lower bound on every tp-1 unsharded plan of it: its own candidate's bound, or
+    its sharded candidate's where sharding relaxes it (Note [one enumeration])."""
+    out: dict = {}
+    items = [(r.num_stages, r.dp, r.num_microbatches, Variant(r.tensor_parallel, r.shard_optimizer),
+              r.lower_bound_step_time_s) for r in records]
+    items += [(p, d, m, v, lower) for lower, _, p, d, m, v, _ in queue]
+    for p, d, m, v, lower in items:
+        if v.tp != 1 or (v.sharded and not space.sharding_relaxes(1, d)):
+            continue
+        out[(p, d, m)] = max(out.get((p, d, m), 0.0), lower)
+    return out
 
 
 def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best) -> str:
@@ -229,16 +307,26 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
 #     costs no synchronisation); it is not the solver's proof (``bound``), which is much tighter.
 
 
-def _raise_infeasible(problem, cluster, global_batch, records, schedule, config) -> None:
-    """Find, among the failed candidates, the plan that overflows memory least, and say so."""
-    unknown = [r for r in records if r.status == "UNKNOWN"]
-    failed = [r for r in records if r.status == "INFEASIBLE"]
-    if not failed:
+def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
+    """Say why no plan came back: candidates left at the time limit (then it is no proof that
+    nothing fits, whatever the others did), or the plan that overflows memory least."""
+    last = {}  # a candidate solved twice (time limit, then again) ends with its second status
+    for r in records:
+        last[(r.num_stages, r.dp, r.num_microbatches, r.tensor_parallel, r.shard_optimizer)] = r
+    unknown = [r for r in last.values() if r.status in ("UNKNOWN", "SKIPPED")]
+    failed = [r for r in last.values() if r.status == "INFEASIBLE"]
+    if unknown:
+        memory = (f"; {len(failed)} other candidate(s) cannot fit memory" if failed else "")
         raise PartitionInfeasibleError(
-            f"no plan found within time_limit_s={config.time_limit_s} for any of {len(unknown)} candidates; "
-            "raise SolverConfig.time_limit_s or fix num_stages/dp/microbatches")
+            f"no plan found within time_limit_s={config.time_limit_s} (total_time_limit_s="
+            f"{config.total_time_limit_s}) for {len(unknown)} candidate(s){memory}: this is a time limit, not a "
+            "proof that no plan fits; raise SolverConfig.time_limit_s or fix num_stages/dp/microbatches",
+            timed_out=True)
+    if not failed:
+        raise PartitionInfeasibleError("no candidate was solved: fix num_stages/dp/microbatches", timed_out=True)
 
     def rough_memory(r: CandidateRecord) -> float:  # per-stage memory if everything divided evenly
+        problem = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)[0]
         in_flight = r.num_microbatches if schedule == "gpipe" else min(r.num_stages, r.num_microbatches)
         static = sum(x.static_bytes for x in problem.regions)
         saved = sum(x.recompute_activation_bytes_per_sample if config.allow_recompute else x.activation_bytes_per_sample
@@ -247,6 +335,7 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
 
     tightest = None
     for r in sorted(failed, key=rough_memory)[:4]:
+        problem, cluster = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)
         placement = place_stages(cluster, r.num_stages, r.dp) if cluster.is_homogeneous else None
         model = CandidateModel(problem, cluster, num_stages=r.num_stages, dp=r.dp, num_microbatches=r.num_microbatches,
                                microbatch_size=r.microbatch_size, schedule=schedule, config=config,
@@ -262,7 +351,7 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
         ratio = stage.memory_bytes / stage.capacity_bytes
         if tightest is None or ratio < tightest[0]:
             tightest = (ratio, r, s, stage, any(result.recompute))
-    largest = max(d.usable_memory_bytes for d in cluster.devices) / GIB  # Note [usable memory] in cluster.py
+    largest = max(d.usable_memory_bytes for d in space.cluster.devices) / GIB  # Note [usable memory] in cluster.py
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
@@ -271,6 +360,8 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
     raise PartitionInfeasibleError(
         f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
         f"microbatches={r.num_microbatches}, microbatch_size={r.microbatch_size}, {schedule}"
+        f"{f', tp {r.tensor_parallel}' if r.tensor_parallel > 1 else ''}"
+        f"{', sharded optimizer state' if r.shard_optimizer else ''}"
         f"{', recompute on' if used_recompute else ''}) needs {stage.memory_bytes / GIB:.2f} GiB on stage {s}, "
         f"whose device holds {stage.capacity_bytes / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
         "add devices, enable recompute, or lower the microbatch size"

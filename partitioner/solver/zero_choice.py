@@ -15,8 +15,8 @@ state]) changes two cost-model terms of every stage with d > 1 replicas, and not
   either way) and to the plan's predicted step time (partitioner/compiler.py).
 So a sharded candidate is the same partition problem with those terms changed
 (``sharded_problem``), solved by the same ILP, chain DP and checker, for each dp degree (the
-division depends on d). ``solve_with_sharding`` solves the unsharded space and, where asked, the
-sharded space per d, and keeps the faster plan; at equal predicted time the unsharded one (one
+division depends on d). It is one variant of each candidate (p, d, m) of the one enumeration
+(Note [one enumeration] in space.py), and the faster plan wins; at equal predicted time the unsharded one (one
 collective fewer per step in practice, and its optimizer state needs no resharding). Sharding
 therefore wins exactly when memory is what holds the unsharded plans back: a candidate that
 fits only with sharded state (fewer stages, bigger microbatches, less recompute) is faster.
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-from partitioner.errors import PartitionInfeasibleError
 
 SHARD_CHOICES = ("auto", "on", "off")
 
@@ -58,43 +56,7 @@ def allgather_s(problem, cluster, assignment) -> float:
     return worst * core_sharing_factor(cluster, assignment.device_of_stage_replica)
 
 
-def dp_degrees(cluster, global_batch: int, dp: int | None) -> list[int]:
-    if dp is not None:
-        return [dp] if dp > 1 else []
+def dp_degrees_for_test(cluster, global_batch: int) -> list[int]:
+    """Every dp > 1 the batch allows: the separate searches the one enumeration replaced (tests
+    compare with them)."""
     return [d for d in range(2, cluster.num_devices + 1) if global_batch % d == 0]
-
-
-def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
-                        **solve_kwargs):
-    """(solution, the problem it was solved on, shard_optimizer) of the best plan over the
-    unsharded space and, unless ``shard`` is "off", the sharded one per dp degree ("on": only
-    sharded plans with dp > 1)."""
-    from partitioner.solver.solve import solve
-
-    if shard not in SHARD_CHOICES:
-        raise ValueError(f"shard_optimizer {shard!r} is not one of {list(SHARD_CHOICES)}")
-    results, errors = [], []
-    if shard in ("auto", "off"):
-        try:
-            results.append((solve(problem, cluster, global_batch, dp=dp, **solve_kwargs), problem, False))
-        except PartitionInfeasibleError as exc:
-            errors.append(exc)
-    if shard in ("auto", "on"):
-        for d in dp_degrees(cluster, global_batch, dp):
-            variant = sharded_problem(problem, d)
-            try:
-                results.append((solve(variant, cluster, global_batch, dp=d, **solve_kwargs), variant, True))
-            except (PartitionInfeasibleError, ValueError) as exc:  # ValueError: no (p, m) for this d
-                errors.append(exc)
-    if not results:
-        if errors and isinstance(errors[0], PartitionInfeasibleError):
-            raise errors[0]
-        if shard == "on":
-            raise ValueError("shard_optimizer 'on' needs a plan with dp > 1, and none fits this cluster and "
-                             "global batch: allow more devices, or use shard_optimizer 'auto'")
-        raise errors[0]
-    def step_s(result):
-        solution, variant, sharded = result
-        return solution.step_time_s + (allgather_s(variant, cluster, solution.assignment) if sharded else 0.0)
-
-    return min(results, key=lambda r: (step_s(r), r[2]))  # equal time: unsharded first

@@ -1,0 +1,148 @@
+"""The space ``solve`` searches: (stages p, dp d, microbatches m) x a *variant* of the problem,
+the tensor-parallel degree and whether the optimizer state is sharded over the replicas.
+
+Note [one enumeration]
+    A variant changes the problem and the cluster the ILP sees, never the ILP: tensor
+    parallelism plans tensor groups as devices (``group_cluster`` and ``tp_priced_problem`` in
+    tensor_parallel.py, Note [tensor groups]), sharding divides the optimizer state by d
+    (``sharded_problem`` in zero_choice.py, Note [sharding as a candidate]). Every candidate is
+    (p, d, m, variant) and all of them go through one priority queue ordered by their lower
+    bounds (Note [candidate pruning] in solve.py): one incumbent prunes every variant, one time
+    budget covers them all, and OPTIMAL is a proof over the whole product the request allows.
+    (Solving the unsharded space and again per dp degree, three to seven separate searches each
+    with its own budget and no shared incumbent, was what made the 70B compile slow.)
+
+    Two variants need not both be searched when one is a relaxation of the other: where the
+    sharded state is never larger than the replicated one on any stage (every region's and tie's
+    optimizer bytes saved, (d-1)/d of them, cover the flat gradient the step phase then holds
+    instead of one bucket: ``sharding_relaxes``; AdamW's 2 bytes of state per gradient byte give
+    it for every d >= 2) and the time terms are the same (no gloo all-gather: ``extra_s`` is 0),
+    every unsharded plan of (p, d, m) is a sharded plan of the same step time, so the unsharded
+    candidates with d > 1 are dominated and left out. The winner is then stated unsharded when
+    its assignment also fits the unsharded problem (the tie-break of Note [sharding as a
+    candidate]); an unsharded plan of exactly the same step time but another assignment is not
+    looked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Variant", "SearchSpace"]
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    tp: int = 1
+    sharded: bool = False
+
+    def words(self) -> str:
+        return ", ".join(([f"tp {self.tp}"] if self.tp > 1 else []) + (["sharded state"] if self.sharded else []))
+
+
+class SearchSpace:
+    """The variants of one request and their (problem, cluster), built once each.
+
+    ``tp_degrees``: the tensor-parallel degrees to weigh (1 first); ``shard``: "off", "on" (only
+    sharded plans, d > 1) or "auto"; ``tp_dp``: whether a tp > 1 plan may also have d > 1 and
+    sharded state (False while the runtime refuses them: Note [what tensor parallelism runs
+    with] in partitioner/tensor_parallel.py)."""
+
+    def __init__(self, problem, cluster, *, tp_degrees=(1,), shard: str = "off", tp_dp: bool = True):
+        from partitioner.solver.zero_choice import SHARD_CHOICES
+
+        if shard not in SHARD_CHOICES:
+            raise ValueError(f"shard_optimizer {shard!r} is not one of {list(SHARD_CHOICES)}")
+        degrees = sorted(set(tp_degrees))
+        if not degrees or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in degrees):
+            raise ValueError(f"tensor-parallel degrees {tuple(tp_degrees)!r} must be ints >= 1")
+        self.problem, self.cluster, self.shard, self.tp_dp = problem, cluster, shard, tp_dp
+        self.tp_degrees = tuple(degrees)
+        self._grouped: dict[int, tuple] = {}
+        self._inputs: dict[tuple, tuple] = {}
+
+    def grouped(self, tp: int):
+        """(problem, cluster) with tensor groups of ``tp`` as devices."""
+        if tp not in self._grouped:
+            from partitioner.solver.tensor_parallel import group_cluster, tp_priced_problem
+
+            self._grouped[tp] = ((self.problem, self.cluster) if tp == 1 else
+                                 (tp_priced_problem(self.problem, self.cluster, tp), group_cluster(self.cluster, tp)))
+        return self._grouped[tp]
+
+    def inputs(self, variant: Variant, dp: int):
+        """(problem, cluster) the ILP solves for ``variant`` at ``dp`` replicas."""
+        key = (variant, dp if variant.sharded else 0)
+        if key not in self._inputs:
+            from partitioner.solver.zero_choice import sharded_problem
+
+            problem, cluster = self.grouped(variant.tp)
+            self._inputs[key] = (sharded_problem(problem, dp) if variant.sharded else problem, cluster)
+        return self._inputs[key]
+
+    def extra_s(self, variant: Variant, assignment) -> float:
+        """Step time the ILP does not see: gloo's all-gather of sharded state (zero_choice.allgather_s)."""
+        if not variant.sharded:
+            return 0.0
+        from partitioner.solver.zero_choice import allgather_s
+
+        problem, cluster = self.inputs(variant, assignment.dp)
+        return allgather_s(problem, cluster, assignment)
+
+    def sharding_relaxes(self, tp: int, dp: int) -> bool:
+        """Note [one enumeration]: sharded plans at ``dp`` are never slower nor larger than unsharded ones."""
+        problem, cluster = self.grouped(tp)
+        if any(device.kind == "cpu" for device in cluster.devices):  # gloo's extra all-gather
+            return False
+        keep = (dp - 1) / dp
+        if any(r.optimizer_bytes * keep < r.grad_bytes for r in problem.regions):
+            return False
+        return all(problem.tie_bytes(t)[2] * keep >= problem.tie_bytes(t)[1] for t in problem.ties)
+
+    def variants(self, dp: int) -> list[Variant]:
+        """The variants a candidate with ``dp`` replicas is searched in."""
+        out = []
+        for tp in self.tp_degrees:
+            if tp > 1 and dp > 1 and not self.tp_dp:
+                continue
+            shard_ok = dp > 1 and (tp == 1 or self.tp_dp)
+            if self.shard == "on":
+                out += [Variant(tp, True)] if shard_ok else []
+            elif self.shard == "off" or not shard_ok:
+                out.append(Variant(tp, False))
+            elif self.sharding_relaxes(tp, dp):
+                out.append(Variant(tp, True))
+            else:
+                out += [Variant(tp, False), Variant(tp, True)]
+        return out
+
+    def candidates(self, global_batch, num_stages, dp, microbatches, config, schedule):
+        """Every (p, d, m, variant) the request allows (candidates.enumerate_candidates per degree)."""
+        from partitioner.solver.candidates import enumerate_candidates
+
+        out = []
+        for tp in self.tp_degrees:
+            problem, cluster = self.grouped(tp)
+            for p, d, m in enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches,
+                                                config, schedule):
+                out += [(p, d, m, v) for v in self.variants(d) if v.tp == tp]
+        return out
+
+    def unsharded_if_it_fits(self, variant: Variant, assignment) -> Variant:
+        """The tie-break of Note [sharding as a candidate] for a relaxed winner (Note [one enumeration])."""
+        if not variant.sharded or self.shard != "auto" or not self.sharding_relaxes(variant.tp, assignment.dp):
+            return variant
+        from partitioner.solver.evaluate import evaluate
+
+        problem, cluster = self.grouped(variant.tp)
+        return Variant(variant.tp, False) if evaluate(problem, cluster, assignment).fits_memory else variant
+
+    def scope_words(self) -> str:
+        """What the space adds to Note [honest optimality]'s statement of what OPTIMAL covers."""
+        tp = ("tensor-parallel degree 1" if self.tp_degrees == (1,) else
+              f"tensor-parallel degrees {', '.join(map(str, self.tp_degrees))}"
+              + ("" if self.tp_dp else " (tp > 1 with dp 1, unsharded: what the runtime runs)"))
+        shard = {"off": "optimizer state replicated", "on": "optimizer state sharded (dp > 1)",
+                 "auto": "optimizer state replicated or sharded per dp"}[self.shard]
+        return f"{tp}; {shard}"
+

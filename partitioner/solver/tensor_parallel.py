@@ -1,0 +1,171 @@
+"""Tensor parallelism in the cost model: a tensor group planned as one device.
+
+Note [tensor groups]: with a tensor-parallel degree tp, the solver plans pipeline stages x
+data-parallel replicas over *tensor groups*: tp consecutive devices of one node acting as one
+device (logical device g is physical ranks g*tp .. g*tp+tp-1, the tensor index innermost, as
+Megatron lays them out). This first version prices a group as
+
+- ``group_cluster``: one device with tp times the memory and tp times the FLOP/s of its members
+  (compute divides perfectly), joined to the other groups by today's links;
+- ``tp_problem``: the parameter, gradient and optimizer bytes that the tensor group shards
+  (``RegionCost.tp_sharded_param_bytes``, from passes/tensor_parallel.py) held once per group
+  instead of once per device, i.e. divided by tp, and everything else (norms, biases of row
+  linears, activations) held whole by every member: so the group's memory is tp x one member's.
+
+``tp_priced_problem`` adds what the solver prices on top (Note [tensor-parallel pricing] below:
+the compute a group does not divide, the collectives ``RegionCost.tp_comm_bytes`` names on the
+intra-node link, the activations a group splits); the search over degrees is
+``degrees_to_search`` with solver/space.py (Note [one enumeration]). Not priced: the lower
+efficiency of smaller matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from partitioner.cluster import ClusterSpec
+
+
+def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
+    """Each run of ``tp`` consecutive devices as one device: memory x tp, FLOP/s x tp, on their
+    node. Refuses groups that straddle nodes or mix device classes."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel={tp!r} must be an int >= 1")
+    if tp == 1:
+        return cluster
+    n = cluster.num_devices
+    if n % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide the cluster's {n} devices: give a degree "
+                         f"that divides {n}, or a cluster of a multiple of {tp} devices")
+    groups = []
+    for g in range(n // tp):
+        members = cluster.devices[g * tp:(g + 1) * tp]
+        nodes = {d.node for d in members}
+        if len(nodes) > 1:
+            raise ValueError(f"tensor group {g} ({', '.join(d.name for d in members)}) spans nodes "
+                             f"{sorted(nodes)}: tensor parallelism stays within a node; give a degree "
+                             "that divides each node's device count")
+        classes = {d.device_class for d in members}
+        if len(classes) > 1:
+            raise ValueError(f"tensor group {g} ({', '.join(d.name for d in members)}) mixes device "
+                             "classes: a tensor group must be identical devices")
+        first = members[0]
+        groups.append(dataclasses.replace(
+            first, name=f"{first.name}..{members[-1].name}",
+            memory_bytes=first.memory_bytes * tp, flops_per_s=first.flops_per_s * tp,
+            memory_reserve_bytes=first.memory_reserve_bytes * tp))
+    return dataclasses.replace(cluster, devices=tuple(groups))
+
+
+def tp_problem(problem, tp: int):
+    """``problem`` restated per tensor group (Note [tensor groups]): a group's memory is tp
+    members', so every byte a member holds whole (replicated parameters, activations, transients,
+    the batch) counts tp times and the sharded parameter, gradient and optimizer bytes once (each
+    member holds 1/tp of them). Against ``group_cluster``'s tp x memory that is each member's
+    replicated + sharded / tp + activations against its own memory. Not scaled: edges (their
+    bytes price the sends, which one member's pipeline makes; the receive buffers they also size
+    are under-counted by tp) and ties (kept whole: a vocab-split tied embedding is over-counted)."""
+    if tp == 1:
+        return problem
+    regions = []
+    for r in problem.regions:
+        share = min(1.0, r.tp_sharded_param_bytes / r.param_bytes) if r.param_bytes else 0.0
+
+        def per_group(nbytes: int) -> int:  # replicated part on every member, sharded part once
+            return int(round(nbytes * (1 - share) * tp + nbytes * share))
+
+        regions.append(dataclasses.replace(
+            r, param_bytes=per_group(r.param_bytes), grad_bytes=per_group(r.grad_bytes),
+            optimizer_bytes=per_group(r.optimizer_bytes), transient_fixed_bytes=per_group(r.transient_fixed_bytes),
+            activation_bytes_per_sample=r.activation_bytes_per_sample * tp,
+            recompute_activation_bytes_per_sample=r.recompute_activation_bytes_per_sample * tp,
+            transient_bytes_per_sample=r.transient_bytes_per_sample * tp))
+    return dataclasses.replace(problem, regions=tuple(regions),
+                               input_bytes_per_sample=problem.input_bytes_per_sample * tp,
+                               target_bytes_per_sample=problem.target_bytes_per_sample * tp,
+                               allreduce_bucket_bytes=problem.allreduce_bucket_bytes * tp)
+
+
+# Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (this
+# part is the solver's; ``group_cluster`` gives a group tp x one member's FLOP/s and memory):
+# - compute: a region's FLOPs split in proportion to its sharded parameter bytes (its matmuls and
+#   the attention between them split on heads / features, Megatron's pairing); the rest (norms,
+#   a region without sharded parameters) runs whole on every member, so counts tp times against
+#   the group's tp x FLOP/s. The parameter share stands in for the FLOP share: on a transformer
+#   block both are > 99.9% (norm weights are the only replicated parameters); smaller matmuls'
+#   lower efficiency is not priced;
+# - collectives: every member all-reduces the region's ``tp_comm_bytes`` per sample in forward
+#   and the same again in backward, a ring over the intra-node link:
+#   2 (tp-1)/tp * bytes / bandwidth + 2 (tp-1) * latency per direction and microbatch (one
+#   collective's latency per region and direction: a block's second all-reduce adds ~2(tp-1)
+#   latencies more, microseconds on NVLink, not counted). The vocab head's all-gather is priced
+#   as an all-reduce (twice its bytes: conservative). The seconds go into the region's per-kind
+#   times (``fwd_s_per_sample_by_kind`` and ``..._per_microbatch_by_kind``, Note [time model] in
+#   problem.py), so the ILP, the chain DP, the baselines and the checker all see them alike;
+# - activations: the saved bytes between a column and its row linear
+#   (``tp_sharded_activation_bytes_per_sample``, Note [sharded activations] in
+#   passes/tp_activations.py) held once per group, i.e. 1/tp per member; the rest (norms,
+#   residuals, the row outputs, a recomputed region's inputs) whole on every member, as
+#   ``tp_problem`` counts everything.
+
+
+def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
+    """``tp_problem`` with the compute and collectives of Note [tensor-parallel pricing]."""
+    if tp == 1:
+        return problem
+    grouped = tp_problem(problem, tp)
+    link = cluster.intra_node_link
+    ring = 2 * (tp - 1) / tp
+    rate_of = {}  # kind -> one member's FLOP/s
+    for device in cluster.devices:
+        rate_of.setdefault(device.kind, device.flops_per_s)
+    regions = []
+    for original, r in zip(problem.regions, grouped.regions):
+        share = min(1.0, original.tp_sharded_param_bytes / original.param_bytes) if original.param_bytes else 0.0
+        whole = share + (1 - share) * tp  # FLOPs in units of one group's rate
+        split = min(original.tp_sharded_activation_bytes_per_sample, original.activation_bytes_per_sample)
+        changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,
+                       bwd_flops_per_sample=original.bwd_flops_per_sample * whole,
+                       activation_bytes_per_sample=(original.activation_bytes_per_sample - split) * tp + split)
+        calibrated = original.fwd_s_per_sample_by_kind or original.bwd_s_per_sample_by_kind
+        if original.tp_comm_bytes > 0 or calibrated:
+            comm_s = ring * original.tp_comm_bytes / link.bandwidth_bytes_per_s
+            latency_s = 2 * (tp - 1) * link.latency_s if original.tp_comm_bytes > 0 else 0.0
+            fraction = share / tp + (1 - share)  # of one member's seconds
+            fwd, bwd, fwd_fixed, bwd_fixed = {}, {}, {}, {}
+            for kind, rate in rate_of.items():
+                f_meas = (original.fwd_s_per_sample_by_kind or {}).get(kind)
+                b_meas = (original.bwd_s_per_sample_by_kind or {}).get(kind)
+                fwd[kind] = (f_meas * fraction if f_meas is not None
+                             else original.fwd_flops_per_sample * fraction / rate) + comm_s
+                bwd[kind] = (b_meas * fraction if b_meas is not None
+                             else original.bwd_flops_per_sample * fraction / rate) + comm_s
+                fwd_fixed[kind] = ((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0)
+                                   if f_meas is not None else 0.0) + latency_s
+                bwd_fixed[kind] = ((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0)
+                                   if b_meas is not None else 0.0) + latency_s
+            changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
+                           fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed)
+        regions.append(dataclasses.replace(r, **changes))
+    return dataclasses.replace(grouped, regions=tuple(regions))
+
+
+def degrees_to_search(cluster: ClusterSpec, runs=lambda tp: True) -> tuple[int, ...]:
+    """Tensor-parallel degrees the solver weighs: each divides every node's device count (a group
+    stays within a node, of one device class) and ``runs(tp)`` (the program runs it: the degree
+    divides the heads, features and vocabulary the sharded nodes split, and the settings allow it;
+    partitioner/compiler.py)."""
+    per_node: dict[int, int] = {}
+    for device in cluster.devices:
+        per_node[device.node] = per_node.get(device.node, 0) + 1
+    out = []
+    for tp in range(1, min(per_node.values()) + 1):
+        if any(count % tp for count in per_node.values()):
+            continue
+        try:
+            group_cluster(cluster, tp)
+        except ValueError:  # a group would straddle nodes or mix classes
+            continue
+        if tp == 1 or runs(tp):
+            out.append(tp)
+    return tuple(out)

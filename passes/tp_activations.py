@@ -1,0 +1,42 @@
+"""Which saved activations a tensor group splits: read-only, over the metadata of passes/memory.py
+(saved bytes per node) and passes/tensor_parallel.py (roles). Writes no node key.
+
+Note [sharded activations]: between a column-parallel linear and the row-parallel linear it
+feeds, every tensor is split on heads / hidden features (Note [tensor-parallel roles]): each
+member of the group holds 1/tp of it. A node's output is split when the node is a column linear,
+or when it is no linear or embedding of its own and a tensor input of it is split (the attention,
+activation functions, dropout and views between the pair); a row linear's output, all-reduced, is
+whole again, as is everything a whole tensor feeds (residual adds, norms, the vocab layers'
+outputs). ``sharded_saved_bytes`` sums, per region, the saved activation bytes (MemoryMeta) of the
+split nodes: what the solver divides by tp (Note [tensor-parallel pricing] in
+partitioner/solver/tensor_parallel.py); the rest stays whole on every member.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from partitioner import ir
+
+
+def split_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose output each tensor-parallel member holds 1/tp of (Note [sharded activations])."""
+    split: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        role = ir.get(n, ir.TP).role if ir.has(n, ir.TP) else None
+        if role == "column":
+            split.add(n)
+        elif role is None and n.op == "call_function" and any(
+                isinstance(a, fx.Node) and a in split for a in n.all_input_nodes):
+            split.add(n)
+    return split
+
+
+def sharded_saved_bytes(gm: fx.GraphModule) -> dict[int, int]:
+    """region id -> saved activation bytes (per traced batch) of its split nodes."""
+    out: dict[int, int] = {}
+    for n in split_nodes(gm):
+        if ir.has(n, ir.MEMORY) and ir.has(n, ir.REGION):
+            rid = ir.get(n, ir.REGION).region_id
+            out[rid] = out.get(rid, 0) + ir.get(n, ir.MEMORY).saved_activation_bytes
+    return out
