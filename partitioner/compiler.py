@@ -207,7 +207,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         microbatch_size=b,
         global_batch=global_batch,
         schedule=assignment.schedule,
-        world_size=assignment.num_stages * assignment.dp,
+        world_size=assignment.pipeline_ranks * assignment.dp,
         device_type="cpu" if cluster.devices[0].kind == "cpu" else "cuda",
         stages=tuple(stages),
         regions=regions,
@@ -232,7 +232,7 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
     from runtime.memtier import memory_cost, plan_redundancy
 
     request = {"mode": request} if isinstance(request, str) else dict(request)
-    world = assignment.num_stages * assignment.dp
+    world = assignment.pipeline_ranks * assignment.dp
     hosts, keys, shard = [0] * world, [((), 0)] * world, [0] * world
     for s, stage in enumerate(stages):
         for rep in range(assignment.dp):

@@ -42,7 +42,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
-from partitioner.solver.schedule_choice import AUTO, solve_any_schedule
+from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 
 __all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate"]
@@ -70,6 +70,10 @@ def solve(
     if schedule == AUTO:  # Note [schedule choice]
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress)
+    if schedule == "interleaved" and config.local_stages is None:  # Note [interleaved pricing]
+        return solve_any_local_stages(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
+                                      microbatches=microbatches, config=config, progress=progress)
+    v = config.local_stages if schedule == "interleaved" else 1
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
     candidates = enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
@@ -83,10 +87,10 @@ def solve(
     def cheap_bound(p, d, m):
         return candidate_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
                                        microbatch_size=global_batch // (d * m), schedule=schedule,
-                                       allow_recompute=config.allow_recompute)
+                                       allow_recompute=config.allow_recompute, local_stages=v)
 
     def strong_bound(p, d, m, cheap):
-        if not (homogeneous and chain) or not math.isfinite(cheap):
+        if not (homogeneous and chain) or not math.isfinite(cheap) or v > 1:
             return cheap
         b = global_batch // (d * m)
         pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
@@ -173,7 +177,7 @@ def solve(
     if best is None:
         _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
     baselines = best_baselines(problem, cluster, candidates, global_batch, schedule=schedule,
-                               allow_recompute=config.allow_recompute)  # Note [fair baselines]
+                               allow_recompute=config.allow_recompute, local_stages=v)  # Note [fair baselines]
     status, bound = best.status, best.bound
     own = unresolved.get((best.num_stages, best.dp, best.num_microbatches))
     if own is not None and best.objective is not None:  # its cheap or strong bound may be the better one
@@ -204,10 +208,12 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         f"dp {dp} (fixed)" if dp is not None else "every dp",
         (f"{microbatches} microbatches (fixed)" if microbatches is not None
          else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
-        f"the {schedule} schedule",
+        f"the {schedule} schedule" + (f" at {best.local_stages} stages per rank" if schedule == "interleaved" else ""),
         "recompute per region" if config.allow_recompute else "no recompute",
     ]
-    if cluster.is_homogeneous:
+    if cluster.is_homogeneous and schedule == "interleaved":
+        parts.append("rank = (stage % pipeline ranks) * dp + replica on the devices in cluster order")
+    elif cluster.is_homogeneous:
         parts.append("rank = stage * dp + replica on the devices in cluster order")
     elif len({d.node for d in cluster.devices}) == 1:
         parts.append("a device class per stage (one node: every link the same)")
@@ -238,8 +244,10 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
             f"no plan found within time_limit_s={config.time_limit_s} for any of {len(unknown)} candidates; "
             "raise SolverConfig.time_limit_s or fix num_stages/dp/microbatches")
 
+    v = config.local_stages if schedule == "interleaved" else 1
+
     def rough_memory(r: CandidateRecord) -> float:  # per-stage memory if everything divided evenly
-        in_flight = r.num_microbatches if schedule == "gpipe" else min(r.num_stages, r.num_microbatches)
+        in_flight = r.num_microbatches if schedule in ("gpipe", "interleaved") else min(r.num_stages, r.num_microbatches)
         static = sum(x.static_bytes for x in problem.regions)
         saved = sum(x.recompute_activation_bytes_per_sample if config.allow_recompute else x.activation_bytes_per_sample
                     for x in problem.regions)
@@ -247,7 +255,7 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
 
     tightest = None
     for r in sorted(failed, key=rough_memory)[:4]:
-        placement = place_stages(cluster, r.num_stages, r.dp) if cluster.is_homogeneous else None
+        placement = place_stages(cluster, r.num_stages, r.dp, local_stages=v) if cluster.is_homogeneous else None
         model = CandidateModel(problem, cluster, num_stages=r.num_stages, dp=r.dp, num_microbatches=r.num_microbatches,
                                microbatch_size=r.microbatch_size, schedule=schedule, config=config,
                                placement=placement, minimize_memory=True)
@@ -260,6 +268,8 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
             r.microbatch_size, schedule))
         s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
         ratio = stage.memory_bytes / stage.capacity_bytes
+        if cost.rank_memory_bytes:  # interleaved: a rank's stages together (Note [interleaved pricing])
+            ratio = max(x / c for x, c in zip(cost.rank_memory_bytes, cost.rank_capacity_bytes))
         if tightest is None or ratio < tightest[0]:
             tightest = (ratio, r, s, stage, any(result.recompute))
     largest = max(d.usable_memory_bytes for d in cluster.devices) / GIB  # Note [usable memory] in cluster.py
