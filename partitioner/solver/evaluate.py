@@ -104,6 +104,7 @@ class StageCost:
     transient_bytes: float = 0.0     # Note [memory model]
     step_buffers_bytes: float = 0.0
     overhead_s: float = 0.0  # per microbatch, besides regions and sends (Note [whole-step terms])
+    forward_s: float = 0.0  # per microbatch, the part of time_s before the backward: f_s of Note [interleaved pricing]
 
     @property
     def memory_bytes(self) -> float:
@@ -230,6 +231,7 @@ def evaluate(
                 dp_allreduce_s=scale * allreduce,
                 transient_bytes=memory["transient"],
                 step_buffers_bytes=memory["step"],
+                forward_s=scale * fwd_part[s],
             )
         )
     bottleneck = max(st.time_s for st in stage_costs)
@@ -241,7 +243,7 @@ def evaluate(
     rank_memory, rank_capacity = (), ()
     if a.schedule == "interleaved":  # Note [interleaved pricing]
         pipeline, dp_allreduce, rank_memory, rank_capacity = _interleaved_terms(
-            problem, a, stage_costs, fwd_part, dp_links, scale)
+            problem, a, stage_costs, dp_links, scale)
         bottleneck = max(st.time_s for st in stage_costs)
         state_bytes = [sum(state_bytes[pos::pp]) for pos in range(pp)]
     sdc_check = 0.0
@@ -270,7 +272,7 @@ def evaluate(
     )
 
 
-def _interleaved_terms(problem, a: Assignment, stage_costs, fwd_part, dp_links, scale):
+def _interleaved_terms(problem, a: Assignment, stage_costs, dp_links, scale):
     """(pipeline, dp_allreduce, rank peaks, rank capacities) of an interleaved plan (Note
     [interleaved pricing] in interleaved.py): the worst-stage bound on torch's timeline, the
     all-reduce of each rank's stages' gradients at once, and each rank's peak as the sum of its
@@ -278,8 +280,8 @@ def _interleaved_terms(problem, a: Assignment, stage_costs, fwd_part, dp_links, 
     from partitioner.solver.interleaved import pipeline_slots
 
     pp, v, d, m, b = a.pipeline_ranks, a.local_stages, a.dp, a.num_microbatches, a.microbatch_size
-    fwd_max = max(scale * f for f in fwd_part)
-    bwd_max = max(st.time_s - scale * f for st, f in zip(stage_costs, fwd_part))
+    fwd_max = max(st.forward_s for st in stage_costs)
+    bwd_max = max(st.time_s - st.forward_s for st in stage_costs)
     pipeline = pipeline_slots(pp, v, m) * (fwd_max + bwd_max)
     allreduce = 0.0
     batch = d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
