@@ -15,6 +15,13 @@ beyond latencies, which every plan pays. The two heterogeneous rows are two node
 node 0, A100s on node 1): our plan is searched over every placement of stages on devices (Note
 [exact placements]), its status says whether that search was proven.
 
+The interleaved rows (``--interleaved-only`` prints just them) put 1F1B over the devices next to
+interleaved 1F1B at v = 2 and 4 stages per rank on the same model, cluster and microbatches (Note
+[interleaved pricing] in partitioner/solver/interleaved.py), sublayer granularity: the step time the
+solver prices (the worst stage's forward and backward at every stage: never below torch's order),
+the step time with the pipeline replaced by torch's own order simulated over the plan's stage
+times (runtime/schedule.py timed_actions), and whether it fits memory.
+
 "ours" is solved at "op" granularity (a region per matmul: passes/regions.py), the "sublayer"
 column at attention/MLP granularity, to show what the finer regions buy. The baselines split
 whole layers, so granularity does not change them.
@@ -31,7 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_like import gpt2_small, gpt_like_problem, llama_like  # noqa: E402
 
 from partitioner.cluster import ClusterSpec  # noqa: E402
-from partitioner.solver import SolverConfig, solve  # noqa: E402
+from partitioner.errors import PartitionInfeasibleError  # noqa: E402
+from partitioner.solver import SolverConfig, evaluate, solve  # noqa: E402
+from runtime.schedule import timed_actions  # noqa: E402
 
 
 def scenarios(granularity: str):
@@ -54,10 +63,53 @@ def scenarios(granularity: str):
            dict(num_stages=8, dp=1, microbatches=32, global_batch=32))
 
 
+def interleaved_scenarios():
+    yield "GPT-2 small, 4 x A100-40GB, 16 microbatches", gpt2_small("fine"), ClusterSpec.homogeneous(4, "a100-40gb"), 16
+    yield "Llama-like 7B, 8 x H100, 32 microbatches", llama_like("fine"), ClusterSpec.homogeneous(8, "h100"), 32
+    yield "Llama-like 7B, 8 x H100, 8 microbatches", llama_like("fine"), ClusterSpec.homogeneous(8, "h100"), 8
+
+
+def torch_order_step_s(problem, cluster, solution) -> float:
+    """The plan's step time with its pipeline term replaced by torch's order over its stage times."""
+    cost = evaluate(problem, cluster, solution.assignment)
+    fwd = [st.forward_s for st in cost.stages]
+    bwd = [st.time_s - st.forward_s for st in cost.stages]
+    actions = timed_actions("interleaved", solution.assignment.pipeline_ranks, solution.num_stages,
+                            solution.num_microbatches, lambda kind, s: fwd[s] if kind == "F" else bwd[s])
+    return cost.step_time_s - cost.pipeline_s + max(end for *_, end in actions)
+
+
+def interleaved_rows(time_limit_s: float) -> None:
+    print("\ninterleaved 1F1B vs 1F1B (dp 1, pipeline over every device, sublayer granularity)")
+    print(f"{'':52} {'1f1b_s':>8} {'v':>2} {'inter_s':>8} {'torch_s':>8} {'1f1b/int':>8} {'status':>9} fits")
+    for title, problem, cluster, m in interleaved_scenarios():
+        ranks = cluster.num_devices
+        one = solve(problem, cluster, m, num_stages=ranks, dp=1, microbatches=m,
+                    config=SolverConfig(time_limit_s=time_limit_s))
+        for v in (2, 4):
+            config = SolverConfig(time_limit_s=time_limit_s, local_stages=v)
+            try:
+                sol = solve(problem, cluster, m, num_stages=ranks * v, dp=1, microbatches=m, schedule="interleaved",
+                            config=config)
+            except PartitionInfeasibleError:
+                print(f"{title:52} {one.step_time_s:>8.4f} {v:>2} {'no-fit':>8} {'-':>8} {'-':>8} {'-':>9} no")
+                continue
+            print(f"{title:52} {one.step_time_s:>8.4f} {v:>2} {sol.step_time_s:>8.4f} "
+                  f"{torch_order_step_s(problem, cluster, sol):>8.4f} {one.step_time_s / sol.step_time_s:>8.3f} "
+                  f"{sol.status:>9} yes")
+            title = ""
+    print("1f1b/int > 1: interleaved predicted faster; torch_s: the same plan with torch's order simulated "
+          "over its stage times (what the worst-stage price bounds)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--interleaved-only", action="store_true", help="print only the interleaved rows")
     args = parser.parse_args()
+    if args.interleaved_only:
+        interleaved_rows(args.time_limit)
+        return 0
     config = SolverConfig(time_limit_s=args.time_limit, max_microbatches=64)
     header = (f"{'ours_s':>9} {'sublayer_s':>10} {'uniform_s':>10} {'param_bal_s':>11} {'lower_s':>9} "
               f"{'uni/ours':>8} {'par/ours':>8} {'ours/lb':>7} {'sub/lb':>7}")
@@ -96,6 +148,7 @@ def main() -> int:
               f"{sublayer.step_time_s / sublayer.lower_bound_step_time_s:>7.3f}")
     print("\nratios > 1 mean ours is faster; no-fit = the baseline fits memory in no allowed configuration;"
           "\nsub/lb: the sublayer plan against its own lower bound (the same space, so the same bound)")
+    interleaved_rows(args.time_limit)
     return 0
 
 
