@@ -56,7 +56,8 @@ def solve_any_local_stages(solve, problem, cluster, global_batch, *, config, **k
     runs = {f"v={v}": (lambda v=v: solve(problem, cluster, global_batch, schedule="interleaved",
                                           config=replace(config, local_stages=v), **kwargs))
             for v in LOCAL_STAGE_OPTIONS}
-    chosen, results, errors, chosen_name = _best_of(runs, order)
+    chosen, results, errors, chosen_name = _best_of(runs, order, "schedule interleaved has no plan at any "
+                                                    "number of stages per rank")
     others = _others(results, errors, chosen_name)
     scope = chosen.optimal_over.replace(
         f"at {chosen.local_stages} stages per rank",
@@ -69,7 +70,7 @@ def _others(results, errors, chosen_name) -> str:
     return ", ".join(parts + [f"{s} has no plan" for s in errors])
 
 
-def _best_of(runs: dict, order: list[str]):
+def _best_of(runs: dict, order: list[str], what: str = "no schedule has a plan"):
     """Run every option; (the fastest plan with the combined status, bound and lower bound, the
     results, the errors, the chosen option's name). OPTIMAL only when the chosen plan's solve is and
     every other option's is OPTIMAL (or found nothing that fits) at a step time no lower."""
@@ -84,7 +85,7 @@ def _best_of(runs: dict, order: list[str]):
         infeasible = [e for e in errors.values() if isinstance(e, PartitionInfeasibleError)]
         detail = "; ".join(f"{s}: {e}" for s, e in errors.items())
         cls = PartitionInfeasibleError if infeasible else ValueError
-        raise cls(f"no schedule has a plan ({detail})")
+        raise cls(f"{what} ({detail})")
     chosen_name = min(results, key=lambda s: (results[s].step_time_s, order.index(s)))
     chosen = results[chosen_name]
     status, bound = chosen.status, chosen.bound

@@ -267,21 +267,25 @@ def _raise_infeasible(problem, cluster, global_batch, records, schedule, config)
             result.stage_of_region, result.recompute, placement, r.num_stages, r.dp, r.num_microbatches,
             r.microbatch_size, schedule))
         s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
-        ratio = stage.memory_bytes / stage.capacity_bytes
+        where, needed, capacity = f"stage {s}", stage.memory_bytes, stage.capacity_bytes
         if cost.rank_memory_bytes:  # interleaved: a rank's stages together (Note [interleaved pricing])
-            ratio = max(x / c for x, c in zip(cost.rank_memory_bytes, cost.rank_capacity_bytes))
+            pos = max(range(len(cost.rank_memory_bytes)),
+                      key=lambda i: cost.rank_memory_bytes[i] / cost.rank_capacity_bytes[i])
+            where = f"the rank holding stages {list(range(pos, r.num_stages, len(cost.rank_memory_bytes)))}"
+            needed, capacity = cost.rank_memory_bytes[pos], cost.rank_capacity_bytes[pos]
+        ratio = needed / capacity
         if tightest is None or ratio < tightest[0]:
-            tightest = (ratio, r, s, stage, any(result.recompute))
+            tightest = (ratio, r, where, needed, capacity, any(result.recompute))
     largest = max(d.usable_memory_bytes for d in cluster.devices) / GIB  # Note [usable memory] in cluster.py
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
             "add devices, enable recompute, or lower the microbatch size")
-    _, r, s, stage, used_recompute = tightest
+    _, r, where, needed, capacity, used_recompute = tightest
     raise PartitionInfeasibleError(
         f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
         f"microbatches={r.num_microbatches}, microbatch_size={r.microbatch_size}, {schedule}"
-        f"{', recompute on' if used_recompute else ''}) needs {stage.memory_bytes / GIB:.2f} GiB on stage {s}, "
-        f"whose device holds {stage.capacity_bytes / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
+        f"{', recompute on' if used_recompute else ''}) needs {needed / GIB:.2f} GiB on {where}, "
+        f"whose device holds {capacity / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
         "add devices, enable recompute, or lower the microbatch size"
     )

@@ -135,3 +135,12 @@ def test_heterogeneous_interleaved_is_refused_with_the_fix_and_left_out_of_auto(
     with pytest.raises(ValueError, match="one device class only.*--schedule 1f1b"):
         validate_options(mixed, 8, None, None, None, "interleaved")
     validate_options(_cluster(2), 8, 4, 1, 4, "interleaved")  # 4 stages on 2 devices: accepted
+
+
+def test_no_fit_names_the_rank_whose_stages_overflow():
+    from partitioner.errors import PartitionInfeasibleError
+
+    problem = _problem(random.Random(0), 8)
+    with pytest.raises(PartitionInfeasibleError, match=r"on the rank holding stages \[\d, \d\], whose device holds"):
+        solve(problem, _cluster(2, 2**27), 8, num_stages=4, schedule="interleaved",
+              config=SolverConfig(time_limit_s=3, local_stages=2))
