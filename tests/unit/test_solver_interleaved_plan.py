@@ -42,12 +42,12 @@ def _splits(n: int, p: int):
         yield tuple(s for s in range(p) for _ in range(bounds[s], bounds[s + 1]))
 
 
-def _exhaustive(problem, cluster, *, p, v, m, b):
-    placement = place_stages(cluster, p, 1, local_stages=v)
+def _exhaustive(problem, cluster, *, p, v, m, b, d=1):
+    placement = place_stages(cluster, p, d, local_stages=v)
     best = None
     for split in _splits(problem.num_regions, p):
         cost = evaluate(problem, cluster, Assignment(split, (False,) * problem.num_regions, placement,
-                                                     p, 1, m, b, "interleaved"))
+                                                     p, d, m, b, "interleaved"))
         if cost.fits_memory and (best is None or cost.step_time_s < best):
             best = cost.step_time_s
     return best
@@ -78,6 +78,26 @@ def test_optimal_is_the_exhaustive_optimum_with_memory_binding(seed):
     cost = check_assignment(problem, tight, sol)
     assert max(cost.rank_memory_bytes) <= tight.devices[0].usable_memory_bytes
     assert max(cost.rank_memory_bytes) > max(st.memory_bytes for st in cost.stages)  # a rank holds v stages
+
+
+def test_optimal_with_data_parallelism_and_a_tie_is_the_exhaustive_optimum():
+    """2 ranks x 2 stages x dp 2 on 4 devices, the first and last region sharing a parameter: the
+    all-reduce is per rank (its two stages' gradients), the tie's copies are synchronised."""
+    from dataclasses import replace
+
+    from partitioner.solver import SharedParam
+
+    rng = random.Random(11)
+    problem = _problem(rng, 8)
+    problem = replace(problem, ties=(SharedParam((0, 7), 8 << 20),))
+    cluster = _cluster(4)
+    config = SolverConfig(time_limit_s=10, allow_recompute=False, local_stages=2)
+    sol = solve(problem, cluster, 16, num_stages=4, dp=2, microbatches=4, schedule="interleaved", config=config)
+    optimum = _exhaustive(problem, cluster, p=4, v=2, m=4, b=2, d=2)
+    assert sol.status == "OPTIMAL" and sol.num_ranks == 4
+    assert sol.step_time_s == pytest.approx(optimum, rel=1e-6)
+    cost = check_assignment(problem, cluster, sol)
+    assert cost.dp_allreduce_s > max(st.dp_allreduce_s for st in cost.stages)  # a rank's stages together
 
 
 def test_priced_time_is_never_below_torchs_order():
@@ -142,5 +162,5 @@ def test_no_fit_names_the_rank_whose_stages_overflow():
 
     problem = _problem(random.Random(0), 8)
     with pytest.raises(PartitionInfeasibleError, match=r"on the rank holding stages \[\d, \d\], whose device holds"):
-        solve(problem, _cluster(2, 2**27), 8, num_stages=4, schedule="interleaved",
+        solve(problem, _cluster(2, 2**27), 8, num_stages=4, dp=1, microbatches=4, schedule="interleaved",
               config=SolverConfig(time_limit_s=3, local_stages=2))
