@@ -77,10 +77,13 @@ def solve(
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
     candidates = enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
+        rule = ("which needs microbatches >= stages for 1f1b" if v == 1 else
+                f"which puts {v} stages on each of at least 2 ranks, ranks x dp <= devices, microbatches a "
+                "multiple of max(1, microbatches // ranks)")
         raise ValueError(f"no (stages, dp, microbatches) combination fits {cluster.num_devices} devices and "
                          f"global_batch={global_batch} with the given num_stages={num_stages}, dp={dp}, "
-                         f"microbatches={microbatches} under schedule {schedule} (which needs microbatches >= "
-                         "stages for 1f1b): raise the global batch, fix fewer stages, or use --schedule gpipe")
+                         f"microbatches={microbatches} under schedule {schedule} ({rule}): raise the global "
+                         "batch, fix fewer stages, or use --schedule gpipe")
     homogeneous = cluster.is_homogeneous
     chain = has_chain_backbone(problem)
 
