@@ -216,7 +216,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         predicted={"step_time_s": step, "bubble_fraction": cost.bubble_fraction,
                    "lower_bound_step_time_s": solution.lower_bound_step_time_s,  # the whole space's
                    "samples_per_s": global_batch / step if step > 0 else 0.0,
-                   "sdc_check_s_per_step": cost.sdc_check_s},  # in step_time_s (Note [cost model])
+                   "sdc_check_s_per_step": cost.sdc_check_s,  # in step_time_s (Note [cost model])
+                   # interleaved only: each rank's v stages on one device (Note [interleaved pricing])
+                   **({"rank_peak_memory_bytes": [int(x) for x in cost.rank_memory_bytes]}
+                      if cost.rank_memory_bytes else {})},
         solver=solution_summary(solution),
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),

@@ -49,12 +49,18 @@ def interleaved(tmp_path_factory):
     return root, folder, plan, workload, done
 
 
-def test_compiled_interleaved_plan_holds_two_stages_per_rank(interleaved):
+def test_compiled_interleaved_plan_holds_two_stages_per_rank(interleaved, capsys):
+    from partitioner.cli import main
+
     _root, folder, plan, _workload, _done = interleaved
     assert plan.schedule == "interleaved" and plan.num_stages == 4 and plan.world_size == 2
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)]
     program = json.loads((folder / "plan.json").read_text())["program"]
     assert sorted(tuple(r["stages"]) for r in program["ranks"]) == [(0, 2), (1, 3)]
+    peaks = plan.predicted["rank_peak_memory_bytes"]  # a rank's two stages share its device
+    assert len(peaks) == 2 and all(peaks[pos] > plan.stages[pos].peak_memory_bytes for pos in range(2))
+    assert main(["inspect", str(folder)]) == 0
+    assert "rank position 0 (stages 0, 2; ranks 0): peak" in capsys.readouterr().out
 
 
 def test_interleaved_program_trains_like_the_one_process_oracle_with_dropout(interleaved):
