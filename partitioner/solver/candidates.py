@@ -133,7 +133,16 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
     devices = cluster.num_devices
-    if schedule == "interleaved":  # several stages per rank: stage counts are checked per local_stages
+    if schedule == "interleaved" and num_stages is not None:  # several stages per rank
+        from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS
+
+        ok = [v for v in LOCAL_STAGE_OPTIONS if num_stages % v == 0 and 2 <= num_stages // v <= devices]
+        if not ok:
+            good = sorted({v * r for v in LOCAL_STAGE_OPTIONS for r in range(2, devices + 1)})
+            raise ValueError(f"num_stages={num_stages} (--stages) cannot run interleaved on {devices} devices: it "
+                             f"puts {'/'.join(map(str, LOCAL_STAGE_OPTIONS))} stages on each of at least 2 ranks "
+                             f"(at most {devices}); use --stages {' or '.join(map(str, good[:4]))}")
+    if schedule == "interleaved":  # stage counts were checked per rank above
         num_stages = None
     for name, flag, value in (("num_stages", "--stages", num_stages), ("dp", "--dp", dp)):
         if value is not None and value > devices:

@@ -155,6 +155,8 @@ def test_heterogeneous_interleaved_is_refused_with_the_fix_and_left_out_of_auto(
     with pytest.raises(ValueError, match="one device class only.*--schedule 1f1b"):
         validate_options(mixed, 8, None, None, None, "interleaved")
     validate_options(_cluster(2), 8, 4, 1, 4, "interleaved")  # 4 stages on 2 devices: accepted
+    with pytest.raises(ValueError, match="num_stages=3 .*use --stages 4 or 6"):
+        validate_options(_cluster(2), 8, 3, 1, 4, "interleaved")
 
 
 def test_no_fit_names_the_rank_whose_stages_overflow():

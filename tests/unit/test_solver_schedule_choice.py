@@ -73,7 +73,7 @@ def test_equal_time_prefers_1f1b_and_memory_rules_out_gpipe():
 def test_auto_and_interleaved_are_accepted_and_others_refused_with_the_fix():
     cluster = ClusterSpec.homogeneous(2)
     validate_options(cluster, 8, 2, 1, 4, "auto")
-    validate_options(cluster, 8, 2, 1, 4, "interleaved")
+    validate_options(cluster, 8, 4, 1, 4, "interleaved")
     with pytest.raises(ValueError, match="zbv.*--schedule 1f1b"):
         validate_options(cluster, 8, 2, 1, 4, "zbv")
 
