@@ -23,6 +23,12 @@ H100 default) tp x pp x dp in the cost model, which the runtime does not run yet
 or mixed precision is refused: Note [what tensor parallelism runs with]), and under fp32, where
 the runnable space is tp x pp at dp 1. Megatron-LM's published layout for 70B is tp 8 within a
 node, pipeline across nodes.
+The interleaved rows (``--interleaved-only`` prints just them) put 1F1B over the devices next to
+interleaved 1F1B at v = 2 and 4 stages per rank on the same model, cluster and microbatches (Note
+[interleaved pricing] in partitioner/solver/interleaved.py), sublayer granularity: the step time the
+solver prices (the worst stage's forward and backward at every stage: never below torch's order),
+the step time with the pipeline replaced by torch's own order simulated over the plan's stage
+times (runtime/schedule.py timed_actions), and whether it fits memory.
 
 "ours" is solved at "op" granularity (a region per matmul: passes/regions.py), the "sublayer"
 column at attention/MLP granularity, to show what the finer regions buy. The baselines split
@@ -40,7 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_like import gpt2_small, gpt_like_problem, llama_like  # noqa: E402
 
 from partitioner.cluster import ClusterSpec  # noqa: E402
-from partitioner.solver import SolverConfig, solve  # noqa: E402
+from partitioner.errors import PartitionInfeasibleError  # noqa: E402
+from partitioner.solver import SolverConfig, evaluate, solve  # noqa: E402
+from runtime.schedule import timed_actions  # noqa: E402
 
 
 def scenarios(granularity: str):
@@ -106,15 +114,56 @@ def llama70b_rows(time_limit_s: float) -> None:
             print(f"  {precision:<10} {name:<38} {sol.step_time_s:>8.3f} {'yes':>4}  {layout:<44} {sol.status:<9} "
                   f"{sol.solve_time_s:>7.1f} {len(sol.candidates):>10}")
     print("  Megatron-LM's published layout for 70B: tp 8 within a node x pipeline across nodes")
+def interleaved_scenarios():
+    yield "GPT-2 small, 4 x A100-40GB, 16 microbatches", gpt2_small("fine"), ClusterSpec.homogeneous(4, "a100-40gb"), 16
+    yield "Llama-like 7B, 8 x H100, 32 microbatches", llama_like("fine"), ClusterSpec.homogeneous(8, "h100"), 32
+    yield "Llama-like 7B, 8 x H100, 8 microbatches", llama_like("fine"), ClusterSpec.homogeneous(8, "h100"), 8
+
+
+def torch_order_step_s(problem, cluster, solution) -> float:
+    """The plan's step time with its pipeline term replaced by torch's order over its stage times."""
+    cost = evaluate(problem, cluster, solution.assignment)
+    fwd = [st.forward_s for st in cost.stages]
+    bwd = [st.time_s - st.forward_s for st in cost.stages]
+    actions = timed_actions("interleaved", solution.assignment.pipeline_ranks, solution.num_stages,
+                            solution.num_microbatches, lambda kind, s: fwd[s] if kind == "F" else bwd[s])
+    return cost.step_time_s - cost.pipeline_s + max(end for *_, end in actions)
+
+
+def interleaved_rows(time_limit_s: float) -> None:
+    print("\ninterleaved 1F1B vs 1F1B (dp 1, pipeline over every device, sublayer granularity)")
+    print(f"{'':52} {'1f1b_s':>8} {'v':>2} {'inter_s':>8} {'torch_s':>8} {'1f1b/int':>8} {'status':>9} fits")
+    for title, problem, cluster, m in interleaved_scenarios():
+        ranks = cluster.num_devices
+        one = solve(problem, cluster, m, num_stages=ranks, dp=1, microbatches=m,
+                    config=SolverConfig(time_limit_s=time_limit_s))
+        for v in (2, 4):
+            config = SolverConfig(time_limit_s=time_limit_s, local_stages=v)
+            try:
+                sol = solve(problem, cluster, m, num_stages=ranks * v, dp=1, microbatches=m, schedule="interleaved",
+                            config=config)
+            except PartitionInfeasibleError:
+                print(f"{title:52} {one.step_time_s:>8.4f} {v:>2} {'no-fit':>8} {'-':>8} {'-':>8} {'-':>9} no")
+                continue
+            print(f"{title:52} {one.step_time_s:>8.4f} {v:>2} {sol.step_time_s:>8.4f} "
+                  f"{torch_order_step_s(problem, cluster, sol):>8.4f} {one.step_time_s / sol.step_time_s:>8.3f} "
+                  f"{sol.status:>9} yes")
+            title = ""
+    print("1f1b/int > 1: interleaved predicted faster; torch_s: the same plan with torch's order simulated "
+          "over its stage times (what the worst-stage price bounds)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--only-70b", action="store_true", help="only the Llama-70B tensor-parallel rows")
+    parser.add_argument("--interleaved-only", action="store_true", help="print only the interleaved rows")
     args = parser.parse_args()
-    if args.only_70b:
-        llama70b_rows(args.time_limit)
+    if args.only_70b or args.interleaved_only:
+        if args.only_70b:
+            llama70b_rows(args.time_limit)
+        if args.interleaved_only:
+            interleaved_rows(args.time_limit)
         return 0
     config = SolverConfig(time_limit_s=args.time_limit, max_microbatches=64)
     header = (f"{'ours_s':>9} {'sublayer_s':>10} {'uniform_s':>10} {'param_bal_s':>11} {'lower_s':>9} "
@@ -155,6 +204,7 @@ def main() -> int:
     print("\nratios > 1 mean ours is faster; no-fit = the baseline fits memory in no allowed configuration;"
           "\nsub/lb: the sublayer plan against its own lower bound (the same space, so the same bound)")
     llama70b_rows(args.time_limit)
+    interleaved_rows(args.time_limit)
     return 0
 
 

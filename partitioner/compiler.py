@@ -231,7 +231,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         microbatch_size=b,
         global_batch=global_batch,
         schedule=assignment.schedule,
-        world_size=assignment.num_stages * assignment.dp * tp,
+        world_size=assignment.pipeline_ranks * assignment.dp * tp,
         device_type="cpu" if cluster.devices[0].kind == "cpu" else "cuda",
         stages=tuple(stages),
         regions=regions,
@@ -240,7 +240,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         predicted={"step_time_s": step, "bubble_fraction": cost.bubble_fraction,
                    "lower_bound_step_time_s": solution.lower_bound_step_time_s,  # the whole space's
                    "samples_per_s": global_batch / step if step > 0 else 0.0,
-                   "sdc_check_s_per_step": cost.sdc_check_s},  # in step_time_s (Note [cost model])
+                   "sdc_check_s_per_step": cost.sdc_check_s,  # in step_time_s (Note [cost model])
+                   # interleaved only: each rank's v stages on one device (Note [interleaved pricing])
+                   **({"rank_peak_memory_bytes": [int(x) for x in cost.rank_memory_bytes]}
+                      if cost.rank_memory_bytes else {})},
         solver=solution_summary(solution),
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
@@ -257,7 +260,7 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
     from runtime.memtier import memory_cost, plan_redundancy
 
     request = {"mode": request} if isinstance(request, str) else dict(request)
-    world = assignment.num_stages * assignment.dp
+    world = assignment.pipeline_ranks * assignment.dp
     hosts, keys, shard = [0] * world, [((), 0)] * world, [0] * world
     for s, stage in enumerate(stages):
         for rep in range(assignment.dp):

@@ -414,8 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=int, help="tensor-parallel degree: ranks per tensor group, each stage's linear "
                    "layers sharded across them (default: the solver chooses among the degrees the program runs)")
     c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "auto"],
-                   help="auto: the solver weighs gpipe and 1f1b by predicted step time (interleaved is "
-                        "refused: not priced yet)")
+                   help="interleaved: 2-4 stages per rank, priced by its worst stage (one device class); "
+                        "auto: the solver weighs gpipe, 1f1b and interleaved by predicted step time")
     c.add_argument("--granularity", default="block", choices=["block", "sublayer", "op", "node"])
     c.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per candidate, seconds")
     group = c.add_mutually_exclusive_group()

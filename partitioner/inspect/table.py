@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from partitioner.inspect.layout import layout_lines
-from partitioner.inspect.units import GIB, byte_unit, held, ms, render_columns, si
+from partitioner.inspect.units import GIB, byte_unit, held, human_bytes, ms, render_columns, si
 
 if TYPE_CHECKING:  # annotations only
     from partitioner.plan import Plan
@@ -72,6 +72,7 @@ def table(plan: Plan) -> str:
     lines += ["", "memory per rank of each stage"]
     lines += render_columns(["stage", "weights", "grads", "optim", "activ", "buffers", "transient", "peak",
                              "capacity", "used"], [""] + [mem_unit] * 7 + ["GiB", "%"], mem_rows, ">>>>>>>>>>")
+    lines += _rank_peaks(plan)
 
     bal = balance(plan)
     solver = plan.solver
@@ -186,3 +187,19 @@ def _num(value) -> str:
 
 def _pct(value) -> str:
     return "-" if value is None else f"{value * 100:.2f}%"
+
+
+def _rank_peaks(plan) -> list[str]:
+    """Interleaved: each rank's peak, its stages together (what the solver bounds; Note
+    [interleaved pricing] in partitioner/solver/interleaved.py)."""
+    peaks = plan.predicted.get("rank_peak_memory_bytes")
+    if not peaks:
+        return []
+    out = []
+    for pos, peak in enumerate(peaks):
+        stages = [s for s in plan.stages if s.index % len(peaks) == pos]
+        capacity = stages[0].memory_capacity_bytes
+        out.append(f"rank position {pos} (stages {', '.join(str(s.index) for s in stages)}; ranks "
+                   f"{', '.join(str(r) for r in stages[0].ranks)}): peak {human_bytes(peak)} of "
+                   f"{human_bytes(capacity)} ({100 * peak / capacity:.2g}%)")
+    return ["the stages of a rank share its device:"] + ["  " + line for line in out]

@@ -41,7 +41,8 @@ def solve_candidate(
     b = global_batch // (d * m)
     single_node = len({device.node for device in cluster.devices}) == 1
     if cluster.is_homogeneous:
-        result = solve_placements(problem, cluster, [place_stages(cluster, p, d)], p=p, d=d, m=m, b=b,
+        v = config.local_stages if schedule == "interleaved" else 1  # Note [interleaved pricing]
+        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=v)], p=p, d=d, m=m, b=b,
                                   schedule=schedule, config=config, time_limit_s=time_limit_s,
                                   incumbent_s=incumbent_s)
     else:
@@ -94,12 +95,16 @@ def enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microba
     class_counts: dict[tuple, int] = {}
     for device in cluster.devices:
         class_counts[device.device_class] = class_counts.get(device.device_class, 0) + 1
-    stage_options = [num_stages] if num_stages is not None else range(1, min(num_devices, n) + 1)
+    v = config.local_stages if schedule == "interleaved" else 1  # Note [interleaved pricing]
+    stage_options = [num_stages] if num_stages is not None else range(1, min(num_devices * v, n) + 1)
     out = []
     for p in stage_options:
-        dp_options = [dp] if dp is not None else range(1, num_devices // p + 1)
+        if p % v or (v > 1 and p // v < 2):
+            continue
+        ranks = p // v
+        dp_options = [dp] if dp is not None else range(1, num_devices // ranks + 1)
         for d in dp_options:
-            if global_batch % d or sum(k // d for k in class_counts.values()) < p:
+            if global_batch % d or sum(k // d for k in class_counts.values()) < ranks:
                 continue
             m_options = [microbatches] if microbatches is not None else _divisors(global_batch // d)
             for m in m_options:
@@ -107,7 +112,7 @@ def enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microba
                     continue
                 if microbatches is None and config.max_microbatches is not None and m > config.max_microbatches:
                     continue
-                if schedule_refusal(schedule, p, m) is not None:
+                if schedule_refusal(schedule, p, m, local_stages=v) is not None:
                     continue
                 out.append((p, d, m))
     return out
@@ -119,14 +124,26 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
     if schedule not in SCHEDULES and schedule != "auto":  # auto: Note [schedule choice]
-        why = (" (the runtime runs it, but the solver has no conservative time for it yet: Note "
-               "[interleaved not priced] in partitioner/solver/interleaved.py)") if schedule == "interleaved" else ""
-        raise ValueError(f"schedule={schedule!r} is not supported by the solver{why}; use one of "
+        raise ValueError(f"schedule={schedule!r} is not supported by the solver; use one of "
                          f"{SCHEDULES} or auto (--schedule 1f1b)")
+    if schedule == "interleaved" and not cluster.is_homogeneous:  # Note [interleaved pricing]
+        raise ValueError("schedule interleaved is priced on one device class only, and this cluster has "
+                         f"{len({d.device_class for d in cluster.devices})}: use --schedule 1f1b, gpipe or auto")
     for name, value in (("num_stages", num_stages), ("dp", dp), ("microbatches", microbatches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
     devices = cluster.num_devices
+    if schedule == "interleaved" and num_stages is not None:  # several stages per rank
+        from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS
+
+        ok = [v for v in LOCAL_STAGE_OPTIONS if num_stages % v == 0 and 2 <= num_stages // v <= devices]
+        if not ok:
+            good = sorted({v * r for v in LOCAL_STAGE_OPTIONS for r in range(2, devices + 1)})
+            raise ValueError(f"num_stages={num_stages} (--stages) cannot run interleaved on {devices} devices: it "
+                             f"puts {'/'.join(map(str, LOCAL_STAGE_OPTIONS))} stages on each of at least 2 ranks "
+                             f"(at most {devices}); use --stages {' or '.join(map(str, good[:4]))}")
+    if schedule == "interleaved":  # stage counts were checked per rank above
+        num_stages = None
     for name, flag, value in (("num_stages", "--stages", num_stages), ("dp", "--dp", dp)):
         if value is not None and value > devices:
             raise ValueError(f"{name}={value} ({flag}) needs {value} devices and the cluster has {devices}: "
@@ -147,7 +164,7 @@ def validate_request(problem, cluster, global_batch, num_stages, dp, microbatche
     if dp is not None and microbatches is not None and global_batch % (dp * microbatches):
         raise ValueError(f"global_batch={global_batch} is not divisible by dp * microbatches = "
                          f"{dp} * {microbatches}; choose values whose product divides it")
-    if num_stages is not None and microbatches is not None and schedule in SCHEDULES:
+    if num_stages is not None and microbatches is not None and schedule in ("gpipe", "1f1b"):
         refusal = schedule_refusal(schedule, num_stages, microbatches)
         if refusal is not None:
             raise ValueError(f"{refusal}: use --microbatches {num_stages} or more, fewer stages, "

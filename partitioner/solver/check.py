@@ -38,7 +38,7 @@ def structural_violations(
         return out
     if a.schedule not in SCHEDULES:
         out.append(f"schedule={a.schedule!r} is not one of {SCHEDULES}")
-    elif (refusal := schedule_refusal(a.schedule, p, a.num_microbatches)) is not None:
+    elif (refusal := schedule_refusal(a.schedule, p, a.num_microbatches, local_stages=a.local_stages)) is not None:
         out.append(refusal)
     if global_batch is not None and a.microbatch_size * d * a.num_microbatches != global_batch:
         out.append(f"microbatch_size * dp * num_microbatches = {a.microbatch_size} * {d} * "
@@ -65,7 +65,14 @@ def structural_violations(
         out.append(f"device_of_stage_replica must be {p} rows of {d} devices, got "
                    f"{[len(row) for row in a.device_of_stage_replica]}")
         return out
-    flat = [i for row in a.device_of_stage_replica for i in row]
+    rows = a.device_of_stage_replica
+    if a.schedule == "interleaved":  # stage s on the devices of pipeline position s % pp
+        pp = a.pipeline_ranks
+        moved = [s for s in range(p) if rows[s] != rows[s % pp]]
+        if moved:
+            out.append(f"interleaved stages {moved} are not on the devices of position s % {pp}")
+        rows = rows[:pp]
+    flat = [i for row in rows for i in row]
     outside = [i for i in flat if not 0 <= i < cluster.num_devices]
     if outside:
         out.append(f"device indices {outside} outside 0..{cluster.num_devices - 1}")
@@ -95,8 +102,12 @@ def check_assignment(
     if violations:
         raise AssignmentError(violations)
     cost = evaluate(problem, cluster, a)
+    for pos, (peak, capacity) in enumerate(zip(cost.rank_memory_bytes, cost.rank_capacity_bytes)):
+        if peak > capacity:  # interleaved: Note [interleaved pricing]
+            violations.append(f"memory over capacity: the rank at pipeline position {pos} needs "
+                              f"{peak / 2**30:.3f} GiB, its device holds {capacity / 2**30:.3f} GiB")
     for s, st in enumerate(cost.stages):
-        if st.memory_bytes > st.capacity_bytes:
+        if not cost.rank_memory_bytes and st.memory_bytes > st.capacity_bytes:
             violations.append(f"memory over capacity: stage {s} needs {st.memory_bytes / 2**30:.3f} GiB, "
                               f"its device holds {st.capacity_bytes / 2**30:.3f} GiB")
 

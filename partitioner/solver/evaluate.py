@@ -21,6 +21,10 @@ Note [cost model]
                    or K = 0; partitioner/solver/sdc_cost.py). The ILP leaves it out: its callers
                    pass no sdc_every.
     * step_time  = pipeline + dp_allreduce + sdc_check + sum of tie costs.
+    * interleaved (v stages on each of pp ranks): pipeline = (max(m v + pp, pp v + m) - 1) *
+                   (max_s f_s + max_s b_s), f_s the forward part of T_s (forward compute and the
+                   activation send), b_s the rest; dp_allreduce per rank over its stages'
+                   gradients; memory per rank (Note [interleaved pricing] in interleaved.py).
     * every time term above is multiplied by the candidate's core-sharing factor (ranks per CPU
                    core on the most crowded node, at least 1; Note [whole-step terms]).
     * memory_s   = see Note [memory model].
@@ -100,6 +104,7 @@ class StageCost:
     transient_bytes: float = 0.0     # Note [memory model]
     step_buffers_bytes: float = 0.0
     overhead_s: float = 0.0  # per microbatch, besides regions and sends (Note [whole-step terms])
+    forward_s: float = 0.0  # per microbatch, the part of time_s before the backward: f_s of Note [interleaved pricing]
 
     @property
     def memory_bytes(self) -> float:
@@ -128,9 +133,14 @@ class CostBreakdown:
     bubble_fraction: float
     lower_bound_step_time_s: float
     sdc_check_s: float = 0.0  # per step (Note [cost model])
+    # Interleaved only (else empty): per pipeline position, the rank's peak and its device's capacity
+    rank_memory_bytes: tuple[float, ...] = ()
+    rank_capacity_bytes: tuple[int, ...] = ()
 
     @property
     def fits_memory(self) -> bool:
+        if self.rank_memory_bytes:
+            return all(x <= c for x, c in zip(self.rank_memory_bytes, self.rank_capacity_bytes))
         return all(s.memory_bytes <= s.capacity_bytes for s in self.stages)
 
 
@@ -177,6 +187,7 @@ def evaluate(
             tie_costs.append(TieCost(tie.regions, "replicated", stages, cost))
 
     stage_costs = []
+    fwd_part = [0.0] * p  # f_s of Note [interleaved pricing], unscaled
     for s in range(p):
         stage_devices = a.device_of_stage_replica[s]
         device = devices[stage_devices[0]]
@@ -186,6 +197,7 @@ def evaluate(
             region = problem.regions[r]
             fwd, bwd = region_times_s(region, device, b)
             compute += fwd + bwd + (fwd if a.recompute[r] else 0.0)
+            fwd_part[s] += fwd
             params += region.param_bytes
             grads += region.grad_bytes
             optimizer += region.optimizer_bytes
@@ -195,6 +207,7 @@ def evaluate(
         comm = 0.0
         if s < p - 1:
             comm += boundary_link[s].transfer_s(b * cut[s])
+            fwd_part[s] += boundary_link[s].transfer_s(b * cut[s])
         if s > 0:
             comm += boundary_link[s - 1].transfer_s(b * cut[s - 1])
         memory = stage_memory(problem, a, s, regions_of[s], cut, grads, tie_grad_held[s])
@@ -218,20 +231,28 @@ def evaluate(
                 dp_allreduce_s=scale * allreduce,
                 transient_bytes=memory["transient"],
                 step_buffers_bytes=memory["step"],
+                forward_s=scale * fwd_part[s],
             )
         )
     bottleneck = max(st.time_s for st in stage_costs)
     total = sum(st.time_s for st in stage_costs)
     pipeline = (m - 1) * bottleneck + total
     dp_allreduce = max(st.dp_allreduce_s for st in stage_costs)
+    pp = a.pipeline_ranks
+    state_bytes = [st.params_bytes + st.optimizer_bytes for st in stage_costs]
+    rank_memory, rank_capacity = (), ()
+    if a.schedule == "interleaved":  # Note [interleaved pricing]
+        pipeline, dp_allreduce, rank_memory, rank_capacity = _interleaved_terms(
+            problem, a, stage_costs, dp_links, scale)
+        bottleneck = max(st.time_s for st in stage_costs)
+        state_bytes = [sum(state_bytes[pos::pp]) for pos in range(pp)]
     sdc_check = 0.0
     if sdc_every > 0 and d > 1:
         sdc_check = scale * replica_check_s(
-            [st.params_bytes + st.optimizer_bytes for st in stage_costs],
-            [devices[row[0]].kind for row in a.device_of_stage_replica], world_size=p * d,
+            state_bytes, [devices[row[0]].kind for row in a.device_of_stage_replica[:pp]], world_size=pp * d,
             latency_s=max(link.latency_s for link in dp_links if link is not None)) / sdc_every
     step = pipeline + dp_allreduce + sdc_check + sum(t.cost_s for t in tie_costs)
-    bubble = 1.0 - m * total / (p * pipeline) if pipeline > 0 else 0.0
+    bubble = 1.0 - m * total / (pp * pipeline) if pipeline > 0 else 0.0
     return CostBreakdown(
         stages=tuple(stage_costs),
         cut_bytes_per_sample=tuple(cut),
@@ -246,7 +267,34 @@ def evaluate(
             problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
             stage_devices=[row[0] for row in a.device_of_stage_replica],
         ),
+        rank_memory_bytes=rank_memory,
+        rank_capacity_bytes=rank_capacity,
     )
+
+
+def _interleaved_terms(problem, a: Assignment, stage_costs, dp_links, scale):
+    """(pipeline, dp_allreduce, rank peaks, rank capacities) of an interleaved plan (Note
+    [interleaved pricing] in interleaved.py): the worst-stage bound on torch's timeline, the
+    all-reduce of each rank's stages' gradients at once, and each rank's peak as the sum of its
+    stages' less the v - 1 extra copies of the global batch."""
+    from partitioner.solver.interleaved import pipeline_slots
+
+    pp, v, d, m, b = a.pipeline_ranks, a.local_stages, a.dp, a.num_microbatches, a.microbatch_size
+    fwd_max = max(st.forward_s for st in stage_costs)
+    bwd_max = max(st.time_s - st.forward_s for st in stage_costs)
+    pipeline = pipeline_slots(pp, v, m) * (fwd_max + bwd_max)
+    allreduce = 0.0
+    batch = d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
+    rank_memory, rank_capacity = [], []
+    for pos in range(pp):
+        mine = stage_costs[pos::pp]
+        link = dp_links[pos]
+        if link is not None:
+            grads = sum(st.grads_bytes for st in mine)
+            allreduce = max(allreduce, scale * 2 * (d - 1) * (grads / d / link.bandwidth_bytes_per_s + link.latency_s))
+        rank_memory.append(sum(st.memory_bytes for st in mine) - (v - 1) * batch)
+        rank_capacity.append(mine[0].capacity_bytes)
+    return pipeline, allreduce, tuple(rank_memory), tuple(rank_capacity)
 
 
 def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list[int], cut: list[float],
@@ -260,7 +308,7 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
     cut_out = cut[s] if s < p - 1 else 0.0
     saved = sum(problem.regions[r].recompute_activation_bytes_per_sample if a.recompute[r]
                 else problem.regions[r].activation_bytes_per_sample for r in regions)
-    in_flight = in_flight_microbatches(a.schedule, s, p, m)
+    in_flight = in_flight_microbatches(a.schedule, s, p, m, local_stages=a.local_stages)
     batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
     transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
     bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0

@@ -24,12 +24,13 @@ from partitioner.solver.problem import Assignment, PartitionProblem, place_stage
 __all__ = ["best_baselines", "hand_placement", "hand_placements"]
 
 
-def hand_placements(cluster: ClusterSpec, num_stages: int, dp: int) -> list[tuple[tuple[int, ...], ...]]:
+def hand_placements(cluster: ClusterSpec, num_stages: int, dp: int, *,
+                    local_stages: int = 1) -> list[tuple[tuple[int, ...], ...]]:
     """Devices a person picks (Note [fair baselines]): cluster order on one class; on mixed
     classes the fastest stage slots, fastest class first and, as the other natural try, last
     (the head then lands on a fast device); [] when the classes cannot host p x d."""
     if cluster.is_homogeneous:
-        return [place_stages(cluster, num_stages, dp)]
+        return [place_stages(cluster, num_stages, dp, local_stages=local_stages)]
     counts: dict[tuple, int] = {}
     for device in cluster.devices:
         counts[device.device_class] = counts.get(device.device_class, 0) + 1
@@ -48,7 +49,8 @@ def hand_placement(cluster: ClusterSpec, num_stages: int, dp: int) -> tuple[tupl
 
 
 def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, global_batch: int, *,
-                   schedule: str, allow_recompute: bool, bound_of=None) -> dict[str, BaselineCost]:
+                   schedule: str, allow_recompute: bool, bound_of=None,
+                   local_stages: int = 1) -> dict[str, BaselineCost]:
     """name -> the fastest fitting configuration of that baseline over ``candidates`` ((p, d, m)
     tuples); a baseline that fits none is the least-over-memory one, with fits_memory False.
 
@@ -69,7 +71,7 @@ def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, 
         fitting = [key[1] for key, _ in best.values() if key[0] == 0]
         if len(fitting) == 2 and bound_of.get((p, d, m), 0.0) >= max(fitting):
             break  # sorted by bound: every later candidate is bounded at or above both
-        for placement in hand_placements(cluster, p, d):
+        for placement in hand_placements(cluster, p, d, local_stages=local_stages):
             _price(problem, cluster, placement, p, d, m, global_batch // (d * m), schedule, recompute_options,
                    speed_of, best, splits)
     return {name: value for name, (_, value) in sorted(best.items())}

@@ -1,41 +1,74 @@
-"""Interleaved 1F1B: the facts about torch 2.13's ``ScheduleInterleaved1F1B`` that a cost model of
-it needs, as plain numbers (no torch), each checked against torch's own action order in
-tests/unit/test_solver_interleaved.py. The solver does not price this schedule yet (Note
-[interleaved not priced]); these are the terms it has been checked to need.
+"""Interleaved 1F1B: the facts about torch 2.13's ``ScheduleInterleaved1F1B`` that the cost
+model prices, as plain numbers (no torch), each checked against torch's own action order in
+tests/unit/test_solver_interleaved.py (Note [interleaved pricing]).
 
 Notation: ``pipeline_ranks`` (pp) ranks per pipeline, ``local_stages`` (v) stages per rank, so
 pp * v stages in all, stage s on pipeline position s % pp (runtime/layout.py); m microbatches.
 
-Note [interleaved not priced]
-    ``--schedule interleaved`` is refused by the solver (candidates.validate_options): its terms
-    below are checked, but the ILP, chain DP, bounds and codegen do not use them yet.
+Note [interleaved pricing]
+    ``--schedule interleaved`` is priced by the worst stage, an upper bound on torch's timeline
+    that is exact when the stages are equal; no formula that can under-predict is used.
     * Time with equal stages (forward f, backward b per microbatch on every stage): torch's
-      order takes exactly (max(m * v + pp, pp * v + m) - 1) * (f + b) (``uniform_pipeline_s``).
-      For m >= pp the bubble is (pp - 1) / v of a rank's per-microbatch work, v times smaller than
-      1F1B's over pp stages; for m < pp one microbatch still crosses all pp * v stages.
-    * Time with unequal stages: the linear form exact for equal stages,
-      (m - 1/v) max_r R_r + sum_s T_s / v (R_r: rank r's stages' total), is below torch's order by
-      up to 23% on random instances with m a multiple of pp (47% with other m), as are
-      m max_r R_r + (pp - 1) max_s T_s and (m - 1) max_r R_r + sum_s T_s; an optimistic time would
-      rank interleaved above plans that are in fact faster. What is conservative: each rank runs
-      a fixed order and every action starts when its inputs are ready, so the step is a longest
-      path in a DAG and cannot shrink when a duration grows; hence uniform_pipeline_s at
-      f = max_s f_s, b = max_s b_s bounds it from above, and is linear in a bottleneck variable
-      (what the ILP would transcribe). At f + b = max_s (f_s + b_s) it also held on every random
-      instance tried (worst 0.96 of it), but that is not proven.
+      order takes exactly (max(m * v + pp, pp * v + m) - 1) * (f + b) (``uniform_pipeline_s``,
+      ``pipeline_slots``). For m >= pp the bubble is (pp - 1) / v of a rank's per-microbatch work,
+      v times smaller than 1F1B's over pp stages; for m < pp one microbatch still crosses all
+      pp * v stages.
+    * Time with unequal stages: linear forms in the stage times are optimistic (the form exact
+      for equal stages, (m - 1/v) max_r R_r + sum_s T_s / v with R_r rank r's stages' total, is
+      below torch's order by up to 23% on random instances with m a multiple of pp, 47% with
+      other m; so are m max_r R_r + (pp - 1) max_s T_s and (m - 1) max_r R_r + sum_s T_s). What
+      is safe: each rank runs a fixed order and every action starts when its inputs are ready, so
+      the step is a longest path in a DAG and cannot shrink when a duration grows. Raising every
+      stage's forward to F = max_s f_s and backward to B = max_s b_s gives the equal-stage case,
+      so pipeline_slots * (F + B) bounds the timeline from above. That is what ``evaluate`` and
+      the ILP price (two epigraph variables, F and B: linear), with f_s = forward compute + the
+      activation send and b_s = backward (+ recompute) + the gradient send + the per-microbatch
+      overhead, so F + B >= every stage's T_s. It is an exact simulation of nothing: a plan the
+      solver calls OPTIMAL is optimal for this bound, and on unequal stages torch's own order
+      finishes earlier (tests check the bound against the simulated order, runtime/schedule.py
+      ``timed_actions``). At F + B = max_s (f_s + b_s) it also held on every random instance
+      tried (worst 0.96 of it), but that is not proven, so it is not used.
     * Memory is per rank, not per stage: a rank's v stages share one device. At its peak a rank
       holds ``rank_in_flight`` microbatch-stages of activations and no single stage holds more
-      than min(m, that), so sum over its stages of min(m, rank_in_flight) * activations is a
-      valid, conservative bound (it over-counts the later stages, which hold fewer).
-    Still missing to compile it: candidates (pp, d, m) with pp * v stages and repeated placement
-    rows, the bottleneck time above and per-rank memory rows in the ILP, the chain DP and the
-    bounds, per-rank all-reduce and core sharing counted once per rank, and a compiled end-to-end
-    run (the runtime already drives hand-built interleaved folders: tests/dist/test_runtime_dist.py).
+      than min(m, that), so every stage is priced with min(m, rank_in_flight) in flight, and a
+      rank's peak as the sum of its stages' peaks (Note [memory model] in evaluate.py) less the
+      v - 1 extra copies of the global batch each stage's figure counts: conservative (it
+      over-counts the later stages, which hold fewer, and sums transients that do not overlap).
+    * Data-parallel all-reduce per rank: its stages' gradients in one flat all-reduce
+      (runtime/train.py ``sync_gradients``): 2 (d - 1) (G_rank / (d bw) + latency).
+    * Scope: one device class (a heterogeneous cluster refuses it; auto leaves it out there),
+      pp >= 2 ranks and v >= 2 stages per rank, v in ``LOCAL_STAGE_OPTIONS`` unless fixed
+      (SolverConfig.local_stages). The chain DP and the placement search are 1F1B/GPipe-only, so
+      an interleaved candidate's strong bound is its cheap one (bounds.interleaved_lower_bound_s).
+
+Note [zero-bubble schedules]
+    torch 2.13 ships three schedules that split each backward into an input-gradient action (I)
+    and a weight-gradient action (W) run later to fill the bubble. None is offered:
+    * ``ScheduleInterleavedZeroBubble`` (ZB1P, stage s on position s % pp like interleaved):
+      the runtime can drive it; with its class swapped in for ScheduleInterleaved1F1B a compiled
+      4-stage, 2-rank GPT with dropout trained 3 steps equal to the one-process oracle (loss
+      difference 0). What is missing is its price. (1) Time: RegionCost has one backward figure
+      per region; nothing splits it into I and W, so the only safe price is I = W = B, which is
+      never below interleaved 1F1B's (a schedule the solver would never choose). The flops pass
+      would have to count each matmul's input-gradient and weight-gradient products apart.
+      (2) Memory: between I and W, torch's ``stage_backward_input`` keeps the autograd graph
+      (retain_graph) and the gradients of the intermediate outputs that feed weights, for every
+      microbatch whose W is pending; Note [memory model] has no term for them, and a plan without
+      that term could overflow a device.
+    * ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` place stages in a V
+      (``generate_stage_to_rank_mapping(style="v")``: stages s and 2 pp - 1 - s on rank s), which
+      runtime/layout.py refuses (it requires stage s on position s % pp), so the runtime cannot
+      drive them; both also need exactly 2 stages per rank, DualPipeV at least as many
+      microbatches as stages, and DualPipeV's overlapped F+B actions (OVERLAP_F_B) have no
+      time in the cost model. Besides the layout they need everything ZB1P needs above.
 """
 
 from __future__ import annotations
 
-__all__ = ["interleaved_refusal", "rounds", "rank_in_flight", "uniform_pipeline_s"]
+__all__ = ["LOCAL_STAGE_OPTIONS", "interleaved_refusal", "rounds", "rank_in_flight", "pipeline_slots",
+           "uniform_pipeline_s"]
+
+LOCAL_STAGE_OPTIONS = (2, 3, 4)  # v tried when SolverConfig.local_stages is None
 
 
 def rounds(pipeline_ranks: int, num_microbatches: int) -> int:
@@ -73,6 +106,11 @@ def uniform_pipeline_s(fwd_s: float, bwd_s: float, pipeline_ranks: int, local_st
                        num_microbatches: int) -> float:
     """Pipeline time when every stage takes ``fwd_s`` forward and ``bwd_s`` backward per
     microbatch: exact for torch's order; with each stage's worst forward and worst backward, an
-    upper bound for unequal stages (Note [interleaved not priced])."""
+    upper bound for unequal stages (Note [interleaved pricing])."""
+    return pipeline_slots(pipeline_ranks, local_stages, num_microbatches) * (fwd_s + bwd_s)
+
+
+def pipeline_slots(pipeline_ranks: int, local_stages: int, num_microbatches: int) -> int:
+    """Forward-plus-backward slots of torch's order with equal stages: max(m v + pp, pp v + m) - 1."""
     m, pp, v = num_microbatches, pipeline_ranks, local_stages
-    return (max(m * v + pp, pp * v + m) - 1) * (fwd_s + bwd_s)
+    return max(m * v + pp, pp * v + m) - 1

@@ -66,6 +66,7 @@ from ortools.sat.python import cp_model
 
 from partitioner.cluster import ClusterSpec, LinkSpec
 from partitioner.solver.model_hints import SearchHelp
+from partitioner.solver.model_interleaved import InterleavedConstraints
 from partitioner.solver.model_memory import MemoryConstraints
 from partitioner.solver.model_placement import PlacementConstraints
 from partitioner.solver.model_time import TimeConstraints
@@ -96,6 +97,7 @@ class SolverConfig:
     total_time_limit_s: float | None = 30.0  # whole enumeration (Note [candidate pruning]); None: none
     log_search: bool = False
     max_placements: int = 64  # per candidate on a multi-node heterogeneous cluster (Note [exact placements])
+    local_stages: int | None = None  # interleaved: stages per rank (None: each of LOCAL_STAGE_OPTIONS)
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
@@ -140,7 +142,7 @@ class CandidateResult:
     solve_time_s: float
     rounding_slack_units: float
 
-class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, SearchHelp):
+class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, InterleavedConstraints, SearchHelp):
     """CP-SAT variables and constraints for one candidate; ``solve`` returns a CandidateResult.
 
     ``placement`` fixes every stage's devices (one device class); without it the cluster's
@@ -167,6 +169,12 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
         self.problem, self.cluster, self.config = problem, cluster, config
         self.p, self.d, self.m, self.b = num_stages, dp, num_microbatches, microbatch_size
         self.schedule = schedule
+        self.interleaved = schedule == "interleaved"  # Note [interleaved pricing] in interleaved.py
+        self.v = (config.local_stages or 0) if self.interleaved else 1
+        if self.interleaved and (placement is None or self.v < 2 or num_stages % self.v):
+            raise ValueError(f"interleaved needs a placement and local_stages >= 2 dividing {num_stages} stages "
+                             f"(got local_stages={config.local_stages})")
+        self.pp = num_stages // self.v
         self.placement = placement
         self.minimize_memory = minimize_memory
         self.model = cp_model.CpModel()
@@ -248,6 +256,11 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
         self.stage_time = [model.new_int_var(0, 2**40, f"stage_time[s{s}]") for s in range(p)]
         self.bottleneck = model.new_int_var(0, 2**40, "bottleneck")
         self.dp_allreduce = model.new_int_var(0, 2**40, "dp_allreduce")
+        if self.interleaved:
+            self.fwd_max = model.new_int_var(0, 2**40, "fwd_max")
+            self.bwd_max = model.new_int_var(0, 2**40, "bwd_max")
+            self.peak = [model.new_int_var(0, 2**50, f"peak[s{s}]") for s in range(p)] \
+                if self.memory_constrained else []
 
         # ---- constraints (each family states its inequality) ----------------------------------
         self._add_monotone_upto()
@@ -261,15 +274,21 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
         self._add_stage_time()
         self._add_bottleneck()
         self._add_prefix_work()
-        self._add_dp_allreduce()
-        self.objective = self._objective_expr()
+        if self.interleaved:
+            self._add_worst_stage()
+            self._add_rank_allreduce()
+            self.objective = self._interleaved_objective_expr()
+        else:
+            self._add_dp_allreduce()
+            self.objective = self._objective_expr()
+        add_memory = self._add_rank_memory if self.interleaved else self._add_memory
         if minimize_memory:
             self.overflow = model.new_int_var(-(2**50), 2**50, "memory_overflow")
-            self._add_memory(overflow=self.overflow)
+            add_memory(overflow=self.overflow)
             model.minimize(self.overflow)
         else:
             if self.memory_binds:
-                self._add_memory()
+                add_memory()
             model.minimize(self.objective.expr())
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -284,7 +303,9 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
     def _memory_can_bind(self) -> bool:
         """False when even one stage holding everything at its peak fits the smallest device: every
         term of Note [memory model] at its largest (each boundary's cut <= the sum of all edges),
-        phases summed instead of maxed."""
+        phases summed instead of maxed. Interleaved: always (a rank holds v stages' terms)."""
+        if self.interleaved:
+            return True
         pr, p, m, b, d = self.problem, self.p, self.m, self.b, self.d
         k_max = max(in_flight_microbatches(self.schedule, s, p, self.m) for s in range(p))
         ties = sum(sum(pr.tie_bytes(t)) for t in pr.ties) * p
@@ -339,6 +360,8 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, S
 
     def _rounding_slack(self, stage_of_region, recompute) -> float:
         """Half a unit per rounded term of the objective (Note [ILP scaling])."""
+        if self.interleaved:
+            return 0.5 * self._interleaved_slack_terms(stage_of_region, recompute) + 1
         p, m = self.p, self.m
         terms = [1] * p  # the per-microbatch overhead (Note [whole-step terms])
         for r, s in enumerate(stage_of_region):

@@ -39,6 +39,12 @@ class SearchHelp:
                     [0] + [sum(c * values[v.index] for c, v in terms) for terms in self._transient_terms(s)])
                 if self.bucket_whole:
                     values[self.bucket_whole[s].index] = int(self._grads_expr(s).value(values) <= bucket)
+        if self.interleaved:  # Note [interleaved pricing]
+            values[self.fwd_max.index] = max(e.value(values) for e in self.fwd_part_exprs)
+            values[self.bwd_max.index] = max(values[self.stage_time[s].index] - self.fwd_part_exprs[s].value(values)
+                                             for s in range(p))
+            if self.memory_constrained:
+                self._interleaved_peak_values(values)
         return values
 
     def add_hint(self, values: dict[int, int], *, cap_objective: bool = True) -> int:
@@ -50,19 +56,26 @@ class SearchHelp:
         objective = self.objective.value(values)
         if cap_objective and not self.minimize_memory:
             model.add(self.objective.expr() <= objective)
-            self._fix_by_bottleneck_cap(objective)
+            if not self.interleaved:  # the fixings assume the 1F1B/GPipe objective
+                self._fix_by_bottleneck_cap(objective)
         return objective
 
     def cap_objective(self, cap_units: int) -> None:
         """objective <= cap_units, and the stage fixings it implies (Note [search help])."""
         if not self.minimize_memory:
             self.model.add(self.objective.expr() <= cap_units)
-            self._fix_by_bottleneck_cap(cap_units)
+            if not self.interleaved:
+                self._fix_by_bottleneck_cap(cap_units)
 
     def max_rounding_s(self) -> float:
         """An upper bound, in seconds, on ``_rounding_slack`` of any plan of this candidate."""
         pr, p, m = self.problem, self.p, self.m
         terms = 3 * pr.num_regions + 2 * (len(pr.edges) + 1) + 1
+        if self.interleaved:  # slots * (worst forward's + worst backward's terms) <= slots * 2 terms
+            from partitioner.solver.interleaved import pipeline_slots
+
+            slots = pipeline_slots(self.pp, self.v, m)
+            return (0.5 * (2 * slots * terms + terms + 1 + len(pr.ties) * (p + 1)) + 1) * self.time_unit_s
         return (0.5 * ((m - 1) * terms + p * terms + terms + 1 + len(pr.ties) * (p + 1)) + 1) * self.time_unit_s
 
     def _all_vars(self):
@@ -82,6 +95,10 @@ class SearchHelp:
         yield self.dp_allreduce
         yield from self.transient
         yield from self.bucket_whole
+        if self.interleaved:
+            yield self.fwd_max
+            yield self.bwd_max
+            yield from self.peak
 
     def _fix_by_bottleneck_cap(self, objective_cap: int) -> None:
         n, p, m = self.problem.num_regions, self.p, self.m

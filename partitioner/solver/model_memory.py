@@ -49,7 +49,7 @@ class MemoryConstraints:
     def _activation_expr(self, s: int) -> Terms:
         """k_s·b·(saved activations + cut_out) - recompute savings, in memory units."""
         pr, b, unit = self.problem, self.b, self.mem_unit
-        in_flight = in_flight_microbatches(self.schedule, s, self.p, self.m)
+        in_flight = in_flight_microbatches(self.schedule, s, self.p, self.m, local_stages=self.v)
         expr = Terms()
         for r, region in enumerate(pr.regions):
             expr.add(math.ceil(in_flight * b * region.activation_bytes_per_sample / unit), self.in_stage[r][s])
@@ -139,6 +139,8 @@ class MemoryConstraints:
         """Whether a plan's variable values (``hint_values``) satisfy every memory constraint."""
         if not self.memory_binds:
             return True
+        if self.interleaved:
+            return self._interleaved_memory_fits(values)
         bucket = math.ceil(self.problem.allreduce_bucket_bytes / self.mem_unit)
         for s in range(self.p):
             capacity = self.class_capacity[stage_classes[s]] // self.mem_unit

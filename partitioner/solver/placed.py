@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.baselines import baseline_assignments
-from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_time_s
+from partitioner.solver.bounds import allreduce_lower_bound_s, interleaved_lower_bound_s, lower_bound_step_time_s
 from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
@@ -175,7 +175,11 @@ def _within_rounding(bound: int, objective: int, model) -> int:
 def placement_bound_s(problem, cluster, placement, *, p, d, m, b, schedule, allow_recompute, chain) -> float:
     """A lower bound on every plan on ``placement`` (inf: none fits memory): the chain DP's bound
     when every plan is contiguous (its links and devices are the placement's), else perfectly
-    divisible work on its devices; plus the all-reduce's bound; times its core-sharing factor."""
+    divisible work on its devices; plus the all-reduce's bound; times its core-sharing factor.
+    Interleaved: bounds.interleaved_lower_bound_s (the chain DP prices 1F1B/GPipe only)."""
+    if schedule == "interleaved":
+        return interleaved_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                         microbatch_size=b, local_stages=len(placement) // len(set(placement)))
     scale = core_sharing_factor(cluster, placement)
     if chain:
         pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
@@ -247,8 +251,10 @@ def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule
         recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
         recompute_options.append("greedy")
     for recompute in recompute_options:
+        # interleaved: the 1F1B split of the same stages is a hint only (the model checks memory per rank)
         dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                   schedule=schedule, placement=placement, recompute=recompute, max_caps=100)
+                                   schedule="1f1b" if schedule == "interleaved" else schedule,
+                                   placement=placement, recompute=recompute, max_caps=100)
         if dp_result is not None:
             plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))
     return plans

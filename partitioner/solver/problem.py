@@ -58,19 +58,28 @@ __all__ = [
     "plan_links",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # interleaved: Note [interleaved pricing] in interleaved.py
 
 
-def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> str | None:
+def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int, *,
+                     local_stages: int = 1) -> str | None:
     """Why torch.distributed.pipelining would refuse this (schedule, stages, microbatches), or None.
 
     Note [only runnable plans]: every constraint the runtime's schedules impose is a constraint of
     the solver, so a plan never dies at the first step. torch 2.13's ``Schedule1F1B`` raises when
     ``n_microbatches < num_stages`` (its warm-up sends one microbatch per later stage);
-    ``ScheduleGPipe`` takes any count; interleaved schedules (which the solver does not price yet)
-    need the microbatches to be a multiple of their rounds (runtime/program.py checks that).
-    The runtime checks the same rule at start-up (runtime/program.py, Program).
+    ``ScheduleGPipe`` takes any count; ``ScheduleInterleaved1F1B`` (``local_stages`` v >= 2 stages
+    per rank) needs the microbatches to be a multiple of its rounds and the stages to divide over
+    the ranks (interleaved.interleaved_refusal). The runtime checks the same rules at start-up
+    (runtime/program.py, Program).
     """
+    if schedule == "interleaved":
+        from partitioner.solver.interleaved import interleaved_refusal
+
+        if local_stages < 2 or num_stages % local_stages or num_stages // local_stages < 2:
+            return (f"schedule interleaved needs at least 2 pipeline ranks of at least 2 stages each, got "
+                    f"{num_stages} stages at {local_stages} per rank")
+        return interleaved_refusal(num_stages, num_stages // local_stages, num_microbatches)
     if schedule == "1f1b" and num_microbatches < num_stages:
         return (f"schedule 1f1b needs microbatches >= stages (torch's Schedule1F1B), got "
                 f"{num_microbatches} microbatches for {num_stages} stages")
@@ -274,11 +283,10 @@ def core_sharing_factor(
     devices of the node) on each node; exact on one node whose devices are all core-bound."""
     ranks_on_node: dict[int, int] = {}
     if placement is not None:
-        for row in placement:
-            for i in row:
-                device = cluster.devices[i]
-                if device.cores is not None:
-                    ranks_on_node[device.node] = ranks_on_node.get(device.node, 0) + 1
+        for i in sorted({i for row in placement for i in row}):  # interleaved rows repeat a rank's devices
+            device = cluster.devices[i]
+            if device.cores is not None:
+                ranks_on_node[device.node] = ranks_on_node.get(device.node, 0) + 1
     else:
         if num_ranks is None:
             raise ValueError("core_sharing_factor needs a placement or num_ranks")
@@ -290,12 +298,20 @@ def core_sharing_factor(
     return max([1.0] + [count / cores_of_node[node] for node, count in ranks_on_node.items()])
 
 
-def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, *,
+                           local_stages: int = 1) -> int:
     """Microbatches whose activations stage ``stage`` holds at its peak.
 
     GPipe runs every forward before any backward: all m. 1F1B warms up with p - s forwards on
-    stage s before its first backward, then alternates: min(p - s, m).
+    stage s before its first backward, then alternates: min(p - s, m). Interleaved (v =
+    ``local_stages`` per rank): at most what its rank holds at its peak, min(m, rank_in_flight)
+    (Note [interleaved pricing] in interleaved.py).
     """
+    if schedule == "interleaved":
+        from partitioner.solver.interleaved import rank_in_flight
+
+        pp = num_stages // local_stages
+        return min(num_microbatches, rank_in_flight(stage % pp, pp, local_stages, num_microbatches))
     if schedule == "gpipe":
         return num_microbatches
     if schedule == "1f1b":
@@ -327,23 +343,45 @@ class Assignment:
         object.__setattr__(self, "recompute", tuple(bool(x) for x in self.recompute))
         object.__setattr__(self, "device_of_stage_replica", tuple(tuple(row) for row in self.device_of_stage_replica))
 
+    @property
+    def local_stages(self) -> int:
+        """Stages per rank: 1, or v under interleaved (rows of a rank's stages repeat its devices)."""
+        if self.schedule != "interleaved":
+            return 1
+        return self.num_stages // len(set(self.device_of_stage_replica))
+
+    @property
+    def pipeline_ranks(self) -> int:
+        return self.num_stages // self.local_stages
+
     def rank_of(self, stage: int, replica: int) -> int:
-        return stage * self.dp + replica
+        """Interleaved: stage s runs on pipeline position s % pp (runtime/layout.py)."""
+        return (stage % self.pipeline_ranks) * self.dp + replica
 
     def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.dp)
 
 
 def place_stages(
-    cluster: ClusterSpec, num_stages: int, dp: int, stage_classes: "list[tuple] | None" = None
+    cluster: ClusterSpec, num_stages: int, dp: int, stage_classes: "list[tuple] | None" = None, *,
+    local_stages: int = 1,
 ) -> tuple[tuple[int, ...], ...]:
     """Devices for every (stage, replica) (Note [rank layout] in Assignment).
 
     Homogeneous (``stage_classes`` None): rank order = device order, so stage s replica r runs on
     device s * dp + r. Heterogeneous: ``stage_classes[s]`` is the ``DeviceSpec.device_class`` of
     stage s; each class's devices are handed out in (node, index) order, stage by stage, so a
-    stage's replicas share a node whenever the class has dp devices on one node.
+    stage's replicas share a node whenever the class has dp devices on one node. Interleaved
+    (``local_stages`` v > 1, one device class): stage s runs on the devices of pipeline position
+    s % (p / v), so the rows repeat every p / v stages.
     """
+    if local_stages > 1:
+        if stage_classes is not None:
+            raise ValueError("interleaved placement is on one device class only (Note [interleaved pricing])")
+        ranks = num_stages // local_stages
+        if ranks * dp > cluster.num_devices:
+            raise ValueError(f"{ranks} pipeline ranks * dp {dp} exceeds the cluster's {cluster.num_devices} devices")
+        return tuple(tuple((s % ranks) * dp + r for r in range(dp)) for s in range(num_stages))
     if num_stages * dp > cluster.num_devices:
         raise ValueError(
             f"num_stages * dp = {num_stages} * {dp} = {num_stages * dp} exceeds the cluster's "

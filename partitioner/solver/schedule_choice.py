@@ -1,50 +1,94 @@
 """``--schedule auto``: the pipeline schedule as a decision of the solver.
 
 Note [schedule choice]
-    Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b) is solved over the whole
-    allowed (stages, dp, microbatches) space by ``solve``, and the plan with the smallest
-    predicted step time under the memory limit wins; on a tie the earlier of SCHEDULE_ORDER
-    (1f1b first: it holds fewer activations). In the cost model (Note [cost model] in
-    evaluate.py) the two schedules have the same time for the same (p, d, m) and GPipe holds every
-    microbatch's activations, so GPipe can only win where 1F1B cannot run: fewer microbatches
-    than stages (Note [only runnable plans]), e.g. a small global batch over a deep pipeline.
-    The chosen plan is OPTIMAL over both schedules only when its own solve is OPTIMAL and every
-    other schedule's solve was OPTIMAL (or found nothing that fits) at a step time no lower;
-    otherwise it is FEASIBLE and its bound the smaller of the two (0 when a schedule found no plan
-    within the time limit). Interleaved is not a
-    candidate: it is not priced yet (Note [interleaved not priced] in interleaved.py).
+    Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b, interleaved) is solved over
+    the whole allowed (stages, dp, microbatches) space by ``solve`` (interleaved at every v of
+    LOCAL_STAGE_OPTIONS, ``solve_any_local_stages``), and the plan with the smallest predicted
+    step time under the memory limit wins; on a tie the earlier of SCHEDULE_ORDER (1f1b first: it
+    holds fewer activations). In the cost model (Note [cost model] in evaluate.py) 1F1B and GPipe
+    have the same time for the same (p, d, m) and GPipe holds every microbatch's activations, so
+    GPipe can only win where 1F1B cannot run: fewer microbatches than stages (Note [only runnable
+    plans]), e.g. a small global batch over a deep pipeline. Interleaved is priced by its worst
+    stage (Note [interleaved pricing] in interleaved.py): it wins where the bubble is large and the
+    model splits into many balanced stages, and it is left out on a cluster of several device
+    classes. The chosen plan is OPTIMAL over every schedule only when its own solve is OPTIMAL and
+    every other schedule's solve was OPTIMAL (or found nothing that fits) at a step time no lower;
+    otherwise it is FEASIBLE and its bound the smallest (0 when a schedule found no plan within
+    the time limit).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 from partitioner.errors import PartitionInfeasibleError
+from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS
 from partitioner.solver.solution import Solution
 
 __all__ = ["AUTO", "SCHEDULE_ORDER", "solve_any_schedule"]
 
 AUTO = "auto"
-SCHEDULE_ORDER = ("1f1b", "gpipe")  # tie-break: fewer activations first
+SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")  # tie-break: fewer activations first, then fewer stages
 
 
 def solve_any_schedule(solve, problem, cluster, global_batch, **kwargs) -> Solution:
     """The best of ``solve(..., schedule=s)`` over SCHEDULE_ORDER (Note [schedule choice]).
-    ``solve`` is solve.solve (passed in: that module dispatches here)."""
+    ``solve`` is solve.solve (passed in: that module dispatches here). Interleaved is left out on
+    a cluster of several device classes (Note [interleaved pricing] in interleaved.py)."""
+    order = [s for s in SCHEDULE_ORDER if s != "interleaved" or cluster.is_homogeneous]
+    runs = {s: (lambda s=s: solve(problem, cluster, global_batch, schedule=s, **kwargs)) for s in order}
+    chosen, results, errors, chosen_name = _best_of(runs, order)
+    others = _others(results, errors, chosen_name)
+    if "interleaved" not in order:
+        others += ", interleaved left out (one device class only)"
+    scope = re.sub(rf"the {chosen.schedule} schedule( at \d+ stages per rank)?",
+                   lambda match: f"schedules {' and '.join(order)} (chose {chosen.schedule}"
+                                 f"{match.group(1) or ''}; {others})", chosen.optimal_over, count=1)
+    return replace(chosen, optimal_over=scope)
+
+
+def solve_any_local_stages(solve, problem, cluster, global_batch, *, config, **kwargs) -> Solution:
+    """Interleaved with every v of LOCAL_STAGE_OPTIONS stages per rank, the best kept, as
+    ``solve_any_schedule`` keeps the best schedule (Note [interleaved pricing])."""
+    order = [f"v={v}" for v in LOCAL_STAGE_OPTIONS]
+    runs = {f"v={v}": (lambda v=v: solve(problem, cluster, global_batch, schedule="interleaved",
+                                          config=replace(config, local_stages=v), **kwargs))
+            for v in LOCAL_STAGE_OPTIONS}
+    chosen, results, errors, chosen_name = _best_of(runs, order, "schedule interleaved has no plan at any "
+                                                    "number of stages per rank")
+    others = _others(results, errors, chosen_name)
+    scope = chosen.optimal_over.replace(
+        f"at {chosen.local_stages} stages per rank",
+        f"at {', '.join(str(v) for v in LOCAL_STAGE_OPTIONS)} stages per rank (chose {chosen.local_stages}; {others})")
+    return replace(chosen, optimal_over=scope)
+
+
+def _others(results, errors, chosen_name) -> str:
+    parts = [f"{s} {r.step_time_s:.6g} s ({r.status})" for s, r in results.items() if s != chosen_name]
+    return ", ".join(parts + [f"{s} has no plan" for s in errors])
+
+
+def _best_of(runs: dict, order: list[str], what: str = "no schedule has a plan"):
+    """Run every option; (the fastest plan with the combined status, bound and lower bound, the
+    results, the errors, the chosen option's name). OPTIMAL only when the chosen plan's solve is and
+    every other option's is OPTIMAL (or found nothing that fits) at a step time no lower."""
     results: dict[str, Solution] = {}
     errors: dict[str, ValueError] = {}
-    for schedule in SCHEDULE_ORDER:
+    for name in order:
         try:
-            results[schedule] = solve(problem, cluster, global_batch, schedule=schedule, **kwargs)
+            results[name] = runs[name]()
         except ValueError as err:  # PartitionInfeasibleError, or no runnable candidate
-            errors[schedule] = err
+            errors[name] = err
     if not results:
         infeasible = [e for e in errors.values() if isinstance(e, PartitionInfeasibleError)]
         detail = "; ".join(f"{s}: {e}" for s, e in errors.items())
-        cls = PartitionInfeasibleError if infeasible else ValueError
-        raise cls(f"no schedule has a plan ({detail})")
-    chosen_name = min(results, key=lambda s: (results[s].step_time_s, SCHEDULE_ORDER.index(s)))
+        if infeasible:  # a time limit in any option keeps the whole answer "no proof" (timed_out)
+            raise PartitionInfeasibleError(f"{what} ({detail})",
+                                           timed_out=any(getattr(e, "timed_out", False) for e in infeasible))
+        raise ValueError(f"{what} ({detail})")
+    chosen_name = min(results, key=lambda s: (results[s].step_time_s, order.index(s)))
     chosen = results[chosen_name]
     status, bound = chosen.status, chosen.bound
     for name, other in results.items():
@@ -57,11 +101,7 @@ def solve_any_schedule(solve, problem, cluster, global_batch, **kwargs) -> Solut
                 bound = min(bound, max(0, math.floor(other_bound_s / chosen.time_unit_s)))
     if any(getattr(e, "timed_out", False) for e in errors.values()):  # a time limit, not a proof
         status, bound = "FEASIBLE", (0 if bound is not None else None)
-    others = ", ".join(f"{s} {r.step_time_s:.6g} s ({r.status})" for s, r in results.items() if s != chosen_name)
-    others += "".join(f", {s} has no plan" for s in errors)
-    scope = chosen.optimal_over.replace(f"the {chosen_name} schedule",
-                                        f"schedules {' and '.join(SCHEDULE_ORDER)} (chose {chosen_name}; {others})")
     lower = min(r.lower_bound_step_time_s for r in results.values())
-    return replace(chosen, status=status, bound=bound, optimal_over=scope,
-                   lower_bound_step_time_s=lower,
-                   solve_time_s=sum(r.solve_time_s for r in results.values()))
+    chosen = replace(chosen, status=status, bound=bound, lower_bound_step_time_s=lower,
+                     solve_time_s=sum(r.solve_time_s for r in results.values()))
+    return chosen, results, errors, chosen_name

@@ -130,13 +130,19 @@ class Solution:
         )
 
     @property
+    def local_stages(self) -> int:
+        """Stages per rank: v under interleaved, else 1 (Note [interleaved pricing] in interleaved.py)."""
+        return self.assignment.local_stages
+
+    @property
     def num_ranks(self) -> int:
-        return self.num_stages * self.dp
+        return self.num_stages // self.local_stages * self.dp
 
     def rank_of(self, stage: int, replica: int) -> int:
-        return stage * self.dp + replica
+        return self.assignment.rank_of(stage, replica)
 
     def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
+        """(the first stage the rank holds, its replica)."""
         return divmod(rank, self.dp)
 
     def device_of_rank(self, rank: int) -> int:

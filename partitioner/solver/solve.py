@@ -49,7 +49,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
-from partitioner.solver.schedule_choice import AUTO, solve_any_schedule
+from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 from partitioner.solver.space import SearchSpace, Variant
 
@@ -88,6 +88,11 @@ def solve(
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress, shard=shard,
                                   tp_degrees=tp_degrees, tp_dp=tp_dp)
+    if schedule == "interleaved" and config.local_stages is None:  # Note [interleaved pricing]
+        return solve_any_local_stages(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
+                                      microbatches=microbatches, config=config, progress=progress, shard=shard,
+                                      tp_degrees=tp_degrees, tp_dp=tp_dp)
+    local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
     space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
     candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
@@ -95,21 +100,25 @@ def solve(
         if shard == "on":
             raise ValueError("shard_optimizer 'on' needs a plan with dp > 1, and none fits this cluster and "
                              "global batch: allow more devices, or use shard_optimizer 'auto'")
+        rule = ("which needs microbatches >= stages for 1f1b" if local == 1 else
+                f"which puts {local} stages on each of at least 2 ranks, ranks x dp <= devices, microbatches a "
+                "multiple of max(1, microbatches // ranks)")
         raise ValueError(f"no (stages, dp, microbatches) combination fits {cluster.num_devices} devices and "
                          f"global_batch={global_batch} with the given num_stages={num_stages}, dp={dp}, "
-                         f"microbatches={microbatches} under schedule {schedule} (which needs microbatches >= "
-                         "stages for 1f1b): raise the global batch, fix fewer stages, or use --schedule gpipe")
+                         f"microbatches={microbatches} under schedule {schedule} ({rule}): raise the global "
+                         "batch, fix fewer stages, or use --schedule gpipe")
     chain = has_chain_backbone(problem)
 
     def cheap_bound(p, d, m, v):
         prob, clus = space.inputs(v, d)
         return candidate_lower_bound_s(prob, clus, num_stages=p, dp=d, num_microbatches=m,
                                        microbatch_size=global_batch // (d * m), schedule=schedule,
-                                       allow_recompute=config.allow_recompute)
+                                       allow_recompute=config.allow_recompute, local_stages=local)
 
     def strong_bound(p, d, m, v, cheap):
         prob, clus = space.inputs(v, d)
-        if not (clus.is_homogeneous and chain) or not math.isfinite(cheap):
+        # interleaved: the chain DP prices 1F1B memory, no bound on it (Note [interleaved pricing])
+        if not (clus.is_homogeneous and chain) or not math.isfinite(cheap) or local > 1:
             return cheap
         b = global_batch // (d * m)
         pipeline = chain_lower_bound_s(prob, clus, num_stages=p, num_microbatches=m, microbatch_size=b,
@@ -210,7 +219,8 @@ def solve(
     baselines = best_baselines(problem, cluster, baseline_candidates(problem, cluster, global_batch, num_stages, dp,
                                                                       microbatches, config, schedule),
                                global_batch, schedule=schedule, allow_recompute=config.allow_recompute,
-                               bound_of=_bounds_for_baselines(queue, records, space))  # Note [fair baselines]
+                               bound_of=_bounds_for_baselines(queue, records, space),
+                               local_stages=local)  # Note [fair baselines]
     status, bound = best.status, best.bound
     own = unresolved.get(_key_of(best))
     if own is not None and best.objective is not None:  # its cheap or strong bound may be the better one
@@ -282,10 +292,12 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         f"dp {dp} (fixed)" if dp is not None else "every dp",
         (f"{microbatches} microbatches (fixed)" if microbatches is not None
          else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
-        f"the {schedule} schedule",
+        f"the {schedule} schedule" + (f" at {best.local_stages} stages per rank" if schedule == "interleaved" else ""),
         "recompute per region" if config.allow_recompute else "no recompute",
     ]
-    if cluster.is_homogeneous:
+    if cluster.is_homogeneous and schedule == "interleaved":
+        parts.append("rank = (stage % pipeline ranks) * dp + replica on the devices in cluster order")
+    elif cluster.is_homogeneous:
         parts.append("rank = stage * dp + replica on the devices in cluster order")
     elif len({d.node for d in cluster.devices}) == 1:
         parts.append("a device class per stage (one node: every link the same)")
@@ -325,9 +337,11 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     if not failed:
         raise PartitionInfeasibleError("no candidate was solved: fix num_stages/dp/microbatches", timed_out=True)
 
+    local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
+
     def rough_memory(r: CandidateRecord) -> float:  # per-stage memory if everything divided evenly
         problem = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)[0]
-        in_flight = r.num_microbatches if schedule == "gpipe" else min(r.num_stages, r.num_microbatches)
+        in_flight = r.num_microbatches if schedule in ("gpipe", "interleaved") else min(r.num_stages, r.num_microbatches)
         static = sum(x.static_bytes for x in problem.regions)
         saved = sum(x.recompute_activation_bytes_per_sample if config.allow_recompute else x.activation_bytes_per_sample
                     for x in problem.regions)
@@ -336,7 +350,7 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     tightest = None
     for r in sorted(failed, key=rough_memory)[:4]:
         problem, cluster = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)
-        placement = place_stages(cluster, r.num_stages, r.dp) if cluster.is_homogeneous else None
+        placement = place_stages(cluster, r.num_stages, r.dp, local_stages=local) if cluster.is_homogeneous else None
         model = CandidateModel(problem, cluster, num_stages=r.num_stages, dp=r.dp, num_microbatches=r.num_microbatches,
                                microbatch_size=r.microbatch_size, schedule=schedule, config=config,
                                placement=placement, minimize_memory=True)
@@ -348,21 +362,27 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
             result.stage_of_region, result.recompute, placement, r.num_stages, r.dp, r.num_microbatches,
             r.microbatch_size, schedule))
         s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
-        ratio = stage.memory_bytes / stage.capacity_bytes
+        where, needed, capacity = f"stage {s}", stage.memory_bytes, stage.capacity_bytes
+        if cost.rank_memory_bytes:  # interleaved: a rank's stages together (Note [interleaved pricing])
+            pos = max(range(len(cost.rank_memory_bytes)),
+                      key=lambda i: cost.rank_memory_bytes[i] / cost.rank_capacity_bytes[i])
+            where = f"the rank holding stages {list(range(pos, r.num_stages, len(cost.rank_memory_bytes)))}"
+            needed, capacity = cost.rank_memory_bytes[pos], cost.rank_capacity_bytes[pos]
+        ratio = needed / capacity
         if tightest is None or ratio < tightest[0]:
-            tightest = (ratio, r, s, stage, any(result.recompute))
+            tightest = (ratio, r, where, needed, capacity, any(result.recompute))
     largest = max(d.usable_memory_bytes for d in space.cluster.devices) / GIB  # Note [usable memory] in cluster.py
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
             "add devices, enable recompute, or lower the microbatch size")
-    _, r, s, stage, used_recompute = tightest
+    _, r, where, needed, capacity, used_recompute = tightest
     raise PartitionInfeasibleError(
         f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
         f"microbatches={r.num_microbatches}, microbatch_size={r.microbatch_size}, {schedule}"
         f"{f', tp {r.tensor_parallel}' if r.tensor_parallel > 1 else ''}"
         f"{', sharded optimizer state' if r.shard_optimizer else ''}"
-        f"{', recompute on' if used_recompute else ''}) needs {stage.memory_bytes / GIB:.2f} GiB on stage {s}, "
-        f"whose device holds {stage.capacity_bytes / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
+        f"{', recompute on' if used_recompute else ''}) needs {needed / GIB:.2f} GiB on {where}, "
+        f"whose device holds {capacity / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
         "add devices, enable recompute, or lower the microbatch size"
     )

@@ -1,6 +1,6 @@
 """Interleaved 1F1B facts (partitioner/solver/interleaved.py) against torch 2.13's own action
-order (runtime.schedule asks ScheduleInterleaved1F1B for it), and the solver's refusal of the
-schedule it cannot price yet (Note [interleaved not priced])."""
+order (runtime.schedule asks ScheduleInterleaved1F1B for it): the terms Note [interleaved
+pricing] prices (tests/unit/test_solver_interleaved_plan.py tests the plans)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import random
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
-from partitioner.solver import candidates
 from partitioner.solver.interleaved import interleaved_refusal, rank_in_flight, uniform_pipeline_s
 from runtime.schedule import _rank_orders, timed_actions
 
@@ -81,11 +79,3 @@ def test_linear_form_is_not_conservative_on_unequal_stages():
         per_rank = [sum(t[s] for s in range(r, pp * v, pp)) for r in range(pp)]
         worst = min(worst, ((m - 1 / v) * max(per_rank) + sum(t) / v) / makespan)
     assert worst < 0.95
-
-
-def test_solver_refuses_interleaved_with_the_fix():
-    cluster = ClusterSpec.homogeneous(2)
-    with pytest.raises(ValueError) as err:
-        candidates.validate_options(cluster, 8, 4, 1, 4, "interleaved")
-    msg = str(err.value)
-    assert "interleaved" in msg and "--schedule 1f1b" in msg and "Note [interleaved not priced]" in msg
