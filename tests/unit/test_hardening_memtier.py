@@ -221,7 +221,7 @@ def test_one_host_plan_with_a_memory_tier_gives_settings_the_runtime_accepts():
     from partitioner.compiler import memory_tier_choice
 
     stage = SimpleNamespace(memory=SimpleNamespace(params_bytes=100, optimizer_bytes=200))
-    assignment = SimpleNamespace(num_stages=2, dp=1, rank_of=lambda s, r: s,
+    assignment = SimpleNamespace(num_stages=2, pipeline_ranks=2, dp=1, rank_of=lambda s, r: s,
                                  device_of_stage_replica=[[0], [1]])
     cluster = SimpleNamespace(devices=[SimpleNamespace(node=0), SimpleNamespace(node=0)])
     for request in ("auto", "none", {"mode": "auto", "every": 2}):
