@@ -58,6 +58,9 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "device": plan.device_type,
         "backend": "gloo" if plan.device_type == "cpu" else "nccl",
         "ranks": plan.rank_layout(),
+        **({"tensor_parallel": plan.tensor_parallel,
+            "tp_sharded": {n: v[1] for s in stages for n, v in s.tp_sharded.items()}}
+           if plan.tensor_parallel > 1 else {}),
         "stages": [{"index": s.index, "module": f"stage_{s.index}", "class": f"Stage{s.index}",
                     "params": list(s.params), "mutable_buffers": list(s.mutable_buffers),
                     "inputs": values(s.inputs), "outputs": values(s.outputs)}
@@ -148,11 +151,34 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
             raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
         node_stage[node.name] = stage_of_name[name]
     stages = split_graph(gm, node_stage, plan.num_stages)
+    if plan.tensor_parallel > 1:  # Note [tensor-parallel roles] in passes/tensor_parallel.py
+        from passes.tensor_parallel import sharded_parameters
+
+        split = sharded_parameters(gm)
+        for stage in stages:
+            stage.tp_sharded = {n: (*split[n], tuple(_attr(gm, n).shape)) for n in stage.params if n in split}
+            _vocab_lookups(stage)
     # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
     recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
     for stage in stages:
         stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
     return stages
+
+
+def _vocab_lookups(stage: StageGraph) -> None:
+    """A vocab-split embedding becomes ``tensor_parallel.vocab_embedding`` (its partial lookup is
+    all-reduced right away), attention ``tensor_parallel.attention`` (torch's kernel on each rank's
+    heads): Note [tensor-parallel stages] in runtime/tensor_parallel.py."""
+    from runtime import tensor_parallel
+
+    for node in stage.gm.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.aten.embedding.default
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+                and stage.tp_sharded.get(node.args[0].target, ("",))[0] == "vocab"):
+            node.target = tensor_parallel.vocab_embedding
+        elif node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            node.target = tensor_parallel.attention  # each rank's heads, torch's kernel
+    stage.gm.recompile()
 
 
 def write_program_folder(compiled: "Compiled", folder) -> Path:
