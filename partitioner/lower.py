@@ -157,7 +157,7 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
         split = sharded_parameters(gm)
         for stage in stages:
             stage.tp_sharded = {n: (*split[n], tuple(_attr(gm, n).shape)) for n in stage.params if n in split}
-            _vocab_lookups(stage)
+            _tensor_parallel_calls(stage)
     # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
     recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
     for stage in stages:
@@ -165,19 +165,40 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
     return stages
 
 
-def _vocab_lookups(stage: StageGraph) -> None:
-    """A vocab-split embedding becomes ``tensor_parallel.vocab_embedding`` (its partial lookup is
-    all-reduced right away), attention ``tensor_parallel.attention`` (torch's kernel on each rank's
-    heads): Note [tensor-parallel stages] in runtime/tensor_parallel.py."""
+def _tensor_parallel_calls(stage: StageGraph) -> None:
+    """The calls where a tensor group settles its collectives, Megatron's places (Note
+    [tensor-parallel stages] in runtime/tensor_parallel.py): a vocab-split lookup becomes
+    ``tensor_parallel.vocab_embedding`` (all-reduced at once), a row-parallel linear
+    ``tensor_parallel.row_linear`` (its partial sums all-reduced at once), the input of a
+    sublayer's column-parallel linears (and of a vocab-split head) passes ``tensor_parallel.column_input`` (their input
+    gradients all-reduced once in backward), attention ``tensor_parallel.attention`` (torch's kernel
+    on each rank's heads)."""
     from runtime import tensor_parallel
 
-    for node in stage.gm.graph.nodes:
-        if (node.op == "call_function" and node.target is torch.ops.aten.embedding.default
-                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
-                and stage.tp_sharded.get(node.args[0].target, ("",))[0] == "vocab"):
+    def role(node, index):
+        arg = node.args[index] if len(node.args) > index else None
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            return stage.tp_sharded.get(arg.target, ("",))[0]
+        return ""
+
+    graph = stage.gm.graph
+    entered: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.embedding.default and role(node, 0) == "vocab":
             node.target = tensor_parallel.vocab_embedding
-        elif node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            node.target = tensor_parallel.attention  # each rank's heads, torch's kernel
+        elif node.target is torch.ops.aten.linear.default and role(node, 1) == "row":
+            node.target = tensor_parallel.row_linear
+        elif node.target is torch.ops.aten.linear.default and role(node, 1) in ("column", "vocab"):
+            x = node.args[0]
+            if x not in entered:
+                with graph.inserting_after(x):
+                    entered[x] = graph.call_function(tensor_parallel.column_input, (x,))
+                entered[x].meta = dict(x.meta)
+            node.args = (entered[x], *node.args[1:])
+        elif node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            node.target = tensor_parallel.attention
     stage.gm.recompile()
 
 

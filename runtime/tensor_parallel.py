@@ -190,6 +190,39 @@ def vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: in
     return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
 
 
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A row-parallel linear whose partial sums are all-reduced here, once (Megatron's g operator).
+    Left to itself DTensor keeps the sum pending through the residual add and settles it later,
+    op by op, on q, k and v separately: three all-reduces where one does."""
+    out = torch.ops.aten.linear.default(x, weight, bias)
+    if is_dtensor(out):
+        from torch.distributed.tensor import Replicate
+
+        out = out.redistribute(out.device_mesh, [Replicate()])
+    return out
+
+
+class _ColumnInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import Replicate
+
+        if is_dtensor(grad) and tuple(grad.placements) != (Replicate(),):
+            grad = grad.redistribute(grad.device_mesh, [Replicate()])
+        return grad
+
+
+def column_input(x: torch.Tensor) -> torch.Tensor:
+    """The input of a sublayer's column-parallel linears: the identity in forward; in backward the
+    sum of their partial input gradients, all-reduced once here (Megatron's f operator) rather
+    than wherever DTensor would settle it."""
+    return _ColumnInput.apply(x) if is_dtensor(x) else x
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
