@@ -1,6 +1,6 @@
 """Tensor parallelism in the generated program (Note [tensor-parallel stages] in
 runtime/tensor_parallel.py), trained under torchrun (gloo) against the one-process oracle:
-tp 2 (2 ranks) and tp 2 x pp 2 (4 ranks), with keyed attention dropout on sharded heads and with
+tp 2 (2 ranks) and tp 2 x pp 2 (4 ranks, clipped), with keyed attention dropout on sharded heads and with
 GPT-2's tied embedding (a vocab-split tie across two stages), and checkpoints written at tp 2
 resumed at tp 1 (and 2 stages) and the other way round (Note [tensor-parallel pieces]).
 
@@ -47,7 +47,9 @@ def runs(tmp_path_factory):
     plans = {
         "tp2": compile_to(root / "tp2", llama(), devices=2, num_stages=1, tensor_parallel=2, **options),
         "pp2": compile_to(root / "pp2", llama(), devices=2, num_stages=2, **options),  # tp 1
-        "tp2pp2": compile_to(root / "tp2pp2", llama(), devices=4, num_stages=2, tensor_parallel=2, **options),
+        # clipped hard (the norm is ~1): the global norm must count each shard once
+        "tp2pp2": compile_to(root / "tp2pp2", llama(), devices=4, num_stages=2, tensor_parallel=2,
+                             clip_grad_norm=0.05, **options),
         "gpt2": compile_to(root / "gpt2", gpt2(), devices=4, num_stages=2, tensor_parallel=2, **options),
     }
 
@@ -79,11 +81,16 @@ def test_the_stage_file_shows_what_is_split(runs):
 @pytest.mark.parametrize("name, run, workload", [("tp2", "run_a", llama), ("tp2pp2", "run_e", llama),
                                                  ("gpt2", "run_f", gpt2)])
 def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
-    """verify's verdict: losses, every final parameter, the gradient norm, with keyed dropout."""
+    """verify's verdict: losses, every final parameter, the gradient norm, with keyed dropout
+    (and clipping on tp2pp2)."""
     root, plans = runs
     report = check_run(root / name, root / run, workload=workload())
     assert report.oracle == "unpartitioned traced graph (keyed randomness)"
     assert report.ok, report.text()
+    if name == "tp2pp2":
+        from partitioner.verify import read_grad_norms
+
+        assert plans[name].training["clip_grad_norm"] == 0.05 < min(read_grad_norms(root / run))
 
 
 def test_the_tied_embedding_is_split_and_summed_across_stages(runs):

@@ -140,7 +140,6 @@ def test_a_plan_without_the_key_is_tp_1_and_hashes_as_before():
     ({"dp": 2}, "data parallelism"),
     ({"shard_optimizer": "on"}, "sharded optimizer"),
     ({"precision": "bf16-mixed"}, "mixed precision"),
-    ({"clip_grad_norm": 1.0}, "gradient clipping"),
     ({"tensor_parallel": 0}, "must be an int >= 1"),
     ({"tensor_parallel": 3}, "does not divide the cluster's 4 devices"),
 ])
