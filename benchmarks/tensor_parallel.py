@@ -13,7 +13,12 @@ the cost model's figure, and the step time of tp 2 beside pp 2 and dp 2 for one 
    forward's collective payloads: each row-parallel linear's and vocab lookup's output
    all-reduced, the vocab-split head's logits all-gathered) x microbatch size x microbatches x 2
    (backward assumed to move the same again). A ring all-reduce of n bytes sends 2 (tp-1)/tp n
-   from each rank, an all-gather (tp-1)/tp n: printed beside the payloads.
+   from each rank, an all-gather (tp-1)/tp n: printed beside the payloads. What the program
+   moves per microbatch (Megatron's points, runtime/tensor_parallel.py): forward, the vocab
+   lookup's and every row linear's output all-reduced, each rank's half of the logits
+   all-gathered; backward, the input gradient of every column group and of the head all-reduced,
+   and nothing for the logits (their gradient is sliced) or the lookup. So the model's "x 2"
+   over-counts a vocab-split head's logits in backward and misses its input's all-reduce.
 3. Step time: the three folders trained in one torchrun launch (runtime/run_many.py, one thread
    per rank, no checkpoints), each run's median step after the first (RUN_DIR/summary.json).
    The machine is 2 CPU cores shared with other jobs: the load average is printed beside the

@@ -2,11 +2,12 @@
 
 Note [what tensor parallelism runs with]: the generated program shards each stage over its
 tensor group with DTensor (runtime/tensor_parallel.py). It runs fp32 training with pipelining,
-keyed dropout, tied embeddings and gradient clipping (the global norm counts a split gradient's
-pieces once each and a replicated one on tensor index 0 only, runtime/grad_norm.py). Not yet with
-it, and refused here rather than at the first step: data parallelism (the replicas' gradient all-reduce and the replica digests are written for
-plain tensors), ZeRO-1 (its flat pieces are views of plain parameters), mixed precision (autocast
-over DTensor is untested here) and the in-memory checkpoint tier.
+data parallelism (each tensor index's replicas all-reduce and digest their own pieces), keyed
+dropout, tied embeddings and gradient clipping (the global norm counts a split gradient's pieces
+once each and a replicated one on tensor index 0 only, runtime/grad_norm.py). Not yet with it, and
+refused here rather than at the first step: ZeRO-1 (its flat pieces are views of plain
+parameters), mixed precision (autocast over DTensor is untested here) and the in-memory
+checkpoint tier.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, *, shard_optimi
         raise ValueError(f"tensor_parallel={tp} does not run with {what} yet (Note [what tensor parallelism "
                          f"runs with] in partitioner/tensor_parallel.py): {fix}, or compile with --tp 1")
 
-    if dp is not None and dp > 1:
-        refuse(f"data parallelism (dp={dp})", "leave --dp out (dp 1 per tensor group)")
     if shard_optimizer in (True, "on"):
         refuse("a sharded optimizer (ZeRO-1)", "pass --shard-optimizer off")
     chosen = precision or training.get("precision")

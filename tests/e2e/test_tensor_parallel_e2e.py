@@ -1,6 +1,7 @@
 """Tensor parallelism in the generated program (Note [tensor-parallel stages] in
 runtime/tensor_parallel.py), trained under torchrun (gloo) against the one-process oracle:
-tp 2 (2 ranks) and tp 2 x pp 2 (4 ranks, clipped), with keyed attention dropout on sharded heads and with
+tp 2 (2 ranks), tp 2 x pp 2 (4 ranks, clipped) and tp 2 x dp 2 (4 ranks: the replicas' gradient
+all-reduce and digests on each tensor index's pieces), with keyed attention dropout on sharded heads and with
 GPT-2's tied embedding (a vocab-split tie across two stages), and checkpoints written at tp 2
 resumed at tp 1 (and 2 stages) and the other way round (Note [tensor-parallel pieces]).
 
@@ -51,6 +52,8 @@ def runs(tmp_path_factory):
         "tp2pp2": compile_to(root / "tp2pp2", llama(), devices=4, num_stages=2, tensor_parallel=2,
                              clip_grad_norm=0.05, **options),
         "gpt2": compile_to(root / "gpt2", gpt2(), devices=4, num_stages=2, tensor_parallel=2, **options),
+        "tp2dp2": compile_to(root / "tp2dp2", llama(), devices=4, num_stages=1, dp=2, tensor_parallel=2,
+                             global_batch=8, microbatches=2),
     }
 
     def job(name, steps, ckpt, run):
@@ -61,7 +64,8 @@ def runs(tmp_path_factory):
                       job("pp2", 2, "ck_b", "run_b"),        # tp 1, then resumed at tp 2 (run_d)
                       job("pp2", 4, "ck_a", "run_c"),
                       job("tp2", 4, "ck_b", "run_d")])
-    _launch(4, [job("tp2pp2", 3, "ck_e", "run_e"), job("gpt2", 3, "ck_f", "run_f")])
+    _launch(4, [job("tp2pp2", 3, "ck_e", "run_e"), job("gpt2", 3, "ck_f", "run_f"),
+                job("tp2dp2", 3, "ck_g", "run_g")])
     return root, plans
 
 
@@ -79,7 +83,7 @@ def test_the_stage_file_shows_what_is_split(runs):
 
 
 @pytest.mark.parametrize("name, run, workload", [("tp2", "run_a", llama), ("tp2pp2", "run_e", llama),
-                                                 ("gpt2", "run_f", gpt2)])
+                                                 ("gpt2", "run_f", gpt2), ("tp2dp2", "run_g", llama)])
 def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
     """verify's verdict: losses, every final parameter, the gradient norm, with keyed dropout
     (and clipping on tp2pp2)."""
