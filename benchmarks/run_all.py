@@ -50,6 +50,7 @@ BENCHMARKS = [
     ("memory_tier", ["benchmarks/memory_tier.py"], 600),
     ("recompute", ["benchmarks/recompute.py"], 600),
     ("precision", ["benchmarks/precision.py"], 600),
+    ("tensor_parallel", ["benchmarks/tensor_parallel.py"], 600),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14

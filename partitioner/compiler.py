@@ -90,7 +90,6 @@ def compile_workload(
     tp = check_tensor_parallel(tensor_parallel, cluster, shard_optimizer=shard_optimizer, precision=precision,
                                training={**(training or {}), **({"clip_grad_norm": clip_grad_norm}
                                                                 if clip_grad_norm is not None else {})}, dp=dp)
-    dp = 1 if tp > 1 else dp
     validate_options(grouped(cluster, tp), global_batch, num_stages, dp, microbatches, schedule)  # before the trace
     from partitioner.user_source import derive_sources
 

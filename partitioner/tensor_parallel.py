@@ -2,11 +2,12 @@
 
 Note [what tensor parallelism runs with]: the generated program shards each stage over its
 tensor group with DTensor (runtime/tensor_parallel.py). It runs fp32 training with pipelining,
-keyed dropout and tied embeddings. Not yet with it, and refused here rather than at the first
-step: data parallelism (the replicas' gradient all-reduce and the replica digests are written for
-plain tensors), ZeRO-1 (its flat pieces are views of plain parameters), mixed precision (autocast
-over DTensor is untested here), gradient clipping (the global norm must count a shard once per
-tensor group and a replicated parameter once) and the in-memory checkpoint tier.
+data parallelism (each tensor index's replicas all-reduce and digest their own pieces), keyed
+dropout, tied embeddings and gradient clipping (the global norm counts a split gradient's pieces
+once each and a replicated one on tensor index 0 only, runtime/grad_norm.py). Not yet with it, and
+refused here rather than at the first step: ZeRO-1 (its flat pieces are views of plain
+parameters), mixed precision (autocast over DTensor is untested here) and the in-memory
+checkpoint tier.
 """
 
 from __future__ import annotations
@@ -33,15 +34,11 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, *, shard_optimi
         raise ValueError(f"tensor_parallel={tp} does not run with {what} yet (Note [what tensor parallelism "
                          f"runs with] in partitioner/tensor_parallel.py): {fix}, or compile with --tp 1")
 
-    if dp is not None and dp > 1:
-        refuse(f"data parallelism (dp={dp})", "leave --dp out (dp 1 per tensor group)")
     if shard_optimizer in (True, "on"):
         refuse("a sharded optimizer (ZeRO-1)", "pass --shard-optimizer off")
     chosen = precision or training.get("precision")
     if chosen not in (None, "fp32") or (chosen is None and cluster.devices[0].kind != "cpu"):
         refuse(f"mixed precision ({chosen or 'bf16-mixed, the GPU default'})", "pass --precision fp32")
-    if training.get("clip_grad_norm") is not None:
-        refuse("gradient clipping", "pass --clip-grad-norm none")
     if training.get("memory_tier") not in (None, "none") and training.get("memory_tier") != {"mode": "none"}:
         refuse("the in-memory checkpoint tier", "pass --memory-tier none")
     return tp

@@ -13,7 +13,7 @@ Note [tensor-parallel roles]: Megatron's pairing, read off the module tree.
   feed the last), or when a column output is cut along its features before any per-head view (a
   fused ``qkv`` linear followed by ``split``): sharding it on dim 0 would hand each rank a slice of
   q, k and v of the wrong heads, and DTensor would repair it with an all-gather.
-- An embedding indexed by a model input (the token ids) is **vocab**-split (weight rows across the
+- An embedding indexed by a model input (the token ids, maybe reshaped) is **vocab**-split (weight rows across the
   group; each rank looks up the ids it holds, one all-reduce of the output). A linear outside the
   blocks whose weight is such an embedding's (tied) or has its row count is the output head:
   vocab-split too (one all-gather of the logits for the loss). Position embeddings (indexed by an
@@ -117,6 +117,13 @@ def _fused(node: fx.Node) -> bool:
     return False
 
 
+def _from_input(node) -> bool:
+    """Is ``node`` a model input, possibly reshaped (GPT-2 views its ids before the lookup)?"""
+    while isinstance(node, fx.Node) and node.op == "call_function" and _name(node) in _VIEW_OPS + ("unsqueeze",):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder"
+
+
 @ir.graph_pass(reads=(ir.SHAPE,), writes=(ir.TP,))
 def annotate_tensor_parallel(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -145,7 +152,7 @@ def annotate_tensor_parallel(gm: fx.GraphModule) -> fx.GraphModule:
             divisor[fed[0]] = int(gm.get_parameter(fed[0].args[1].target).shape[1])
     vocab_weights: dict[str, int] = {}
     for n in nodes:
-        if _is_embedding(gm, n) and isinstance(n.args[1], fx.Node) and n.args[1].op == "placeholder":
+        if _is_embedding(gm, n) and _from_input(n.args[1]):
             role[n] = "vocab"
             rows = int(gm.get_parameter(n.args[0].target).shape[0])
             divisor[n] = rows

@@ -110,7 +110,9 @@ def owned_gradients(trainer) -> list[torch.Tensor]:
             if name in owned and name not in seen:
                 seen.add(name)
                 out.append(m.get_parameter(name).grad)
-    return out
+    from runtime.tensor_parallel import local_owned  # a shard once per tensor group, a replica once
+
+    return local_owned(out, getattr(trainer, "tp_index", 0))
 
 
 def scale_(grads, factor: float) -> None:

@@ -3,7 +3,6 @@ object (runtime/program.py), pure Python."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,9 +15,15 @@ class Layout:
     """Which rank holds what, and the process groups every rank must create (in this order).
 
     Note [group order]: ``torch.distributed.new_group`` is collective over the world, so every rank
-    creates every group, members or not, in one fixed order: pipelines (by replica), then
-    data-parallel groups (by pipeline position), then tie groups (by tie, then replica). Groups of
-    one rank are not created except pipelines, which PipelineStage needs.
+    creates every group, members or not, in one fixed order: pipelines (by replica, then tensor
+    index), then data-parallel groups (by pipeline position, then tensor index), then tie groups
+    (by tie, then pipeline), then tensor groups. Groups of one rank are not created except
+    pipelines, which PipelineStage needs.
+
+    With tensor parallelism (Note [tensor-parallel stages] in runtime/tensor_parallel.py) each
+    tensor index t runs its own copy of the pp x dp layout: pipeline ``replica * tp + t`` is the
+    ranks of that replica with tensor index t, a data-parallel group joins the replicas' ranks of
+    one position and one t, and the ranks of one stage replica form a tensor group.
     """
 
     world_size: int
@@ -26,77 +31,86 @@ class Layout:
     dp: int
     stages_of_rank: tuple[tuple[int, ...], ...]  # rank -> its stage indices (ascending)
     replica_of_rank: tuple[int, ...]
-    pipelines: tuple[tuple[int, ...], ...]  # replica -> ranks, ascending == pipeline group rank order
-    dp_groups: tuple[tuple[int, ...], ...]  # pipeline position -> ranks (one per replica)
-    tie_groups: tuple[tuple[tuple[int, ...], ...], ...]  # tie -> replica -> ranks holding a copy
+    pipelines: tuple[tuple[int, ...], ...]  # replica * tp + t -> ranks, ascending == pipeline group rank order
+    dp_groups: tuple[tuple[int, ...], ...]  # (pipeline position, t) -> ranks (one per replica)
+    tie_groups: tuple[tuple[tuple[int, ...], ...], ...]  # tie -> pipeline -> ranks holding a copy
+    tensor_parallel: int = 1
+    tp_index_of_rank: tuple[int, ...] = ()
+    tensor_groups: tuple[tuple[int, ...], ...] = ()  # the ranks of one stage replica (tp > 1 only)
 
     @staticmethod
     def from_program(program: Program) -> "Layout":
-        """With tensor parallelism this is the layout of the tensor groups (logical rank g is
-        physical ranks g*tp .. g*tp+tp-1, Note [tensor-parallel stages] in runtime/tensor_parallel.py):
-        every tensor index runs the same pipelines over its own ranks."""
-        tp = program.tensor_parallel
-        world, p, dp = program.world_size // tp, program.num_stages, program.dp
-        if program.world_size % tp:
-            raise ValueError(f"world_size={program.world_size} is not a multiple of tensor_parallel={tp}")
-        entries = list(program.ranks)
-        if tp > 1:
-            by_rank = {e.rank: e for e in entries}
-            for e in entries:
-                first = by_rank.get(e.rank - e.tp_index)
-                if e.tp_index != e.rank % tp or first is None or (first.stages, first.replica) != (e.stages, e.replica):
-                    raise ValueError(f"rank entry {e.to_dict()}: with tensor_parallel={tp} rank r has tp_index "
-                                     f"r % {tp} and the stages and replica of rank r - r % {tp}: recompile")
-            entries = [dataclasses.replace(e, rank=e.rank // tp) for e in entries if e.tp_index == 0]
+        world, p, dp, tp = program.world_size, program.num_stages, program.dp, program.tensor_parallel
         stages_of = [()] * world
         replica_of = [0] * world
-        for entry in entries:
+        tp_of = [0] * world
+        for entry in program.ranks:
             r = entry.rank
             if not 0 <= r < world:
                 raise ValueError(f"rank entry {entry.to_dict()} is outside world_size={world}")
             stages_of[r] = tuple(sorted(entry.stages))
             replica_of[r] = entry.replica
+            tp_of[r] = entry.tp_index
+        if tp > 1:
+            if world % tp:
+                raise ValueError(f"world_size={world} is not a multiple of tensor_parallel={tp}: recompile")
+            for r in range(world):
+                first = r - r % tp
+                if tp_of[r] != r % tp or (stages_of[r], replica_of[r]) != (stages_of[first], replica_of[first]):
+                    raise ValueError(f"rank {r}: with tensor_parallel={tp} rank r has tp_index r % {tp} and the "
+                                     f"stages and replica of rank r - r % {tp} (its tensor group's first): recompile")
         pipelines = []
         for rep in range(dp):
-            ranks = tuple(r for r in range(world) if replica_of[r] == rep)
-            held = sorted(s for r in ranks for s in stages_of[r])
-            if held != list(range(p)):
-                raise ValueError(f"replica {rep} (ranks {list(ranks)}) holds stages {held}; "
-                                 f"each replica must hold every stage 0..{p - 1} exactly once")
-            # torch.distributed.pipelining places stage s on pipeline-group rank s % group size
-            # (group ranks follow ascending global rank): the plan must agree.
-            for pos, r in enumerate(ranks):
-                want = tuple(range(pos, p, len(ranks)))
-                if stages_of[r] != want:
-                    raise ValueError(
-                        f"rank {r} (position {pos} of replica {rep}'s pipeline {list(ranks)}) holds "
-                        f"stages {list(stages_of[r])}, but pipelining needs stage s on position "
-                        f"s % {len(ranks)}: give it stages {list(want)}")
-            pipelines.append(ranks)
+            for t in range(tp):
+                ranks = tuple(r for r in range(world) if replica_of[r] == rep and tp_of[r] == t)
+                held = sorted(s for r in ranks for s in stages_of[r])
+                if held != list(range(p)):
+                    raise ValueError(f"replica {rep} (ranks {list(ranks)}) holds stages {held}; "
+                                     f"each replica must hold every stage 0..{p - 1} exactly once")
+                # torch.distributed.pipelining places stage s on pipeline-group rank s % group size
+                # (group ranks follow ascending global rank): the plan must agree.
+                for pos, r in enumerate(ranks):
+                    want = tuple(range(pos, p, len(ranks)))
+                    if stages_of[r] != want:
+                        raise ValueError(
+                            f"rank {r} (position {pos} of replica {rep}'s pipeline {list(ranks)}) holds "
+                            f"stages {list(stages_of[r])}, but pipelining needs stage s on position "
+                            f"s % {len(ranks)}: give it stages {list(want)}")
+                pipelines.append(ranks)
         sizes = {len(pl) for pl in pipelines}
         if len(sizes) != 1:
             raise ValueError(f"replicas have pipelines of different lengths: {pipelines}")
-        dp_groups = tuple(tuple(pl[pos] for pl in pipelines) for pos in range(sizes.pop()))
+        pp = sizes.pop()
+        dp_groups = tuple(tuple(pipelines[rep * tp + t][pos] for rep in range(dp))
+                          for pos in range(pp) for t in range(tp))
         tie_groups = []
         for tie in program.ties:
-            per_rep = []
+            per_pipeline = []
             for pl in pipelines:
-                per_rep.append(tuple(r for r in pl if set(stages_of[r]) & set(tie.stages)))
-            tie_groups.append(tuple(per_rep))
+                per_pipeline.append(tuple(r for r in pl if set(stages_of[r]) & set(tie.stages)))
+            tie_groups.append(tuple(per_pipeline))
+        tensor_groups = tuple(tuple(range(g, g + tp)) for g in range(0, world, tp)) if tp > 1 else ()
         return Layout(world, p, dp, tuple(stages_of), tuple(replica_of), tuple(pipelines),
-                      dp_groups, tuple(tie_groups))
+                      dp_groups, tuple(tie_groups), tp, tuple(tp_of), tensor_groups)
 
     @property
     def pp_size(self) -> int:
         return len(self.pipelines[0])
 
+    def pipeline_index(self, rank: int) -> int:
+        """Which of ``pipelines`` ``rank`` is in: replica * tp + its tensor index."""
+        return self.replica_of_rank[rank] * self.tensor_parallel + (self.tp_index_of_rank[rank]
+                                                                    if self.tp_index_of_rank else 0)
+
     def pipeline_ranks(self, rank: int) -> list[int]:
         """The rank holding each stage of ``rank``'s replica's pipeline, by stage."""
-        return [self.stage_rank(k, self.replica_of_rank[rank]) for k in range(self.num_stages)]
+        pipeline = self.pipelines[self.pipeline_index(rank)]
+        return [pipeline[k % self.pp_size] for k in range(self.num_stages)]
 
     def data_parallel_ranks(self, rank: int) -> list[int]:
         """The ranks holding the same stage(s) as ``rank``, one per replica (itself included)."""
-        return sorted({self.stage_rank(k, rep) for k in self.stages_of_rank[rank] for rep in range(self.dp)})
+        t = self.tp_index_of_rank[rank] if self.tp_index_of_rank else 0
+        return sorted({self.stage_rank(k, rep, t) for k in self.stages_of_rank[rank] for rep in range(self.dp)})
 
-    def stage_rank(self, stage: int, replica: int) -> int:
-        return self.pipelines[replica][stage % self.pp_size]
+    def stage_rank(self, stage: int, replica: int, tp_index: int = 0) -> int:
+        return self.pipelines[replica * self.tensor_parallel + tp_index][stage % self.pp_size]

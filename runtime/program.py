@@ -63,6 +63,7 @@ class Program:
                                               # [sharded optimizer state] in runtime/zero.py)
     tensor_parallel: int = 1                  # ranks per tensor group (Note [tensor-parallel stages]
                                               # in runtime/tensor_parallel.py)
+    tp_sharded: dict | None = None            # parameter -> the dim its tensor group splits (tp > 1)
     randomness: RandomnessSpec | None = None  # present only when the compiler keyed random ops
     init: InitSpec | None = None              # present only for a model compiled on the meta device
     steps: int | None = None                  # steps to train; None: optimizer.total_steps

@@ -94,7 +94,7 @@ def rank_actions(program: Program, rank: int) -> list[Action]:
     """``rank``'s compute actions of one step, (kind "F"/"B", stage, microbatch) in the order
     torch.distributed.pipelining executes them (the row of its pipeline position)."""
     layout = program.layout
-    position = layout.pipelines[layout.replica_of_rank[rank]].index(rank)
+    position = layout.pipelines[layout.pipeline_index(rank)].index(rank)
     return _rank_orders(program.schedule, layout.pp_size, program.num_stages,
                         program.num_microbatches)[position]
 
@@ -170,10 +170,10 @@ def simulate(name: str, pp: int, num_stages: int, m: int) -> list[list[Action | 
 def schedule_text(program: Program) -> str:
     """Which microbatch's forward (F) / backward (B) each rank runs in each time slot."""
     name, p, m, dp = program.schedule, program.num_stages, program.num_microbatches, program.dp
-    pipelines: dict[int, list[int]] = {}
+    pipelines: dict[tuple[int, int], list[int]] = {}  # (replica, tensor index) -> ranks
     for e in sorted(program.ranks, key=lambda e: e.rank):
-        pipelines.setdefault(e.replica, []).append(e.rank)
-    pp = len(pipelines[0])
+        pipelines.setdefault((e.replica, e.tp_index), []).append(e.rank)
+    pp = len(pipelines[(0, 0)])
     timeline = simulate(name, pp, p, m)
     multi = p > pp
     cells = [[("" if a is None else f"{a[0]}{a[2]}" + (f".s{a[1]}" if multi else ""))

@@ -51,12 +51,14 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
 def rank_digest(trainer) -> torch.Tensor:
     """[parameters, optimizer state] digests of ``trainer``'s state, int64, on its device."""
     params = optim = None
+    from runtime.tensor_parallel import local  # a DTensor: this rank's piece (Note [tensor-parallel stages])
+
     for name, p in sorted(trainer.named_parameters().items()):
-        d = tensor_digest(p)
+        d = tensor_digest(local(p))
         params = d if params is None else params + d
         for key, v in sorted((trainer.optimizer.state.get(p) or {}).items()):
             if isinstance(v, torch.Tensor) and v.numel() > 1:  # exp_avg, exp_avg_sq (not the step count)
-                d = tensor_digest(v)
+                d = tensor_digest(local(v))
                 optim = d if optim is None else optim + d
     zero = torch.zeros((), dtype=torch.int64, device=trainer.device)
     return torch.stack([zero if params is None else params, zero if optim is None else optim])

@@ -95,6 +95,8 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
         _set_tensor(module, name, weights[name].clone(), buffer=True)
     module.stage_index = stage_index
     module.parameter_names = tuple(param_names)
+    # Note [tensor-parallel stages] in runtime/tensor_parallel.py: what the file says is split
+    module.tensor_parallel_dims = dict(getattr(source, "TENSOR_PARALLEL", {}))
     module.mutable_buffer_names = tuple(mutable_names)
     return module.to(device)
 

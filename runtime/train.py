@@ -63,6 +63,7 @@ from safetensors.torch import save_file
 from runtime import randomness
 from runtime.data import batch_inputs
 from runtime.layout import Layout
+from runtime.tensor_parallel import full_tensor, local
 from runtime.program import Program
 from runtime.program_parts import OptimizerSettings
 from runtime.user_code import resolve_callable
@@ -213,16 +214,17 @@ class Groups:
     pipeline: object
     data_parallel: object | None
     ties: list[object | None] = field(default_factory=list)  # per program tie
+    tensor: object | None = None  # this rank's tensor group (tp > 1, runtime/tensor_parallel.py)
 
 
 def create_groups(layout: Layout, rank: int, *, timeout, backend: str | None = None) -> Groups:
     """Create every group on every rank in one fixed order (Note [group order] in program.py)."""
-    replica = layout.replica_of_rank[rank]
+    mine_pipeline = layout.pipeline_index(rank)
     pipeline = dp_group = None
     ties: list = []
-    for rep, ranks in enumerate(layout.pipelines):
+    for index, ranks in enumerate(layout.pipelines):
         g = dist.new_group(list(ranks), timeout=timeout, backend=backend)
-        if rep == replica:
+        if index == mine_pipeline:
             pipeline = g
     for ranks in layout.dp_groups:
         if len(ranks) > 1:
@@ -231,13 +233,15 @@ def create_groups(layout: Layout, rank: int, *, timeout, backend: str | None = N
                 dp_group = g
     for per_replica in layout.tie_groups:
         mine = None
-        for rep, ranks in enumerate(per_replica):
+        for index, ranks in enumerate(per_replica):
             if len(ranks) > 1:
                 g = dist.new_group(list(ranks), timeout=timeout, backend=backend)
-                if rep == replica:
+                if index == mine_pipeline:
                     mine = g
         ties.append(mine)
-    return Groups(pipeline, dp_group, ties)
+    from runtime.tensor_parallel import create_tensor_groups
+
+    return Groups(pipeline, dp_group, ties, create_tensor_groups(layout, rank, timeout=timeout, backend=backend))
 
 
 def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Groups, *,
@@ -246,6 +250,10 @@ def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Gro
     replica). Then data-parallel: average every gradient over the replicas. Every rank runs the
     ties in program order, then data parallelism, so the collectives never cross."""
     params = [p for m in modules for p in m.parameters()]
+    if program.tensor_parallel > 1:  # Note [tensor-parallel stages] in runtime/tensor_parallel.py
+        from runtime.tensor_parallel import settle_gradients
+
+        settle_gradients(params)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -256,12 +264,12 @@ def sync_gradients(modules: list[torch.nn.Module], program: Program, groups: Gro
         total = copies[0].grad.clone()
         for c in copies[1:]:
             total.add_(c.grad)
-        if group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        if group is not None:  # a DTensor's local piece: the tie group is one tensor index's
+            dist.all_reduce(local(total), op=dist.ReduceOp.SUM, group=group)
         for c in copies:
             c.grad.copy_(total)
     if data_parallel and groups.data_parallel is not None:
-        allreduce_flat_([p.grad for p in params], groups.data_parallel, divide_by=program.dp)
+        allreduce_flat_([local(p.grad) for p in params], groups.data_parallel, divide_by=program.dp)
 
 
 def sync_buffers(buffers: list[torch.Tensor], layout: Layout, rank: int, groups: Groups) -> None:
@@ -327,6 +335,11 @@ class RankTrainer:
         self.stage_ids = self.layout.stages_of_rank[rank]
         self.num_stages = program.num_stages
         self.modules = [build_stage(folder, s, device) for s in self.stage_ids]
+        self.tp_index = self.layout.tp_index_of_rank[rank] if program.tensor_parallel > 1 else 0
+        if program.tensor_parallel > 1:  # Note [tensor-parallel stages] in runtime/tensor_parallel.py
+            from runtime.tensor_parallel import shard_stages
+
+            shard_stages(self.modules, program, groups.tensor, device)
         self.randomness_hooks = []
         for s, m in zip(self.stage_ids, self.modules):
             hook = MicrobatchRandomness(program.seed, s, program.microbatch_size)
@@ -405,7 +418,7 @@ class RankTrainer:
                 loss_sum /= scale_used
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         self.steps_done = step + 1
-        return float(loss_sum / (m * program.dp))
+        return float(loss_sum / (m * program.dp * program.tensor_parallel))  # every tensor rank holds the loss
 
     def finish_gradients_and_step(self) -> None:
         """Sync, unscale, the global norm, clip, step or skip (runtime/grad_norm.py ``finish_step``)."""
@@ -493,14 +506,15 @@ class RankTrainer:
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
         """(parameters, optimizer tensors "<name>.exp_avg"/"<name>.exp_avg_sq", JSON-able rest)."""
-        params = {n: p.detach().cpu().clone() for n, p in self.named_parameters().items()}
+        # whole tensors (a sharded one gathered over its tensor group: every tensor rank calls this)
+        params = {n: full_tensor(p.detach()).cpu().clone() for n, p in self.named_parameters().items()}
         opt_tensors: dict[str, torch.Tensor] = {}
         param_steps = {}
         for n, p in self.named_parameters().items():
             st = self.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
-                    opt_tensors[f"{n}.{key}"] = st[key].detach().cpu().clone()
+                    opt_tensors[f"{n}.{key}"] = full_tensor(st[key].detach()).cpu().clone()
             if "step" in st:
                 param_steps[n] = float(st["step"])
         meta = {"rank": self.rank, "stages": list(self.stage_ids), "replica": self.replica,

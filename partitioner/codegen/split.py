@@ -73,6 +73,8 @@ class StageGraph:
     mutable_buffers: list[str] = field(default_factory=list)  # the buffers forward updates
     # Regions the plan recomputes, moved out of gm by partitioner.codegen.recompute.checkpoint_regions.
     checkpointed: list = field(default_factory=list)
+    # Tensor parallelism: parameter -> (role, dim it is split on, global shape), for the ones split (tp > 1 only)
+    tp_sharded: dict = field(default_factory=dict)
 
 
 def _value(node: fx.Node, name: str | None = None) -> Value:

@@ -131,6 +131,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         "# Updated in place by forward (running statistics): checkpointed, and kept equal across",
         "# data-parallel replicas (Note [mutable buffers] in partitioner/codegen/split.py).",
         f"MUTABLE_BUFFERS = {json.dumps(stage.mutable_buffers, indent=4)}",
+        *_tensor_parallel_table(stage, plan),
         f"INPUTS = {json.dumps([v.name for v in stage.inputs])}",
         f"OUTPUTS = {json.dumps([v.name for v in stage.outputs])}",
         "",
@@ -142,6 +143,32 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
         "",
     ]
     return "\n".join(_strip_trailing(lines))
+
+
+def _tensor_parallel_table(stage: StageGraph, plan: Plan) -> list[str]:
+    """TENSOR_PARALLEL: which parameters the tensor group splits and on which dimension, with a
+    readable table; nothing at tp 1 (Note [tensor-parallel stages] in runtime/tensor_parallel.py)."""
+    tp = plan.tensor_parallel
+    if tp == 1:
+        return []
+    lines = [f"# Tensor parallelism: this stage runs on a tensor group of {tp} ranks (Note [tensor-parallel",
+             "# stages] in runtime/tensor_parallel.py). Each parameter listed is a DTensor split on that",
+             f"# dimension (each rank holds 1/{tp}: Note [tensor-parallel roles] in passes/tensor_parallel.py);",
+             "# every other parameter is whole on every rank. The forward below keeps the global shapes;",
+             "# DTensor runs it on the shards and adds the all-reduces / all-gathers.",
+             "#   parameter | role | split dim | global shape -> per rank"]
+    entries = []
+    for name in stage.params:
+        if name not in stage.tp_sharded:
+            continue
+        role, dim, shape = stage.tp_sharded[name]
+        shape = list(shape)
+        local = list(shape)
+        if local:
+            local[dim] //= tp
+        lines.append(f"#   {name} | {role}-parallel | {dim} | {shape} -> {local}")
+        entries.append(f'    "{name}": {dim},')
+    return lines + (["TENSOR_PARALLEL = {", *entries, "}"] if entries else ["TENSOR_PARALLEL = {}"])
 
 
 def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
@@ -411,6 +438,10 @@ class _Emitter:
             # Keyed random ops (Note [randomness keyed by meaning] in runtime/randomness.py).
             self.imports.add("from runtime import randomness")
             return f"randomness.{target.__name__}"
+        if getattr(target, "__module__", None) == "runtime.tensor_parallel":
+            # Note [tensor-parallel stages] in runtime/tensor_parallel.py
+            self.imports.add("from runtime import tensor_parallel")
+            return f"tensor_parallel.{target.__name__}"
         qualified = _get_qualified_name(target)
         if qualified.startswith("torch.") or qualified in dir(builtins):
             return qualified

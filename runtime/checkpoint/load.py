@@ -155,6 +155,9 @@ def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed:
                                          f"{meta.get('step')}, its directory says {step}")
         sched = sched or meta.get("lr_scheduler")
     read_missing_pieces(ckpt_dir, manifest, loaded, needed, read, step)
+    from runtime.checkpoint.tp_pieces import stitch_tp_pieces  # Note [tensor-parallel pieces]
+
+    stitch_tp_pieces(loaded, needed, read, manifest, lambda e: read_shard(ckpt_dir, manifest, e, cache), step)
     if choice.own is not None:
         rng_tensors, loaded.rng_meta = read[choice.own["rank"]]
         loaded.rng_tensors = _rng_of(rng_tensors)

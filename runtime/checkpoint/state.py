@@ -16,6 +16,7 @@ import torch
 from runtime.checkpoint.shard import FORMAT
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program import Program
+from runtime.tensor_parallel import from_full, local
 
 # ---------------------------------------------------------------------------------------------
 # Taking the state
@@ -65,19 +66,25 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
     Parameters and Adam state are the live tensors: the caller copies them before the optimizer
     next runs. Mutable buffers are copied now, because the next forward updates them while a
     background copy may still be running."""
+    from runtime.checkpoint.tp_pieces import piece_entries
+
     tensors: list[tuple[str, torch.Tensor]] = []
-    names, param_steps = [], {}
+    names, param_steps, tp_pieces = [], {}, {}
     for name, p in trainer.named_parameters().items():
         if writes is not None and name not in writes:
             continue
         names.append(name)
-        tensors.append((f"param/{name}", p.detach()))
         st = trainer.optimizer.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in st:
-                tensors.append((f"optim/{name}/{key}", st[key].detach()))
         if "step" in st:
             param_steps[name] = float(st["step"])
+        span = piece_entries(name, p, st, tensors)  # Note [tensor-parallel pieces]
+        if span is not None:
+            tp_pieces[name] = span
+            continue
+        tensors.append((f"param/{name}", local(p).detach()))  # a replicated DTensor is whole here
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors.append((f"optim/{name}/{key}", local(st[key]).detach()))
     pieces = sharded_state_entries(trainer, tensors, param_steps)
     buffers = {n: b for n, b in trainer.named_mutable_buffers().items() if writes is None or n in writes}
     with torch.no_grad():
@@ -92,6 +99,8 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
             "lr_scheduler": _json_scheduler_state(trainer.lr_scheduler), **rng_meta}
     if pieces is not None:
         meta["optim_pieces"] = pieces
+    if tp_pieces:
+        meta["tp_pieces"] = tp_pieces
     scaler = getattr(trainer, "scaler", None)
     if scaler is not None and scaler.enabled:
         meta["loss_scale"] = scaler.state()
@@ -265,7 +274,7 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
         for m in trainer.modules:
             for name in m.parameter_names:
                 p = m.get_parameter(name)
-                p.copy_(ckpt.params[name].to(p.device))
+                p.copy_(from_full(p, ckpt.params[name].to(local(p).device)))  # Note [tensor-parallel pieces]
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
@@ -276,7 +285,8 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
                         cur = old.get(k)  # state already allocated (runtime.recovery.preallocate_optimizer_state): fill it
                         same = isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype \
                             and cur.device == p.device
-                        st[k] = cur.copy_(v) if same else v.to(p.device).clone()
+                        v = from_full(p, v.to(local(p).device))
+                        st[k] = cur.copy_(v) if same else v.clone()
                     if name in ckpt.param_steps:
                         st["step"] = torch.tensor(ckpt.param_steps[name], dtype=torch.float32)
                     trainer.optimizer.state[p] = st

@@ -58,6 +58,10 @@ def writes_of_ranks(program: Program, nbytes: dict[str, int]) -> dict[int, froze
     for group in layout.dp_groups:
         stages = layout.stages_of_rank[group[0]]
         names = state_names_of_group(program, stages)
+        if layout.tp_index_of_rank and layout.tp_index_of_rank[group[0]] > 0:
+            # a split parameter: every tensor rank writes its piece; the rest once, by tensor index 0
+            # (Note [tensor-parallel pieces] in runtime/checkpoint/tp_pieces.py)
+            names = [n for n in names if n in (program.tp_sharded or {})]
         for name, rank in assign_writers({n: tuple(group) for n in names}, nbytes, load).items():
             writes[rank].add(name)
     return {r: frozenset(w) for r, w in writes.items()}

@@ -117,6 +117,7 @@ def test_compile_with_tp_2_lays_out_tensor_groups():
                                    num_stages=2, microbatches=2, tensor_parallel=2)
     plan = compiled.plan
     assert plan.tensor_parallel == 2 and plan.world_size == 4 and plan.dp == 1
+    assert plan.training["shard_optimizer"] is False  # ZeRO-1 is not a candidate with tensor groups
     assert [s.ranks for s in plan.stages] == [(0,), (2,)]
     assert plan.rank_layout() == [{"rank": 0, "stages": [0], "replica": 0, "tp_index": 0},
                                   {"rank": 1, "stages": [0], "replica": 0, "tp_index": 1},
@@ -137,10 +138,8 @@ def test_a_plan_without_the_key_is_tp_1_and_hashes_as_before():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"dp": 2}, "data parallelism"),
     ({"shard_optimizer": "on"}, "sharded optimizer"),
     ({"precision": "bf16-mixed"}, "mixed precision"),
-    ({"clip_grad_norm": 1.0}, "gradient clipping"),
     ({"tensor_parallel": 0}, "must be an int >= 1"),
     ({"tensor_parallel": 3}, "does not divide the cluster's 4 devices"),
 ])

@@ -1,0 +1,134 @@
+"""Tensor parallelism in the generated program (Note [tensor-parallel stages] in
+runtime/tensor_parallel.py), trained under torchrun (gloo) against the one-process oracle:
+tp 2 (2 ranks), tp 2 x pp 2 (4 ranks, clipped) and tp 2 x dp 2 (4 ranks: the replicas' gradient
+all-reduce and digests on each tensor index's pieces), with keyed attention dropout on sharded heads and with
+GPT-2's tied embedding (a vocab-split tie across two stages), and checkpoints written at tp 2
+resumed at tp 1 (and 2 stages) and the other way round (Note [tensor-parallel pieces]).
+
+Two launches in all (runtime/run_many.py): every 2-rank job in one, every 4-rank job in the other.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _programs import compile_to
+from partitioner.models import hf_gpt2, hf_llama
+from partitioner.verify import check_run, read_program_run, train_oracle
+from runtime.checkpoint.load import read_shard
+from runtime.checkpoint.manifest import read_manifest
+from runtime.program import load_program
+from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+
+
+def llama():
+    return hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
+
+
+def gpt2():
+    return hf_gpt2(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
+
+
+def _launch(world: int, jobs: list[list[str]]) -> None:
+    args = [a for job in jobs for a in ("--", *job)][1:]
+    done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    options = dict(global_batch=4, microbatches=2)
+    plans = {
+        "tp2": compile_to(root / "tp2", llama(), devices=2, num_stages=1, tensor_parallel=2, **options),
+        "pp2": compile_to(root / "pp2", llama(), devices=2, num_stages=2, **options),  # tp 1
+        # clipped hard (the norm is ~1): the global norm must count each shard once
+        "tp2pp2": compile_to(root / "tp2pp2", llama(), devices=4, num_stages=2, tensor_parallel=2,
+                             clip_grad_norm=0.05, **options),
+        "gpt2": compile_to(root / "gpt2", gpt2(), devices=4, num_stages=2, tensor_parallel=2, **options),
+        "tp2dp2": compile_to(root / "tp2dp2", llama(), devices=4, num_stages=1, dp=2, tensor_parallel=2,
+                             global_batch=8, microbatches=2),
+    }
+
+    def job(name, steps, ckpt, run):
+        return [str(root / name), "--steps", str(steps), "--checkpoint-dir", str(root / ckpt),
+                "--run-dir", str(root / run)]
+
+    _launch(2, [job("tp2", 2, "ck_a", "run_a"),        # tp 2, then resumed at tp 1 (run_c)
+                      job("pp2", 2, "ck_b", "run_b"),        # tp 1, then resumed at tp 2 (run_d)
+                      job("pp2", 4, "ck_a", "run_c"),
+                      job("tp2", 4, "ck_b", "run_d")])
+    _launch(4, [job("tp2pp2", 3, "ck_e", "run_e"), job("gpt2", 3, "ck_f", "run_f"),
+                job("tp2dp2", 3, "ck_g", "run_g")])
+    return root, plans
+
+
+def test_the_stage_file_shows_what_is_split(runs):
+    root, plans = runs
+    text = (root / "tp2" / "stage_0.py").read_text()
+    assert "#   model.layers.0.self_attn.q_proj.weight | column-parallel | 0 | [32, 32] -> [16, 32]" in text
+    assert "#   model.layers.0.mlp.down_proj.weight | row-parallel | 1 | [32, 80] -> [32, 40]" in text
+    assert '"model.embed_tokens.weight": 0,' in text and "tensor_parallel.vocab_embedding(" in text
+    assert "model.norm.weight\": " not in text.split("TENSOR_PARALLEL = {")[1].split("}")[0]
+    program = load_program(str(root / "tp2pp2"))
+    assert program.tensor_parallel == 2 and program.world_size == 4
+    assert [(e.rank, e.stages, e.tp_index) for e in program.ranks] == [(0, (0,), 0), (1, (0,), 1),
+                                                                       (2, (1,), 0), (3, (1,), 1)]
+
+
+@pytest.mark.parametrize("name, run, workload", [("tp2", "run_a", llama), ("tp2pp2", "run_e", llama),
+                                                 ("gpt2", "run_f", gpt2), ("tp2dp2", "run_g", llama)])
+def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
+    """verify's verdict: losses, every final parameter, the gradient norm, with keyed dropout
+    (and clipping on tp2pp2)."""
+    root, plans = runs
+    report = check_run(root / name, root / run, workload=workload())
+    assert report.oracle == "unpartitioned traced graph (keyed randomness)"
+    assert report.ok, report.text()
+    if name == "tp2pp2":
+        from partitioner.verify import read_grad_norms
+
+        assert plans[name].training["clip_grad_norm"] == 0.05 < min(read_grad_norms(root / run))
+
+
+def test_the_tied_embedding_is_split_and_summed_across_stages(runs):
+    root, plans = runs
+    tie = [t for t in plans["gpt2"].ties if t.param == "lm_head.weight"]
+    assert tie and tie[0].stages == (0, 1) and tie[0].placement == "replicated"
+    for k in (0, 1):
+        assert '"lm_head.weight": 0,' in (root / "gpt2" / f"stage_{k}.py").read_text()
+
+
+def test_a_checkpoint_stores_each_ranks_piece_with_its_place(runs):
+    root, _ = runs
+    manifest = read_manifest(str(root / "ck_a"), 2)
+    shards = {e["rank"]: read_shard(str(root / "ck_a"), manifest, e) for e in manifest["shards"]}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    for rank, (tensors, meta) in shards.items():
+        assert tuple(tensors[f"param/{name}"].shape) == (16, 32)
+        assert meta["tp_pieces"][name] == [0, 16 * rank, 16 * (rank + 1), 32]
+        assert tuple(tensors[f"optim/{name}/exp_avg"].shape) == (16, 32)
+    # a replicated parameter is written once, by tensor index 0
+    assert "param/model.norm.weight" in shards[0][0] and "param/model.norm.weight" not in shards[1][0]
+
+
+@pytest.mark.parametrize("name, run, written_by", [("pp2", "run_c", "tp2"), ("tp2", "run_d", "pp2")])
+def test_a_checkpoint_resumes_at_another_tensor_parallel_degree(runs, name, run, written_by):
+    """run_c: tp 1 x 2 stages resumes tp 2's step 2; run_d: tp 2 resumes tp 1 x 2 stages' step 2.
+    Steps 2 and 3 and the final parameters match the oracle's four uninterrupted steps."""
+    root, _ = runs
+    folder = root / name
+    losses, params, replica_diff = read_program_run(root / run)
+    assert len(losses) == 2 and replica_diff == 0.0  # steps 2 and 3; tensor ranks hold one value
+    ref_losses, ref_state, _ = train_oracle(folder, load_program(str(folder)), llama(), 4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=0, atol=1e-5)
+    for param, tensor in params.items():
+        torch.testing.assert_close(tensor, ref_state[param], rtol=0, atol=1e-4, msg=param)
+    summary = json.loads((root / run / "summary.json").read_text())
+    assert summary["first_step"] == 2
