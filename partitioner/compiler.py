@@ -144,7 +144,8 @@ def compile_workload(
               + (f", tensor-parallel degrees {', '.join(map(str, tp_degrees))}" if tp_degrees != (1,) else ""))
     solution, problem, cluster, sharded = solve_with_sharding(
         problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
-        schedule=schedule, config=solver_config, progress=progress, tp_degrees=tp_degrees, tp_dp=False)
+        schedule=schedule, config=solver_config, progress=progress, tp_degrees=tp_degrees,
+        tp_dp=True, tp_shard=False)  # the runtime runs tp x dp, not ZeRO-1 with tp (partitioner/tensor_parallel.py)
     tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
     if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate

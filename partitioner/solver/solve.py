@@ -71,11 +71,13 @@ def solve(
     shard: str = "off",
     tp_degrees: tuple[int, ...] = (1,),
     tp_dp: bool = True,
+    tp_shard: bool | None = None,
 ) -> Solution:
     """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
     (an argument given fixes it), times every variant (Note [one enumeration] in space.py):
     ``shard`` "off" | "on" | "auto" (optimizer state sharding, Note [sharding as a candidate]) and
-    the tensor-parallel degrees ``tp_degrees`` (``tp_dp``: whether tp > 1 may have d > 1). The
+    the tensor-parallel degrees ``tp_degrees`` (``tp_dp``: whether tp > 1 may have d > 1;
+    ``tp_shard``: whether it may have sharded state, default ``tp_dp``). The
     Solution's ``tensor_parallel`` and ``shard_optimizer`` say which variant won; its figures
     are of that variant's problem and cluster (``SearchSpace.inputs``). Raises
     PartitionInfeasibleError when nothing fits memory.
@@ -87,14 +89,14 @@ def solve(
     if schedule == AUTO:  # Note [schedule choice]
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress, shard=shard,
-                                  tp_degrees=tp_degrees, tp_dp=tp_dp)
+                                  tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard)
     if schedule == "interleaved" and config.local_stages is None:  # Note [interleaved pricing]
         return solve_any_local_stages(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                       microbatches=microbatches, config=config, progress=progress, shard=shard,
-                                      tp_degrees=tp_degrees, tp_dp=tp_dp)
+                                      tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard)
     local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
-    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard)
     candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
         if shard == "on":
@@ -245,15 +247,17 @@ def solve(
 
 
 def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,
-                        tp_degrees=(1,), tp_dp: bool = True, **solve_kwargs):
+                        tp_degrees=(1,), tp_dp: bool = True, tp_shard: bool | None = None,
+                        **solve_kwargs):
     """(solution, its problem, its cluster, shard_optimizer) of the best plan over the unsharded
     space and, unless ``shard`` is "off", the sharded one per dp degree ("on": only sharded plans
     with dp > 1), times the tensor-parallel degrees ``tp_degrees``: one enumeration (Note [one
     enumeration] in space.py). The problem and cluster are the winning variant's (tensor groups
     as devices when ``solution.tensor_parallel`` > 1)."""
     solution = solve(problem, cluster, global_batch, dp=dp, shard=shard, tp_degrees=tuple(tp_degrees), tp_dp=tp_dp,
+                     tp_shard=tp_shard,
                      **solve_kwargs)
-    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard)
     variant = Variant(solution.tensor_parallel, solution.shard_optimizer)
     used_problem, used_cluster = space.inputs(variant, solution.dp)
     return solution, used_problem, used_cluster, variant.sharded

@@ -45,10 +45,12 @@ class SearchSpace:
 
     ``tp_degrees``: the tensor-parallel degrees to weigh (1 first); ``shard``: "off", "on" (only
     sharded plans, d > 1) or "auto"; ``tp_dp``: whether a tp > 1 plan may also have d > 1 and
-    sharded state (False while the runtime refuses them: Note [what tensor parallelism runs
+    sharded state; ``tp_shard`` (default: ``tp_dp``): whether a tp > 1 plan may have sharded state
+    (compile() passes False: the runtime refuses ZeRO-1 with tp, Note [what tensor parallelism runs
     with] in partitioner/tensor_parallel.py)."""
 
-    def __init__(self, problem, cluster, *, tp_degrees=(1,), shard: str = "off", tp_dp: bool = True):
+    def __init__(self, problem, cluster, *, tp_degrees=(1,), shard: str = "off", tp_dp: bool = True,
+                 tp_shard: bool | None = None):
         from partitioner.solver.zero_choice import SHARD_CHOICES
 
         if shard not in SHARD_CHOICES:
@@ -57,6 +59,7 @@ class SearchSpace:
         if not degrees or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in degrees):
             raise ValueError(f"tensor-parallel degrees {tuple(tp_degrees)!r} must be ints >= 1")
         self.problem, self.cluster, self.shard, self.tp_dp = problem, cluster, shard, tp_dp
+        self.tp_shard = tp_dp if tp_shard is None else tp_shard
         self.tp_degrees = tuple(degrees)
         self._grouped: dict[int, tuple] = {}
         self._inputs: dict[tuple, tuple] = {}
@@ -105,7 +108,7 @@ class SearchSpace:
         for tp in self.tp_degrees:
             if tp > 1 and dp > 1 and not self.tp_dp:
                 continue
-            shard_ok = dp > 1 and (tp == 1 or self.tp_dp)
+            shard_ok = dp > 1 and (tp == 1 or (self.tp_dp and self.tp_shard))
             if self.shard == "on":
                 out += [Variant(tp, True)] if shard_ok else []
             elif self.shard == "off" or not shard_ok:
@@ -141,7 +144,9 @@ class SearchSpace:
         """What the space adds to Note [honest optimality]'s statement of what OPTIMAL covers."""
         tp = ("tensor-parallel degree 1" if self.tp_degrees == (1,) else
               f"tensor-parallel degrees {', '.join(map(str, self.tp_degrees))}"
-              + ("" if self.tp_dp else " (tp > 1 with dp 1, unsharded: what the runtime runs)"))
+              + ("" if self.tp_dp and self.tp_shard else
+                 " (tp > 1 with dp 1, unsharded: what the runtime runs)" if not self.tp_dp else
+                 " (tp > 1 unsharded: what the runtime runs)"))
         shard = {"off": "optimizer state replicated", "on": "optimizer state sharded (dp > 1)",
                  "auto": "optimizer state replicated or sharded per dp"}[self.shard]
         return f"{tp}; {shard}"
