@@ -236,7 +236,7 @@ def test_one_host_plan_with_a_memory_tier_gives_settings_the_runtime_accepts():
         mt.settings_from(MemoryTierPlan(mode="none"), {"parity_group": 1})
     # four hosts: parity groups keep their size
     cluster4 = SimpleNamespace(devices=[SimpleNamespace(node=n) for n in range(4)])
-    a4 = SimpleNamespace(num_stages=1, dp=4, rank_of=lambda s, r: r, device_of_stage_replica=[[0, 1, 2, 3]])
+    a4 = SimpleNamespace(num_stages=1, pipeline_ranks=1, dp=4, rank_of=lambda s, r: r, device_of_stage_replica=[[0, 1, 2, 3]])
     choice = memory_tier_choice("parity", [stage], cluster4, a4)
     assert choice["mode"] == "parity" and choice["group_size"] >= 2
 
