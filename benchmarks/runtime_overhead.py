@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/runtime_overhead.py [--steps 30] [--rounds 3]
 
 Two ratios (throughput, higher is better for us):
-  1. a 1-stage generated program  vs  a plain eager training loop (same model, data, fused AdamW),
+  1. a 1-stage generated program  vs  a plain eager training loop (same model, data, and the
+     program's own AdamW: runtime.train.make_optimizer over the plan's optimizer settings),
      target >= 0.95;
   2. our 2-stage program  vs  a hand-written torch.distributed.pipelining program (pipeline() +
      Schedule1F1B) with the same split, target >= 1.0.
@@ -36,27 +37,35 @@ def median_after_warmup(times: list[float]) -> float:
     return statistics.median(times[WARMUP:])
 
 
-def handwritten_optimizer(params):
-    """torch's AdamW with the fused kernel, the implementation our program runs
-    (runtime.train.make_optimizer picks it on CPU and CUDA): like for like, every side pays
-    the same optimizer step (the default per-parameter loop costs ~4x more on CPU, ~2% of this
-    model's step, and would be measured as our runtime's gain). Same learning-rate schedule as
-    the generated program (runtime.train.lr_factor)."""
-    from runtime.train import lr_factor
+def handwritten_optimizer(named_params, program_folder: str):
+    """The optimizer our program runs, built by the same function (runtime.train.make_optimizer)
+    from the compiled program's own settings (plan.json's program.optimizer: lr, betas, weight
+    decay, the cosine schedule, the no-decay names, fused or not): like for like, every side pays
+    the same optimizer step with the same parameter groups (torch's default per-parameter loop
+    costs ~4x the fused kernel on CPU, ~2% of this model's step, and would be measured as our
+    runtime's gain)."""
+    from runtime.program import load_program
+    from runtime.train import make_optimizer
 
-    cfg = {"lr": 1e-3, "warmup_steps": 2, "lr_schedule": "cosine", "total_steps": 1000}
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    names, params = zip(*named_params)
+    return make_optimizer(list(params), load_program(program_folder).optimizer, list(names))
 
 
-def eager_loop(steps: int) -> float:
+def optimizer_text(opt) -> str:
+    """Which AdamW kernel and parameter groups ``opt`` runs (printed, so like for like is seen)."""
+    groups = ", ".join(f"{len(g['params'])} params decay {g['weight_decay']}" for g in opt.param_groups)
+    return (f"{type(opt).__name__} fused={opt.defaults.get('fused')} foreach={opt.defaults.get('foreach')} "
+            f"betas={tuple(opt.defaults['betas'])} [{groups}]")
+
+
+def eager_loop(steps: int, program_folder: Path) -> float:
     """The baseline a user writes: forward, loss, backward over microbatches, AdamW step."""
     from partitioner.models import load_workload
 
     torch.set_num_threads(1)
     workload = load_workload(MODEL)
     model = workload.model
-    opt, sched = handwritten_optimizer(model.parameters())
+    opt, sched = handwritten_optimizer(list(model.named_parameters()), str(program_folder))
     times = []
     for step in range(steps):
         start = time.perf_counter()
@@ -68,7 +77,11 @@ def eager_loop(steps: int) -> float:
         sched.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+    OPTIMIZERS["eager"] = optimizer_text(opt)
     return median_after_warmup(times)
+
+
+OPTIMIZERS: dict[str, str] = {}  # each side's optimizer_text
 
 
 def generated_program(folder: Path, steps: int) -> float:
@@ -87,7 +100,7 @@ def generated_program(folder: Path, steps: int) -> float:
     return median_after_warmup([r["step_time_s"] for r in rows])
 
 
-def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str) -> None:
+def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str, program_folder: str) -> None:
     """Runs under torchrun: the program a person writes with torch.distributed.pipelining."""
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
@@ -103,7 +116,7 @@ def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str) -> Non
                     split_spec={split_at: SplitPoint.BEGINNING})
     stage = pipe.build_stage(rank, torch.device("cpu"))
     schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=workload.loss_fn)
-    opt, sched = handwritten_optimizer(stage.submod.parameters())
+    opt, sched = handwritten_optimizer(list(stage.submod.named_parameters()), program_folder)
     times = []
     for step in range(steps):
         dist.barrier()
@@ -120,19 +133,22 @@ def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str) -> Non
         # backward): the generated program's step time also ends at an all-ranks reduction.
         dist.barrier()
         times.append(time.perf_counter() - start)
+    Path(f"{out_path}.optimizer_{rank}").write_text(optimizer_text(opt))
     if rank == world - 1:
         Path(out_path).write_text(json.dumps(times))
     dist.destroy_process_group()
 
 
-def handwritten_pipeline(steps: int, split_at: str) -> float:
+def handwritten_pipeline(steps: int, split_at: str, program_folder: Path) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         command = torchrun_command(__file__, 2, args=["--worker", "--steps", str(steps), "--split-at", split_at,
-                                                      "--out", str(out)])
+                                                      "--out", str(out), "--program", str(program_folder)])
         done = subprocess.run(command, env=run_env(), capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
+        for rank in (0, 1):
+            OPTIMIZERS[f"hand2 rank {rank}"] = Path(f"{out}.optimizer_{rank}").read_text()
         return median_after_warmup(json.loads(out.read_text()))
 
 
@@ -151,9 +167,10 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--split-at")
     parser.add_argument("--out")
+    parser.add_argument("--program", help="(worker) the compiled folder whose optimizer settings to use")
     args = parser.parse_args()
     if args.worker:
-        handwritten_pipeline_worker(args.steps, args.split_at, args.out)
+        handwritten_pipeline_worker(args.steps, args.split_at, args.out, args.program)
         return 0
 
     import partitioner
@@ -170,8 +187,8 @@ def main() -> int:
         split_at = split_module_name(plan2)
         # On a shared machine load comes and goes: alternate the runs (A B A B ...) and keep each
         # one's best median, so a burst of load penalizes neither side more than the other.
-        runs = {"eager": lambda: eager_loop(args.steps), "ours1": lambda: generated_program(one, args.steps),
-                "hand2": lambda: handwritten_pipeline(args.steps, split_at),
+        runs = {"eager": lambda: eager_loop(args.steps, one), "ours1": lambda: generated_program(one, args.steps),
+                "hand2": lambda: handwritten_pipeline(args.steps, split_at, two),
                 "ours2": lambda: generated_program(two, args.steps)}
         best = {name: float("inf") for name in runs}
         rounds: dict[str, list[float]] = {name: [] for name in runs}
@@ -188,6 +205,8 @@ def main() -> int:
         print(f"{name:<44} {t * 1e3:>9.2f} {GLOBAL_BATCH / t:>10.1f}")
     print("every round's median, ms: " + "; ".join(f"{name} " + " ".join(f"{t * 1e3:.0f}" for t in times)
                                                  for name, times in rounds.items()))
+    print("optimizers (ours: runtime.train.make_optimizer over the same plan settings, in each rank): "
+          + "; ".join(f"{k}: {v}" for k, v in OPTIMIZERS.items()))
     r1, r2 = eager_s / ours1_s, hand2_s / ours2_s
     print(f"ratio 1-stage program / eager loop (throughput): {r1:.3f} (target >= 0.95)")
     print(f"ratio 2-stage program / hand-written pipelining (throughput): {r2:.3f} (target >= 1.0)")

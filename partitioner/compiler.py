@@ -166,7 +166,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     from partitioner.solver.zero_choice import allgather_s
 
     assignment = solution.assignment
-    cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0))
+    from partitioner.solver.grad_norm_cost import computes_global_norm
+
+    cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0),
+                    global_norm=computes_global_norm(training))  # Note [global gradient norm]
     # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
     extra_s = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
     table = region_table(gm)
@@ -241,6 +244,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
                    "lower_bound_step_time_s": solution.lower_bound_step_time_s,  # the whole space's
                    "samples_per_s": global_batch / step if step > 0 else 0.0,
                    "sdc_check_s_per_step": cost.sdc_check_s,  # in step_time_s (Note [cost model])
+                   "grad_norm_s_per_step": cost.grad_norm_s,
                    # interleaved only: each rank's v stages on one device (Note [interleaved pricing])
                    **({"rank_peak_memory_bytes": [int(x) for x in cost.rank_memory_bytes]}
                       if cost.rank_memory_bytes else {})},

@@ -10,10 +10,17 @@ parameters it *owns* and one all-reduce over the world sums them:
 - data-parallel replicas hold the same averaged gradient, so only replica 0 counts it; under
   sharded optimizer state (runtime/zero.py) each replica holds a different slice of it, and
   each counts its slice.
-The all-reduce runs every step on every rank (clipping or not), because its value is also the
-overflow test of fp16 loss scaling (Note [loss scaling] in runtime/precision.py: an inf or NaN
-anywhere makes the sum non-finite everywhere) and metrics.jsonl records it as ``grad_norm``.
-Squares are summed in float64 so the sum of a large model does not round.
+The norm is computed only when the program uses it (``needs_global_norm``): clipping is on, or
+fp16 loss scaling needs its overflow test (Note [loss scaling] in runtime/precision.py: an inf or
+NaN anywhere makes the sum non-finite everywhere). Then the all-reduce runs every step on every
+rank, metrics.jsonl records the value as ``grad_norm``, and the cost model prices it
+(partitioner/solver/grad_norm_cost.py). Otherwise the step makes no norm collective and no pass
+over the gradients, and metrics.jsonl has no ``grad_norm``: the plan does not price work the
+program does not need (docs/design.md §12), and measured here the pass and the all-reduce cost
+about as much as the fused AdamW step itself on a small model. Each tensor's norm is taken in
+its own dtype by one foreach kernel (what torch.nn.utils.clip_grad_norm_ does; a float64 copy of
+every gradient cost ~4x more), and the squares of those norms are summed in float64 so the sum
+of a large model does not round.
 
 Note [no weight decay]: AdamW's decay pulls weights towards zero; on a norm's scale and shift, a
 bias or an embedding table it only hurts (the usual GPT/BERT recipe), so by default those
@@ -80,12 +87,19 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], weight_decay: floa
 
 
 def squares_sum(grads) -> torch.Tensor:
-    """Σ g² over ``grads`` in float64 (a 0-d tensor on the first gradient's device, or cpu)."""
-    grads = [g for g in grads if g is not None and g.numel()]
+    """Σ g² over ``grads``: each tensor's 2-norm in its dtype (one foreach kernel), their squares
+    summed in float64 (a 0-d tensor on the first gradient's device, or cpu)."""
+    grads = [g.detach() for g in grads if g is not None and g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float64) for g in grads])
+    norms = torch.stack(torch._foreach_norm(grads, 2.0)).to(torch.float64)
     return (norms * norms).sum()
+
+
+def needs_global_norm(program, scaler) -> bool:
+    """Whether a step computes the global norm (Note [global gradient norm]): clipping, or fp16's
+    overflow test."""
+    return program.clip_grad_norm is not None or scaler.enabled
 
 
 def owned_names(trainer) -> set[str]:
@@ -126,29 +140,31 @@ def as_norm(total_sq: float) -> float:
     return math.sqrt(total_sq) if math.isfinite(total_sq) and total_sq >= 0 else float("inf")
 
 
-def finish_step(trainer, sync_gradients) -> tuple[float, bool]:
+def finish_step(trainer, sync_gradients) -> tuple[float | None, bool]:
     """A step after its backward: sync the gradients (``sync_gradients``: runtime/train.py's),
-    unscale (fp16), the global norm, clip, then the optimizer step or, on an fp16 overflow, the
-    skip: Notes [global gradient norm], [loss scaling], [sharded optimizer state]. Every rank runs
-    the same collectives in the same order. Returns (norm, skipped)."""
+    unscale (fp16), the global norm where the program uses it, clip, then the optimizer step or,
+    on an fp16 overflow, the skip: Notes [global gradient norm], [loss scaling], [sharded optimizer
+    state]. Every rank runs the same collectives in the same order (``needs_global_norm`` is the
+    program's, alike everywhere). Returns (norm, or None when not computed; skipped)."""
     from runtime.precision import clip_coefficient
 
     program, zero, scaler = trainer.program, trainer.zero, trainer.scaler
     if zero is None:
         sync_gradients(trainer.modules, program, trainer.groups)
         grads = [p.grad for m in trainer.modules for p in m.parameters() if p.grad is not None]
-        owned = owned_gradients(trainer)
     else:
         sync_gradients(trainer.modules, program, trainer.groups, data_parallel=False)
         grads = zero.reduce_scatter_grads()
-        owned = zero.owned_grads(owned_names(trainer))
     if scaler.enabled:
         scale_(grads, 1.0 / scaler.scale)
-    total = squares_sum(owned).to(trainer.device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    norm = as_norm(float(total))
-    take = scaler.update(math.isfinite(norm))
-    if take:
+    norm = None
+    if needs_global_norm(program, scaler):
+        owned = owned_gradients(trainer) if zero is None else zero.owned_grads(owned_names(trainer))
+        total = squares_sum(owned).to(trainer.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        norm = as_norm(float(total))
+    take = scaler.update(norm is None or math.isfinite(norm))
+    if take and norm is not None:
         scale_(grads, clip_coefficient(norm, program.clip_grad_norm))
     if zero is None:
         if take:

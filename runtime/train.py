@@ -379,7 +379,7 @@ class RankTrainer:
             params = [p for m in self.modules for p in m.parameters()]
             self.optimizer, self.lr_scheduler = make_optimizer(
                 params, program.optimizer, [names_of.get(id(p), "") for p in params])
-        self.last_grad_norm, self.last_skipped = 0.0, False
+        self.last_grad_norm, self.last_skipped = None, False
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
         self.steps_done = 0
@@ -463,8 +463,10 @@ class RankTrainer:
                 if metrics is not None:
                     rate = program.global_batch / dt
                     record = {"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": rate, "lr": lr,
-                              # null when not finite (an fp16 overflow: skipped)
-                              "grad_norm": self.last_grad_norm if math.isfinite(self.last_grad_norm) else None,
+                              # null when not finite (an fp16 overflow: skipped); absent when the program
+                              # computes no norm (Note [global gradient norm] in runtime/grad_norm.py)
+                              **({} if self.last_grad_norm is None else {"grad_norm": self.last_grad_norm
+                                  if math.isfinite(self.last_grad_norm) else None}),
                               **({"skipped": self.last_skipped, "loss_scale": self.scaler.scale}
                                  if self.scaler.enabled else {}),
                               "time_unix": time.time(), **watched}

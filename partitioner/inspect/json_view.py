@@ -35,6 +35,8 @@ def inspect_json(plan: Plan) -> dict:
     predicted["samples_per_s"] = samples_per_s(plan)
     if "sdc_check_s_per_step" in plan.predicted:  # Note [replica digests]: part of step_time_s
         predicted["sdc_check_s_per_step"] = plan.predicted["sdc_check_s_per_step"]
+    if "grad_norm_s_per_step" in plan.predicted:  # Note [global gradient norm]: part of step_time_s
+        predicted["grad_norm_s_per_step"] = plan.predicted["grad_norm_s_per_step"]
     solver = {k: plan.solver.get(k) for k in ("status", "objective", "bound", "solve_time_s")}
     solver["gap"] = plan.solver.get("gap", 0.0)
     return {

@@ -20,7 +20,11 @@ Note [cost model]
                    digest of params + optimizer state + (world - 1) * latency) / K (0 when d = 1
                    or K = 0; partitioner/solver/sdc_cost.py). The ILP leaves it out: its callers
                    pass no sdc_every.
-    * step_time  = pipeline + dp_allreduce + sdc_check + sum of tie costs.
+    * grad_norm  = the global gradient norm when the program computes it (clipping or fp16:
+                   Note [global gradient norm] in runtime/grad_norm.py): the slowest rank's norm
+                   pass over its gradient bytes + 2 (world - 1) * latency; 0 otherwise
+                   (partitioner/solver/grad_norm_cost.py). Like sdc_check, outside the ILP.
+    * step_time  = pipeline + dp_allreduce + sdc_check + grad_norm + sum of tie costs.
     * interleaved (v stages on each of pp ranks): pipeline = (max(m v + pp, pp v + m) - 1) *
                    (max_s f_s + max_s b_s), f_s the forward part of T_s (forward compute and the
                    activation send), b_s the rest; dp_allreduce per rank over its stages'
@@ -82,6 +86,7 @@ from partitioner.solver.problem import (
     plan_links,
     region_times_s,
 )
+from partitioner.solver.grad_norm_cost import global_norm_s
 from partitioner.solver.sdc_cost import replica_check_s
 
 __all__ = ["StageCost", "TieCost", "CostBreakdown", "evaluate", "stage_memory"]
@@ -133,6 +138,7 @@ class CostBreakdown:
     bubble_fraction: float
     lower_bound_step_time_s: float
     sdc_check_s: float = 0.0  # per step (Note [cost model])
+    grad_norm_s: float = 0.0  # per step (Note [cost model])
     # Interleaved only (else empty): per pipeline position, the rank's peak and its device's capacity
     rank_memory_bytes: tuple[float, ...] = ()
     rank_capacity_bytes: tuple[int, ...] = ()
@@ -145,10 +151,12 @@ class CostBreakdown:
 
 
 def evaluate(
-    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment, *, sdc_every: int = 0
+    problem: PartitionProblem, cluster: ClusterSpec, assignment: Assignment, *, sdc_every: int = 0,
+    global_norm: bool = False,
 ) -> CostBreakdown:
     """Cost of ``assignment`` in floats (Note [cost model]). Assumes it is structurally valid
-    (see ``structural_violations``). ``sdc_every``: the plan's replica check interval (0: none)."""
+    (see ``structural_violations``). ``sdc_every``: the plan's replica check interval (0: none);
+    ``global_norm``: the program computes the global gradient norm (clipping or fp16)."""
     a = assignment
     p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
     devices = cluster.devices
@@ -251,7 +259,14 @@ def evaluate(
         sdc_check = scale * replica_check_s(
             state_bytes, [devices[row[0]].kind for row in a.device_of_stage_replica[:pp]], world_size=pp * d,
             latency_s=max(link.latency_s for link in dp_links if link is not None)) / sdc_every
-    step = pipeline + dp_allreduce + sdc_check + sum(t.cost_s for t in tie_costs)
+    grad_norm = 0.0
+    if global_norm:  # per rank: an interleaved rank's pass reads all its stages' gradients
+        latency = max((link.latency_s for link in (*boundary_link, *dp_links) if link is not None), default=0.0)
+        grad_norm = scale * global_norm_s(
+            [sum(stage_costs[s].grads_bytes for s in range(pos, p, pp)) for pos in range(pp)],
+            [devices[a.device_of_stage_replica[pos][0]].kind for pos in range(pp)],
+            world_size=pp * d, latency_s=latency)
+    step = pipeline + dp_allreduce + sdc_check + grad_norm + sum(t.cost_s for t in tie_costs)
     bubble = 1.0 - m * total / (pp * pipeline) if pipeline > 0 else 0.0
     return CostBreakdown(
         stages=tuple(stage_costs),
@@ -262,6 +277,7 @@ def evaluate(
         ties=tuple(tie_costs),
         step_time_s=step,
         sdc_check_s=sdc_check,
+        grad_norm_s=grad_norm,
         bubble_fraction=bubble,
         lower_bound_step_time_s=scale * lower_bound_step_time_s(
             problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
