@@ -49,10 +49,7 @@ class InterleavedConstraints:
 
     def _add_rank_allreduce(self) -> None:
         """dp_allreduce >= the all-reduce of every rank (pipeline position)."""
-        self.dp_allreduce_exprs = [self._rank_allreduce_expr(pos) for pos in range(self.pp)]
-        for expr in self.dp_allreduce_exprs:
-            if expr.vars or expr.const:
-                self.model.add(self.dp_allreduce >= expr.expr())
+        self._add_dp_allreduce([self._rank_allreduce_expr(pos) for pos in range(self.pp)])
 
     def _interleaved_objective_expr(self) -> Terms:
         """(max(m v + pp, pp v + m) - 1)·(fwd_max + bwd_max) + dp_allreduce + tie costs."""

@@ -80,9 +80,10 @@ class TimeConstraints:
             expr.add(-coef, self.in_stage[tie.regions[0]][s])
         return expr
 
-    def _add_dp_allreduce(self) -> None:
-        """dp_allreduce >= 2 (d-1)/d · grad_bytes[s] / bw + 2 (d-1) · latency for every stage s."""
-        self.dp_allreduce_exprs = [self._dp_allreduce_expr(s) for s in range(self.p)]
+    def _add_dp_allreduce(self, exprs=None) -> None:
+        """dp_allreduce >= 2 (d-1)/d · grad_bytes[s] / bw + 2 (d-1) · latency for every stage s
+        (or for every expression of ``exprs``: interleaved passes one per rank)."""
+        self.dp_allreduce_exprs = exprs if exprs is not None else [self._dp_allreduce_expr(s) for s in range(self.p)]
         for expr in self.dp_allreduce_exprs:
             if expr.vars or expr.const:
                 self.model.add(self.dp_allreduce >= expr.expr())
