@@ -42,6 +42,10 @@ from _torchrun import DRIVER, torchrun  # noqa: E402
 
 SPEC = dict(layers=2, width=128, heads=4, vocab=512, seq=64, batch=2)
 GLOBAL_BATCH, MICROBATCHES = 8, 2
+# The bytes are counted on three models: the step-time model, the repo's GPT (a fused qkv stays
+# replicated, its MLP is split), and a BERT (its vocab head has a bias: a per-step all-gather).
+BYTES_MODELS = {"hf-llama": "hf_llama", "gpt": "gpt", "hf-bert": "hf_bert"}
+BYTES_STEPS = 3
 PLANS = {"tp 2": dict(num_stages=1, tensor_parallel=2), "pp 2": dict(num_stages=2), "dp 2": dict(num_stages=1, dp=2)}
 
 
@@ -61,11 +65,24 @@ def compile_plans(root: Path) -> dict:
     return out
 
 
-def modelled_bytes(compiled) -> dict:
-    plan = compiled.plan
-    per_sample = sum(r.tp_comm_bytes for r in compiled.problem.regions)
-    forward = per_sample * plan.microbatch_size * plan.num_microbatches
-    return {"per_sample_bytes": per_sample, "forward_bytes": forward, "step_bytes": 2 * forward}
+def modelled_bytes(compiled, tp: int = 2) -> dict:
+    """The cost model's bytes per rank per step: ``sent_bytes`` (Note [tensor-parallel pricing])
+    over the regions, forward and backward per sample x the step's samples, plus the per-step
+    gathers; and the payloads they come from (all-reduce inputs, all-gather inputs = each member's
+    1/tp of the whole), as the dispatch mode counts them."""
+    from partitioner.solver.tensor_parallel import sent_bytes
+
+    plan, regions = compiled.plan, compiled.problem.regions
+    samples = plan.microbatch_size * plan.num_microbatches
+    sent = [sent_bytes(r, tp) for r in regions]
+    payload = (sum(r.tp_comm_bytes + r.tp_comm_bwd_bytes + r.tp_gather_bytes / tp for r in regions) * samples
+               + sum(r.tp_step_gather_bytes / tp for r in regions))
+    return {"sent_bytes": sum(f + b for f, b, _ in sent) * samples + sum(s for _, _, s in sent),
+            "payload_bytes": payload,
+            "per_sample": {"forward_all_reduce": sum(r.tp_comm_bytes for r in regions),
+                           "forward_all_gather": sum(r.tp_gather_bytes for r in regions),
+                           "backward_all_reduce": sum(r.tp_comm_bwd_bytes for r in regions)},
+            "per_step_all_gather": sum(r.tp_step_gather_bytes for r in regions)}
 
 
 def measure_bytes(folder: Path, steps: int, out: Path) -> list[dict]:
@@ -83,11 +100,16 @@ def measure_bytes(folder: Path, steps: int, out: Path) -> list[dict]:
 
 
 def ring_sent(kinds: dict, tp: int = 2) -> float:
-    """Bytes a rank sends for these payloads under ring algorithms."""
+    """Bytes a rank sends for these payloads (the collectives' input tensors) under ring
+    algorithms: an all-reduce of n bytes 2 (tp-1)/tp n, an all-gather of each member's c bytes
+    (tp-1) c, a reduce-scatter of n bytes (tp-1)/tp n."""
+    factor = {"all_reduce": 2 * (tp - 1) / tp, "all_gather_into_tensor": tp - 1, "reduce_scatter_tensor": (tp - 1) / tp}
     sent = 0.0
     for kind, nbytes in kinds.items():
-        factor = 2 * (tp - 1) / tp if kind.startswith("all_reduce") else (tp - 1) / tp
-        sent += factor * nbytes
+        key = next((k for k in factor if kind.startswith(k)), None)
+        if key is None:
+            raise ValueError(f"no ring figure for collective {kind}: add it to ring_sent")
+        sent += factor[key] * nbytes
     return sent
 
 
@@ -101,34 +123,58 @@ def step_times(folders: dict, steps: int) -> dict:
             for name, folder in folders.items()}
 
 
+def compile_tp(name: str, root: Path):
+    import partitioner
+    from partitioner.cluster import ClusterSpec
+    from partitioner import models
+
+    compiled = partitioner.compile(getattr(models, BYTES_MODELS[name])(**SPEC), cluster=ClusterSpec.homogeneous(2, "cpu"),
+                                   global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, **PLANS["tp 2"])
+    folder = root / f"bytes-{name}"
+    compiled.save(folder)
+    return compiled, folder
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    bytes_rows = {}
     with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
         root = Path(tmp)
         plans = compile_plans(root)
-        compiled_tp, folder_tp = plans["tp 2"]
-        model = modelled_bytes(compiled_tp)
-        measured = measure_bytes(folder_tp, args.steps, root / "bytes")
+        for name in BYTES_MODELS:
+            compiled, folder = plans["tp 2"] if name == "hf-llama" else compile_tp(name, root)
+            bytes_rows[name] = (modelled_bytes(compiled), measure_bytes(folder, BYTES_STEPS, root / f"bytes-{name}-out"))
         load_before = os.getloadavg()[0]
         times = step_times({name: folder for name, (_, folder) in plans.items()}, args.steps)
         load_after = os.getloadavg()[0]
-    print(f"hf-llama {SPEC}, global batch {GLOBAL_BATCH}, {MICROBATCHES} microbatches, 2 CPU ranks (gloo)")
-    print(f"\nbytes per rank per step under tp 2 (collective payloads; {args.steps} steps, first left out)")
-    for row in measured:
-        kinds = ", ".join(f"{k} {v / 1e6:.3f} MB ({row['calls'][k]:.0f} calls)" for k, v in row["bytes"].items())
-        print(f"  rank {row['rank']}: {row['total'] / 1e6:.3f} MB = {kinds}; ring sends {ring_sent(row['bytes']) / 1e6:.3f} MB")
-    print(f"  cost model (tp_comm_bytes {model['per_sample_bytes']} B/sample x {compiled_tp.plan.microbatch_size} x "
-          f"{compiled_tp.plan.num_microbatches} x 2): {model['step_bytes'] / 1e6:.3f} MB; "
-          f"measured / model {measured[0]['total'] / model['step_bytes']:.2f}")
-    print(f"\nstep time, median after the first of {args.steps} steps (load average {load_before:.1f} -> "
+    print(f"{SPEC}, global batch {GLOBAL_BATCH}, {MICROBATCHES} microbatches, 2 CPU ranks (gloo)")
+    print(f"\nbytes each rank sends per step under tp 2 (ring algorithms; collective payloads as counted; "
+          f"{BYTES_STEPS} steps, first left out)")
+    result_bytes = {}
+    for name, (model, measured) in bytes_rows.items():
+        print(f"  {name}:")
+        for row in measured:
+            kinds = ", ".join(f"{k} {v / 1e6:.3f} MB ({row['calls'][k]:.0f} calls)" for k, v in row["bytes"].items())
+            print(f"    rank {row['rank']}: sends {ring_sent(row['bytes']) / 1e6:.4f} MB; payloads {kinds}")
+        sent = ring_sent(measured[0]["bytes"])
+        print(f"    cost model: sends {model['sent_bytes'] / 1e6:.4f} MB (payloads {model['payload_bytes'] / 1e6:.4f} MB; "
+              f"per sample forward all-reduce {model['per_sample']['forward_all_reduce']} B, all-gather "
+              f"{model['per_sample']['forward_all_gather']} B, backward all-reduce "
+              f"{model['per_sample']['backward_all_reduce']} B; per step all-gather {model['per_step_all_gather']} B)")
+        print(f"    measured / model: sent {sent / model['sent_bytes']:.3f}, payloads "
+              f"{measured[0]['total'] / model['payload_bytes']:.3f}")
+        result_bytes[name] = {"measured": measured, "model": model, "ratio": sent / model["sent_bytes"]}
+    print(f"\nstep time, hf-llama, median after the first of {args.steps} steps (load average {load_before:.1f} -> "
           f"{load_after:.1f} on 2 shared cores)")
     for name, seconds in times.items():
-        print(f"  {name}: {seconds * 1e3:8.1f} ms/step   ({seconds / times['dp 2']:.2f} x dp 2, "
-              f"predicted {plans[name][0].plan.predicted['step_time_s'] * 1e3:.1f} ms)")
-    result = {"bytes": measured, "model": model, "step_time_s": times, "load": [load_before, load_after]}
+        predicted = plans[name][0].plan.predicted["step_time_s"]
+        print(f"  {name}: {seconds * 1e3:8.1f} ms/step   ({seconds / times['dp 2']:.2f} x dp 2), predicted "
+              f"{predicted * 1e3:.1f} ms, measured / predicted {seconds / predicted:.2f}")
+    result = {"bytes": result_bytes, "step_time_s": times, "load": [load_before, load_after],
+              "predicted_step_time_s": {name: plans[name][0].plan.predicted["step_time_s"] for name in plans}}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -71,8 +71,11 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
 
     from passes.tp_activations import sharded_saved_bytes
 
+    from partitioner.calibrate.features import region_features
+
     table = region_table(gm)
     split = sharded_saved_bytes(gm)  # Note [sharded activations]
+    ops = region_features(gm)  # per region id (fwd, bwd): what a tensor group dispatches per op
     edges = region_edges(gm)
     incoming = {r.region_id: 0 for r in table}
     for src, dst, num_bytes in edges:
@@ -99,6 +102,12 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             transient_fixed_bytes=r.bwd_param_grad_bytes,
             tp_comm_bytes=-(-r.tp_comm_bytes // batch_size),
             tp_sharded_param_bytes=int(r.tp_sharded_param_bytes),
+            tp_comm_bwd_bytes=-(-r.tp_comm_bwd_bytes // batch_size),
+            tp_gather_bytes=-(-r.tp_gather_bytes // batch_size),
+            tp_step_gather_bytes=int(r.tp_step_gather_bytes),
+            tp_fwd_collectives=r.tp_collectives[0], tp_bwd_collectives=r.tp_collectives[1],
+            tp_step_collectives=r.tp_collectives[2],
+            fwd_ops=int(ops[r.region_id][0].num_ops), bwd_ops=int(ops[r.region_id][1].num_ops),
             tp_sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
                                                        -(-(r.saved_activation_bytes + r.held_bytes) // batch_size)),
         )

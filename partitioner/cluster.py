@@ -74,6 +74,11 @@ class DevicePreset:
     # Seconds a stage pays per microbatch besides its regions (Note [whole-step terms] in
     # partitioner/solver/problem.py); measured for cpu only, 0 (not measured) for accelerators.
     microbatch_overhead_s: float = 0.0
+    # Tensor parallelism's fixed costs (Note [tensor-parallel overheads] in
+    # partitioner/solver/tensor_parallel.py): DTensor dispatch per op, and per collective beyond
+    # the link; measured for cpu (CPU_DTENSOR_OP_S), 0 for accelerators.
+    dtensor_op_s: float = 0.0
+    tp_collective_s: float = 0.0
 
 
 # Note [whole-step terms] in partitioner/solver/problem.py. Measured with

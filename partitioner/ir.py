@@ -86,14 +86,21 @@ class TpMeta:
     """What tensor parallelism does to a node (Note [tensor-parallel roles] in passes/tensor_parallel.py).
 
     ``role``: "column", "row", "vocab" or "replicated" on linear / embedding nodes whose weight is a
-    parameter, None on every other node. ``comm_bytes``: the payload of the collective it adds in
-    forward, per traced batch; ``sharded_param_bytes``: on a get_attr node, the bytes of its
-    parameter that the tensor group divides; ``divisor``: what the degree must divide (0: nothing)."""
+    parameter, None on every other node. Per traced batch (Note [tensor-parallel traffic]):
+    ``comm_bytes`` the payload of the all-reduce it adds in forward, ``comm_bwd_bytes`` that of the
+    all-reduce it adds in backward, ``gather_bytes`` the whole output a forward all-gather
+    assembles (a vocab-split head's logits); per step: ``step_gather_bytes``, on a get_attr node,
+    the bytes of a replicated parameter whose gradient is all-gathered after the schedule.
+    ``sharded_param_bytes``: on a get_attr node, the bytes of its parameter that the tensor group
+    divides; ``divisor``: what the degree must divide (0: nothing)."""
 
     role: str | None
     comm_bytes: int = 0
     sharded_param_bytes: int = 0
     divisor: int = 0
+    comm_bwd_bytes: int = 0
+    gather_bytes: int = 0
+    step_gather_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,14 @@ class RegionRow:
     bwd_transient_bytes: int  # the largest of its nodes' (Note [backward transients] in passes/memory.py)
     output_bytes: int  # bytes of this region's tensors consumed by other regions (each tensor once)
     # Note [tensor-parallel roles] in passes/tensor_parallel.py (0 until that pass ran):
-    tp_comm_bytes: int = 0  # collective payload tensor parallelism adds in forward, this batch
+    tp_comm_bytes: int = 0  # all-reduce payload tensor parallelism adds in forward, this batch
     tp_sharded_param_bytes: int = 0  # parameter bytes a tensor group divides
+    # Note [tensor-parallel traffic]: backward all-reduces and forward all-gathers, this batch;
+    # per-step gradient all-gathers; and how many collectives each of the three is
+    tp_comm_bwd_bytes: int = 0
+    tp_gather_bytes: int = 0
+    tp_step_gather_bytes: int = 0
+    tp_collectives: tuple[int, int, int] = (0, 0, 0)  # (forward, backward, per step)
 
 
 @dataclass(frozen=True)
@@ -479,7 +485,19 @@ def region_table(gm: fx.GraphModule) -> list[RegionRow]:
             bwd_transient_bytes=max((m.bwd_transient_bytes for m in memory), default=0),
             bwd_param_grad_bytes=max((m.bwd_param_grad_bytes for m in memory), default=0),
             output_bytes=crossing.get(rid, 0),
-            tp_comm_bytes=sum(ir.get(n, ir.TP).comm_bytes for n in nodes if ir.has(n, ir.TP)),
-            tp_sharded_param_bytes=sum(ir.get(n, ir.TP).sharded_param_bytes for n in nodes if ir.has(n, ir.TP)),
+            **_tp_figures([ir.get(n, ir.TP) for n in nodes if ir.has(n, ir.TP)]),
         ))
     return table
+
+
+def _tp_figures(metas) -> dict:
+    """A region's tensor-parallel fields of RegionRow: sums over its nodes' TpMeta."""
+    return dict(
+        tp_comm_bytes=sum(m.comm_bytes for m in metas),
+        tp_sharded_param_bytes=sum(m.sharded_param_bytes for m in metas),
+        tp_comm_bwd_bytes=sum(m.comm_bwd_bytes for m in metas),
+        tp_gather_bytes=sum(m.gather_bytes for m in metas),
+        tp_step_gather_bytes=sum(m.step_gather_bytes for m in metas),
+        tp_collectives=(sum(1 for m in metas if m.comm_bytes or m.gather_bytes),
+                        sum(1 for m in metas if m.comm_bwd_bytes),
+                        sum(1 for m in metas if m.step_gather_bytes)))

@@ -20,12 +20,27 @@ Note [tensor-parallel roles]: Megatron's pairing, read off the module tree.
   ``arange``) and other linears stay replicated.
 
 Figures (per traced batch, like every field of the region table; build_problem divides by the
-batch): ``comm_bytes`` on a row linear, vocab embedding or vocab head is its output's bytes, the
-payload of the collective it adds in forward (all-reduce, or all-gather for the head);
-``sharded_param_bytes`` on the get_attr node that owns a parameter (where passes/memory.py counts
-its bytes) is that parameter's bytes when a sharded node reads it. ``divisor`` is the count the
-tensor-parallel degree must divide: heads for a column linear whose output is viewed per head,
-else the sharded dimension's size.
+batch), Note [tensor-parallel traffic]. ``sharded_param_bytes`` on the get_attr node that owns a
+parameter (where passes/memory.py counts its bytes) is that parameter's bytes when a sharded
+node reads it. ``divisor`` is the count the tensor-parallel degree must divide: heads for a column
+linear whose output is viewed per head, else the sharded dimension's size.
+
+Note [tensor-parallel traffic]: the collectives a tensor group's program issues, where
+runtime/tensor_parallel.py settles them (Megatron's f and g operators), one node each, as
+benchmarks/tensor_parallel.py counts them (tests/unit/test_tp_traffic.py compares the two):
+
+- forward, per microbatch: the all-reduce of every row linear's and vocab lookup's output
+  (``comm_bytes``: the output's bytes) and the all-gather of a vocab-split head's logits
+  (``gather_bytes``: the whole logits' bytes);
+- backward, per microbatch: the all-reduce of the input gradient of a sublayer's column
+  linears and of a vocab-split head (``column_input``: once per distinct input, on the first
+  node in graph order that reads it; ``comm_bwd_bytes``: the input's bytes). Nothing for the row
+  linears (the gradient of a replicated output is replicated), the vocab lookup (the gradient
+  flows into each rank's rows) or the logits (their gradient is sliced);
+- per step, after the schedule: a replicated parameter whose gradient arrives split is
+  all-gathered once by ``settle_gradients``: the bias of a vocab-split head
+  (``step_gather_bytes`` on its get_attr node: the bias's bytes). Norm weights, row-linear
+  biases and position embeddings get replicated gradients (measured: no collective).
 """
 
 from __future__ import annotations
@@ -171,17 +186,44 @@ def annotate_tensor_parallel(gm: fx.GraphModule) -> fx.GraphModule:
         if r == "column" and len(n.args) > 2 and isinstance(n.args[2], fx.Node):
             sharded_params.add(n.args[2].target)
     counted: set[str] = set()
+    entered: set[fx.Node] = set()  # inputs whose gradient one column_input all-reduces
+    step_gathered = _split_gradient_params(gm, role, sharded_params)
     for n in gm.graph.nodes:
         r = role.get(n)
-        comm = ir.get(n, ir.SHAPE).output_bytes if r in ("row", "vocab") else 0
-        param = 0
-        if n.op == "get_attr" and n.target in sharded_params and n.target not in counted:
-            counted.add(n.target)
-            param = ir.get(n, ir.SHAPE).output_bytes
+        out_bytes = ir.get(n, ir.SHAPE).output_bytes
+        head = r == "vocab" and _name(n) == "linear"
+        comm = out_bytes if r == "row" or (r == "vocab" and not head) else 0
+        comm_bwd = 0
+        if r == "column" or head:
+            x = n.args[0]
+            if isinstance(x, fx.Node) and x not in entered:
+                entered.add(x)
+                comm_bwd = ir.get(x, ir.SHAPE).output_bytes
+        param = step = 0
+        if n.op == "get_attr" and n.target not in counted:
+            if n.target in sharded_params:
+                counted.add(n.target)
+                param = out_bytes
+            elif n.target in step_gathered:
+                counted.add(n.target)
+                step = out_bytes
         is_layer = _is_linear(gm, n) or _is_embedding(gm, n)
         ir.put(n, ir.TP, ir.TpMeta(role=(r or "replicated") if is_layer else None, comm_bytes=int(comm),
-                                   sharded_param_bytes=int(param), divisor=int(divisor.get(n, 0))))
+                                   sharded_param_bytes=int(param), divisor=int(divisor.get(n, 0)),
+                                   comm_bwd_bytes=int(comm_bwd), gather_bytes=int(out_bytes if head else 0),
+                                   step_gather_bytes=int(step)))
     return gm
+
+
+def _split_gradient_params(gm: fx.GraphModule, role: dict, sharded_params: set[str]) -> set[str]:
+    """Replicated parameters whose gradient arrives split (Note [tensor-parallel traffic]): the
+    bias of a vocab-split head."""
+    out = set()
+    for n, r in role.items():
+        if r == "vocab" and _name(n) == "linear" and len(n.args) > 2 and isinstance(n.args[2], fx.Node):
+            if n.args[2].op == "get_attr" and n.args[2].target not in sharded_params:
+                out.add(n.args[2].target)
+    return out
 
 
 def sharded_parameters(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:

@@ -13,7 +13,9 @@ Note [cost model]
     * overhead_s = the stage's fixed cost per microbatch (Note [whole-step terms] in problem.py).
     * T_s        = compute_s + comm_s + overhead_s;  pipeline = (m - 1) * max_s T_s + sum_s T_s.
     * dp_allreduce = max_s ring all-reduce of stage s's gradients among its d replicas:
-                   2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1).
+                   2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1), + the
+                   stage's other per-step seconds (its regions' ``step_s_by_kind``: tensor
+                   parallelism's gradient all-gathers, Note [tensor-parallel pricing]).
     * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
                    (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
     * sdc_check  = the replica digest check every K = sdc_every steps, amortised: (slowest stage's
@@ -84,6 +86,7 @@ from partitioner.solver.problem import (
     in_flight_microbatches,
     microbatch_overhead_s,
     plan_links,
+    region_step_s,
     region_times_s,
 )
 from partitioner.solver.grad_norm_cost import global_norm_s
@@ -110,6 +113,7 @@ class StageCost:
     step_buffers_bytes: float = 0.0
     overhead_s: float = 0.0  # per microbatch, besides regions and sends (Note [whole-step terms])
     forward_s: float = 0.0  # per microbatch, the part of time_s before the backward: f_s of Note [interleaved pricing]
+    step_s: float = 0.0  # per step, the part of dp_allreduce_s that is not the data-parallel all-reduce
 
     @property
     def memory_bytes(self) -> float:
@@ -221,6 +225,8 @@ def evaluate(
         memory = stage_memory(problem, a, s, regions_of[s], cut, grads, tie_grad_held[s])
         dp_link = dp_links[s]
         allreduce = 0.0 if dp_link is None else 2 * (d - 1) * (grads / d / dp_link.bandwidth_bytes_per_s + dp_link.latency_s)
+        step_s = sum(region_step_s(problem.regions[r], device) for r in regions_of[s])
+        allreduce += step_s
         overhead = microbatch_overhead_s(problem, device)
         stage_costs.append(
             StageCost(
@@ -240,6 +246,7 @@ def evaluate(
                 transient_bytes=memory["transient"],
                 step_buffers_bytes=memory["step"],
                 forward_s=scale * fwd_part[s],
+                step_s=scale * step_s,
             )
         )
     bottleneck = max(st.time_s for st in stage_costs)
@@ -305,9 +312,11 @@ def _interleaved_terms(problem, a: Assignment, stage_costs, dp_links, scale):
     for pos in range(pp):
         mine = stage_costs[pos::pp]
         link = dp_links[pos]
+        step_s = sum(st.step_s for st in mine)
         if link is not None:
             grads = sum(st.grads_bytes for st in mine)
-            allreduce = max(allreduce, scale * 2 * (d - 1) * (grads / d / link.bandwidth_bytes_per_s + link.latency_s))
+            step_s += scale * 2 * (d - 1) * (grads / d / link.bandwidth_bytes_per_s + link.latency_s)
+        allreduce = max(allreduce, step_s)
         rank_memory.append(sum(st.memory_bytes for st in mine) - (v - 1) * batch)
         rank_capacity.append(mine[0].capacity_bytes)
     return pipeline, allreduce, tuple(rank_memory), tuple(rank_capacity)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from partitioner.solver.problem import microbatch_overhead_s
+from partitioner.solver.problem import microbatch_overhead_s, region_step_s
 from partitioner.solver.terms import Terms
 
 
@@ -68,6 +68,12 @@ class TimeConstraints:
     def _dp_allreduce_expr(self, s: int) -> Terms:
         link, d, unit = self.dp_links[s], self.d, self.coef_unit_s
         expr = Terms()
+        # per-step seconds of the stage's regions (tensor parallelism's gradient all-gathers): of
+        # its class, or the most of any class where the class is a variable (an upper bound)
+        classes = [self.classes[s]] if self.on_class is None else self.classes
+        for r, region in enumerate(self.problem.regions):
+            step = max(region_step_s(region, self.class_device[c]) for c in classes)
+            expr.add(round(step / unit), self.in_stage[r][s])
         if link is None or d == 1:
             return expr
         per_byte = 2 * (d - 1) / d / link.bandwidth_bytes_per_s / unit
@@ -81,8 +87,8 @@ class TimeConstraints:
         return expr
 
     def _add_dp_allreduce(self, exprs=None) -> None:
-        """dp_allreduce >= 2 (d-1)/d · grad_bytes[s] / bw + 2 (d-1) · latency for every stage s
-        (or for every expression of ``exprs``: interleaved passes one per rank)."""
+        """dp_allreduce >= 2 (d-1)/d · grad_bytes[s] / bw + 2 (d-1) · latency + sum_r step[r]·in_stage[r, s]
+        for every stage s (or for every expression of ``exprs``: interleaved passes one per rank)."""
         self.dp_allreduce_exprs = exprs if exprs is not None else [self._dp_allreduce_expr(s) for s in range(self.p)]
         for expr in self.dp_allreduce_exprs:
             if expr.vars or expr.const:

@@ -52,6 +52,7 @@ __all__ = [
     "schedule_refusal",
     "region_times_s",
     "microbatch_overhead_s",
+    "region_step_s",
     "core_sharing_factor",
     "in_flight_microbatches",
     "place_stages",
@@ -112,11 +113,19 @@ class RegionCost:
     # rerun forward's saved activations (activation_bytes_per_sample) to it.
     transient_bytes_per_sample: int = 0
     transient_fixed_bytes: int = 0
-    # Tensor parallelism (Note [tensor-parallel roles] in passes/tensor_parallel.py): the bytes one
-    # tensor-parallel rank all-reduces (or all-gathers, for a vocab-split head) per sample in
-    # forward at tp > 1 (backward moves the same again), and the parameter bytes tp divides.
+    # Tensor parallelism (Note [tensor-parallel traffic] in passes/tensor_parallel.py), at tp > 1:
+    # per sample, the payload one tensor-parallel rank all-reduces in forward and in backward and
+    # the whole output it all-gathers in forward (a vocab-split head's logits); per step, the
+    # gradient bytes it all-gathers after the schedule; the parameter bytes tp divides.
     tp_comm_bytes: int = 0
     tp_sharded_param_bytes: int = 0
+    tp_comm_bwd_bytes: int = 0
+    tp_gather_bytes: int = 0
+    tp_step_gather_bytes: int = 0
+    # How many collectives those are: per microbatch forward, backward, and per step.
+    tp_fwd_collectives: int = 0
+    tp_bwd_collectives: int = 0
+    tp_step_collectives: int = 0
     # Saved activation bytes per sample a tensor group splits (Note [sharded activations] in
     # passes/tp_activations.py): part of activation_bytes_per_sample.
     tp_sharded_activation_bytes_per_sample: int = 0
@@ -126,6 +135,14 @@ class RegionCost:
     # Measured fixed seconds per microbatch by device kind, added to the per-sample part.
     fwd_s_per_microbatch_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_microbatch_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Seconds by device kind the region's stage pays once per step, after the schedule, beside
+    # the data-parallel all-reduce (tensor parallelism's gradient collectives: Note
+    # [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py); None: nothing.
+    step_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Ops the region runs per microbatch, forward and backward (calibrate's num_ops feature):
+    # what a tensor group's DTensors dispatch one by one (Note [tensor-parallel overheads]).
+    fwd_ops: int = 0
+    bwd_ops: int = 0
 
     def __post_init__(self) -> None:
         owner = f"RegionCost({self.name!r})"
@@ -133,7 +150,9 @@ class RegionCost:
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
                      "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
-                     "transient_fixed_bytes", "tp_comm_bytes", "tp_sharded_param_bytes",
+                     "transient_fixed_bytes", "tp_comm_bytes", "tp_sharded_param_bytes", "tp_comm_bwd_bytes",
+                     "tp_gather_bytes", "tp_step_gather_bytes", "tp_fwd_collectives", "tp_bwd_collectives",
+                     "tp_step_collectives", "fwd_ops", "bwd_ops",
                      "tp_sharded_activation_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
@@ -211,6 +230,10 @@ class PartitionProblem:
     allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
     # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
     microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel
+    # overheads] in partitioner/solver/tensor_parallel.py): seconds per DTensor op, per collective.
+    dtensor_op_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    tp_collective_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):
@@ -256,6 +279,11 @@ def region_times_s(region: RegionCost, device: DeviceSpec, microbatch_size: int)
     fwd_fixed = (region.fwd_s_per_microbatch_by_kind or {}).get(device.kind, 0.0) if fwd_override is not None else 0.0
     bwd_fixed = (region.bwd_s_per_microbatch_by_kind or {}).get(device.kind, 0.0) if bwd_override is not None else 0.0
     return fwd_fixed + fwd * microbatch_size, bwd_fixed + bwd * microbatch_size
+
+
+def region_step_s(region: RegionCost, device: DeviceSpec) -> float:
+    """Seconds ``region``'s stage on ``device`` pays once per step after the schedule (0: none)."""
+    return (region.step_s_by_kind or {}).get(device.kind, 0.0)
 
 
 def microbatch_overhead_s(problem: PartitionProblem, device: DeviceSpec) -> float:

@@ -94,14 +94,18 @@ def tp_problem(problem, tp: int):
 #   the group's tp x FLOP/s. The parameter share stands in for the FLOP share: on a transformer
 #   block both are > 99.9% (norm weights are the only replicated parameters); smaller matmuls'
 #   lower efficiency is not priced;
-# - collectives: every member all-reduces the region's ``tp_comm_bytes`` per sample in forward
-#   and the same again in backward, a ring over the intra-node link:
-#   2 (tp-1)/tp * bytes / bandwidth + 2 (tp-1) * latency per direction and microbatch (one
-#   collective's latency per region and direction: a block's second all-reduce adds ~2(tp-1)
-#   latencies more, microseconds on NVLink, not counted). The vocab head's all-gather is priced
-#   as an all-reduce (twice its bytes: conservative). The seconds go into the region's per-kind
-#   times (``fwd_s_per_sample_by_kind`` and ``..._per_microbatch_by_kind``, Note [time model] in
-#   problem.py), so the ILP, the chain DP, the baselines and the checker all see them alike;
+# - collectives (Note [tensor-parallel traffic] in passes/tensor_parallel.py): per microbatch, every
+#   member all-reduces the region's ``tp_comm_bytes`` per sample and all-gathers its
+#   ``tp_gather_bytes`` (a vocab-split head's logits) in forward, and all-reduces its
+#   ``tp_comm_bwd_bytes`` in backward; a ring over the intra-node link sends 2 (tp-1)/tp of an
+#   all-reduce's payload and (tp-1)/tp of an all-gather's whole output from each member
+#   (``sent_bytes``), at the link's bandwidth, plus, per collective, 2 (tp-1) link latencies and
+#   the device's fixed cost per collective (``collective_fixed_s``, Note [tensor-parallel
+#   overheads]). The seconds go into the region's per-kind times (``fwd_s_per_sample_by_kind``
+#   and ``..._per_microbatch_by_kind``, Note [time model] in problem.py), so the ILP, the chain
+#   DP, the baselines and the checker all see them alike. Per step, the gradients of replicated
+#   parameters that arrive split (``tp_step_gather_bytes``) are all-gathered once: the region's
+#   ``step_s``, which its stage pays after the schedule (Note [cost model] in evaluate.py);
 # - activations: the saved bytes between a column and its row linear
 #   (``tp_sharded_activation_bytes_per_sample``, Note [sharded activations] in
 #   passes/tp_activations.py) held once per group, i.e. 1/tp per member; the rest (norms,
@@ -109,13 +113,59 @@ def tp_problem(problem, tp: int):
 #   ``tp_problem`` counts everything.
 
 
+# Note [tensor-parallel overheads]: two fixed costs a tensor group pays that bytes and FLOPs miss,
+# by device kind: the problem's measured figure (``dtensor_op_s_by_kind``,
+# ``tp_collective_s_by_kind``: partitioner/calibrate/tp_overheads.py), else the preset's
+# (``DevicePreset.dtensor_op_s``, ``.tp_collective_s``, partitioner/cluster.py):
+# - per op: a tensor-parallel stage runs every aten op on DTensors, and DTensor's Python
+#   dispatch (sharding propagation, cached, then the local op) costs a fixed time per op on the
+#   host: ``dtensor_op_s`` x the region's ops per microbatch (``fwd_ops``, ``bwd_ops``);
+# - per collective: ``tp_collective_s`` beside the link's latency and bandwidth: on gloo, the
+#   call and the wait for the other members, which on shared CPU cores is a wake-up of the
+#   waiting process (measured, milliseconds under load).
+# On accelerators both are 0 in the presets: the host dispatches ahead of the device, so
+# DTensor's per-op cost overlaps with the kernels while they are longer than it (a transformer
+# at the sizes tensor parallelism is for), and NCCL's per-call cost is the link's latency.
+
+
+def dtensor_op_s(problem, kind: str) -> float:
+    """Seconds of DTensor dispatch per op on ``kind`` (Note [tensor-parallel overheads])."""
+    return _overhead(problem.dtensor_op_s_by_kind, kind, "dtensor_op_s")
+
+
+def collective_fixed_s(problem, kind: str) -> float:
+    """Seconds per tensor-parallel collective on ``kind`` beyond the link's terms."""
+    return _overhead(problem.tp_collective_s_by_kind, kind, "tp_collective_s")
+
+
+def _overhead(measured, kind: str, preset_field: str) -> float:
+    from partitioner.cluster import DEVICE_PRESETS
+
+    if measured and kind in measured:
+        return float(measured[kind])
+    preset = DEVICE_PRESETS.get(kind)
+    return float(getattr(preset, preset_field)) if preset is not None else 0.0
+
+
+def sent_bytes(region, tp: int) -> tuple[float, float, float]:
+    """(forward per sample, backward per sample, per step) bytes one member of a tensor group of
+    ``tp`` sends for ``region``'s collectives under ring algorithms (Note [tensor-parallel
+    pricing]); benchmarks/tensor_parallel.py compares their sum over a step with what the program
+    sends."""
+    if tp == 1:
+        return 0.0, 0.0, 0.0
+    reduce, gather = 2 * (tp - 1) / tp, (tp - 1) / tp
+    return (reduce * region.tp_comm_bytes + gather * region.tp_gather_bytes, reduce * region.tp_comm_bwd_bytes,
+            gather * region.tp_step_gather_bytes)
+
+
 def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
-    """``tp_problem`` with the compute and collectives of Note [tensor-parallel pricing]."""
+    """``tp_problem`` with the compute and collectives of Note [tensor-parallel pricing] and the
+    overheads of Note [tensor-parallel overheads]."""
     if tp == 1:
         return problem
     grouped = tp_problem(problem, tp)
     link = cluster.intra_node_link
-    ring = 2 * (tp - 1) / tp
     rate_of = {}  # kind -> one member's FLOP/s
     for device in cluster.devices:
         rate_of.setdefault(device.kind, device.flops_per_s)
@@ -127,25 +177,26 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
         changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,
                        bwd_flops_per_sample=original.bwd_flops_per_sample * whole,
                        activation_bytes_per_sample=(original.activation_bytes_per_sample - split) * tp + split)
-        calibrated = original.fwd_s_per_sample_by_kind or original.bwd_s_per_sample_by_kind
-        if original.tp_comm_bytes > 0 or calibrated:
-            comm_s = ring * original.tp_comm_bytes / link.bandwidth_bytes_per_s
-            latency_s = 2 * (tp - 1) * link.latency_s if original.tp_comm_bytes > 0 else 0.0
-            fraction = share / tp + (1 - share)  # of one member's seconds
-            fwd, bwd, fwd_fixed, bwd_fixed = {}, {}, {}, {}
-            for kind, rate in rate_of.items():
-                f_meas = (original.fwd_s_per_sample_by_kind or {}).get(kind)
-                b_meas = (original.bwd_s_per_sample_by_kind or {}).get(kind)
-                fwd[kind] = (f_meas * fraction if f_meas is not None
-                             else original.fwd_flops_per_sample * fraction / rate) + comm_s
-                bwd[kind] = (b_meas * fraction if b_meas is not None
-                             else original.bwd_flops_per_sample * fraction / rate) + comm_s
-                fwd_fixed[kind] = ((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0)
-                                   if f_meas is not None else 0.0) + latency_s
-                bwd_fixed[kind] = ((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0)
-                                   if b_meas is not None else 0.0) + latency_s
-            changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
-                           fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed)
+        fwd_sent, bwd_sent, step_sent = sent_bytes(original, tp)
+        fraction = share / tp + (1 - share)  # of one member's seconds
+        fwd, bwd, fwd_fixed, bwd_fixed, step = {}, {}, {}, {}, {}
+        for kind, rate in rate_of.items():
+            per_collective = 2 * (tp - 1) * link.latency_s + collective_fixed_s(problem, kind)
+            per_op = dtensor_op_s(problem, kind)
+            f_meas = (original.fwd_s_per_sample_by_kind or {}).get(kind)
+            b_meas = (original.bwd_s_per_sample_by_kind or {}).get(kind)
+            fwd[kind] = (f_meas * fraction if f_meas is not None
+                         else original.fwd_flops_per_sample * fraction / rate) + fwd_sent / link.bandwidth_bytes_per_s
+            bwd[kind] = (b_meas * fraction if b_meas is not None
+                         else original.bwd_flops_per_sample * fraction / rate) + bwd_sent / link.bandwidth_bytes_per_s
+            fwd_fixed[kind] = ((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if f_meas is not None
+                               else 0.0) + original.tp_fwd_collectives * per_collective + original.fwd_ops * per_op
+            bwd_fixed[kind] = ((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if b_meas is not None
+                               else 0.0) + original.tp_bwd_collectives * per_collective + original.bwd_ops * per_op
+            step[kind] = original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
+        changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
+                       fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
+                       step_s_by_kind=step if any(step.values()) else None)
         regions.append(dataclasses.replace(r, **changes))
     return dataclasses.replace(grouped, regions=tuple(regions))
 

@@ -67,7 +67,8 @@ def test_priced_terms_match_a_hand_computation():
     rate, link = cluster.devices[0].flops_per_s, cluster.intra_node_link
     region = RegionCost("b", 3e12, 6e12, 100 * MIB, 100 * MIB, 200 * MIB, 8 * MIB, 2 * MIB,
                         tp_comm_bytes=16 * MIB, tp_sharded_param_bytes=75 * MIB,  # 3/4 of it sharded
-                        tp_sharded_activation_bytes_per_sample=6 * MIB)
+                        tp_sharded_activation_bytes_per_sample=6 * MIB,
+                        tp_comm_bwd_bytes=16 * MIB, tp_fwd_collectives=1, tp_bwd_collectives=1)
     problem = PartitionProblem((region,), ())
     tp, b = 4, 2
     priced = tp_priced_problem(problem, cluster, tp).regions[0]
@@ -75,7 +76,7 @@ def test_priced_terms_match_a_hand_computation():
     fwd_s, bwd_s = region_times_s(priced, group, b)
     compute_fraction = 0.75 / tp + 0.25  # sharded part / tp, the rest whole on every member
     ring_s = 2 * (tp - 1) / tp * 16 * MIB / link.bandwidth_bytes_per_s  # per sample, each direction
-    latency_s = 2 * (tp - 1) * link.latency_s  # per microbatch, each direction
+    latency_s = 2 * (tp - 1) * link.latency_s  # per collective: one each direction (h100: no fixed cost)
     assert fwd_s == pytest.approx(b * (3e12 * compute_fraction / rate + ring_s) + latency_s)
     assert bwd_s == pytest.approx(b * (6e12 * compute_fraction / rate + ring_s) + latency_s)
     # bytes per group: the sharded 75 MiB once, the 25 MiB replicated on each of the 4 members
