@@ -100,17 +100,10 @@ def measure_bytes(folder: Path, steps: int, out: Path) -> list[dict]:
 
 
 def ring_sent(kinds: dict, tp: int = 2) -> float:
-    """Bytes a rank sends for these payloads (the collectives' input tensors) under ring
-    algorithms: an all-reduce of n bytes 2 (tp-1)/tp n, an all-gather of each member's c bytes
-    (tp-1) c, a reduce-scatter of n bytes (tp-1)/tp n."""
-    factor = {"all_reduce": 2 * (tp - 1) / tp, "all_gather_into_tensor": tp - 1, "reduce_scatter_tensor": (tp - 1) / tp}
-    sent = 0.0
-    for kind, nbytes in kinds.items():
-        key = next((k for k in factor if kind.startswith(k)), None)
-        if key is None:
-            raise ValueError(f"no ring figure for collective {kind}: add it to ring_sent")
-        sent += factor[key] * nbytes
-    return sent
+    """Bytes a rank sends for these payloads (the collectives' input tensors) under ring algorithms."""
+    from runtime.collective_bytes import ring_factor
+
+    return sum(ring_factor(kind, tp) * nbytes for kind, nbytes in kinds.items())
 
 
 def step_times(folders: dict, steps: int) -> dict:
