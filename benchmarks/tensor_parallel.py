@@ -49,20 +49,32 @@ BYTES_STEPS = 3
 PLANS = {"tp 2": dict(num_stages=1, tensor_parallel=2), "pp 2": dict(num_stages=2), "dp 2": dict(num_stages=1, dp=2)}
 
 
-def compile_plans(root: Path) -> dict:
+def compile_plans(root: Path, calibrate_repeats: int) -> tuple[dict, dict, dict]:
+    """The three plans compiled with the presets (datasheet FLOP/s, Note [tensor-parallel overheads]'s
+    cpu figures) and with a profile calibrated here just before (regions, ops, DTensor's per-op
+    cost and gloo's per-collective cost, partitioner/calibrate/tp_overheads.py): (preset plans,
+    calibrated plans, the profile's tensor-parallel figures)."""
     import partitioner
+    from partitioner.analysis import annotate, trace_keyed
+    from partitioner.calibrate import calibrate
     from partitioner.cluster import ClusterSpec
     from partitioner.models import hf_llama
 
-    out = {}
+    workload = hf_llama(**SPEC)
+    traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    gm = annotate(traced, granularity="block", loss_outside_graph=True)
+    profile = calibrate(workload, gm, repeats=calibrate_repeats, threads=1, tp_overheads=True)
+    out = ({}, {})
     for name, options in PLANS.items():
-        compiled = partitioner.compile(hf_llama(**SPEC), cluster=ClusterSpec.homogeneous(2, "cpu"),
-                                       global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES // options.get("dp", 1),
-                                       **options)
-        folder = root / name.replace(" ", "")
-        compiled.save(folder)
-        out[name] = (compiled, folder)
-    return out
+        for which, profiles in ((0, ()), (1, (profile,))):
+            compiled = partitioner.compile(hf_llama(**SPEC), cluster=ClusterSpec.homogeneous(2, "cpu"),
+                                           global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES // options.get("dp", 1),
+                                           profiles=profiles, **options)
+            folder = root / (name.replace(" ", "") + ("-calibrated" if which else ""))
+            if which == 0:
+                compiled.save(folder)
+            out[which][name] = (compiled, folder)
+    return out[0], out[1], {"dtensor_op_s": profile.dtensor_op_s, "tp_collective_s": profile.tp_collective_s}
 
 
 def modelled_bytes(compiled, tp: int = 2) -> dict:
@@ -132,11 +144,13 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--calibrate-repeats", type=int, default=5)
     args = parser.parse_args(argv)
     bytes_rows = {}
     with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
         root = Path(tmp)
-        plans = compile_plans(root)
+        load_calibrate = os.getloadavg()[0]
+        plans, calibrated, tp_figures = compile_plans(root, args.calibrate_repeats)
         for name in BYTES_MODELS:
             compiled, folder = plans["tp 2"] if name == "hf-llama" else compile_tp(name, root)
             bytes_rows[name] = (modelled_bytes(compiled), measure_bytes(folder, BYTES_STEPS, root / f"bytes-{name}-out"))
@@ -161,13 +175,19 @@ def main(argv=None) -> dict:
               f"{measured[0]['total'] / model['payload_bytes']:.3f}")
         result_bytes[name] = {"measured": measured, "model": model, "ratio": sent / model["sent_bytes"]}
     print(f"\nstep time, hf-llama, median after the first of {args.steps} steps (load average {load_before:.1f} -> "
-          f"{load_after:.1f} on 2 shared cores)")
+          f"{load_after:.1f} on 2 shared cores; calibrated at load {load_calibrate:.1f}: DTensor "
+          f"{tp_figures['dtensor_op_s'] * 1e6:.0f} us/op, {tp_figures['tp_collective_s'] * 1e3:.2f} ms/collective)")
+    print(f"  {'plan':5} {'measured ms':>11} {'x dp 2':>7} {'preset ms':>10} {'meas/pred':>9} {'calibrated ms':>13} "
+          f"{'meas/pred':>9}")
+    predicted = {}
     for name, seconds in times.items():
-        predicted = plans[name][0].plan.predicted["step_time_s"]
-        print(f"  {name}: {seconds * 1e3:8.1f} ms/step   ({seconds / times['dp 2']:.2f} x dp 2), predicted "
-              f"{predicted * 1e3:.1f} ms, measured / predicted {seconds / predicted:.2f}")
+        preset = plans[name][0].plan.predicted["step_time_s"]
+        fitted = calibrated[name][0].plan.predicted["step_time_s"]
+        predicted[name] = {"preset": preset, "calibrated": fitted}
+        print(f"  {name:5} {seconds * 1e3:11.1f} {seconds / times['dp 2']:7.2f} {preset * 1e3:10.1f} "
+              f"{seconds / preset:9.2f} {fitted * 1e3:13.1f} {seconds / fitted:9.2f}")
     result = {"bytes": result_bytes, "step_time_s": times, "load": [load_before, load_after],
-              "predicted_step_time_s": {name: plans[name][0].plan.predicted["step_time_s"] for name in plans}}
+              "predicted_step_time_s": predicted, "calibrated_tp_overheads": tp_figures}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -76,7 +76,7 @@ class DevicePreset:
     microbatch_overhead_s: float = 0.0
     # Tensor parallelism's fixed costs (Note [tensor-parallel overheads] in
     # partitioner/solver/tensor_parallel.py): DTensor dispatch per op, and per collective beyond
-    # the link; measured for cpu (CPU_DTENSOR_OP_S), 0 for accelerators.
+    # the link; measured for cpu (CPU_DTENSOR_OP_S, CPU_TP_COLLECTIVE_S), 0 for accelerators.
     dtensor_op_s: float = 0.0
     tp_collective_s: float = 0.0
 
@@ -88,6 +88,16 @@ class DevicePreset:
 # quieter figure is kept: the prediction is for a machine whose cores the job has to itself.
 CPU_MICROBATCH_OVERHEAD_S = 1e-3
 
+# Note [tensor-parallel overheads] in partitioner/solver/tensor_parallel.py, measured here with
+# partitioner/calibrate/tp_overheads.py (2 shared cores, load average ~4.6, one thread):
+# DTensor's dispatch 45 us per op on the hf-llama of benchmarks/tensor_parallel.py (28 to 49 us
+# over six runs; 130 us per op on the repo's GPT, whose fused ops decompose into more in
+# backward than the graph counts); a small gloo all-reduce between two processes that compute
+# in between, 0.6 to 2.9 ms over three runs: the lowest is kept, as for the overhead above. Both
+# grow with the machine's load: ``--calibrate`` measures them at the time.
+CPU_DTENSOR_OP_S = 45e-6
+CPU_TP_COLLECTIVE_S = 0.6e-3
+
 # See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
 _GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}
 DEVICE_PRESETS: Mapping[str, DevicePreset] = {
@@ -95,7 +105,8 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
     "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12, **_GPU_MEMORY_HEADROOM),
     "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
-    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S),
+    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
+                        dtensor_op_s=CPU_DTENSOR_OP_S, tp_collective_s=CPU_TP_COLLECTIVE_S),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
 

@@ -122,8 +122,14 @@ def compile_workload(
                              f"or compile with --precision {fitted}")
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
-        with randomness.restored(COSTING_RANDOMNESS):
-            measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"])
+        from partitioner.solver.tensor_parallel import degrees_to_search
+
+        weighs_tp = tp > 1 or (tensor_parallel is None and any(
+            t > 1 and (num_stages is None or num_stages * t <= cluster.num_devices) for t in degrees_to_search(
+                cluster, lambda t: _tp_runs(gm, t, cluster, shard_optimizer, precision, training, dp))))
+        with randomness.restored(COSTING_RANDOMNESS):  # Note [tensor-parallel overheads]: measured if weighed
+            measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"],
+                                     tensor_parallel=weighs_tp)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))

@@ -62,9 +62,13 @@ __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "Li
 
 def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: int = 3, repeats: int = 10,
               threads: int | None = 1, progress: Callable[[str], None] | None = None,
-              precision: str = "fp32") -> DeviceProfile:
+              precision: str = "fp32", tp_overheads: bool = False) -> DeviceProfile:
     """Measure ``gm``'s regions and ops here and fit a profile for this device kind, under the
-    precision policy the program will train in (its meta records it: a profile fits one policy)."""
+    precision policy the program will train in (its meta records it: a profile fits one policy).
+    ``tp_overheads``: measure tensor parallelism's fixed costs too (cpu only; Note
+    [tensor-parallel overheads], partitioner/calibrate/tp_overheads.py)."""
+    import dataclasses
+
     kind = kind or local_device_kind()
     rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress,
                    precision=precision)
@@ -72,8 +76,18 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
     if threads:
         torch.set_num_threads(threads)
     try:
-        return fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
-                                                  "threads": threads or old, "precision": precision})
+        profile = fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
+                                                     "threads": threads or old, "precision": precision})
+        if tp_overheads and kind == "cpu":
+            from partitioner.calibrate.measure import _example_inputs
+            from partitioner.calibrate.tp_overheads import measure_collective_s, measure_dtensor_op_s
+
+            profile = dataclasses.replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
+                                          tp_collective_s=measure_collective_s())
+            if progress:
+                progress(f"calibrate: tensor parallelism's overheads: DTensor {profile.dtensor_op_s} s/op, "
+                         f"{profile.tp_collective_s} s/collective")
+        return profile
     finally:
         torch.set_num_threads(old)
 
@@ -87,15 +101,17 @@ class CalibrationConfig:
     threads: int | None = 1
     kind: str | None = None  # default: this machine's device (local_device_kind)
     profile_out: str | None = None
+    tp_overheads: bool = True  # when the compile weighs tensor parallelism (Note [tensor-parallel overheads])
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"calibration repeats={self.repeats} must be >= 1 and warmup={self.warmup} >= 0")
 
     def run(self, workload, gm: fx.GraphModule, *, progress: Callable[[str], None] | None = None,
-            precision: str = "fp32") -> DeviceProfile:
+            precision: str = "fp32", tensor_parallel: bool = False) -> DeviceProfile:
         profile = calibrate(workload, gm, kind=self.kind, warmup=self.warmup, repeats=self.repeats,
-                            threads=self.threads, progress=progress, precision=precision)
+                            threads=self.threads, progress=progress, precision=precision,
+                            tp_overheads=self.tp_overheads and tensor_parallel)
         if self.profile_out:
             profile.save(self.profile_out)
             if progress:

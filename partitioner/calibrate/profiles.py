@@ -41,6 +41,9 @@ class DirectionFit:
                 "memory_bytes_per_s": inv(self.s_per_byte), "op_overhead_s": self.op_overhead_s}
 
 
+_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s")  # measured figures a profile may carry
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """A fitted time model for one device kind."""
@@ -53,6 +56,10 @@ class DeviceProfile:
     # A stage's fixed seconds per microbatch besides its regions, when measured (Note [whole-step
     # terms] in partitioner/solver/problem.py); None: the device kind's preset.
     microbatch_overhead_s: float | None = None
+    # Tensor parallelism's fixed costs, when measured (partitioner/calibrate/tp_overheads.py, Note
+    # [tensor-parallel overheads]); None: the device kind's preset.
+    dtensor_op_s: float | None = None
+    tp_collective_s: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
@@ -66,8 +73,7 @@ class DeviceProfile:
                 "forward": asdict(self.forward), "backward": asdict(self.backward),
                 "rates": {"forward": self.forward.rates(), "backward": self.backward.rates()},
                 "meta": self.meta, "measurements": list(self.measurements),
-                **({"microbatch_overhead_s": self.microbatch_overhead_s}
-                   if self.microbatch_overhead_s is not None else {})}
+                **{name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}}
 
     @classmethod
     def from_dict(cls, data: dict, *, where: str = "profile") -> "DeviceProfile":
@@ -78,7 +84,7 @@ class DeviceProfile:
             return cls(kind=str(data["kind"]), forward=DirectionFit(**data["forward"]),
                        backward=DirectionFit(**data["backward"]), meta=dict(data.get("meta", {})),
                        measurements=tuple(data.get("measurements", ())),
-                       microbatch_overhead_s=data.get("microbatch_overhead_s"))
+                       **{name: data.get(name) for name in _OPTIONAL})
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from None
 
@@ -124,8 +130,12 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
             bwd_by_kind[profile.kind] = (b_s - bwd_fixed[profile.kind]) / batch_size
         regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
                                fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed))
-    overhead = dict(problem.microbatch_overhead_s_by_kind or {})
-    for profile in profiles:
-        if profile.microbatch_overhead_s is not None:
-            overhead[profile.kind] = profile.microbatch_overhead_s
-    return replace(problem, regions=tuple(regions), microbatch_overhead_s_by_kind=overhead or None)
+    measured = {}
+    for name, field_name in (("microbatch_overhead_s", "microbatch_overhead_s_by_kind"),
+                             ("dtensor_op_s", "dtensor_op_s_by_kind"), ("tp_collective_s", "tp_collective_s_by_kind")):
+        by_kind = dict(getattr(problem, field_name) or {})
+        for profile in profiles:
+            if getattr(profile, name) is not None:
+                by_kind[profile.kind] = getattr(profile, name)
+        measured[field_name] = by_kind or None
+    return replace(problem, regions=tuple(regions), **measured)
