@@ -1,28 +1,28 @@
 """Tensor parallelism measured: the bytes each rank's collectives carry per step under tp 2 against
-the cost model's figure, and the step time of tp 2 beside pp 2 and dp 2 for one model, in one run.
+the cost model's figure, and the step time of tp 2 beside pp 2 and dp 2 for one model, predicted
+and measured, in one run.
 
-    .venv/bin/python benchmarks/tensor_parallel.py [--steps 10] [--json out.json]
+    .venv/bin/python benchmarks/tensor_parallel.py [--steps 10] [--calibrate-repeats 5] [--json out.json]
 
 1. Compile hf-llama (2 layers, width 128, 4 heads, vocab 512, seq 64; global batch 8, 2
-   microbatches) three ways on 2 CPU ranks: tp 2 (one stage), pp 2 (two stages), dp 2.
-2. Bytes: train the tp 2 folder under torchrun with every step inside a dispatch mode that adds
-   up the tensors handed to torch's functional collectives, the ones DTensor issues
-   (benchmarks/_tp_bytes_worker.py): the payload each collective moves, per rank per step,
-   by kind (all_reduce, all_gather_into_tensor, ...). The cost model's figure is the pass's
-   ``tp_comm_bytes`` (Note [tensor-parallel roles] in passes/tensor_parallel.py: per sample, the
-   forward's collective payloads: each row-parallel linear's and vocab lookup's output
-   all-reduced, the vocab-split head's logits all-gathered) x microbatch size x microbatches x 2
-   (backward assumed to move the same again). A ring all-reduce of n bytes sends 2 (tp-1)/tp n
-   from each rank, an all-gather (tp-1)/tp n: printed beside the payloads. What the program
-   moves per microbatch (Megatron's points, runtime/tensor_parallel.py): forward, the vocab
-   lookup's and every row linear's output all-reduced, each rank's half of the logits
-   all-gathered; backward, the input gradient of every column group and of the head all-reduced,
-   and nothing for the logits (their gradient is sliced) or the lookup. So the model's "x 2"
-   over-counts a vocab-split head's logits in backward and misses its input's all-reduce.
-3. Step time: the three folders trained in one torchrun launch (runtime/run_many.py, one thread
-   per rank, no checkpoints), each run's median step after the first (RUN_DIR/summary.json).
-   The machine is 2 CPU cores shared with other jobs: the load average is printed beside the
-   times, and a CPU run says nothing about GPU speed (tiny matmuls, gloo over loopback).
+   microbatches) three ways on 2 CPU ranks: tp 2 (one stage), pp 2 (two stages), dp 2; once with
+   the cpu presets and once with a profile calibrated here just before (regions and ops, and
+   tensor parallelism's overheads: DTensor's seconds per op, gloo's per collective;
+   partitioner/calibrate/tp_overheads.py).
+2. Bytes, on three models (hf-llama; the repo's GPT, whose fused qkv stays replicated; hf-bert,
+   whose vocab head has a bias): train each tp 2 folder under torchrun with every step inside a
+   dispatch mode that adds up the tensors handed to torch's functional collectives, the ones
+   DTensor issues (runtime/collective_bytes.py, benchmarks/_tp_bytes_worker.py), by kind. What a
+   rank sends under ring algorithms (an all-reduce of n bytes 2 (tp-1)/tp n, an all-gather of c
+   bytes per member (tp-1) c) beside the cost model's ``sent_bytes`` (Note [tensor-parallel
+   pricing] in partitioner/solver/tensor_parallel.py) over the regions: forward and backward per
+   sample x the step's samples, plus the per-step gathers (Note [tensor-parallel traffic] in
+   passes/tensor_parallel.py); and the payloads as counted beside the model's.
+3. Step time: the three preset folders trained in one torchrun launch (runtime/run_many.py, one
+   thread per rank, no checkpoints), each run's median step after the first (RUN_DIR/summary.json),
+   beside both predictions. The machine is 2 CPU cores shared with other jobs: the load average
+   is printed beside the times, and a CPU run says nothing about GPU speed (tiny matmuls, gloo
+   over loopback). The calibrated pp 2 plan may split the layers elsewhere than the preset one.
 """
 
 from __future__ import annotations

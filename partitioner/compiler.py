@@ -26,7 +26,6 @@ import torch.fx as fx
 from partitioner import ir
 from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
 from partitioner.cluster import ClusterSpec
-from partitioner.errors import PartitionInfeasibleError
 from partitioner.compiled import Compiled
 from partitioner.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
@@ -155,19 +154,9 @@ def compile_workload(
             schedule=schedule, config=solver_config, progress=progress, tp_degrees=degrees,
             tp_dp=True, tp_shard=False)  # the runtime runs tp x dp, not ZeRO-1 with tp (partitioner/tensor_parallel.py)
 
-    if tensor_parallel is None and tp_degrees != (1,) and cluster.devices[0].kind == "cpu":
-        # Note [tensor parallelism on gloo]: on cpu the cost model under-prices a tensor-parallel
-        # step (DTensor's dispatch and gloo's small all-reduces: benchmarks/tensor_parallel.py
-        # measured tp 2 at 7x dp 2 against a predicted 1.2x), so the solver weighs tp > 1 only
-        # where no tp 1 plan fits memory; --tp N still fixes a degree.
-        try:
-            solution, problem, cluster, sharded = solve_over((1,))
-        except PartitionInfeasibleError as exc:
-            if exc.timed_out:
-                raise
-            solution, problem, cluster, sharded = solve_over(tp_degrees)
-    else:
-        solution, problem, cluster, sharded = solve_over(tp_degrees)
+    # Note [tensor-parallel overheads]: with DTensor's dispatch and gloo's per-collective cost
+    # priced, cpu compiles weigh every runnable degree like accelerators do
+    solution, problem, cluster, sharded = solve_over(tp_degrees)
     tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
     if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate

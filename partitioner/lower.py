@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from partitioner import ir
 from partitioner.analysis import annotate, trace_keyed, updating_regions
+from partitioner.lower_tensor_parallel import tensor_parallel_calls
 from partitioner.codegen import write_program
 from partitioner.plan import Plan
 from partitioner.codegen.recompute import checkpoint_regions
@@ -157,49 +158,12 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
         split = sharded_parameters(gm)
         for stage in stages:
             stage.tp_sharded = {n: (*split[n], tuple(_attr(gm, n).shape)) for n in stage.params if n in split}
-            _tensor_parallel_calls(stage)
+            tensor_parallel_calls(stage.gm, stage.tp_sharded)
     # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
     recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
     for stage in stages:
         stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
     return stages
-
-
-def _tensor_parallel_calls(stage: StageGraph) -> None:
-    """The calls where a tensor group settles its collectives, Megatron's places (Note
-    [tensor-parallel stages] in runtime/tensor_parallel.py): a vocab-split lookup becomes
-    ``tensor_parallel.vocab_embedding`` (all-reduced at once), a row-parallel linear
-    ``tensor_parallel.row_linear`` (its partial sums all-reduced at once), the input of a
-    sublayer's column-parallel linears (and of a vocab-split head) passes ``tensor_parallel.column_input`` (their input
-    gradients all-reduced once in backward), attention ``tensor_parallel.attention`` (torch's kernel
-    on each rank's heads)."""
-    from runtime import tensor_parallel
-
-    def role(node, index):
-        arg = node.args[index] if len(node.args) > index else None
-        if isinstance(arg, fx.Node) and arg.op == "get_attr":
-            return stage.tp_sharded.get(arg.target, ("",))[0]
-        return ""
-
-    graph = stage.gm.graph
-    entered: dict[fx.Node, fx.Node] = {}
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is torch.ops.aten.embedding.default and role(node, 0) == "vocab":
-            node.target = tensor_parallel.vocab_embedding
-        elif node.target is torch.ops.aten.linear.default and role(node, 1) == "row":
-            node.target = tensor_parallel.row_linear
-        elif node.target is torch.ops.aten.linear.default and role(node, 1) in ("column", "vocab"):
-            x = node.args[0]
-            if x not in entered:
-                with graph.inserting_after(x):
-                    entered[x] = graph.call_function(tensor_parallel.column_input, (x,))
-                entered[x].meta = dict(x.meta)
-            node.args = (entered[x], *node.args[1:])
-        elif node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            node.target = tensor_parallel.attention
-    stage.gm.recompile()
 
 
 def write_program_folder(compiled: "Compiled", folder) -> Path:

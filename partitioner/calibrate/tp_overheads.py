@@ -79,9 +79,7 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
 def _runnable(gm: fx.GraphModule, tp_sharded: dict | None = None) -> fx.GraphModule:
     """A copy of ``gm`` as a stage file runs it: no metadata asserts; with ``tp_sharded`` (name ->
     (role, dim)), the calls where a tensor group settles its collectives (partitioner/lower.py)."""
-    from types import SimpleNamespace
-
-    from partitioner.lower import _tensor_parallel_calls
+    from partitioner.lower_tensor_parallel import tensor_parallel_calls
 
     out = copy.deepcopy(gm)
     for node in list(out.graph.nodes):
@@ -89,7 +87,7 @@ def _runnable(gm: fx.GraphModule, tp_sharded: dict | None = None) -> fx.GraphMod
             out.graph.erase_node(node)  # the stage files drop it too (partitioner/codegen/split.py)
     out.recompile()
     if tp_sharded:
-        _tensor_parallel_calls(SimpleNamespace(gm=out, tp_sharded=tp_sharded))
+        tensor_parallel_calls(out, tp_sharded)
     return out
 
 
