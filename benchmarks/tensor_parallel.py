@@ -74,7 +74,8 @@ def compile_plans(root: Path, calibrate_repeats: int) -> tuple[dict, dict, dict]
             if which == 0:
                 compiled.save(folder)
             out[which][name] = (compiled, folder)
-    return out[0], out[1], {"dtensor_op_s": profile.dtensor_op_s, "tp_collective_s": profile.tp_collective_s}
+    return out[0], out[1], {"dtensor_op_s": profile.dtensor_op_s, "tp_collective_s": profile.tp_collective_s,
+                            "tp_skew": profile.tp_skew}
 
 
 def modelled_bytes(compiled, tp: int = 2) -> dict:
@@ -176,7 +177,8 @@ def main(argv=None) -> dict:
         result_bytes[name] = {"measured": measured, "model": model, "ratio": sent / model["sent_bytes"]}
     print(f"\nstep time, hf-llama, median after the first of {args.steps} steps (load average {load_before:.1f} -> "
           f"{load_after:.1f} on 2 shared cores; calibrated at load {load_calibrate:.1f}: DTensor "
-          f"{tp_figures['dtensor_op_s'] * 1e6:.0f} us/op, {tp_figures['tp_collective_s'] * 1e3:.2f} ms/collective)")
+          f"{tp_figures['dtensor_op_s'] * 1e6:.0f} us/op, {tp_figures['tp_collective_s'] * 1e3:.2f} ms/collective, "
+          f"skew {tp_figures['tp_skew']:.2f} s/s)")
     print(f"  {'plan':5} {'measured ms':>11} {'x dp 2':>7} {'preset ms':>10} {'meas/pred':>9} {'calibrated ms':>13} "
           f"{'meas/pred':>9}")
     predicted = {}

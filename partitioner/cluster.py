@@ -76,9 +76,11 @@ class DevicePreset:
     microbatch_overhead_s: float = 0.0
     # Tensor parallelism's fixed costs (Note [tensor-parallel overheads] in
     # partitioner/solver/tensor_parallel.py): DTensor dispatch per op, and per collective beyond
-    # the link; measured for cpu (CPU_DTENSOR_OP_S, CPU_TP_COLLECTIVE_S), 0 for accelerators.
+    # the link, and the members' drift per second computed; measured for cpu (CPU_DTENSOR_OP_S,
+    # CPU_TP_COLLECTIVE_S, CPU_TP_SKEW), 0 for accelerators.
     dtensor_op_s: float = 0.0
     tp_collective_s: float = 0.0
+    tp_skew: float = 0.0
 
 
 # Note [whole-step terms] in partitioner/solver/problem.py. Measured with
@@ -92,11 +94,13 @@ CPU_MICROBATCH_OVERHEAD_S = 1e-3
 # partitioner/calibrate/tp_overheads.py (2 shared cores, load average ~4.6, one thread):
 # DTensor's dispatch 45 us per op on the hf-llama of benchmarks/tensor_parallel.py (28 to 49 us
 # over six runs; 130 us per op on the repo's GPT, whose fused ops decompose into more in
-# backward than the graph counts); a small gloo all-reduce between two processes that compute
-# in between, 0.6 to 2.9 ms over three runs: the lowest is kept, as for the overhead above. Both
-# grow with the machine's load: ``--calibrate`` measures them at the time.
+# backward than the graph counts); a small functional all-reduce between two gloo processes
+# that compute in between, 0.6 to 0.9 ms fixed plus 0.5 to 1.6 s of waiting per s of compute
+# since the last collective (three runs, load average 4.6 to 5.7): the lowest are kept, as for
+# the overhead above. All grow with the machine's load: ``--calibrate`` measures them at the time.
 CPU_DTENSOR_OP_S = 45e-6
 CPU_TP_COLLECTIVE_S = 0.6e-3
+CPU_TP_SKEW = 0.5
 
 # See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
 _GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}
@@ -106,7 +110,7 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
     "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
-                        dtensor_op_s=CPU_DTENSOR_OP_S, tp_collective_s=CPU_TP_COLLECTIVE_S),
+                        dtensor_op_s=CPU_DTENSOR_OP_S, tp_collective_s=CPU_TP_COLLECTIVE_S, tp_skew=CPU_TP_SKEW),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
 

@@ -80,13 +80,13 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
                                                      "threads": threads or old, "precision": precision})
         if tp_overheads and kind == "cpu":
             from partitioner.calibrate.measure import _example_inputs
-            from partitioner.calibrate.tp_overheads import measure_collective_s, measure_dtensor_op_s
+            from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
 
             profile = dataclasses.replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
-                                          tp_collective_s=measure_collective_s())
+                                          **(measure_collectives() or {}))
             if progress:
                 progress(f"calibrate: tensor parallelism's overheads: DTensor {profile.dtensor_op_s} s/op, "
-                         f"{profile.tp_collective_s} s/collective")
+                         f"{profile.tp_collective_s} s/collective, skew {profile.tp_skew}")
         return profile
     finally:
         torch.set_num_threads(old)

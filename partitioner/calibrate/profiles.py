@@ -41,7 +41,7 @@ class DirectionFit:
                 "memory_bytes_per_s": inv(self.s_per_byte), "op_overhead_s": self.op_overhead_s}
 
 
-_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s")  # measured figures a profile may carry
+_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew")  # measured figures a profile may carry
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class DeviceProfile:
     # [tensor-parallel overheads]); None: the device kind's preset.
     dtensor_op_s: float | None = None
     tp_collective_s: float | None = None
+    tp_skew: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
@@ -132,7 +133,8 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
                                fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed))
     measured = {}
     for name, field_name in (("microbatch_overhead_s", "microbatch_overhead_s_by_kind"),
-                             ("dtensor_op_s", "dtensor_op_s_by_kind"), ("tp_collective_s", "tp_collective_s_by_kind")):
+                             ("dtensor_op_s", "dtensor_op_s_by_kind"), ("tp_collective_s", "tp_collective_s_by_kind"),
+                             ("tp_skew", "tp_skew_by_kind")):
         by_kind = dict(getattr(problem, field_name) or {})
         for profile in profiles:
             if getattr(profile, name) is not None:

@@ -9,12 +9,14 @@ collective.
   medians over the graph's ops (forward and backward, counted as the fitted time model counts
   them: calibrate's ``num_ops``) is the seconds per op. In process; skipped (None) where a process
   group is already up.
-- ``tp_collective_s``: two processes on this host (gloo over loopback, a file rendezvous, one
-  thread each) alternate a little compute and a small all-reduce; the median seconds the
-  all-reduce adds, less the link's latency terms the solver adds itself (2 (tp-1) x the cpu
-  link's latency), is the fixed cost per collective. On shared cores it is mostly the wait for
-  the other member to be scheduled, so it grows with the machine's load: like every calibrated
-  figure (medians, as the regions are timed), it is this machine at this time.
+- ``tp_collective_s`` and ``tp_skew``: two processes on this host (gloo over loopback, a file
+  rendezvous, one thread each) alternate compute and a small all-reduce, at two amounts of
+  compute between. The wait grows with the compute since the last collective: on shared cores
+  the members drift apart while the scheduler hands the cores around, and each collective
+  re-aligns them. The slope is ``tp_skew`` (seconds waited per second a member computes), the
+  intercept, less the link's latency terms the solver adds itself (2 (tp-1) x the cpu link's
+  latency), ``tp_collective_s``. Both grow with the machine's load: like every calibrated figure
+  (medians, as the regions are timed), they are this machine at this time.
 """
 
 from __future__ import annotations
@@ -107,10 +109,14 @@ def _median_step(module, args, repeats: int, warmup: int) -> float:
     return statistics.median(times)  # as calibrate times the regions: this machine at this time
 
 
-def measure_collective_s(*, calls: int = 200, timeout_s: float = 120.0) -> float | None:
-    """Median seconds per small gloo all-reduce between two processes on this host, less the cpu
-    link's latency terms; None if the two processes did not finish (the error is not the
-    calibration's to raise: the preset stands)."""
+def measure_collectives(*, calls: int = 60, timeout_s: float = 120.0) -> dict | None:
+    """{"tp_collective_s", "tp_skew"} measured between two processes on this host (gloo, one
+    thread each), or None if they did not finish (not the calibration's error to raise: the
+    presets stand). Each alternates compute and a small functional all-reduce (as DTensor issues
+    them), at two amounts of compute between: the wait grows with the compute since the last
+    collective (the members drift apart while the scheduler hands the cores around), so the
+    slope is ``tp_skew`` (seconds waited per second computed) and the intercept, less the cpu
+    link's latency terms the solver adds itself, ``tp_collective_s``."""
     from partitioner.cluster import DEFAULT_LINKS
 
     with tempfile.TemporaryDirectory(prefix="tp-collective-") as tmp:
@@ -132,45 +138,47 @@ def measure_collective_s(*, calls: int = 200, timeout_s: float = 120.0) -> float
             return None
     if any(code != 0 for code, _ in outputs):
         return None
-    per_call = json.loads(outputs[0][1].strip().splitlines()[-1])["median_s"]
+    (c_short, w_short), (c_long, w_long) = json.loads(outputs[0][1].strip().splitlines()[-1])["points"]
+    skew = max(0.0, (w_long - w_short) / (c_long - c_short)) if c_long > c_short else 0.0
     link_latency = 2 * (2 - 1) * DEFAULT_LINKS["cpu"][0].latency_s
-    return max(0.0, per_call - link_latency)
+    return {"tp_collective_s": max(0.0, w_short - skew * c_short - link_latency), "tp_skew": skew}
 
 
 def _collective_worker(rank: int, store_path: str, calls: int) -> None:
-    """One of the two processes: a small all-reduce after a little compute, ``calls`` times (a
-    tensor-parallel stage computes between its collectives, so each member arrives when the
-    scheduler lets it), against the same compute alone; prints the median extra seconds per call."""
+    """One of the two processes: (compute seconds, median extra seconds of the all-reduce after
+    it) at two amounts of compute, printed as JSON."""
     import datetime
 
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     x, a = torch.ones(_SMALL_ELEMS), torch.randn(64, 64)
 
-    def compute():  # ~0.5 ms here: about what a stage does between two of its collectives
+    def compute(n):
         y = a
-        for _ in range(16):
+        for _ in range(n):
             y = (y @ a).tanh()
         return y
 
-    for _ in range(10):
-        compute()
-        dist.all_reduce(x)
-    alone, both = [], []
-    for _ in range(calls):
-        start = time.perf_counter()
-        compute()
-        middle = time.perf_counter()
-        dist.all_reduce(x)
-        end = time.perf_counter()
-        alone.append(middle - start)
-        both.append(end - start)
+    points = []
+    for n in (16, 128):  # ~0.5 ms and ~4 ms here: a stage computes milliseconds between collectives
+        alone, both = [], []
+        for i in range(10 + calls):
+            start = time.perf_counter()
+            compute(n)
+            middle = time.perf_counter()
+            funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+            end = time.perf_counter()
+            if i >= 10:
+                alone.append(middle - start)
+                both.append(end - start)
+        points.append((statistics.median(alone), statistics.median(both) - statistics.median(alone)))
     dist.barrier()
     dist.destroy_process_group()
-    print(json.dumps({"median_s": statistics.median(both) - statistics.median(alone)}))
+    print(json.dumps({"points": points}))
 
 
 if __name__ == "__main__":

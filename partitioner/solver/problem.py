@@ -231,9 +231,11 @@ class PartitionProblem:
     # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
     microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel
-    # overheads] in partitioner/solver/tensor_parallel.py): seconds per DTensor op, per collective.
+    # overheads] in partitioner/solver/tensor_parallel.py): seconds per DTensor op, per collective,
+    # and seconds the members wait per second they compute.
     dtensor_op_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_collective_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    tp_skew_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):

@@ -115,17 +115,21 @@ def tp_problem(problem, tp: int):
 
 # Note [tensor-parallel overheads]: two fixed costs a tensor group pays that bytes and FLOPs miss,
 # by device kind: the problem's measured figure (``dtensor_op_s_by_kind``,
-# ``tp_collective_s_by_kind``: partitioner/calibrate/tp_overheads.py), else the preset's
-# (``DevicePreset.dtensor_op_s``, ``.tp_collective_s``, partitioner/cluster.py):
+# ``tp_collective_s_by_kind``, ``tp_skew_by_kind``: partitioner/calibrate/tp_overheads.py), else
+# the preset's (``DevicePreset.dtensor_op_s``, ``.tp_collective_s``, ``.tp_skew``,
+# partitioner/cluster.py):
 # - per op: a tensor-parallel stage runs every aten op on DTensors, and DTensor's Python
 #   dispatch (sharding propagation, cached, then the local op) costs a fixed time per op on the
 #   host: ``dtensor_op_s`` x the region's ops per microbatch (``fwd_ops``, ``bwd_ops``);
-# - per collective: ``tp_collective_s`` beside the link's latency and bandwidth: on gloo, the
-#   call and the wait for the other members, which on shared CPU cores is a wake-up of the
-#   waiting process (measured, milliseconds under load).
-# On accelerators both are 0 in the presets: the host dispatches ahead of the device, so
+# - per collective: ``tp_collective_s`` beside the link's latency and bandwidth (gloo's call and
+#   wake-up), and ``tp_skew``: every collective waits for the slowest member, and on shared CPU
+#   cores the members drift apart in proportion to what they compute between two collectives
+#   (measured: the wait after 4 ms of compute is seconds-per-second more than after 0.5 ms), so a
+#   tensor-parallel region's compute and dispatch seconds count (1 + tp_skew) times.
+# On accelerators all three are 0 in the presets: the host dispatches ahead of the device, so
 # DTensor's per-op cost overlaps with the kernels while they are longer than it (a transformer
-# at the sizes tensor parallelism is for), and NCCL's per-call cost is the link's latency.
+# at the sizes tensor parallelism is for), NCCL's per-call cost is the link's latency, and the
+# members' kernels run on devices of their own (no scheduler to drift by).
 
 
 def dtensor_op_s(problem, kind: str) -> float:
@@ -136,6 +140,11 @@ def dtensor_op_s(problem, kind: str) -> float:
 def collective_fixed_s(problem, kind: str) -> float:
     """Seconds per tensor-parallel collective on ``kind`` beyond the link's terms."""
     return _overhead(problem.tp_collective_s_by_kind, kind, "tp_collective_s")
+
+
+def skew(problem, kind: str) -> float:
+    """Seconds the members of a tensor group wait for each other per second one computes, on ``kind``."""
+    return _overhead(problem.tp_skew_by_kind, kind, "tp_skew")
 
 
 def _overhead(measured, kind: str, preset_field: str) -> float:
@@ -183,16 +192,17 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
         for kind, rate in rate_of.items():
             per_collective = 2 * (tp - 1) * link.latency_s + collective_fixed_s(problem, kind)
             per_op = dtensor_op_s(problem, kind)
+            drift = 1 + skew(problem, kind)  # the members wait for each other in proportion to what they compute
             f_meas = (original.fwd_s_per_sample_by_kind or {}).get(kind)
             b_meas = (original.bwd_s_per_sample_by_kind or {}).get(kind)
-            fwd[kind] = (f_meas * fraction if f_meas is not None
-                         else original.fwd_flops_per_sample * fraction / rate) + fwd_sent / link.bandwidth_bytes_per_s
-            bwd[kind] = (b_meas * fraction if b_meas is not None
-                         else original.bwd_flops_per_sample * fraction / rate) + bwd_sent / link.bandwidth_bytes_per_s
-            fwd_fixed[kind] = ((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if f_meas is not None
-                               else 0.0) + original.tp_fwd_collectives * per_collective + original.fwd_ops * per_op
-            bwd_fixed[kind] = ((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if b_meas is not None
-                               else 0.0) + original.tp_bwd_collectives * per_collective + original.bwd_ops * per_op
+            fwd[kind] = drift * (f_meas * fraction if f_meas is not None else
+                                 original.fwd_flops_per_sample * fraction / rate) + fwd_sent / link.bandwidth_bytes_per_s
+            bwd[kind] = drift * (b_meas * fraction if b_meas is not None else
+                                 original.bwd_flops_per_sample * fraction / rate) + bwd_sent / link.bandwidth_bytes_per_s
+            fwd_fixed[kind] = drift * (((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if f_meas is not None
+                                        else 0.0) + original.fwd_ops * per_op) + original.tp_fwd_collectives * per_collective
+            bwd_fixed[kind] = drift * (((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if b_meas is not None
+                                        else 0.0) + original.bwd_ops * per_op) + original.tp_bwd_collectives * per_collective
             step[kind] = original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
         changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
                        fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,

@@ -35,19 +35,21 @@ def test_a_cpu_tensor_group_pays_per_op_and_per_collective_and_an_h100_does_not(
         per_collective = 2 * link.latency_s + preset.tp_collective_s
         compute_fwd = 1e9 / 2 / cluster.devices[0].flops_per_s  # all sharded: half of it per member
         f_sent, b_sent, _ = sent_bytes(bare, 2)
-        assert fwd == pytest.approx(compute_fwd + f_sent / link.bandwidth_bytes_per_s
-                                    + 2 * per_collective + 50 * preset.dtensor_op_s)
-        assert bwd == pytest.approx(2 * compute_fwd + b_sent / link.bandwidth_bytes_per_s
-                                    + 2 * per_collective + 40 * preset.dtensor_op_s)
-        assert (preset.dtensor_op_s > 0 and preset.tp_collective_s > 0) == expect_overheads
+        drift = 1 + preset.tp_skew  # the members wait for each other per second computed
+        assert fwd == pytest.approx(drift * (compute_fwd + 50 * preset.dtensor_op_s)
+                                    + f_sent / link.bandwidth_bytes_per_s + 2 * per_collective)
+        assert bwd == pytest.approx(drift * (2 * compute_fwd + 40 * preset.dtensor_op_s)
+                                    + b_sent / link.bandwidth_bytes_per_s + 2 * per_collective)
+        assert (preset.dtensor_op_s > 0 and preset.tp_collective_s > 0 and preset.tp_skew > 0) == expect_overheads
+        assert expect_overheads or (preset.dtensor_op_s, preset.tp_collective_s, preset.tp_skew) == (0, 0, 0)
     assert tp_priced_problem(problem, ClusterSpec.homogeneous(2, "cpu"), 1) is problem  # tp 1: unchanged
 
 
 def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(tmp_path):
     fit = DirectionFit(0.0, 0.0, 0.0, 0.0)
-    profile = DeviceProfile("cpu", fit, fit, dtensor_op_s=1e-3, tp_collective_s=5e-3)
+    profile = DeviceProfile("cpu", fit, fit, dtensor_op_s=1e-3, tp_collective_s=5e-3, tp_skew=0.25)
     again = DeviceProfile.load(profile.save(tmp_path / "cpu.profile.json"))
-    assert (again.dtensor_op_s, again.tp_collective_s) == (1e-3, 5e-3)
+    assert (again.dtensor_op_s, again.tp_collective_s, again.tp_skew) == (1e-3, 5e-3, 0.25)
     from partitioner.analysis import annotate, build_problem, trace_keyed
     from partitioner.models import hf_llama
 
@@ -57,6 +59,7 @@ def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(t
     problem = build_problem(gm, workload.example_batch_size)
     measured = apply_profiles(problem, gm, workload.example_batch_size, [again])
     assert measured.dtensor_op_s_by_kind == {"cpu": 1e-3} and measured.tp_collective_s_by_kind == {"cpu": 5e-3}
+    assert measured.tp_skew_by_kind == {"cpu": 0.25}
     block = next(r for r in measured.regions if r.layer is not None)
     assert block.fwd_ops > 0 and block.bwd_ops > 0 and block.tp_fwd_collectives == 2
     cluster = ClusterSpec.homogeneous(2, "cpu")
@@ -68,7 +71,7 @@ def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(t
     # the profile's region seconds are 0 (a zero fit): what is left is the overheads and the bytes
     link = cluster.intra_node_link
     f_sent, _, _ = sent_bytes(block, 2)
-    assert with_fit[0] == pytest.approx(block.fwd_ops * 1e-3 + 2 * (2 * link.latency_s + 5e-3)
+    assert with_fit[0] == pytest.approx(1.25 * block.fwd_ops * 1e-3 + 2 * (2 * link.latency_s + 5e-3)
                                         + f_sent / link.bandwidth_bytes_per_s)
     assert without[0] > block.fwd_ops * preset.dtensor_op_s  # the preset's figures where nothing was measured
 
