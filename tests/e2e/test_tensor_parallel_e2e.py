@@ -60,13 +60,52 @@ def runs(tmp_path_factory):
         return [str(root / name), "--steps", str(steps), "--checkpoint-dir", str(root / ckpt),
                 "--run-dir", str(root / run)]
 
+    plans.update(_mixed_and_sharded_plans(root, options))
     _launch(2, [job("tp2", 2, "ck_a", "run_a"),        # tp 2, then resumed at tp 1 (run_c)
                       job("pp2", 2, "ck_b", "run_b"),        # tp 1, then resumed at tp 2 (run_d)
                       job("pp2", 4, "ck_a", "run_c"),
-                      job("tp2", 4, "ck_b", "run_d")])
+                      job("tp2", 4, "ck_b", "run_d")] + _mixed_jobs(job))
     _launch(4, [job("tp2pp2", 3, "ck_e", "run_e"), job("gpt2", 3, "ck_f", "run_f"),
-                job("tp2dp2", 3, "ck_g", "run_g")])
+                job("tp2dp2", 3, "ck_g", "run_g")] + _sharded_jobs(job))
     return root, plans
+
+
+# --- tp with mixed precision and with ZeRO-1 (Notes [tensor parallelism under autocast] in
+# runtime/tensor_parallel.py, [what tensor parallelism runs with] in partitioner/tensor_parallel.py)
+
+MIXED = ("bf16-mixed", "fp16-mixed")
+
+
+def _mixed_and_sharded_plans(root, options):
+    plans = {f"tp2_{p}": compile_to(root / f"tp2_{p}", llama(), devices=2, num_stages=1, tensor_parallel=2,
+                                    precision=p, **options) for p in MIXED}
+    return plans
+
+
+def _mixed_jobs(job):
+    """2 ranks: tp 2 under each mixed policy, 3 steps (fp16's first scale overflows: a skipped step)."""
+    return [job(f"tp2_{p}", 3, f"ck_{p}", f"run_{p}") for p in MIXED]
+
+
+def _sharded_jobs(job):
+    return []
+
+
+@pytest.mark.parametrize("precision", MIXED)
+def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, precision):
+    """verify's verdict under the policy's tolerance (the oracle runs the same autocast), with
+    keyed dropout; fp16 skips the steps the oracle skips (the overflow test sees every shard)."""
+    root, plans = runs
+    folder, run = root / f"tp2_{precision}", root / f"run_{precision}"
+    report = check_run(folder, run, workload=llama())
+    assert report.precision == precision and report.ok, report.text()
+    if precision == "fp16-mixed":
+        from runtime.reference import train_reference_from_folder
+
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        oracle_skipped: list[bool] = []
+        train_reference_from_folder(str(folder), 3, skipped=oracle_skipped)
+        assert [r["skipped"] for r in rows] == oracle_skipped and any(oracle_skipped)
 
 
 def test_the_stage_file_shows_what_is_split(runs):
