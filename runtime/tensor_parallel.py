@@ -54,6 +54,15 @@ import torch
 import torch.distributed as dist
 
 
+def memory_tier_refusal(mode: str, tensor_parallel: int) -> str:
+    """Why ``--memory-tier MODE`` does not run on a tensor-parallel program, and the fix (said by
+    ``partitioner run`` before any worker starts, and by every worker: runtime/launch.py)."""
+    return (f"--memory-tier {mode}: the in-memory checkpoint tier does not run with tensor parallelism yet "
+            f"(this program has tensor_parallel={tensor_parallel}; Note [what tensor parallelism runs with] in "
+            "partitioner/tensor_parallel.py): pass --memory-tier off (disk checkpoints still run), or recompile "
+            "with --tp 1")
+
+
 def create_tensor_groups(layout, rank: int, *, timeout, backend: str | None = None):
     """Every tensor group, created on every rank in order (Note [group order]); this rank's, or None."""
     mine = None
