@@ -191,11 +191,20 @@ class ShardedOptimizer:
         def mine(name, whole):
             return local(from_full(self.named[name][0], whole))
 
+        wholes: dict[str, dict | None] = {}
+
+        def whole_state(name):  # a split parameter's whole state: by name, or stitched from whole-tensor pieces
+            if name not in wholes:
+                live = self.named[name][0]
+                wholes[name] = full_optim.get(name) or (
+                    full_state(name, live.numel(), live.shape, {}, pieces) if shard_layout(live) is not None else None)
+            return wholes[name]
+
         with torch.no_grad():
             for pc, master in zip(self.pieces, self.masters):
                 master.copy_(mine(pc.name, params[pc.name]).reshape(-1)[pc.start:pc.end].to(master.device))
-                full = {pc.name: {k: mine(pc.name, v) for k, v in full_optim[pc.name].items()}} \
-                    if pc.name in full_optim else {}
+                whole = whole_state(pc.name)
+                full = {} if whole is None else {pc.name: {k: mine(pc.name, v) for k, v in whole.items()}}
                 st = piece_state(pc.name, pc.start, pc.end, full, pieces)
                 if st is None:
                     continue
