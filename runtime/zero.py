@@ -29,6 +29,12 @@ does not do. Stage 1 on plain collectives keeps the stage modules plain nn.Modul
 pipelining schedule, recompute and the stage files are unchanged. ZeRO-2 (gradients sharded
 during accumulation) is not built.
 
+With tensor parallelism a parameter is a DTensor and its *local* tensor is what this rank holds
+and what its data-parallel group (the replicas of the same tensor index) shares: the flat space
+is of the local tensors, the pieces are views of them, and the collectives run on each tensor
+index's data-parallel group (Note [sharded state with tensor parallelism] in
+runtime/checkpoint/tp_pieces.py says how such pieces are checkpointed).
+
 Checkpoints store each piece once, by original name, with its range in the flattened parameter
 (``optim_shard/<name>/<key>`` tensors and meta ``optim_pieces``: {name: [start, end]}); a reader
 at any dp degree, sharded or not, stitches the pieces it needs (``piece_state``).
