@@ -96,3 +96,44 @@ def test_a_worker_refuses_the_memory_tier_on_a_tp_program(tp_folder, monkeypatch
     with pytest.raises(LaunchError, match="in-memory checkpoint tier does not run with tensor parallelism"):
         launch_main(str(tp_folder), rank=0, exit_on_error=False,
                     argv=["--steps", "1", "--memory-tier", "none", "--checkpoint-dir", str(tp_folder / "ck")])
+
+
+def _zero_tp_shard(rank, name, start, end, lo, hi, values):
+    """A shard's (tensors, meta) holding one ZeRO piece [start, end) of the tensor-parallel piece
+    rows [lo, hi) of a [4, 2] parameter split on dim 0."""
+    import torch
+
+    piece = torch.tensor(values, dtype=torch.float32)
+    return ({f"optim_tp_shard/{name}/exp_avg": piece, f"optim_tp_shard/{name}/exp_avg_sq": piece * 10},
+            {"optim_tp_pieces": {name: [start, end, 0, lo, hi, 4, hi - lo, 2]}, "param_steps": {name: 3.0}})
+
+
+def test_sharded_tp_state_is_stitched_whole_and_a_missing_piece_is_refused():
+    """Note [sharded state with tensor parallelism]: two tensor pieces (rows 0-1, 2-3) of a [4, 2]
+    parameter, each split over two replicas' ZeRO ranges, come back as the whole state; without
+    one replica's shard the reader refuses the checkpoint instead of restoring a hole."""
+    import torch
+
+    from runtime.checkpoint.state import LoadedCheckpoint
+    from runtime.checkpoint.tp_pieces import stitch_sharded_tp_state
+    from runtime.errors import CheckpointCorruptError
+
+    name = "w"
+    shards = {0: _zero_tp_shard(0, name, 0, 3, 0, 2, [0, 1, 2]), 2: _zero_tp_shard(2, name, 3, 4, 0, 2, [3]),
+              1: _zero_tp_shard(1, name, 0, 3, 2, 4, [4, 5, 6]), 3: _zero_tp_shard(3, name, 3, 4, 2, 4, [7])}
+    manifest = {"shards": [{"rank": r, "stages": [0], "params": [name] if r < 2 else []} for r in range(4)]}
+
+    def loaded():
+        return LoadedCheckpoint(2, manifest, {}, {}, {}, {}, None, None)
+
+    ck = loaded()
+    read = {0: shards[0]}
+    stitch_sharded_tp_state(ck, [name], read, manifest, lambda e: shards[e["rank"]], 2)
+    assert sorted(read) == [0, 1, 2, 3]  # every shard of the stage read for its pieces
+    torch.testing.assert_close(ck.optim[name]["exp_avg"], torch.arange(8, dtype=torch.float32).reshape(4, 2))
+    torch.testing.assert_close(ck.optim[name]["exp_avg_sq"], 10 * torch.arange(8, dtype=torch.float32).reshape(4, 2))
+    assert ck.param_steps[name] == 3.0
+    lost = {r: s for r, s in shards.items() if r != 3}
+    manifest["shards"] = [e for e in manifest["shards"] if e["rank"] != 3]
+    with pytest.raises(CheckpointCorruptError, match="'w'"):
+        stitch_sharded_tp_state(loaded(), [name], {0: lost[0]}, manifest, lambda e: lost[e["rank"]], 2)
