@@ -1,13 +1,15 @@
 """What compile() accepts with a tensor-parallel degree, refused before the trace in words.
 
 Note [what tensor parallelism runs with]: the generated program shards each stage over its
-tensor group with DTensor (runtime/tensor_parallel.py). It runs fp32 training with pipelining,
-data parallelism (each tensor index's replicas all-reduce and digest their own pieces), keyed
-dropout, tied embeddings and gradient clipping (the global norm counts a split gradient's pieces
-once each and a replicated one on tensor index 0 only, runtime/grad_norm.py). Not yet with it, and
-refused here rather than at the first step: ZeRO-1 (its flat pieces are views of plain
-parameters), mixed precision (autocast over DTensor is untested here) and the in-memory
-checkpoint tier.
+tensor group with DTensor (runtime/tensor_parallel.py). It runs fp32, bf16-mixed and fp16-mixed
+training (Note [tensor parallelism under autocast]) with pipelining, data parallelism (each tensor
+index's replicas all-reduce and digest their own pieces), ZeRO-1 (each tensor index's replicas
+shard the optimizer state of their local tensors, Note [sharded state with tensor parallelism]
+in runtime/checkpoint/tp_pieces.py), keyed dropout, tied embeddings and gradient clipping (the
+global norm counts a split gradient's pieces once each and a replicated one on tensor index 0
+only, runtime/grad_norm.py). Not yet with it, and refused here rather than at the first step: the
+in-memory checkpoint tier (its slots and parity groups copy whole-rank state along replica
+groups that do not know tensor groups; refused at run time too, runtime/launch.py).
 """
 
 from __future__ import annotations
@@ -34,13 +36,8 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, *, shard_optimi
         raise ValueError(f"tensor_parallel={tp} does not run with {what} yet (Note [what tensor parallelism "
                          f"runs with] in partitioner/tensor_parallel.py): {fix}, or compile with --tp 1")
 
-    if shard_optimizer in (True, "on"):
-        refuse("a sharded optimizer (ZeRO-1)", "pass --shard-optimizer off")
-    chosen = precision or training.get("precision")
-    if chosen not in (None, "fp32") or (chosen is None and cluster.devices[0].kind != "cpu"):
-        refuse(f"mixed precision ({chosen or 'bf16-mixed, the GPU default'})", "pass --precision fp32")
-    if training.get("memory_tier") not in (None, "none") and training.get("memory_tier") != {"mode": "none"}:
-        refuse("the in-memory checkpoint tier", "pass --memory-tier none")
+    if training.get("memory_tier") is not None:  # any mode, "none" too: a tier without redundancy
+        refuse("the in-memory checkpoint tier", "leave --memory-tier out (disk checkpoints still run)")
     return tp
 
 

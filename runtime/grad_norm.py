@@ -159,7 +159,8 @@ def finish_step(trainer, sync_gradients) -> tuple[float | None, bool]:
         scale_(grads, 1.0 / scaler.scale)
     norm = None
     if needs_global_norm(program, scaler):
-        owned = owned_gradients(trainer) if zero is None else zero.owned_grads(owned_names(trainer))
+        owned = owned_gradients(trainer) if zero is None else zero.owned_grads(owned_names(trainer),
+                                                                                   getattr(trainer, "tp_index", 0))
         total = squares_sum(owned).to(trainer.device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         norm = as_norm(float(total))

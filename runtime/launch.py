@@ -292,6 +292,10 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime import memtier
 
     memory_settings = memtier.settings_from(program.memory_tier, flags) if use_ckpt else None
+    if memory_settings is not None and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
+        from runtime.tensor_parallel import memory_tier_refusal
+
+        raise LaunchError(memory_tier_refusal(memory_settings.mode, program.tensor_parallel))
     if use_ckpt:
         ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.

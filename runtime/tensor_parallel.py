@@ -30,12 +30,37 @@ state are DTensors too: the tie and data-parallel all-reduces run on their local
 tensor index, same shard), the gradient norm counts each shard once and a replicated gradient on
 tensor index 0 only (``local_owned``), and checkpoints store each rank's local piece with its
 global layout (``tp_pieces``, runtime/checkpoint/state.py).
+
+Note [tensor parallelism under autocast]: the precision wrapper (runtime/precision.py) is the same
+on a tensor-parallel stage. Autocast is a dispatch key above DTensor's ``__torch_dispatch__``, so
+it casts a DTensor linear's inputs (``aten._to_copy`` on the DTensor: each rank casts its shard)
+and DTensor runs the bf16/fp16 matmul on the local shards; a parameter's cast is cached for the
+step as without tp (one cast per weight per step, counted with a dispatch mode on tp 2, 2
+microbatches). The collectives DTensor issues then carry the compute dtype: the row linear's
+all-reduce, the head's logits all-gather, and, because ``column_input`` casts a column group's
+input once before its linears, that group's input-gradient all-reduce in backward (Megatron's f
+and g in bf16; measured with benchmarks/_tp_bytes_worker.py's dispatch mode on hf-llama 2 layers,
+tp 2: 22 of 24 collectives bf16, 0.55x fp32's bytes). The vocab lookup's all-reduce stays fp32:
+an embedding is not autocast, and that sum is exact (one rank's row, the others' zeros). gloo
+and NCCL both reduce bf16 and fp16. The stage's outputs leave whole (``full_tensor``) and are then
+cast to the plan's dtypes (the hooks run in that order). fp16's overflow test is the global norm
+(runtime/grad_norm.py), whose squares count every split gradient's local piece on every tensor
+rank and a replicated one on tensor index 0, so an inf in any shard reaches every rank.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+def memory_tier_refusal(mode: str, tensor_parallel: int) -> str:
+    """Why ``--memory-tier MODE`` does not run on a tensor-parallel program, and the fix (said by
+    ``partitioner run`` before any worker starts, and by every worker: runtime/launch.py)."""
+    return (f"--memory-tier {mode}: the in-memory checkpoint tier does not run with tensor parallelism yet "
+            f"(this program has tensor_parallel={tensor_parallel}; Note [what tensor parallelism runs with] in "
+            "partitioner/tensor_parallel.py): pass --memory-tier off (disk checkpoints still run), or recompile "
+            "with --tp 1")
 
 
 def create_tensor_groups(layout, rank: int, *, timeout, backend: str | None = None):
@@ -219,8 +244,17 @@ class _ColumnInput(torch.autograd.Function):
 def column_input(x: torch.Tensor) -> torch.Tensor:
     """The input of a sublayer's column-parallel linears: the identity in forward; in backward the
     sum of their partial input gradients, all-reduced once here (Megatron's f operator) rather
-    than wherever DTensor would settle it."""
-    return _ColumnInput.apply(x) if is_dtensor(x) else x
+    than wherever DTensor would settle it. Under autocast (Note [tensor parallelism under autocast])
+    the input is cast to the compute dtype first, once for the group, so that all-reduce moves
+    bf16/fp16 as the forward's row all-reduce does."""
+    if not is_dtensor(x):
+        return x
+    device_type = local(x).device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if x.dtype != dtype and x.dtype == torch.float32:
+            x = x.to(dtype)
+    return _ColumnInput.apply(x)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

@@ -29,6 +29,12 @@ does not do. Stage 1 on plain collectives keeps the stage modules plain nn.Modul
 pipelining schedule, recompute and the stage files are unchanged. ZeRO-2 (gradients sharded
 during accumulation) is not built.
 
+With tensor parallelism a parameter is a DTensor and its *local* tensor is what this rank holds
+and what its data-parallel group (the replicas of the same tensor index) shares: the flat space
+is of the local tensors, the pieces are views of them, and the collectives run on each tensor
+index's data-parallel group (Note [sharded state with tensor parallelism] in
+runtime/checkpoint/tp_pieces.py says how such pieces are checkpointed).
+
 Checkpoints store each piece once, by original name, with its range in the flattened parameter
 (``optim_shard/<name>/<key>`` tensors and meta ``optim_pieces``: {name: [start, end]}); a reader
 at any dp degree, sharded or not, stitches the pieces it needs (``piece_state``).
@@ -42,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.errors import CheckpointCorruptError
+from runtime.tensor_parallel import from_full, local, shard_layout
 
 # torch 2.13 renamed them (the old names warn); the same collectives.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,7 +85,8 @@ class ShardedOptimizer:
         """``make_optimizer(params, cfg, names)``: runtime/train.py's (passed in: train imports this)."""
         self.named = named  # name -> every copy of it on this rank (a tie on one rank: two)
         self.names = list(named)
-        first = [named[n][0] for n in self.names]
+        # a DTensor's local shard (Note [sharded state with tensor parallelism]); else the parameter
+        first = [local(named[n][0]) for n in self.names]
         dtypes = {p.dtype for p in first}
         if len(dtypes) > 1:
             raise ValueError(f"sharded optimizer state needs one parameter dtype per rank, got "
@@ -91,7 +99,7 @@ class ShardedOptimizer:
         # Each piece is a view of its parameter's own storage (no master copy: the fp32
         # parameters are the master weights, Note [mixed precision]); the optimizer updates this
         # replica's slice in place and the all-gather fills in the others'.
-        self.masters = [torch.nn.Parameter(named[pc.name][0].data.view(-1)[pc.start:pc.end])
+        self.masters = [torch.nn.Parameter(local(named[pc.name][0]).data.view(-1)[pc.start:pc.end])
                         for pc in self.pieces]
         self.optimizer, self.lr_scheduler = make_optimizer(self.masters, cfg, [pc.name for pc in self.pieces])
         self.gloo = group is not None and dist.get_backend(group) == "gloo"
@@ -102,8 +110,9 @@ class ShardedOptimizer:
         """Step 1: each piece's .grad = its slice of the replicas' averaged gradient."""
         grads = []
         for n in self.names:
-            p = self.named[n][0]
-            grads.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+            p = local(self.named[n][0])
+            g = self.named[n][0].grad
+            grads.append((local(g) if g is not None else torch.zeros_like(p)).reshape(-1))
         pad = self.padded - sum(self.numels)
         flat = torch.cat(grads + ([torch.zeros(pad, dtype=self.dtype, device=self.device)] if pad else []))
         if self.group is None:
@@ -123,8 +132,12 @@ class ShardedOptimizer:
                 p.grad = None  # the full gradient is no longer needed
         return [m.grad for m in self.masters]
 
-    def owned_grads(self, owned_names: set[str]) -> list[torch.Tensor]:
-        return [m.grad for pc, m in zip(self.pieces, self.masters) if pc.name in owned_names]
+    def owned_grads(self, owned_names: set[str], tp_index: int = 0) -> list[torch.Tensor]:
+        """The piece gradients this rank counts in the global norm: of its owned names, and with
+        tensor parallelism a replicated parameter's on tensor index 0 only (its other tensor
+        ranks hold the same pieces)."""
+        return [m.grad for pc, m in zip(self.pieces, self.masters) if pc.name in owned_names
+                and (tp_index == 0 or shard_layout(self.named[pc.name][0]) is not None)]
 
     def step(self, take: bool) -> None:
         """Steps 2-3: the optimizer over the pieces (unless the step is skipped), then the
@@ -148,31 +161,57 @@ class ShardedOptimizer:
             offset = 0
             for n, numel in zip(self.names, self.numels):
                 for p in self.named[n]:
-                    p.view(-1).copy_(full[offset:offset + numel])
+                    local(p).view(-1).copy_(full[offset:offset + numel])
                 offset += numel
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def state_entries(self) -> tuple[list[tuple[str, torch.Tensor]], dict, dict]:
-        """(tensors optim_shard/<name>/<key>, meta optim_pieces {name: [start, end]}, param_steps)."""
-        tensors, pieces, steps = [], {}, {}
+    def state_entries(self) -> tuple[list[tuple[str, torch.Tensor]], dict, dict, dict]:
+        """(tensors optim_shard/<name>/<key>, meta optim_pieces {name: [start, end]}, param_steps,
+        meta optim_tp_pieces). A piece of a tensor-parallel split parameter is of that rank's
+        shard, not of the whole: it goes under optim_tp_shard/<name>/<key> with optim_tp_pieces
+        {name: [start, end, dim, shard start, shard end, whole size, *shard shape]} (Note [sharded
+        state with tensor parallelism])."""
+        tensors, pieces, steps, tp_pieces = [], {}, {}, {}
         for pc, master in zip(self.pieces, self.masters):
             st = self.optimizer.state.get(master, {})
-            pieces[pc.name] = [pc.start, pc.end]
+            live = self.named[pc.name][0]
+            layout = shard_layout(live)
+            prefix = "optim_shard" if layout is None else "optim_tp_shard"
+            if layout is None:
+                pieces[pc.name] = [pc.start, pc.end]
+            else:
+                tp_pieces[pc.name] = [pc.start, pc.end, *layout, *local(live).shape]
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
-                    tensors.append((f"optim_shard/{pc.name}/{key}", st[key].detach()))
+                    tensors.append((f"{prefix}/{pc.name}/{key}", st[key].detach()))
             if "step" in st:
                 steps[pc.name] = float(st["step"])
-        return tensors, pieces, steps
+        return tensors, pieces, steps, tp_pieces
 
     def restore(self, params: dict[str, torch.Tensor], full_optim: dict, pieces: dict, param_steps: dict) -> None:
         """Fill the masters from the loaded parameters and each piece's Adam state from whatever
-        the checkpoint holds (full state by name, or pieces: ``piece_state``)."""
+        the checkpoint holds (full state by name, or pieces: ``piece_state``). A loaded tensor is
+        whole; a split parameter takes this rank's shard of it first (``from_full``), whose
+        flattening the pieces index."""
+        def mine(name, whole):
+            return local(from_full(self.named[name][0], whole))
+
+        wholes: dict[str, dict | None] = {}
+
+        def whole_state(name):  # a split parameter's whole state: by name, or stitched from whole-tensor pieces
+            if name not in wholes:
+                live = self.named[name][0]
+                wholes[name] = full_optim.get(name) or (
+                    full_state(name, live.numel(), live.shape, {}, pieces) if shard_layout(live) is not None else None)
+            return wholes[name]
+
         with torch.no_grad():
             for pc, master in zip(self.pieces, self.masters):
-                master.copy_(params[pc.name].reshape(-1)[pc.start:pc.end].to(master.device))
-                st = piece_state(pc.name, pc.start, pc.end, full_optim, pieces)
+                master.copy_(mine(pc.name, params[pc.name]).reshape(-1)[pc.start:pc.end].to(master.device))
+                whole = whole_state(pc.name)
+                full = {} if whole is None else {pc.name: {k: mine(pc.name, v) for k, v in whole.items()}}
+                st = piece_state(pc.name, pc.start, pc.end, full, pieces)
                 if st is None:
                     continue
                 new = {k: v.to(master.device, master.dtype).clone() for k, v in st.items()}

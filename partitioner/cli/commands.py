@@ -304,6 +304,10 @@ def cmd_run(args) -> int:
         extra += ["--sdc-every", str(args.sdc_every)]
     if args.collective_timeout is not None:
         extra += ["--collective-timeout", str(args.collective_timeout)]
+    if args.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
+        from runtime.tensor_parallel import memory_tier_refusal
+
+        raise ValueError(memory_tier_refusal(args.memory_tier, plan.tensor_parallel))
     extra += _memory_tier_flags(args, plan.world_size)
     if args.run_dir:
         extra += ["--run-dir", str(Path(args.run_dir).resolve())]

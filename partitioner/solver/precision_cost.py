@@ -13,9 +13,16 @@ solve, so the ILP, the chain DP, the checker and the baselines all see them alik
 - calibration: ``--calibrate`` measures every region with its forward under the policy's
   autocast, and the profile records the policy (meta "precision"); a profile fitted under another
   policy is refused (partitioner/compiler.py), since its seconds are of other kernels;
+- tensor parallelism's collectives: a row-parallel linear's output, a column group's input
+  gradient and a vocab-split head's logits are autocast's dtype, so ``tp_comm_bytes``,
+  ``tp_comm_bwd_bytes`` and ``tp_gather_bytes`` (traced in the model's dtype, passes/tensor_parallel.py)
+  are priced at 2 bytes an element (Note [tensor parallelism under autocast] in
+  runtime/tensor_parallel.py). The vocab lookup's all-reduce stays fp32 (an embedding is not
+  autocast): one of a model's collectives, priced at half its bytes. The per-step gathers of split
+  gradients (``tp_step_gather_bytes``) move fp32 gradients and keep their traced bytes;
 - what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
-  the tensors crossing a stage boundary are cast back to the plan's dtype, so communication bytes
-  are the traced ones. Saved activations stay at the traced dtype too, which over-counts the
+  the tensors crossing a stage boundary are cast back to the plan's dtype, so pipeline
+  communication bytes are the traced ones. Saved activations stay at the traced dtype too, which over-counts the
   halves that autocast's matmuls save in bf16/fp16 (conservative, not modelled finer).
 """
 
@@ -59,5 +66,10 @@ def precision_problem(problem, precision: str, param_elem_bytes: int):
         param, grad, opt = problem.tie_bytes(t)  # explicit before the ratios they default to move
         ties.append(dataclasses.replace(t, param_bytes=int(param * (1 + ratio)), grad_bytes=int(grad),
                                         optimizer_bytes=int(opt)))
-    regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio))) for r in problem.regions)
+    # tensor parallelism's collectives move the compute dtype (Note [tensor parallelism under autocast])
+    regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio)),
+                                        tp_comm_bytes=int(round(r.tp_comm_bytes * ratio)),
+                                        tp_comm_bwd_bytes=int(round(r.tp_comm_bwd_bytes * ratio)),
+                                        tp_gather_bytes=int(round(r.tp_gather_bytes * ratio)))
+                    for r in problem.regions)
     return dataclasses.replace(problem, regions=regions, ties=tuple(ties))

@@ -154,8 +154,10 @@ def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed:
             raise CheckpointCorruptError(f"shard {choice.param_source[name]['file']} says step "
                                          f"{meta.get('step')}, its directory says {step}")
         sched = sched or meta.get("lr_scheduler")
+    from runtime.checkpoint.tp_pieces import stitch_sharded_tp_state, stitch_tp_pieces  # Note [tensor-parallel pieces]
+
+    stitch_sharded_tp_state(loaded, needed, read, manifest, lambda e: read_shard(ckpt_dir, manifest, e, cache), step)
     read_missing_pieces(ckpt_dir, manifest, loaded, needed, read, step)
-    from runtime.checkpoint.tp_pieces import stitch_tp_pieces  # Note [tensor-parallel pieces]
 
     stitch_tp_pieces(loaded, needed, read, manifest, lambda e: read_shard(ckpt_dir, manifest, e, cache), step)
     if choice.own is not None:

@@ -85,7 +85,7 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
         for key in ("exp_avg", "exp_avg_sq"):
             if key in st:
                 tensors.append((f"optim/{name}/{key}", local(st[key]).detach()))
-    pieces = sharded_state_entries(trainer, tensors, param_steps)
+    pieces, tp_state = sharded_state_entries(trainer, tensors, param_steps)
     buffers = {n: b for n, b in trainer.named_mutable_buffers().items() if writes is None or n in writes}
     with torch.no_grad():
         tensors += [(f"buffer/{name}", b.detach().to("cpu", copy=True)) for name, b in buffers.items()]
@@ -99,6 +99,8 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
             "lr_scheduler": _json_scheduler_state(trainer.lr_scheduler), **rng_meta}
     if pieces is not None:
         meta["optim_pieces"] = pieces
+    if tp_state:  # Note [sharded state with tensor parallelism] in runtime/checkpoint/tp_pieces.py
+        meta["optim_tp_pieces"] = tp_state
     if tp_pieces:
         meta["tp_pieces"] = tp_pieces
     scaler = getattr(trainer, "scaler", None)
@@ -107,16 +109,20 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
     return tensors, meta
 
 
-def sharded_state_entries(trainer, tensors: list, param_steps: dict) -> dict | None:
+def sharded_state_entries(trainer, tensors: list, param_steps: dict) -> tuple[dict | None, dict | None]:
     """The pieces of sharded optimizer state (Note [sharded optimizer state] in runtime/zero.py):
-    appended to ``tensors`` as optim_shard/<name>/<key>; returns meta optim_pieces, or None."""
+    appended to ``tensors`` as optim_shard/<name>/<key>; returns meta optim_pieces and
+    optim_tp_pieces, or Nones."""
     zero = getattr(trainer, "zero", None)
     if zero is None:
-        return None
-    more, pieces, steps = zero.state_entries()
+        return None, None
+    more, pieces, steps, tp_pieces = zero.state_entries()
+    if getattr(trainer, "tp_index", 0) > 0:  # a replicated parameter's pieces: tensor index 0 writes them
+        more = [(n, t) for n, t in more if not n.startswith("optim_shard/")]
+        pieces = {}
     tensors += more
     param_steps.update(steps)
-    return pieces
+    return pieces, tp_pieces
 
 
 @dataclass

@@ -79,3 +79,67 @@ def stitch_tp_pieces(loaded, needed: list[str], read: dict, manifest: dict, read
                  for key in KEYS if all(f"optim/{name}/{key}" in t for t in parts)}
         if state:
             loaded.optim[name] = state
+
+
+# Note [sharded state with tensor parallelism]: with ZeRO-1 (runtime/zero.py) and tp > 1, each tensor
+# index's data-parallel group shards the optimizer state of its own local tensors: a split
+# parameter's shard is flattened, and each replica owns a range of it. Such a piece is stored
+# under ``optim_tp_shard/<name>/<key>`` with shard meta ``optim_tp_pieces`` {name: [start, end,
+# dim, shard start, shard end, whole size, *shard shape]}: both layouts, the ZeRO range within the
+# tensor-parallel piece. A replicated parameter's pieces are the usual ``optim_shard`` ones (its
+# local tensor is the whole). A reader stitches the ZeRO ranges of each tensor-parallel piece,
+# then the pieces along their dim (``stitch_sharded_tp_state``): the loaded state is whole, and
+# ``restore`` lays it out at the live degrees (runtime/zero.py ``restore``, or the unsharded path),
+# so tp 2 x dp 2 resumes at tp 1, at dp 1 or unsharded, by name.
+
+
+def stitch_sharded_tp_state(loaded, needed: list[str], read: dict, manifest: dict, read_entry, step: int) -> None:
+    """Whole Adam state in ``loaded.optim`` for every needed name whose state was written as
+    tensor-parallel ZeRO pieces (Note [sharded state with tensor parallelism]): every shard of the
+    stages holding the name is read (verified like any shard) for its pieces."""
+    from runtime.zero import piece_state
+
+    if not any((meta.get("optim_tp_pieces") or {}) for _t, meta in read.values()):
+        return
+    entries = sorted(manifest["shards"], key=lambda e: e["rank"])
+    for name in needed:
+        if name in loaded.optim:
+            continue
+        stages = {tuple(e["stages"]) for e in entries if name in e["params"]}
+        for entry in entries:
+            if tuple(entry["stages"]) in stages and entry["rank"] not in read:
+                read[entry["rank"]] = read_entry(entry)
+        by_shard: dict[tuple, list] = {}  # (dim, shard start, shard end, size, shape) -> ZeRO pieces
+        for rank in sorted(read):
+            tensors, meta = read[rank]
+            span = (meta.get("optim_tp_pieces") or {}).get(name)
+            if span is None:
+                continue
+            start, end, dim, lo, hi, size, *shape = (int(v) for v in span)
+            st = {k: tensors[f"optim_tp_shard/{name}/{k}"] for k in KEYS if f"optim_tp_shard/{name}/{k}" in tensors}
+            if st:
+                by_shard.setdefault((dim, lo, hi, size, tuple(shape)), []).append((start, end, st))
+            if name in meta.get("param_steps", {}):
+                loaded.param_steps[name] = meta["param_steps"][name]
+        if not by_shard:
+            continue
+        dims = {(k[0], k[3]) for k in by_shard}
+        if len(dims) > 1:
+            raise CheckpointCorruptError(f"checkpoint step {step}: the pieces of {name!r} disagree on their "
+                                         f"tensor-parallel layout ({sorted(dims)})")
+        parts, covered = [], 0
+        for key in sorted(by_shard, key=lambda k: k[1]):
+            dim, lo, hi, size, shape = key
+            if lo != covered:
+                break
+            numel = 1
+            for n in shape:
+                numel *= n
+            st = piece_state(name, 0, numel, {}, {name: by_shard[key]})  # raises on a gap
+            parts.append({k: v.reshape(shape) for k, v in st.items()})
+            covered = hi
+        dim, size = next(iter(dims))
+        if covered != size:
+            raise CheckpointCorruptError(f"checkpoint step {step}: the sharded optimizer state of {name!r} covers "
+                                         f"[0, {covered}) of its {size} rows on dim {dim} (a shard is missing)")
+        loaded.optim[name] = {k: torch.cat([p[k] for p in parts], dim) for k in parts[0]}

@@ -3,7 +3,9 @@ runtime/tensor_parallel.py), trained under torchrun (gloo) against the one-proce
 tp 2 (2 ranks), tp 2 x pp 2 (4 ranks, clipped) and tp 2 x dp 2 (4 ranks: the replicas' gradient
 all-reduce and digests on each tensor index's pieces), with keyed attention dropout on sharded heads and with
 GPT-2's tied embedding (a vocab-split tie across two stages), and checkpoints written at tp 2
-resumed at tp 1 (and 2 stages) and the other way round (Note [tensor-parallel pieces]).
+resumed at tp 1 (and 2 stages) and the other way round (Note [tensor-parallel pieces]); tp 2
+under bf16-mixed and fp16-mixed, and tp 2 x dp 2 with ZeRO-1 whose checkpoint resumes at tp 1 x
+dp 4 (Note [sharded state with tensor parallelism]).
 
 Two launches in all (runtime/run_many.py): every 2-rank job in one, every 4-rank job in the other.
 """
@@ -60,13 +62,58 @@ def runs(tmp_path_factory):
         return [str(root / name), "--steps", str(steps), "--checkpoint-dir", str(root / ckpt),
                 "--run-dir", str(root / run)]
 
+    plans.update(_mixed_and_sharded_plans(root, options))
     _launch(2, [job("tp2", 2, "ck_a", "run_a"),        # tp 2, then resumed at tp 1 (run_c)
                       job("pp2", 2, "ck_b", "run_b"),        # tp 1, then resumed at tp 2 (run_d)
                       job("pp2", 4, "ck_a", "run_c"),
-                      job("tp2", 4, "ck_b", "run_d")])
+                      job("tp2", 4, "ck_b", "run_d")] + _mixed_jobs(job))
     _launch(4, [job("tp2pp2", 3, "ck_e", "run_e"), job("gpt2", 3, "ck_f", "run_f"),
-                job("tp2dp2", 3, "ck_g", "run_g")])
+                job("tp2dp2", 3, "ck_g", "run_g")] + _sharded_jobs(job))
     return root, plans
+
+
+# --- tp with mixed precision and with ZeRO-1 (Notes [tensor parallelism under autocast] in
+# runtime/tensor_parallel.py, [what tensor parallelism runs with] in partitioner/tensor_parallel.py)
+
+MIXED = ("bf16-mixed", "fp16-mixed")
+
+
+def _mixed_and_sharded_plans(root, options):
+    plans = {f"tp2_{p}": compile_to(root / f"tp2_{p}", llama(), devices=2, num_stages=1, tensor_parallel=2,
+                                    precision=p, **options) for p in MIXED}
+    sharded = dict(devices=4, num_stages=1, global_batch=8, microbatches=2, shard_optimizer="on", clip_grad_norm=0.05)
+    plans["zero_tp2dp2"] = compile_to(root / "zero_tp2dp2", llama(), dp=2, tensor_parallel=2, **sharded)
+    plans["zero_tp1dp4"] = compile_to(root / "zero_tp1dp4", llama(), dp=4, tensor_parallel=1, **sharded)
+    return plans
+
+
+def _mixed_jobs(job):
+    """2 ranks: tp 2 under each mixed policy, 2 steps (fp16's second step overflows its first
+    scale: skipped), no checkpoints."""
+    return [job(f"tp2_{p}", 2, f"ck_{p}", f"run_{p}") + ["--no-checkpoint"] for p in MIXED]
+
+
+def _sharded_jobs(job):
+    """4 ranks: tp 2 x dp 2 with ZeRO-1 for 2 steps, then its checkpoint resumed at tp 1 x dp 4
+    (sharded over other slices) for steps 2 and 3."""
+    return [job("zero_tp2dp2", 2, "ck_zero", "run_zero"), job("zero_tp1dp4", 4, "ck_zero", "run_zero4")]
+
+
+@pytest.mark.parametrize("precision", MIXED)
+def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, precision):
+    """verify's verdict under the policy's tolerance (the oracle runs the same autocast), with
+    keyed dropout; fp16 skips the steps the oracle skips (the overflow test sees every shard)."""
+    root, plans = runs
+    folder, run = root / f"tp2_{precision}", root / f"run_{precision}"
+    report = check_run(folder, run, workload=llama())
+    assert report.precision == precision and report.ok, report.text()
+    if precision == "fp16-mixed":
+        from runtime.reference import train_reference_from_folder
+
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        oracle_skipped: list[bool] = []
+        train_reference_from_folder(str(folder), 2, skipped=oracle_skipped)
+        assert [r["skipped"] for r in rows] == oracle_skipped and any(oracle_skipped)
 
 
 def test_the_stage_file_shows_what_is_split(runs):
@@ -132,3 +179,45 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_degree(runs, name, run,
         torch.testing.assert_close(tensor, ref_state[param], rtol=0, atol=1e-4, msg=param)
     summary = json.loads((root / run / "summary.json").read_text())
     assert summary["first_step"] == 2
+
+
+def test_tensor_parallel_with_sharded_optimizer_state_trains_like_one_process(runs):
+    """tp 2 x dp 2 with ZeRO-1 (each tensor index's replicas shard their local pieces), clipped
+    hard: the global norm counts each piece once."""
+    root, plans = runs
+    assert plans["zero_tp2dp2"].training["shard_optimizer"] is True and plans["zero_tp2dp2"].tensor_parallel == 2
+    report = check_run(root / "zero_tp2dp2", root / "run_zero", workload=llama())
+    assert report.ok, report.text()
+
+
+def test_a_sharded_tensor_parallel_checkpoint_stores_both_layouts_and_resumes_at_tp_1(runs):
+    """Note [sharded state with tensor parallelism]: each rank's AdamW piece of a split parameter
+    is of its tensor-parallel shard, with both places; the run resumed at tp 1 x dp 4 matches the
+    oracle's steps 2 and 3."""
+    root, plans = runs
+    manifest = read_manifest(str(root / "ck_zero"), 2)
+    name = "model.layers.0.self_attn.q_proj.weight"  # [32, 32], rows split over the tensor group
+    spans = {}
+    for entry in manifest["shards"]:
+        tensors, meta = read_shard(str(root / "ck_zero"), manifest, entry)
+        span = (meta.get("optim_tp_pieces") or {}).get(name)
+        if span is not None:
+            start, end, dim, lo, hi, size, *shape = span
+            assert (dim, size, shape) == (0, 32, [16, 32]) and (hi - lo) == 16
+            assert tuple(tensors[f"optim_tp_shard/{name}/exp_avg"].shape) == (end - start,)
+            spans.setdefault(lo, []).append((start, end))
+    # both tensor-parallel pieces, each covered by its replicas' ZeRO ranges
+    assert sorted(spans) == [0, 16]
+    for ranges in spans.values():
+        covered = 0
+        for start, end in sorted(ranges):
+            assert start == covered
+            covered = end
+        assert covered == 16 * 32
+    folder = root / "zero_tp1dp4"
+    losses, params, replica_diff = read_program_run(root / "run_zero4")
+    assert len(losses) == 2 and replica_diff == 0.0
+    ref_losses, ref_state, _ = train_oracle(folder, load_program(str(folder)), llama(), 4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=0, atol=1e-5)
+    for param, tensor in params.items():
+        torch.testing.assert_close(tensor, ref_state[param], rtol=0, atol=1e-4, msg=param)

@@ -138,8 +138,7 @@ def test_a_plan_without_the_key_is_tp_1_and_hashes_as_before():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"shard_optimizer": "on"}, "sharded optimizer"),
-    ({"precision": "bf16-mixed"}, "mixed precision"),
+    ({"training": {"memory_tier": {"mode": "copy"}}}, "in-memory checkpoint tier"),
     ({"tensor_parallel": 0}, "must be an int >= 1"),
     ({"tensor_parallel": 3}, "does not divide the cluster's 4 devices"),
 ])
@@ -148,3 +147,22 @@ def test_what_tp_does_not_run_with_is_refused_before_the_trace(options, message)
     options = {"tensor_parallel": 2, **options}
     with pytest.raises(ValueError, match=message):
         partitioner.compile(workload, cluster=ClusterSpec.homogeneous(4, "cpu", cores=4), global_batch=4, **options)
+
+
+def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_bytes():
+    """Note [what tensor parallelism runs with]: no refusal under bf16-mixed / fp16-mixed (a GPU's
+    default), and the tensor-parallel payloads are priced at the compute dtype's 2 bytes (Note
+    [tensor parallelism under autocast])."""
+    workload = hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2)
+    per_precision = {}
+    for precision in ("fp32", "fp16-mixed"):
+        compiled = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=4,
+                                       num_stages=1, microbatches=2, tensor_parallel=2, precision=precision)
+        assert compiled.plan.tensor_parallel == 2 and compiled.plan.training["precision"] == precision
+        per_precision[precision] = sum(r.tp_comm_bytes for r in compiled.problem.regions)
+    assert per_precision["fp32"] > 0
+    assert per_precision["fp16-mixed"] == pytest.approx(per_precision["fp32"] / 2, abs=8)
+    gpu = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "h100"), global_batch=4, num_stages=1,
+                              microbatches=2, tensor_parallel=2)  # bf16-mixed, the GPU default
+    assert gpu.plan.tensor_parallel == 2 and gpu.plan.training["precision"] == "bf16-mixed"
+    assert sum(r.tp_comm_bytes for r in gpu.problem.regions) == per_precision["fp16-mixed"]
