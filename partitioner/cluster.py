@@ -74,6 +74,9 @@ class DevicePreset:
     # Seconds a stage pays per microbatch besides its regions (Note [whole-step terms] in
     # partitioner/solver/problem.py); measured for cpu only, 0 (not measured) for accelerators.
     microbatch_overhead_s: float = 0.0
+    # Seconds a recomputed region costs per microbatch beyond its forward (Note [recompute fixed
+    # cost] in partitioner/solver/recompute_cost.py); measured for cpu only, 0 for accelerators.
+    recompute_fixed_s: float = 0.0
 
 
 # Note [whole-step terms] in partitioner/solver/problem.py. Measured with
@@ -83,6 +86,10 @@ class DevicePreset:
 # quieter figure is kept: the prediction is for a machine whose cores the job has to itself.
 CPU_MICROBATCH_OVERHEAD_S = 1e-3
 
+# Note [recompute fixed cost] in partitioner/solver/recompute_cost.py. Measured with
+# benchmarks/recompute_overhead.py: PLACEHOLDER
+CPU_RECOMPUTE_FIXED_S = 0.4e-3
+
 # See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
 _GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}
 DEVICE_PRESETS: Mapping[str, DevicePreset] = {
@@ -90,7 +97,8 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
     "a100-80gb": DevicePreset(memory_bytes=80 * GIB, flops_per_s=125e12, **_GPU_MEMORY_HEADROOM),
     "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
-    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S),
+    "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
+                        recompute_fixed_s=CPU_RECOMPUTE_FIXED_S),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
 

@@ -211,6 +211,9 @@ class PartitionProblem:
     allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
     # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
     microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Measured seconds a recomputed region costs a microbatch beyond its forward, by device kind;
+    # else the preset's (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py).
+    recompute_fixed_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):

@@ -1,0 +1,43 @@
+"""What recomputing a region costs a microbatch: the one place that prices it (Note [recompute fixed cost]).
+
+Note [recompute fixed cost]
+    A recomputed region runs its forward once more in backward, and the checkpoint that reruns
+    it costs something of its own, whatever the region's size (runtime/recompute.py, Note [cheap
+    checkpointing]): the autograd Function per region, a nested backward through the rerun, and
+    the rerun's per-op dispatch, which the FLOP-priced forward does not see. On small
+    microbatches that fixed part dominates (gpt 4x32 at microbatch 2: a block's forward is
+    priced ~0.08 ms by its FLOPs and reruns in ~0.3 ms, plus ~0.15 ms of checkpoint), so
+
+        recompute_s(region) = forward_s(region) + recompute_fixed_s(device)
+
+    seconds per recomputed region per microbatch, where ``recompute_fixed_s`` is the problem's
+    measured figure for the device's kind (a calibrated profile, partitioner/calibrate/
+    recompute_cost.py: what a checkpointed region measured beyond plain plus its *fitted*
+    forward, so the rerun's per-op cost is not counted twice), else the kind's preset
+    (``DevicePreset.recompute_fixed_s``: the same measured beyond plain plus the FLOP-priced
+    forward), else 0. ``evaluate``, the ILP (its recompute coefficients), the chain DP (its
+    recompute tables, greedy order and lower bound), the candidate bounds and the fair baselines
+    (through ``evaluate``) all price recompute through ``recompute_s``, so a term that makes a
+    recomputed region dearer makes the solver recompute fewer (or none) where memory allows.
+"""
+
+from __future__ import annotations
+
+from partitioner.cluster import DEVICE_PRESETS, DeviceSpec
+from partitioner.solver.problem import PartitionProblem, RegionCost, region_times_s
+
+
+def recompute_fixed_s(problem: PartitionProblem, device: DeviceSpec) -> float:
+    """Seconds a recomputed region costs a microbatch on ``device`` beyond its forward: the
+    problem's measured figure for the kind, else the kind's preset, else 0."""
+    measured = (problem.recompute_fixed_s_by_kind or {}).get(device.kind)
+    if measured is not None:
+        return measured
+    preset = DEVICE_PRESETS.get(device.kind)
+    return preset.recompute_fixed_s if preset is not None else 0.0
+
+
+def recompute_s(problem: PartitionProblem, region: RegionCost, device: DeviceSpec, microbatch_size: int) -> float:
+    """Seconds recomputing ``region`` adds to one microbatch on ``device``: its forward again plus
+    the checkpoint's fixed cost (Note [recompute fixed cost])."""
+    return region_times_s(region, device, microbatch_size)[0] + recompute_fixed_s(problem, device)
