@@ -115,7 +115,9 @@ def main() -> None:
         summary.append(f"{name}: recomputes {', '.join(recomputed)}; step time measured {times['recompute']:.4f} s "
                        f"vs {times['plain']:.4f} s plain ({times['recompute'] / times['plain'] - 1:+.1%}), "
                        f"predicted {pred['recompute'][0] * 1e3:.3f} ms vs {pred['plain'][0] * 1e3:.3f} ms "
-                       f"({pred['recompute'][0] / pred['plain'][0] - 1:+.1%})")
+                       f"({pred['recompute'][0] / pred['plain'][0] - 1:+.1%}); overhead measured "
+                       f"{(times['recompute'] - times['plain']) * 1e3:.2f} ms, predicted "
+                       f"{(pred['recompute'][0] - pred['plain'][0]) * 1e3:.2f} ms")
     print("\n".join(summary))
     print(f"measured peak: live tensor storages per rank (runtime/memory.py); step time: best of {args.rounds} "
           f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores; folders: {root}")

@@ -43,7 +43,7 @@ profiles.py (DeviceProfile, its file, applying it to a problem); ``calibrate`` i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -53,10 +53,11 @@ from partitioner.calibrate.features import Features, group_features, node_featur
 from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relative, relative_errors
 from partitioner.calibrate.measure import local_device_kind, measure
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
+from partitioner.calibrate.recompute_cost import fit_recompute_fixed_s
 from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
-           "calibrate", "fit_direction", "fit_profile", "group_features", "local_device_kind", "measure",
+           "calibrate", "fit_direction", "fit_profile", "fit_recompute_fixed_s", "group_features", "local_device_kind", "measure",
            "nnls_relative", "node_features", "region_features", "relative_errors"]
 
 
@@ -72,8 +73,9 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
     if threads:
         torch.set_num_threads(threads)
     try:
-        return fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
-                                                  "threads": threads or old, "precision": precision})
+        profile = fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
+                                                     "threads": threads or old, "precision": precision})
+        return replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
     finally:
         torch.set_num_threads(old)
 

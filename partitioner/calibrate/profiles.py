@@ -53,6 +53,9 @@ class DeviceProfile:
     # A stage's fixed seconds per microbatch besides its regions, when measured (Note [whole-step
     # terms] in partitioner/solver/problem.py); None: the device kind's preset.
     microbatch_overhead_s: float | None = None
+    # Seconds a recomputed region costs a microbatch beyond its fitted forward, when measured
+    # (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py); None: the preset's.
+    recompute_fixed_s: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
@@ -67,7 +70,8 @@ class DeviceProfile:
                 "rates": {"forward": self.forward.rates(), "backward": self.backward.rates()},
                 "meta": self.meta, "measurements": list(self.measurements),
                 **({"microbatch_overhead_s": self.microbatch_overhead_s}
-                   if self.microbatch_overhead_s is not None else {})}
+                   if self.microbatch_overhead_s is not None else {}),
+                **({"recompute_fixed_s": self.recompute_fixed_s} if self.recompute_fixed_s is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict, *, where: str = "profile") -> "DeviceProfile":
@@ -78,7 +82,8 @@ class DeviceProfile:
             return cls(kind=str(data["kind"]), forward=DirectionFit(**data["forward"]),
                        backward=DirectionFit(**data["backward"]), meta=dict(data.get("meta", {})),
                        measurements=tuple(data.get("measurements", ())),
-                       microbatch_overhead_s=data.get("microbatch_overhead_s"))
+                       microbatch_overhead_s=data.get("microbatch_overhead_s"),
+                       recompute_fixed_s=data.get("recompute_fixed_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from None
 
@@ -128,4 +133,9 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     for profile in profiles:
         if profile.microbatch_overhead_s is not None:
             overhead[profile.kind] = profile.microbatch_overhead_s
-    return replace(problem, regions=tuple(regions), microbatch_overhead_s_by_kind=overhead or None)
+    recompute_fixed = dict(problem.recompute_fixed_s_by_kind or {})
+    for profile in profiles:
+        if profile.recompute_fixed_s is not None:
+            recompute_fixed[profile.kind] = profile.recompute_fixed_s
+    return replace(problem, regions=tuple(regions), microbatch_overhead_s_by_kind=overhead or None,
+                   recompute_fixed_s_by_kind=recompute_fixed or None)

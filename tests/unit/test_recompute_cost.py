@@ -93,3 +93,34 @@ def test_ilp_matches_brute_force_with_a_large_fixed_term(seed):
         pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=1,
                                        schedule="1f1b", placement=placement)
         assert pipeline <= best * (1 + 1e-9)
+
+
+def test_calibration_measures_the_fixed_term_and_the_profile_carries_it(tmp_path):
+    """calibrate's region rows time the region under runtime.recompute.checkpointed too; the fit
+    is the median of (extra - fitted forward) floored at 0; the profile file keeps it and
+    ``apply_profiles`` hands it to the problem, where it wins over the preset."""
+    import partitioner.calibrate as cal
+    from partitioner.analysis import analyze, build_problem
+    from partitioner.models import gpt
+
+    workload = gpt(layers=2, width=32, heads=2, vocab=64, seq=16, batch=2)
+    gm, _ = analyze(workload)
+    rows = cal.measure(workload, gm, warmup=1, repeats=3, single_ops=False)
+    regions = [r for r in rows if r["kind"] == "region"]
+    assert regions and all(r["checkpointed_s"] > 0 and r["plain_s"] > 0 and "recompute_extra_s" in r for r in regions)
+
+    forward = cal.DirectionFit(0.0, 0.0, 0.0, 1e-6)  # 1 us per op: a known fitted forward
+    synthetic = [dict(r, recompute_extra_s=extra) for r, extra in zip(regions, [5e-3, 1e-3, 2e-3, -1.0])]
+    expected = sorted(max(0.0, s["recompute_extra_s"] - s["fwd_features"]["num_ops"] * 1e-6) for s in synthetic)
+    fixed = cal.fit_recompute_fixed_s(synthetic, forward)
+    assert fixed == pytest.approx(expected[1] if len(expected) % 2 else (expected[1] + expected[2]) / 2)
+    assert cal.fit_recompute_fixed_s([r for r in rows if r["kind"] != "region"], forward) is None
+
+    profile = cal.DeviceProfile(kind="cpu", forward=forward, backward=forward, recompute_fixed_s=0.7e-3)
+    loaded = cal.DeviceProfile.load(profile.save(tmp_path / "cpu.profile.json"))
+    assert loaded.recompute_fixed_s == 0.7e-3
+    problem = build_problem(gm, 2, profiles=[loaded])
+    device = ClusterSpec.homogeneous(1, "cpu").devices[0]
+    assert recompute_fixed_s(problem, device) == 0.7e-3 != DEVICE_PRESETS["cpu"].recompute_fixed_s
+    unmeasured = build_problem(gm, 2, profiles=[dataclasses.replace(loaded, recompute_fixed_s=None)])
+    assert recompute_fixed_s(unmeasured, device) == DEVICE_PRESETS["cpu"].recompute_fixed_s
