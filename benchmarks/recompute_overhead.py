@@ -2,20 +2,23 @@
 fixed term that leaves for the cost model (Note [recompute fixed cost] in
 partitioner/solver/recompute_cost.py, Note [cheap checkpointing] in runtime/recompute.py).
 
-    .venv/bin/python benchmarks/recompute_overhead.py [--repeats 60] [--rounds 5]
+    .venv/bin/python benchmarks/recompute_overhead.py [--iterations 200]
 
 For each GPT of benchmarks/recompute.py, at its plan's microbatch: stage 0 of a 2-stage plan is
 built twice, every block region recomputed and none, and one forward + backward of a microbatch
 is timed in this process (one thread; CPU time of the thread, which a loaded machine inflates
-less than wall time; median of ``--repeats``, best of ``--rounds`` interleaved rounds) under
+less than wall time; each round times every variant back to back, and the figures are medians
+over rounds of the differences against plain in the same round) under
 
     plain        no region recomputed
     before       torch.utils.checkpoint non-reentrant, RNG state saved (the runtime until now)
     runtime      runtime.recompute.checkpointed as it is (reentrant, no RNG state)
 
 and prints the extra ms per recomputed region, the block's forward as the uncalibrated cost model
-prices it (its FLOPs at the cpu preset's rate), the rerun forward alone as measured, and the
-fixed term: extra - priced forward (what the preset's ``recompute_fixed_s`` stands for).
+prices it (its FLOPs at the cpu preset's rate), the rerun forward alone as measured (with grad),
+and the fixed term: extra - the measured rerun forward, the checkpoint's own cost (what the cpu
+preset's ``recompute_fixed_s`` stands for; a calibrated profile measures the same beyond its
+fitted forward).
 """
 
 from __future__ import annotations
@@ -32,48 +35,51 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _time_stage(folder: Path, inputs, repeats: int) -> tuple[float, tuple]:
-    """(median CPU seconds of one forward + backward of stage 0 built from ``folder``, its output's
-    shape: stage 0 ends with a block, so that is the hidden state a block reads)."""
+def _forward_backward_s(module, inputs, grad, microbatch: int) -> tuple[float, object]:
+    """(CPU seconds of one forward + backward of ``module``, its output)."""
+    from runtime import randomness
+
+    randomness.set_context(seed=1, step=0, first_sample=0, microbatch=microbatch)
+    start = time.thread_time()
+    out = module(*inputs)
+    out.backward(grad)
+    seconds = time.thread_time() - start
+    for p in module.parameters():
+        p.grad = None
+    return seconds, out
+
+
+def _paired(plain, recompute, method: str, inputs, iterations: int, mechanisms: dict) -> dict:
+    """Medians over ``iterations`` rounds, each timing plain, then every mechanism, then the rerun
+    forward alone (one region's method with grad), back to back: plain seconds, and per mechanism
+    the paired difference against plain; "rerun": the lone forward."""
     import torch
 
+    import runtime.recompute as rc
     from runtime import randomness
-    from runtime.stage import build_stage
 
-    module = build_stage(str(folder), 0)
-    module.train()
-    grad, times = None, []
-    for i in range(repeats + 5):
+    randomness.set_context(seed=1, step=0, first_sample=0, microbatch=0)
+    with torch.no_grad():
+        out = plain(*inputs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(out.shape, requires_grad=True)  # stage 0 ends with a block: a block's input shape
+    rows: dict[str, list[float]] = {"plain": [], "rerun": [], **{k: [] for k in mechanisms}}
+    for i in range(iterations + 5):
+        base, _ = _forward_backward_s(plain, inputs, grad, i)
+        times = {}
+        for kind, mechanism in mechanisms.items():
+            rc.checkpoint = mechanism
+            times[kind], _ = _forward_backward_s(recompute, inputs, grad, i)
         randomness.set_context(seed=1, step=0, first_sample=0, microbatch=i)
         start = time.thread_time()
-        out = module(*inputs)
-        if grad is None:
-            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
-        out.backward(grad)
+        getattr(recompute, method)(hidden)
+        rerun = time.thread_time() - start
         if i >= 5:
-            times.append(time.thread_time() - start)
-        for p in module.parameters():
-            p.grad = None
-    return statistics.median(times), tuple(out.shape)
-
-
-def _rerun_forward_s(folder: Path, method: str, shape, repeats: int) -> float:
-    """Median CPU seconds of one recomputed region's forward alone, with grad (what the rerun runs)."""
-    import torch
-
-    from runtime import randomness
-    from runtime.stage import build_stage
-
-    module = build_stage(str(folder), 0)
-    x = torch.randn(shape, requires_grad=True)
-    times = []
-    for i in range(repeats + 5):
-        randomness.set_context(seed=1, step=0, first_sample=0, microbatch=i)
-        start = time.thread_time()
-        getattr(module, method)(x)
-        if i >= 5:
-            times.append(time.thread_time() - start)
-    return statistics.median(times)
+            rows["plain"].append(base)
+            rows["rerun"].append(rerun)
+            for kind in mechanisms:
+                rows[kind].append(times[kind] - base)
+    return {k: statistics.median(v) for k, v in rows.items()}
 
 
 def main() -> None:
@@ -88,8 +94,7 @@ def main() -> None:
     from partitioner.solver.problem import region_times_s
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="recompute_overhead_"))
@@ -116,25 +121,21 @@ def main() -> None:
         problem = build_problem(gm, workload.example_batch_size)
         region = next(r for r in problem.regions if r.name == blocks[0])
         priced = region_times_s(region, cluster.devices[0], b)[0]
-        best: dict[str, float] = {}
-        for _ in range(args.rounds):
-            for kind, folder, mechanism in (("plain", folders["plain"], runtime_checkpoint),
-                                            ("before", folders["recompute"], before),
-                                            ("runtime", folders["recompute"], runtime_checkpoint)):
-                rc.checkpoint = mechanism
-                t, hidden = _time_stage(folder, tuple(tokens), args.repeats)
-                best[kind] = min(best.get(kind, float("inf")), t)
+        from runtime.stage import build_stage
+
+        modules = {k: build_stage(str(f), 0).train() for k, f in folders.items()}
+        got = _paired(modules["plain"], modules["recompute"], "recompute_" + blocks[0].replace(".", "_"),
+                      tuple(tokens), args.iterations, {"before": before, "runtime": runtime_checkpoint})
         rc.checkpoint = runtime_checkpoint
-        rerun = min(_rerun_forward_s(folders["recompute"], "recompute_" + blocks[0].replace(".", "_"), hidden,
-                                     args.repeats) for _ in range(args.rounds))
+        rerun = got["rerun"]
         n = len(blocks)
-        extra = {k: (best[k] - best["plain"]) / n for k in ("before", "runtime")}
+        extra = {k: got[k] / n for k in ("before", "runtime")}
         ms = 1e3
-        print(f"{name:30} {b:>2} {n:>7} | {best['plain'] * ms:7.3f} | {'':17} {extra['before'] * ms:7.3f} "
+        print(f"{name:30} {b:>2} {n:>7} | {got['plain'] * ms:7.3f} | {'':17} {extra['before'] * ms:7.3f} "
               f"{extra['runtime'] * ms:7.3f} | {priced * ms:10.3f} {rerun * ms:9.3f} | "
-              f"{(extra['before'] - priced) * ms:13.3f} {(extra['runtime'] - priced) * ms:7.3f}")
+              f"{(extra['before'] - rerun) * ms:13.3f} {(extra['runtime'] - rerun) * ms:7.3f}")
     print(f"cpu preset recompute_fixed_s: {DEVICE_PRESETS['cpu'].recompute_fixed_s * 1e3:.3f} ms; CPU time of one "
-          f"thread, best of {args.rounds} rounds of the median of {args.repeats}; the machine may be shared")
+          f"thread, medians of {args.iterations} paired rounds; the machine may be shared")
 
 
 if __name__ == "__main__":
