@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="timed launches per configuration")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="recompute_bench_"))
     kib = 1024
     print(f"{'config':30} {'rank':>4} {'capacity':>9} | {'recompute: pred':>15} {'measured':>9} | "
@@ -120,7 +121,8 @@ def main() -> None:
                        f"{(pred['recompute'][0] - pred['plain'][0]) * 1e3:.2f} ms")
     print("\n".join(summary))
     print(f"measured peak: live tensor storages per rank (runtime/memory.py); step time: best of {args.rounds} "
-          f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores; folders: {root}")
+          f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores (load average "
+          f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); folders: {root}")
 
 
 if __name__ == "__main__":

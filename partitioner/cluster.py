@@ -87,11 +87,12 @@ class DevicePreset:
 CPU_MICROBATCH_OVERHEAD_S = 1e-3
 
 # Note [recompute fixed cost] in partitioner/solver/recompute_cost.py. Measured with
-# benchmarks/recompute_overhead.py (one thread's CPU time, 2 shared cores at load 5 to 7): a
-# recomputed GPT block's extra over plain minus its rerun forward, 0.36 to 0.39 ms (width 32) and
-# 0.36 to 0.49 ms (width 128) per region per microbatch at microbatch 2 under the reentrant
-# checkpoint (1.0 to 1.2 ms under the non-reentrant one it replaced).
-CPU_RECOMPUTE_FIXED_S = 0.4e-3
+# benchmarks/recompute_overhead.py (one thread's CPU time, paired rounds, 2 shared cores at load 5
+# to 7): a recomputed width-32 GPT block at microbatch 2 (the small-microbatch case) costs
+# 0.71 to 1.34 ms over plain under the reentrant checkpoint, of which its FLOPs price 0.08 ms:
+# 0.62 to 1.26 ms unpriced, rising with the load (1.2 to 2.4 ms under the non-reentrant checkpoint
+# it replaced). The quietest figure is kept, as for the overhead above.
+CPU_RECOMPUTE_FIXED_S = 0.6e-3
 
 # See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
 _GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}

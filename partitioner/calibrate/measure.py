@@ -196,7 +196,10 @@ def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, pre
         results.append({"kind": kind, "name": name, "fwd_s": fwd_s, "bwd_s": bwd_s, "peak_live_bytes": peak,
                         "fwd_features": asdict(fwd_f), "bwd_features": asdict(bwd_f)})
         if kind == "region":  # the recompute fixed cost (partitioner/calibrate/recompute_cost.py)
-            results[-1].update(time_checkpointed(run, warmup=warmup, repeats=repeats, params=params,
+            def fresh(run=run):
+                return [_detached(v, need) for v, need in zip(run.inputs, run.input_needs_grad)]
+
+            results[-1].update(time_checkpointed(run.module, fresh, warmup=warmup, repeats=repeats, params=params,
                                                  precision=precision, device=device))
     if progress:
         progress(f"calibrate: measured {sum(r['kind'] == 'region' for r in results)} regions and "

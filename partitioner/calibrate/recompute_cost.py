@@ -42,20 +42,17 @@ def _forward_backward_s(module, inputs, grads_out, *, checkpoint: bool, precisio
     return time.perf_counter() - start, grads_out
 
 
-def time_checkpointed(run, *, warmup: int, repeats: int, params, precision: str = "fp32",
+def time_checkpointed(module, fresh_inputs, *, warmup: int, repeats: int, params, precision: str = "fp32",
                       device: str = "cpu") -> dict:
-    """{"plain_s", "checkpointed_s"}: medians of one forward + backward of the region ``run`` (a
-    measure.GroupRun), plain and checkpointed, measured in alternation; "recompute_extra_s": the
-    median of their paired differences."""
-    from partitioner.calibrate.measure import _detached
-
+    """{"plain_s", "checkpointed_s"}: medians of one forward + backward of a region's ``module``
+    on ``fresh_inputs()`` (new leaf copies each call), plain and checkpointed, measured in
+    alternation; "recompute_extra_s": the median of their paired differences."""
     grads_out = None
     plain, checked, extra = [], [], []
     for i in range(warmup + repeats):
         pair = []
         for checkpoint in (False, True):
-            inputs = [_detached(v, need) for v, need in zip(run.inputs, run.input_needs_grad)]
-            seconds, grads_out = _forward_backward_s(run.module, inputs, grads_out, checkpoint=checkpoint,
+            seconds, grads_out = _forward_backward_s(module, fresh_inputs(), grads_out, checkpoint=checkpoint,
                                                      precision=precision, device=device)
             pair.append(seconds)
             for p in params:

@@ -4,19 +4,22 @@ Note [recompute fixed cost]
     A recomputed region runs its forward once more in backward, and the checkpoint that reruns
     it costs something of its own, nearly whatever the region's size (runtime/recompute.py, Note
     [cheap checkpointing]): the autograd Function per region, the nested backward through the
-    rerun, the autocast and randomness contexts. benchmarks/recompute_overhead.py measured it
-    (extra per region - the rerun forward alone) at ~0.37 ms per region per microbatch for GPT
-    blocks of width 32 and 128 alike on this CPU, where a width-32 block's forward is priced
-    0.08 ms by its FLOPs: on small microbatches the fixed part dominates. So
+    rerun, the autocast and randomness contexts, ~0.37 ms per region per microbatch for GPT
+    blocks of width 32 and 128 alike on this CPU (benchmarks/recompute_overhead.py: extra over
+    plain - the rerun forward alone). On small microbatches the rerun's per-op dispatch adds as
+    much again, which the FLOP-priced forward does not see (a width-32 block at microbatch 2:
+    priced 0.08 ms, reruns in ~0.3 ms). So
 
         recompute_s(region) = forward_s(region) + recompute_fixed_s(device)
 
-    seconds per recomputed region per microbatch, where ``recompute_fixed_s`` is the problem's
-    measured figure for the device's kind (a calibrated profile, partitioner/calibrate/
-    recompute_cost.py: a checkpointed region's extra over plain beyond its *fitted* forward),
-    else the kind's preset (``DevicePreset.recompute_fixed_s``), else 0. The rerun's own per-op
-    dispatch is the forward's business (the fitted model prices it, the FLOP model does not, for
-    the rerun as for the first forward). ``evaluate``, the ILP (its recompute coefficients), the chain DP (its
+    seconds per recomputed region per microbatch, where ``recompute_fixed_s`` is what the
+    device's time model leaves unpriced: the problem's measured figure for the device's kind (a
+    calibrated profile, partitioner/calibrate/recompute_cost.py: a checkpointed region's extra
+    over plain beyond its *fitted* forward, which prices the rerun's dispatch per op), else the
+    kind's preset (``DevicePreset.recompute_fixed_s``: the extra beyond the *FLOP-priced*
+    forward on the small GPT, dispatch included, as the preset's ``microbatch_overhead_s``
+    covers the plain ops' dispatch), else 0. On larger regions, whose FLOPs price their forward
+    well, the preset over-prices a recompute by about the dispatch (~0.3 ms a region). ``evaluate``, the ILP (its recompute coefficients), the chain DP (its
     recompute tables, greedy order and lower bound), the candidate bounds and the fair baselines
     (through ``evaluate``) all price recompute through ``recompute_s``, so a term that makes a
     recomputed region dearer makes the solver recompute fewer (or none) where memory allows.
