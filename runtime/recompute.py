@@ -24,7 +24,8 @@ at microbatch 2 (benchmarks/recompute_overhead.py). Both save exactly the region
 calls) and an input that requires grad: a region none of whose inputs do (one reading only the
 batch) takes the non-reentrant form, whose parameters still get their gradients. What the
 reentrant form still costs beyond the rerun forward (the Function, a nested backward per region)
-is priced as ``recompute_fixed_s`` (partitioner/solver/problem.py, Note [recompute fixed cost]).
+is priced as ``recompute_fixed_s`` (Note [recompute fixed cost] in
+partitioner/solver/recompute_cost.py).
 """
 
 from __future__ import annotations

@@ -264,8 +264,8 @@ def solve_chain_dp(
     what it needs to fit (Note [greedy recompute]).
 
     Note [greedy recompute]: a segment over its memory recomputes regions cheapest per saved
-    byte first (recompute seconds / bytes saved, regions of equal cost as a group), as many as it takes.
-    That is the fractional knapsack's order rounded up to whole regions, so not always the
+    byte first (recompute seconds / bytes saved, regions of equal cost as a group), as many as
+    it takes. That is the fractional knapsack's order rounded up to whole regions, so not always the
     cheapest set; the plans it gives are hints, and on layered models (a few region shapes
     repeated) they are usually the optimum, which lets CP-SAT prove it in a fraction of the time.
     """

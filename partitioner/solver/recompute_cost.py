@@ -19,10 +19,11 @@ Note [recompute fixed cost]
     kind's preset (``DevicePreset.recompute_fixed_s``: the extra beyond the *FLOP-priced*
     forward on the small GPT, dispatch included, as the preset's ``microbatch_overhead_s``
     covers the plain ops' dispatch), else 0. On larger regions, whose FLOPs price their forward
-    well, the preset over-prices a recompute by about the dispatch (~0.3 ms a region). ``evaluate``, the ILP (its recompute coefficients), the chain DP (its
-    recompute tables, greedy order and lower bound), the candidate bounds and the fair baselines
-    (through ``evaluate``) all price recompute through ``recompute_s``, so a term that makes a
-    recomputed region dearer makes the solver recompute fewer (or none) where memory allows.
+    well, the preset over-prices a recompute by about the dispatch (~0.3 ms a region).
+    ``evaluate``, the ILP (its recompute coefficients), the chain DP (its recompute tables,
+    greedy order and lower bound), the candidate bounds and the fair baselines (through
+    ``evaluate``) all price recompute through ``recompute_s``, so a term that makes a recomputed
+    region dearer makes the solver recompute fewer regions (or none) where memory allows.
 """
 
 from __future__ import annotations
