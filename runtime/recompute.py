@@ -17,8 +17,8 @@ forward runs under no_grad and saves the region's inputs, the backward reruns it
 backpropagates through the rerun) is used rather than the non-reentrant one, which runs a Python
 pack hook for every tensor autograd saves in the forward and an unpack hook plus a recompute hook
 for each in backward (and checks each rerun tensor's metadata): about 24 saved tensors per GPT
-block, which measured ~0.8 ms per region per microbatch more than the reentrant form on this CPU
-at microbatch 2 (benchmarks/recompute_overhead.py). Both save exactly the region's inputs (Note
+block, which measured 0.4 to 1.1 ms per region per microbatch more than the reentrant form on
+this CPU at microbatch 2 (benchmarks/recompute_overhead.py). Both save exactly the region's inputs (Note
 [recompute keeps a region's inputs]) and give the same gradients. The reentrant form needs
 ``torch.autograd.backward`` without ``inputs=`` (what torch.distributed.pipelining's full backward
 calls) and an input that requires grad: a region none of whose inputs do (one reading only the
