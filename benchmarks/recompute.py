@@ -1,6 +1,6 @@
 """What recompute buys and costs when it runs: peak memory per rank and step time, predicted vs measured.
 
-    .venv/bin/python benchmarks/recompute.py [--steps 10]
+    .venv/bin/python benchmarks/recompute.py [--steps 10] [--calibrate]
 
 For each configuration: compile for 2 CPU devices whose memory makes the solver recompute some
 regions, and write the plan's program ("recompute") and the same plan with recompute switched off
@@ -8,7 +8,9 @@ regions, and write the plan's program ("recompute") and the same plan with recom
 every rank's peak measured (runtime/memory.py, Note [what a rank's peak counts]; live tensor
 storages on CPU), then unmeasured for step time (median of the steps after the first, best of
 --rounds launches that alternate which program trains first). Predicted
-figures are the cost model's (partitioner.solver.evaluate.evaluate) for each assignment.
+figures are the cost model's (partitioner.solver.evaluate.evaluate) for each assignment: by the
+cpu preset, or with ``--calibrate`` by a profile measured here first (partitioner/calibrate/, its
+recompute fixed term included: Note [recompute fixed cost]), which compiles and prices both.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def configs():
     ]
 
 
-def predicted(plan, workload, recompute: bool):
+def predicted(plan, workload, recompute: bool, profiles=()):
     """(step time s, peak bytes per stage) of the plan's assignment with or without its recompute."""
     from partitioner.cluster import ClusterSpec
     from partitioner.analysis import analyze, build_problem
@@ -50,7 +52,7 @@ def predicted(plan, workload, recompute: bool):
     from partitioner.solver.problem import Assignment, place_stages
 
     gm, _ = analyze(workload, granularity=plan.granularity)
-    problem = build_problem(gm, workload.example_batch_size)
+    problem = build_problem(gm, workload.example_batch_size, profiles=profiles)
     cluster = ClusterSpec.from_dict(plan.cluster)
     regions = sorted(plan.regions, key=lambda r: r.id)
     assignment = Assignment(
@@ -70,7 +72,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="timed launches per configuration")
+    parser.add_argument("--calibrate", action="store_true", help="price with a profile measured here first")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="recompute_bench_"))
     kib = 1024
     print(f"{'config':30} {'rank':>4} {'capacity':>9} | {'recompute: pred':>15} {'measured':>9} | "
@@ -78,6 +82,13 @@ def main() -> None:
     summary = []
     for name, build, capacity in configs():
         options = dict(global_batch=8, num_stages=2, microbatches=4)
+        if args.calibrate:
+            from partitioner.analysis import analyze
+            from partitioner.calibrate import calibrate
+
+            profile = calibrate(build(), analyze(build())[0])
+            options["profiles"] = (profile,)
+            print(f"{name}: calibrated, recompute_fixed_s {profile.recompute_fixed_s * 1e3:.3f} ms")
         if capacity is None:  # 80% of what the unconstrained plan needs
             free = partitioner.compile(build(), cluster=ClusterSpec.homogeneous(2, "cpu"), **options)
             capacity = int(0.8 * max(s.peak_memory_bytes for s in free.stages))
@@ -89,7 +100,9 @@ def main() -> None:
         folders = {"recompute": root / f"{slug}_r", "plain": root / f"{slug}_p"}
         plan.save(folders["recompute"])
         plain.save(folders["plain"])
-        pred = {"recompute": predicted(plan, build(), True), "plain": predicted(plan, build(), False)}
+        profiles = options.get("profiles", ())
+        pred = {"recompute": predicted(plan, build(), True, profiles),
+                "plain": predicted(plan, build(), False, profiles)}
         os.environ["PARTITIONER_MEASURE_MEMORY"] = "1"
         torchrun(2, [DRIVER, *jobs(folders.values(), 3)])
         os.environ.pop("PARTITIONER_MEASURE_MEMORY")
@@ -115,10 +128,13 @@ def main() -> None:
         summary.append(f"{name}: recomputes {', '.join(recomputed)}; step time measured {times['recompute']:.4f} s "
                        f"vs {times['plain']:.4f} s plain ({times['recompute'] / times['plain'] - 1:+.1%}), "
                        f"predicted {pred['recompute'][0] * 1e3:.3f} ms vs {pred['plain'][0] * 1e3:.3f} ms "
-                       f"({pred['recompute'][0] / pred['plain'][0] - 1:+.1%})")
+                       f"({pred['recompute'][0] / pred['plain'][0] - 1:+.1%}); overhead measured "
+                       f"{(times['recompute'] - times['plain']) * 1e3:.2f} ms, predicted "
+                       f"{(pred['recompute'][0] - pred['plain'][0]) * 1e3:.2f} ms")
     print("\n".join(summary))
     print(f"measured peak: live tensor storages per rank (runtime/memory.py); step time: best of {args.rounds} "
-          f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores; folders: {root}")
+          f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores (load average "
+          f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); folders: {root}")
 
 
 if __name__ == "__main__":

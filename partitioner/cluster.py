@@ -81,6 +81,9 @@ class DevicePreset:
     dtensor_op_s: float = 0.0
     tp_collective_s: float = 0.0
     tp_skew: float = 0.0
+    # Seconds a recomputed region costs per microbatch beyond its forward (Note [recompute fixed
+    # cost] in partitioner/solver/recompute_cost.py); measured for cpu only, 0 for accelerators.
+    recompute_fixed_s: float = 0.0
 
 
 # Note [whole-step terms] in partitioner/solver/problem.py. Measured with
@@ -101,6 +104,13 @@ CPU_MICROBATCH_OVERHEAD_S = 1e-3
 CPU_DTENSOR_OP_S = 45e-6
 CPU_TP_COLLECTIVE_S = 0.6e-3
 CPU_TP_SKEW = 0.5
+# Note [recompute fixed cost] in partitioner/solver/recompute_cost.py. Measured with
+# benchmarks/recompute_overhead.py (one thread's CPU time, paired rounds, 2 shared cores at load 5
+# to 7): a recomputed width-32 GPT block at microbatch 2 (the small-microbatch case) costs
+# 0.71 to 1.34 ms over plain under the reentrant checkpoint, of which its FLOPs price 0.08 ms:
+# 0.62 to 1.26 ms unpriced, rising with the load (1.2 to 2.4 ms under the non-reentrant checkpoint
+# it replaced). The quietest figure is kept, as for the overhead above.
+CPU_RECOMPUTE_FIXED_S = 0.6e-3
 
 # See Note [device presets] for where each number comes from, Note [usable memory] for the headroom.
 _GPU_MEMORY_HEADROOM = {"usable_memory_fraction": 0.95, "memory_reserve_bytes": GIB}
@@ -110,7 +120,8 @@ DEVICE_PRESETS: Mapping[str, DevicePreset] = {
     "h100": DevicePreset(memory_bytes=80 * GIB, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "h200": DevicePreset(memory_bytes=141 * 10**9, flops_per_s=396e12, **_GPU_MEMORY_HEADROOM),
     "cpu": DevicePreset(memory_bytes=16 * GIB, flops_per_s=50e9, microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S,
-                        dtensor_op_s=CPU_DTENSOR_OP_S, tp_collective_s=CPU_TP_COLLECTIVE_S, tp_skew=CPU_TP_SKEW),
+                        dtensor_op_s=CPU_DTENSOR_OP_S, tp_collective_s=CPU_TP_COLLECTIVE_S, tp_skew=CPU_TP_SKEW,
+                        recompute_fixed_s=CPU_RECOMPUTE_FIXED_S),
 }
 _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
 

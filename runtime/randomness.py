@@ -25,7 +25,7 @@ streams, so a CUDA program agrees with an oracle on CUDA, not with one on CPU.
 
 Recompute (torch.utils.checkpoint) replays a forward later, when the context already names a later
 microbatch: ``capture()`` snapshots the context at forward time and ``restored(snapshot)`` makes it
-current again for the replay (pass it as the checkpoint's ``context_fn``).
+current again for the replay (runtime/recompute.py runs the checkpointed function under it).
 
 This module imports only torch: generated files may import only torch and runtime.
 """
@@ -83,10 +83,9 @@ def restored(snapshot: Context | None):
     """Make ``snapshot`` (from ``capture()``) the current context inside the block, then put back
     whatever was current before: a recompute under 1F1B runs between other microbatches' forwards.
 
-    With torch.utils.checkpoint (non-reentrant, which calls context_fn at forward time)::
-
-        checkpoint(fn, *args, use_reentrant=False,
-                   context_fn=lambda: (contextlib.nullcontext(), randomness.restored(randomness.capture())))
+    runtime.recompute checkpoints ``_replay(fn, capture(), *args)``, which runs ``fn`` under
+    ``restored(snapshot)`` both times (a no-op the first time), with either form of
+    torch.utils.checkpoint (Note [cheap checkpointing]).
     """
     global _current
     previous, _current = _current, snapshot

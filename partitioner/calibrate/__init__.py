@@ -43,7 +43,7 @@ profiles.py (DeviceProfile, its file, applying it to a problem); ``calibrate`` i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -53,10 +53,11 @@ from partitioner.calibrate.features import Features, group_features, node_featur
 from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relative, relative_errors
 from partitioner.calibrate.measure import local_device_kind, measure
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
+from partitioner.calibrate.recompute_cost import fit_recompute_fixed_s
 from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
-           "calibrate", "fit_direction", "fit_profile", "group_features", "local_device_kind", "measure",
+           "calibrate", "fit_direction", "fit_profile", "fit_recompute_fixed_s", "group_features", "local_device_kind", "measure",
            "nnls_relative", "node_features", "region_features", "relative_errors"]
 
 
@@ -67,8 +68,6 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
     precision policy the program will train in (its meta records it: a profile fits one policy).
     ``tp_overheads``: measure tensor parallelism's fixed costs too (cpu only; Note
     [tensor-parallel overheads], partitioner/calibrate/tp_overheads.py)."""
-    import dataclasses
-
     kind = kind or local_device_kind()
     rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress,
                    precision=precision)
@@ -78,12 +77,13 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
     try:
         profile = fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
                                                      "threads": threads or old, "precision": precision})
+        profile = replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
         if tp_overheads and kind == "cpu":
             from partitioner.calibrate.measure import _example_inputs
             from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
 
-            profile = dataclasses.replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
-                                          **(measure_collectives() or {}))
+            profile = replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
+                              **(measure_collectives() or {}))
             if progress:
                 progress(f"calibrate: tensor parallelism's overheads: DTensor {profile.dtensor_op_s} s/op, "
                          f"{profile.tp_collective_s} s/collective, skew {profile.tp_skew}")

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from partitioner import ir
 from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
+from partitioner.calibrate.recompute_cost import time_checkpointed
 from runtime.memory import LiveBytes
 from runtime.precision import autocast
 
@@ -194,6 +195,12 @@ def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, pre
         fwd_f, bwd_f = group_features(nodes, needs)
         results.append({"kind": kind, "name": name, "fwd_s": fwd_s, "bwd_s": bwd_s, "peak_live_bytes": peak,
                         "fwd_features": asdict(fwd_f), "bwd_features": asdict(bwd_f)})
+        if kind == "region":  # the recompute fixed cost (partitioner/calibrate/recompute_cost.py)
+            def fresh(run=run):
+                return [_detached(v, need) for v, need in zip(run.inputs, run.input_needs_grad)]
+
+            results[-1].update(time_checkpointed(run.module, fresh, warmup=warmup, repeats=repeats, params=params,
+                                                 precision=precision, device=device))
     if progress:
         progress(f"calibrate: measured {sum(r['kind'] == 'region' for r in results)} regions and "
                  f"{sum(r['kind'] == 'op' for r in results)} distinct ops, {repeats} repeats each")

@@ -41,7 +41,7 @@ class DirectionFit:
                 "memory_bytes_per_s": inv(self.s_per_byte), "op_overhead_s": self.op_overhead_s}
 
 
-_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew")  # measured figures a profile may carry
+_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew", "recompute_fixed_s")  # measured figures a profile may carry
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class DeviceProfile:
     dtensor_op_s: float | None = None
     tp_collective_s: float | None = None
     tp_skew: float | None = None
+    # Seconds a recomputed region costs a microbatch beyond its fitted forward, when measured
+    # (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py); None: the preset's.
+    recompute_fixed_s: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
@@ -134,7 +137,7 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     measured = {}
     for name, field_name in (("microbatch_overhead_s", "microbatch_overhead_s_by_kind"),
                              ("dtensor_op_s", "dtensor_op_s_by_kind"), ("tp_collective_s", "tp_collective_s_by_kind"),
-                             ("tp_skew", "tp_skew_by_kind")):
+                             ("tp_skew", "tp_skew_by_kind"), ("recompute_fixed_s", "recompute_fixed_s_by_kind")):
         by_kind = dict(getattr(problem, field_name) or {})
         for profile in profiles:
             if getattr(profile, name) is not None:

@@ -16,6 +16,7 @@ from partitioner.solver.problem import (
     plan_links,
     region_times_s,
 )
+from partitioner.solver.recompute_cost import recompute_s
 
 __all__ = ["lower_bound_step_time_s", "candidate_lower_bound_s", "allreduce_lower_bound_s",
            "core_sharing_lower_bound", "interleaved_lower_bound_s"]
@@ -89,7 +90,8 @@ def candidate_lower_bound_s(
       k_s = in-flight microbatches, so sum_s saved_s <= max over static splits of
       sum_s (capacity - static_s) / (k_s * b) (static goes to the largest k_s first). The excess
       of sum_r activation bytes over that budget must be saved by recomputing; the cheapest
-      fractional way (fwd seconds per saved byte) costs R seconds per microbatch.
+      fractional way (recompute seconds per saved byte, the cheapest device's: Note [recompute
+      fixed cost]) costs R seconds per microbatch.
     * Time: sum_s T_s >= W + R + the boundaries' latencies (both directions); homogeneous
       B >= sum_s T_s / p, so the pipeline is >= (m + p - 1) / p * sum_s T_s. Heterogeneous:
       ``lower_bound_step_time_s`` + R.
@@ -119,30 +121,31 @@ def candidate_lower_bound_s(
     if static_left > 0:
         return math.inf
     excess = sum(r.activation_bytes_per_sample for r in problem.regions) - budget
-    recompute_s = 0.0
+    forced_s = 0.0
     if excess > 0:
         if not allow_recompute:
             return math.inf
         options = []
+        kinds = {dev.device_class: dev for dev in cluster.devices}.values()  # one device per class
         for r in problem.regions:
             saving = r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample
             if saving > 0:
-                options.append((region_times_s(r, fastest, b)[0] / saving, saving))
+                options.append((min(recompute_s(problem, r, dev, b) for dev in kinds) / saving, saving))
         for per_byte, saving in sorted(options):
             take = min(saving, excess)
-            recompute_s += per_byte * take
+            forced_s += per_byte * take
             excess -= take
             if excess <= 0:
                 break
         if excess > 0:
             return math.inf
     bound = lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
-                                    microbatch_size=b) + recompute_s
+                                    microbatch_size=b) + forced_s
     if homogeneous:
         placement = place_stages(cluster, p, d)
         boundary, _, _ = plan_links(cluster, placement)
         work = sum(sum(region_times_s(r, fastest, b)) for r in problem.regions)
-        total = (work + recompute_s + 2 * sum(link.latency_s for link in boundary)
+        total = (work + forced_s + 2 * sum(link.latency_s for link in boundary)
                  + p * microbatch_overhead_s(problem, fastest))
         bound = max(bound, (m + p - 1) / p * total)
     return (bound + allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)) * core_sharing_lower_bound(

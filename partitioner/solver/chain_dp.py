@@ -31,6 +31,7 @@ from partitioner.solver.problem import (
     plan_links,
     region_times_s,
 )
+from partitioner.solver.recompute_cost import recompute_s
 
 __all__ = ["ChainDPResult", "solve_chain_dp", "chain_lower_bound_s", "has_chain_backbone"]
 
@@ -113,7 +114,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
         per_region = []
         for r, rc in zip(problem.regions, recompute):
             fwd, bwd = region_times_s(r, device, b)
-            per_region.append(fwd + bwd + (fwd if rc else 0.0))
+            per_region.append(fwd + bwd + (recompute_s(problem, r, device, b) if rc else 0.0))
         compute = np.concatenate([[0.0], np.cumsum(per_region)])
         t = compute[None, :] - compute[:, None]
         comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
@@ -132,13 +133,13 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
 
 
 def _recompute_groups(problem, device, b):
-    """Regions that recomputing saves bytes on, grouped by (fwd seconds, saved bytes per sample),
-    cheapest per byte first: [(fwd_s, saving, region ids)]."""
+    """Regions that recomputing saves bytes on, grouped by (recompute seconds, saved bytes per
+    sample), cheapest per byte first: [(recompute_s, saving, region ids)]."""
     groups: dict[tuple[float, int], list[int]] = {}
     for r, region in enumerate(problem.regions):
         saving = region.activation_bytes_per_sample - region.recompute_activation_bytes_per_sample
         if saving > 0:
-            groups.setdefault((region_times_s(region, device, b)[0], saving), []).append(r)
+            groups.setdefault((recompute_s(problem, region, device, b), saving), []).append(r)
     return sorted(((f, sv, ids) for (f, sv), ids in groups.items()), key=lambda g: g[0] / g[1])
 
 
@@ -175,13 +176,13 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
             over = held + active + np.maximum(transient, extra) - capacity
             remaining = np.maximum(over, 0.0) / (k * b)  # saved bytes per sample still to free
             take_s = []
-            for fwd_s, saving, ids in groups:
+            for rec_s, saving, ids in groups:
                 member = np.zeros(n + 1)
                 member[np.array(ids) + 1] = 1.0
                 prefix = np.cumsum(member)
                 count = prefix[None, :] - prefix[:, None]
                 take = np.clip(np.ceil(remaining / saving - 1e-9), 0.0, np.maximum(count, 0.0))
-                t = t + take * fwd_s
+                t = t + take * rec_s
                 remaining = remaining - take * saving
                 take_s.append(take)
             grown = extra
@@ -263,8 +264,8 @@ def solve_chain_dp(
     what it needs to fit (Note [greedy recompute]).
 
     Note [greedy recompute]: a segment over its memory recomputes regions cheapest per saved
-    byte first (fwd seconds / bytes saved, regions of equal cost as a group), as many as it takes.
-    That is the fractional knapsack's order rounded up to whole regions, so not always the
+    byte first (recompute seconds / bytes saved, regions of equal cost as a group), as many as
+    it takes. That is the fractional knapsack's order rounded up to whole regions, so not always the
     cheapest set; the plans it gives are hints, and on layered models (a few region shapes
     repeated) they are usually the optimum, which lets CP-SAT prove it in a fraction of the time.
     """
@@ -334,9 +335,10 @@ def chain_lower_bound_s(
     splits) plus fractional recompute: N = (memory over capacity) / (in-flight * b) saved bytes
     per sample are needed (inf when recomputing the whole segment does not save them); by LP
     duality the cheapest fractional choice costs max over prices tau of
-    tau * N - sum_{r in segment, rate_r < tau} (tau - rate_r) * saving_r, rate_r = fwd seconds per
-    saved byte; any set of tau gives a bound (we use the regions' distinct rates). Then B* = the smallest achievable bottleneck (bisection
-    over the DP) and S = the smallest achievable sum give (m - 1) * B* + S.
+    tau * N - sum_{r in segment, rate_r < tau} (tau - rate_r) * saving_r, rate_r = recompute
+    seconds (``recompute_s``, Note [recompute fixed cost]) per saved byte; any set of tau gives a
+    bound (we use the regions' distinct rates). Then B* = the smallest achievable bottleneck
+    (bisection over the DP) and S = the smallest achievable sum give (m - 1) * B* + S.
     """
     n, p, b, m = problem.num_regions, num_stages, microbatch_size, num_microbatches
     if n < p:
@@ -356,7 +358,8 @@ def chain_lower_bound_s(
         capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
         per_region = [region_times_s(r, device, b) for r in problem.regions]
         savings = np.diff(saving)
-        rates = np.array([f / sv if sv > 0 else np.inf for (f, _), sv in zip(per_region, savings)])
+        rates = np.array([recompute_s(problem, r, device, b) / sv if sv > 0 else np.inf
+                          for r, sv in zip(problem.regions, savings)])
         taus = sorted({float(x) for x in rates if np.isfinite(x) and x > 0})
         if len(taus) > 16:  # any subset of prices is still a bound
             taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
@@ -377,11 +380,11 @@ def chain_lower_bound_s(
         if s == p - 1:
             ok[:, :n] = False
         needed = np.maximum(over, 0.0) / (k * b)
-        recompute_s = np.zeros_like(needed)
+        forced_s = np.zeros_like(needed)
         for tau in taus:
             discount = np.concatenate([[0.0], np.cumsum(np.where(rates < tau, tau - rates, 0.0) * savings)])
-            recompute_s = np.maximum(recompute_s, tau * needed - (discount[None, :] - discount[:, None]))
-        t = t + recompute_s
+            forced_s = np.maximum(forced_s, tau * needed - (discount[None, :] - discount[:, None]))
+        t = t + forced_s
         times.append(np.where(ok, scale * t, np.inf))  # Note [whole-step terms]
     found = _feasible_caps(times, n)
     if found is None:

@@ -5,7 +5,8 @@ the checker (check.py) all use it, and the ILP (model.py) is its integer-scaled 
 
 Note [cost model]
     For p stages, d replicas, m microbatches of b samples:
-    * compute_s  = sum over the stage's regions of (fwd + bwd) time, + fwd again if recomputed.
+    * compute_s  = sum over the stage's regions of (fwd + bwd) time, + recompute_s if recomputed
+                   (fwd again + the checkpoint's fixed cost: Note [recompute fixed cost]).
     * cut[k]     = sum of bytes_per_sample of edges (u -> v) with stage(u) <= k < stage(v): an
                    edge skipping stages is forwarded through each boundary it crosses.
     * comm_s     = per microbatch, the stage's sends: activations over boundary s (if s < p-1)
@@ -90,6 +91,7 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 from partitioner.solver.grad_norm_cost import global_norm_s
+from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.sdc_cost import replica_check_s
 
 __all__ = ["StageCost", "TieCost", "CostBreakdown", "evaluate", "stage_memory"]
@@ -208,7 +210,7 @@ def evaluate(
         for r in regions_of[s]:
             region = problem.regions[r]
             fwd, bwd = region_times_s(region, device, b)
-            compute += fwd + bwd + (fwd if a.recompute[r] else 0.0)
+            compute += fwd + bwd + (recompute_s(problem, region, device, b) if a.recompute[r] else 0.0)
             fwd_part[s] += fwd
             params += region.param_bytes
             grads += region.grad_bytes

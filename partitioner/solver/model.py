@@ -79,6 +79,7 @@ from partitioner.solver.problem import (
     plan_links,
     region_times_s,
 )
+from partitioner.solver.recompute_cost import recompute_s
 
 __all__ = ["SolverConfig", "CandidateModel", "CandidateResult", "InconsistentBoundError"]
 
@@ -229,6 +230,9 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         unit = self.coef_unit_s
         self.fwd_u = {c: [round(f / unit) for f, _ in self.region_s[c]] for c in used_classes}
         self.work_u = {c: [round(f / unit) + round(w / unit) for f, w in self.region_s[c]] for c in used_classes}
+        # What recomputing costs (Note [recompute fixed cost]): one rounded term, like fwd_u.
+        self.rec_u = {c: [round(recompute_s(problem, r, self.class_device[c], b) / unit) for r in problem.regions]
+                      for c in used_classes}
         self.work_min_u = [min(self.work_u[c][r] for c in used_classes) for r in range(n)]
 
         # ---- variables ------------------------------------------------------------------------

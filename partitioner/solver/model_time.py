@@ -20,7 +20,7 @@ class TimeConstraints:
         for r in range(self.problem.num_regions):
             expr.add(self.work_u[device_class][r], self.in_stage[r][s])
             if (r, s) in self.rec:
-                expr.add(self.fwd_u[device_class][r], self.rec[(r, s)])
+                expr.add(self.rec_u[device_class][r], self.rec[(r, s)])
         for k in ([s - 1] if s > 0 else []) + ([s] if s < p - 1 else []):
             link = self.boundary_links[k]
             expr.const += round(link.latency_s / unit)
@@ -31,7 +31,7 @@ class TimeConstraints:
         return expr
 
     def _add_stage_time(self) -> None:
-        """stage_time[s] = overhead + sum_r work[r]·in_stage[r, s] + sum_r fwd[r]·recompute[r, s]
+        """stage_time[s] = overhead + sum_r work[r]·in_stage[r, s] + sum_r recompute_s[r]·recompute[r, s]
         + sends over the adjacent boundaries (latency + b·cut bytes / bandwidth); with device
         classes, >= that expression under on_class[s, c]."""
         self.stage_time_exprs: list[dict] = []

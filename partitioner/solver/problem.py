@@ -236,6 +236,9 @@ class PartitionProblem:
     dtensor_op_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_collective_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_skew_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Measured seconds a recomputed region costs a microbatch beyond its forward, by device kind;
+    # else the preset's (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py).
+    recompute_fixed_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):

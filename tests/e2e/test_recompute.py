@@ -92,14 +92,13 @@ def test_recomputed_stage_gives_the_plain_stage_gradients_and_saves_less(dropout
     assert saved_r < 0.75 * saved_p, (saved_r, saved_p)
 
 
-def test_recompute_without_the_rng_state_would_draw_other_masks(dropout_pair, monkeypatch):
-    """The check above can fail: with the RNG state not restored, the recompute's masks differ."""
+def test_recompute_without_the_randomness_context_would_draw_other_masks(dropout_pair, monkeypatch):
+    """The check above can fail: with the forward's randomness context not made current again for
+    the rerun, the recompute's masks differ."""
     import runtime.recompute as rc
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
 
     _, recompute, plain = dropout_pair
-    monkeypatch.setattr(rc, "checkpoint", lambda fn, *args, **kw: checkpoint(
-        fn, *args, **{**kw, "preserve_rng_state": False, "context_fn": noop_context_fn}))
+    monkeypatch.setattr(rc, "_replay", lambda fn, context, *args: fn(*args))
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     _, grads_r, _ = forward_backward(recompute, 0, (tokens,), seed=123)
     _, grads_p, _ = forward_backward(plain, 0, (tokens,), seed=123)

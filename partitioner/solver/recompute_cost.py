@@ -1,0 +1,48 @@
+"""What recomputing a region costs a microbatch: the one place that prices it (Note [recompute fixed cost]).
+
+Note [recompute fixed cost]
+    A recomputed region runs its forward once more in backward, and the checkpoint that reruns
+    it costs something of its own, nearly whatever the region's size (runtime/recompute.py, Note
+    [cheap checkpointing]): the autograd Function per region, the nested backward through the
+    rerun, the autocast and randomness contexts, ~0.37 ms per region per microbatch for GPT
+    blocks of width 32 and 128 alike on this CPU (benchmarks/recompute_overhead.py: extra over
+    plain - the rerun forward alone). On small microbatches the rerun's per-op dispatch adds as
+    much again, which the FLOP-priced forward does not see (a width-32 block at microbatch 2:
+    priced 0.08 ms, reruns in ~0.3 ms). So
+
+        recompute_s(region) = forward_s(region) + recompute_fixed_s(device)
+
+    seconds per recomputed region per microbatch, where ``recompute_fixed_s`` is what the
+    device's time model leaves unpriced: the problem's measured figure for the device's kind (a
+    calibrated profile, partitioner/calibrate/recompute_cost.py: a checkpointed region's extra
+    over plain beyond its *fitted* forward, which prices the rerun's dispatch per op), else the
+    kind's preset (``DevicePreset.recompute_fixed_s``: the extra beyond the *FLOP-priced*
+    forward on the small GPT, dispatch included, as the preset's ``microbatch_overhead_s``
+    covers the plain ops' dispatch), else 0. On larger regions, whose FLOPs price their forward
+    well, the preset over-prices a recompute by about the dispatch (~0.3 ms a region).
+    ``evaluate``, the ILP (its recompute coefficients), the chain DP (its recompute tables,
+    greedy order and lower bound), the candidate bounds and the fair baselines (through
+    ``evaluate``) all price recompute through ``recompute_s``, so a term that makes a recomputed
+    region dearer makes the solver recompute fewer regions (or none) where memory allows.
+"""
+
+from __future__ import annotations
+
+from partitioner.cluster import DEVICE_PRESETS, DeviceSpec
+from partitioner.solver.problem import PartitionProblem, RegionCost, region_times_s
+
+
+def recompute_fixed_s(problem: PartitionProblem, device: DeviceSpec) -> float:
+    """Seconds a recomputed region costs a microbatch on ``device`` beyond its forward: the
+    problem's measured figure for the kind, else the kind's preset, else 0."""
+    measured = (problem.recompute_fixed_s_by_kind or {}).get(device.kind)
+    if measured is not None:
+        return measured
+    preset = DEVICE_PRESETS.get(device.kind)
+    return preset.recompute_fixed_s if preset is not None else 0.0
+
+
+def recompute_s(problem: PartitionProblem, region: RegionCost, device: DeviceSpec, microbatch_size: int) -> float:
+    """Seconds recomputing ``region`` adds to one microbatch on ``device``: its forward again plus
+    the checkpoint's fixed cost (Note [recompute fixed cost])."""
+    return region_times_s(region, device, microbatch_size)[0] + recompute_fixed_s(problem, device)
