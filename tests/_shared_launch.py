@@ -115,7 +115,9 @@ class SharedLaunches:
                 out = _read(logs, last, world)
                 error = AssertionError(
                     f"shared world-{world} launch failed in job {last} ({key}: {' '.join(map(str, job.args))}):\n"
-                    f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}\ntorchrun:\n{done.stderr[-2000:]}")
+                    f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}\n"
+                    f"torchrun (workers before their first job, and the agent):\n{done.stdout[-2000:]}\n"
+                    f"{done.stderr[:3000]}\n...\n{done.stderr[-1500:]}")
                 for key, _, _ in mine:
                     failed[key] = error
                 continue
