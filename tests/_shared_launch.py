@@ -98,31 +98,35 @@ class SharedLaunches:
                         mine.append((key, i, job))
                     except Exception as error:  # noqa: BLE001
                         failed[key] = error
-            mine = [(key, i, job) for key, i, job in mine if key not in failed]
-            if not mine:
-                continue
-            self.launches += 1
-            logs = self.root / f"logs_{self.launches}_world_{world}"
-            args = ["--job-logs", str(logs)]
-            for n, (_, _, job) in enumerate(mine):
-                args += ([] if n == 0 else ["--"]) + [str(a) for a in job.args]
-            done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(pythonpath=REPO),
-                                  capture_output=True, text=True, timeout=self.timeout_s)
-            if done.returncode != 0:
-                # run_many stops at the first job that fails: the last one that wrote anything
-                last = max([n for n in range(len(mine)) if list(logs.glob(f"job_{n}.rank_*"))], default=0)
-                key, _, job = mine[last]
-                out = _read(logs, last, world)
-                error = AssertionError(
-                    f"shared world-{world} launch failed in job {last} ({key}: {' '.join(map(str, job.args))}):\n"
-                    f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}\n"
-                    f"torchrun (workers before their first job, and the agent):\n{done.stdout[-2000:]}\n"
-                    f"{done.stderr[:3000]}\n...\n{done.stderr[-1500:]}")
-                for key, _, _ in mine:
-                    failed[key] = error
-                continue
-            for n, (key, i, _) in enumerate(mine):
-                outputs[key][i] = _read(logs, n, world)
+            # A job that fails fails its own module's tests only: the jobs after it (run_many stops
+            # there) go again in a new launch, without the failed module's.
+            while mine := [(key, i, job) for key, i, job in mine if key not in failed]:
+                self.launches += 1
+                logs = self.root / f"logs_{self.launches}_world_{world}"
+                args = ["--job-logs", str(logs)]
+                for n, (_, _, job) in enumerate(mine):
+                    args += ([] if n == 0 else ["--"]) + [str(a) for a in job.args]
+                done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(pythonpath=REPO),
+                                      capture_output=True, text=True, timeout=self.timeout_s)
+                ran = len(mine)
+                if done.returncode != 0:  # the failed job is the last one that wrote anything
+                    wrote = [n for n in range(len(mine)) if list(logs.glob(f"job_{n}.rank_*"))]
+                    torchrun = (f"torchrun (workers before their first job, and the agent):\n{done.stdout[-2000:]}\n"
+                                f"{done.stderr[:3000]}\n...\n{done.stderr[-1500:]}")
+                    if not wrote:  # the launch itself failed: every module in it reports that
+                        for key, _, _ in mine:
+                            failed[key] = AssertionError(f"shared world-{world} launch failed before its first "
+                                                         f"job:\n{torchrun}")
+                        break
+                    ran = wrote[-1]
+                    key, _, job = mine[ran]
+                    out = _read(logs, ran, world)
+                    failed[key] = AssertionError(
+                        f"shared world-{world} launch failed in job {ran} ({key}: {' '.join(map(str, job.args))}):\n"
+                        f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}\n{torchrun}")
+                for n, (key, i, _) in enumerate(mine[:ran]):
+                    outputs[key][i] = _read(logs, n, world)
+                mine = mine[ran:]
         results = {key: (prepared[key][0], outputs[key]) for key in prepared}
         results.update({key: (None, error) for key, error in failed.items()})
         return results
