@@ -26,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
         folder = Path(str(item.fspath)).resolve().parent.name
         if folder in FOLDERS:
             item.add_marker(getattr(pytest.mark, folder))
+
+
+@pytest.fixture(scope="session")
+def shared_launches(request, tmp_path_factory):
+    """One torchrun launch per world size for every module that registered a preparer
+    (Note [shared launches] in tests/_shared_launch.py)."""
+    from _shared_launch import SharedLaunches
+
+    modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    return SharedLaunches(tmp_path_factory.mktemp("shared"), modules)

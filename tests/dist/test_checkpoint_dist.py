@@ -17,6 +17,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +28,7 @@ from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
 from runtime.reference import train_reference_from_folder
-from runtime.torchrun import RUN_MANY as DRIVER
-from runtime.torchrun import torchrun_command
+from _shared_launch import Job, prepare
 
 STEPS, EVERY = 6, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -47,19 +47,49 @@ def _compile(folder, *, stages, dp, dropout):
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt_plans")
+@prepare
+def _checkpoint_programs(root: Path):
+    """The compiled plans, and the jobs of the session's shared launches (tests/_shared_launch.py):
+    2 workers train the 2-stage dropout program uninterrupted, then the same program for 4 steps
+    (the checkpoint the 3-stage program resumes from, in the 3-worker launch); 4 workers train 4
+    stages for 4 steps, then 2 x 2 resuming from its checkpoint, then the 2 x 2 dropout program
+    uninterrupted."""
     spec = {"p2d": (2, 1, 0.1), "p22d": (2, 2, 0.1), "p4": (4, 1, 0.0), "p22": (2, 2, 0.0),
             "p3d": (3, 1, 0.1)}
     out = {name: _compile(root / name, stages=s, dp=d, dropout=p) for name, (s, d, p) in spec.items()}
-    out["root"] = str(root)
-    return out
+    out["root"] = root = str(root)
+    every = ["--checkpoint-every", str(EVERY)]
+    jobs = [Job(2, [out["p2d"], "--steps", str(STEPS), *every, "--run-dir", f"{root}/p2d_full",
+                    "--checkpoint-dir", f"{root}/ck_p2d_full"]),
+            Job(2, [out["p2d"], "--steps", "4", *every, "--run-dir", f"{root}/p2d_part",
+                    "--checkpoint-dir", f"{root}/ck_two"]),
+            Job(3, [out["p3d"], "--steps", str(STEPS), *every, "--checkpoint-dir", f"{root}/ck_two"]),
+            Job(4, [out["p4"], "--steps", "4", *every, "--checkpoint-dir", f"{root}/ck_four"]),
+            Job(4, [out["p22"], "--steps", str(STEPS), *every, "--checkpoint-dir", f"{root}/ck_four"]),
+            Job(4, [out["p22d"], "--steps", str(STEPS), *every, "--run-dir", f"{root}/p22d_full",
+                    "--checkpoint-dir", f"{root}/ck_p22d_full"])]
+    return out, jobs
 
 
-def _torchrun(nproc, args, *, timeout=150, max_restarts=0):
-    cmd = torchrun_command(args[0], nproc, args=args[1:], max_restarts=max_restarts)
-    return _check(subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout))
+@pytest.fixture(scope="module")
+def plans(shared_launches):
+    return shared_launches.result(_checkpoint_programs)[0]
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs(shared_launches):
+    return shared_launches.result(_checkpoint_programs)[1][0:2]
+
+
+@pytest.fixture(scope="module")
+def three_rank_job(shared_launches):
+    return shared_launches.result(_checkpoint_programs)[1][2]
+
+
+@pytest.fixture(scope="module")
+def four_rank_jobs(shared_launches):
+    outputs = shared_launches.result(_checkpoint_programs)[1][3:]
+    return sum(outputs[1:], outputs[0])
 
 
 def _cli_run(args, *, timeout=150):
@@ -105,33 +135,6 @@ def _committed(ckpt_dir):
     return [s for s in list_step_dirs(ckpt_dir) if read_manifest(ckpt_dir, s)]
 
 
-@pytest.fixture(scope="module")
-def two_rank_jobs(plans):
-    """One 2-worker job: the 2-stage dropout program uninterrupted, then the same program for 4 steps
-    (the checkpoint the 3-stage program resumes from)."""
-    root = plans["root"]
-    result = _torchrun(2, [DRIVER,
-                           plans["p2d"], "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
-                           "--run-dir", f"{root}/p2d_full", "--checkpoint-dir", f"{root}/ck_p2d_full", "--",
-                           plans["p2d"], "--steps", "4", "--checkpoint-every", str(EVERY),
-                           "--run-dir", f"{root}/p2d_part", "--checkpoint-dir", f"{root}/ck_two"])
-    return result
-
-
-@pytest.fixture(scope="module")
-def four_rank_jobs(plans):
-    """One 4-worker job: 4 stages for 4 steps, then 2 x 2 resuming from its checkpoint; then the
-    2 x 2 dropout program uninterrupted."""
-    root = plans["root"]
-    return _torchrun(4, [DRIVER,
-                         plans["p4"], "--steps", "4", "--checkpoint-every", str(EVERY),
-                         "--checkpoint-dir", f"{root}/ck_four", "--",
-                         plans["p22"], "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
-                         "--checkpoint-dir", f"{root}/ck_four", "--",
-                         plans["p22d"], "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
-                         "--run-dir", f"{root}/p22d_full", "--checkpoint-dir", f"{root}/ck_p22d_full"])
-
-
 @pytest.mark.parametrize("name,world,seed", [("p2d", 2, 4), ("p22d", 4, 5)])
 def test_killed_rank_resumes_bit_exact(plans, two_rank_jobs, four_rank_jobs, name, world, seed):
     root = plans["root"]
@@ -170,12 +173,11 @@ def test_reshard_four_stages_to_two_by_two(plans, four_rank_jobs):
     _assert_params_close(params, state)
 
 
-def test_reshard_two_stages_to_three_with_dropout(plans, two_rank_jobs):
+def test_reshard_two_stages_to_three_with_dropout(plans, three_rank_job):
     """Steps 4 and 5 run on 3 stages after a resume: with keyed dropout they are the uninterrupted
     2-stage run's steps (per-stage or per-process masks would differ by ~1e-3 in loss)."""
     root = plans["root"]
-    result = _torchrun(3, [os.path.join(plans["p3d"], "train.py"), "--steps", str(STEPS),
-                           "--checkpoint-every", str(EVERY), "--checkpoint-dir", f"{root}/ck_two"])
+    result = three_rank_job  # after the 2-worker launch that wrote ck_two
     assert "resharded from plan" in result.stderr and "at step 4" in result.stderr
     losses = _losses(f"{root}/p2d_part") + _losses(os.path.join(plans["p3d"], "run"), 4)
     torch.testing.assert_close(losses, _losses(f"{root}/p2d_full"), **TOL)

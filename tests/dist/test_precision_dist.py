@@ -15,31 +15,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
+from pathlib import Path
 
 import dataclasses
 
 import pytest
 import torch
 
-from _runtime_folders import child_env, gpt_folder, mlp_folder, one_thread  # noqa: F401
+from _runtime_folders import gpt_folder, mlp_folder, one_thread  # noqa: F401
+from _shared_launch import Job, prepare
 from partitioner import PartitionInfeasibleError
 from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import load_workload
 from partitioner.verify import GRAD_NORM_TOLERANCE, check_run, TOLERANCES, read_grad_norms, read_program_run
 from runtime.reference import train_reference_from_folder
-from runtime.torchrun import RUN_MANY as DRIVER
-from runtime.torchrun import torchrun_command
 
 CLIP = 0.5  # below the tiny GPT's gradient norm (about 6): every step is clipped
-
-
-def _launch(nproc, args, timeout=240):
-    result = subprocess.run(torchrun_command(DRIVER, nproc, args=args), env=child_env(),
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
 
 
 MLP_SPEC = "mlp:features=32,hidden=256,depth=4,outputs=8,batch=4"
@@ -59,9 +51,11 @@ def _rows(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("precision"))
+@prepare
+def _precision_folders(root: Path):
+    """In the session's shared launches (tests/_shared_launch.py): a new job is one more Job(world,
+    [FOLDER, FLAGS...]) in the list returned below."""
+    root = str(root)
     ranks = [([0], 0), ([1], 0), ([0], 1), ([1], 1)]
     folders = {}
     for prec in ("bf16-mixed", "fp16-mixed"):
@@ -83,14 +77,24 @@ def runs(tmp_path_factory):
     folders["fits_sharded"] = os.path.join(root, "fits_sharded")
     compiled.save(folders["fits_sharded"])
     ck = os.path.join(root, "ck_dp2")
-    _launch(2, [folders["dp2"], "--steps", "2", "--checkpoint-dir", ck, "--",
-                folders["fits_sharded"], "--steps", "3"])
-    for dp in (1, 4):
-        shutil.copytree(ck, os.path.join(root, f"ck_for_dp{dp}"))
-    four = _launch(4, [folders["bf16-mixed"], "--", folders["fp16-mixed"], "--",
-                       folders["dp4"], "--steps", "4", "--checkpoint-dir", os.path.join(root, "ck_for_dp4")])
-    one = _launch(1, [folders["dp1"], "--steps", "4", "--checkpoint-dir", os.path.join(root, "ck_for_dp1")])
-    return {"root": root, **folders, "logs": four.stderr + one.stderr}
+
+    def copy_for(dp):  # after the world-2 launch wrote ck_dp2
+        return lambda: shutil.copytree(ck, os.path.join(root, f"ck_for_dp{dp}"))
+
+    jobs = [Job(2, [folders["dp2"], "--steps", "2", "--checkpoint-dir", ck]),
+            Job(2, [folders["fits_sharded"], "--steps", "3"]),
+            Job(4, [folders["bf16-mixed"]]), Job(4, [folders["fp16-mixed"]]),
+            Job(4, [folders["dp4"], "--steps", "4", "--checkpoint-dir", os.path.join(root, "ck_for_dp4")],
+                before=copy_for(4)),
+            Job(1, [folders["dp1"], "--steps", "4", "--checkpoint-dir", os.path.join(root, "ck_for_dp1")],
+                before=copy_for(1))]
+    return {"root": root, **folders}, jobs
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launches):
+    context, outputs = shared_launches.result(_precision_folders)
+    return {**context, "logs": "".join(out.stderr for out in outputs[2:])}
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])

@@ -1,7 +1,7 @@
 """Programs with dropout train like the unpartitioned model (Note [randomness keyed by meaning] in
 runtime/randomness.py): gpt, hf-gpt2 and hf-llama (attention dropout through SDPA's dropout_p)
 with dropout 0.1, compiled to 2 stages, and gpt as 2 data-parallel replicas of one stage with a
-microbatch twice as large, all trained in one 2-worker torchrun launch, each against verify's
+microbatch twice as large, all trained in the session's 2-worker shared launch (tests/_shared_launch.py), each against verify's
 one-process oracle (the unpartitioned traced graph with keyed random ops). The 3-stage plan and the
 resharded resume are in test_checkpoint_dist.py (test_reshard_two_stages_to_three_with_dropout).
 """
@@ -9,6 +9,7 @@ resharded resume are in test_checkpoint_dist.py (test_reshard_two_stages_to_thre
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from partitioner.models import gpt, hf_gpt2, hf_llama
 from partitioner.verify import read_program_run, train_oracle
 from runtime.program import Program
 from runtime.reference import train_reference
-from _programs import compile_to, run_folders
+from _programs import compile_to
+from _shared_launch import Job, prepare
 
 STEPS = 3
 TINY = dict(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
@@ -27,15 +29,19 @@ BUILDERS = {"gpt_2stage": (gpt, dict(num_stages=2, dp=1, microbatches=4)),
             "hf_llama_2stage": (hf_llama, dict(num_stages=2, dp=1, microbatches=4))}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dropout_programs")
+@prepare
+def _dropout_programs(root: Path):
     workloads = {}
     for name, (builder, options) in BUILDERS.items():
         workloads[name] = builder(**TINY)
         compile_to(root / name, workloads[name], devices=2, **options)
-    run_folders(2, [root / name for name in BUILDERS], steps=STEPS)
-    return root, workloads
+    return (root, workloads), [Job(2, [root / name, "--steps", str(STEPS)]) for name in BUILDERS]
+
+
+@pytest.fixture(scope="module")
+def trained(shared_launches):
+    """Trained in the session's 2-worker shared launch (tests/_shared_launch.py)."""
+    return shared_launches.result(_dropout_programs)[0]
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))

@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # noqa: F401
                               one_thread, skip_folder,
-                              read_final, read_metrics, torchrun)
+                              read_final, read_metrics)
+from _shared_launch import Job, prepare
 from runtime.data import causal_lm_loss, mse_loss, regression_batch, token_batch
 from runtime.reference import train_reference, train_reference_from_folder
 from runtime.torchrun import free_port
@@ -25,33 +27,35 @@ from safetensors.torch import load_file
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _check_run(result):
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-
-
 def _assert_params(got: dict, want: dict):
     for name, value in got.items():
         torch.testing.assert_close(value, want[name], **TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    """One torchrun of 2 workers trains three folders: a 2-stage MLP under 1F1B, a 4-stage GPT
-    under interleaved 1F1B (2 stages per rank) with dropout, and a 2-stage model whose boundary
-    carries three tensors under GPipe."""
-    mlp = str(tmp_path_factory.mktemp("mlp_1f1b"))
-    gpt = str(tmp_path_factory.mktemp("gpt_interleaved"))
+@prepare
+def _hand_made_folders(root: Path):
+    """In the session's shared launches (tests/_shared_launch.py), 2 workers train three folders: a
+    2-stage MLP under 1F1B, a 4-stage GPT under interleaved 1F1B (2 stages per rank) with dropout,
+    and a 2-stage model whose boundary carries three tensors under GPipe; 4 workers train a GPT as
+    2 stages x 2 replicas."""
+    mlp, gpt, skip, gpt22 = (str(root / name) for name in ("mlp_1f1b", "gpt_interleaved", "skip_gpipe", "gpt_2x2"))
     mlp_model, _ = mlp_folder(mlp, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)],
                               schedule="1f1b", num_microbatches=4, global_batch=16, steps=4)
     gpt_model, _ = gpt_folder(gpt, splits=[[0], [1], [2], [3]], ranks=[([0, 2], 0), ([1, 3], 0)],
                               dp=1, schedule="interleaved", num_microbatches=4, global_batch=8,
                               steps=3, dropout=0.1)
-    skip = str(tmp_path_factory.mktemp("skip_gpipe"))
     skip_model, _ = skip_folder(skip, schedule="gpipe")
-    result = torchrun(mlp, 2, also=[gpt, skip])
-    _check_run(result)
-    return {"mlp": (mlp, mlp_model), "gpt": (gpt, gpt_model), "skip": (skip, skip_model),
-            "stdout": result.stdout}
+    gpt22_model, _ = gpt_folder(gpt22, splits=[[0], [1]], ranks=[([0], 0), ([1], 0), ([0], 1), ([1], 1)], dp=2,
+                                schedule="gpipe", num_microbatches=2, global_batch=8, steps=3)
+    context = {"mlp": (mlp, mlp_model), "gpt": (gpt, gpt_model), "skip": (skip, skip_model),
+               "gpt_2x2": (gpt22, gpt22_model)}
+    return context, [Job(2, [mlp]), Job(2, [gpt]), Job(2, [skip]), Job(4, [gpt22])]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(shared_launches):
+    context, outputs = shared_launches.result(_hand_made_folders)
+    return {**context, "stdout": "".join(out.stdout for out in outputs[:3])}
 
 
 def test_gpipe_with_three_tensors_between_stages(two_rank_runs):
@@ -85,14 +89,10 @@ def test_mlp_two_stages_1f1b_matches_reference(two_rank_runs):
         torch.testing.assert_close(optim[f"{name}.exp_avg_sq"], st["exp_avg_sq"], rtol=1e-4, atol=1e-9)
 
 
-def test_gpt_two_stages_two_replicas_gpipe_with_tie(tmp_path):
+def test_gpt_two_stages_two_replicas_gpipe_with_tie(two_rank_runs):
     """2 pipeline stages x 2 data-parallel replicas; the output head reuses the token embedding
-    (a tie between stage 0 and stage 1)."""
-    folder = str(tmp_path)
-    ranks = [([0], 0), ([1], 0), ([0], 1), ([1], 1)]
-    model, program = gpt_folder(folder, splits=[[0], [1]], ranks=ranks, dp=2, schedule="gpipe",
-                                num_microbatches=2, global_batch=8, steps=3)
-    _check_run(torchrun(folder, 4))
+    (a tie between stage 0 and stage 1). (Trained in the 4-worker shared launch.)"""
+    folder, model = two_rank_runs["gpt_2x2"]
     make_batch = functools.partial(token_batch, vocab=64, seq=8, seed=0)
     losses, state, _ = train_reference(model, make_batch, causal_lm_loss, OPTIMIZER, 8, 2 * 2, 3, 0)
 

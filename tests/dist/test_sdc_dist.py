@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _runtime_folders import child_env, mlp_folder, one_thread  # noqa: F401
-from runtime.torchrun import RUN_MANY, torchrun_command
+from _runtime_folders import mlp_folder, one_thread  # noqa: F401
+from _shared_launch import Job, prepare
 
 STEPS, EVERY, K, FLIP = 8, 2, 3, "1:4"  # checks after steps 2, 3, 4, 6, 8: the flip before step 4 is seen at 6
 
@@ -27,24 +27,27 @@ def _rows(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sdc")
+@prepare
+def _sdc_jobs(root: Path):
+    """Three jobs in the session's 3-worker shared launch (tests/_shared_launch.py)."""
     folder = str(root / "mlp_dp3")
     mlp_folder(folder, splits=[[0, 1, 2, 3]], ranks=[([0], 0), ([0], 1), ([0], 2)], dp=3,
                global_batch=24, num_microbatches=2, steps=STEPS, extra={"sdc_every": K})
     plan_k = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY)]  # K from the program object
     common = [*plan_k, "--sdc-every", str(K)]
-    args = [folder, *common, "--run-dir", f"{root}/clean", "--checkpoint-dir", f"{root}/ck_clean", "--",
-            folder, *plan_k, "--run-dir", f"{root}/flip", "--checkpoint-dir", f"{root}/ck_flip",
-            "--flip-bit", FLIP, "--",
-            folder, *common, "--run-dir", f"{root}/lossless", "--checkpoint-dir", f"{root}/ck_lossless",
-            "--flip-bit", FLIP, "--checkpoint-compression", "lossless", "--checkpoint-full-every", "3",
-            "--keep-checkpoints", "1"]
-    result = subprocess.run(torchrun_command(RUN_MANY, 3, args=args), env=child_env(), capture_output=True,
-                            text=True, timeout=240)
-    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return str(root), result
+    jobs = [Job(3, [folder, *common, "--run-dir", f"{root}/clean", "--checkpoint-dir", f"{root}/ck_clean"]),
+            Job(3, [folder, *plan_k, "--run-dir", f"{root}/flip", "--checkpoint-dir", f"{root}/ck_flip",
+                    "--flip-bit", FLIP]),
+            Job(3, [folder, *common, "--run-dir", f"{root}/lossless", "--checkpoint-dir", f"{root}/ck_lossless",
+                    "--flip-bit", FLIP, "--checkpoint-compression", "lossless", "--checkpoint-full-every", "3",
+                    "--keep-checkpoints", "1"])]
+    return str(root), jobs
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launches):
+    root, outputs = shared_launches.result(_sdc_jobs)
+    return root, sum(outputs[1:], outputs[0])
 
 
 def test_a_flipped_bit_is_found_within_k_steps_and_blamed_on_its_replica(runs):

@@ -1,7 +1,7 @@
 """Hugging Face in and out: ``hf:CONFIG_DIR`` models, ``--pretrained`` safetensors read per rank,
 and ``partitioner export`` back to ``from_pretrained`` (partitioner/hf.py, runtime/pretrained.py,
-partitioner/export.py). Tiny configs; every program trains under torchrun (one launch for all)
-and is compared with the unpartitioned model trained in one process."""
+partitioner/export.py). Tiny configs; every program trains under torchrun (the session's shared
+launch, tests/_shared_launch.py) and is compared with the unpartitioned model trained in one process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from _programs import compile_to, run_folders
+from _programs import compile_to
+from _shared_launch import Job, prepare
 from partitioner.cli.commands import main as cli
 from partitioner.export import export
 from partitioner.models import load_workload
@@ -49,9 +50,8 @@ def _configs(root: Path) -> dict[str, Path]:
     return dirs
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
+@prepare
+def _hf_programs(root: Path):
     dirs = _configs(root / "configs")
     out = {"dirs": dirs, "root": root}
     # the CLI's compile, as a user types it
@@ -63,9 +63,15 @@ def hf(tmp_path_factory):
                        ("vit", f"hf:{dirs['vit']}"), ("t5", f"hf:{dirs['t5']},seq=8")):
         compile_to(root / name, load_workload(spec), devices=2, num_stages=2, microbatches=2,
                    training={"model_spec": spec})
-    out["stdout"] = run_folders(2, [root / n for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5")],
-                                steps=STEPS)
-    return out
+    jobs = [Job(2, [root / n, "--steps", str(STEPS)]) for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5")]
+    return out, jobs
+
+
+@pytest.fixture(scope="module")
+def hf(shared_launches):
+    """Trained in the session's 2-worker shared launch (tests/_shared_launch.py)."""
+    out, outputs = shared_launches.result(_hf_programs)
+    return {**out, "stdout": "".join(o.stdout for o in outputs)}
 
 
 def _verdict(folder: Path, workload=None):

@@ -1,23 +1,23 @@
 """A compiled interleaved 1F1B program (Note [interleaved pricing] in
 partitioner/solver/interleaved.py) under torchrun (gloo): 4 stages on 2 ranks, a GPT with dropout
 on. It trains like the one-process oracle, and a run stopped after a checkpoint and resumed is
-bit for bit the uninterrupted run. Every job in one 2-worker launch (runtime/run_many.py)."""
+bit for bit the uninterrupted run. Every job in the session's 2-worker shared launch
+(tests/_shared_launch.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _runtime_folders import child_env
+from _shared_launch import Job, prepare
 from partitioner import compile as compile_plan
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt
 from partitioner.verify import check_run
-from runtime.torchrun import RUN_MANY, torchrun_command
 
 STEPS, EVERY = 4, 2
 
@@ -28,25 +28,27 @@ def _losses(run_dir, start=0):
     return [r["loss"] for r in rows]
 
 
-@pytest.fixture(scope="module")
-def interleaved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("interleaved")
+@prepare
+def _interleaved_program(root: Path):
     workload = gpt(layers=4, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
     plan = compile_plan(workload, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8, num_stages=4,
                         dp=1, microbatches=4, schedule="interleaved")
     folder = root / "program"
     plan.save(folder)
     flags = ["--checkpoint-every", str(EVERY)]
-    jobs = [str(folder), "--steps", str(STEPS), *flags, "--run-dir", str(root / "full"),
-            "--checkpoint-dir", str(root / "ck_full"), "--",
-            str(folder), "--steps", str(EVERY), *flags, "--run-dir", str(root / "part"),
-            "--checkpoint-dir", str(root / "ck"), "--",
-            str(folder), "--steps", str(STEPS), *flags, "--run-dir", str(root / "resumed"),
-            "--checkpoint-dir", str(root / "ck")]
-    done = subprocess.run(torchrun_command(RUN_MANY, 2, args=jobs), env=child_env(), capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return root, folder, plan, workload, done
+    jobs = [Job(2, [folder, "--steps", str(STEPS), *flags, "--run-dir", root / "full",
+                    "--checkpoint-dir", root / "ck_full"]),
+            Job(2, [folder, "--steps", str(EVERY), *flags, "--run-dir", root / "part", "--checkpoint-dir", root / "ck"]),
+            Job(2, [folder, "--steps", str(STEPS), *flags, "--run-dir", root / "resumed",
+                    "--checkpoint-dir", root / "ck"])]
+    return (root, folder, plan, workload), jobs
+
+
+@pytest.fixture(scope="module")
+def interleaved(shared_launches):
+    """Trained in the session's 2-worker shared launch (tests/_shared_launch.py)."""
+    (root, folder, plan, workload), outputs = shared_launches.result(_interleaved_program)
+    return root, folder, plan, workload, sum(outputs[1:], outputs[0])
 
 
 def test_compiled_interleaved_plan_holds_two_stages_per_rank(interleaved, capsys):

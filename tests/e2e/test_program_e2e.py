@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,7 +21,8 @@ import torch.nn as nn
 import partitioner
 from partitioner.cluster import ClusterSpec
 from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
-from _programs import STEPS, compile_to, run_folders
+from _programs import STEPS, compile_to
+from _shared_launch import Job, prepare
 from partitioner.verify import read_program_run
 from partitioner.workload import Workload
 from runtime import data
@@ -88,9 +90,8 @@ def assert_matches_oracle(folder: Path, workload, steps: int = STEPS):
     return plan
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("programs")
+@prepare
+def _programs(root: Path):
     made = {
         "gpt_2stage": compile_to(root / "gpt_2stage", tiny_gpt(), devices=2, num_stages=2, microbatches=4),
         "hf_gpt2_2stage": compile_to(root / "hf_gpt2_2stage", hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16),
@@ -104,12 +105,27 @@ def folders(tmp_path_factory):
         "skip_3stage": compile_to(root / "skip_3stage", long_skip_workload(), devices=3, num_stages=3,
                                   microbatches=4, granularity="node", flops_per_s=1e9),
     }
-    stdout = run_folders(2, [root / "gpt_2stage", root / "hf_gpt2_2stage", root / "hf_llama_2stage",
-                             root / "hf_bert_2stage", root / "moe_2stage"])
-    stdout += run_folders(4, [root / "gpt_2x2"])
-    stdout += run_folders(3, [root / "skip_3stage"])
-    made["stdout"] = stdout
-    return root, made
+    # the compiled folder as the compiler left it, for the tests that compile it again or edit it
+    shutil.copytree(root / "gpt_2stage", root / "gpt_2stage_as_compiled")
+    steps = ["--steps", str(STEPS)]
+    jobs = [Job(2, [root / name, *steps]) for name in ("gpt_2stage", "hf_gpt2_2stage", "hf_llama_2stage",
+                                                       "hf_bert_2stage", "moe_2stage")]
+    jobs += [Job(4, [root / "gpt_2x2", *steps]), Job(3, [root / "skip_3stage", *steps])]
+    return (root, made), jobs
+
+
+@pytest.fixture(scope="module")
+def folders(shared_launches):
+    """Every folder trained in the session's shared launches (Note [shared launches])."""
+    (root, made), outputs = shared_launches.result(_programs)
+    return root, {**made, "stdout": "".join(out.stdout for out in outputs)}
+
+
+def _as_compiled(folders, to: Path) -> Path:
+    """A fresh copy of tiny_gpt() compiled to 2 stages x 4 microbatches (as compile_to makes it)."""
+    root, _ = folders
+    shutil.copytree(root / "gpt_2stage_as_compiled", to)
+    return to
 
 
 def test_every_run_ends_with_predicted_and_measured_step_time(folders):
@@ -184,9 +200,9 @@ def test_skip_connection_across_two_boundaries_trains(folders):
     assert_matches_oracle(root / "skip_3stage", long_skip_workload())
 
 
-def test_two_compiles_give_byte_identical_folders(tmp_path):
-    for name in ("a", "b"):
-        compile_to(tmp_path / name, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
+def test_two_compiles_give_byte_identical_folders(folders, tmp_path):
+    _as_compiled(folders, tmp_path / "a")  # the shared launch's compile; this test's own is "b"
+    compile_to(tmp_path / "b", tiny_gpt(), devices=2, num_stages=2, microbatches=4)
     files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     assert files_a == files_b
@@ -202,12 +218,11 @@ def test_two_compiles_give_byte_identical_folders(tmp_path):
             assert imports <= {"torch", "runtime"} | set(sys.stdlib_module_names), (f, imports)
 
 
-def test_edited_folder_is_refused(tmp_path):
+def test_edited_folder_is_refused(folders, tmp_path):
     from partitioner.errors import PlanMismatchError
     from runtime.program import load_program
 
-    folder = tmp_path / "prog"
-    compile_to(folder, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
+    folder = _as_compiled(folders, tmp_path / "prog")
     stage = folder / "stage_1.py"
     stage.write_text(stage.read_text().replace("torch.ops.aten.gelu", "torch.ops.aten.relu", 1))
     with pytest.raises(PlanMismatchError, match="stage_1.py"):
@@ -218,9 +233,8 @@ def test_edited_folder_is_refused(tmp_path):
     assert "stage_1.py (changed)" in done.stdout + done.stderr
 
 
-def test_wrong_world_size_is_a_clear_error(tmp_path):
-    folder = tmp_path / "prog"
-    compile_to(folder, tiny_gpt(), devices=2, num_stages=2, microbatches=4)
+def test_wrong_world_size_is_a_clear_error(folders, tmp_path):
+    folder = _as_compiled(folders, tmp_path / "prog")
     command = torchrun_command(folder / "train.py", 1, args=["--steps", "1"])
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=run_env())
     assert done.returncode != 0

@@ -5,7 +5,6 @@ in words."""
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from partitioner.solver.problem import schedule_refusal
 from partitioner.workload import Workload
 from runtime import data
 from runtime.program import Program
-from _programs import run_folders
+from _shared_launch import Job, prepare
 
 
 class UsersNet(nn.Module):
@@ -73,18 +72,24 @@ GRID = [(2, 4, 2, "1f1b"), (2, 2, 2, "1f1b"), (2, 3, None, "1f1b"), (2, 1, 2, "g
         (4, 4, 2, "gpipe")]
 
 
-def test_every_plan_over_a_grid_of_devices_stages_and_batches_runs_a_step(tmp_path):
-    by_world: dict[int, list[Path]] = defaultdict(list)
+@prepare
+def _grid(root: Path):
+    """Every plan of GRID, each trained one step in the session's shared launch of its world size."""
+    plans, jobs = [], []
     for devices, global_batch, stages, schedule in GRID:
-        folder = tmp_path / f"d{devices}_b{global_batch}_p{stages}_{schedule}"
+        folder = root / f"d{devices}_b{global_batch}_p{stages}_{schedule}"
         plan = partitioner.compile(users_workload(1), cluster=ClusterSpec.homogeneous(devices, "cpu"),
                                    global_batch=global_batch, num_stages=stages, schedule=schedule)
+        plan.save(folder)
+        plans.append((folder, global_batch, plan))
+        jobs.append(Job(plan.world_size, [folder, "--steps", "1"]))
+    return plans, jobs
+
+
+def test_every_plan_over_a_grid_of_devices_stages_and_batches_runs_a_step(shared_launches):
+    plans, _ = shared_launches.result(_grid)
+    assert len(plans) == len(GRID)
+    for folder, global_batch, plan in plans:
         assert schedule_refusal(plan.schedule, plan.num_stages, plan.num_microbatches) is None
         assert plan.dp * plan.num_microbatches * plan.microbatch_size == global_batch
-        plan.save(folder)
-        by_world[plan.world_size].append(folder)
-    for world_size, folders in sorted(by_world.items()):
-        run_folders(world_size, folders, steps=1)
-    for folders in by_world.values():
-        for folder in folders:
-            assert (folder / "run" / "metrics.jsonl").read_text().count("\n") == 1, folder
+        assert (folder / "run" / "metrics.jsonl").read_text().count("\n") == 1, folder

@@ -7,25 +7,25 @@ resumed at tp 1 (and 2 stages) and the other way round (Note [tensor-parallel pi
 under bf16-mixed and fp16-mixed, and tp 2 x dp 2 with ZeRO-1 whose checkpoint resumes at tp 1 x
 dp 4 (Note [sharded state with tensor parallelism]).
 
-Two launches in all (runtime/run_many.py): every 2-rank job in one, every 4-rank job in the other.
+Every job joins the session's shared launches (tests/_shared_launch.py): the 2-rank jobs in the
+2-worker launch, the 4-rank ones in the 4-worker launch.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from _programs import compile_to
+from _shared_launch import Job, prepare
 from partitioner.models import hf_gpt2, hf_llama
 from partitioner.verify import check_run, read_program_run, train_oracle
 from runtime.checkpoint.load import read_shard
 from runtime.checkpoint.manifest import read_manifest
 from runtime.program import load_program
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
 
 
 def llama():
@@ -36,16 +36,9 @@ def gpt2():
     return hf_gpt2(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
-def _launch(world: int, jobs: list[list[str]]) -> None:
-    args = [a for job in jobs for a in ("--", *job)][1:]
-    done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
+@prepare
+def _tp_programs(root: Path):
+    """A new job joins the shared launch of its world size: one more Job(world, job(...)) below."""
     options = dict(global_batch=4, microbatches=2)
     plans = {
         "tp2": compile_to(root / "tp2", llama(), devices=2, num_stages=1, tensor_parallel=2, **options),
@@ -63,13 +56,19 @@ def runs(tmp_path_factory):
                 "--run-dir", str(root / run)]
 
     plans.update(_mixed_and_sharded_plans(root, options))
-    _launch(2, [job("tp2", 2, "ck_a", "run_a"),        # tp 2, then resumed at tp 1 (run_c)
-                      job("pp2", 2, "ck_b", "run_b"),        # tp 1, then resumed at tp 2 (run_d)
-                      job("pp2", 4, "ck_a", "run_c"),
-                      job("tp2", 4, "ck_b", "run_d")] + _mixed_jobs(job))
-    _launch(4, [job("tp2pp2", 3, "ck_e", "run_e"), job("gpt2", 3, "ck_f", "run_f"),
-                job("tp2dp2", 3, "ck_g", "run_g")] + _sharded_jobs(job))
-    return root, plans
+    jobs = [Job(2, job("tp2", 2, "ck_a", "run_a")),        # tp 2, then resumed at tp 1 (run_c)
+            Job(2, job("pp2", 2, "ck_b", "run_b")),        # tp 1, then resumed at tp 2 (run_d)
+            Job(2, job("pp2", 4, "ck_a", "run_c")),
+            Job(2, job("tp2", 4, "ck_b", "run_d"))] + [Job(2, j) for j in _mixed_jobs(job)]
+    jobs += [Job(4, job("tp2pp2", 3, "ck_e", "run_e")), Job(4, job("gpt2", 3, "ck_f", "run_f")),
+             Job(4, job("tp2dp2", 3, "ck_g", "run_g"))] + [Job(4, j) for j in _sharded_jobs(job)]
+    return (root, plans), jobs
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launches):
+    """Trained in the session's shared launches (Note [shared launches] in tests/_shared_launch.py)."""
+    return shared_launches.result(_tp_programs)[0]
 
 
 # --- tp with mixed precision and with ZeRO-1 (Notes [tensor parallelism under autocast] in
