@@ -18,11 +18,10 @@ node 0, A100s on node 1): our plan is searched over every placement of stages on
 The last rows are a Llama-70B-like model (compile_large.py's configuration, traced on the meta
 device: its tensor-parallel figures come from passes/tensor_parallel.py) on 64 H100 (8 per node),
 searched without and with tensor parallelism (Note [one enumeration] in partitioner/solver/space.py,
-Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py): under bf16-mixed (the
-H100 default) tp x pp x dp in the cost model, which the runtime does not run yet (tp with dp > 1
-or mixed precision is refused: Note [what tensor parallelism runs with]), and under fp32, where
-the runnable space is tp x pp at dp 1. Megatron-LM's published layout for 70B is tp 8 within a
-node, pipeline across nodes.
+Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py), under bf16-mixed (the
+H100 default) and fp32: tp x pp x dp with sharded optimizer state allowed, all of which the
+runtime runs (Note [what tensor parallelism runs with]). Megatron-LM's published layout for 70B
+is tp 8 within a node, pipeline across nodes.
 The interleaved rows (``--interleaved-only`` prints just them) put 1F1B over the devices next to
 interleaved 1F1B at v = 2 and 4 stages per rank on the same model, cluster and microbatches (Note
 [interleaved pricing] in partitioner/solver/interleaved.py), sublayer granularity: the step time the
@@ -98,11 +97,8 @@ def llama70b_rows(time_limit_s: float) -> None:
     config = SolverConfig(time_limit_s=time_limit_s)
     for precision, (problem, cluster) in llama70b_problems().items():
         degrees = degrees_to_search(cluster, lambda tp: 64 % tp == 0)  # the heads
-        searches = [("pp x dp (tp 1)", dict(tp_degrees=(1,)))]
-        if precision == "fp32":
-            searches.append(("tp x pp, dp 1 (what the runtime runs)", dict(tp_degrees=degrees, tp_dp=False)))
-        else:
-            searches.append(("tp x pp x dp (cost model only)", dict(tp_degrees=degrees, tp_dp=True)))
+        searches = [("pp x dp (tp 1)", dict(tp_degrees=(1,))),
+                    ("tp x pp x dp", dict(tp_degrees=degrees, tp_dp=True, tp_shard=True))]
         for name, kwargs in searches:
             try:
                 sol = solve(problem, cluster, 512, config=config, shard="auto", **kwargs)
