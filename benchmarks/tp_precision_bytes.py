@@ -8,10 +8,11 @@ The same model and counting as benchmarks/tensor_parallel.py (hf-llama 2 layers,
 heads, vocab 512, seq 64; global batch 8, 2 microbatches; 2 CPU ranks, gloo): each step runs
 inside benchmarks/_tp_bytes_worker.py's dispatch mode, which adds up the payloads of the
 functional collectives DTensor issues (the first step is left out). The model's figure is the
-compiled problem's ``tp_comm_bytes`` x microbatch size x microbatches x 2, as there; under
-bf16-mixed ``precision_problem`` prices those payloads at 2 bytes an element. The vocab lookup's
-all-reduce stays fp32 in the program (an embedding is not autocast), so the measured bf16 ratio is
-above one half by that collective's share.
+payload ``modelled_bytes`` prices there (forward all-reduces and all-gathers, backward
+all-reduces per sample x the step's samples, plus the per-step gathers: Note [tensor-parallel
+traffic]); under bf16-mixed ``precision_problem`` prices them at 2 bytes an element, except the
+vocab lookup's all-reduce (``tp_lookup_bytes``), which stays fp32 in the program (an embedding is
+not autocast), and the per-step gradient gathers (fp32 gradients).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main(argv=None) -> dict:
             folder = Path(tmp) / precision
             compiled.save(folder)
             rows = measure_bytes(folder, args.steps, Path(tmp) / f"bytes_{precision}")
-            out[precision] = {"measured": rows[0]["total"], "model": modelled_bytes(compiled)["step_bytes"],
+            out[precision] = {"measured": rows[0]["total"], "model": modelled_bytes(compiled)["payload_bytes"],
                               "calls": rows[0]["calls"]}
     print(f"hf-llama {SPEC}, tp 2 on 2 CPU ranks (gloo), global batch {GLOBAL_BATCH}, {MICROBATCHES} microbatches; "
           f"tensor-parallel collective payload bytes per rank per step ({args.steps} steps, first left out)")

@@ -104,6 +104,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             tp_sharded_param_bytes=int(r.tp_sharded_param_bytes),
             tp_comm_bwd_bytes=-(-r.tp_comm_bwd_bytes // batch_size),
             tp_gather_bytes=-(-r.tp_gather_bytes // batch_size),
+            tp_lookup_bytes=-(-r.tp_lookup_bytes // batch_size),
             tp_step_gather_bytes=int(r.tp_step_gather_bytes),
             tp_fwd_collectives=r.tp_collectives[0], tp_bwd_collectives=r.tp_collectives[1],
             tp_step_collectives=r.tp_collectives[2],

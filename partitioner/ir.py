@@ -90,7 +90,9 @@ class TpMeta:
     ``comm_bytes`` the payload of the all-reduce it adds in forward, ``comm_bwd_bytes`` that of the
     all-reduce it adds in backward, ``gather_bytes`` the whole output a forward all-gather
     assembles (a vocab-split head's logits); per step: ``step_gather_bytes``, on a get_attr node,
-    the bytes of a replicated parameter whose gradient is all-gathered after the schedule.
+    the bytes of a replicated parameter whose gradient is all-gathered after the schedule;
+    ``lookup_bytes``: of ``comm_bytes``, a vocab-split lookup's, which autocast leaves in the
+    embedding's dtype (Note [tensor parallelism under autocast] in runtime/tensor_parallel.py).
     ``sharded_param_bytes``: on a get_attr node, the bytes of its parameter that the tensor group
     divides; ``divisor``: what the degree must divide (0: nothing)."""
 
@@ -101,6 +103,7 @@ class TpMeta:
     comm_bwd_bytes: int = 0
     gather_bytes: int = 0
     step_gather_bytes: int = 0
+    lookup_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ class RegionRow:
     tp_comm_bwd_bytes: int = 0
     tp_gather_bytes: int = 0
     tp_step_gather_bytes: int = 0
+    tp_lookup_bytes: int = 0  # of tp_comm_bytes, the vocab lookups' (not autocast: the model's dtype)
     tp_collectives: tuple[int, int, int] = (0, 0, 0)  # (forward, backward, per step)
 
 
@@ -498,6 +499,7 @@ def _tp_figures(metas) -> dict:
         tp_comm_bwd_bytes=sum(m.comm_bwd_bytes for m in metas),
         tp_gather_bytes=sum(m.gather_bytes for m in metas),
         tp_step_gather_bytes=sum(m.step_gather_bytes for m in metas),
+        tp_lookup_bytes=sum(m.lookup_bytes for m in metas),
         tp_collectives=(sum(1 for m in metas if m.comm_bytes or m.gather_bytes),
                         sum(1 for m in metas if m.comm_bwd_bytes),
                         sum(1 for m in metas if m.step_gather_bytes)))

@@ -211,7 +211,8 @@ def annotate_tensor_parallel(gm: fx.GraphModule) -> fx.GraphModule:
         ir.put(n, ir.TP, ir.TpMeta(role=(r or "replicated") if is_layer else None, comm_bytes=int(comm),
                                    sharded_param_bytes=int(param), divisor=int(divisor.get(n, 0)),
                                    comm_bwd_bytes=int(comm_bwd), gather_bytes=int(out_bytes if head else 0),
-                                   step_gather_bytes=int(step)))
+                                   step_gather_bytes=int(step),
+                                   lookup_bytes=int(comm if r == "vocab" and not head else 0)))
     return gm
 
 

@@ -17,8 +17,8 @@ solve, so the ILP, the chain DP, the checker and the baselines all see them alik
   gradient and a vocab-split head's logits are autocast's dtype, so ``tp_comm_bytes``,
   ``tp_comm_bwd_bytes`` and ``tp_gather_bytes`` (traced in the model's dtype, passes/tensor_parallel.py)
   are priced at 2 bytes an element (Note [tensor parallelism under autocast] in
-  runtime/tensor_parallel.py). The vocab lookup's all-reduce stays fp32 (an embedding is not
-  autocast): one of a model's collectives, priced at half its bytes. The per-step gathers of split
+  runtime/tensor_parallel.py), except the vocab lookup's all-reduce (``tp_lookup_bytes``, part of
+  ``tp_comm_bytes``), which stays fp32: an embedding is not autocast. The per-step gathers of split
   gradients (``tp_step_gather_bytes``) move fp32 gradients and keep their traced bytes;
 - what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
   the tensors crossing a stage boundary are cast back to the plan's dtype, so pipeline
@@ -68,7 +68,8 @@ def precision_problem(problem, precision: str, param_elem_bytes: int):
                                         optimizer_bytes=int(opt)))
     # tensor parallelism's collectives move the compute dtype (Note [tensor parallelism under autocast])
     regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio)),
-                                        tp_comm_bytes=int(round(r.tp_comm_bytes * ratio)),
+                                        tp_comm_bytes=int(round((r.tp_comm_bytes - r.tp_lookup_bytes) * ratio))
+                                        + r.tp_lookup_bytes,
                                         tp_comm_bwd_bytes=int(round(r.tp_comm_bwd_bytes * ratio)),
                                         tp_gather_bytes=int(round(r.tp_gather_bytes * ratio)))
                     for r in problem.regions)

@@ -122,6 +122,8 @@ class RegionCost:
     tp_comm_bwd_bytes: int = 0
     tp_gather_bytes: int = 0
     tp_step_gather_bytes: int = 0
+    # Of tp_comm_bytes, the vocab lookups' all-reduce: the embedding's dtype under autocast too.
+    tp_lookup_bytes: int = 0
     # How many collectives those are: per microbatch forward, backward, and per step.
     tp_fwd_collectives: int = 0
     tp_bwd_collectives: int = 0
@@ -152,7 +154,7 @@ class RegionCost:
                      "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
                      "transient_fixed_bytes", "tp_comm_bytes", "tp_sharded_param_bytes", "tp_comm_bwd_bytes",
                      "tp_gather_bytes", "tp_step_gather_bytes", "tp_fwd_collectives", "tp_bwd_collectives",
-                     "tp_step_collectives", "fwd_ops", "bwd_ops",
+                     "tp_step_collectives", "fwd_ops", "bwd_ops", "tp_lookup_bytes",
                      "tp_sharded_activation_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):

@@ -159,10 +159,16 @@ def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_byt
         compiled = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=4,
                                        num_stages=1, microbatches=2, tensor_parallel=2, precision=precision)
         assert compiled.plan.tensor_parallel == 2 and compiled.plan.training["precision"] == precision
-        per_precision[precision] = sum(r.tp_comm_bytes for r in compiled.problem.regions)
-    assert per_precision["fp32"] > 0
-    assert per_precision["fp16-mixed"] == pytest.approx(per_precision["fp32"] / 2, abs=8)
+        regions = compiled.problem.regions
+        per_precision[precision] = [sum(getattr(r, f) for r in regions) for f in
+                                    ("tp_comm_bytes", "tp_comm_bwd_bytes", "tp_gather_bytes", "tp_lookup_bytes")]
+    comm, bwd, gather, lookup = per_precision["fp32"]
+    assert comm > lookup > 0 and bwd > 0 and gather > 0
+    # the vocab lookup's all-reduce stays in the embedding's fp32; everything else moves 2 bytes
+    assert per_precision["fp16-mixed"] == pytest.approx([(comm - lookup) / 2 + lookup, bwd / 2, gather / 2, lookup],
+                                                        abs=8)
     gpu = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "h100"), global_batch=4, num_stages=1,
                               microbatches=2, tensor_parallel=2)  # bf16-mixed, the GPU default
     assert gpu.plan.tensor_parallel == 2 and gpu.plan.training["precision"] == "bf16-mixed"
-    assert sum(r.tp_comm_bytes for r in gpu.problem.regions) == per_precision["fp16-mixed"]
+    assert [sum(getattr(r, f) for r in gpu.problem.regions) for f in
+            ("tp_comm_bytes", "tp_comm_bwd_bytes", "tp_gather_bytes", "tp_lookup_bytes")] == per_precision["fp16-mixed"]
