@@ -296,11 +296,16 @@ def region_step_s(region: RegionCost, device: DeviceSpec) -> float:
 def microbatch_overhead_s(problem: PartitionProblem, device: DeviceSpec) -> float:
     """Seconds a stage on ``device`` pays per microbatch beyond its regions (Note [whole-step
     terms]): the problem's measured figure for the device's kind, else the kind's preset, else 0."""
-    measured = (problem.microbatch_overhead_s_by_kind or {}).get(device.kind)
-    if measured is not None:
-        return measured
-    preset = DEVICE_PRESETS.get(device.kind)
-    return preset.microbatch_overhead_s if preset is not None else 0.0
+    return measured_or_preset(problem.microbatch_overhead_s_by_kind, device.kind, "microbatch_overhead_s")
+
+
+def measured_or_preset(measured: Mapping[str, float] | None, kind: str, preset_field: str) -> float:
+    """A device kind's fixed cost: the problem's measured figure for ``kind``, else the kind's
+    preset ``DevicePreset.<preset_field>``, else 0."""
+    if measured and measured.get(kind) is not None:
+        return float(measured[kind])
+    preset = DEVICE_PRESETS.get(kind)
+    return float(getattr(preset, preset_field)) if preset is not None else 0.0
 
 
 def core_sharing_factor(

@@ -28,18 +28,14 @@ Note [recompute fixed cost]
 
 from __future__ import annotations
 
-from partitioner.cluster import DEVICE_PRESETS, DeviceSpec
-from partitioner.solver.problem import PartitionProblem, RegionCost, region_times_s
+from partitioner.cluster import DeviceSpec
+from partitioner.solver.problem import PartitionProblem, RegionCost, measured_or_preset, region_times_s
 
 
 def recompute_fixed_s(problem: PartitionProblem, device: DeviceSpec) -> float:
     """Seconds a recomputed region costs a microbatch on ``device`` beyond its forward: the
     problem's measured figure for the kind, else the kind's preset, else 0."""
-    measured = (problem.recompute_fixed_s_by_kind or {}).get(device.kind)
-    if measured is not None:
-        return measured
-    preset = DEVICE_PRESETS.get(device.kind)
-    return preset.recompute_fixed_s if preset is not None else 0.0
+    return measured_or_preset(problem.recompute_fixed_s_by_kind, device.kind, "recompute_fixed_s")
 
 
 def recompute_s(problem: PartitionProblem, region: RegionCost, device: DeviceSpec, microbatch_size: int) -> float:

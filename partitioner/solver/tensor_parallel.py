@@ -148,12 +148,9 @@ def skew(problem, kind: str) -> float:
 
 
 def _overhead(measured, kind: str, preset_field: str) -> float:
-    from partitioner.cluster import DEVICE_PRESETS
+    from partitioner.solver.problem import measured_or_preset
 
-    if measured and kind in measured:
-        return float(measured[kind])
-    preset = DEVICE_PRESETS.get(kind)
-    return float(getattr(preset, preset_field)) if preset is not None else 0.0
+    return measured_or_preset(measured, kind, preset_field)
 
 
 def sent_bytes(region, tp: int) -> tuple[float, float, float]:
