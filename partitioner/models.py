@@ -33,8 +33,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        # Megatron's fused layout: qkv's rows grouped by head (each head's q, k, v together), so a
+        # tensor group's contiguous slice of them is whole heads and the projection shards
+        # column-wise (Note [tensor-parallel roles] in passes/tensor_parallel.py)
+        per_head = self.qkv(x).view(batch, seq, self.heads, 3 * (width // self.heads))
+        q, k, v = (t.transpose(1, 2) for t in per_head.split(width // self.heads, dim=3))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

@@ -131,6 +131,10 @@ class RegionCost:
     # Saved activation bytes per sample a tensor group splits (Note [sharded activations] in
     # passes/tp_activations.py): part of activation_bytes_per_sample.
     tp_sharded_activation_bytes_per_sample: int = 0
+    # Forward + backward FLOPs per sample a tensor group divides (passes/tp_activations.py
+    # ``sharded_flops``: the column/row/vocab matmuls and the attention between them); None (a
+    # problem built by hand) takes the region's sharded parameter share as its FLOP share.
+    tp_sharded_flops_per_sample: float | None = None
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -157,8 +161,23 @@ class RegionCost:
                      "tp_step_collectives", "fwd_ops", "bwd_ops", "tp_lookup_bytes",
                      "tp_sharded_activation_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
+        if self.tp_sharded_flops_per_sample is not None:
+            _check_nonneg(owner, "tp_sharded_flops_per_sample", self.tp_sharded_flops_per_sample, integer=False)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
             raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")
+
+    @property
+    def tp_param_share(self) -> float:
+        """The fraction of the region's parameter bytes a tensor group divides (Note [tensor groups])."""
+        return min(1.0, self.tp_sharded_param_bytes / self.param_bytes) if self.param_bytes else 0.0
+
+    @property
+    def tp_flop_share(self) -> float:
+        """The fraction of the region's FLOPs a tensor group divides (Note [tensor-parallel pricing])."""
+        if self.tp_sharded_flops_per_sample is None:
+            return self.tp_param_share
+        total = self.fwd_flops_per_sample + self.bwd_flops_per_sample
+        return min(1.0, self.tp_sharded_flops_per_sample / total) if total else 0.0
 
     @property
     def static_bytes(self) -> int:

@@ -69,7 +69,7 @@ def tp_problem(problem, tp: int):
         return problem
     regions = []
     for r in problem.regions:
-        share = min(1.0, r.tp_sharded_param_bytes / r.param_bytes) if r.param_bytes else 0.0
+        share = r.tp_param_share
 
         def per_group(nbytes: int) -> int:  # replicated part on every member, sharded part once
             return int(round(nbytes * (1 - share) * tp + nbytes * share))
@@ -88,12 +88,14 @@ def tp_problem(problem, tp: int):
 
 # Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (this
 # part is the solver's; ``group_cluster`` gives a group tp x one member's FLOP/s and memory):
-# - compute: a region's FLOPs split in proportion to its sharded parameter bytes (its matmuls and
-#   the attention between them split on heads / features, Megatron's pairing); the rest (norms,
-#   a region without sharded parameters) runs whole on every member, so counts tp times against
-#   the group's tp x FLOP/s. The parameter share stands in for the FLOP share: on a transformer
-#   block both are > 99.9% (norm weights are the only replicated parameters); smaller matmuls'
-#   lower efficiency is not priced;
+# - compute: the FLOPs of a region's split nodes (``RegionCost.tp_sharded_flops_per_sample``,
+#   passes/tp_activations.py ``sharded_flops``: its column, row and vocab matmuls and the attention
+#   between them, split on heads / features, Megatron's pairing) are divided by tp; the rest (norms,
+#   residual adds) runs whole on every member, so counts tp times against the group's tp x FLOP/s.
+#   Counted per node, not by the parameter share (which stood in for it before): a tied vocab head
+#   holds no parameter bytes of its own, and the attention core's FLOPs have no parameter at all.
+#   Smaller matmuls' lower efficiency is priced where the device has a matmul rate model
+#   (partitioner/solver/gpu_cost.py), not here;
 # - collectives (Note [tensor-parallel traffic] in passes/tensor_parallel.py): per microbatch, every
 #   member all-reduces the region's ``tp_comm_bytes`` per sample and all-gathers its
 #   ``tp_gather_bytes`` (a vocab-split head's logits) in forward, and all-reduces its
@@ -177,7 +179,7 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
         rate_of.setdefault(device.kind, device.flops_per_s)
     regions = []
     for original, r in zip(problem.regions, grouped.regions):
-        share = min(1.0, original.tp_sharded_param_bytes / original.param_bytes) if original.param_bytes else 0.0
+        share = original.tp_flop_share
         whole = share + (1 - share) * tp  # FLOPs in units of one group's rate
         split = min(original.tp_sharded_activation_bytes_per_sample, original.activation_bytes_per_sample)
         changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,

@@ -21,7 +21,7 @@ import torch
 
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from partitioner.models import hf_gpt2, hf_llama
+from partitioner.models import gpt, hf_gpt2, hf_llama
 from partitioner.verify import check_run, read_program_run, train_oracle
 from runtime.checkpoint.load import read_shard
 from runtime.checkpoint.manifest import read_manifest
@@ -36,6 +36,11 @@ def gpt2():
     return hf_gpt2(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
+def builtin_gpt():
+    """The built-in GPT: a fused qkv in Megatron's per-head layout, split column-wise."""
+    return gpt(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
+
+
 @prepare
 def _tp_programs(root: Path):
     """A new job joins the shared launch of its world size: one more Job(world, job(...)) below."""
@@ -47,6 +52,8 @@ def _tp_programs(root: Path):
         "tp2pp2": compile_to(root / "tp2pp2", llama(), devices=4, num_stages=2, tensor_parallel=2,
                              clip_grad_norm=0.05, **options),
         "gpt2": compile_to(root / "gpt2", gpt2(), devices=4, num_stages=2, tensor_parallel=2, **options),
+        "gpt_tp2": compile_to(root / "gpt_tp2", builtin_gpt(), devices=2, num_stages=1, tensor_parallel=2,
+                              **options),
         "tp2dp2": compile_to(root / "tp2dp2", llama(), devices=4, num_stages=1, dp=2, tensor_parallel=2,
                              global_batch=8, microbatches=2),
     }
@@ -59,7 +66,8 @@ def _tp_programs(root: Path):
     jobs = [Job(2, job("tp2", 2, "ck_a", "run_a")),        # tp 2, then resumed at tp 1 (run_c)
             Job(2, job("pp2", 2, "ck_b", "run_b")),        # tp 1, then resumed at tp 2 (run_d)
             Job(2, job("pp2", 4, "ck_a", "run_c")),
-            Job(2, job("tp2", 4, "ck_b", "run_d"))] + [Job(2, j) for j in _mixed_jobs(job)]
+            Job(2, job("tp2", 4, "ck_b", "run_d")),
+            Job(2, job("gpt_tp2", 3, "ck_h", "run_h"))] + [Job(2, j) for j in _mixed_jobs(job)]
     jobs += [Job(4, job("tp2pp2", 3, "ck_e", "run_e")), Job(4, job("gpt2", 3, "ck_f", "run_f")),
              Job(4, job("tp2dp2", 3, "ck_g", "run_g"))] + [Job(4, j) for j in _sharded_jobs(job)]
     return (root, plans), jobs
@@ -122,6 +130,9 @@ def test_the_stage_file_shows_what_is_split(runs):
     assert "#   model.layers.0.mlp.down_proj.weight | row-parallel | 1 | [32, 80] -> [32, 40]" in text
     assert '"model.embed_tokens.weight": 0,' in text and "tensor_parallel.vocab_embedding(" in text
     assert "model.norm.weight\": " not in text.split("TENSOR_PARALLEL = {")[1].split("}")[0]
+    fused = (root / "gpt_tp2" / "stage_0.py").read_text()
+    assert "#   blocks.0.attn.qkv.weight | column-parallel | 0 | [96, 32] -> [48, 32]" in fused
+    assert "#   blocks.0.attn.proj.weight | row-parallel | 1 | [32, 32] -> [32, 16]" in fused
     program = load_program(str(root / "tp2pp2"))
     assert program.tensor_parallel == 2 and program.world_size == 4
     assert [(e.rank, e.stages, e.tp_index) for e in program.ranks] == [(0, (0,), 0), (1, (0,), 1),
@@ -129,7 +140,8 @@ def test_the_stage_file_shows_what_is_split(runs):
 
 
 @pytest.mark.parametrize("name, run, workload", [("tp2", "run_a", llama), ("tp2pp2", "run_e", llama),
-                                                 ("gpt2", "run_f", gpt2), ("tp2dp2", "run_g", llama)])
+                                                 ("gpt2", "run_f", gpt2), ("tp2dp2", "run_g", llama),
+                                                 ("gpt_tp2", "run_h", builtin_gpt)])
 def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
     """verify's verdict: losses, every final parameter, the gradient norm, with keyed dropout
     (and clipping on tp2pp2)."""
