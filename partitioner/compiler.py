@@ -130,6 +130,10 @@ def compile_workload(
             measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"],
                                      tensor_parallel=weighs_tp)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
+    # Note [accelerator roofline]: a GPU kind nothing was measured on is priced from published rates
+    from partitioner.calibrate.datasheet import datasheet_profiles
+
+    profiles += datasheet_profiles(cluster, training["precision"], measured_kinds={p.kind for p in profiles})
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)

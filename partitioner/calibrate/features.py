@@ -107,10 +107,13 @@ def group_features(nodes: Iterable[fx.Node], requires_grad: set[str]) -> tuple[F
     return fwd, bwd
 
 
-def region_features(gm: fx.GraphModule) -> list[tuple[Features, Features]]:
-    """(forward, backward) terms per region id, at the traced batch."""
+def region_features(gm: fx.GraphModule, only: set[fx.Node] | None = None) -> list[tuple[Features, Features]]:
+    """(forward, backward) terms per region id, at the traced batch; of the nodes in ``only``
+    when given (a region without any has zero terms)."""
     members: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        members.setdefault(ir.get(node, ir.REGION).region_id, []).append(node)
+        members.setdefault(ir.get(node, ir.REGION).region_id, [])
+        if only is None or node in only:
+            members[ir.get(node, ir.REGION).region_id].append(node)
     needs = requires_grad_nodes(gm)
     return [group_features(members[r], needs) for r in sorted(members)]

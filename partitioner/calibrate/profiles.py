@@ -118,22 +118,36 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     kinds = [p.kind for p in profiles]
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"two profiles for the same device kind {kinds}: give one per kind")
+    from partitioner.calibrate.datasheet import optimizer_step_s
+    from passes.tp_activations import tp_divided_nodes
+
     features = region_features(gm)
     if len(features) != problem.num_regions:
         raise AssertionError(f"{len(features)} region feature rows for {problem.num_regions} regions")
+    divided = region_features(gm, only=tp_divided_nodes(gm))  # Note [tensor-parallel pricing]
     regions = []
-    for region, (fwd, bwd) in zip(problem.regions, features):
+    for region, (fwd, bwd), (split_fwd, split_bwd) in zip(problem.regions, features, divided):
         fwd_by_kind = dict(region.fwd_s_per_sample_by_kind or {})
         bwd_by_kind = dict(region.bwd_s_per_sample_by_kind or {})
         fwd_fixed = dict(region.fwd_s_per_microbatch_by_kind or {})
         bwd_fixed = dict(region.bwd_s_per_microbatch_by_kind or {})
+        split_fraction = dict(region.tp_split_fraction_by_kind or {})
+        step = dict(region.step_s_by_kind or {})
         for profile in profiles:
             f_s, b_s = profile.region_seconds(fwd, bwd)
             fwd_fixed[profile.kind], bwd_fixed[profile.kind] = profile.fixed_seconds(fwd, bwd)
             fwd_by_kind[profile.kind] = (f_s - fwd_fixed[profile.kind]) / batch_size
             bwd_by_kind[profile.kind] = (b_s - bwd_fixed[profile.kind]) / batch_size
+            # the per-op part excluded: a tensor group's members each run every op
+            whole = f_s + b_s - sum(profile.fixed_seconds(fwd, bwd))
+            split = sum(profile.region_seconds(split_fwd, split_bwd)) - sum(profile.fixed_seconds(split_fwd, split_bwd))
+            split_fraction[profile.kind] = min(1.0, split / whole) if whole > 0 else 0.0
+            if profile.meta.get("source") == "datasheet":  # Note [accelerator roofline]: AdamW's step
+                step[profile.kind] = step.get(profile.kind, 0.0) + optimizer_step_s(region.param_bytes, profile.kind)
         regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
-                               fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed))
+                               fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
+                               tp_split_fraction_by_kind=split_fraction,
+                               step_s_by_kind={k: v for k, v in step.items() if v} or None))
     measured = {}
     for name, field_name in (("microbatch_overhead_s", "microbatch_overhead_s_by_kind"),
                              ("dtensor_op_s", "dtensor_op_s_by_kind"), ("tp_collective_s", "tp_collective_s_by_kind"),

@@ -145,6 +145,10 @@ class RegionCost:
     # the data-parallel all-reduce (tensor parallelism's gradient collectives: Note
     # [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py); None: nothing.
     step_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Of the region's measured seconds on a kind (the *_by_kind fields above), the fraction its
+    # split nodes take (passes/tp_activations.py): what a tensor group divides by tp there;
+    # None: the FLOP share (Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
+    tp_split_fraction_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Ops the region runs per microbatch, forward and backward (calibrate's num_ops feature):
     # what a tensor group's DTensors dispatch one by one (Note [tensor-parallel overheads]).
     fwd_ops: int = 0
@@ -478,7 +482,7 @@ def plan_links(
         )
         for k in range(num_stages - 1)
     ]
-    dp_links = [cluster.slowest_link(list(row)) for row in placement]
+    dp_links = [cluster.allreduce_link(list(row)) for row in placement]  # Note [collectives as NCCL runs them]
     tie_link = None
     for r in range(dp):
         link = cluster.slowest_link([placement[s][r] for s in range(num_stages)])

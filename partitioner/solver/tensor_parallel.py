@@ -54,7 +54,8 @@ def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
             first, name=f"{first.name}..{members[-1].name}",
             memory_bytes=first.memory_bytes * tp, flops_per_s=first.flops_per_s * tp,
             memory_reserve_bytes=first.memory_reserve_bytes * tp))
-    return dataclasses.replace(cluster, devices=tuple(groups))
+    # Note [collectives as NCCL runs them]: each member all-reduces its own share of the group's gradients
+    return dataclasses.replace(cluster, devices=tuple(groups), collective_lanes=cluster.collective_lanes * tp)
 
 
 def tp_problem(problem, tp: int):
@@ -167,6 +168,10 @@ def sent_bytes(region, tp: int) -> tuple[float, float, float]:
             gather * region.tp_step_gather_bytes)
 
 
+def region_step_s(region, kind: str) -> float:
+    return (region.step_s_by_kind or {}).get(kind, 0.0)
+
+
 def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
     """``tp_problem`` with the compute and collectives of Note [tensor-parallel pricing] and the
     overheads of Note [tensor-parallel overheads]."""
@@ -186,9 +191,12 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
                        bwd_flops_per_sample=original.bwd_flops_per_sample * whole,
                        activation_bytes_per_sample=(original.activation_bytes_per_sample - split) * tp + split)
         fwd_sent, bwd_sent, step_sent = sent_bytes(original, tp)
-        fraction = share / tp + (1 - share)  # of one member's seconds
+        state_share = original.tp_param_share  # what divides the per-step seconds (AdamW's step)
         fwd, bwd, fwd_fixed, bwd_fixed, step = {}, {}, {}, {}, {}
         for kind, rate in rate_of.items():
+            # of one member's seconds: the split nodes' part of a profile's seconds, else the FLOP share
+            split = (original.tp_split_fraction_by_kind or {}).get(kind, share)
+            fraction = split / tp + (1 - split)
             per_collective = 2 * (tp - 1) * link.latency_s + collective_fixed_s(problem, kind)
             per_op = dtensor_op_s(problem, kind)
             drift = 1 + skew(problem, kind)  # the members wait for each other in proportion to what they compute
@@ -202,7 +210,8 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
                                         else 0.0) + original.fwd_ops * per_op) + original.tp_fwd_collectives * per_collective
             bwd_fixed[kind] = drift * (((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if b_meas is not None
                                         else 0.0) + original.bwd_ops * per_op) + original.tp_bwd_collectives * per_collective
-            step[kind] = original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
+            step[kind] = (original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
+                          + region_step_s(original, kind) * (state_share / tp + 1 - state_share))
         changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
                        fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
                        step_s_by_kind=step if any(step.values()) else None)
