@@ -95,6 +95,7 @@ def datasheet_profile(kind: str, precision: str) -> DeviceProfile | None:
                        s_per_other_flop=1.0 / rates.attention_flops_per_s[dtype],
                        s_per_byte=1.0 / rates.hbm_bytes_per_s, op_overhead_s=rates.kernel_floor_s)
     return DeviceProfile(kind=kind, forward=fit, backward=fit,
+                         optimizer_s_per_param_byte=ADAMW_BYTES_PER_PARAM_BYTE / rates.hbm_bytes_per_s,
                          meta={"source": "datasheet", "precision": precision,
                                "note": "Note [accelerator roofline] in partitioner/calibrate/datasheet.py"})
 
@@ -114,9 +115,3 @@ def datasheet_profiles(cluster: ClusterSpec, precision: str, *, measured_kinds=(
         if profile is not None:
             out.append(profile)
     return out
-
-
-def optimizer_step_s(param_bytes: float, kind: str) -> float:
-    """Seconds of AdamW's step over ``param_bytes`` of fp32 parameters on ``kind`` (0 without rates)."""
-    rates = RATES.get(kind)
-    return 0.0 if rates is None else ADAMW_BYTES_PER_PARAM_BYTE * param_bytes / rates.hbm_bytes_per_s

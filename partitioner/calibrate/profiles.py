@@ -41,7 +41,8 @@ class DirectionFit:
                 "memory_bytes_per_s": inv(self.s_per_byte), "op_overhead_s": self.op_overhead_s}
 
 
-_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew", "recompute_fixed_s")  # measured figures a profile may carry
+_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew", "recompute_fixed_s",
+             "optimizer_s_per_param_byte")  # measured figures a profile may carry
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class DeviceProfile:
     # Seconds a recomputed region costs a microbatch beyond its fitted forward, when measured
     # (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py); None: the preset's.
     recompute_fixed_s: float | None = None
+    # Seconds of the optimizer's step per parameter byte, paid once per step by the stage holding
+    # the parameter (Note [accelerator roofline] in partitioner/calibrate/datasheet.py); None: not priced.
+    optimizer_s_per_param_byte: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
@@ -118,7 +122,6 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     kinds = [p.kind for p in profiles]
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"two profiles for the same device kind {kinds}: give one per kind")
-    from partitioner.calibrate.datasheet import optimizer_step_s
     from passes.tp_activations import tp_divided_nodes
 
     features = region_features(gm)
@@ -142,8 +145,8 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
             whole = f_s + b_s - sum(profile.fixed_seconds(fwd, bwd))
             split = sum(profile.region_seconds(split_fwd, split_bwd)) - sum(profile.fixed_seconds(split_fwd, split_bwd))
             split_fraction[profile.kind] = min(1.0, split / whole) if whole > 0 else 0.0
-            if profile.meta.get("source") == "datasheet":  # Note [accelerator roofline]: AdamW's step
-                step[profile.kind] = step.get(profile.kind, 0.0) + optimizer_step_s(region.param_bytes, profile.kind)
+            if profile.optimizer_s_per_param_byte:  # Note [accelerator roofline]: AdamW's step
+                step[profile.kind] = step.get(profile.kind, 0.0) + profile.optimizer_s_per_param_byte * region.param_bytes
         regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
                                fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
                                tp_split_fraction_by_kind=split_fraction,
