@@ -40,6 +40,7 @@ PY = sys.executable
 BENCHMARKS = [
     ("solver_scaling", ["benchmarks/solver_scaling.py"], 420),
     ("partition_quality", ["benchmarks/partition_quality.py"], 600),  # with the traced Llama-70B tp rows
+    ("published_runs", ["benchmarks/published_runs.py", "--free", "--time-limit", "30"], 1200),  # Megatron's table
     ("trace_large", ["benchmarks/trace_large.py"], 180),
     ("compile_large", ["benchmarks/compile_large.py"], 240),
     ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 720),

@@ -17,6 +17,9 @@ Note [device presets]
         of 4.2 MB takes 5.7 ms, of 16.8 MB 14 ms, of 4 bytes 0.15 ms, one thread per rank, on
         this 2-core machine), 1.25e9 (10 GbE) across.
     Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
+    On the GPU kinds ``flops_per_s`` is only the fallback rate: without a measured profile they
+    are priced by the roofline of published rates in partitioner/calibrate/datasheet.py (Note
+    [accelerator roofline]), unless the cluster file sets ``flops_per_s`` for the group.
 
 Note [usable memory]
     The solver fills a device to its *usable* memory, not to what the datasheet says:

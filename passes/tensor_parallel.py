@@ -11,8 +11,10 @@ Note [tensor-parallel roles]: Megatron's pairing, read off the module tree.
   linear's output in forward (and one of the sublayer input's gradient in backward).
 - A sublayer is left **replicated** when that pairing does not hold (one linear, or several that
   feed the last), or when a column output is cut along its features before any per-head view (a
-  fused ``qkv`` linear followed by ``split``): sharding it on dim 0 would hand each rank a slice of
-  q, k and v of the wrong heads, and DTensor would repair it with an all-gather.
+  fused ``qkv`` linear followed by ``split``, GPT-2's layout): sharding it on dim 0 would hand each
+  rank a slice of q, k and v of the wrong heads, and DTensor would repair it with an all-gather. A
+  fused qkv viewed per head before its split (Megatron's layout: rows grouped by head, as the
+  built-in GPT lays them out) is column-parallel like q, k and v apart: a slice of rows is whole heads.
 - An embedding indexed by a model input (the token ids, maybe reshaped) is **vocab**-split (weight rows across the
   group; each rank looks up the ids it holds, one all-reduce of the output). A linear outside the
   blocks whose weight is such an embedding's (tied) or has its row count is the output head:

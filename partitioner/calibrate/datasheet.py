@@ -17,9 +17,9 @@ Note [accelerator roofline]
     widths) is not priced as if it ran at the matmul rate, and the matmul rate is what large
     GEMMs reach, not a blanket 40% of the datasheet (the preset ``flops_per_s``, which stays the
     rate of the fallback ``flops / flops_per_s`` for kinds without a table here).
-    Bytes are priced at the traced dtype (fp32 for a model built in fp32) under every policy:
-    under autocast the matmul outputs are 2 bytes but norms, softmax and the fp32 residual stream
-    stay 4 (torch's autocast lists), so the traced figure is the conservative side.
+    Bytes are priced in the dtype each op runs in under the policy (Note [bytes under autocast] in
+    partitioner/calibrate/features.py: a matmul's output and what follows it in the compute dtype,
+    norms, softmax and the fp32 residual stream in fp32), the traced dtype under fp32.
     The optimizer step is memory-bound too: AdamW reads and writes each parameter, its gradient
     and both moments (``ADAMW_BYTES_PER_PARAM_BYTE`` per parameter byte), priced per step on the
     stage holding them (``step_s_by_kind``). A cluster file that sets ``flops_per_s`` for a GPU

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from partitioner.calibrate.features import Features, region_features
+from partitioner.calibrate.features import Features, autocast_byte_scale, region_features
 
 
 FORMAT = "partitioner.profile/1"
@@ -124,12 +124,26 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
         raise ValueError(f"two profiles for the same device kind {kinds}: give one per kind")
     from passes.tp_activations import tp_divided_nodes
 
-    features = region_features(gm)
-    if len(features) != problem.num_regions:
-        raise AssertionError(f"{len(features)} region feature rows for {problem.num_regions} regions")
-    divided = region_features(gm, only=tp_divided_nodes(gm))  # Note [tensor-parallel pricing]
+    divided_nodes = tp_divided_nodes(gm)  # Note [tensor-parallel pricing]
+    traced = (region_features(gm), region_features(gm, only=divided_nodes))
+    if len(traced[0]) != problem.num_regions:
+        raise AssertionError(f"{len(traced[0])} region feature rows for {problem.num_regions} regions")
+    autocast = {}  # precision -> features with bytes under autocast (Note [bytes under autocast])
+    for profile in profiles:
+        precision = profile.meta.get("precision", "fp32")
+        if profile.meta.get("source") == "datasheet" and precision != "fp32" and precision not in autocast:
+            scale = autocast_byte_scale(gm)
+            autocast[precision] = (region_features(gm, byte_scale=scale),
+                                   region_features(gm, only=divided_nodes, byte_scale=scale))
+
+    def features_of(profile):
+        """A fitted profile keeps the traced bytes it was fitted on; the roofline moves autocast's."""
+        if profile.meta.get("source") == "datasheet":
+            return autocast.get(profile.meta.get("precision", "fp32"), traced)
+        return traced
+
     regions = []
-    for region, (fwd, bwd), (split_fwd, split_bwd) in zip(problem.regions, features, divided):
+    for r, region in enumerate(problem.regions):
         fwd_by_kind = dict(region.fwd_s_per_sample_by_kind or {})
         bwd_by_kind = dict(region.bwd_s_per_sample_by_kind or {})
         fwd_fixed = dict(region.fwd_s_per_microbatch_by_kind or {})
@@ -137,6 +151,8 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
         split_fraction = dict(region.tp_split_fraction_by_kind or {})
         step = dict(region.step_s_by_kind or {})
         for profile in profiles:
+            whole_features, split_features = features_of(profile)
+            (fwd, bwd), (split_fwd, split_bwd) = whole_features[r], split_features[r]
             f_s, b_s = profile.region_seconds(fwd, bwd)
             fwd_fixed[profile.kind], bwd_fixed[profile.kind] = profile.fixed_seconds(fwd, bwd)
             fwd_by_kind[profile.kind] = (f_s - fwd_fixed[profile.kind]) / batch_size
