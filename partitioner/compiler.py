@@ -149,13 +149,20 @@ def compile_workload(
         from passes.tensor_parallel import check_degree
 
         check_degree(gm, tp)
+    from partitioner.solver.grad_norm_cost import computes_global_norm
+    from partitioner.solver.space import StepTerms
+
+    # Note [terms outside the ILP]: the norm and the replica check weigh in the choice between candidates
+    step_terms = StepTerms(global_norm=computes_global_norm(training), sdc_every=training.get("sdc_every"))
+
     def solve_over(degrees):
         _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices"
                   + (f", tensor-parallel degrees {', '.join(map(str, degrees))}" if degrees != (1,) else ""))
         return solve_with_sharding(
             problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
             schedule=schedule, config=solver_config, progress=progress, tp_degrees=degrees,
-            tp_dp=True, tp_shard=True)  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
+            tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
+            step_terms=step_terms)
 
     # Note [tensor-parallel overheads]: with DTensor's dispatch and gloo's per-collective cost
     # priced, cpu compiles weigh every runnable degree like accelerators do

@@ -51,7 +51,7 @@ from partitioner.solver.model import CandidateModel, InconsistentBoundError, Sol
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
-from partitioner.solver.space import SearchSpace, Variant
+from partitioner.solver.space import SearchSpace, StepTerms, Variant
 
 __all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate",
            "solve_with_sharding"]
@@ -72,6 +72,7 @@ def solve(
     tp_degrees: tuple[int, ...] = (1,),
     tp_dp: bool = True,
     tp_shard: bool | None = None,
+    step_terms: "StepTerms | None" = None,
 ) -> Solution:
     """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
     (an argument given fixes it), times every variant (Note [one enumeration] in space.py):
@@ -83,20 +84,24 @@ def solve(
     PartitionInfeasibleError when nothing fits memory.
     ``schedule="auto"`` weighs every priced schedule (Note [schedule choice] in schedule_choice.py).
 
+    ``step_terms``: the per-step terms the program adds beside the ILP's objective (the global
+    gradient norm, the replica check: Note [terms outside the ILP] in space.py), weighed when
+    candidates are compared.
     ``progress(SolveProgress)``, if given, hears of the start, of every candidate finished (with
     the incumbent and the bound so far) and of the end; it does not change the result."""
     config = config if config is not None else SolverConfig()
     if schedule == AUTO:  # Note [schedule choice]
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress, shard=shard,
-                                  tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard)
+                                  tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)
     if schedule == "interleaved" and config.local_stages is None:  # Note [interleaved pricing]
         return solve_any_local_stages(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                       microbatches=microbatches, config=config, progress=progress, shard=shard,
-                                      tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard)
+                                      tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)
     local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
-    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard,
+                        step_terms=step_terms)
     candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
         if shard == "on":
