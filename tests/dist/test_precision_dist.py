@@ -122,6 +122,7 @@ def test_fp16_overflow_skips_everywhere(runs):
     oracle_skipped: list[bool] = []
     train_reference_from_folder(runs["fp16-mixed"], 3, skipped=oracle_skipped)
     assert skipped == oracle_skipped  # the same steps skipped as the oracle (loss scale 2**16 overflows)
+    assert any(skipped), "no step overflowed: the test would pass without loss scaling"
     assert rows[0]["loss_scale"] == 2.0 ** 16
     for before, after in zip(rows, rows[1:]):
         if after["skipped"]:
@@ -138,6 +139,7 @@ def test_sharded_checkpoint_resumes_at_another_dp(runs, dp):
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
     _, params, replica_diff = read_program_run(os.path.join(runs[f"dp{dp}"], "run"))
     assert replica_diff == 0.0
+    assert params and set(params) == set(state), "the run's final parameters must all be compared"
     for name, value in params.items():
         torch.testing.assert_close(value, state[name], rtol=1e-4, atol=1e-4)
 
