@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from partitioner.cluster import ClusterSpec, LinkSpec
 from partitioner.solver import SolverConfig, evaluate, solve
 from partitioner.solver.problem import Edge, PartitionProblem, RegionCost
@@ -45,3 +47,17 @@ def test_the_search_weighs_the_gradient_norm_between_candidates():
         pinned = solve(problem, cluster, 4, num_stages=p, dp=d, config=config)
         assert _full_s(seeing, problem, cluster) <= _full_s(pinned, problem, cluster) * (1 + 1e-9)
     assert "the gradient norm weighed between candidates" in seeing.optimal_over
+
+
+def test_baselines_split_the_plans_own_tensor_groups_with_its_step_terms():
+    """Note [fair baselines]: with --tp 2 --stages 1 the one-stage baselines are the plan itself
+    (same tensor groups, same gradient norm and replica check), not tp 1 on half the devices."""
+    from partitioner import compile
+    from partitioner.models import gpt
+
+    plan = compile(gpt(layers=2, width=64, heads=4, vocab=128, seq=16), cluster=ClusterSpec.homogeneous(8, "h100"),
+                   global_batch=16, tensor_parallel=2, num_stages=1, dp=4, clip_grad_norm=1.0).plan
+    ours = plan.predicted["step_time_s"]
+    assert plan.tensor_parallel == 2 and plan.predicted["grad_norm_s_per_step"] > 0
+    for name in ("uniform", "param_balanced"):
+        assert plan.baselines[name]["step_time_s"] == pytest.approx(ours, rel=1e-9), name
