@@ -88,8 +88,10 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
                         of the run's steps after the first), "predicted_step_time_s" (the plan's, or
                         null), "step_time_ratio" (measured / predicted) (Note [step time summary])
     final/rank_<r>.safetensors         rank r's parameters, original names
-    final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"
-    final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state
+    final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"; with sharded state (ZeRO-1)
+                                       this rank's pieces, "optim_shard/<name>/<key>" as in a checkpoint
+    final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state; with
+                                       sharded state optim_pieces {name: [start, end]} (and optim_tp_pieces)
     final/buffers_rank_<r>.safetensors rank r's mutable buffers (running statistics), original names
 
     checkpoint_stats_rank_<r>.jsonl    per checkpoint: step, stall_s, persist_s, bytes (commit_s on 0)

@@ -144,6 +144,25 @@ def test_sharded_checkpoint_resumes_at_another_dp(runs, dp):
         torch.testing.assert_close(value, state[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_sharded_runs_final_state_holds_each_ranks_pieces(runs):
+    """ZeRO-1's moments live on each rank's pieces: final/optim_rank_<r> holds them and their steps."""
+    from safetensors.torch import load_file
+
+    final = os.path.join(runs["dp2"], "run", "final")
+    covered: dict[str, int] = {}
+    for r in range(2):
+        tensors = load_file(os.path.join(final, f"optim_rank_{r}.safetensors"))
+        with open(os.path.join(final, f"optim_rank_{r}.json")) as f:
+            meta = json.load(f)
+        assert tensors and meta["optim_pieces"] and meta["param_steps"], (r, meta)
+        assert all(step == 2.0 for step in meta["param_steps"].values())  # two steps trained
+        for name, (start, end) in meta["optim_pieces"].items():
+            assert tensors[f"optim_shard/{name}/exp_avg"].numel() == end - start
+            covered[name] = covered.get(name, 0) + end - start
+    params = load_file(os.path.join(final, "rank_0.safetensors"))
+    assert covered == {name: t.numel() for name, t in params.items()}  # the replicas' pieces tile every parameter
+
+
 def test_plan_that_fits_only_sharded_is_chosen_and_runs(runs):
     from partitioner.plan import Plan
 
