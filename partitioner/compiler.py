@@ -105,6 +105,12 @@ def compile_workload(
     shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
     if shard not in ("auto", "on", "off"):
         raise ValueError(f"shard_optimizer={shard_optimizer!r} is not \"auto\", \"on\" or \"off\" (or a bool)")
+    if (training.get("sdc_every") or 0) > 0:  # Note [no replica check on sharded state] in runtime/sdc.py
+        if shard == "on":
+            raise ValueError(f"sdc_every={training['sdc_every']} with shard_optimizer on: the replica check cannot "
+                             "see corruption when the optimizer state is sharded (each piece is updated by its "
+                             "owner and gathered into every replica); drop --sdc-every, or --shard-optimizer off")
+        shard = "off"  # the check was asked for: only replicated state lets it see anything
     training["optimizer"] = {**training["optimizer"],
                              "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
     _progress(progress, "trace")
@@ -169,6 +175,8 @@ def compile_workload(
     solution, problem, cluster, sharded = solve_over(tp_degrees)
     tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
+    if training["shard_optimizer"]:  # Note [no replica check on sharded state] in runtime/sdc.py
+        training["sdc_every"] = 0
     if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate
         from partitioner.solver.sdc_cost import default_every
 

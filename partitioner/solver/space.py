@@ -126,8 +126,9 @@ class SearchSpace:
         if self.step_terms.any:
             from partitioner.solver.evaluate import evaluate
 
-            cost = evaluate(problem, cluster, assignment, sdc_every=self.step_terms.every(assignment.dp),
-                            global_norm=self.step_terms.global_norm)
+            # Note [no replica check on sharded state] in runtime/sdc.py: a sharded plan runs none
+            every = 0 if variant.sharded else self.step_terms.every(assignment.dp)
+            cost = evaluate(problem, cluster, assignment, sdc_every=every, global_norm=self.step_terms.global_norm)
             extra += cost.sdc_check_s + cost.grad_norm_s
         return extra
 
