@@ -171,6 +171,7 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
         pretrained = str(Path(pretrained).resolve())
         weights.weight_files(pretrained)  # the error about a folder without safetensors, now
     config = load_config(name, attn=attn)
+    use_cache = getattr(config, "use_cache", None)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # a traced training step keeps no key/value cache
     task = task or task_of(config, spec)
@@ -195,7 +196,10 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
                                                                    spec=spec, image=image)
     if device == "meta":
         example_args = tuple(a.to("meta") for a in example_args)
-    init = ("runtime.pretrained:hf_weights", {"config": config_dict, "architecture": architecture, "seed": seed,
+    # the ranks and `partitioner export` build the model of the user's config (its own use_cache: what
+    # an exported model generates with); only the trace ran without the cache
+    init_config = config_dict if use_cache is None else {**config_dict, "use_cache": use_cache}
+    init = ("runtime.pretrained:hf_weights", {"config": init_config, "architecture": architecture, "seed": seed,
                                                 **({"pretrained": pretrained} if pretrained else {})})
     return Workload(model=model, example_args=example_args, loss_fn=loss_fn, make_batch=make_batch,
                     name=f"hf:{Path(name).name}({architecture}, task={task}, seq={seq})",

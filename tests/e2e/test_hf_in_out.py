@@ -168,6 +168,13 @@ def test_export_loads_with_from_pretrained_with_equal_outputs(hf, tmp_path):
     assert cli(["export", str(folder), "-o", str(tmp_path / "out")]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert type(loaded).__name__ == "GPT2LMHeadModel"
+    # the user's config as given (the trace's use_cache=False stays out), every tied name in the file
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["use_cache"] is json.loads((hf["dirs"]["gpt2"] / "config.json").read_text()).get("use_cache", True)
+    from safetensors.torch import load_file
+
+    fresh = transformers.GPT2LMHeadModel(transformers.AutoConfig.from_pretrained(tmp_path / "out"))
+    fresh.load_state_dict(load_file(str(tmp_path / "out" / "model.safetensors")), strict=True)
     _, final, _ = read_program_run(folder / "run")  # the run's own final weights
     model = load_workload(f"hf:{hf['dirs']['gpt2']}").model
     with torch.no_grad():
