@@ -67,7 +67,9 @@ def _tp_programs(root: Path):
             Job(2, job("pp2", 2, "ck_b", "run_b")),        # tp 1, then resumed at tp 2 (run_d)
             Job(2, job("pp2", 4, "ck_a", "run_c")),
             Job(2, job("tp2", 4, "ck_b", "run_d")),
-            Job(2, job("gpt_tp2", 3, "ck_h", "run_h"))] + [Job(2, j) for j in _mixed_jobs(job)]
+            Job(2, job("gpt_tp2", 3, "ck_h", "run_h")),
+            Job(2, job("tp2", 2, "ck_mem", "run_mem") + ["--measure-memory", "--no-checkpoint"])]
+    jobs += [Job(2, j) for j in _mixed_jobs(job)]
     jobs += [Job(4, job("tp2pp2", 3, "ck_e", "run_e")), Job(4, job("gpt2", 3, "ck_f", "run_f")),
              Job(4, job("tp2dp2", 3, "ck_g", "run_g"))] + [Job(4, j) for j in _sharded_jobs(job)]
     return (root, plans), jobs
@@ -121,6 +123,18 @@ def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, pre
         oracle_skipped: list[bool] = []
         train_reference_from_folder(str(folder), 2, skipped=oracle_skipped)
         assert [r["skipped"] for r in rows] == oracle_skipped and any(oracle_skipped)
+
+
+def test_measure_memory_reports_a_peak_per_rank_of_a_tensor_parallel_program(runs):
+    """--measure-memory on tp 2 (Note [a DTensor's bytes] in runtime/memory.py): each rank counts
+    its DTensors' local shards, writes its peak and trains as it does unmeasured."""
+    root, plans = runs
+    rows = [json.loads((root / "run_mem" / f"memory_rank_{r}.json").read_text()) for r in (0, 1)]
+    for rank, row in enumerate(rows):
+        assert row["rank"] == rank and row["method"] == "live tensor storages"
+        assert 0 < row["static_bytes"] < row["measured_peak_bytes"] and row["predicted_peak_bytes"] > 0
+    losses, _, _ = read_program_run(root / "run_mem")
+    assert losses == read_program_run(root / "run_a")[0]  # the tp2 job's first 2 steps, unmeasured
 
 
 def test_the_stage_file_shows_what_is_split(runs):
