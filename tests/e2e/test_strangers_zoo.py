@@ -89,3 +89,17 @@ def test_recurrent_dropout_between_layers_is_refused_with_the_fix_and_a_single_l
     with pytest.warns(UserWarning, match="num_layers=1"):
         single = recurrent_workload("lstm", dropout=0.1, layers=1)
     partitioner.compile(single, cluster=cluster, global_batch=4)
+
+
+def test_a_recurrent_layer_is_never_planned_on_a_tensor_group():
+    """Note [no fused recurrent ops on a tensor group]: DTensor cannot run the fused op, so --tp 2
+    is refused at compile time, and the search without --tp keeps tp 1."""
+    import partitioner
+    from partitioner.cluster import ClusterSpec
+
+    cluster = ClusterSpec.homogeneous(2, "cpu")
+    with pytest.raises(ValueError, match=r"tensor_parallel=2: node 'gru' calls aten.gru.input in module `rnn`.*--tp 1"):
+        partitioner.compile(recurrent_workload("gru"), cluster=cluster, global_batch=4, num_stages=1,
+                            tensor_parallel=2)
+    plan = partitioner.compile(recurrent_workload("lstm"), cluster=cluster, global_batch=4, num_stages=1).plan
+    assert plan.tensor_parallel == 1
