@@ -126,8 +126,8 @@ def _caller_line() -> str:
     ``apply`` was called from."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if frame.filename.startswith(torch_dir) or frame.filename == __file__:
-            continue
+        if frame.filename.startswith((torch_dir, "<")) or frame.filename == __file__:
+            continue  # torch, this file, and generated code (`<string>`, `<eval_with_key>`)
         line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
         return f"{frame.filename}:{frame.lineno} `{line}`"
     return ""
@@ -159,6 +159,9 @@ def _refuse_autograd_functions(model: torch.nn.Module, seen: dict) -> None:
     if name == "torch.utils.checkpoint.CheckpointFunction":
         fix = ("call torch.utils.checkpoint with use_reentrant=False, or drop it: the plan recomputes "
                "regions itself where memory needs it")
+    elif name == "torch.nn.modules._functions.BackwardHookFunction":
+        fix = ("remove the module's backward hook (register_full_backward_hook / register_full_backward_pre_hook): "
+               "the program runs the traced graph, which calls no hooks")
     else:
         fix = ("rewrite it as a torch.library.custom_op with register_autograd in an importable module "
                "(Note [custom ops travel]), or remove it")

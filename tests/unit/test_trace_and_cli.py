@@ -158,11 +158,16 @@ class ReentrantCheckpoint(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=True)
 
 
-def test_a_reentrant_checkpoint_is_refused_and_a_custom_op_and_cond_are_not():
+def test_a_reentrant_checkpoint_and_a_backward_hook_are_refused_and_cond_is_not():
     """The trace runs a reentrant checkpoint's forward under no_grad (its parameters would get no
-    gradient); a custom op's autograd and torch.cond stay one node with their backward."""
+    gradient) and drops a backward hook; torch.cond stays one node with its backward (and a custom
+    op's autograd: Qwen2-MoE's grouped_mm, tests/e2e/test_program_e2e.py)."""
     with pytest.raises(TraceError, match=r"CheckpointFunction.*use_reentrant=False"):
         trace(ReentrantCheckpoint(), (torch.randn(2, 4),))
+    hooked = nn.Sequential(nn.Linear(4, 4))
+    hooked[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.raises(TraceError, match=r"BackwardHookFunction.*remove the module's backward hook"):
+        trace(hooked, (torch.randn(2, 4),))  # the program would never call the hook
 
     class Cond(nn.Module):
         def __init__(self):
