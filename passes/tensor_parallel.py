@@ -252,11 +252,26 @@ def sharded_parameters(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
     return out
 
 
+# Note [no fused recurrent ops on a tensor group]: a tensor-parallel stage runs its traced ops on
+# DTensors, and aten's fused GRU/LSTM/RNN ops decompose into ops DTensor has no sharding rule for
+# (measured on torch 2.13 CPU: batch-first GRU/RNN reach aten.transpose_, LSTM aten.mkldnn_rnn_layer;
+# on CUDA the cuDNN kernel): the step would die at its first forward. So a graph holding one runs at
+# tp 1 only, refused here, where the degree is checked (compile's search never weighs tp > 1 for it).
+_RECURRENT_OPS = tuple(getattr(getattr(torch.ops.aten, name), overload) for name in ("gru", "lstm", "rnn_tanh", "rnn_relu")
+                       for overload in ("input", "data"))
+
+
 def check_degree(gm: fx.GraphModule, tp: int) -> None:
-    """Refuse a degree that does not divide what a sharded node splits (heads, features, vocab)."""
+    """Refuse a degree that does not divide what a sharded node splits (heads, features, vocab), and
+    any degree > 1 for a graph with a fused recurrent op (Note [no fused recurrent ops on a tensor group])."""
     if tp == 1:
         return
     for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _RECURRENT_OPS:
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            where = f" in module `{stack[-1][0]}` ({stack[-1][1]})" if stack and stack[-1][0] else ""
+            raise ValueError(f"tensor_parallel={tp}: node {n.name!r} calls {n.target}{where}, which a tensor-parallel "
+                             "stage cannot run (DTensor has no sharding rule for the ops inside it): use --tp 1")
         meta = ir.get(n, ir.TP)
         if meta.role in ("column", "row", "vocab") and meta.divisor % tp:
             what = "heads" if meta.role == "column" else ("rows (the vocabulary)" if meta.role == "vocab"

@@ -67,9 +67,16 @@ def _tp_programs(root: Path):
             Job(2, job("pp2", 2, "ck_b", "run_b")),        # tp 1, then resumed at tp 2 (run_d)
             Job(2, job("pp2", 4, "ck_a", "run_c")),
             Job(2, job("tp2", 4, "ck_b", "run_d")),
-            Job(2, job("gpt_tp2", 3, "ck_h", "run_h"))] + [Job(2, j) for j in _mixed_jobs(job)]
+            Job(2, job("gpt_tp2", 3, "ck_h", "run_h")),
+            Job(2, job("tp2", 2, "ck_mem", "run_mem") + ["--measure-memory", "--no-checkpoint"])]
+    jobs += [Job(2, j) for j in _mixed_jobs(job)]
     jobs += [Job(4, job("tp2pp2", 3, "ck_e", "run_e")), Job(4, job("gpt2", 3, "ck_f", "run_f")),
-             Job(4, job("tp2dp2", 3, "ck_g", "run_g"))] + [Job(4, j) for j in _sharded_jobs(job)]
+             Job(4, job("tp2dp2", 3, "ck_g", "run_g")),
+             # rank 1 (tensor index 1, replica 0) flips a bit of its vocab shard before step 2; a
+             # hang would end at the collective timeout (60 s), a failed job
+             Job(4, job("tp2dp2", 3, "ck_flip", "run_flip") + ["--checkpoint-every", "1", "--sdc-every", "1",
+                                                              "--flip-bit", "1:2", "--collective-timeout", "60"])]
+    jobs += [Job(4, j) for j in _sharded_jobs(job)]
     return (root, plans), jobs
 
 
@@ -121,6 +128,39 @@ def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, pre
         oracle_skipped: list[bool] = []
         train_reference_from_folder(str(folder), 2, skipped=oracle_skipped)
         assert [r["skipped"] for r in rows] == oracle_skipped and any(oracle_skipped)
+
+
+def test_measure_memory_reports_a_peak_per_rank_of_a_tensor_parallel_program(runs):
+    """--measure-memory on tp 2 (Note [a DTensor's bytes] in runtime/memory.py): each rank counts
+    its DTensors' local shards, writes its peak and trains as it does unmeasured."""
+    root, plans = runs
+    rows = [json.loads((root / "run_mem" / f"memory_rank_{r}.json").read_text()) for r in (0, 1)]
+    for rank, row in enumerate(rows):
+        assert row["rank"] == rank and row["method"] == "live tensor storages"
+        assert 0 < row["static_bytes"] < row["measured_peak_bytes"] and row["predicted_peak_bytes"] > 0
+    losses, _, _ = read_program_run(root / "run_mem")
+    assert losses == read_program_run(root / "run_a")[0]  # the tp2 job's first 2 steps, unmeasured
+
+
+def test_a_flipped_bit_on_a_tensor_parallel_rank_is_found_and_rolled_back_without_a_hang(runs):
+    """--flip-bit on tp 2 x dp 2 (Note [a flip without a collective] in runtime/faults.py): rank 1
+    flips its local piece of the vocab-split embedding (no collective on one rank: no hang); its
+    replica group (ranks 1 and 3, tensor index 1) disagrees after the step, the job rolls back to
+    the checkpoint of step 2 and ends bit for bit where the clean run (run_g) ends."""
+    from safetensors.torch import load_file
+
+    root, _ = runs
+    finding, rollback = [json.loads(line) for line in (root / "run_flip" / "sdc.jsonl").read_text().splitlines()]
+    assert finding["ranks"] == [1, 3] and finding["stages"] == [0] and finding["what"] == "parameters"
+    assert finding["step"] == 3 and finding["last_agreed_step"] == 2
+    assert rollback["rolled_back_to"] == 2 and rollback["detected_at"] == 3
+    faults = [json.loads(line) for line in (root / "run_flip" / "faults.jsonl").read_text().splitlines()]
+    assert faults == [{**faults[0], "rank": 1, "step": 2, "mode": "flip-bit model.embed_tokens.weight"}]
+    assert read_program_run(root / "run_flip")[0] == read_program_run(root / "run_g")[0]
+    for r in range(4):
+        got = load_file(root / "run_flip" / "final" / f"rank_{r}.safetensors")
+        want = load_file(root / "run_g" / "final" / f"rank_{r}.safetensors")
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), r
 
 
 def test_the_stage_file_shows_what_is_split(runs):
