@@ -1,0 +1,555 @@
+"""This machine's CPU profile: measured once (seconds), cached per machine, refit from runs.
+
+    partitioner calibrate --machine [--refresh]     # show (measure if absent, or again) the profile
+    partitioner calibrate --from-run out/demo/run   # refit it to what a finished run measured
+    partitioner compile ... [--no-calibrate]        # priced by it (default), or by the cpu preset
+
+Note [machine profile]
+    The ``cpu`` preset's figures (partitioner/cluster.py: 50 GFLOP/s, 1 ms per microbatch, gloo
+    at 1 GB/s + 50 us, ...) were measured on one machine; on another the prediction is off by
+    what that machine differs in (1.6 to 2.4x for `make demo` on a machine it was not tuned on).
+    The machine profile measures this machine's figures once, model-independently, in seconds,
+    one thread per process as the ranks run (``torch.set_num_threads(1)``):
+
+    * the fitted time model's coefficients (Note [the fitted time model] in
+      partitioner/calibrate/__init__.py: seconds per matmul FLOP, per other FLOP, per byte of the
+      memory-bound ops, per op, forward and backward): ``calibrate`` run on a fixed reference
+      model (``reference_workload``: embedding, two pre-norm transformer blocks of width 64 and 256,
+      layer norms, attention, a vocabulary head; every region and every distinct op alone), not
+      on the user's. Its recompute fixed cost and DTensor's dispatch per op come from the same
+      graph (partitioner/calibrate/recompute_cost.py, tp_overheads.py);
+    * two local processes over gloo (partitioner/calibrate/machine_worker.py): the seconds per
+      microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on tiny stages (the
+      schedule's own cost and the loss: ``microbatch_overhead_s``), the seconds per microbatch
+      slot of a two-stage one (the rest of that slot is what a stage pays per send in a
+      pipeline: the link's latency), a two-rank all-reduce at 1 KiB to 4 MiB (its slope is the
+      link's bandwidth) and tensor parallelism's per-collective cost and drift
+      (``collective_points``). Slopes over two microbatch counts, so what a step pays once
+      (schedule set-up) is not charged per microbatch.
+
+    It prices a compile by becoming, for the ``cpu`` kind, what a ``--calibrate`` profile would
+    be (``device_profile``: region seconds from the reference fit, the measured overheads) and by
+    replacing the preset's figures in the cluster (``cluster_for``: flops_per_s, the measured
+    matmul rate; the intra-node link), never a figure the user gave (a cluster file's
+    ``flops_per_s`` or ``[links.intra_node]`` wins: Note [what the machine profile replaces]).
+    Regions follow the reference fit only under fp32 (the profile is measured in fp32: another
+    policy keeps the datasheet region model at the measured rate, with the measured overheads).
+    ``--calibrate`` (this model's regions measured) wins over the reference fit for the regions;
+    the machine profile still gives what ``--calibrate`` does not measure (the per-microbatch
+    overhead, the link). Every figure is this machine at the time it was measured: the load
+    average at the time is in the profile; ``--refresh`` measures again, and ``calibrate
+    --from-run`` refits it to a real run (partitioner/calibrate/refit.py, Note [refit from a run]).
+
+Note [machine profile cache]
+    One JSON file per machine, ``$XDG_CACHE_HOME/partitioner/machine-<key>.json`` (default
+    ``~/.cache``), the key a digest of what makes the figures this machine's: the CPU model
+    (/proc/cpuinfo's "model name", else ``platform.processor()``), the core count, torch's and
+    Python's versions (a new torch changes the kernels and the dispatch). Written atomically (a
+    unique temporary file in the folder, fsync, rename, fsync the folder), so two compiles
+    measuring at once each leave a whole file. A file that is not JSON, not this format
+    (``FORMAT``), for another key, or malformed is measured again and overwritten, never
+    trusted and never a traceback. ``PARTITIONER_NO_CALIBRATE=1`` (or ``--no-calibrate``, or
+    ``compile(machine_profile="preset")``) prices with the preset: the test suite sets it, so no
+    golden file depends on the machine.
+
+Note [what the machine profile replaces]
+    A cpu device whose ``flops_per_s`` is the preset's, and the intra-node link when it is the
+    cpu preset's (every device cpu): a value equal to the preset is the preset's, since a cluster
+    file that gives no figure gets exactly the preset's. Other nodes of a multi-node cpu cluster
+    are assumed to be this machine, as their core count is (Note [core sharing]). The inter-node
+    link stays the preset's: nothing here measures another host.
+
+Note [the API measures too]
+    ``partitioner.compile`` defaults to ``machine_profile="auto"``, as the CLI does: the promise
+    (docs/design.md §12) is the same through every way in, and the cost is one measurement per
+    machine, cached. "auto" prices cpu devices with the cached profile, measuring it the first
+    time; a cluster with no cpu device measures nothing; ``PARTITIONER_NO_CALIBRATE=1`` or
+    ``machine_profile="preset"`` keeps the preset (deterministic plans for scripts and tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from partitioner.calibrate.profiles import DeviceProfile, DirectionFit
+from partitioner.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec, LinkSpec
+
+FORMAT = "partitioner.machine/1"
+NO_CALIBRATE_ENV = "PARTITIONER_NO_CALIBRATE"
+CACHE_ENV = "XDG_CACHE_HOME"
+KIND = "cpu"  # the device kind this machine's processes are (Note [core sharing] in cluster.py)
+_WORKER_TIMEOUT_S = 120.0
+
+
+# ---- what the profile is -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MachineKey:
+    """What makes measured figures this machine's (Note [machine profile cache])."""
+
+    cpu_model: str
+    cores: int
+    torch_version: str
+    python_version: str
+
+    @classmethod
+    def here(cls) -> "MachineKey":
+        import torch
+
+        return cls(cpu_model=_cpu_model(), cores=os.cpu_count() or 1, torch_version=str(torch.__version__),
+                   python_version=platform.python_version())
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MachineMeasurements:
+    """The figures as measured (a refit never changes them; Note [machine profile])."""
+
+    forward: DirectionFit                      # the reference model's fit, seconds per term
+    backward: DirectionFit
+    forward_fit_median_rel_error: float        # of the fit over the reference's regions and ops
+    backward_fit_median_rel_error: float
+    microbatch_overhead_s: float | None        # one-stage schedule, per microbatch (None: not measured)
+    pipeline_slot_s: float | None              # two-stage schedule, per microbatch slot
+    link_latency_s: float | None               # a stage's seconds per send in a pipeline
+    link_bandwidth_bytes_per_s: float | None   # a two-rank all-reduce's slope
+    allreduce_latency_s: float | None          # its intercept, per message (what its latency terms pay)
+    p2p_latency_s: float | None                # a blocking send/recv of 128 bytes, one way
+    recompute_fixed_s: float | None            # Note [recompute fixed cost]
+    dtensor_op_s: float | None                 # Note [tensor-parallel overheads]
+    tp_collective_s: float | None
+    tp_skew: float | None
+    threads: int
+    load_average_1m: float                     # os.getloadavg() when the measurement started
+    measure_s: float                           # how long measuring took
+    time_unix: float
+
+    @property
+    def matmul_flops_per_s(self) -> float | None:
+        return 1.0 / self.forward.s_per_matmul_flop if self.forward.s_per_matmul_flop > 0 else None
+
+
+@dataclass(frozen=True)
+class Refit:
+    """One ``calibrate --from-run``: what the run measured and what the profile became."""
+
+    run_dir: str
+    plan_hash: str
+    measured_step_s: float
+    predicted_before_s: float
+    predicted_after_s: float
+    forward_scale: float           # the profile's, after this refit (of the measured fit)
+    backward_scale: float
+    microbatch_overhead_s: float
+    time_unix: float
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """This machine's measured CPU figures, with what refits from runs made of them."""
+
+    key: MachineKey
+    measured: MachineMeasurements
+    forward_scale: float = 1.0              # region seconds: the measured fit times this (refit)
+    backward_scale: float = 1.0
+    microbatch_overhead_s: float | None = None  # refit from a run; None: measured
+    refits: tuple[Refit, ...] = ()
+
+    # --- identity -----------------------------------------------------------------------------
+    @property
+    def measurement_id(self) -> str:
+        """The measurement's digest: the same through refits, new on --refresh."""
+        text = json.dumps(_plain(self.measured), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    # --- effective figures --------------------------------------------------------------------
+    @property
+    def effective_microbatch_overhead_s(self) -> float | None:
+        return self.microbatch_overhead_s if self.microbatch_overhead_s is not None \
+            else self.measured.microbatch_overhead_s
+
+    def link(self) -> LinkSpec | None:
+        """The intra-node link: a pipeline send's latency, the all-reduce's bandwidth (the
+        larger of the two latencies: the cost model has one link for both)."""
+        m = self.measured
+        if m.link_bandwidth_bytes_per_s is None or m.link_latency_s is None:
+            return None
+        latency = max(m.link_latency_s, m.allreduce_latency_s or 0.0)
+        return LinkSpec(bandwidth_bytes_per_s=m.link_bandwidth_bytes_per_s, latency_s=latency)
+
+    def device_profile(self, *, regions: bool = True) -> DeviceProfile:
+        """The profile a compile prices the ``cpu`` kind with (Note [machine profile]);
+        ``regions=False``: only the fixed costs (the caller prices regions otherwise)."""
+        m = self.measured
+        return DeviceProfile(
+            kind=KIND, forward=_scaled(m.forward, self.forward_scale), backward=_scaled(m.backward, self.backward_scale),
+            meta={"precision": "fp32", "source": "machine", "threads": m.threads, "regions": regions},
+            microbatch_overhead_s=self.effective_microbatch_overhead_s, dtensor_op_s=m.dtensor_op_s,
+            tp_collective_s=m.tp_collective_s, tp_skew=m.tp_skew, recompute_fixed_s=m.recompute_fixed_s)
+
+    def cluster_for(self, cluster: ClusterSpec) -> ClusterSpec:
+        """``cluster`` with the preset's cpu figures replaced by this machine's (Note [what the
+        machine profile replaces])."""
+        preset_rate = DEVICE_PRESETS[KIND].flops_per_s
+        rate = self.measured.matmul_flops_per_s
+        devices = tuple(dataclasses.replace(d, flops_per_s=rate / self.forward_scale)
+                        if d.kind == KIND and d.flops_per_s == preset_rate and rate else d
+                        for d in cluster.devices)
+        intra = cluster.intra_node_link
+        link = self.link()
+        if link is not None and all(d.kind == KIND for d in cluster.devices) and intra == DEFAULT_LINKS[KIND][0]:
+            intra = link
+        return dataclasses.replace(cluster, devices=devices, intra_node_link=intra)
+
+    def plan_record(self, *, regions: bool, path: Path | None = None) -> dict:
+        """What plan.json's ``predicted.cpu_time_model`` says priced it (Note [refit from a run] reads it)."""
+        return {"source": "machine profile", "file": path.name if path else None, "key": self.key.digest,
+                "measurement_id": self.measurement_id, "regions": "machine" if regions else "profile",
+                "forward_scale": self.forward_scale, "backward_scale": self.backward_scale,
+                "microbatch_overhead_s": self.effective_microbatch_overhead_s, "refits": len(self.refits)}
+
+    def describe(self) -> str:
+        m = self.measured
+        rate = m.matmul_flops_per_s
+        parts = [f"{self.key.cpu_model}, {self.key.cores} cores, torch {self.key.torch_version}",
+                 f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(m.time_unix))} in {m.measure_s:.1f} s "
+                 f"at load {m.load_average_1m:.1f}"]
+        figures = [f"matmul {rate / 1e9:.0f} GFLOP/s" if rate else "matmul -",
+                   f"{m.forward.op_overhead_s * 1e6:.0f}/{m.backward.op_overhead_s * 1e6:.0f} us per op fwd/bwd"]
+        overhead = self.effective_microbatch_overhead_s
+        figures.append(f"{overhead * 1e3:.2f} ms per microbatch" if overhead is not None else "per microbatch: preset")
+        link = self.link()
+        figures.append(f"link {link.latency_s * 1e3:.2f} ms + {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
+                       if link else "link: preset")
+        text = f"{'; '.join(parts)}: {', '.join(figures)}"
+        if self.refits:
+            text += (f"; refit from {len(self.refits)} run(s): regions x{self.forward_scale:.2f} forward, "
+                     f"x{self.backward_scale:.2f} backward")
+        return text
+
+    # --- file ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **_plain(self)}
+
+    @classmethod
+    def from_dict(cls, data, *, where: str = "machine profile") -> "MachineProfile":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: not a machine profile of this version ({found!r}, expected {FORMAT!r})")
+        try:
+            measured = dict(data["measured"])
+            measured["forward"] = DirectionFit(**measured["forward"])
+            measured["backward"] = DirectionFit(**measured["backward"])
+            profile = cls(key=MachineKey(**data["key"]), measured=MachineMeasurements(**measured),
+                          forward_scale=float(data["forward_scale"]), backward_scale=float(data["backward_scale"]),
+                          microbatch_overhead_s=data.get("microbatch_overhead_s"),
+                          refits=tuple(Refit(**r) for r in data.get("refits", ())))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: malformed machine profile ({type(exc).__name__}: {exc})") from None
+        if not (profile.forward_scale > 0 and profile.backward_scale > 0):
+            raise ValueError(f"{where}: scales {profile.forward_scale}, {profile.backward_scale} must be > 0")
+        return profile
+
+
+# The problem's measured fixed costs by kind (partitioner/solver/problem.py) and the profile's figure of each.
+_FIXED_COSTS = (("microbatch_overhead_s_by_kind", "effective_microbatch_overhead_s"),
+                ("dtensor_op_s_by_kind", "dtensor_op_s"), ("tp_collective_s_by_kind", "tp_collective_s"),
+                ("tp_skew_by_kind", "tp_skew"), ("recompute_fixed_s_by_kind", "recompute_fixed_s"))
+
+
+def fill_fixed_costs(problem, profile: MachineProfile):
+    """``problem`` with the cpu kind's fixed costs that no profile measured taken from this
+    machine's (Note [machine profile]: ``--calibrate`` measures regions, not the schedule)."""
+    changes = {}
+    for field_name, figure in _FIXED_COSTS:
+        value = getattr(profile, figure) if hasattr(profile, figure) else getattr(profile.measured, figure)
+        by_kind = dict(getattr(problem, field_name) or {})
+        if value is not None and by_kind.get(KIND) is None:
+            by_kind[KIND] = float(value)
+            changes[field_name] = by_kind
+    return dataclasses.replace(problem, **changes) if changes else problem
+
+
+def _plain(value) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(value), default=float))
+
+
+def _scaled(fit: DirectionFit, scale: float) -> DirectionFit:
+    return DirectionFit(fit.s_per_matmul_flop * scale, fit.s_per_other_flop * scale, fit.s_per_byte * scale,
+                        fit.op_overhead_s * scale, fit.call_overhead_s)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+# ---- the cache -----------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "partitioner"
+
+
+def cache_path(key: MachineKey) -> Path:
+    return cache_dir() / f"machine-{key.digest}.json"
+
+
+def load_cached(key: MachineKey) -> tuple[MachineProfile | None, str | None]:
+    """(the cached profile of ``key``, None) or (None, why there is none usable)."""
+    path = cache_path(key)
+    if not path.is_file():
+        return None, "none cached"
+    try:
+        profile = MachineProfile.from_dict(json.loads(path.read_text()), where=str(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{path} unreadable ({type(exc).__name__})"
+    except ValueError as exc:
+        return None, str(exc)
+    if profile.key != key:
+        return None, f"{path} is another machine's ({profile.key.cpu_model}, {profile.key.cores} cores)"
+    return profile, None
+
+
+def save(profile: MachineProfile, path: Path | None = None) -> Path:
+    """Write ``profile`` to its cache file atomically (Note [machine profile cache])."""
+    path = Path(path) if path is not None else cache_path(profile.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(profile.to_dict(), indent=1, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:  # a filesystem without directory fsync: the rename is still atomic
+        pass
+    return path
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+def reference_workload():
+    """The fixed model the region coefficients are fitted on (Note [machine profile]): the ops
+    small models are made of, at two widths, 2 x 64 tokens (the demo's microbatch)."""
+    import functools
+
+    import torch
+    import torch.nn as nn
+
+    from partitioner.models import Block
+    from partitioner.workload import Workload
+    from runtime import data
+
+    class Reference(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(512, 64)
+            self.narrow = Block(64, 2, 0.0)
+            self.widen = nn.Linear(64, 256)
+            self.wide = Block(256, 4, 0.0)
+            self.norm = nn.LayerNorm(256)
+            self.head = nn.Linear(256, 512, bias=False)
+
+        def forward(self, tokens):
+            return self.head(self.norm(self.wide(self.widen(self.narrow(self.embed(tokens))))))
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        model = Reference()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return Workload(model=model, example_args=(torch.zeros(2, 64, dtype=torch.long),), loss_fn=data.causal_lm_loss,
+                    make_batch=functools.partial(data.token_batch, vocab=512, seq=64, seed=0), name="machine-reference")
+
+
+def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: int = 10,
+                    gloo: bool = True) -> MachineProfile:
+    """Measure this machine (Note [machine profile]): seconds, not minutes. ``gloo=False`` skips
+    the two-process figures (they stay the preset's)."""
+    import torch
+
+    from partitioner.analysis import analyze
+    from partitioner.calibrate import calibrate
+    from partitioner.calibrate.measure import _example_inputs
+    from partitioner.calibrate.tp_overheads import fit_collectives, measure_dtensor_op_s
+
+    say = progress or (lambda _message: None)
+    started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    workload = reference_workload()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        say("machine profile: the reference ops, one thread")
+        gm, _table = analyze(workload, granularity="sublayer")
+        fitted = calibrate(workload, gm, repeats=repeats, warmup=3, threads=1)
+        try:
+            dtensor_op_s = measure_dtensor_op_s(gm, _example_inputs(workload))
+        except Exception:  # noqa: BLE001 - DTensor's figure is optional: the preset stands
+            dtensor_op_s = None
+    finally:
+        torch.set_num_threads(old_threads)
+    gloo_figures = _measure_gloo(say) if gloo else None
+    link_latency_s = gloo_figures["link_latency_s"] if gloo_figures else None
+    tp = fit_collectives(gloo_figures["collective_points"], link_latency_s) if gloo_figures else {}
+    measured = MachineMeasurements(
+        forward=_scaled(fitted.forward, 1.0), backward=_scaled(fitted.backward, 1.0),
+        forward_fit_median_rel_error=float(fitted.meta["forward_median_rel_error"]),
+        backward_fit_median_rel_error=float(fitted.meta["backward_median_rel_error"]),
+        microbatch_overhead_s=gloo_figures["microbatch_overhead_s"] if gloo_figures else None,
+        pipeline_slot_s=gloo_figures["pipeline_slot_s"] if gloo_figures else None,
+        link_latency_s=link_latency_s,
+        link_bandwidth_bytes_per_s=gloo_figures["link_bandwidth_bytes_per_s"] if gloo_figures else None,
+        allreduce_latency_s=gloo_figures["allreduce_latency_s"] if gloo_figures else None,
+        p2p_latency_s=gloo_figures["p2p_latency_s"] if gloo_figures else None,
+        recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
+        tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
+        threads=1, load_average_1m=float(load), measure_s=time.perf_counter() - started, time_unix=time.time())
+    return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
+
+
+def _finite(measured: MachineMeasurements) -> MachineMeasurements:
+    """Plain floats (numpy's from the fit), every one finite."""
+    def clean(value):
+        if isinstance(value, DirectionFit):
+            return DirectionFit(*(float(getattr(value, f.name)) for f in dataclasses.fields(DirectionFit)))
+        return float(value) if isinstance(value, float) or hasattr(value, "dtype") else value
+    return MachineMeasurements(**{f.name: clean(getattr(measured, f.name)) for f in dataclasses.fields(measured)})
+
+
+def _measure_gloo(say: Callable[[str], None]) -> dict | None:
+    """The two-process figures (machine_worker.py), or None when the processes did not finish
+    (not the compile's error: the preset's figures stand, and the profile says so)."""
+    say("machine profile: two processes over gloo (schedule, sends, all-reduce)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    with tempfile.TemporaryDirectory(prefix="machine-profile-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [subprocess.Popen([sys.executable, "-m", "partitioner.calibrate.machine_worker", str(rank), store],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+                 for rank in range(2)]
+        outputs = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=_WORKER_TIMEOUT_S)
+                outputs.append((p.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            say("machine profile: the gloo processes did not finish; the preset's link and overheads stand")
+            return None
+    if any(code != 0 for code, _, _ in outputs):
+        last = next((err.strip().splitlines()[-1] for code, _, err in outputs if code != 0 and err.strip()), "")
+        say(f"machine profile: a gloo process failed ({last}); the preset's link and overheads stand")
+        return None
+    return fit_gloo(json.loads(outputs[0][1].strip().splitlines()[-1]))
+
+
+def fit_gloo(raw: dict) -> dict:
+    """The figures of ``machine_worker``'s raw timings (Note [machine profile])."""
+    from partitioner.calibrate.machine_worker import PIPELINE_FEATURES, PIPELINE_ROWS
+
+    def slope(points):
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        return max(0.0, (y1 - y0) / (x1 - x0))
+
+    allreduce = sorted(raw["allreduce"])
+    big = allreduce[1:]  # the bandwidth from the larger sizes, the latency from the smallest
+    per_byte = slope(big)
+    bandwidth = 1.0 / per_byte if per_byte > 0 else DEFAULT_LINKS[KIND][0].bandwidth_bytes_per_s
+    smallest_bytes, smallest_s = allreduce[0]
+    # a two-rank ring all-reduce: n / bandwidth + 2 latencies (Note [cost model] in evaluate.py)
+    allreduce_latency = max(0.0, (smallest_s - smallest_bytes / bandwidth) / 2)
+    overhead = slope(raw["pipeline_1"])
+    slot = slope(raw["pipeline_2"])
+    message_bytes = PIPELINE_ROWS * PIPELINE_FEATURES * 4
+    # Each stage of the two-stage schedule sends once per microbatch: slot = overhead + latency + bytes / bw
+    link_latency = max(0.0, slot - overhead - message_bytes / bandwidth)
+    return {"microbatch_overhead_s": overhead, "pipeline_slot_s": slot, "link_latency_s": link_latency,
+            "link_bandwidth_bytes_per_s": bandwidth, "allreduce_latency_s": allreduce_latency,
+            "p2p_latency_s": sorted(raw["pingpong"])[0][1], "collective_points": raw["collective_points"]}
+
+
+# ---- what a compile asks for ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Resolved:
+    """The machine profile a compile prices with, where it came from and how it was found."""
+
+    profile: MachineProfile
+    path: Path
+    how: str  # "cached", "measured" or "measured again (<why>)"
+
+
+def machine_profile(*, refresh: bool = False, progress: Callable[[str], None] | None = None) -> Resolved:
+    """This machine's profile: the cached one, else (or with ``refresh``) measured and cached."""
+    key = MachineKey.here()
+    path = cache_path(key)
+    why = "refresh"
+    if not refresh:
+        cached, why = load_cached(key)
+        if cached is not None:
+            return Resolved(cached, path, "cached")
+    profile = measure_machine(progress)
+    save(profile, path)
+    how = "measured" if why in ("none cached", "refresh") else f"measured again ({why})"
+    return Resolved(profile, path, how)
+
+
+def calibration_disabled() -> bool:
+    """``PARTITIONER_NO_CALIBRATE`` set to anything but "", "0" or "false" (Note [machine profile cache])."""
+    return os.environ.get(NO_CALIBRATE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def resolve(option, cluster: ClusterSpec, progress: Callable[[str], None] | None = None) -> Resolved | None:
+    """The machine profile a compile over ``cluster`` prices with (Note [the API measures too]):
+    ``option`` "auto" (cached or measured; none without a cpu device or with
+    PARTITIONER_NO_CALIBRATE), "preset" (none), or a MachineProfile."""
+    if isinstance(option, MachineProfile):
+        return Resolved(option, cache_path(option.key), "given")
+    if option in ("preset", None, False):
+        return None
+    if option != "auto":
+        raise ValueError(f"machine_profile={option!r}: give \"auto\" (this machine's cached profile, measured "
+                         "the first time), \"preset\" (the cpu preset's figures) or a MachineProfile")
+    if not any(d.kind == KIND for d in cluster.devices) or calibration_disabled():
+        return None
+    return machine_profile(progress=progress)
