@@ -225,7 +225,7 @@ class MachineProfile:
 
     def describe(self) -> str:
         m = self.measured
-        rate = m.matmul_flops_per_s
+        rate = m.matmul_flops_per_s / self.forward_scale if m.matmul_flops_per_s else None
         parts = [f"{self.key.cpu_model}, {self.key.cores} cores, torch {self.key.torch_version}",
                  f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(m.time_unix))} in {m.measure_s:.1f} s "
                  f"at load {m.load_average_1m:.1f}"]
@@ -543,13 +543,13 @@ def resolve(option, cluster: ClusterSpec, progress: Callable[[str], None] | None
     """The machine profile a compile over ``cluster`` prices with (Note [the API measures too]):
     ``option`` "auto" (cached or measured; none without a cpu device or with
     PARTITIONER_NO_CALIBRATE), "preset" (none), or a MachineProfile."""
-    if isinstance(option, MachineProfile):
-        return Resolved(option, cache_path(option.key), "given")
-    if option in ("preset", None, False):
-        return None
-    if option != "auto":
+    if not isinstance(option, MachineProfile) and option not in ("auto", "preset", None, False):
         raise ValueError(f"machine_profile={option!r}: give \"auto\" (this machine's cached profile, measured "
                          "the first time), \"preset\" (the cpu preset's figures) or a MachineProfile")
-    if not any(d.kind == KIND for d in cluster.devices) or calibration_disabled():
+    if not any(d.kind == KIND for d in cluster.devices):
+        return None  # nothing it prices
+    if isinstance(option, MachineProfile):
+        return Resolved(option, cache_path(option.key), "given")
+    if option != "auto" or calibration_disabled():
         return None
     return machine_profile(progress=progress)
