@@ -22,8 +22,8 @@ Note [machine profile]
       microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on tiny stages (the
       schedule's own cost and the loss: ``microbatch_overhead_s``), the seconds per microbatch
       slot of a two-stage one (the rest of that slot is what a stage pays per send in a
-      pipeline: the link's latency), a two-rank all-reduce at 1 KiB to 4 MiB (its slope is the
-      link's bandwidth) and tensor parallelism's per-collective cost and drift
+      pipeline: the link's latency), a two-rank all-reduce at 1 KiB to 16 MiB (its least-squares
+      slope over the larger sizes is the link's bandwidth) and tensor parallelism's per-collective cost and drift
       (``collective_points``). Slopes over two microbatch counts, so what a step pays once
       (schedule set-up) is not charged per microbatch.
 
@@ -492,8 +492,12 @@ def fit_gloo(raw: dict) -> dict:
         return max(0.0, (y1 - y0) / (x1 - x0))
 
     allreduce = sorted(raw["allreduce"])
-    big = allreduce[1:]  # the bandwidth from the larger sizes, the latency from the smallest
-    per_byte = slope(big)
+    # the bandwidth: a least-squares slope over the larger sizes (one noisy size moves it little);
+    # the latency from the smallest
+    big = allreduce[1:]
+    mean_x = sum(x for x, _ in big) / len(big)
+    mean_y = sum(y for _, y in big) / len(big)
+    per_byte = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in big) / sum((x - mean_x) ** 2 for x, _ in big))
     bandwidth = 1.0 / per_byte if per_byte > 0 else DEFAULT_LINKS[KIND][0].bandwidth_bytes_per_s
     smallest_bytes, smallest_s = allreduce[0]
     # a two-rank ring all-reduce: n / bandwidth + 2 latencies (Note [cost model] in evaluate.py)

@@ -2,7 +2,7 @@
 partitioner/calibrate/machine.py): run as ``python -m partitioner.calibrate.machine_worker RANK
 STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw timings:
 
-- ``allreduce``: [bytes, median s] of a two-rank all_reduce at three sizes;
+- ``allreduce``: [bytes, median s] of a two-rank all_reduce from 1 KiB to 16 MiB;
 - ``pingpong``: [bytes, median s one way] of a blocking send/recv round trip, halved;
 - ``pipeline_1`` / ``pipeline_2``: [microbatches, median s of one step] of a
   torch.distributed.pipelining 1F1B schedule over tiny Linear stages, built as runtime/schedule.py
@@ -31,7 +31,7 @@ PIPELINE_MICROBATCHES = (2, 10)
 # A stage's activation: microbatch rows x features (4 x 16 floats: latency-bound, as small models' cuts are
 # on this machine class; the bytes term is the all-reduce's bandwidth).
 PIPELINE_ROWS, PIPELINE_FEATURES = 4, 16
-ALLREDUCE_BYTES = (1024, 1 << 20, 4 << 20)
+ALLREDUCE_BYTES = (1024, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 PINGPONG_BYTES = (128, 64 << 10)
 
 

@@ -134,7 +134,7 @@ def test_the_profile_replaces_only_the_presets_figures():
 def test_fit_of_the_gloo_timings():
     from partitioner.calibrate.machine_worker import PIPELINE_FEATURES, PIPELINE_ROWS
 
-    raw = {"allreduce": [[1024, 0.20e-3], [1 << 20, 1.20e-3], [4 << 20, 4.20e-3]],
+    raw = {"allreduce": [[1024, 0.20e-3], [1 << 20, 1.20e-3], [4 << 20, 4.20e-3], [16 << 20, 16.20e-3]],
            "pingpong": [[128, 0.05e-3], [65536, 0.08e-3]],
            "pipeline_1": [[2, 1.0e-3], [10, 3.4e-3]], "pipeline_2": [[2, 5.0e-3], [10, 21.0e-3]],
            "collective_points": [[0.5e-3, 0.4e-3], [4e-3, 1.1e-3]]}
