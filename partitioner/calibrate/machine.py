@@ -556,4 +556,10 @@ def resolve(option, cluster: ClusterSpec, progress: Callable[[str], None] | None
         return Resolved(option, cache_path(option.key), "given")
     if option != "auto" or calibration_disabled():
         return None
-    return machine_profile(progress=progress)
+    try:
+        return machine_profile(progress=progress)
+    except Exception as exc:  # noqa: BLE001 - a compile still has the preset; `partitioner calibrate` raises it
+        if progress is not None:
+            progress(f"machine: measuring this machine failed ({type(exc).__name__}: {exc}); pricing with the "
+                     "cpu preset (partitioner calibrate --machine shows the error)")
+        return None

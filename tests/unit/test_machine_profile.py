@@ -112,6 +112,18 @@ def test_no_calibrate_env_and_preset_measure_nothing(cache, measured, monkeypatc
         machine.resolve("fast", cluster)
 
 
+def test_a_failed_measurement_leaves_the_preset(cache, monkeypatch):
+    def broken(progress=None, **_):
+        raise RuntimeError("no gloo here")
+
+    monkeypatch.setattr(machine, "measure_machine", broken)
+    said = []
+    assert machine.resolve("auto", ClusterSpec.homogeneous(2, "cpu"), said.append) is None
+    assert "no gloo here" in said[-1] and "cpu preset" in said[-1]
+    with pytest.raises(RuntimeError, match="no gloo here"):
+        machine.machine_profile()
+
+
 def test_the_profile_replaces_only_the_presets_figures():
     profile = fake_profile(rate=80e9)
     preset = ClusterSpec.homogeneous(4, "cpu")
