@@ -25,7 +25,12 @@ Note [machine profile]
       pipeline: the link's latency), a two-rank all-reduce at 1 KiB to 16 MiB (its least-squares
       slope over the larger sizes is the link's bandwidth) and tensor parallelism's per-collective cost and drift
       (``collective_points``). Slopes over two microbatch counts, so what a step pays once
-      (schedule set-up) is not charged per microbatch.
+      (schedule set-up) is not charged per microbatch. And the ranks' contention: how many
+      times longer a few milliseconds of matmuls, GELU and layer norm take in each process while
+      the other computes too than while it waits (shared caches and memory bandwidth, SMT
+      siblings, and whatever else the machine runs at the time); the region coefficients are
+      multiplied by it (``region_scales``), since ranks compute side by side. A one-rank plan is
+      over-predicted by it (1.0 to 1.1 on an idle machine).
 
     It prices a compile by becoming, for the ``cpu`` kind, what a ``--calibrate`` profile would
     be (``device_profile``: region seconds from the reference fit, the measured overheads) and by
@@ -134,6 +139,7 @@ class MachineMeasurements:
     dtensor_op_s: float | None                 # Note [tensor-parallel overheads]
     tp_collective_s: float | None
     tp_skew: float | None
+    contention: float                          # a rank computes this many times slower beside another (>= 1)
     threads: int
     load_average_1m: float                     # os.getloadavg() when the measurement started
     measure_s: float                           # how long measuring took
@@ -192,12 +198,19 @@ class MachineProfile:
         latency = max(m.link_latency_s, m.allreduce_latency_s or 0.0)
         return LinkSpec(bandwidth_bytes_per_s=m.link_bandwidth_bytes_per_s, latency_s=latency)
 
+    @property
+    def region_scales(self) -> tuple[float, float]:
+        """What the measured fit's seconds are multiplied by, forward and backward: the ranks'
+        contention (Note [machine profile]) times the refit's scales."""
+        return self.measured.contention * self.forward_scale, self.measured.contention * self.backward_scale
+
     def device_profile(self, *, regions: bool = True) -> DeviceProfile:
         """The profile a compile prices the ``cpu`` kind with (Note [machine profile]);
         ``regions=False``: only the fixed costs (the caller prices regions otherwise)."""
         m = self.measured
+        forward_scale, backward_scale = self.region_scales
         return DeviceProfile(
-            kind=KIND, forward=_scaled(m.forward, self.forward_scale), backward=_scaled(m.backward, self.backward_scale),
+            kind=KIND, forward=_scaled(m.forward, forward_scale), backward=_scaled(m.backward, backward_scale),
             meta={"precision": "fp32", "source": "machine", "threads": m.threads, "regions": regions},
             microbatch_overhead_s=self.effective_microbatch_overhead_s, dtensor_op_s=m.dtensor_op_s,
             tp_collective_s=m.tp_collective_s, tp_skew=m.tp_skew, recompute_fixed_s=m.recompute_fixed_s)
@@ -207,7 +220,7 @@ class MachineProfile:
         machine profile replaces])."""
         preset_rate = DEVICE_PRESETS[KIND].flops_per_s
         rate = self.measured.matmul_flops_per_s
-        devices = tuple(dataclasses.replace(d, flops_per_s=rate / self.forward_scale)
+        devices = tuple(dataclasses.replace(d, flops_per_s=rate / self.region_scales[0])
                         if d.kind == KIND and d.flops_per_s == preset_rate and rate else d
                         for d in cluster.devices)
         intra = cluster.intra_node_link
@@ -225,11 +238,12 @@ class MachineProfile:
 
     def describe(self) -> str:
         m = self.measured
-        rate = m.matmul_flops_per_s / self.forward_scale if m.matmul_flops_per_s else None
+        rate = m.matmul_flops_per_s / self.region_scales[0] if m.matmul_flops_per_s else None
         parts = [f"{self.key.cpu_model}, {self.key.cores} cores, torch {self.key.torch_version}",
                  f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(m.time_unix))} in {m.measure_s:.1f} s "
                  f"at load {m.load_average_1m:.1f}"]
-        figures = [f"matmul {rate / 1e9:.0f} GFLOP/s" if rate else "matmul -",
+        figures = [f"matmul {rate / 1e9:.0f} GFLOP/s a rank" if rate else "matmul -",
+                   f"two ranks at once x{m.contention:.2f}",
                    f"{m.forward.op_overhead_s * 1e6:.0f}/{m.backward.op_overhead_s * 1e6:.0f} us per op fwd/bwd"]
         overhead = self.effective_microbatch_overhead_s
         figures.append(f"{overhead * 1e3:.2f} ms per microbatch" if overhead is not None else "per microbatch: preset")
@@ -417,7 +431,11 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     torch.set_num_threads(1)
     try:
         say("machine profile: the reference ops, one thread")
-        gm, _table = analyze(workload, granularity="sublayer")
+        import warnings
+
+        with warnings.catch_warnings():  # torch.export's own deprecation notices: not the user's business
+            warnings.simplefilter("ignore", FutureWarning)
+            gm, _table = analyze(workload, granularity="sublayer")
         fitted = calibrate(workload, gm, repeats=repeats, warmup=3, threads=1)
         try:
             dtensor_op_s = measure_dtensor_op_s(gm, _example_inputs(workload))
@@ -440,7 +458,8 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
         p2p_latency_s=gloo_figures["p2p_latency_s"] if gloo_figures else None,
         recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
         tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
-        threads=1, load_average_1m=float(load), measure_s=time.perf_counter() - started, time_unix=time.time())
+        contention=gloo_figures["contention"] if gloo_figures else 1.0, threads=1, load_average_1m=float(load),
+        measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
 
 
@@ -509,7 +528,8 @@ def fit_gloo(raw: dict) -> dict:
     link_latency = max(0.0, slot - overhead - message_bytes / bandwidth)
     return {"microbatch_overhead_s": overhead, "pipeline_slot_s": slot, "link_latency_s": link_latency,
             "link_bandwidth_bytes_per_s": bandwidth, "allreduce_latency_s": allreduce_latency,
-            "p2p_latency_s": sorted(raw["pingpong"])[0][1], "collective_points": raw["collective_points"]}
+            "p2p_latency_s": sorted(raw["pingpong"])[0][1], "collective_points": raw["collective_points"],
+            "contention": max(1.0, raw["contention"][1] / raw["contention"][0]) if raw["contention"][0] > 0 else 1.0}
 
 
 # ---- what a compile asks for ---------------------------------------------------------------------

@@ -11,7 +11,12 @@ STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw t
   rank. Two microbatch counts, so the parent fits seconds per microbatch as a slope, free of
   what a step pays once;
 - ``collective_points``: tensor parallelism's (compute s, wait s) points
-  (partitioner/calibrate/tp_overheads.py ``collective_points``).
+  (partitioner/calibrate/tp_overheads.py ``collective_points``);
+- ``contention``: [median s alone, median s together] of a few milliseconds of the ops
+  regions are made of (matmuls, GELU, layer norm), computed by each rank while the other waits
+  on a barrier, then by both at once, in alternation: how much slower a rank computes while
+  another computes beside it (shared caches and memory bandwidth, SMT siblings, and whatever
+  else runs on the machine at the time).
 
 Nothing here imports the compiler beyond that module: the process only times torch.
 """
@@ -70,6 +75,42 @@ def _pipeline_step(num_stages: int, stage_index: int, group, m: int):
     return step
 
 
+def _contention(rank: int, rounds: int = 8) -> list[float]:
+    """[median seconds of ``compute`` alone, median seconds with both ranks computing], the
+    ranks' mean."""
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(128, 128, generator=generator)
+    up, down = torch.randn(128, 512, generator=generator) / 16, torch.randn(512, 128, generator=generator) / 32
+
+    def compute():
+        y = x
+        for _ in range(40):  # ~15 ms here: longer than a scheduler's time slice, so sharing shows
+            y = torch.nn.functional.layer_norm(y + torch.nn.functional.gelu(y @ up) @ down, (128,))
+        return y
+
+    alone, both = [], []
+    with torch.no_grad():
+        for i in range(rounds + 2):
+            for turn in range(2):
+                dist.barrier()
+                if turn == rank:
+                    start = time.perf_counter()
+                    compute()
+                    if i >= 2:
+                        alone.append(time.perf_counter() - start)
+                dist.barrier()
+            dist.barrier()
+            start = time.perf_counter()
+            compute()
+            if i >= 2:
+                both.append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(alone), statistics.median(both)], dtype=torch.float64)
+    dist.all_reduce(medians)  # the two ranks' mean: either may be the one another job slows
+    return (medians / 2).tolist()
+
+
 def measure(rank: int, *, repeats: int = 15) -> dict:
     import torch.distributed as dist
 
@@ -100,6 +141,7 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
         out["pipeline_2"].append([m, _median_s(_pipeline_step(2, rank, both, m), repeats=repeats, warmup=3)])
     dist.barrier()
     out["collective_points"] = collective_points(40)
+    out["contention"] = _contention(rank)
     return out
 
 

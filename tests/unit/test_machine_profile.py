@@ -136,11 +136,13 @@ def test_the_profile_replaces_only_the_presets_figures():
                                    "links": {"intra_node": {"bandwidth_bytes_per_s": 3e9, "latency_s": 1e-5}}})
     kept = profile.cluster_for(given)
     assert {d.flops_per_s for d in kept.devices} == {7e9} and kept.intra_node_link == given.intra_node_link
-    # a refit scale slows the rate the cluster states (MFU), as it slows the regions
+    # a refit scale and the ranks' contention slow the rate the cluster states (MFU), as they slow the regions
     import dataclasses
 
-    assert {d.flops_per_s for d in dataclasses.replace(profile, forward_scale=2.0).cluster_for(preset).devices} \
-        == {40e9}
+    slower = dataclasses.replace(profile, forward_scale=2.0,
+                                 measured=dataclasses.replace(profile.measured, contention=1.25))
+    assert {d.flops_per_s for d in slower.cluster_for(preset).devices} == {32e9}
+    assert slower.device_profile().forward.s_per_matmul_flop == pytest.approx(2.5 / 80e9)
 
 
 def test_fit_of_the_gloo_timings():
@@ -149,7 +151,7 @@ def test_fit_of_the_gloo_timings():
     raw = {"allreduce": [[1024, 0.20e-3], [1 << 20, 1.20e-3], [4 << 20, 4.20e-3], [16 << 20, 16.20e-3]],
            "pingpong": [[128, 0.05e-3], [65536, 0.08e-3]],
            "pipeline_1": [[2, 1.0e-3], [10, 3.4e-3]], "pipeline_2": [[2, 5.0e-3], [10, 21.0e-3]],
-           "collective_points": [[0.5e-3, 0.4e-3], [4e-3, 1.1e-3]]}
+           "collective_points": [[0.5e-3, 0.4e-3], [4e-3, 1.1e-3]], "contention": [10e-3, 12e-3]}
     got = machine.fit_gloo(raw)
     bandwidth = (3 << 20) / 3.0e-3
     assert got["link_bandwidth_bytes_per_s"] == pytest.approx(bandwidth)
@@ -158,6 +160,8 @@ def test_fit_of_the_gloo_timings():
     assert got["pipeline_slot_s"] == pytest.approx(2.0e-3)
     assert got["link_latency_s"] == pytest.approx(2.0e-3 - 0.3e-3 - PIPELINE_ROWS * PIPELINE_FEATURES * 4 / bandwidth)
     assert got["p2p_latency_s"] == 0.05e-3
+    assert got["contention"] == pytest.approx(1.2)
+    assert machine.fit_gloo({**raw, "contention": [10e-3, 9e-3]})["contention"] == 1.0  # never faster beside another
 
 
 @pytest.fixture(scope="module")
