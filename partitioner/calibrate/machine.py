@@ -429,20 +429,20 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     workload = reference_workload()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        say("machine profile: the reference ops, one thread")
-        import warnings
+    import warnings
 
-        with warnings.catch_warnings():  # torch.export's own deprecation notices: not the user's business
-            warnings.simplefilter("ignore", FutureWarning)
-            gm, _table = analyze(workload, granularity="sublayer")
-        fitted = calibrate(workload, gm, repeats=repeats, warmup=3, threads=1)
+    with warnings.catch_warnings():  # torch's own deprecation notices (export, pytree): not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
         try:
-            dtensor_op_s = measure_dtensor_op_s(gm, _example_inputs(workload))
-        except Exception:  # noqa: BLE001 - DTensor's figure is optional: the preset stands
-            dtensor_op_s = None
-    finally:
-        torch.set_num_threads(old_threads)
+            say("machine profile: the reference ops, one thread")
+            gm, _table = analyze(workload, granularity="sublayer")
+            fitted = calibrate(workload, gm, repeats=repeats, warmup=3, threads=1)
+            try:
+                dtensor_op_s = measure_dtensor_op_s(gm, _example_inputs(workload))
+            except Exception:  # noqa: BLE001 - DTensor's figure is optional: the preset stands
+                dtensor_op_s = None
+        finally:
+            torch.set_num_threads(old_threads)
     gloo_figures = _measure_gloo(say) if gloo else None
     link_latency_s = gloo_figures["link_latency_s"] if gloo_figures else None
     tp = fit_collectives(gloo_figures["collective_points"], link_latency_s) if gloo_figures else {}
