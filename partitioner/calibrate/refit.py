@@ -12,8 +12,11 @@ Note [refit from a run]
       includes); the profile's region coefficients are multiplied by them;
     * the per-microbatch overhead: with the regions rescaled, the seconds per microbatch every
       stage must pay besides them for ``evaluate`` to give the measured step (linear in it:
-      solved from two evaluations), floored at 0. It absorbs whatever the model leaves out on
-      this machine (the schedule's Python, waits on sends, the optimizer step per microbatch).
+      solved from two evaluations). It absorbs whatever the model leaves out on this machine
+      (the schedule's Python, waits on sends, the optimizer step per microbatch). Where it would
+      be negative (the stages overlapped better than the pipeline formula charges, as when the
+      ranks take turns on shared cores) it is 0 and both region scales shrink by one factor
+      until the step is what was measured.
 
     Both are relative to the profile that priced the plan, so the plan must have been priced by
     this machine's profile (plan.json's ``predicted.cpu_time_model``, written by the compile)
@@ -201,7 +204,14 @@ def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
         at_zero = _predicted_step_s(plan, scaled, cluster, assignment)
         at_probe = _predicted_step_s(plan, _scaled_problem(problem, forward, backward, _PROBE_S), cluster, assignment)
         per_s = (at_probe - at_zero) / _PROBE_S
-        overhead = max(0.0, (measured - at_zero) / per_s) if per_s > 0 else overhead_before
+        overhead = (measured - at_zero) / per_s if per_s > 0 else overhead_before
+        if overhead < 0:  # the stages' own times price more than the step took: they overlapped better
+            overhead = 0.0  # than the pipeline formula says; scale the regions down to the step instead
+            half = _predicted_step_s(plan, _scaled_problem(problem, forward / 2, backward / 2, 0.0), cluster,
+                                     assignment)
+            slope = 2 * (at_zero - half)  # step = fixed + slope * k for region scale k (sends stay)
+            k = (measured - (at_zero - slope)) / slope if slope > 0 else 1.0
+            forward, backward = forward * k, backward * k
         with_stage_times = True
     else:  # Note [refit from a run]: one factor for all
         forward = backward = measured / before if before > 0 else 1.0

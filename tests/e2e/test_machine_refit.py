@@ -76,8 +76,8 @@ def test_refit_makes_the_profile_predict_the_run(trained, tmp_path, monkeypatch,
     assert entry.measured_step_s == summary["measured_step_time_s"]
     assert entry.predicted_before_s == pytest.approx(summary["predicted_step_time_s"])
     assert (entry.forward_scale, entry.backward_scale) == (refit.forward_scale, refit.backward_scale)
-    if entry.microbatch_overhead_s > 0:  # not floored at 0: the refit prices this plan at what it measured
-        assert entry.predicted_after_s == pytest.approx(entry.measured_step_s, rel=1e-6)
+    # the refit prices this plan at what it measured (a region scale or the overhead gives)
+    assert entry.predicted_after_s == pytest.approx(entry.measured_step_s, rel=1e-3)
     # a second refit from the same run (priced by the profile before the first) lands where the first did
     again = refit_from_run(root / "priced", refit)
     assert again.profile.forward_scale == pytest.approx(refit.forward_scale)
