@@ -443,22 +443,21 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
                 dtensor_op_s = None
         finally:
             torch.set_num_threads(old_threads)
-    gloo_figures = _measure_gloo(say) if gloo else None
-    link_latency_s = gloo_figures["link_latency_s"] if gloo_figures else None
-    tp = fit_collectives(gloo_figures["collective_points"], link_latency_s) if gloo_figures else {}
+    g = _measure_gloo(say) if gloo else None
+    tp = fit_collectives(g.collective_points, g.link_latency_s) if g else {}
     measured = MachineMeasurements(
         forward=_scaled(fitted.forward, 1.0), backward=_scaled(fitted.backward, 1.0),
         forward_fit_median_rel_error=float(fitted.meta["forward_median_rel_error"]),
         backward_fit_median_rel_error=float(fitted.meta["backward_median_rel_error"]),
-        microbatch_overhead_s=gloo_figures["microbatch_overhead_s"] if gloo_figures else None,
-        pipeline_slot_s=gloo_figures["pipeline_slot_s"] if gloo_figures else None,
-        link_latency_s=link_latency_s,
-        link_bandwidth_bytes_per_s=gloo_figures["link_bandwidth_bytes_per_s"] if gloo_figures else None,
-        allreduce_latency_s=gloo_figures["allreduce_latency_s"] if gloo_figures else None,
-        p2p_latency_s=gloo_figures["p2p_latency_s"] if gloo_figures else None,
+        microbatch_overhead_s=g.microbatch_overhead_s if g else None,
+        pipeline_slot_s=g.pipeline_slot_s if g else None,
+        link_latency_s=g.link_latency_s if g else None,
+        link_bandwidth_bytes_per_s=g.link_bandwidth_bytes_per_s if g else None,
+        allreduce_latency_s=g.allreduce_latency_s if g else None,
+        p2p_latency_s=g.p2p_latency_s if g else None,
         recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
         tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
-        contention=gloo_figures["contention"] if gloo_figures else 1.0, threads=1, load_average_1m=float(load),
+        contention=g.contention if g else 1.0, threads=1, load_average_1m=float(load),
         measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
 
@@ -472,7 +471,7 @@ def _finite(measured: MachineMeasurements) -> MachineMeasurements:
     return MachineMeasurements(**{f.name: clean(getattr(measured, f.name)) for f in dataclasses.fields(measured)})
 
 
-def _measure_gloo(say: Callable[[str], None]) -> dict | None:
+def _measure_gloo(say: Callable[[str], None]) -> GlooFigures | None:
     """The two-process figures (machine_worker.py), or None when the processes did not finish
     (not the compile's error: the preset's figures stand, and the profile says so)."""
     say("machine profile: two processes over gloo (schedule, sends, all-reduce)")
@@ -502,7 +501,21 @@ def _measure_gloo(say: Callable[[str], None]) -> dict | None:
     return fit_gloo(json.loads(outputs[0][1].strip().splitlines()[-1]))
 
 
-def fit_gloo(raw: dict) -> dict:
+@dataclass(frozen=True)
+class GlooFigures:
+    """What the two processes measured, fitted (``fit_gloo``; MachineMeasurements' fields of the same names)."""
+
+    microbatch_overhead_s: float
+    pipeline_slot_s: float
+    link_latency_s: float
+    link_bandwidth_bytes_per_s: float
+    allreduce_latency_s: float
+    p2p_latency_s: float
+    contention: float
+    collective_points: tuple  # tensor parallelism's (compute s, wait s) points (tp_overheads.fit_collectives)
+
+
+def fit_gloo(raw: dict) -> GlooFigures:
     """The figures of ``machine_worker``'s raw timings (Note [machine profile])."""
     from partitioner.calibrate.machine_worker import PIPELINE_FEATURES, PIPELINE_ROWS
 
@@ -526,10 +539,12 @@ def fit_gloo(raw: dict) -> dict:
     message_bytes = PIPELINE_ROWS * PIPELINE_FEATURES * 4
     # Each stage of the two-stage schedule sends once per microbatch: slot = overhead + latency + bytes / bw
     link_latency = max(0.0, slot - overhead - message_bytes / bandwidth)
-    return {"microbatch_overhead_s": overhead, "pipeline_slot_s": slot, "link_latency_s": link_latency,
-            "link_bandwidth_bytes_per_s": bandwidth, "allreduce_latency_s": allreduce_latency,
-            "p2p_latency_s": sorted(raw["pingpong"])[0][1], "collective_points": raw["collective_points"],
-            "contention": max(1.0, raw["contention"][1] / raw["contention"][0]) if raw["contention"][0] > 0 else 1.0}
+    alone_s, together_s = raw["contention"]
+    return GlooFigures(microbatch_overhead_s=overhead, pipeline_slot_s=slot, link_latency_s=link_latency,
+                       link_bandwidth_bytes_per_s=bandwidth, allreduce_latency_s=allreduce_latency,
+                       p2p_latency_s=sorted(raw["pingpong"])[0][1],
+                       contention=max(1.0, together_s / alone_s) if alone_s > 0 else 1.0,  # never faster beside another
+                       collective_points=tuple(tuple(p) for p in raw["collective_points"]))
 
 
 # ---- what a compile asks for ---------------------------------------------------------------------

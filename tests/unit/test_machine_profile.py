@@ -154,14 +154,14 @@ def test_fit_of_the_gloo_timings():
            "collective_points": [[0.5e-3, 0.4e-3], [4e-3, 1.1e-3]], "contention": [10e-3, 12e-3]}
     got = machine.fit_gloo(raw)
     bandwidth = (3 << 20) / 3.0e-3
-    assert got["link_bandwidth_bytes_per_s"] == pytest.approx(bandwidth)
-    assert got["allreduce_latency_s"] == pytest.approx((0.20e-3 - 1024 / bandwidth) / 2)
-    assert got["microbatch_overhead_s"] == pytest.approx(0.3e-3)
-    assert got["pipeline_slot_s"] == pytest.approx(2.0e-3)
-    assert got["link_latency_s"] == pytest.approx(2.0e-3 - 0.3e-3 - PIPELINE_ROWS * PIPELINE_FEATURES * 4 / bandwidth)
-    assert got["p2p_latency_s"] == 0.05e-3
-    assert got["contention"] == pytest.approx(1.2)
-    assert machine.fit_gloo({**raw, "contention": [10e-3, 9e-3]})["contention"] == 1.0  # never faster beside another
+    assert got.link_bandwidth_bytes_per_s == pytest.approx(bandwidth)
+    assert got.allreduce_latency_s == pytest.approx((0.20e-3 - 1024 / bandwidth) / 2)
+    assert got.microbatch_overhead_s == pytest.approx(0.3e-3)
+    assert got.pipeline_slot_s == pytest.approx(2.0e-3)
+    assert got.link_latency_s == pytest.approx(2.0e-3 - 0.3e-3 - PIPELINE_ROWS * PIPELINE_FEATURES * 4 / bandwidth)
+    assert got.p2p_latency_s == 0.05e-3
+    assert got.contention == pytest.approx(1.2)
+    assert machine.fit_gloo({**raw, "contention": [10e-3, 9e-3]}).contention == 1.0  # never faster beside another
 
 
 @pytest.fixture(scope="module")
