@@ -145,6 +145,19 @@ class MachineMeasurements:
     measure_s: float                           # how long measuring took
     time_unix: float
 
+    def __post_init__(self) -> None:
+        import math
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = dataclasses.astuple(value) if isinstance(value, DirectionFit) else (value,)
+            if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                      or v < 0) for v in values):
+                raise ValueError(f"measured {f.name}={value!r} must be finite numbers >= 0 (measure again: "
+                                 "partitioner calibrate --machine --refresh)")
+        if self.contention <= 0:
+            raise ValueError(f"measured contention={self.contention!r} must be > 0")
+
     @property
     def matmul_flops_per_s(self) -> float | None:
         return 1.0 / self.forward.s_per_matmul_flop if self.forward.s_per_matmul_flop > 0 else None
@@ -204,14 +217,13 @@ class MachineProfile:
         contention (Note [machine profile]) times the refit's scales."""
         return self.measured.contention * self.forward_scale, self.measured.contention * self.backward_scale
 
-    def device_profile(self, *, regions: bool = True) -> DeviceProfile:
-        """The profile a compile prices the ``cpu`` kind with (Note [machine profile]);
-        ``regions=False``: only the fixed costs (the caller prices regions otherwise)."""
+    def device_profile(self) -> DeviceProfile:
+        """The profile a compile prices the ``cpu`` kind with (Note [machine profile])."""
         m = self.measured
         forward_scale, backward_scale = self.region_scales
         return DeviceProfile(
             kind=KIND, forward=_scaled(m.forward, forward_scale), backward=_scaled(m.backward, backward_scale),
-            meta={"precision": "fp32", "source": "machine", "threads": m.threads, "regions": regions},
+            meta={"precision": "fp32", "source": "machine", "threads": m.threads},
             microbatch_overhead_s=self.effective_microbatch_overhead_s, dtensor_op_s=m.dtensor_op_s,
             tp_collective_s=m.tp_collective_s, tp_skew=m.tp_skew, recompute_fixed_s=m.recompute_fixed_s)
 

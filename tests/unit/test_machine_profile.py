@@ -60,8 +60,14 @@ def test_measured_once_then_cached_and_refreshed_on_request(cache, measured):
     assert machine.machine_profile().profile == fresh.profile
 
 
+def _negative_link():
+    body = fake_profile().to_dict()
+    body["measured"]["link_latency_s"] = -1.0
+    return json.dumps(body)
+
+
 @pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"format": "partitioner.machine/0"}',
-                                     '{"format": "partitioner.machine/1", "key": {}}', "\udcff"])
+                                     '{"format": "partitioner.machine/1", "key": {}}', "\udcff", _negative_link()])
 def test_a_corrupt_or_foreign_cache_file_is_measured_again(cache, measured, content):
     path = machine.cache_path(machine.MachineKey.here())
     path.parent.mkdir(parents=True)
