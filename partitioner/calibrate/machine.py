@@ -263,6 +263,9 @@ class MachineProfile:
         figures.append(f"link {link.latency_s * 1e3:.2f} ms + {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
                        if link else "link: preset")
         text = f"{'; '.join(parts)}: {', '.join(figures)}"
+        if m.load_average_1m > 0.5 * self.key.cores:  # other work took cores from the measurement
+            text += ("; measured on a busy machine: `partitioner calibrate --machine --refresh` when it is as busy "
+                     "as the job will find it")
         if self.refits:
             text += (f"; refit from {len(self.refits)} run(s): regions x{self.forward_scale:.2f} forward, "
                      f"x{self.backward_scale:.2f} backward")
