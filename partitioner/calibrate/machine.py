@@ -21,8 +21,10 @@ Note [machine profile]
     * two local processes over gloo (partitioner/calibrate/machine_worker.py): the seconds per
       microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on tiny stages (the
       schedule's own cost and the loss: ``microbatch_overhead_s``), the seconds per microbatch
-      slot of a two-stage one (the rest of that slot is what a stage pays per send in a
-      pipeline: the link's latency), a two-rank all-reduce at 1 KiB to 16 MiB (its least-squares
+      slot of a two-stage one whose stages compute as a small model's do (what is left of that
+      slot beyond the stage's compute, its bytes and the overhead is what a stage pays per send
+      in a pipeline: the link's latency; a send to a busy peer takes longer than to an idle
+      one, so tiny stages would under-price it), a two-rank all-reduce at 1 KiB to 16 MiB (its least-squares
       slope over the larger sizes is the link's bandwidth) and tensor parallelism's per-collective cost and drift
       (``collective_points``). Slopes over two microbatch counts, so what a step pays once
       (schedule set-up) is not charged per microbatch. And the ranks' contention: how many
@@ -130,8 +132,8 @@ class MachineMeasurements:
     forward_fit_median_rel_error: float        # of the fit over the reference's regions and ops
     backward_fit_median_rel_error: float
     microbatch_overhead_s: float | None        # one-stage schedule, per microbatch (None: not measured)
-    pipeline_slot_s: float | None              # two-stage schedule, per microbatch slot
-    link_latency_s: float | None               # a stage's seconds per send in a pipeline
+    pipeline_slot_s: float | None              # two-stage schedule of computing stages, per microbatch slot
+    link_latency_s: float | None               # a stage's seconds per send in a pipeline, beyond the bytes
     link_bandwidth_bytes_per_s: float | None   # a two-rank all-reduce's slope
     allreduce_latency_s: float | None          # its intercept, per message (what its latency terms pay)
     p2p_latency_s: float | None                # a blocking send/recv of 128 bytes, one way
@@ -142,6 +144,7 @@ class MachineMeasurements:
     contention: float                          # a rank computes this many times slower beside another (>= 1)
     threads: int
     load_average_1m: float                     # os.getloadavg() when the measurement started
+    other_runnable: float                      # other processes running or waiting for a core then
     measure_s: float                           # how long measuring took
     time_unix: float
 
@@ -253,7 +256,7 @@ class MachineProfile:
         rate = m.matmul_flops_per_s / self.region_scales[0] if m.matmul_flops_per_s else None
         parts = [f"{self.key.cpu_model}, {self.key.cores} cores, torch {self.key.torch_version}",
                  f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(m.time_unix))} in {m.measure_s:.1f} s "
-                 f"at load {m.load_average_1m:.1f}"]
+                 f"with {m.other_runnable:.1f} other processes running (load average {m.load_average_1m:.1f})"]
         figures = [f"matmul {rate / 1e9:.0f} GFLOP/s a rank" if rate else "matmul -",
                    f"two ranks at once x{m.contention:.2f}",
                    f"{m.forward.op_overhead_s * 1e6:.0f}/{m.backward.op_overhead_s * 1e6:.0f} us per op fwd/bwd"]
@@ -263,7 +266,7 @@ class MachineProfile:
         figures.append(f"link {link.latency_s * 1e3:.2f} ms + {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
                        if link else "link: preset")
         text = f"{'; '.join(parts)}: {', '.join(figures)}"
-        if m.load_average_1m > 0.5 * self.key.cores:  # other work took cores from the measurement
+        if m.other_runnable > 0.5 * self.key.cores:  # other work took cores from the measurement
             text += ("; measured on a busy machine: `partitioner calibrate --machine --refresh` when it is as busy "
                      "as the job will find it")
         if self.refits:
@@ -441,6 +444,7 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     say = progress or (lambda _message: None)
     started = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    others = _other_runnable(load)
     workload = reference_workload()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -472,9 +476,24 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
         p2p_latency_s=g.p2p_latency_s if g else None,
         recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
         tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
-        contention=g.contention if g else 1.0, threads=1, load_average_1m=float(load),
+        contention=g.contention if g else 1.0, threads=1, load_average_1m=float(load), other_runnable=others,
         measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
+
+
+def _other_runnable(load_average: float, seconds: float = 0.5) -> float:
+    """Processes besides this one running or waiting for a core, averaged over ``seconds``
+    (/proc/loadavg's fourth field, which the 1-minute load average lags by a minute); the load
+    average where there is no /proc."""
+    samples = []
+    for _ in range(10):
+        try:
+            with open("/proc/loadavg") as f:
+                samples.append(max(0, int(f.read().split()[3].split("/")[0]) - 1))
+        except (OSError, ValueError, IndexError):
+            return float(load_average)
+        time.sleep(seconds / 10)
+    return sum(samples) / len(samples)
 
 
 def _finite(measured: MachineMeasurements) -> MachineMeasurements:
@@ -532,7 +551,7 @@ class GlooFigures:
 
 def fit_gloo(raw: dict) -> GlooFigures:
     """The figures of ``machine_worker``'s raw timings (Note [machine profile])."""
-    from partitioner.calibrate.machine_worker import PIPELINE_FEATURES, PIPELINE_ROWS
+    from partitioner.calibrate.machine_worker import BLOCK_MESSAGE_BYTES
 
     def slope(points):
         (x0, y0), (x1, y1) = points[0], points[-1]
@@ -550,15 +569,16 @@ def fit_gloo(raw: dict) -> GlooFigures:
     # a two-rank ring all-reduce: n / bandwidth + 2 latencies (Note [cost model] in evaluate.py)
     allreduce_latency = max(0.0, (smallest_s - smallest_bytes / bandwidth) / 2)
     overhead = slope(raw["pipeline_1"])
-    slot = slope(raw["pipeline_2"])
-    message_bytes = PIPELINE_ROWS * PIPELINE_FEATURES * 4
-    # Each stage of the two-stage schedule sends once per microbatch: slot = overhead + latency + bytes / bw
-    link_latency = max(0.0, slot - overhead - message_bytes / bandwidth)
     alone_s, together_s = raw["contention"]
+    contention = max(1.0, together_s / alone_s) if alone_s > 0 else 1.0  # never faster beside another
+    slot = slope(raw["pipeline_2_block"])
+    # Each stage of the two-stage schedule computes and sends once per microbatch, as the cost
+    # model charges it: slot = contention x compute + overhead + latency + bytes / bandwidth
+    link_latency = max(0.0, slot - contention * raw["block_alone_s"] - overhead - BLOCK_MESSAGE_BYTES / bandwidth)
     return GlooFigures(microbatch_overhead_s=overhead, pipeline_slot_s=slot, link_latency_s=link_latency,
                        link_bandwidth_bytes_per_s=bandwidth, allreduce_latency_s=allreduce_latency,
                        p2p_latency_s=sorted(raw["pingpong"])[0][1],
-                       contention=max(1.0, together_s / alone_s) if alone_s > 0 else 1.0,  # never faster beside another
+                       contention=contention,
                        collective_points=tuple(tuple(p) for p in raw["collective_points"]))
 
 

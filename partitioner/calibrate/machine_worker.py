@@ -4,12 +4,17 @@ STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw t
 
 - ``allreduce``: [bytes, median s] of a two-rank all_reduce from 1 KiB to 16 MiB;
 - ``pingpong``: [bytes, median s one way] of a blocking send/recv round trip, halved;
-- ``pipeline_1`` / ``pipeline_2``: [microbatches, median s of one step] of a
-  torch.distributed.pipelining 1F1B schedule over tiny Linear stages, built as runtime/schedule.py
-  builds the generated programs' (static shapes, ``scale_grads``, a loss on the last stage): one
-  stage on each rank alone (both ranks at once, as data-parallel ranks run), then one stage per
-  rank. Two microbatch counts, so the parent fits seconds per microbatch as a slope, free of
-  what a step pays once;
+- ``pipeline_1``: [microbatches, median s of one step] of a torch.distributed.pipelining 1F1B
+  schedule of one tiny Linear stage on each rank alone (both ranks at once, as data-parallel
+  ranks run), built as runtime/schedule.py builds the generated programs' (static shapes,
+  ``scale_grads``, a loss on the last stage). Two microbatch counts, so the parent fits seconds
+  per microbatch as a slope, free of what a step pays once;
+- ``pipeline_2_block``: the same schedule over two stages, one per rank, that compute as a small
+  model's do (``block``: two MLP blocks of width 128 over a microbatch of 4 x 64 tokens, a
+  128 KiB activation), with ``block_alone_s``, the seconds of that stage's forward and backward
+  alone (each rank in turn, the other waiting on a barrier): what a pipeline adds to its
+  stages' compute per microbatch when they do compute (a send to a busy peer takes longer than
+  to an idle one);
 - ``collective_points``: tensor parallelism's (compute s, wait s) points
   (partitioner/calibrate/tp_overheads.py ``collective_points``);
 - ``contention``: [median s alone, median s together] of a few milliseconds of the ops
@@ -37,6 +42,10 @@ PIPELINE_MICROBATCHES = (2, 10)
 # on this machine class; the bytes term is the all-reduce's bandwidth).
 PIPELINE_ROWS, PIPELINE_FEATURES = 4, 16
 ALLREDUCE_BYTES = (1024, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+# The computing stage of ``pipeline_2_block``: BLOCK_LAYERS MLP blocks of BLOCK_WIDTH on a
+# microbatch of BLOCK_ROWS x BLOCK_TOKENS (about 5 ms of forward and backward on a 2020s core).
+BLOCK_LAYERS, BLOCK_WIDTH, BLOCK_ROWS, BLOCK_TOKENS = 2, 128, 4, 64
+BLOCK_MESSAGE_BYTES = BLOCK_ROWS * BLOCK_TOKENS * BLOCK_WIDTH * 4
 PINGPONG_BYTES = (128, 64 << 10)
 
 
@@ -50,17 +59,32 @@ def _median_s(fn, *, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _pipeline_step(num_stages: int, stage_index: int, group, m: int):
-    """A step function of a 1F1B schedule over ``num_stages`` tiny stages (this rank's one)."""
+def block(seed: int) -> torch.nn.Module:
+    """``pipeline_2_block``'s stage: MLP blocks as small transformers have them."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        width = BLOCK_WIDTH
+        return torch.nn.Sequential(*[layer for _ in range(BLOCK_LAYERS) for layer in (
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width),
+            torch.nn.LayerNorm(width))])
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def _pipeline_step(num_stages: int, stage_index: int, group, m: int, module: torch.nn.Module | None = None):
+    """A step function of a 1F1B schedule over ``num_stages`` stages (this rank's one): tiny
+    Linear stages, or ``module`` on microbatches of BLOCK_ROWS x BLOCK_TOKENS x BLOCK_WIDTH."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    rows, width = PIPELINE_ROWS, PIPELINE_FEATURES
-    stage = PipelineStage(torch.nn.Linear(width, width), stage_index, num_stages, torch.device("cpu"),
-                          input_args=(torch.zeros(rows, width, requires_grad=stage_index > 0),),
-                          output_args=(torch.zeros(rows, width, requires_grad=True),), group=group)
+    shape = (PIPELINE_ROWS, PIPELINE_FEATURES) if module is None else (BLOCK_ROWS, BLOCK_TOKENS, BLOCK_WIDTH)
+    module = module if module is not None else torch.nn.Linear(PIPELINE_FEATURES, PIPELINE_FEATURES)
+    stage = PipelineStage(module, stage_index, num_stages, torch.device("cpu"),
+                          input_args=(torch.zeros(*shape, requires_grad=stage_index > 0),),
+                          output_args=(torch.zeros(*shape, requires_grad=True),), group=group)
     schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, target: ((out - target) ** 2).mean(),
                             scale_grads=True)
-    inputs, target = torch.randn(m * rows, width), torch.randn(m * rows, width)
+    inputs, target = torch.randn(m * shape[0], *shape[1:]), torch.randn(m * shape[0], *shape[1:])
     last = stage_index == num_stages - 1
 
     def step():
@@ -116,7 +140,7 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
 
     from partitioner.calibrate.tp_overheads import collective_points
 
-    out: dict = {"allreduce": [], "pingpong": [], "pipeline_1": [], "pipeline_2": []}
+    out: dict = {"allreduce": [], "pingpong": [], "pipeline_1": [], "pipeline_2_block": []}
     for nbytes in ALLREDUCE_BYTES:
         x = torch.zeros(nbytes // 4)
         out["allreduce"].append([nbytes, _median_s(lambda: dist.all_reduce(x), repeats=repeats, warmup=3)])
@@ -137,8 +161,19 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
         out["pipeline_1"].append([m, _median_s(_pipeline_step(1, 0, singles[rank], m), repeats=repeats, warmup=3)])
     dist.barrier()
     both = dist.new_group([0, 1])
+    stage = block(rank)
+    x = torch.randn(BLOCK_ROWS, BLOCK_TOKENS, BLOCK_WIDTH, requires_grad=True)
+    alone = torch.zeros(1, dtype=torch.float64)
+    for turn in range(2):  # each rank's stage alone, the other waiting
+        dist.barrier()
+        if turn == rank:
+            alone[0] = _median_s(lambda: stage(x).sum().backward(), repeats=repeats, warmup=3)
+        dist.barrier()
+    dist.all_reduce(alone)
+    out["block_alone_s"] = float(alone[0]) / 2
     for m in PIPELINE_MICROBATCHES:
-        out["pipeline_2"].append([m, _median_s(_pipeline_step(2, rank, both, m), repeats=repeats, warmup=3)])
+        out["pipeline_2_block"].append([m, _median_s(_pipeline_step(2, rank, both, m, stage), repeats=8,
+                                                     warmup=2)])
     dist.barrier()
     out["collective_points"] = collective_points(40)
     out["contention"] = _contention(rank)

@@ -152,19 +152,21 @@ def test_the_profile_replaces_only_the_presets_figures():
 
 
 def test_fit_of_the_gloo_timings():
-    from partitioner.calibrate.machine_worker import PIPELINE_FEATURES, PIPELINE_ROWS
+    from partitioner.calibrate.machine_worker import BLOCK_MESSAGE_BYTES
 
     raw = {"allreduce": [[1024, 0.20e-3], [1 << 20, 1.20e-3], [4 << 20, 4.20e-3], [16 << 20, 16.20e-3]],
            "pingpong": [[128, 0.05e-3], [65536, 0.08e-3]],
            "pipeline_1": [[2, 1.0e-3], [10, 3.4e-3]], "pipeline_2": [[2, 5.0e-3], [10, 21.0e-3]],
+           "pipeline_2_block": [[2, 30e-3], [10, 94e-3]], "block_alone_s": 5e-3,
            "collective_points": [[0.5e-3, 0.4e-3], [4e-3, 1.1e-3]], "contention": [10e-3, 12e-3]}
     got = machine.fit_gloo(raw)
     bandwidth = (3 << 20) / 3.0e-3
     assert got.link_bandwidth_bytes_per_s == pytest.approx(bandwidth)
     assert got.allreduce_latency_s == pytest.approx((0.20e-3 - 1024 / bandwidth) / 2)
     assert got.microbatch_overhead_s == pytest.approx(0.3e-3)
-    assert got.pipeline_slot_s == pytest.approx(2.0e-3)
-    assert got.link_latency_s == pytest.approx(2.0e-3 - 0.3e-3 - PIPELINE_ROWS * PIPELINE_FEATURES * 4 / bandwidth)
+    assert got.pipeline_slot_s == pytest.approx(8.0e-3)
+    # slot = contention x compute + overhead + latency + bytes / bandwidth
+    assert got.link_latency_s == pytest.approx(8.0e-3 - 1.2 * 5e-3 - 0.3e-3 - BLOCK_MESSAGE_BYTES / bandwidth)
     assert got.p2p_latency_s == 0.05e-3
     assert got.contention == pytest.approx(1.2)
     assert machine.fit_gloo({**raw, "contention": [10e-3, 9e-3]}).contention == 1.0  # never faster beside another
