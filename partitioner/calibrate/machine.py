@@ -34,6 +34,12 @@ Note [machine profile]
       multiplied by it (``region_scales``), since ranks compute side by side. A one-rank plan is
       over-predicted by it (1.0 to 1.1 on an idle machine).
 
+    The two-process timings keep the quieter quarter of their repeats (25th percentile), not the
+    median: other work on a shared machine only ever adds time, and the profile is this machine
+    with its cores to the job, as the cpu preset's figures were taken (partitioner/cluster.py).
+    A run on a busier machine takes longer than predicted; ``calibrate --from-run`` refits the
+    profile to it where that is how the machine will be.
+
     It prices a compile by becoming, for the ``cpu`` kind, what a ``--calibrate`` profile would
     be (``device_profile``: region seconds from the reference fit, the measured overheads) and by
     replacing the preset's figures in the cluster (``cluster_for``: flops_per_s, the measured

@@ -1,10 +1,11 @@
 """One of the two processes of the machine profile's gloo measurements (Note [machine profile] in
 partitioner/calibrate/machine.py): run as ``python -m partitioner.calibrate.machine_worker RANK
-STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw timings:
+STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw timings, each the
+25th percentile of its repeats (``quiet``):
 
-- ``allreduce``: [bytes, median s] of a two-rank all_reduce from 1 KiB to 16 MiB;
-- ``pingpong``: [bytes, median s one way] of a blocking send/recv round trip, halved;
-- ``pipeline_1``: [microbatches, median s of one step] of a torch.distributed.pipelining 1F1B
+- ``allreduce``: [bytes, s] of a two-rank all_reduce from 1 KiB to 16 MiB;
+- ``pingpong``: [bytes, s one way] of a blocking send/recv round trip, halved;
+- ``pipeline_1``: [microbatches, s of one step] of a torch.distributed.pipelining 1F1B
   schedule of one tiny Linear stage on each rank alone (both ranks at once, as data-parallel
   ranks run), built as runtime/schedule.py builds the generated programs' (static shapes,
   ``scale_grads``, a loss on the last stage). Two microbatch counts, so the parent fits seconds
@@ -17,7 +18,7 @@ STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw t
   to an idle one);
 - ``collective_points``: tensor parallelism's (compute s, wait s) points
   (partitioner/calibrate/tp_overheads.py ``collective_points``);
-- ``contention``: [median s alone, median s together] of a few milliseconds of the ops
+- ``contention``: [s alone, s together] of a few milliseconds of the ops
   regions are made of (matmuls, GELU, layer norm), computed by each rank while the other waits
   on a barrier, then by both at once, in alternation: how much slower a rank computes while
   another computes beside it (shared caches and memory bandwidth, SMT siblings, and whatever
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
 import sys
 import time
 
@@ -49,14 +49,21 @@ BLOCK_MESSAGE_BYTES = BLOCK_ROWS * BLOCK_TOKENS * BLOCK_WIDTH * 4
 PINGPONG_BYTES = (128, 64 << 10)
 
 
-def _median_s(fn, *, repeats: int, warmup: int) -> float:
+def quiet(times) -> float:
+    """The quieter quarter's edge (25th percentile) of repeated timings: other work on the
+    machine only ever adds time (Note [machine profile] in partitioner/calibrate/machine.py)."""
+    ordered = sorted(times)
+    return ordered[(len(ordered) - 1) // 4]
+
+
+def _quiet_s(fn, *, repeats: int, warmup: int) -> float:
     times = []
     for i in range(warmup + repeats):
         start = time.perf_counter()
         fn()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return quiet(times)
 
 
 def block(seed: int) -> torch.nn.Module:
@@ -100,8 +107,7 @@ def _pipeline_step(num_stages: int, stage_index: int, group, m: int, module: tor
 
 
 def _contention(rank: int, rounds: int = 8) -> list[float]:
-    """[median seconds of ``compute`` alone, median seconds with both ranks computing], the
-    ranks' mean."""
+    """[seconds of ``compute`` alone, with both ranks computing] (``quiet``), the ranks' mean."""
     import torch.distributed as dist
 
     generator = torch.Generator().manual_seed(rank)
@@ -130,9 +136,9 @@ def _contention(rank: int, rounds: int = 8) -> list[float]:
             compute()
             if i >= 2:
                 both.append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(alone), statistics.median(both)], dtype=torch.float64)
-    dist.all_reduce(medians)  # the two ranks' mean: either may be the one another job slows
-    return (medians / 2).tolist()
+    figures = torch.tensor([quiet(alone), quiet(both)], dtype=torch.float64)
+    dist.all_reduce(figures)  # the two ranks' mean: either may be the one another job slows
+    return (figures / 2).tolist()
 
 
 def measure(rank: int, *, repeats: int = 15) -> dict:
@@ -143,7 +149,7 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
     out: dict = {"allreduce": [], "pingpong": [], "pipeline_1": [], "pipeline_2_block": []}
     for nbytes in ALLREDUCE_BYTES:
         x = torch.zeros(nbytes // 4)
-        out["allreduce"].append([nbytes, _median_s(lambda: dist.all_reduce(x), repeats=repeats, warmup=3)])
+        out["allreduce"].append([nbytes, _quiet_s(lambda: dist.all_reduce(x), repeats=repeats, warmup=3)])
     for nbytes in PINGPONG_BYTES:
         x = torch.zeros(nbytes // 4)
 
@@ -155,10 +161,10 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
                 dist.recv(x, 0)
                 dist.send(x, 0)
 
-        out["pingpong"].append([nbytes, _median_s(roundtrip, repeats=repeats, warmup=3) / 2])
+        out["pingpong"].append([nbytes, _quiet_s(roundtrip, repeats=repeats, warmup=3) / 2])
     singles = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
     for m in PIPELINE_MICROBATCHES:
-        out["pipeline_1"].append([m, _median_s(_pipeline_step(1, 0, singles[rank], m), repeats=repeats, warmup=3)])
+        out["pipeline_1"].append([m, _quiet_s(_pipeline_step(1, 0, singles[rank], m), repeats=repeats, warmup=3)])
     dist.barrier()
     both = dist.new_group([0, 1])
     stage = block(rank)
@@ -167,12 +173,12 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
     for turn in range(2):  # each rank's stage alone, the other waiting
         dist.barrier()
         if turn == rank:
-            alone[0] = _median_s(lambda: stage(x).sum().backward(), repeats=repeats, warmup=3)
+            alone[0] = _quiet_s(lambda: stage(x).sum().backward(), repeats=repeats, warmup=3)
         dist.barrier()
     dist.all_reduce(alone)
     out["block_alone_s"] = float(alone[0]) / 2
     for m in PIPELINE_MICROBATCHES:
-        out["pipeline_2_block"].append([m, _median_s(_pipeline_step(2, rank, both, m, stage), repeats=8,
+        out["pipeline_2_block"].append([m, _quiet_s(_pipeline_step(2, rank, both, m, stage), repeats=8,
                                                      warmup=2)])
     dist.barrier()
     out["collective_points"] = collective_points(40)
