@@ -46,6 +46,7 @@ ALLREDUCE_BYTES = (1024, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 # microbatch of BLOCK_ROWS x BLOCK_TOKENS (about 5 ms of forward and backward on a 2020s core).
 BLOCK_LAYERS, BLOCK_WIDTH, BLOCK_ROWS, BLOCK_TOKENS = 2, 128, 4, 64
 BLOCK_MESSAGE_BYTES = BLOCK_ROWS * BLOCK_TOKENS * BLOCK_WIDTH * 4
+BLOCK_MICROBATCHES = (2, 16)  # a wide range: the latency is a small difference of two large times
 PINGPONG_BYTES = (128, 64 << 10)
 
 
@@ -177,9 +178,9 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
         dist.barrier()
     dist.all_reduce(alone)
     out["block_alone_s"] = float(alone[0]) / 2
-    for m in PIPELINE_MICROBATCHES:
-        out["pipeline_2_block"].append([m, _quiet_s(_pipeline_step(2, rank, both, m, stage), repeats=8,
-                                                     warmup=2)])
+    for m in BLOCK_MICROBATCHES:
+        out["pipeline_2_block"].append([m, _quiet_s(_pipeline_step(2, rank, both, m, stage), repeats=10,
+                                                    warmup=2)])
     dist.barrier()
     out["collective_points"] = collective_points(40)
     out["contention"] = _contention(rank)
