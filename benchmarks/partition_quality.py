@@ -78,13 +78,19 @@ def llama70b_problems():
     from partitioner.compiler import _param_elem_bytes
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
 
+    from partitioner.calibrate.datasheet import datasheet_profiles
+
     workload = llama70b(4096)
     traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     gm = annotate(traced, granularity="block", loss_outside_graph=True)
-    base = build_problem(gm, workload.example_batch_size, target_bytes=target_bytes_of(workload))
     cluster = ClusterSpec.homogeneous(64, "h100")
-    return {precision: (precision_problem(base, precision, _param_elem_bytes(workload.model)),
-                        cluster_for_precision(cluster, precision)) for precision in ("bf16-mixed", "fp32")}
+    out = {}
+    for precision in ("bf16-mixed", "fp32"):  # priced by the H100's roofline (Note [accelerator roofline])
+        base = build_problem(gm, workload.example_batch_size, target_bytes=target_bytes_of(workload),
+                             profiles=datasheet_profiles(cluster, precision))
+        out[precision] = (precision_problem(base, precision, _param_elem_bytes(workload.model)),
+                          cluster_for_precision(cluster, precision))
+    return out
 
 
 def llama70b_rows(time_limit_s: float) -> None:

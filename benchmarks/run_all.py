@@ -40,6 +40,7 @@ PY = sys.executable
 BENCHMARKS = [
     ("solver_scaling", ["benchmarks/solver_scaling.py"], 420),
     ("partition_quality", ["benchmarks/partition_quality.py"], 600),  # with the traced Llama-70B tp rows
+    ("published_runs", ["benchmarks/published_runs.py", "--free", "--time-limit", "30"], 1200),  # Megatron's table
     ("trace_large", ["benchmarks/trace_large.py"], 180),
     ("compile_large", ["benchmarks/compile_large.py"], 240),
     ("cost_model_accuracy", ["benchmarks/cost_model_accuracy.py", "--json", "{tmp}/cost_model.json"], 720),
@@ -54,6 +55,7 @@ BENCHMARKS = [
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14
+WHOLE_OUTPUT = ("published_runs",)  # tables read as a whole: printed entire in the summary
 
 
 def run_one(name: str, args: list[str], timeout_s: int, tmp: str) -> dict:
@@ -271,7 +273,8 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
         lines += [""] + [f"![{img[:-4]}]({image_prefix}{img})" for img in images]
     lines += ["", "Closing lines of every benchmark's output, verbatim:"]
     for b in results["benchmarks"]:
-        tail = [line for line in b["stdout"].rstrip().splitlines() if line.strip()][-TAIL_LINES:]
+        tail = [line for line in b["stdout"].rstrip().splitlines() if line.strip()]
+        tail = tail if b["name"] in WHOLE_OUTPUT else tail[-TAIL_LINES:]
         if not tail and b["stderr"].strip():
             tail = b["stderr"].rstrip().splitlines()[-4:]
         lines += ["", f"`{b['command']}` ({b['status']}, {b['seconds']:.0f} s):", "", "```", *tail, "```"]

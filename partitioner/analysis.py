@@ -69,12 +69,13 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
 
     from passes.regions import region_cut_edges, region_edges, region_table, region_ties
 
-    from passes.tp_activations import sharded_saved_bytes
+    from passes.tp_activations import sharded_flops, sharded_saved_bytes
 
     from partitioner.calibrate.features import region_features
 
     table = region_table(gm)
     split = sharded_saved_bytes(gm)  # Note [sharded activations]
+    split_flops = sharded_flops(gm)  # Note [tensor-parallel pricing]
     ops = region_features(gm)  # per region id (fwd, bwd): what a tensor group dispatches per op
     edges = region_edges(gm)
     incoming = {r.region_id: 0 for r in table}
@@ -109,6 +110,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             tp_fwd_collectives=r.tp_collectives[0], tp_bwd_collectives=r.tp_collectives[1],
             tp_step_collectives=r.tp_collectives[2],
             fwd_ops=int(ops[r.region_id][0].num_ops), bwd_ops=int(ops[r.region_id][1].num_ops),
+            tp_sharded_flops_per_sample=split_flops.get(r.region_id, 0) / batch_size,
             tp_sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
                                                        -(-(r.saved_activation_bytes + r.held_bytes) // batch_size)),
         )

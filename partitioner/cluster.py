@@ -17,6 +17,9 @@ Note [device presets]
         of 4.2 MB takes 5.7 ms, of 16.8 MB 14 ms, of 4 bytes 0.15 ms, one thread per rank, on
         this 2-core machine), 1.25e9 (10 GbE) across.
     Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
+    On the GPU kinds ``flops_per_s`` is only the fallback rate: without a measured profile they
+    are priced by the roofline of published rates in partitioner/calibrate/datasheet.py (Note
+    [accelerator roofline]), unless the cluster file sets ``flops_per_s`` for the group.
 
 Note [usable memory]
     The solver fills a device to its *usable* memory, not to what the datasheet says:
@@ -31,6 +34,22 @@ Note [usable memory]
     Override per group in the cluster file with ``usable_memory_fraction`` and
     ``memory_reserve_gib`` (or ``memory_reserve_bytes``). A DeviceSpec built by hand defaults to
     fraction 1.0 and no reserve, so its ``memory_bytes`` is what the solver may use.
+
+Note [collectives as NCCL runs them]
+    A data-parallel all-reduce is priced as one ring over an equivalent link
+    (``ClusterSpec.allreduce_link``), so every pricer keeps its one formula
+    2 (d - 1) (S / d / bandwidth + latency):
+    * on one node, the intra-node link; on cpu devices (gloo's flat ring), the slowest link;
+    * across nodes on accelerators, hierarchically, as NCCL's rings and trees over NVLink and one
+      NIC per GPU run it: a reduce-scatter among the g members of each node, an all-reduce of the
+      1/g slice between the n nodes, an all-gather within the node:
+          S (2 (g - 1) / g / intra_bw + 2 (n - 1) / n / g / inter_bw),  2 (g-1) + 2 (n-1) latencies;
+      with one member per node (tensor parallelism fills the node), a ring over the NICs;
+    * ``collective_lanes``: a device that is a tensor group of tp GPUs (``group_cluster``) holds
+      tp times one member's gradients, and each member all-reduces its own with its peers in the
+      other groups, at once, on its own link: the equivalent bandwidth is tp times one link's.
+    Pipeline sends keep the link between the two devices (``link_between``): each member of a
+    tensor group sends its own copy of a boundary, in parallel with the others.
 
 Note [core sharing]
     A ``cpu`` device is a process computing on its node's cores, and every rank placed on that
@@ -269,8 +288,15 @@ class ClusterSpec:
     devices: tuple[DeviceSpec, ...]
     intra_node_link: LinkSpec
     inter_node_link: LinkSpec
+    # Physical devices behind each device of this spec (partitioner/solver/tensor_parallel.py
+    # ``group_cluster``: a tensor group of tp): each runs its own share of a data-parallel
+    # collective on its own link at once (Note [collectives as NCCL runs them]).
+    collective_lanes: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.collective_lanes, bool) or not isinstance(self.collective_lanes, int) \
+                or self.collective_lanes < 1:
+            raise ValueError(f"ClusterSpec.collective_lanes={self.collective_lanes!r} must be an int >= 1")
         if not isinstance(self.devices, tuple):
             object.__setattr__(self, "devices", tuple(self.devices))
         if not self.devices:
@@ -505,6 +531,28 @@ class ClusterSpec:
             return None
         nodes = {self.devices[i].node for i in device_indices}
         return self.intra_node_link if len(nodes) == 1 else self.inter_node_link
+
+    def allreduce_link(self, device_indices: "list[int] | tuple[int, ...]") -> LinkSpec | None:
+        """The one link a ring all-reduce among ``device_indices`` runs as fast over as the group
+        really does (Note [collectives as NCCL runs them]): its time for S bytes over d members is
+        2 (d - 1) (S / d / bandwidth + latency), as every pricer writes it. None for one device."""
+        d = len(device_indices)
+        if d < 2:
+            return None
+        lanes = self.collective_lanes
+        per_node: dict[int, int] = {}
+        for i in device_indices:
+            per_node[self.devices[i].node] = per_node.get(self.devices[i].node, 0) + 1
+        accelerators = all(self.devices[i].cores is None for i in device_indices)
+        if len(per_node) == 1 or not accelerators:  # one node, or gloo's flat ring on cpu
+            link = self.slowest_link(device_indices)
+            return LinkSpec(link.bandwidth_bytes_per_s * lanes, link.latency_s)
+        g, n = max(per_node.values()), len(per_node)  # members per node (the fullest), nodes
+        intra, inter = self.intra_node_link, self.inter_node_link
+        # reduce-scatter and all-gather within each node, the all-reduce of a 1/g slice between nodes
+        s_per_byte = 2 * (g - 1) / g / intra.bandwidth_bytes_per_s + 2 * (n - 1) / n / g / inter.bandwidth_bytes_per_s
+        latency_s = 2 * (g - 1) * intra.latency_s + 2 * (n - 1) * inter.latency_s
+        return LinkSpec(lanes * 2 * (d - 1) / d / s_per_byte, latency_s / (2 * (d - 1)))
 
 
 def _same_group(a: DeviceSpec, b: DeviceSpec) -> bool:

@@ -110,6 +110,12 @@ def compile_workload(
     shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
     if shard not in ("auto", "on", "off"):
         raise ValueError(f"shard_optimizer={shard_optimizer!r} is not \"auto\", \"on\" or \"off\" (or a bool)")
+    if (training.get("sdc_every") or 0) > 0:  # Note [no replica check on sharded state] in runtime/sdc.py
+        if shard == "on":
+            raise ValueError(f"sdc_every={training['sdc_every']} with shard_optimizer on: the replica check cannot "
+                             "see corruption when the optimizer state is sharded (each piece is updated by its "
+                             "owner and gathered into every replica); drop --sdc-every, or --shard-optimizer off")
+        shard = "off"  # the check was asked for: only replicated state lets it see anything
     training["optimizer"] = {**training["optimizer"],
                              "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
     machine = _machine_step(machine_profile, cluster, progress)  # Note [machine profile]
@@ -144,6 +150,10 @@ def compile_workload(
                        and not any(p.kind == machine.profile.device_profile().kind for p in profiles))
     if machine_regions:
         profiles.append(machine.profile.device_profile())
+    # Note [accelerator roofline]: a GPU kind nothing was measured on is priced from published rates
+    from partitioner.calibrate.datasheet import datasheet_profiles
+
+    profiles += datasheet_profiles(cluster, training["precision"], measured_kinds={p.kind for p in profiles})
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
@@ -163,19 +173,28 @@ def compile_workload(
         from passes.tensor_parallel import check_degree
 
         check_degree(gm, tp)
+    from partitioner.solver.grad_norm_cost import computes_global_norm
+    from partitioner.solver.space import StepTerms
+
+    # Note [terms outside the ILP]: the norm and the replica check weigh in the choice between candidates
+    step_terms = StepTerms(global_norm=computes_global_norm(training), sdc_every=training.get("sdc_every"))
+
     def solve_over(degrees):
         _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices"
                   + (f", tensor-parallel degrees {', '.join(map(str, degrees))}" if degrees != (1,) else ""))
         return solve_with_sharding(
             problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
             schedule=schedule, config=solver_config, progress=progress, tp_degrees=degrees,
-            tp_dp=True, tp_shard=True)  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
+            tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
+            step_terms=step_terms)
 
     # Note [tensor-parallel overheads]: with DTensor's dispatch and gloo's per-collective cost
     # priced, cpu compiles weigh every runnable degree like accelerators do
     solution, problem, cluster, sharded = solve_over(tp_degrees)
     tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
+    if training["shard_optimizer"]:  # Note [no replica check on sharded state] in runtime/sdc.py
+        training["sdc_every"] = 0
     if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate
         from partitioner.solver.sdc_cost import default_every
 

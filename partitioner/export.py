@@ -147,7 +147,26 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> 
 
     with no_progress_bars():
         model.save_pretrained(str(tmp))
+    _every_tied_name(tmp / "model.safetensors", groups)
     return kwargs["architecture"]
+
+
+def _every_tied_name(path: Path, groups) -> None:
+    """save_pretrained stores a tied group under one name (from_pretrained ties the rest again); a
+    user's ``load_state_dict(..., strict=True)`` wants every name, so the file gets the others as
+    copies (equal values: from_pretrained loads them as they are). A sharded save keeps its index."""
+    from safetensors.torch import load_file, save_file
+
+    if not path.is_file():
+        return
+    stored = load_file(str(path))
+    added = {}
+    for names in groups:
+        have = next((n for n in names if n in stored), None)
+        if have is not None:
+            added.update({n: stored[have].clone() for n in names if n not in stored})
+    if added:
+        save_file({**stored, **added}, str(path), metadata={"format": "pt"})
 
 
 def export(target, output, *, program_dir=None) -> ExportReport:

@@ -2,6 +2,7 @@
 
     hf:path/to/dir                       config.json there (a name: the local Hugging Face cache)
     hf:path/to/dir,task=masked-lm,seq=64,batch=4,seed=1,device=meta,attn=eager
+    hf:path/to/resnet,image=64           an image model's input side (default: the config's, else 224)
 
 The task (causal-lm, masked-lm, image-classification, seq2seq) comes from the config's
 ``architectures`` unless given. The model is built on the meta device, then materialised on the
@@ -32,7 +33,11 @@ TASKS = ("causal-lm", "masked-lm", "image-classification", "seq2seq")
 _MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
              "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
              "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
-_OPTIONS = {"task": str, "seq": int, "batch": int, "seed": int, "device": str, "attn": str, "pretrained": str}
+_OPTIONS = {"task": str, "seq": int, "batch": int, "seed": int, "device": str, "attn": str, "pretrained": str,
+            "image": int}
+# An image model's input side when the config names none (ResNet's config.json has no image_size):
+# 224, the crop its Hugging Face image processors make; ``image=`` sets another.
+DEFAULT_IMAGE_SIZE = 224
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -109,7 +114,7 @@ def _state_bytes(model: torch.nn.Module) -> int:
     return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _data(task: str, config, *, seq: int, batch: int, seed: int, spec: str):
+def _data(task: str, config, *, seq: int, batch: int, seed: int, spec: str, image: int | None = None):
     """(example_args, make_batch, loss_fn, source entries) of ``task``."""
     from runtime import data, hf_data
 
@@ -128,7 +133,8 @@ def _data(task: str, config, *, seq: int, batch: int, seed: int, spec: str):
         return (torch.zeros(batch, seq, dtype=torch.long),), make, hf_data.masked_lm_loss, src, \
             ("runtime.hf_data:masked_lm_loss", {})
     if task == "image-classification":
-        size, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
+        size = image or getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
+        size, channels = int(size), int(getattr(config, "num_channels", 3))
         make, src = entry(hf_data.image_batch, channels=channels, size=size, num_labels=int(config.num_labels),
                           seed=seed)
         return (torch.zeros(batch, channels, size, size),), make, hf_data.classification_loss, src, \
@@ -150,7 +156,7 @@ def _max_positions(config) -> int | None:
 
 def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, batch: int = 2, seed: int = 0,
                 device: str | None = None, attn: str = "sdpa", pretrained: str | None = None,
-                spec: str | None = None) -> Workload:
+                spec: str | None = None, image: int | None = None) -> Workload:
     """The Workload of a Hugging Face model from its config (this module's docstring)."""
     from runtime import pretrained as weights
 
@@ -159,12 +165,13 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
         raise ValueError(f"MODEL {spec!r}: task={task} is not one of {', '.join(TASKS)}")
     if device not in (None, "cpu", "meta"):
         raise ValueError(f"MODEL {spec!r}: device={device}: give cpu or meta (the program picks the accelerator)")
-    if batch < 1 or (seq is not None and seq < 1):
-        raise ValueError(f"MODEL {spec!r}: batch and seq must be at least 1 (e.g. batch=2,seq=32)")
+    if batch < 1 or (seq is not None and seq < 1) or (image is not None and image < 1):
+        raise ValueError(f"MODEL {spec!r}: batch, seq and image must be at least 1 (e.g. batch=2,seq=32)")
     if pretrained is not None:
         pretrained = str(Path(pretrained).resolve())
         weights.weight_files(pretrained)  # the error about a folder without safetensors, now
     config = load_config(name, attn=attn)
+    use_cache = getattr(config, "use_cache", None)
     if hasattr(config, "use_cache"):
         config.use_cache = False  # a traced training step keeps no key/value cache
     task = task or task_of(config, spec)
@@ -186,10 +193,13 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
         model = _materialized(model, config, architecture, seed, pretrained)
     model.train()
     example_args, make_batch, loss_fn, batch_src, loss_src = _data(task, config, seq=seq, batch=batch, seed=seed,
-                                                                   spec=spec)
+                                                                   spec=spec, image=image)
     if device == "meta":
         example_args = tuple(a.to("meta") for a in example_args)
-    init = ("runtime.pretrained:hf_weights", {"config": config_dict, "architecture": architecture, "seed": seed,
+    # the ranks and `partitioner export` build the model of the user's config (its own use_cache: what
+    # an exported model generates with); only the trace ran without the cache
+    init_config = config_dict if use_cache is None else {**config_dict, "use_cache": use_cache}
+    init = ("runtime.pretrained:hf_weights", {"config": init_config, "architecture": architecture, "seed": seed,
                                                 **({"pretrained": pretrained} if pretrained else {})})
     return Workload(model=model, example_args=example_args, loss_fn=loss_fn, make_batch=make_batch,
                     name=f"hf:{Path(name).name}({architecture}, task={task}, seq={seq})",

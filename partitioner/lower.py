@@ -175,16 +175,21 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     # models) has its ranks make their weights, on meta or not: no weights/ files.
     by_ranks = "init" in workload.source
     on_meta = by_ranks or any(p.device.type == "meta" for p in workload.model.parameters())
-    init = None
+    init, lifted_state = None, None
     if by_ranks:
         model = workload.model
         held = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
             n for n, _ in model.named_buffers(remove_duplicate=False)}
         lifted = [n for stage in stages for n in stage.params + stage.buffers if n not in held]
-        if lifted:
+        values = {n: _attr(traced.gm, n) for n in lifted}
+        on_meta_now = [n for n, v in values.items() if v.device.type == "meta"]
+        if on_meta_now:
             raise ValueError(f"workload {workload.name!r}: the stages read tensors the model holds under no name "
-                             f"({lifted[:3]}: constants the trace lifted), which the ranks cannot make from "
-                             "Workload.source['init']: register them as buffers, or leave 'init' out of source")
+                             f"({on_meta_now[:3]}: constants the trace lifted) whose values a model built on the meta "
+                             "device does not have, and the ranks cannot make them: build the model on cpu (for "
+                             "hf: drop device=meta), or register them as buffers")
+        # Note [constants travel] in runtime/stage.py: shipped in weights/, the rest made by the ranks
+        lifted_state = values or None
         init = {"seed": plan.training["seed"], "params": {}, "weights": list(workload.source["init"])}
     elif on_meta:
         init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
@@ -194,7 +199,7 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources)
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.
-    state = None if on_meta else {
+    state = lifted_state if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
     return write_program(folder, plan=plan, stages=stages, program=program.to_dict(), state=state,
                          problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files)

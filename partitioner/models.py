@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import importlib.util
 from pathlib import Path
 
@@ -24,20 +25,36 @@ META_THRESHOLD_BYTES = 4 * 2**30
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int, dropout: float):
+    """``attn="sdpa"``: torch's fused kernel (flash attention on a GPU); ``"eager"``: the scores
+    written out (q k^T, mask, softmax, dropout, times v), as Megatron-LM ran attention before
+    flash attention, so the memory-bound passes over the heads x seq x seq scores are in the graph
+    (benchmarks/published_runs.py prices the paper's runs with it)."""
+
+    def __init__(self, width: int, heads: int, dropout: float, attn: str = "sdpa"):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"gpt: attn={attn!r} is not \"sdpa\" or \"eager\"")
+        self.heads, self.dropout, self.attn_impl = heads, dropout, attn
+        self.attn_drop = nn.Dropout(dropout)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        # Megatron's fused layout: qkv's rows grouped by head (each head's q, k, v together), so a
+        # tensor group's contiguous slice of them is whole heads and the projection shards
+        # column-wise (Note [tensor-parallel roles] in passes/tensor_parallel.py)
+        per_head = self.qkv(x).view(batch, seq, self.heads, 3 * (width // self.heads))
+        q, k, v = (t.transpose(1, 2) for t in per_head.split(width // self.heads, dim=3))
+        if self.attn_impl == "eager":
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+            y = self.attn_drop(scores.masked_fill(causal, float("-inf")).softmax(dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
 
 
@@ -53,10 +70,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, dropout: float):
+    def __init__(self, width: int, heads: int, dropout: float, attn: str = "sdpa"):
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.attn = CausalSelfAttention(width, heads, dropout, attn)
         self.ln_2 = nn.LayerNorm(width)
         self.mlp = MLP(width, dropout)
 
@@ -68,14 +85,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A GPT-2-style decoder (pre-norm blocks, learned positions, untied head)."""
 
-    def __init__(self, *, layers: int, width: int, heads: int, vocab: int, seq: int, dropout: float):
+    def __init__(self, *, layers: int, width: int, heads: int, vocab: int, seq: int, dropout: float,
+                 attn: str = "sdpa"):
         super().__init__()
         if width % heads:
             raise ValueError(f"gpt: width={width} is not divisible by heads={heads}: pick heads dividing width")
         self.tok_emb = nn.Embedding(vocab, width)
         self.pos_emb = nn.Embedding(seq, width)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, dropout, attn) for _ in range(layers))
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
@@ -92,21 +110,24 @@ def gpt_param_count(*, layers: int, width: int, vocab: int, seq: int) -> int:
 
 
 def gpt(layers: int = 4, width: int = 128, heads: int = 4, vocab: int = 512, seq: int = 64,
-        dropout: float = 0.0, batch: int = 2, seed: int = 0, device: str | None = None) -> Workload:
-    """The embedded default: small enough to train on two CPU cores in seconds."""
+        dropout: float = 0.0, batch: int = 2, seed: int = 0, device: str | None = None,
+        attn: str = "sdpa") -> Workload:
+    """The embedded default: small enough to train on two CPU cores in seconds. ``attn``: "sdpa"
+    (torch's fused attention) or "eager" (the scores written out: CausalSelfAttention)."""
     params = gpt_param_count(layers=layers, width=width, vocab=vocab, seq=seq)
     if device is None:
         device = "meta" if params * 16 > META_THRESHOLD_BYTES else "cpu"
     torch.manual_seed(seed)
     with torch.device(device):
-        model = GPT(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, dropout=dropout)
+        model = GPT(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, dropout=dropout, attn=attn)
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return Workload(
         model=model,
         example_args=(tokens,),
         loss_fn=data.causal_lm_loss,
         make_batch=functools.partial(data.token_batch, vocab=vocab, seq=seq, seed=seed),
-        name=f"gpt(layers={layers},width={width},heads={heads},vocab={vocab},seq={seq},dropout={dropout})",
+        name=f"gpt(layers={layers},width={width},heads={heads},vocab={vocab},seq={seq},dropout={dropout}"
+             + (f",attn={attn}" if attn != "sdpa" else "") + ")",
         source={"make_batch": ("runtime.data:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}),
                 "loss_fn": ("runtime.data:causal_lm_loss", {})},
     )

@@ -106,11 +106,81 @@ def _torch_quiet():
             handler.removeFilter(drop)
 
 
+# Note [custom autograd Functions]: a torch.autograd.Function's forward is ordinary Python that
+# the non-strict trace runs op by op, so the graph keeps the forward's aten ops (a straight-through
+# estimator becomes plain `aten.round`) and drops the Function itself: the program would train
+# with autograd's gradient of those ops, not with the user's backward, i.e. a different model (only
+# `verify` would notice). Torch 2.13 keeps no trace of the Function in the graph (no node, no
+# meta), so the trace watches `Function.apply` (the one classmethod every `MyFn.apply(...)` call
+# goes through, functorch's path included) and refuses every Function it saw, naming the class
+# and the user line that applied it. Exempt: the Functions torch makes for an op the graph keeps
+# as one node with its backward attached: a torch.library.custom_op's register_autograd
+# (torch._library.autograd, e.g. transformers' grouped_mm in Qwen2-MoE) and the higher-order ops
+# (torch._higher_order_ops, e.g. torch.cond's CondAutogradOp). torch.utils.checkpoint's reentrant CheckpointFunction is refused
+# too: the trace runs its forward under no_grad (the parameters inside would get no gradient).
+_EXEMPT_FUNCTION_MODULES = ("torch._library.autograd.", "torch._higher_order_ops.")
+
+
+def _caller_line() -> str:
+    """``file:line `code``` of the innermost frame outside torch and this file: where a Function's
+    ``apply`` was called from."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename.startswith((torch_dir, "<")) or frame.filename == __file__:
+            continue  # torch, this file, and generated code (`<string>`, `<eval_with_key>`)
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        return f"{frame.filename}:{frame.lineno} `{line}`"
+    return ""
+
+
+@contextlib.contextmanager
+def _watch_autograd_functions(seen: dict):
+    """Record, in ``seen`` ({"module.qualname": where}), every torch.autograd.Function applied while
+    active (Note [custom autograd Functions]); ``Function.apply`` is restored afterwards."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if not name.startswith(_EXEMPT_FUNCTION_MODULES):
+            seen.setdefault(name, _caller_line())
+        return original.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function.apply = original
+
+
+def _refuse_autograd_functions(model: torch.nn.Module, seen: dict) -> None:
+    name, where = next(iter(seen.items()))
+    others = f" (and {len(seen) - 1} more: {', '.join(list(seen)[1:4])})" if len(seen) > 1 else ""
+    if name == "torch.utils.checkpoint.CheckpointFunction":
+        fix = ("call torch.utils.checkpoint with use_reentrant=False, or drop it: the plan recomputes "
+               "regions itself where memory needs it")
+    elif name == "torch.nn.modules._functions.BackwardHookFunction":
+        fix = ("remove the module's backward hook (register_full_backward_hook / register_full_backward_pre_hook): "
+               "the program runs the traced graph, which calls no hooks")
+    else:
+        fix = ("rewrite it as a torch.library.custom_op with register_autograd in an importable module "
+               "(Note [custom ops travel]), or remove it")
+    raise TraceError(
+        f"{type(model).__name__} uses the custom autograd Function {name}"
+        + (f" at {where}" if where else "") + others
+        + ": the traced graph keeps its forward and drops its backward, so the program would train a "
+        f"different model. Fix: {fix}")
+
+
 def trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Traced:
     example_kwargs = dict(example_kwargs or {})
     check_signature(model, example_args, example_kwargs)
-    with _torch_quiet():
-        return _trace(model, example_args, example_kwargs)
+    functions: dict = {}
+    with _torch_quiet(), _watch_autograd_functions(functions):
+        traced = _trace(model, example_args, example_kwargs)
+    if functions:
+        _refuse_autograd_functions(model, functions)
+    return traced
 
 
 def _trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict) -> Traced:

@@ -24,7 +24,13 @@ ModuleList (or Sequential) whose numbered children cover the most nodes: ``block
   ``head.<node>``).
 
 A model without numbered children falls back to its top-level children as units (model-level ops
-go with the unit before them).
+go with the unit before them), one unit per call (Note [one region per call]).
+
+Note [one region per call]: a child the forward calls several times (ALBERT's one block applied
+4 times) is a region per call, ``block``, ``block@1``, ... (torch.export numbers the calls in
+``nn_module_stack``'s keys), so its repeats' compute can go to different stages; their shared
+weights are a tie (``region_ties``), replicated on every stage that calls the block and summed
+once per step, as a tied embedding is. One region for all the calls would pin them to one stage.
 
 get_attr nodes join the region of their first user (a tied parameter used by several regions is
 reported by :func:`region_ties` and is not a data edge); placeholders join the first region, the
@@ -116,6 +122,23 @@ def _module_paths(node: fx.Node) -> list[tuple[str, str]]:
     return paths
 
 
+def _top_call(node: fx.Node) -> str | None:
+    """The top-level child whose call ``node`` belongs to, one unit per call (Note [one region per
+    call]): ``block`` for its first call, ``block@1`` for the second, ..."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for key, value in stack.items():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        path = _CALL_SUFFIX.sub("", path)
+        if not path:
+            continue
+        top = path.split(".")[0]
+        if "." in path:  # a deeper first entry: its top-level call is not in the stack's keys
+            return top
+        call = re.search(r"@(\d+)$", str(key))
+        return f"{top}@{call.group(1)}" if call else top
+    return None
+
+
 def _block_prefix(nodes: list[fx.Node]) -> str | None:
     """The module path whose numbered children cover the most nodes (shallowest on ties)."""
     covered: dict[str, set[fx.Node]] = {}
@@ -184,8 +207,7 @@ def _units(gm: fx.GraphModule, granularity: str) -> dict[fx.Node, str]:
     if prefix is None:  # no repeated blocks: top-level children
         last = None
         for node in compute:
-            paths = [p for p, _ in _module_paths(node) if p]
-            top = paths[0].split(".")[0] if paths else None
+            top = _top_call(node)
             last = top if top is not None else last
             unit[node] = last
         first = next((u for u in unit.values() if u is not None), "model")

@@ -11,8 +11,10 @@ Note [tensor-parallel roles]: Megatron's pairing, read off the module tree.
   linear's output in forward (and one of the sublayer input's gradient in backward).
 - A sublayer is left **replicated** when that pairing does not hold (one linear, or several that
   feed the last), or when a column output is cut along its features before any per-head view (a
-  fused ``qkv`` linear followed by ``split``): sharding it on dim 0 would hand each rank a slice of
-  q, k and v of the wrong heads, and DTensor would repair it with an all-gather.
+  fused ``qkv`` linear followed by ``split``, GPT-2's layout): sharding it on dim 0 would hand each
+  rank a slice of q, k and v of the wrong heads, and DTensor would repair it with an all-gather. A
+  fused qkv viewed per head before its split (Megatron's layout: rows grouped by head, as the
+  built-in GPT lays them out) is column-parallel like q, k and v apart: a slice of rows is whole heads.
 - An embedding indexed by a model input (the token ids, maybe reshaped) is **vocab**-split (weight rows across the
   group; each rank looks up the ids it holds, one all-reduce of the output). A linear outside the
   blocks whose weight is such an embedding's (tied) or has its row count is the output head:
@@ -250,11 +252,26 @@ def sharded_parameters(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
     return out
 
 
+# Note [no fused recurrent ops on a tensor group]: a tensor-parallel stage runs its traced ops on
+# DTensors, and aten's fused GRU/LSTM/RNN ops decompose into ops DTensor has no sharding rule for
+# (measured on torch 2.13 CPU: batch-first GRU/RNN reach aten.transpose_, LSTM aten.mkldnn_rnn_layer;
+# on CUDA the cuDNN kernel): the step would die at its first forward. So a graph holding one runs at
+# tp 1 only, refused here, where the degree is checked (compile's search never weighs tp > 1 for it).
+_RECURRENT_OPS = tuple(getattr(getattr(torch.ops.aten, name), overload) for name in ("gru", "lstm", "rnn_tanh", "rnn_relu")
+                       for overload in ("input", "data"))
+
+
 def check_degree(gm: fx.GraphModule, tp: int) -> None:
-    """Refuse a degree that does not divide what a sharded node splits (heads, features, vocab)."""
+    """Refuse a degree that does not divide what a sharded node splits (heads, features, vocab), and
+    any degree > 1 for a graph with a fused recurrent op (Note [no fused recurrent ops on a tensor group])."""
     if tp == 1:
         return
     for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _RECURRENT_OPS:
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            where = f" in module `{stack[-1][0]}` ({stack[-1][1]})" if stack and stack[-1][0] else ""
+            raise ValueError(f"tensor_parallel={tp}: node {n.name!r} calls {n.target}{where}, which a tensor-parallel "
+                             "stage cannot run (DTensor has no sharding rule for the ops inside it): use --tp 1")
         meta = ir.get(n, ir.TP)
         if meta.role in ("column", "row", "vocab") and meta.divisor % tp:
             what = "heads" if meta.role == "column" else ("rows (the vocabulary)" if meta.role == "vocab"

@@ -32,6 +32,27 @@ def split_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return split
 
 
+def tp_divided_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose work a tensor group divides: the split nodes and the row and vocab layers."""
+    return split_nodes(gm) | {n for n in gm.graph.nodes if ir.has(n, ir.TP)
+                              and ir.get(n, ir.TP).role in ("row", "vocab")}
+
+
+def sharded_flops(gm: fx.GraphModule) -> dict[int, int]:
+    """region id -> forward + backward FLOPs (per traced batch) a tensor group divides by tp: the
+    split nodes' (Note [sharded activations]: the column linears and everything between them and
+    their row linear, the attention core included) and the row and vocab layers' own matmuls, each
+    member computing its slice (Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
+    Norms, residual adds and anything else on whole tensors run whole on every member."""
+    out: dict[int, int] = {}
+    for n in tp_divided_nodes(gm):
+        if ir.has(n, ir.FLOPS) and ir.has(n, ir.REGION):
+            rid = ir.get(n, ir.REGION).region_id
+            meta = ir.get(n, ir.FLOPS)
+            out[rid] = out.get(rid, 0) + meta.fwd_flops + meta.bwd_flops
+    return out
+
+
 def sharded_saved_bytes(gm: fx.GraphModule) -> dict[int, int]:
     """region id -> saved activation bytes (per traced batch) of its split nodes."""
     out: dict[int, int] = {}

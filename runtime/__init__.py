@@ -92,8 +92,10 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
                                        microbatch, the loss's, the schedule and optimizer phases
                                        (medians over the steps after the first; runtime/stage_times.py)
     final/rank_<r>.safetensors         rank r's parameters, original names
-    final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"
-    final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state
+    final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"; with sharded state (ZeRO-1)
+                                       this rank's pieces, "optim_shard/<name>/<key>" as in a checkpoint
+    final/optim_rank_<r>.json          steps_done, per-parameter AdamW step, lr_scheduler state; with
+                                       sharded state optim_pieces {name: [start, end]} (and optim_tp_pieces)
     final/buffers_rank_<r>.safetensors rank r's mutable buffers (running statistics), original names
 
     checkpoint_stats_rank_<r>.jsonl    per checkpoint: step, stall_s, persist_s, bytes (commit_s on 0)

@@ -12,7 +12,8 @@ fire these import this one).
   marks the host lost (the memory tier wipes a lost host's shared memory at the restart) and
   SIGKILLs itself before step STEP, in that attempt of the torchrun job (default the first).
 - ``--flip-bit RANK:STEP[:TENSOR]`` (``BitFlip``, ``flip_hook``): just before step STEP, rank RANK
-  flips one bit of element 0 of parameter TENSOR (original name; default its first parameter):
+  flips one bit of element 0 of parameter TENSOR (original name; default its first parameter; a
+  tensor-parallel one: of its local piece, Note [a flip without a collective]):
   the silent data corruption runtime/sdc.py must find. Fires once per process, first attempt only.
 - ``FaultPoint``: die after a number of bytes written or before a numbered file operation of a
   checkpoint persist (Note [crash consistency] in runtime/checkpoint/manifest.py); action "raise"
@@ -95,12 +96,25 @@ def parse_flip_bit(text: str) -> BitFlip:
     return flip
 
 
+def _stored(tensor):
+    """The plain tensor this rank stores for ``tensor``. Note [a flip without a collective]: a
+    tensor-parallel parameter is a DTensor (vocab-split embedding, column/row linears, replicated
+    norms), and any op on it is DTensor's (a ``view(-1)`` of a shard all-gathers it over the tensor
+    group); run on the named rank alone, that collective waits for peers that never join, and the
+    job hangs until the collective timeout. The drill flips this rank's local piece instead (its
+    shard, or its copy of a replicated parameter), shared storage, no collective: exactly the
+    corruption one bad device makes. runtime/sdc.py digests the same local pieces."""
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor (duck-typed: no runtime module imported here)
+    return tensor if local is None else local
+
+
 def flip_bit(tensor) -> int:
     """Flip one bit of element 0 of ``tensor`` in place (bit 20 of a 4-byte word, a low mantissa
-    bit of a float32: the value changes, stays finite); returns the bit's index in its word."""
+    bit of a float32: the value changes, stays finite); returns the bit's index in its word. A
+    DTensor: element 0 of this rank's local piece (Note [a flip without a collective])."""
     import torch
 
-    flat = tensor.detach().view(-1)
+    flat = _stored(tensor).detach().view(-1)
     size = flat.element_size()
     word = torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8
     bit = {torch.int32: 20, torch.int16: 4, torch.uint8: 2}[word]
@@ -130,7 +144,8 @@ def flip_hook(flips: list[BitFlip], rank: int, params: dict, run_dir: str | None
             name = f.tensor or next(iter(params))
             bit = flip_bit(params[name])
             record(run_dir, rank, step, f"flip-bit {name}")
-            say(rank, f"fault injection: flipped bit {bit} of {name}[0] before step {step}")
+            piece = " (this rank's local piece)" if _stored(params[name]) is not params[name] else ""
+            say(rank, f"fault injection: flipped bit {bit} of {name}[0]{piece} before step {step}")
 
     return before_step
 

@@ -284,6 +284,12 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     sdc_every = flags.get("sdc_every", sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every)
     if sdc_every < 0:
         raise LaunchError(f"--sdc-every {sdc_every}: give a number of steps >= 0 (0: no replica check)")
+    if program.shard_optimizer and program.dp > 1:  # Note [no replica check on sharded state]
+        if flags.get("sdc_every", 0) > 0:
+            raise LaunchError(sdc.sharded_refusal(f"--sdc-every {flags['sdc_every']}"))
+        if flags.get("flip_bit"):
+            raise LaunchError(sdc.sharded_refusal(f"--flip-bit {flags['flip_bit'][0]}"))
+        sdc_every = 0  # a plan of an older compile may still name one: it could not see anything
     flips = [faults.parse_flip_bit(t) for t in flags.get("flip_bit", [])]
     for text, flip in zip(flags.get("flip_bit", []), flips):
         if flip.rank >= world:

@@ -19,10 +19,25 @@ import json
 import os
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 ENV = "PARTITIONER_MEASURE_MEMORY"
+
+
+def _storages(t: torch.Tensor):
+    """The storages holding ``t``'s bytes on this rank. Note [a DTensor's bytes]: a wrapper
+    subclass (a tensor-parallel stage's DTensor parameters, activations and gradients) has no
+    storage of its own (its ``untyped_storage().data_ptr()`` raises); its bytes are its inner
+    tensors' (a DTensor's local shard), found through ``__tensor_flatten__`` (whose names may hold
+    other things too: a DTensor's device mesh)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for inner in (getattr(t, name) for name in names):
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+    elif t.device.type != "meta":
+        yield t.untyped_storage()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -48,16 +63,13 @@ class LiveBytes(TorchDispatchMode):
         """Register tensors made before the mode (parameters, optimizer state, inputs) as seen, with
         0 bytes: a caller counts them itself, and their views made under the mode are no new bytes."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                self.live[(storage.data_ptr(), storage.device.type)] = (self._ref(storage), 0)
+            if isinstance(t, torch.Tensor):
+                for storage in _storages(t):
+                    self.live[(storage.data_ptr(), storage.device.type)] = (self._ref(storage), 0)
 
     @staticmethod
-    def _key(t: torch.Tensor):
-        if t.device.type == "meta":
-            return None
-        storage = t.untyped_storage()
-        return (storage.data_ptr(), storage.device.type)
+    def _keys(t: torch.Tensor):
+        return [(storage.data_ptr(), storage.device.type) for storage in _storages(t)]
 
     def _sweep(self) -> None:
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
@@ -72,10 +84,11 @@ class LiveBytes(TorchDispatchMode):
         # A view or an in-place result shares its input's storage: nothing was allocated. Without
         # this, the transpose `linear` takes of a parameter made before the mode counts the whole
         # parameter again for as long as autograd keeps the view.
-        inputs = {self._key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {key for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) for key in self._keys(t)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
+            if not isinstance(t, torch.Tensor):
+                continue
+            for storage in _storages(t):
                 key = (storage.data_ptr(), storage.device.type)
                 if key not in self.live and key not in inputs and storage.nbytes():
                     self.live[key] = (self._ref(storage), storage.nbytes())
@@ -91,11 +104,11 @@ def requested(flags: dict) -> bool:
 def _storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            if s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
+        if isinstance(t, torch.Tensor):
+            for s in _storages(t):
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
     return total
 
 

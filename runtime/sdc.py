@@ -37,6 +37,23 @@ from runtime.faults import say
 
 DEFAULT_EVERY = 20  # K when the plan does not say (benchmarks/checkpoint_overhead.py measures its cost)
 
+# Note [no replica check on sharded state]: with sharded optimizer state (ZeRO-1) each piece of a
+# parameter is updated once, by the replica that owns it, and all-gathered into every replica: a
+# bit flipped in any copy pollutes that step's gradients, the owners' updates carry it, and the
+# gather makes every replica equal again, so replicas agree bit for bit on a corrupted state (and
+# AdamW's moments exist once, on the owner: nothing to compare). Redundancy the check could read
+# does not exist there. So a sharded program runs no replica check (compile sets sdc_every 0, its
+# cost is not priced), and asking for one (--sdc-every K > 0, --flip-bit) is refused before any
+# worker starts, with the fix, rather than run and see nothing.
+
+
+def sharded_refusal(what: str) -> str:
+    """Why ``what`` (a flag) does not run on a program with sharded optimizer state, and the fix."""
+    return (f"{what}: the replica check cannot see corruption when the optimizer state is sharded (ZeRO-1: "
+            "each piece is updated by its owner and gathered into every replica, so all replicas agree on a "
+            "corrupted state; Note [no replica check on sharded state] in runtime/sdc.py): drop the flag "
+            "(--sdc-every 0), or recompile with --shard-optimizer off to run the check")
+
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     """int64 sum of ``t``'s bit patterns (Note [replica digests]), a 0-d tensor on t's device."""

@@ -68,11 +68,11 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
                              "take parameters only from PARAMETERS")
     if weights is None:
         wpath = os.path.join(folder, "weights", f"stage_{stage_index}.safetensors")
-        if not (param_names or buffer_names):
-            weights = {}
-        elif os.path.isfile(wpath):
-            weights = load_file(wpath)
-        else:  # compiled on the meta device (Note [materialize per rank] in runtime/materialize.py)
+        weights = load_file(wpath) if os.path.isfile(wpath) and (param_names or buffer_names) else {}
+        # Note [constants travel]: a program whose ranks make their weights may still ship, in
+        # weights/, the constants the trace lifted (no init can make those); the rest is made here.
+        to_make = [n for n in param_names + buffer_names if n not in weights]
+        if to_make:  # compiled on the meta device (Note [materialize per rank] in runtime/materialize.py)
             from runtime.materialize import materialize_all
             from runtime.program import Program, load_plan
 
@@ -82,9 +82,9 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
             if init.weights is not None:  # Notes [own initialisation per rank], [pretrained per rank]
                 from runtime.user_code import resolve_callable
 
-                weights = resolve_callable(init.weights, folder)(param_names + buffer_names)
+                weights = {**resolve_callable(init.weights, folder)(to_make), **weights}
             else:
-                weights = materialize_all(param_names + buffer_names, init.params, init.seed)
+                weights = {**materialize_all(to_make, init.params, init.seed), **weights}
     absent = [n for n in param_names + buffer_names if n not in weights]
     if absent:
         raise StageFileError(f"weights for stage {stage_index} lack {absent[:5]} "

@@ -538,6 +538,10 @@ class RankTrainer:
                 "steps_done": self.steps_done, "param_steps": param_steps,
                 "lr_scheduler": self.lr_scheduler.state_dict(),
                 "plan_hash": self.program.plan_hash}
+        if self.zero is not None:  # Note [sharded optimizer state]: the moments live on this rank's pieces
+            pieces, steps, tp_pieces = self.zero.final_entries(opt_tensors)
+            param_steps.update(steps)
+            meta.update(optim_pieces=pieces, optim_tp_pieces=tp_pieces)
         return params, opt_tensors, meta
 
     def save_final(self) -> None:

@@ -189,6 +189,14 @@ class ShardedOptimizer:
                 steps[pc.name] = float(st["step"])
         return tensors, pieces, steps, tp_pieces
 
+    def final_entries(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
+        """This rank's pieces of AdamW state for ``final/optim_rank_<r>``: tensors added under the
+        checkpoint's names (optim_shard/<name>/<key>, optim_tp_shard/... for a split parameter's
+        shard), returning (optim_pieces, param_steps, optim_tp_pieces) as ``state_entries`` does."""
+        more, pieces, steps, tp_pieces = self.state_entries()
+        tensors.update((name, t.cpu().clone()) for name, t in more)
+        return pieces, steps, tp_pieces
+
     def restore(self, params: dict[str, torch.Tensor], full_optim: dict, pieces: dict, param_steps: dict) -> None:
         """Fill the masters from the loaded parameters and each piece's Adam state from whatever
         the checkpoint holds (full state by name, or pieces: ``piece_state``). A loaded tensor is

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from partitioner.calibrate.features import Features, region_features
+from partitioner.calibrate.features import Features, autocast_byte_scale, region_features
 
 
 FORMAT = "partitioner.profile/1"
@@ -41,7 +41,8 @@ class DirectionFit:
                 "memory_bytes_per_s": inv(self.s_per_byte), "op_overhead_s": self.op_overhead_s}
 
 
-_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew", "recompute_fixed_s")  # measured figures a profile may carry
+_OPTIONAL = ("microbatch_overhead_s", "dtensor_op_s", "tp_collective_s", "tp_skew", "recompute_fixed_s",
+             "optimizer_s_per_param_byte")  # measured figures a profile may carry
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class DeviceProfile:
     # Seconds a recomputed region costs a microbatch beyond its fitted forward, when measured
     # (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py); None: the preset's.
     recompute_fixed_s: float | None = None
+    # Seconds of the optimizer's step per parameter byte, paid once per step by the stage holding
+    # the parameter (Note [accelerator roofline] in partitioner/calibrate/datasheet.py); None: not priced.
+    optimizer_s_per_param_byte: float | None = None
 
     def region_seconds(self, fwd: Features, bwd: Features) -> tuple[float, float]:
         return self.forward.seconds(fwd), self.backward.seconds(bwd)
@@ -118,22 +122,51 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     kinds = [p.kind for p in profiles]
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"two profiles for the same device kind {kinds}: give one per kind")
-    features = region_features(gm)
-    if len(features) != problem.num_regions:
-        raise AssertionError(f"{len(features)} region feature rows for {problem.num_regions} regions")
+    from passes.tp_activations import tp_divided_nodes
+
+    divided_nodes = tp_divided_nodes(gm)  # Note [tensor-parallel pricing]
+    traced = (region_features(gm), region_features(gm, only=divided_nodes))
+    if len(traced[0]) != problem.num_regions:
+        raise AssertionError(f"{len(traced[0])} region feature rows for {problem.num_regions} regions")
+    autocast = {}  # precision -> features with bytes under autocast (Note [bytes under autocast])
+    for profile in profiles:
+        precision = profile.meta.get("precision", "fp32")
+        if profile.meta.get("source") == "datasheet" and precision != "fp32" and precision not in autocast:
+            scale = autocast_byte_scale(gm)
+            autocast[precision] = (region_features(gm, byte_scale=scale),
+                                   region_features(gm, only=divided_nodes, byte_scale=scale))
+
+    def features_of(profile):
+        """A fitted profile keeps the traced bytes it was fitted on; the roofline moves autocast's."""
+        if profile.meta.get("source") == "datasheet":
+            return autocast.get(profile.meta.get("precision", "fp32"), traced)
+        return traced
+
     regions = []
-    for region, (fwd, bwd) in zip(problem.regions, features):
+    for r, region in enumerate(problem.regions):
         fwd_by_kind = dict(region.fwd_s_per_sample_by_kind or {})
         bwd_by_kind = dict(region.bwd_s_per_sample_by_kind or {})
         fwd_fixed = dict(region.fwd_s_per_microbatch_by_kind or {})
         bwd_fixed = dict(region.bwd_s_per_microbatch_by_kind or {})
+        split_fraction = dict(region.tp_split_fraction_by_kind or {})
+        step = dict(region.step_s_by_kind or {})
         for profile in profiles:
+            whole_features, split_features = features_of(profile)
+            (fwd, bwd), (split_fwd, split_bwd) = whole_features[r], split_features[r]
             f_s, b_s = profile.region_seconds(fwd, bwd)
             fwd_fixed[profile.kind], bwd_fixed[profile.kind] = profile.fixed_seconds(fwd, bwd)
             fwd_by_kind[profile.kind] = (f_s - fwd_fixed[profile.kind]) / batch_size
             bwd_by_kind[profile.kind] = (b_s - bwd_fixed[profile.kind]) / batch_size
+            # the per-op part excluded: a tensor group's members each run every op
+            whole = f_s + b_s - sum(profile.fixed_seconds(fwd, bwd))
+            split = sum(profile.region_seconds(split_fwd, split_bwd)) - sum(profile.fixed_seconds(split_fwd, split_bwd))
+            split_fraction[profile.kind] = min(1.0, split / whole) if whole > 0 else 0.0
+            if profile.optimizer_s_per_param_byte:  # Note [accelerator roofline]: AdamW's step
+                step[profile.kind] = step.get(profile.kind, 0.0) + profile.optimizer_s_per_param_byte * region.param_bytes
         regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
-                               fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed))
+                               fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
+                               tp_split_fraction_by_kind=split_fraction,
+                               step_s_by_kind={k: v for k, v in step.items() if v} or None))
     measured = {}
     for name, field_name in (("microbatch_overhead_s", "microbatch_overhead_s_by_kind"),
                              ("dtensor_op_s", "dtensor_op_s_by_kind"), ("tp_collective_s", "tp_collective_s_by_kind"),

@@ -54,6 +54,11 @@ EXAMPLES = {
 }
 
 
+def program_sharded(plan) -> bool:
+    """Whether the plan's program shards the optimizer state over its replicas (ZeRO-1)."""
+    return bool(plan.training.get("shard_optimizer")) and plan.dp > 1
+
+
 def cmd_compile(args) -> int:
     import partitioner
     from partitioner.cluster import ClusterSpec
@@ -301,6 +306,11 @@ def cmd_run(args) -> int:
         if args.checkpoint_full_every < 1:
             raise ValueError(f"--checkpoint-full-every {args.checkpoint_full_every}: give 1 or more")
         extra += ["--checkpoint-full-every", str(args.checkpoint_full_every)]
+    if program_sharded(plan) and (args.flip_bit or (args.sdc_every or 0) > 0):
+        from runtime.sdc import sharded_refusal  # Note [no replica check on sharded state]
+
+        raise ValueError(sharded_refusal(f"--flip-bit {args.flip_bit[0]}" if args.flip_bit
+                                         else f"--sdc-every {args.sdc_every}"))
     for flip in args.flip_bit or []:  # runtime/sdc.py finds it
         parsed = parse_flip_bit(flip)
         if parsed.rank >= plan.world_size or (args.steps is not None and parsed.step >= args.steps):

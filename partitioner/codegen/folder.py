@@ -51,10 +51,13 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
 
             (tmp / "weights").mkdir()
             for stage in stages:
+                # all of a stage's tensors, or only the lifted constants of a program whose ranks
+                # make their weights (Note [constants travel] in runtime/stage.py)
                 tensors = {name: state[name].detach().to("cpu").contiguous().clone()
-                           for name in stage.params + stage.buffers}
-                save_file(tensors, str(tmp / "weights" / f"stage_{stage.index}.safetensors"),
-                          metadata={"plan_hash": plan_hash})
+                           for name in stage.params + stage.buffers if name in state}
+                if tensors:
+                    save_file(tensors, str(tmp / "weights" / f"stage_{stage.index}.safetensors"),
+                              metadata={"plan_hash": plan_hash})
         digests = file_digests(str(tmp))  # every file written so far (plan.json comes next)
         body = plan.stable_dict()
         body["plan_hash"] = plan_hash

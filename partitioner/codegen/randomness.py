@@ -9,7 +9,8 @@ unpartitioned graph, before it is split, so the key's op name is the node's name
     writes: the target and arguments of each random node, in place (its name and meta stay, so
             regions and stage assignment are untouched); nothing else
 
-Ops that draw nothing (dropout with p = 0 or train = False, attention without dropout) are left
+Ops that draw nothing (dropout with p = 0 or train = False, attention without dropout, a GRU, LSTM
+or RNN without dropout between its layers: Note [recurrent dropout]) are left
 as they are. A random op this pass does not know is an error, not a silent per-process draw.
 """
 
@@ -73,6 +74,24 @@ def _attention(kw):
                              bool(kw.get("is_causal", False))), extra
 
 
+class _CannotKey(Exception):
+    """A random op whose draws this pass cannot key (its message: why, and the fix)."""
+
+
+def _recurrent(kw):
+    # Note [recurrent dropout]: aten's gru/lstm/rnn ops carry the nondeterministic tag for their
+    # dropout between stacked layers, which draws only with dropout > 0, train and num_layers > 1
+    # (a single layer never drops, as nn.GRU warns). Otherwise the op draws nothing and runs as it
+    # is. The draws themselves happen inside one fused op, on torch's global generator, per process:
+    # they cannot be keyed, so such an op is refused with the equivalent the program does key.
+    if float(kw.get("dropout", 0.0)) == 0.0 or kw.get("train", True) is False or int(kw.get("num_layers", 1)) < 2:
+        return None
+    raise _CannotKey(
+        f"it drops out between its {kw['num_layers']} stacked layers (dropout={kw['dropout']}), drawing inside one "
+        "fused op from each process's own generator, which the program cannot key. Fix: set dropout=0, or stack "
+        "num_layers=1 modules with an nn.Dropout between them (keyed like every dropout)")
+
+
 def _bernoulli(kw):
     return keyed.bernoulli, (kw["input"],) + ((float(kw["p"]),) if "p" in kw else ()), {}
 
@@ -94,6 +113,8 @@ _LOWERINGS = {
     aten.bernoulli.default: _bernoulli,
     aten.bernoulli.p: _bernoulli,
     torch.bernoulli: _bernoulli,
+    **{op: _recurrent for name in ("gru", "lstm", "rnn_tanh", "rnn_relu")
+       for op in (getattr(aten, name).input, getattr(aten, name).data)},
     aten.rand.default: _factory(keyed.rand),
     aten.randn.default: _factory(keyed.randn),
     aten.rand_like.default: _factory(keyed.rand_like),
@@ -110,6 +131,15 @@ def _module_dropout_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
     module = gm.get_submodule(node.target)
     node.op, node.target = "call_function", F.dropout
     node.args, node.kwargs = (node.args[0],), {"p": module.p, "training": module.training}
+
+
+def _module_of(node: fx.Node) -> str:
+    """`` in module `encoder.rnn` (torch.nn.modules.rnn.GRU)`` from export's module stack, or ""."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, kind = list(stack.values())[-1]
+    return f" in module `{path}` ({kind})" if path else f" ({kind})"
 
 
 def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
@@ -130,7 +160,10 @@ def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
                     f"randn, rand_like, randn_like): express it with one of those, or add its lowering "
                     f"to partitioner/codegen/randomness.py")
             continue
-        rewritten = lowering(_normalized(node, gm))
+        try:
+            rewritten = lowering(_normalized(node, gm))
+        except _CannotKey as refused:
+            raise ValueError(f"node {node.name!r} calls {node.target}{_module_of(node)}: {refused}") from None
         if rewritten is None:
             continue
         function, args, kwargs = rewritten

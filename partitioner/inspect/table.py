@@ -151,6 +151,9 @@ def table(plan: Plan) -> str:
 def sdc_line(plan) -> str:
     """The replica check's interval and what it adds to the predicted step (Note [replica digests])."""
     every = plan.training["sdc_every"]
+    if not every and plan.training.get("shard_optimizer") and plan.dp > 1:
+        return ("replica check   off: the optimizer state is sharded, so replicas agree even on a corrupted state "
+                "(Note [no replica check on sharded state]); --shard-optimizer off to run it")
     if not every:
         return "replica check   off (sdc_every = 0): replicas' digests are never compared"
     cost = plan.predicted.get("sdc_check_s_per_step", 0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from partitioner.cluster import ClusterSpec
+from partitioner.cluster import ClusterSpec, LinkSpec
 from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
@@ -171,7 +171,9 @@ def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, 
     if cluster.is_homogeneous:
         links = [link for link in plan_links(cluster, place_stages(cluster, p, d))[1] if link is not None]
     else:
-        links = [cluster.intra_node_link, cluster.inter_node_link]
+        lanes = cluster.collective_lanes  # Note [collectives as NCCL runs them]
+        links = [LinkSpec(link.bandwidth_bytes_per_s * lanes, link.latency_s)
+                 for link in (cluster.intra_node_link, cluster.inter_node_link)]
     if not links:
         return 0.0
     grads = sum(r.grad_bytes for r in problem.regions)

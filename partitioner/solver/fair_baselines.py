@@ -10,7 +10,10 @@ Note [fair baselines]
     on one class, cluster order (rank = stage * dp + replica); on mixed classes, the fastest
     class first or last, each class's devices node by node (``place_stages``), and "uniform" gives each
     stage blocks in proportion to its device's speed (1 / its time for the whole model). A
-    baseline no configuration fits is reported as not fitting: no time, no ratio.
+    baseline no configuration fits is reported as not fitting: no time, no ratio. A plan with
+    tensor parallelism is compared with the baselines over its own tensor groups (the same degree:
+    the person's split of the same devices), not at tp 1 on the devices a fixed --stages x --dp
+    would leave them.
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ def hand_placement(cluster: ClusterSpec, num_stages: int, dp: int) -> tuple[tupl
 
 def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, global_batch: int, *,
                    schedule: str, allow_recompute: bool, bound_of=None,
-                   local_stages: int = 1) -> dict[str, BaselineCost]:
+                   local_stages: int = 1, step_terms=None) -> dict[str, BaselineCost]:
     """name -> the fastest fitting configuration of that baseline over ``candidates`` ((p, d, m)
     tuples); a baseline that fits none is the least-over-memory one, with fits_memory False.
 
     ``bound_of``: (p, d, m) -> a lower bound on every plan of it (the search's, Note [candidate
     pruning]); candidates are then priced in order of it, and once both baselines fit, one
     whose bound is at least both of their times is skipped: it cannot beat them. A split
-    depends on p (and the devices' speeds) only, so each is computed once."""
+    depends on p (and the devices' speeds) only, so each is computed once. ``step_terms``
+    (space.StepTerms): the gradient norm and replica check the plan's own step time holds, priced
+    on the baselines alike."""
     n = problem.num_regions
     recompute_options = [(False,) * n]
     saving = tuple(r.activation_bytes_per_sample > r.recompute_activation_bytes_per_sample for r in problem.regions)
@@ -73,11 +78,12 @@ def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, 
             break  # sorted by bound: every later candidate is bounded at or above both
         for placement in hand_placements(cluster, p, d, local_stages=local_stages):
             _price(problem, cluster, placement, p, d, m, global_batch // (d * m), schedule, recompute_options,
-                   speed_of, best, splits)
+                   speed_of, best, splits, step_terms)
     return {name: value for name, (_, value) in sorted(best.items())}
 
 
-def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options, speed_of, best, splits) -> None:
+def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options, speed_of, best, splits,
+           step_terms=None) -> None:
     """Both baselines on one placement and configuration, kept in ``best`` if they beat it."""
     speeds = []
     for row in placement:
@@ -94,7 +100,8 @@ def _price(problem, cluster, placement, p, d, m, b, schedule, recompute_options,
         if split is None:
             continue
         for recompute in recompute_options:
-            cost = evaluate(problem, cluster, Assignment(split, recompute, placement, p, d, m, b, schedule))
+            terms = {} if step_terms is None else dict(sdc_every=step_terms.every(d), global_norm=step_terms.global_norm)
+            cost = evaluate(problem, cluster, Assignment(split, recompute, placement, p, d, m, b, schedule), **terms)
             over = max(st.memory_bytes / st.capacity_bytes for st in cost.stages)
             # fitting first, then fastest; among the unfit, the least over memory
             key = (0, cost.step_time_s) if cost.fits_memory else (1, over)

@@ -200,7 +200,9 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
             self.class_capacity = {c: c[1] for c in self.classes}
             fastest = fastest_link(cluster)
             self.boundary_links = [fastest] * (p - 1)
-            self.dp_links = [fastest if dp > 1 else None] * p
+            lanes = cluster.collective_lanes  # Note [collectives as NCCL runs them]
+            self.dp_links = [LinkSpec(fastest.bandwidth_bytes_per_s * lanes, fastest.latency_s) if dp > 1
+                             else None] * p
             self.tie_link = fastest if p > 1 else None
             # One node whose devices are all core-bound, or none: every link is the intra-node
             # one and the core-sharing factor of p * d ranks there is exact too (Note [whole-step

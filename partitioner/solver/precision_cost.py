@@ -67,7 +67,10 @@ def precision_problem(problem, precision: str, param_elem_bytes: int):
         ties.append(dataclasses.replace(t, param_bytes=int(param * (1 + ratio)), grad_bytes=int(grad),
                                         optimizer_bytes=int(opt)))
     # tensor parallelism's collectives move the compute dtype (Note [tensor parallelism under autocast])
+    # the sharded bytes grow with the copies they shard, so tensor parallelism divides the same
+    # share of the weights term (tp_param_share) under every policy
     regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio)),
+                                        tp_sharded_param_bytes=int(r.tp_sharded_param_bytes * (1 + ratio)),
                                         tp_comm_bytes=int(round((r.tp_comm_bytes - r.tp_lookup_bytes) * ratio))
                                         + r.tp_lookup_bytes,
                                         tp_comm_bwd_bytes=int(round(r.tp_comm_bwd_bytes * ratio)),

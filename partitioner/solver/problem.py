@@ -132,6 +132,10 @@ class RegionCost:
     # Saved activation bytes per sample a tensor group splits (Note [sharded activations] in
     # passes/tp_activations.py): part of activation_bytes_per_sample.
     tp_sharded_activation_bytes_per_sample: int = 0
+    # Forward + backward FLOPs per sample a tensor group divides (passes/tp_activations.py
+    # ``sharded_flops``: the column/row/vocab matmuls and the attention between them); None (a
+    # problem built by hand) takes the region's sharded parameter share as its FLOP share.
+    tp_sharded_flops_per_sample: float | None = None
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -142,6 +146,10 @@ class RegionCost:
     # the data-parallel all-reduce (tensor parallelism's gradient collectives: Note
     # [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py); None: nothing.
     step_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    # Of the region's measured seconds on a kind (the *_by_kind fields above), the fraction its
+    # split nodes take (passes/tp_activations.py): what a tensor group divides by tp there;
+    # None: the FLOP share (Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
+    tp_split_fraction_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Ops the region runs per microbatch, forward and backward (calibrate's num_ops feature):
     # what a tensor group's DTensors dispatch one by one (Note [tensor-parallel overheads]).
     fwd_ops: int = 0
@@ -158,8 +166,23 @@ class RegionCost:
                      "tp_step_collectives", "fwd_ops", "bwd_ops", "tp_lookup_bytes",
                      "tp_sharded_activation_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
+        if self.tp_sharded_flops_per_sample is not None:
+            _check_nonneg(owner, "tp_sharded_flops_per_sample", self.tp_sharded_flops_per_sample, integer=False)
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
             raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")
+
+    @property
+    def tp_param_share(self) -> float:
+        """The fraction of the region's parameter bytes a tensor group divides (Note [tensor groups])."""
+        return min(1.0, self.tp_sharded_param_bytes / self.param_bytes) if self.param_bytes else 0.0
+
+    @property
+    def tp_flop_share(self) -> float:
+        """The fraction of the region's FLOPs a tensor group divides (Note [tensor-parallel pricing])."""
+        if self.tp_sharded_flops_per_sample is None:
+            return self.tp_param_share
+        total = self.fwd_flops_per_sample + self.bwd_flops_per_sample
+        return min(1.0, self.tp_sharded_flops_per_sample / total) if total else 0.0
 
     @property
     def static_bytes(self) -> int:
@@ -460,7 +483,7 @@ def plan_links(
         )
         for k in range(num_stages - 1)
     ]
-    dp_links = [cluster.slowest_link(list(row)) for row in placement]
+    dp_links = [cluster.allreduce_link(list(row)) for row in placement]  # Note [collectives as NCCL runs them]
     tie_link = None
     for r in range(dp):
         link = cluster.slowest_link([placement[s][r] for s in range(num_stages)])

@@ -51,7 +51,7 @@ from partitioner.solver.model import CandidateModel, InconsistentBoundError, Sol
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
-from partitioner.solver.space import SearchSpace, Variant
+from partitioner.solver.space import SearchSpace, StepTerms, Variant
 
 __all__ = ["CandidateRecord", "Solution", "SolveProgress", "SolverConfig", "solve", "solve_candidate",
            "solve_with_sharding"]
@@ -72,6 +72,7 @@ def solve(
     tp_degrees: tuple[int, ...] = (1,),
     tp_dp: bool = True,
     tp_shard: bool | None = None,
+    step_terms: "StepTerms | None" = None,
 ) -> Solution:
     """The best verified plan over every (p, d, m) with p·d <= devices and d·m | global_batch
     (an argument given fixes it), times every variant (Note [one enumeration] in space.py):
@@ -83,20 +84,24 @@ def solve(
     PartitionInfeasibleError when nothing fits memory.
     ``schedule="auto"`` weighs every priced schedule (Note [schedule choice] in schedule_choice.py).
 
+    ``step_terms``: the per-step terms the program adds beside the ILP's objective (the global
+    gradient norm, the replica check: Note [terms outside the ILP] in space.py), weighed when
+    candidates are compared.
     ``progress(SolveProgress)``, if given, hears of the start, of every candidate finished (with
     the incumbent and the bound so far) and of the end; it does not change the result."""
     config = config if config is not None else SolverConfig()
     if schedule == AUTO:  # Note [schedule choice]
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress, shard=shard,
-                                  tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard)
+                                  tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)
     if schedule == "interleaved" and config.local_stages is None:  # Note [interleaved pricing]
         return solve_any_local_stages(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                       microbatches=microbatches, config=config, progress=progress, shard=shard,
-                                      tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard)
+                                      tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)
     local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
-    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard)
+    space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard,
+                        step_terms=step_terms)
     candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
         if shard == "on":
@@ -218,11 +223,15 @@ def solve(
             records.append(record(p, d, m, v, "PRUNED", None, lower, 0.0))
     if best is None:
         _raise_infeasible(space, global_batch, records, schedule, config)
-    baselines = best_baselines(problem, cluster, baseline_candidates(problem, cluster, global_batch, num_stages, dp,
-                                                                      microbatches, config, schedule),
+    # Note [fair baselines]: a person's pipeline x data-parallel split over the plan's own tensor
+    # groups (at tp 1 on the same --tp N request it would leave (N - 1)/N of the devices idle)
+    base_problem, base_cluster = space.grouped(best.tensor_parallel)
+    baselines = best_baselines(base_problem, base_cluster,
+                               baseline_candidates(base_problem, base_cluster, global_batch, num_stages, dp,
+                                                   microbatches, config, schedule),
                                global_batch, schedule=schedule, allow_recompute=config.allow_recompute,
-                               bound_of=_bounds_for_baselines(queue, records, space),
-                               local_stages=local)  # Note [fair baselines]
+                               bound_of=_bounds_for_baselines(queue, records, space, best.tensor_parallel),
+                               local_stages=local, step_terms=space.step_terms)
     status, bound = best.status, best.bound
     own = unresolved.get(_key_of(best))
     if own is not None and best.objective is not None:  # its cheap or strong bound may be the better one
@@ -236,13 +245,17 @@ def solve(
         status = "FEASIBLE"
         bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
     report(finished=True, status=status, bound_s=bound * best.time_unit_s)
+    # Note [whole-space lower bound]: never lowered to the plan's time; one above it is a bound bug
+    if whole_space_lower_s > best.step_time_s * (1 + 1e-9) + slack_s:
+        raise InconsistentBoundError(best.objective or 0, math.ceil(whole_space_lower_s / best.time_unit_s),
+                                     best.step_time_s / best.time_unit_s, "whole-space lower bound")
     winner = space.unsharded_if_it_fits(Variant(best.tensor_parallel, best.shard_optimizer), best.assignment)
     scope = optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best)
     return replace(best, baselines={name: cost.step_time_s if cost.fits_memory else None
                                     for name, cost in baselines.items()},
                    baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
                    solve_time_s=time.perf_counter() - start, optimal_over=f"{scope}; {space.scope_words()}",
-                   lower_bound_step_time_s=min(whole_space_lower_s, best.step_time_s),
+                   lower_bound_step_time_s=whole_space_lower_s,
                    shard_optimizer=winner.sharded)
 
 
@@ -269,20 +282,20 @@ def _key_of(solution: Solution) -> tuple:
 
 
 def baseline_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule):
-    """The (p, d, m) the baselines are priced over: every one the request allows at tensor-parallel
-    degree 1 (Note [fair baselines]: a person's pipeline x data-parallel split)."""
+    """The (p, d, m) the baselines are priced over: every one the request allows on ``cluster`` (the
+    plan's tensor groups as devices; Note [fair baselines]: a person's pipeline x data-parallel split)."""
     return enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microbatches, config, schedule)
 
 
-def _bounds_for_baselines(queue, records, space) -> dict:
-    """(p, d, m) -> a lower bound on every tp-1 unsharded plan of it: its own candidate's bound, or
-    its sharded candidate's where sharding relaxes it (Note [one enumeration])."""
+def _bounds_for_baselines(queue, records, space, tp: int = 1) -> dict:
+    """(p, d, m) -> a lower bound on every unsharded plan of it at tensor-parallel degree ``tp``: its
+    own candidate's bound, or its sharded candidate's where sharding relaxes it (Note [one enumeration])."""
     out: dict = {}
     items = [(r.num_stages, r.dp, r.num_microbatches, Variant(r.tensor_parallel, r.shard_optimizer),
               r.lower_bound_step_time_s) for r in records]
     items += [(p, d, m, v, lower) for lower, _, p, d, m, v, _ in queue]
     for p, d, m, v, lower in items:
-        if v.tp != 1 or (v.sharded and not space.sharding_relaxes(1, d)):
+        if v.tp != tp or (v.sharded and not space.sharding_relaxes(tp, d)):
             continue
         out[(p, d, m)] = max(out.get((p, d, m), 0.0), lower)
     return out

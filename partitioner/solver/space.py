@@ -28,7 +28,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Variant", "SearchSpace"]
+__all__ = ["Variant", "SearchSpace", "StepTerms"]
+
+
+# Note [terms outside the ILP]: the program's per-step terms that the ILP's objective leaves out,
+# the global gradient norm (with clipping or fp16, partitioner/solver/grad_norm_cost.py) and the
+# replica check (partitioner/solver/sdc_cost.py), depend on the stage holding the most gradient and
+# state bytes and on the world size, so they can decide between candidates (2 stages x dp 4 against
+# 3 x dp 2). The search adds them to every solved candidate's step time before it compares
+# candidates (``SearchSpace.extra_s``), as it adds gloo's all-gather of sharded state, and the
+# plan's predicted step is that same sum; pruning by a candidate's bound stays sound (the terms are
+# >= 0). Within one candidate the split is the ILP's, optimal for the rest of the step: the
+# statement of what OPTIMAL covers says so (``scope_words``).
+@dataclass(frozen=True)
+class StepTerms:
+    """Per-step terms of the program beside the ILP's objective (Note [terms outside the ILP]):
+    ``global_norm``: the program computes the global gradient norm; ``sdc_every``: the replica
+    check interval, None for the default of the candidate's dp (sdc_cost.default_every)."""
+
+    global_norm: bool = False
+    sdc_every: int | None = 0
+
+    def every(self, dp: int) -> int:
+        if self.sdc_every is not None:
+            return self.sdc_every
+        from partitioner.solver.sdc_cost import default_every
+
+        return default_every(dp)
+
+    @property
+    def any(self) -> bool:
+        return self.global_norm or self.sdc_every != 0
 
 
 @dataclass(frozen=True, order=True)
@@ -50,7 +80,7 @@ class SearchSpace:
     with] in partitioner/tensor_parallel.py)."""
 
     def __init__(self, problem, cluster, *, tp_degrees=(1,), shard: str = "off", tp_dp: bool = True,
-                 tp_shard: bool | None = None):
+                 tp_shard: bool | None = None, step_terms: StepTerms | None = None):
         from partitioner.solver.zero_choice import SHARD_CHOICES
 
         if shard not in SHARD_CHOICES:
@@ -61,6 +91,7 @@ class SearchSpace:
         self.problem, self.cluster, self.shard, self.tp_dp = problem, cluster, shard, tp_dp
         self.tp_shard = tp_dp if tp_shard is None else tp_shard
         self.tp_degrees = tuple(degrees)
+        self.step_terms = step_terms or StepTerms()
         self._grouped: dict[int, tuple] = {}
         self._inputs: dict[tuple, tuple] = {}
 
@@ -84,13 +115,22 @@ class SearchSpace:
         return self._inputs[key]
 
     def extra_s(self, variant: Variant, assignment) -> float:
-        """Step time the ILP does not see: gloo's all-gather of sharded state (zero_choice.allgather_s)."""
-        if not variant.sharded:
-            return 0.0
-        from partitioner.solver.zero_choice import allgather_s
-
+        """Step time the ILP does not see: gloo's all-gather of sharded state (zero_choice.allgather_s),
+        the gradient norm and the replica check (Note [terms outside the ILP])."""
         problem, cluster = self.inputs(variant, assignment.dp)
-        return allgather_s(problem, cluster, assignment)
+        extra = 0.0
+        if variant.sharded:
+            from partitioner.solver.zero_choice import allgather_s
+
+            extra += allgather_s(problem, cluster, assignment)
+        if self.step_terms.any:
+            from partitioner.solver.evaluate import evaluate
+
+            # Note [no replica check on sharded state] in runtime/sdc.py: a sharded plan runs none
+            every = 0 if variant.sharded else self.step_terms.every(assignment.dp)
+            cost = evaluate(problem, cluster, assignment, sdc_every=every, global_norm=self.step_terms.global_norm)
+            extra += cost.sdc_check_s + cost.grad_norm_s
+        return extra
 
     def sharding_relaxes(self, tp: int, dp: int) -> bool:
         """Note [one enumeration]: sharded plans at ``dp`` are never slower nor larger than unsharded ones."""
@@ -149,5 +189,9 @@ class SearchSpace:
                  " (tp > 1 unsharded: what the runtime runs)"))
         shard = {"off": "optimizer state replicated", "on": "optimizer state sharded (dp > 1)",
                  "auto": "optimizer state replicated or sharded per dp"}[self.shard]
-        return f"{tp}; {shard}"
+        terms = [name for name, on in (("the gradient norm", self.step_terms.global_norm),
+                                       ("the replica check", self.step_terms.sdc_every != 0)) if on]
+        outside = (f"; {' and '.join(terms)} weighed between candidates on each one's split, outside the ILP "
+                   "(Note [terms outside the ILP])") if terms else ""
+        return f"{tp}; {shard}{outside}"
 

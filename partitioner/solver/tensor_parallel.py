@@ -54,7 +54,8 @@ def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
             first, name=f"{first.name}..{members[-1].name}",
             memory_bytes=first.memory_bytes * tp, flops_per_s=first.flops_per_s * tp,
             memory_reserve_bytes=first.memory_reserve_bytes * tp))
-    return dataclasses.replace(cluster, devices=tuple(groups))
+    # Note [collectives as NCCL runs them]: each member all-reduces its own share of the group's gradients
+    return dataclasses.replace(cluster, devices=tuple(groups), collective_lanes=cluster.collective_lanes * tp)
 
 
 def tp_problem(problem, tp: int):
@@ -69,7 +70,7 @@ def tp_problem(problem, tp: int):
         return problem
     regions = []
     for r in problem.regions:
-        share = min(1.0, r.tp_sharded_param_bytes / r.param_bytes) if r.param_bytes else 0.0
+        share = r.tp_param_share
 
         def per_group(nbytes: int) -> int:  # replicated part on every member, sharded part once
             return int(round(nbytes * (1 - share) * tp + nbytes * share))
@@ -88,12 +89,14 @@ def tp_problem(problem, tp: int):
 
 # Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (this
 # part is the solver's; ``group_cluster`` gives a group tp x one member's FLOP/s and memory):
-# - compute: a region's FLOPs split in proportion to its sharded parameter bytes (its matmuls and
-#   the attention between them split on heads / features, Megatron's pairing); the rest (norms,
-#   a region without sharded parameters) runs whole on every member, so counts tp times against
-#   the group's tp x FLOP/s. The parameter share stands in for the FLOP share: on a transformer
-#   block both are > 99.9% (norm weights are the only replicated parameters); smaller matmuls'
-#   lower efficiency is not priced;
+# - compute: the FLOPs of a region's split nodes (``RegionCost.tp_sharded_flops_per_sample``,
+#   passes/tp_activations.py ``sharded_flops``: its column, row and vocab matmuls and the attention
+#   between them, split on heads / features, Megatron's pairing) are divided by tp; the rest (norms,
+#   residual adds) runs whole on every member, so counts tp times against the group's tp x FLOP/s.
+#   Counted per node, not by the parameter share (which stood in for it before): a tied vocab head
+#   holds no parameter bytes of its own, and the attention core's FLOPs have no parameter at all.
+#   Smaller matmuls' lower efficiency is priced where the device has a matmul rate model
+#   (partitioner/solver/gpu_cost.py), not here;
 # - collectives (Note [tensor-parallel traffic] in passes/tensor_parallel.py): per microbatch, every
 #   member all-reduces the region's ``tp_comm_bytes`` per sample and all-gathers its
 #   ``tp_gather_bytes`` (a vocab-split head's logits) in forward, and all-reduces its
@@ -165,6 +168,10 @@ def sent_bytes(region, tp: int) -> tuple[float, float, float]:
             gather * region.tp_step_gather_bytes)
 
 
+def region_step_s(region, kind: str) -> float:
+    return (region.step_s_by_kind or {}).get(kind, 0.0)
+
+
 def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
     """``tp_problem`` with the compute and collectives of Note [tensor-parallel pricing] and the
     overheads of Note [tensor-parallel overheads]."""
@@ -177,16 +184,19 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
         rate_of.setdefault(device.kind, device.flops_per_s)
     regions = []
     for original, r in zip(problem.regions, grouped.regions):
-        share = min(1.0, original.tp_sharded_param_bytes / original.param_bytes) if original.param_bytes else 0.0
+        share = original.tp_flop_share
         whole = share + (1 - share) * tp  # FLOPs in units of one group's rate
         split = min(original.tp_sharded_activation_bytes_per_sample, original.activation_bytes_per_sample)
         changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,
                        bwd_flops_per_sample=original.bwd_flops_per_sample * whole,
                        activation_bytes_per_sample=(original.activation_bytes_per_sample - split) * tp + split)
         fwd_sent, bwd_sent, step_sent = sent_bytes(original, tp)
-        fraction = share / tp + (1 - share)  # of one member's seconds
+        state_share = original.tp_param_share  # what divides the per-step seconds (AdamW's step)
         fwd, bwd, fwd_fixed, bwd_fixed, step = {}, {}, {}, {}, {}
         for kind, rate in rate_of.items():
+            # of one member's seconds: the split nodes' part of a profile's seconds, else the FLOP share
+            split = (original.tp_split_fraction_by_kind or {}).get(kind, share)
+            fraction = split / tp + (1 - split)
             per_collective = 2 * (tp - 1) * link.latency_s + collective_fixed_s(problem, kind)
             per_op = dtensor_op_s(problem, kind)
             drift = 1 + skew(problem, kind)  # the members wait for each other in proportion to what they compute
@@ -200,7 +210,8 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
                                         else 0.0) + original.fwd_ops * per_op) + original.tp_fwd_collectives * per_collective
             bwd_fixed[kind] = drift * (((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if b_meas is not None
                                         else 0.0) + original.bwd_ops * per_op) + original.tp_bwd_collectives * per_collective
-            step[kind] = original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
+            step[kind] = (original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
+                          + region_step_s(original, kind) * (state_share / tp + 1 - state_share))
         changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
                        fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
                        step_s_by_kind=step if any(step.values()) else None)

@@ -122,6 +122,7 @@ def test_fp16_overflow_skips_everywhere(runs):
     oracle_skipped: list[bool] = []
     train_reference_from_folder(runs["fp16-mixed"], 3, skipped=oracle_skipped)
     assert skipped == oracle_skipped  # the same steps skipped as the oracle (loss scale 2**16 overflows)
+    assert any(skipped), "no step overflowed: the test would pass without loss scaling"
     assert rows[0]["loss_scale"] == 2.0 ** 16
     for before, after in zip(rows, rows[1:]):
         if after["skipped"]:
@@ -138,8 +139,28 @@ def test_sharded_checkpoint_resumes_at_another_dp(runs, dp):
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
     _, params, replica_diff = read_program_run(os.path.join(runs[f"dp{dp}"], "run"))
     assert replica_diff == 0.0
+    assert params and set(params) == set(state), "the run's final parameters must all be compared"
     for name, value in params.items():
         torch.testing.assert_close(value, state[name], rtol=1e-4, atol=1e-4)
+
+
+def test_a_sharded_runs_final_state_holds_each_ranks_pieces(runs):
+    """ZeRO-1's moments live on each rank's pieces: final/optim_rank_<r> holds them and their steps."""
+    from safetensors.torch import load_file
+
+    final = os.path.join(runs["dp2"], "run", "final")
+    covered: dict[str, int] = {}
+    for r in range(2):
+        tensors = load_file(os.path.join(final, f"optim_rank_{r}.safetensors"))
+        with open(os.path.join(final, f"optim_rank_{r}.json")) as f:
+            meta = json.load(f)
+        assert tensors and meta["optim_pieces"] and meta["param_steps"], (r, meta)
+        assert all(step == 2.0 for step in meta["param_steps"].values())  # two steps trained
+        for name, (start, end) in meta["optim_pieces"].items():
+            assert tensors[f"optim_shard/{name}/exp_avg"].numel() == end - start
+            covered[name] = covered.get(name, 0) + end - start
+    params = load_file(os.path.join(final, "rank_0.safetensors"))
+    assert covered == {name: t.numel() for name, t in params.items()}  # the replicas' pieces tile every parameter
 
 
 def test_plan_that_fits_only_sharded_is_chosen_and_runs(runs):

@@ -38,7 +38,14 @@ def _configs(root: Path) -> dict[str, Path]:
                                  image_size=16, patch_size=8, num_labels=5, architectures=["ViTForImageClassification"])
     t5 = transformers.T5Config(num_layers=1, d_model=32, num_heads=2, d_kv=16, d_ff=64, vocab_size=64,
                                decoder_start_token_id=0, dropout_rate=0.0, architectures=["T5ForConditionalGeneration"])
-    for name, config in (("gpt2", gpt2), ("bert", bert), ("vit", vit), ("t5", t5)):
+    # config.json files as Hugging Face writes them: Falcon's attention lifts constants in the trace,
+    # ResNet's config has no image_size
+    falcon = transformers.FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                                       new_decoder_architecture=False, architectures=["FalconForCausalLM"])
+    resnet = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5,
+                                       architectures=["ResNetForImageClassification"])
+    for name, config in (("gpt2", gpt2), ("bert", bert), ("vit", vit), ("t5", t5), ("falcon", falcon),
+                         ("resnet", resnet)):
         config.save_pretrained(root / name)
         dirs[name] = root / name
     # Pretrained weights unlike our own initialisation (another seed, torch's global generator),
@@ -60,10 +67,12 @@ def _hf_programs(root: Path):
     assert cli(["compile", f"hf:{dirs['gpt2']}", "--pretrained", str(dirs["gpt2-pretrained"]), "-o",
                 str(root / "pretrained"), "--devices", "2", "--stages", "2", "--microbatches", "2", "-q"]) == 0
     for name, spec in (("meta", f"hf:{dirs['gpt2']},device=meta"), ("bert", f"hf:{dirs['bert']}"),
-                       ("vit", f"hf:{dirs['vit']}"), ("t5", f"hf:{dirs['t5']},seq=8")):
+                       ("vit", f"hf:{dirs['vit']}"), ("t5", f"hf:{dirs['t5']},seq=8"),
+                       ("falcon", f"hf:{dirs['falcon']},seq=8"), ("resnet", f"hf:{dirs['resnet']},image=16")):
         compile_to(root / name, load_workload(spec), devices=2, num_stages=2, microbatches=2,
                    training={"model_spec": spec})
-    jobs = [Job(2, [root / n, "--steps", str(STEPS)]) for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5")]
+    jobs = [Job(2, [root / n, "--steps", str(STEPS)])
+            for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5", "falcon", "resnet")]
     return out, jobs
 
 
@@ -97,6 +106,19 @@ def test_masked_lm_image_classification_and_seq2seq_verify(hf, name, architectur
     _verdict(hf["root"] / name)
     program = json.loads((hf["root"] / name / "plan.json").read_text())["program"]
     assert program["init"]["weights"][1]["architecture"] == architecture
+
+
+def test_falcon_and_resnet_from_plain_config_files_verify(hf):
+    """Falcon's lifted constants travel in weights/ beside the ranks' own initialisation (Note
+    [constants travel] in runtime/stage.py); ResNet's config without image_size takes image=."""
+    _verdict(hf["root"] / "falcon")
+    _verdict(hf["root"] / "resnet")
+    from safetensors.torch import load_file
+
+    shipped = [name for path in sorted((hf["root"] / "falcon" / "weights").glob("*.safetensors"))
+               for name in load_file(str(path))]
+    assert shipped and all("lifted_tensor" in name for name in shipped)  # constants only: the ranks make the weights
+    assert load_workload(f"hf:{hf['dirs']['resnet']}").example_args[0].shape[-1] == 224  # HF's crop by default
 
 
 def test_meta_built_ranks_start_from_the_oracles_weights(hf):
@@ -146,6 +168,13 @@ def test_export_loads_with_from_pretrained_with_equal_outputs(hf, tmp_path):
     assert cli(["export", str(folder), "-o", str(tmp_path / "out")]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert type(loaded).__name__ == "GPT2LMHeadModel"
+    # the user's config as given (the trace's use_cache=False stays out), every tied name in the file
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["use_cache"] is json.loads((hf["dirs"]["gpt2"] / "config.json").read_text()).get("use_cache", True)
+    from safetensors.torch import load_file
+
+    fresh = transformers.GPT2LMHeadModel(transformers.AutoConfig.from_pretrained(tmp_path / "out"))
+    fresh.load_state_dict(load_file(str(tmp_path / "out" / "model.safetensors")), strict=True)
     _, final, _ = read_program_run(folder / "run")  # the run's own final weights
     model = load_workload(f"hf:{hf['dirs']['gpt2']}").model
     with torch.no_grad():

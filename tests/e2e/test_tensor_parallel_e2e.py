@@ -21,7 +21,7 @@ import torch
 
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from partitioner.models import hf_gpt2, hf_llama
+from partitioner.models import gpt, hf_gpt2, hf_llama
 from partitioner.verify import check_run, read_program_run, train_oracle
 from runtime.checkpoint.load import read_shard
 from runtime.checkpoint.manifest import read_manifest
@@ -36,6 +36,11 @@ def gpt2():
     return hf_gpt2(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
+def builtin_gpt():
+    """The built-in GPT: a fused qkv in Megatron's per-head layout, split column-wise."""
+    return gpt(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
+
+
 @prepare
 def _tp_programs(root: Path):
     """A new job joins the shared launch of its world size: one more Job(world, job(...)) below."""
@@ -47,6 +52,8 @@ def _tp_programs(root: Path):
         "tp2pp2": compile_to(root / "tp2pp2", llama(), devices=4, num_stages=2, tensor_parallel=2,
                              clip_grad_norm=0.05, **options),
         "gpt2": compile_to(root / "gpt2", gpt2(), devices=4, num_stages=2, tensor_parallel=2, **options),
+        "gpt_tp2": compile_to(root / "gpt_tp2", builtin_gpt(), devices=2, num_stages=1, tensor_parallel=2,
+                              **options),
         "tp2dp2": compile_to(root / "tp2dp2", llama(), devices=4, num_stages=1, dp=2, tensor_parallel=2,
                              global_batch=8, microbatches=2),
     }
@@ -59,9 +66,17 @@ def _tp_programs(root: Path):
     jobs = [Job(2, job("tp2", 2, "ck_a", "run_a")),        # tp 2, then resumed at tp 1 (run_c)
             Job(2, job("pp2", 2, "ck_b", "run_b")),        # tp 1, then resumed at tp 2 (run_d)
             Job(2, job("pp2", 4, "ck_a", "run_c")),
-            Job(2, job("tp2", 4, "ck_b", "run_d"))] + [Job(2, j) for j in _mixed_jobs(job)]
+            Job(2, job("tp2", 4, "ck_b", "run_d")),
+            Job(2, job("gpt_tp2", 3, "ck_h", "run_h")),
+            Job(2, job("tp2", 2, "ck_mem", "run_mem") + ["--measure-memory", "--no-checkpoint"])]
+    jobs += [Job(2, j) for j in _mixed_jobs(job)]
     jobs += [Job(4, job("tp2pp2", 3, "ck_e", "run_e")), Job(4, job("gpt2", 3, "ck_f", "run_f")),
-             Job(4, job("tp2dp2", 3, "ck_g", "run_g"))] + [Job(4, j) for j in _sharded_jobs(job)]
+             Job(4, job("tp2dp2", 3, "ck_g", "run_g")),
+             # rank 1 (tensor index 1, replica 0) flips a bit of its vocab shard before step 2; a
+             # hang would end at the collective timeout (60 s), a failed job
+             Job(4, job("tp2dp2", 3, "ck_flip", "run_flip") + ["--checkpoint-every", "1", "--sdc-every", "1",
+                                                              "--flip-bit", "1:2", "--collective-timeout", "60"])]
+    jobs += [Job(4, j) for j in _sharded_jobs(job)]
     return (root, plans), jobs
 
 
@@ -115,6 +130,39 @@ def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, pre
         assert [r["skipped"] for r in rows] == oracle_skipped and any(oracle_skipped)
 
 
+def test_measure_memory_reports_a_peak_per_rank_of_a_tensor_parallel_program(runs):
+    """--measure-memory on tp 2 (Note [a DTensor's bytes] in runtime/memory.py): each rank counts
+    its DTensors' local shards, writes its peak and trains as it does unmeasured."""
+    root, plans = runs
+    rows = [json.loads((root / "run_mem" / f"memory_rank_{r}.json").read_text()) for r in (0, 1)]
+    for rank, row in enumerate(rows):
+        assert row["rank"] == rank and row["method"] == "live tensor storages"
+        assert 0 < row["static_bytes"] < row["measured_peak_bytes"] and row["predicted_peak_bytes"] > 0
+    losses, _, _ = read_program_run(root / "run_mem")
+    assert losses == read_program_run(root / "run_a")[0]  # the tp2 job's first 2 steps, unmeasured
+
+
+def test_a_flipped_bit_on_a_tensor_parallel_rank_is_found_and_rolled_back_without_a_hang(runs):
+    """--flip-bit on tp 2 x dp 2 (Note [a flip without a collective] in runtime/faults.py): rank 1
+    flips its local piece of the vocab-split embedding (no collective on one rank: no hang); its
+    replica group (ranks 1 and 3, tensor index 1) disagrees after the step, the job rolls back to
+    the checkpoint of step 2 and ends bit for bit where the clean run (run_g) ends."""
+    from safetensors.torch import load_file
+
+    root, _ = runs
+    finding, rollback = [json.loads(line) for line in (root / "run_flip" / "sdc.jsonl").read_text().splitlines()]
+    assert finding["ranks"] == [1, 3] and finding["stages"] == [0] and finding["what"] == "parameters"
+    assert finding["step"] == 3 and finding["last_agreed_step"] == 2
+    assert rollback["rolled_back_to"] == 2 and rollback["detected_at"] == 3
+    faults = [json.loads(line) for line in (root / "run_flip" / "faults.jsonl").read_text().splitlines()]
+    assert faults == [{**faults[0], "rank": 1, "step": 2, "mode": "flip-bit model.embed_tokens.weight"}]
+    assert read_program_run(root / "run_flip")[0] == read_program_run(root / "run_g")[0]
+    for r in range(4):
+        got = load_file(root / "run_flip" / "final" / f"rank_{r}.safetensors")
+        want = load_file(root / "run_g" / "final" / f"rank_{r}.safetensors")
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), r
+
+
 def test_the_stage_file_shows_what_is_split(runs):
     root, plans = runs
     text = (root / "tp2" / "stage_0.py").read_text()
@@ -122,6 +170,9 @@ def test_the_stage_file_shows_what_is_split(runs):
     assert "#   model.layers.0.mlp.down_proj.weight | row-parallel | 1 | [32, 80] -> [32, 40]" in text
     assert '"model.embed_tokens.weight": 0,' in text and "tensor_parallel.vocab_embedding(" in text
     assert "model.norm.weight\": " not in text.split("TENSOR_PARALLEL = {")[1].split("}")[0]
+    fused = (root / "gpt_tp2" / "stage_0.py").read_text()
+    assert "#   blocks.0.attn.qkv.weight | column-parallel | 0 | [96, 32] -> [48, 32]" in fused
+    assert "#   blocks.0.attn.proj.weight | row-parallel | 1 | [32, 32] -> [32, 16]" in fused
     program = load_program(str(root / "tp2pp2"))
     assert program.tensor_parallel == 2 and program.world_size == 4
     assert [(e.rank, e.stages, e.tp_index) for e in program.ranks] == [(0, (0,), 0), (1, (0,), 1),
@@ -129,7 +180,8 @@ def test_the_stage_file_shows_what_is_split(runs):
 
 
 @pytest.mark.parametrize("name, run, workload", [("tp2", "run_a", llama), ("tp2pp2", "run_e", llama),
-                                                 ("gpt2", "run_f", gpt2), ("tp2dp2", "run_g", llama)])
+                                                 ("gpt2", "run_f", gpt2), ("tp2dp2", "run_g", llama),
+                                                 ("gpt_tp2", "run_h", builtin_gpt)])
 def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
     """verify's verdict: losses, every final parameter, the gradient norm, with keyed dropout
     (and clipping on tp2pp2)."""

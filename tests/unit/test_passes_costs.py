@@ -216,7 +216,7 @@ def test_shapes_cover_every_node_kind():
         if node.op == "output":
             assert meta.shapes == () and meta.output_bytes == 0
         if node.op == "call_function" and "split" in str(node.target):
-            assert meta.shapes == ((2, 16, 32),) * 3 and meta.output_bytes == 3 * 2 * 16 * 32 * 4
+            assert meta.shapes == ((2, 16, 2, 16),) * 3 and meta.output_bytes == 3 * 2 * 16 * 32 * 4  # per head: q, k, v
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert ir.get(placeholder, ir.SHAPE) == ir.ShapeMeta(((2, 16),), ("int64",), 2 * 16 * 8)
 

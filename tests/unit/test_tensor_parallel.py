@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import partitioner
 from partitioner import ir
@@ -54,15 +55,47 @@ def test_llama_roles_are_megatrons():
     assert not any("norm" in name for name in sharded)  # norms stay whole on every rank
 
 
-def test_a_fused_qkv_stays_replicated_and_its_mlp_is_sharded():
-    gm = _annotated(gpt(layers=2, width=32, heads=2, vocab=64, seq=16))
+class _SplitThenViewAttention(torch.nn.Module):
+    """GPT-2's fused layout: q, k and v each a contiguous third of qkv's rows."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+def test_a_fused_qkv_split_before_its_heads_stays_replicated_and_its_mlp_is_sharded():
+    workload = gpt(layers=2, width=32, heads=2, vocab=64, seq=16)
+    for block in workload.model.blocks:
+        block.attn = _SplitThenViewAttention(32, 2)
+    gm = _annotated(workload)
     roles = _roles(gm)
     assert roles["blocks.0.attn.qkv.weight"] == "replicated"  # split on its features: would mix heads
     assert roles["blocks.0.attn.proj.weight"] == "replicated"
     assert roles["blocks.0.mlp.fc.weight"] == "column" and roles["blocks.0.mlp.proj.weight"] == "row"
+
+
+def test_the_builtin_gpts_per_head_fused_qkv_is_column_parallel():
+    gm = _annotated(gpt(layers=2, width=32, heads=2, vocab=64, seq=16))
+    roles = _roles(gm)
+    # Megatron's layout: viewed per head before the split, so a slice of rows is whole heads
+    assert roles["blocks.0.attn.qkv.weight"] == "column"
+    assert roles["blocks.0.attn.proj.weight"] == "row"
+    assert roles["blocks.0.mlp.fc.weight"] == "column" and roles["blocks.0.mlp.proj.weight"] == "row"
     assert roles["tok_emb.weight"] == "vocab"
     assert roles["pos_emb.weight"] == "replicated"  # indexed by an arange, not the tokens
     assert roles["head.weight"] == "vocab"
+    check_degree(gm, 2)
+    with pytest.raises(ValueError, match="does not divide the 2 heads"):
+        check_degree(gm, 4)
 
 
 def test_region_figures_are_the_collectives_and_the_sharded_bytes():

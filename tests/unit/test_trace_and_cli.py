@@ -108,3 +108,73 @@ def test_run_checks_its_flags_before_any_worker_starts(tmp_path, capsys):
     assert main(["run", str(folder), "--steps", "1", "--mtbf", "six hours"]) == 2
     err = error_lines(capsys.readouterr().err)
     assert err.startswith("error:") and "six hours" in err, err
+
+
+OWN = __import__("pathlib").Path(__file__).resolve().parent.parent / "own_model"
+
+
+def _straight_through():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("straight_through", OWN / "straight_through.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_custom_autograd_function_is_refused_at_compile_time_with_its_name_and_the_fix():
+    """Note [custom autograd Functions]: the trace keeps a Function's forward and drops its
+    backward, so a straight-through estimator would train with round's zero gradient instead."""
+    import partitioner
+    from partitioner.cluster import ClusterSpec
+
+    module = _straight_through()
+    with pytest.raises(TraceError) as info:
+        partitioner.compile(module.build(), cluster=ClusterSpec.homogeneous(1, "cpu"), global_batch=4)
+    message = str(info.value)
+    assert "straight_through.RoundSTE" in message  # the Function, by module and qualname
+    assert "straight_through.py:27" in message and "RoundSTE.apply(" in message  # where it is used
+    assert "custom_op" in message and "register_autograd" in message  # the fix
+    assert "\n" not in message
+
+
+def test_a_custom_autograd_function_is_one_line_and_exit_2_at_the_cli(tmp_path):
+    import shutil
+
+    shutil.copy(OWN / "straight_through.py", tmp_path / "straight_through.py")
+    done = subprocess.run([sys.executable, "-m", "partitioner", "compile", "straight_through.py:build", "-o", "out",
+                           "--devices", "1", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    err = error_lines(done.stderr)
+    assert done.returncode == 2 and "RoundSTE" in err and len(err.splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_and_a_backward_hook_are_refused_and_cond_is_not():
+    """The trace runs a reentrant checkpoint's forward under no_grad (its parameters would get no
+    gradient) and drops a backward hook; torch.cond stays one node with its backward (and a custom
+    op's autograd: Qwen2-MoE's grouped_mm, tests/e2e/test_program_e2e.py)."""
+    with pytest.raises(TraceError, match=r"CheckpointFunction.*use_reentrant=False"):
+        trace(ReentrantCheckpoint(), (torch.randn(2, 4),))
+    hooked = nn.Sequential(nn.Linear(4, 4))
+    hooked[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.raises(TraceError, match=r"BackwardHookFunction.*remove the module's backward hook"):
+        trace(hooked, (torch.randn(2, 4),))  # the program would never call the hook
+
+    class Cond(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: self.layer(x), lambda x: x * 2, (x,))
+
+    assert trace(Cond(), (torch.randn(2, 4),)).tracer == "export"
