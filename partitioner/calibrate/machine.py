@@ -18,6 +18,9 @@ Note [machine profile]
       layer norms, attention, a vocabulary head; every region and every distinct op alone), not
       on the user's. Its recompute fixed cost and DTensor's dispatch per op come from the same
       graph (partitioner/calibrate/recompute_cost.py, tp_overheads.py);
+    * the optimizer's step as the runtime makes it (AdamW, fused, over 4 MiB of parameters in
+      small tensors): seconds per parameter byte, paid once a step by the stage holding them
+      (``optimizer_s_per_param_byte``, as Note [accelerator roofline] prices it on GPUs);
     * two local processes over gloo (partitioner/calibrate/machine_worker.py): the seconds per
       microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on tiny stages (the
       schedule's own cost and the loss: ``microbatch_overhead_s``), the seconds per microbatch
@@ -148,6 +151,7 @@ class MachineMeasurements:
     tp_collective_s: float | None
     tp_skew: float | None
     contention: float                          # a rank computes this many times slower beside another (>= 1)
+    optimizer_s_per_param_byte: float | None   # AdamW's step as the runtime makes it, per parameter byte
     threads: int
     load_average_1m: float                     # os.getloadavg() when the measurement started
     other_runnable: float                      # other processes running or waiting for a core then
@@ -234,7 +238,8 @@ class MachineProfile:
             kind=KIND, forward=_scaled(m.forward, forward_scale), backward=_scaled(m.backward, backward_scale),
             meta={"precision": "fp32", "source": "machine", "threads": m.threads},
             microbatch_overhead_s=self.effective_microbatch_overhead_s, dtensor_op_s=m.dtensor_op_s,
-            tp_collective_s=m.tp_collective_s, tp_skew=m.tp_skew, recompute_fixed_s=m.recompute_fixed_s)
+            tp_collective_s=m.tp_collective_s, tp_skew=m.tp_skew, recompute_fixed_s=m.recompute_fixed_s,
+            optimizer_s_per_param_byte=m.optimizer_s_per_param_byte)
 
     def cluster_for(self, cluster: ClusterSpec) -> ClusterSpec:
         """``cluster`` with the preset's cpu figures replaced by this machine's (Note [what the
@@ -466,6 +471,7 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
                 dtensor_op_s = measure_dtensor_op_s(gm, _example_inputs(workload))
             except Exception:  # noqa: BLE001 - DTensor's figure is optional: the preset stands
                 dtensor_op_s = None
+            optimizer_s_per_param_byte = measure_optimizer_s_per_param_byte()
         finally:
             torch.set_num_threads(old_threads)
     g = _measure_gloo(say) if gloo else None
@@ -482,9 +488,34 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
         p2p_latency_s=g.p2p_latency_s if g else None,
         recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
         tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
-        contention=g.contention if g else 1.0, threads=1, load_average_1m=float(load), other_runnable=others,
+        contention=g.contention if g else 1.0, optimizer_s_per_param_byte=optimizer_s_per_param_byte, threads=1, load_average_1m=float(load), other_runnable=others,
         measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
+
+
+def measure_optimizer_s_per_param_byte(num_bytes: int = 4 << 20, *, repeats: int = 10) -> float:
+    """Seconds of one optimizer step (runtime/train.py ``make_optimizer``: AdamW, its fused
+    kernel where torch has one, and the schedule's step) per parameter byte, over ``num_bytes``
+    of fp32 parameters in 64 KiB tensors, a small model's (Note [machine profile]). The step's
+    own fixed cost is in the figure, spread over those bytes."""
+    import statistics
+
+    import torch
+
+    from runtime.train import make_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(16384)) for _ in range(max(1, num_bytes // (16384 * 4)))]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer, schedule = make_optimizer(params, {"lr": 1e-3})
+    times = []
+    for i in range(3 + repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        schedule.step()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / sum(p.numel() * p.element_size() for p in params)
 
 
 def _other_runnable(load_average: float, seconds: float = 0.5) -> float:

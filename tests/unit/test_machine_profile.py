@@ -202,6 +202,9 @@ def test_the_profile_prices_the_plan(tiny):
     steps = [p.predicted["step_time_s"] for p in (preset, with_fast, with_slow)]
     assert len(set(steps)) == 3 and steps[2] > steps[1]
     assert with_fast.problem.microbatch_overhead_s_by_kind["cpu"] == 0.1e-3
+    # AdamW's step, per step on the stage holding the parameters
+    assert sum(r.step_s_by_kind["cpu"] for r in with_fast.problem.regions if r.step_s_by_kind) == pytest.approx(
+        0.3e-9 * sum(r.param_bytes for r in with_fast.problem.regions))
     assert with_slow.problem.microbatch_overhead_s_by_kind["cpu"] == 4e-3
     assert with_fast.plan.cluster["links"]["intra_node"]["latency_s"] == 1.4e-3
     from partitioner.inspect import table
@@ -251,7 +254,7 @@ def test_measuring_this_machine(cache):
     assert m.matmul_flops_per_s and m.forward.op_overhead_s > 0 and m.backward.op_overhead_s > 0
     assert m.microbatch_overhead_s is not None and m.microbatch_overhead_s > 0, "the gloo processes ran"
     assert m.link_bandwidth_bytes_per_s > 0 and got.profile.link() is not None
-    assert m.threads == 1 and m.measure_s > 0
+    assert m.threads == 1 and m.measure_s > 0 and m.optimizer_s_per_param_byte > 0
 
 
 # ---- runtime/stage_times.py -------------------------------------------------------------------------
