@@ -14,7 +14,9 @@ and without data parallelism (global batch 16, microbatches of the example batch
    task is runnable; plans alternate over --rounds rounds and the fastest round counts: other
    work on a shared machine only ever adds time;
 3. predict the same assignment (evaluate.evaluate) with the datasheet model (FLOPs / the cpu
-   preset's rate) and with the calibrated profile; both include the whole-step terms (Note
+   preset's rate), with the calibrated profile, and with this machine's cached profile (Note
+   [machine profile] in partitioner/calibrate/machine.py: what `partitioner compile` prices with
+   by default; measured first if none is cached); all include the whole-step terms (Note
    [whole-step terms] in partitioner/solver/problem.py): core sharing (ranks per core on this
    machine) and the per-microbatch stage overhead;
 4. print per plan the measured and predicted step time, the relative error, and the median error.
@@ -57,7 +59,7 @@ PLANS = {
     "gpt": [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), "demo"],
     "hf-llama": [(1, 1), (2, 1), (2, 2)],
 }
-TARGETS = {"calibrated": 0.15, "datasheet": 0.25}
+TARGETS = {"calibrated": 0.15, "datasheet": 0.25, "machine": 0.25}
 
 
 def _rel(pred: float, meas: float) -> float:
@@ -72,24 +74,31 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     from partitioner.models import load_workload
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages
+    from partitioner.calibrate.machine import fill_fixed_costs, machine_profile
 
+    here = machine_profile()  # Note [machine profile]: cached, or measured now
+    print(f"  machine profile ({here.how}): {here.profile.describe()}", flush=True)
     plans = []
     for label, spec in models:
         workload = load_workload(spec)
         gm, _ = analyze(workload)
         b = workload.example_batch_size
         profile = calibrate(workload, gm, repeats=calibrate_repeats, threads=1)
-        problems = {"datasheet": build_problem(gm, b), "calibrated": build_problem(gm, b, profiles=[profile])}
+        problems = {"datasheet": build_problem(gm, b), "calibrated": build_problem(gm, b, profiles=[profile]),
+                    "machine": fill_fixed_costs(build_problem(gm, b, profiles=[here.profile.device_profile()]),
+                                                here.profile)}
         for shape in PLANS[label]:
-            if shape == "demo":  # what `make demo` compiles: datasheet model, solver's dp and microbatches
+            if shape == "demo":  # what `make demo` compiles: the machine profile, solver's dp and microbatches
                 cluster = ClusterSpec.homogeneous(4, "cpu")
-                plan = partitioner.compile(workload, cluster=cluster, global_batch=GLOBAL_BATCH, num_stages=2)
+                plan = partitioner.compile(workload, cluster=cluster, global_batch=GLOBAL_BATCH, num_stages=2,
+                                           machine_profile=here.profile)
                 name = f"{label} demo"
             else:
                 p, d = shape
                 cluster = ClusterSpec.homogeneous(p * d, "cpu")
                 plan = partitioner.compile(workload, cluster=cluster, global_batch=GLOBAL_BATCH, num_stages=p, dp=d,
-                                           microbatches=GLOBAL_BATCH // (d * b), profiles=[profile])
+                                           microbatches=GLOBAL_BATCH // (d * b), profiles=[profile],
+                                           machine_profile="preset")
                 name = f"{label} {p}x{d}"
             folder = os.path.join(tmp, name.replace(" ", "_"))
             plan.save(folder)
@@ -99,9 +108,10 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
                                     plan.schedule)
             predicted, no_overhead = {}, {}
             for which, problem in problems.items():
-                predicted[which] = evaluate(problem, cluster, assignment).step_time_s
+                priced_on = here.profile.cluster_for(cluster) if which == "machine" else cluster  # its link
+                predicted[which] = evaluate(problem, priced_on, assignment).step_time_s
                 bare = dataclasses.replace(problem, microbatch_overhead_s_by_kind={"cpu": 0.0})
-                no_overhead[which] = evaluate(bare, cluster, assignment).step_time_s
+                no_overhead[which] = evaluate(bare, priced_on, assignment).step_time_s
             plans.append({"name": name, "folder": folder, "world": plan.world_size, "stages": plan.num_stages,
                           "dp": plan.dp, "microbatches": plan.num_microbatches, "microbatch_size": plan.microbatch_size,
                           "core_sharing": core_sharing_factor(cluster, placement), "predicted_s": predicted,
@@ -169,8 +179,8 @@ def main() -> int:
           f"{os.cpu_count()} cores, load average {' '.join(f'{x:.1f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.1f}' for x in load_after)} after")
     print(f"{'plan':16} {'ranks':>5} {'m x b':>6} {'cores f':>7} {'measured ms':>11} {'datasheet ms':>12} "
-          f"{'err':>6} {'calibrated ms':>13} {'err':>6} {'implied mb overhead ms':>22}")
-    errors: dict[str, list[float]] = {"datasheet": [], "calibrated": []}
+          f"{'err':>6} {'calibrated ms':>13} {'err':>6} {'machine ms':>10} {'err':>6} {'implied mb overhead ms':>22}")
+    errors: dict[str, list[float]] = {"datasheet": [], "calibrated": [], "machine": []}
     implied = []
     for e in plans:
         e["measured_s"] = min(e["measured_rounds_s"])
@@ -184,7 +194,8 @@ def main() -> int:
         print(f"{e['name']:16} {e['world']:>5} {e['microbatches']:>3}x{e['microbatch_size']:<2} {e['core_sharing']:>7.2f} "
               f"{e['measured_s'] * 1e3:>11.1f} {e['predicted_s']['datasheet'] * 1e3:>12.1f} "
               f"{e['error']['datasheet']:>6.1%} {e['predicted_s']['calibrated'] * 1e3:>13.1f} "
-              f"{e['error']['calibrated']:>6.1%} {e['implied_overhead_s'] * 1e3:>22.2f}")
+              f"{e['error']['calibrated']:>6.1%} {e['predicted_s']['machine'] * 1e3:>10.1f} "
+              f"{e['error']['machine']:>6.1%} {e['implied_overhead_s'] * 1e3:>22.2f}")
     summary = {k: {"median": statistics.median(v), "worst": max(v), "n": len(v)} for k, v in errors.items()}
     demo = next((e for e in plans if e["name"].endswith("demo")), None)
     for k, s in summary.items():
@@ -194,7 +205,7 @@ def main() -> int:
     if demo is not None:
         err = _rel(demo["plan_predicted_s"], demo["measured_s"])
         print(f"make demo's plan: predicted {demo['plan_predicted_s'] * 1e3:.1f} ms/step (its own plan.json, "
-              f"datasheet), measured {demo['measured_s'] * 1e3:.1f} ms/step: error {err:.1%} (target <= 25%: "
+              f"this machine's profile), measured {demo['measured_s'] * 1e3:.1f} ms/step: error {err:.1%} (target <= 25%: "
               f"{'met' if err <= 0.25 else 'MISSED'})")
         summary["demo"] = {"predicted_s": demo["plan_predicted_s"], "measured_s": demo["measured_s"], "error": err}
     print(f"implied per-microbatch stage overhead: median {statistics.median(implied) * 1e3:.2f} ms "

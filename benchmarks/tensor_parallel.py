@@ -69,7 +69,7 @@ def compile_plans(root: Path, calibrate_repeats: int) -> tuple[dict, dict, dict]
         for which, profiles in ((0, ()), (1, (profile,))):
             compiled = partitioner.compile(hf_llama(**SPEC), cluster=ClusterSpec.homogeneous(2, "cpu"),
                                            global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES // options.get("dp", 1),
-                                           profiles=profiles, **options)
+                                           profiles=profiles, machine_profile="preset", **options)  # preset vs calibrated
             folder = root / (name.replace(" ", "") + ("-calibrated" if which else ""))
             if which == 0:
                 compiled.save(folder)

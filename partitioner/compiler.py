@@ -5,6 +5,7 @@
 
     traced   = trace the model, random ops keyed          partitioner/analysis.py
     annotate = shapes → flops → memory → regions          partitioner/analysis.py, passes/
+    machine  = this machine's cpu profile, cached (measured the first time): partitioner/calibrate/machine.py
     profile  = (optional) measure regions here and fit the time model (partitioner/calibrate/)
     problem  = the region graph as plain numbers          partitioner/analysis.py
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
@@ -63,6 +64,7 @@ def compile_workload(
     clip_grad_norm: float | None = None,
     shard_optimizer: str | bool = "auto",
     tensor_parallel: int | None = None,
+    machine_profile="auto",
 ) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
@@ -75,7 +77,10 @@ def compile_workload(
     degree (None: the solver weighs every degree the program runs, Note [one enumeration] in
     partitioner/solver/space.py; Note [tensor groups] in
     partitioner/solver/tensor_parallel.py). training["no_weight_decay"]: "default",
-    "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py)."""
+    "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py).
+    ``machine_profile``: how cpu devices are priced (Note [the API measures too] in
+    partitioner/calibrate/machine.py): "auto" (this machine's cached profile, measured once;
+    the preset under PARTITIONER_NO_CALIBRATE=1), "preset", or a calibrate.machine.MachineProfile."""
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
     from partitioner.solver.solve import solve_with_sharding
     from runtime.grad_norm import no_decay_names
@@ -113,6 +118,9 @@ def compile_workload(
         shard = "off"  # the check was asked for: only replicated state lets it see anything
     training["optimizer"] = {**training["optimizer"],
                              "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
+    machine = _machine_step(machine_profile, cluster, progress)  # Note [machine profile]
+    if machine is not None:
+        cluster = machine.profile.cluster_for(cluster)  # Note [what the machine profile replaces]
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
@@ -136,12 +144,22 @@ def compile_workload(
             measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"],
                                      tensor_parallel=weighs_tp)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
+    # Note [machine profile]: its reference fit prices cpu regions under fp32 unless this model's
+    # own profile does; its fixed costs fill in whatever no profile measured
+    machine_regions = (machine is not None and training["precision"] == "fp32"
+                       and not any(p.kind == machine.profile.device_profile().kind for p in profiles))
+    if machine_regions:
+        profiles.append(machine.profile.device_profile())
     # Note [accelerator roofline]: a GPU kind nothing was measured on is priced from published rates
     from partitioner.calibrate.datasheet import datasheet_profiles
 
     profiles += datasheet_profiles(cluster, training["precision"], measured_kinds={p.kind for p in profiles})
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
+    if machine is not None:
+        from partitioner.calibrate.machine import fill_fixed_costs
+
+        problem = fill_fixed_costs(problem, machine.profile)
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, training["precision"])
@@ -184,7 +202,22 @@ def compile_workload(
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training, tp=tp)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
+    if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
+        plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path)
     return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
+
+
+def _machine_step(option, cluster, progress):
+    """The machine profile this compile prices cpu devices with, or None (Note [the API measures too])."""
+    from partitioner.calibrate import machine
+
+    if isinstance(option, str) and option == "auto" and any(d.kind == machine.KIND for d in cluster.devices) \
+            and not machine.calibration_disabled():
+        _progress(progress, "machine: this machine's cpu profile")
+    resolved = machine.resolve(option, cluster, progress)
+    if resolved is not None:
+        _progress(progress, f"machine: {resolved.how} {resolved.path} ({resolved.profile.describe()})")
+    return resolved
 
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training, tp: int = 1) -> Plan:

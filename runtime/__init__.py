@@ -86,7 +86,11 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
                         keeps the lines of the steps before its resume step and rewrites the rest
     summary.json        rank 0, rewritten at the end of every run: steps, "measured_step_time_s" (median
                         of the run's steps after the first), "predicted_step_time_s" (the plan's, or
-                        null), "step_time_ratio" (measured / predicted) (Note [step time summary])
+                        null), "step_time_ratio" (measured / predicted) (Note [step time summary]), "folder"
+                        (the program folder, absolute) and "plan_hash"
+    stage_times_rank_<r>.json          rank r, per stage it holds: forward and backward seconds per
+                                       microbatch, the loss's, the schedule and optimizer phases
+                                       (medians over the steps after the first; runtime/stage_times.py)
     final/rank_<r>.safetensors         rank r's parameters, original names
     final/optim_rank_<r>.safetensors   "<name>.exp_avg", "<name>.exp_avg_sq"; with sharded state (ZeRO-1)
                                        this rank's pieces, "optim_shard/<name>/<key>" as in a checkpoint

@@ -304,13 +304,16 @@ def keep_metrics_before(path: str, start_step: int) -> None:
     os.replace(tmp, path)
 
 
-def step_time_summary(run_dir: str, program: Program, times: list[float], *, start_step: int, steps: int) -> str:
+def step_time_summary(run_dir: str, program: Program, times: list[float], *, start_step: int, steps: int,
+                      folder: str = "") -> str:
     """Write RUN_DIR/summary.json and return the run's closing line (Note [step time summary])."""
     measured = statistics.median(times[1:] if len(times) > 1 else times)
     predicted = program.predicted_step_time_s
     ratio = measured / predicted if predicted else None
     summary = {"first_step": start_step, "steps": steps, "timed_steps": max(len(times) - 1, 1),
-               "measured_step_time_s": measured, "predicted_step_time_s": predicted, "step_time_ratio": ratio}
+               "measured_step_time_s": measured, "predicted_step_time_s": predicted, "step_time_ratio": ratio,
+               # which program ran: `calibrate --from-run` finds its plan.json from any --run-dir
+               "folder": os.path.abspath(folder) if folder else None, "plan_hash": program.plan_hash}
     path = os.path.join(run_dir, "summary.json")
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
@@ -362,7 +365,11 @@ class RankTrainer:
                 loss = self.loss_fn(output, target)
             return loss.float() * self.scaler.scale if self.scaler.enabled else loss
 
-        self.schedule = build_schedule(self.pipe_stages, program, loss_under_policy)
+        from runtime.stage_times import StageTimes
+
+        # Note [stage times]: each stage's forward, backward and loss seconds, for `calibrate --from-run`
+        self.stage_times = StageTimes(self.pipe_stages, self.stage_ids, program.num_microbatches)
+        self.schedule = build_schedule(self.pipe_stages, program, self.stage_times.timed_loss(loss_under_policy))
         self.zero = None
         if program.shard_optimizer and program.dp > 1:  # Note [sharded optimizer state] in runtime/zero.py
             from runtime.zero import ShardedOptimizer
@@ -397,17 +404,22 @@ class RankTrainer:
         specs = program.stages[0].inputs
         for hook in self.randomness_hooks:
             hook.start(step, self.replica * m)
+        self.stage_times.begin_step()
         losses: list[torch.Tensor] = []
         feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []
         tgt = self._replica_rows(target, 0) if self.is_last else None
         from runtime.precision import step_context
 
+        schedule_start = time.perf_counter()
         with step_context(program.precision, self.device.type):  # Note [mixed precision]
             self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
                                return_outputs=False)
+        optimizer_start = time.perf_counter()
         scale_used = self.scaler.scale
         self.finish_gradients_and_step()
+        self.stage_times.end_step(schedule_s=optimizer_start - schedule_start,
+                                  optimizer_s=time.perf_counter() - optimizer_start)
         sync_buffers(list(self.named_mutable_buffers().values()), self.layout, self.rank, self.groups)
         # The step's loss: mean over microbatches and replicas (one all-reduce over the world).
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -484,11 +496,14 @@ class RankTrainer:
                 metrics.close()
             if watch is not None:
                 watch.close()
+        if log and losses:  # every rank: Note [stage times]
+            self.stage_times.write(self.run_dir, rank=self.rank, replica=self.replica)
         if metrics is not None and losses:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{mean:.3f} s/step, {program.global_batch / mean:.1f} samples/s", flush=True)
-            print(step_time_summary(self.run_dir, program, times, start_step=start_step, steps=steps), flush=True)
+            print(step_time_summary(self.run_dir, program, times, start_step=start_step, steps=steps,
+                                    folder=self.folder), flush=True)
         return losses
 
     # --- state, keyed by original parameter names ---------------------------------------------

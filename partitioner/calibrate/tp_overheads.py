@@ -117,8 +117,6 @@ def measure_collectives(*, calls: int = 60, timeout_s: float = 120.0) -> dict | 
     collective (the members drift apart while the scheduler hands the cores around), so the
     slope is ``tp_skew`` (seconds waited per second computed) and the intercept, less the cpu
     link's latency terms the solver adds itself, ``tp_collective_s``."""
-    from partitioner.cluster import DEFAULT_LINKS
-
     with tempfile.TemporaryDirectory(prefix="tp-collective-") as tmp:
         store = os.path.join(tmp, "store")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -138,23 +136,43 @@ def measure_collectives(*, calls: int = 60, timeout_s: float = 120.0) -> dict | 
             return None
     if any(code != 0 for code, _ in outputs):
         return None
-    (c_short, w_short), (c_long, w_long) = json.loads(outputs[0][1].strip().splitlines()[-1])["points"]
+    return fit_collectives(json.loads(outputs[0][1].strip().splitlines()[-1])["points"])
+
+
+def fit_collectives(points, link_latency_s: float | None = None) -> dict:
+    """{"tp_collective_s", "tp_skew"} from ``collective_points``' two (compute s, wait s) points;
+    ``link_latency_s``: the intra-node link's latency the solver will add per collective (default
+    the cpu preset's)."""
+    from partitioner.cluster import DEFAULT_LINKS
+
+    (c_short, w_short), (c_long, w_long) = points
     skew = max(0.0, (w_long - w_short) / (c_long - c_short)) if c_long > c_short else 0.0
-    link_latency = 2 * (2 - 1) * DEFAULT_LINKS["cpu"][0].latency_s
+    latency_s = DEFAULT_LINKS["cpu"][0].latency_s if link_latency_s is None else link_latency_s
+    link_latency = 2 * (2 - 1) * latency_s
     return {"tp_collective_s": max(0.0, w_short - skew * c_short - link_latency), "tp_skew": skew}
 
 
 def _collective_worker(rank: int, store_path: str, calls: int) -> None:
-    """One of the two processes: (compute seconds, median extra seconds of the all-reduce after
-    it) at two amounts of compute, printed as JSON."""
+    """One of the two processes: ``collective_points`` printed as JSON."""
     import datetime
 
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    points = collective_points(calls)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"points": points}))
+
+
+def collective_points(calls: int) -> list[tuple[float, float]]:
+    """(compute seconds, median extra seconds of the all-reduce after it) at two amounts of
+    compute, on the default process group of two ranks (also partitioner/calibrate/machine_worker.py)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
     x, a = torch.ones(_SMALL_ELEMS), torch.randn(64, 64)
 
     def compute(n):
@@ -176,9 +194,7 @@ def _collective_worker(rank: int, store_path: str, calls: int) -> None:
                 alone.append(middle - start)
                 both.append(end - start)
         points.append((statistics.median(alone), statistics.median(both) - statistics.median(alone)))
-    dist.barrier()
-    dist.destroy_process_group()
-    print(json.dumps({"points": points}))
+    return points
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""partitioner compile | inspect | run | verify | export.
+"""partitioner compile | inspect | run | verify | export | calibrate.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
 Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
@@ -25,6 +25,7 @@ EXAMPLES = {
   partitioner compile my_model.py:build -o out --job job.toml --lr 3e-4
   partitioner compile gpt -o out --devices 4 --calibrate --profile-out cpu.profile.json
   partitioner compile gpt:layers=8 -o out8 --devices 4 --profile cpu.profile.json
+  partitioner compile gpt -o out --devices 4 --no-calibrate               # the cpu preset's figures
   partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
     "inspect": """examples:
   partitioner inspect out                     # per-stage table, cut edges, balance, baselines
@@ -41,6 +42,10 @@ EXAMPLES = {
   partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill
   partitioner run out --steps 20 --memory-tier copy --hosts 0,0,1,1 --max-restarts 1 --fail-host 1:5
   partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
+    "calibrate": """examples:
+  partitioner calibrate                          # this machine's cpu profile (measured once, then cached)
+  partitioner calibrate --machine --refresh      # measure it again (after a hardware or load change)
+  partitioner calibrate --from-run out/demo/run  # refit it to what a finished run measured""",
     "verify": """examples:
   partitioner verify out --steps 3""",
     "export": """examples:
@@ -119,6 +124,9 @@ def cmd_compile(args) -> int:
 
     profiles = [DeviceProfile.load(path) for path in args.profile or []]
     calibration = None
+    if args.calibrate and args.no_calibrate:
+        raise ValueError("--calibrate measures this model's regions and --no-calibrate prices with the cpu preset: "
+                         "give one")
     if args.calibrate:
         out = args.profile_out or f"{str(args.output).rstrip('/')}.profile.json"
         calibration = CalibrationConfig(repeats=args.calibrate_repeats, warmup=min(3, args.calibrate_repeats),
@@ -135,6 +143,7 @@ def cmd_compile(args) -> int:
         profiles=profiles, calibrate=calibration,
         precision=args.precision, shard_optimizer=args.shard_optimizer,  # clipping: in training
         tensor_parallel=args.tp,
+        machine_profile="preset" if args.no_calibrate else "auto",  # Note [machine profile]
     )
     say(f"write {args.output}")
     plan.save(args.output)
@@ -377,6 +386,36 @@ def _memory_tier_flags(args, world_size: int) -> list[str]:
     return extra
 
 
+def cmd_calibrate(args) -> int:
+    """This machine's cpu profile: show it (measuring it if absent or with --refresh), or refit
+    it from a finished run (Notes [machine profile], [refit from a run])."""
+    from partitioner.calibrate import machine
+    from partitioner.cli.progress import CompileProgress
+
+    if args.from_run and args.refresh:
+        raise ValueError("--refresh measures the machine again and --from-run refits it to a run: give one "
+                         "(a refit needs the measurement the run's plan was priced by)")
+    say = CompileProgress(prefix="[calibrate] ")
+    if args.from_run:
+        from partitioner.calibrate.refit import refit_from_run
+
+        key = machine.MachineKey.here()
+        profile, why = machine.load_cached(key)
+        if profile is None:
+            raise ValueError(f"no usable machine profile of this machine ({why}): compile without --no-calibrate "
+                             "(it measures one), run the program, then refit from that run")
+        report = refit_from_run(args.from_run, profile)
+        path = machine.save(report.profile)
+        print(report.text())
+        print(f"wrote {path}; the next compile on this machine prices with it")
+        return 0
+    resolved = machine.machine_profile(refresh=args.refresh, progress=say)
+    say.close()
+    print(f"{resolved.how}: {resolved.path}")
+    print(resolved.profile.describe())
+    return 0
+
+
 def cmd_verify(args) -> int:
     from partitioner.verify import verify
 
@@ -443,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0: never; default 20 with dp > 1); its cost is in the predicted step")
     c.add_argument("--calibrate", action="store_true", help="measure every region on this machine, fit the "
                    "time model for its device kind and compile with it (see --profile-out)")
+    c.add_argument("--no-calibrate", action="store_true", help="price cpu devices with the cpu preset's figures, "
+                   "not this machine's cached profile (partitioner calibrate; default: the profile, measured "
+                   "once the first time, a few seconds)")
     c.add_argument("--profile-out", metavar="FILE", help="where --calibrate saves the fitted profile "
                    "(default: OUTPUT.profile.json beside the program folder)")
     c.add_argument("--profile", metavar="FILE", action="append", help="a fitted device profile (JSON from "
@@ -507,6 +549,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-every", type=int, metavar="N", help="with --quiet: the step lines' interval "
                    "(default: about 10 lines per run)")
     r.set_defaults(func=cmd_run)
+
+    k = sub.add_parser("calibrate", help="this machine's cpu profile: measure it, show it, refit it from a run",
+                       epilog=EXAMPLES["calibrate"], formatter_class=fmt,
+                       description="This machine's cpu profile, which prices cpu devices in every compile: "
+                       "measured once (seconds) and cached under $XDG_CACHE_HOME/partitioner (~/.cache).")
+    what = k.add_mutually_exclusive_group()
+    what.add_argument("--machine", action="store_true", help="show the profile, measuring it if none is cached "
+                      "(the default)")
+    what.add_argument("--from-run", metavar="RUN_DIR", help="refit the profile to a finished run (DIR/run, or "
+                      "the program folder DIR): its measured step and per-stage times")
+    k.add_argument("--refresh", action="store_true", help="with --machine: measure again, replacing the cache")
+    k.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("verify", help="train the program and the unpartitioned model side by side, compare",
                        epilog=EXAMPLES["verify"], formatter_class=fmt,

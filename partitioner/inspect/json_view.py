@@ -37,6 +37,8 @@ def inspect_json(plan: Plan) -> dict:
         predicted["sdc_check_s_per_step"] = plan.predicted["sdc_check_s_per_step"]
     if "grad_norm_s_per_step" in plan.predicted:  # Note [global gradient norm]: part of step_time_s
         predicted["grad_norm_s_per_step"] = plan.predicted["grad_norm_s_per_step"]
+    if "cpu_time_model" in plan.predicted:  # Note [machine profile]: what priced the cpu devices
+        predicted["cpu_time_model"] = plan.predicted["cpu_time_model"]
     solver = {k: plan.solver.get(k) for k in ("status", "objective", "bound", "solve_time_s")}
     solver["gap"] = plan.solver.get("gap", 0.0)
     return {

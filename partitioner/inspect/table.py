@@ -36,6 +36,19 @@ def training_line(plan: Plan) -> str:
             f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}")
 
 
+def time_model_text(record: dict) -> str:
+    """plan.json's ``predicted.cpu_time_model`` in words (Note [machine profile] in
+    partitioner/calibrate/machine.py)."""
+    regions = ("regions by the machine's reference fit" if record.get("regions") == "machine"
+               else "regions by the given profile")
+    refits = record.get("refits") or 0
+    overhead = record.get("microbatch_overhead_s")
+    return (f"{record.get('source', 'machine profile')} {record.get('file') or record.get('key')}: {regions}"
+            + (f", {overhead * 1e3:.2f} ms per microbatch" if overhead is not None else "")
+            + (f", refit from {refits} run(s)" if refits else "")
+            + " (partitioner calibrate --machine shows it)")
+
+
 def table(plan: Plan) -> str:
     p = plan.predicted
     lines = [
@@ -89,6 +102,8 @@ def table(plan: Plan) -> str:
     ]
     if solver.get("optimal_over"):
         lines.append(f"optimal over    {solver['optimal_over']}")
+    if p.get("cpu_time_model"):  # absent: the cpu preset, or no cpu device (Note [machine profile])
+        lines.append(f"cpu time model  {time_model_text(p['cpu_time_model'])}")
 
     base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
     for name in ("uniform", "param_balanced"):

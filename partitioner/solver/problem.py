@@ -24,7 +24,8 @@ Note [whole-step terms]
       regions: the schedule's forward and backward actions (Python in
       torch.distributed.pipelining), the loss on the last stage, and the send/receive calls.
       Added to every stage's time per microbatch (so to the bottleneck and to the fill/drain).
-      The preset (``DevicePreset.microbatch_overhead_s``) or a calibrated profile gives it.
+      The preset (``DevicePreset.microbatch_overhead_s``), this machine's profile (Note [machine
+      profile] in partitioner/calibrate/machine.py) or a calibrated profile gives it.
     * ``core_sharing_factor(cluster, placement)`` (Note [core sharing] in cluster.py): a node
       running R ranks on C < R cores gives each rank C/R of a core, so every time term of the
       candidate (compute, communication, overheads, all-reduce) takes R/C times as long; the worst

@@ -1,0 +1,236 @@
+"""`partitioner calibrate --from-run RUN_DIR`: the machine profile refit to what a finished run
+measured (Note [refit from a run]).
+
+Note [refit from a run]
+    A run measures the truth the profile predicts: summary.json's step time and, per stage,
+    the seconds its forward and backward took per microbatch (Note [stage times] in
+    runtime/stage_times.py). The refit reprices the run's own plan (plan.json keeps the priced
+    problem, the assignment and the cluster) and fits two things:
+
+    * the region scales: measured forward (backward) seconds summed over the stages, over
+      what the plan priced for them (times the core-sharing factor, which the measurement
+      includes); the profile's region coefficients are multiplied by them;
+    * the per-microbatch overhead: with the regions rescaled, the seconds per microbatch every
+      stage must pay besides them for ``evaluate`` to give the measured step (linear in it:
+      solved from two evaluations). It absorbs whatever the model leaves out on this machine
+      (the schedule's Python, waits on sends, the optimizer step per microbatch). Where it would
+      be negative (the stages overlapped better than the pipeline formula charges, as when the
+      ranks take turns on shared cores) it is 0 and both region scales shrink by one factor
+      until the step is what was measured.
+
+    Both are relative to the profile that priced the plan, so the plan must have been priced by
+    this machine's profile (plan.json's ``predicted.cpu_time_model``, written by the compile)
+    and the same measurement (a ``--refresh`` since starts over: recompile, run, refit). A plan
+    whose regions a ``--calibrate`` profile priced refits only the overhead. A run without
+    stage times (an older runtime) scales everything by measured / predicted. The newest run
+    wins (this machine as it is now); the profile keeps every refit's figures in ``refits``.
+    Tensor-parallel runs are refused: their collectives are inside the stage times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from partitioner.calibrate.machine import KIND, MachineProfile, Refit
+
+_PROBE_S = 1e-3  # the overhead step of the linear solve
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    profile: MachineProfile        # the refit profile (not yet saved)
+    run_dir: Path
+    folder: Path
+    measured_step_s: float
+    predicted_before_s: float      # the plan's own prediction
+    predicted_after_s: float       # the same plan priced by the refit profile
+    forward_scale: float           # this run's factors, of the plan's pricing
+    backward_scale: float
+    microbatch_overhead_before_s: float
+    microbatch_overhead_after_s: float
+    stage_times: bool              # per-stage times were there (else one factor for all)
+
+    def text(self) -> str:
+        how = ("regions x{:.2f} forward, x{:.2f} backward (per-stage times)".format(self.forward_scale,
+                                                                                   self.backward_scale)
+               if self.stage_times else f"everything x{self.forward_scale:.2f} (no per-stage times in the run)")
+        return "\n".join([
+            f"refit from {self.run_dir} (program {self.folder}):",
+            f"  measured   {self.measured_step_s * 1e3:.1f} ms/step",
+            f"  predicted  {self.predicted_before_s * 1e3:.1f} ms/step before "
+            f"({self.predicted_before_s / self.measured_step_s:.2f}x measured), "
+            f"{self.predicted_after_s * 1e3:.1f} ms/step after "
+            f"({self.predicted_after_s / self.measured_step_s:.2f}x)",
+            f"  fitted     {how}; per-microbatch overhead {self.microbatch_overhead_before_s * 1e3:.2f} -> "
+            f"{self.microbatch_overhead_after_s * 1e3:.2f} ms",
+        ])
+
+
+def _run_paths(path: str | Path) -> tuple[Path, dict]:
+    """(the run folder, its summary.json) of RUN_DIR, or of a program folder's DIR/run."""
+    path = Path(path)
+    if (path / "plan.json").is_file() and not (path / "summary.json").is_file():
+        path = path / "run"
+    summary_path = path / "summary.json"
+    if not summary_path.is_file():
+        raise ValueError(f"--from-run {path}: no summary.json there; pass the folder `partitioner run` wrote "
+                         "(DIR/run, or its --run-dir) after a run finished")
+    try:
+        summary = json.loads(summary_path.read_text())
+        float(summary["measured_step_time_s"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{summary_path} is not a run summary ({type(exc).__name__}: {exc}): run the program "
+                         "again with `partitioner run`") from None
+    return path, summary
+
+
+def _stage_times(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """stage -> (forward, backward) measured seconds per microbatch, averaged over its replicas."""
+    from runtime.stage_times import FORMAT
+
+    seen: dict[int, list[tuple[float, float]]] = {}
+    for path in sorted(run_dir.glob("stage_times_rank_*.json")):
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            continue
+        for entry in body.get("stages", ()):
+            seen.setdefault(int(entry["stage"]), []).append(
+                (float(entry["forward_s_per_microbatch"]), float(entry["backward_s_per_microbatch"])))
+    return {s: (statistics.mean(f for f, _ in v), statistics.mean(b for _, b in v)) for s, v in seen.items()}
+
+
+def _scaled_problem(problem, forward: float, backward: float, overhead_s: float | None):
+    """The cpu kind's region seconds times the factors, and its per-microbatch overhead."""
+    def times(mapping, factor):
+        if not mapping or mapping.get(KIND) is None:
+            return mapping
+        return {**mapping, KIND: mapping[KIND] * factor}
+
+    regions = tuple(dataclasses.replace(
+        r, fwd_s_per_sample_by_kind=times(r.fwd_s_per_sample_by_kind, forward),
+        fwd_s_per_microbatch_by_kind=times(r.fwd_s_per_microbatch_by_kind, forward),
+        bwd_s_per_sample_by_kind=times(r.bwd_s_per_sample_by_kind, backward),
+        bwd_s_per_microbatch_by_kind=times(r.bwd_s_per_microbatch_by_kind, backward)) for r in problem.regions)
+    changes = {"regions": regions}
+    if overhead_s is not None:
+        changes["microbatch_overhead_s_by_kind"] = {**(problem.microbatch_overhead_s_by_kind or {}), KIND: overhead_s}
+    return dataclasses.replace(problem, **changes)
+
+
+def _predicted_step_s(plan, problem, cluster, assignment) -> float:
+    """The plan's step as compile priced it (make_plan in partitioner/compiler.py)."""
+    from partitioner.solver.evaluate import evaluate
+    from partitioner.solver.grad_norm_cost import computes_global_norm
+    from partitioner.solver.zero_choice import allgather_s
+
+    training = plan.training or {}
+    cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0),
+                    global_norm=computes_global_norm(training))
+    extra = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
+    return cost.step_time_s + extra
+
+
+def _stage_compute_s(problem, cluster, assignment) -> list[tuple[float, float]]:
+    """Per stage, the (forward, backward) region seconds of one microbatch the plan priced (a
+    recomputed region's rerun in the backward, where the runtime runs it)."""
+    from partitioner.solver.problem import region_times_s
+    from partitioner.solver.recompute_cost import recompute_s
+
+    b = assignment.microbatch_size
+    out = []
+    for s in range(assignment.num_stages):
+        device = cluster.devices[assignment.device_of_stage_replica[s][0]]
+        fwd = bwd = 0.0
+        for r, region in enumerate(problem.regions):
+            if assignment.stage_of_region[r] != s:
+                continue
+            f, bb = region_times_s(region, device, b)
+            fwd += f
+            bwd += bb + (recompute_s(problem, region, device, b) if assignment.recompute[r] else 0.0)
+        out.append((fwd, bwd))
+    return out
+
+
+def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
+    """The machine profile refit to a finished run (Note [refit from a run])."""
+    from partitioner.cluster import ClusterSpec
+    from partitioner.inspect.explain import load_priced
+    from partitioner.plan import Plan
+    from partitioner.solver.problem import core_sharing_factor
+
+    run_dir, summary = _run_paths(run)
+    folder = Path(summary.get("folder") or run_dir.parent)
+    if not (folder / "plan.json").is_file():
+        raise ValueError(f"{run_dir}/summary.json names program folder {folder}, which has no plan.json: pass a "
+                         "run of a program folder that still exists")
+    plan = Plan.load(folder)
+    if summary.get("plan_hash") not in (None, plan.content_hash()):
+        raise ValueError(f"{run_dir} ran plan {summary['plan_hash']}, but {folder} now holds plan "
+                         f"{plan.content_hash()}: run the program again, then refit")
+    if plan.tensor_parallel > 1:
+        raise ValueError(f"{folder} is tensor-parallel (tp {plan.tensor_parallel}): its collectives are inside the "
+                         "stage times; refit from a run of a tp 1 plan")
+    record = plan.predicted.get("cpu_time_model")
+    if not record:
+        raise ValueError(f"{folder} was priced by the cpu preset (compiled with --no-calibrate or "
+                         "PARTITIONER_NO_CALIBRATE), not by this machine's profile: compile it again without "
+                         "--no-calibrate, run it, then refit")
+    if record.get("measurement_id") != profile.measurement_id:
+        raise ValueError(f"{folder} was priced by machine measurement {record.get('measurement_id')}, but the "
+                         f"cached profile is measurement {profile.measurement_id} (measured again since): compile "
+                         "it again, run it, then refit")
+    problem, assignment = load_priced(folder)
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    measured = float(summary["measured_step_time_s"])
+    before = float(plan.predicted["step_time_s"])
+    core = core_sharing_factor(cluster, assignment.device_of_stage_replica)
+    overhead_before = float((problem.microbatch_overhead_s_by_kind or {}).get(KIND) or 0.0)
+    stages = _stage_times(run_dir)
+    priced = _stage_compute_s(problem, cluster, assignment)
+    if stages and set(stages) == set(range(assignment.num_stages)):
+        fwd_priced = sum(f for f, _ in priced) * core
+        bwd_priced = sum(b for _, b in priced) * core
+        forward = sum(f for f, _ in stages.values()) / fwd_priced if fwd_priced > 0 else 1.0
+        backward = sum(b for _, b in stages.values()) / bwd_priced if bwd_priced > 0 else 1.0
+        scaled = _scaled_problem(problem, forward, backward, 0.0)
+        at_zero = _predicted_step_s(plan, scaled, cluster, assignment)
+        at_probe = _predicted_step_s(plan, _scaled_problem(problem, forward, backward, _PROBE_S), cluster, assignment)
+        per_s = (at_probe - at_zero) / _PROBE_S
+        overhead = (measured - at_zero) / per_s if per_s > 0 else overhead_before
+        if overhead < 0:  # the stages' own times price more than the step took: they overlapped better
+            overhead = 0.0  # than the pipeline formula says; scale the regions down to the step instead
+            half = _predicted_step_s(plan, _scaled_problem(problem, forward / 2, backward / 2, 0.0), cluster,
+                                     assignment)
+            slope = 2 * (at_zero - half)  # step = fixed + slope * k for region scale k (sends stay)
+            k = (measured - (at_zero - slope)) / slope if slope > 0 else 1.0
+            forward, backward = forward * k, backward * k
+        with_stage_times = True
+    else:  # Note [refit from a run]: one factor for all
+        forward = backward = measured / before if before > 0 else 1.0
+        overhead = overhead_before * forward
+        with_stage_times = False
+    regions_refit = record.get("regions") == "machine"
+    # what this plan is priced at now: a --calibrate profile's regions stay as they were
+    after = _predicted_step_s(plan, _scaled_problem(problem, *((forward, backward) if regions_refit else (1.0, 1.0)),
+                                                    overhead), cluster, assignment)
+    base_forward = float(record.get("forward_scale", 1.0))
+    base_backward = float(record.get("backward_scale", 1.0))
+    new_forward = base_forward * forward if regions_refit else profile.forward_scale
+    new_backward = base_backward * backward if regions_refit else profile.backward_scale
+    refit = Refit(run_dir=str(run_dir.resolve()), plan_hash=plan.content_hash(), measured_step_s=measured,
+                  predicted_before_s=before, predicted_after_s=after, forward_scale=new_forward,
+                  backward_scale=new_backward, microbatch_overhead_s=overhead, time_unix=time.time())
+    new = dataclasses.replace(profile, forward_scale=new_forward, backward_scale=new_backward,
+                              microbatch_overhead_s=overhead, refits=profile.refits + (refit,))
+    return RefitReport(profile=new, run_dir=run_dir, folder=folder, measured_step_s=measured,
+                       predicted_before_s=before, predicted_after_s=after, forward_scale=forward,
+                       backward_scale=backward, microbatch_overhead_before_s=overhead_before,
+                       microbatch_overhead_after_s=overhead, stage_times=with_stage_times)
