@@ -24,7 +24,8 @@ from partitioner.codegen import write_program
 from partitioner.plan import Plan
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
-from partitioner.user_source import UserSources, derive_sources
+from partitioner.codegen.stage_code import custom_ops
+from partitioner.user_source import UserSources, check_imports, derive_sources, op_sources
 from partitioner.workload import Workload
 from runtime.program import Program
 
@@ -196,10 +197,16 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     sources = compiled.sources
     if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
         sources = derive_sources(workload)  # the error naming what is missing
+    # Note [custom ops travel]: the module each op's stage file imports; a file of the user's
+    # travels with its local imports (Note [local modules travel] in partitioner/user_source.py).
+    sources = op_sources(custom_ops(*(graph for s in stages for graph in (s.gm.graph, *(r.graph for r in s.checkpointed)))),
+                         sources, workload.name)
     program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources)
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.
     state = lifted_state if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
     return write_program(folder, plan=plan, stages=stages, program=program.to_dict(), state=state,
-                         problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files)
+                         problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files,
+                         op_imports=sources.op_imports,
+                         check_user_files=lambda tmp: check_imports(tmp, sources, final=folder, workload_name=workload.name))
