@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import sys
 import time
 
@@ -263,3 +264,72 @@ def test_the_oracle_calls_the_users_module_by_keyword():
     assert by_name[0] == by_position[0]
     with pytest.raises(RuntimeError, match="indices"):  # fed by position in that order, the user's module would get them swapped
         train_reference(model, _keyword_batch, data.mse_loss, opt, 4, 2, 1, keywords=keywords)
+
+
+# Note [constant inputs] in runtime/data.py: inputs that hold no tensor are baked in by the trace.
+
+def test_batch_inputs_checks_and_drops_constant_inputs():
+    from runtime.errors import InputMismatchError
+
+    x = torch.zeros(2, 3)
+    assert batch_inputs({"x": x, "pool": "first"}, ("x",), [["pool", "first"]]) == (x,)
+    assert batch_inputs((x, (1, 2), None), (), [[1, [1, 2]], [2, None]]) == (x,)  # a tuple is its list
+    with pytest.raises(InputMismatchError, match=r"returned pool='mean' at step 3, but the program was specialised "
+                                                 r"to pool='first'.*recompile"):
+        batch_inputs({"x": x, "pool": "mean"}, ("x",), [["pool", "first"]], step=3)
+    with pytest.raises(InputMismatchError, match=r"input 1=1 at step 0.*input 1=True"):
+        batch_inputs((x, 1), (), [[1, True]], step=0)  # True is no 1: the graph may differ
+    with pytest.raises(InputMismatchError, match=r"missing \['pool'\]"):
+        batch_inputs({"x": x}, ("x",), [["pool", "first"]])
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x, scale, act="tanh"):
+        h = self.fc(x) * scale
+        return torch.tanh(h) if act == "tanh" else torch.relu(h)
+
+
+def _scaled_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(batch_size, 4, generator=g), 0.5), torch.randn(batch_size, 2, generator=g)
+
+
+def test_a_positional_constant_input_is_baked_in_and_the_program_trains_as_the_users_module(tmp_path):
+    """forward(x, 0.5): the stage takes x alone; the stage chain (the program's own files) trains
+    exactly as the user's module called with 0.5 in place."""
+    import partitioner
+    from runtime.reference import train_reference, train_reference_from_folder
+
+    torch.manual_seed(0)
+    workload = _workload(model=_Scaled(), example_args=_scaled_batch(0, 2)[0], make_batch=_scaled_batch)
+    assert workload.constants == [[1, 0.5]] and workload.keywords == ()
+    compiled = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(1, "cpu"), global_batch=4)
+    compiled.save(tmp_path / "prog")
+    program = json.loads((tmp_path / "prog" / "plan.json").read_text())["program"]
+    assert program["data"]["constants"] == [[1, 0.5]] and len(program["stages"][0]["inputs"]) == 1
+    chain, _, _ = train_reference_from_folder(str(tmp_path / "prog"), 2)
+    opt = program["optimizer"]
+    users, _, _ = train_reference(workload.model, _scaled_batch, data.mse_loss, opt, 4, 1, 2,
+                                  call_with_keywords=True, constants=[[1, 0.5]])
+    assert chain == users
+
+
+def test_a_constant_input_that_is_no_plain_value_is_refused_before_the_trace():
+    with pytest.raises(ValueError, match=r"the keyword input 'act' is Linear .*not a tensor.*attribute of the model"
+                                         r".*functools.partial"):
+        _workload(model=_Scaled(), example_args=(), example_kwargs={"x": torch.zeros(2, 4), "scale": 1.0,
+                                                                    "act": torch.nn.Linear(1, 1)})
+
+
+def test_make_batch_and_the_example_must_agree_on_a_constant_input():
+    def other(step, batch_size):
+        return (torch.zeros(batch_size, 4), 0.25), torch.zeros(batch_size, 2)
+
+    workload = _workload(model=_Scaled(), example_args=(torch.zeros(2, 4), 0.5), make_batch=other)
+    with pytest.raises(ValueError, match=r"make_batch\(0, 4\) returns input 1=0.25 but the example inputs have "
+                                         r"input 1=0.5"):
+        workload.example_args_at(4)
