@@ -399,8 +399,14 @@ def _user_frame(exc: BaseException, root: str) -> str:
 def _forget_local_modules(root: str) -> None:
     """Drop from sys.modules what an earlier load imported from a folder under a name ``root``
     has too (another model's my_blocks), so this model file imports its own modules afresh."""
+    try:  # the top-level names the root offers: its .py files, binaries and folders
+        local = {entry.split(".")[0] for entry in os.listdir(root)}
+    except OSError:
+        return
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
+        if top not in local:
+            continue
         where = _location(module)
         if not where or not _locate(root, [top])[0]:
             continue

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.data import constant_inputs, holds_tensor
+from runtime.data import constant_inputs, holds_tensor, same_constant
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Workload:
         bakes make_batch's, the program checks every batch against them."""
         got = dict((k, v) for k, v in constant_inputs(args, kwargs))
         for key, value in self.constants:
-            if key in got and json.dumps(got[key], sort_keys=True, default=repr) != json.dumps(value, sort_keys=True):
+            if key in got and not same_constant(got[key], value):
                 name = key if isinstance(key, str) else f"input {key}"
                 raise ValueError(f"workload {self.name!r}: make_batch(0, {microbatch_size}) returns {name}={got[key]!r} "
                                  f"but the example inputs have {name}={value!r}: the trace bakes a non-tensor input "

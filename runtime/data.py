@@ -86,8 +86,13 @@ def _canonical(value) -> str | None:
         return None
 
 
+def same_constant(got, expected) -> bool:
+    """Is ``got`` the constant input ``expected`` (a plain JSON value), as the graph baked it?"""
+    return _canonical(got) is not None and _canonical(got) == _canonical(expected)
+
+
 def _check_constant(got, expected, name: str, step: int | None) -> None:
-    if _canonical(got) is not None and _canonical(got) == _canonical(expected):
+    if same_constant(got, expected):
         return
     at = f" at step {step}" if step is not None else ""
     raise InputMismatchError(

@@ -20,7 +20,8 @@ USER_DIR = "user"  # the program folder's copy of the user's files (Note [user c
 # `from my_blocks import Block` inside the copied model file finds the copied sibling, a stage
 # file's `import my_model` (Note [custom ops travel]) and make_batch's "user/my_model.py" are one
 # module executed once (a custom op registered once), and nothing installed is ever shadowed
-# (appended, not prepended: the compiler refuses a user module whose name an installed one has).
+# (appended, not prepended: the compiler refuses a sibling or a custom op's file whose name an
+# installed module has; a make_batch file named like one is imported by path, ``_user_module``).
 # One root at a time: a process that runs several folders one after another (runtime/run_many.py,
 # verify in the compiler's process) leaves the previous root first, dropping the modules imported
 # from it, so two programs whose files share a name (two my_model.py) never see each other's.
