@@ -3,8 +3,9 @@ a model file that imports its sibling modules (and a package of the same folder)
 that defines a torch.library custom op with its own backward, each compiled with the `partitioner`
 command in the user's folder, trained 2 steps on 2 ranks in the session's shared launch (Note
 [shared launches] in tests/_shared_launch.py) and verified against the one-process oracle. Both
-model files are called my_model.py: the two programs train one after the other in the same workers,
-each with its own copy. What cannot travel is refused at compile time in one line with the fix.
+model files are called my_model.py, with a sibling my_blocks.py each: the two programs train one after
+the other in the same workers, each importing its own copies (Note [one user root] in
+runtime/user_code.py). What cannot travel is refused at compile time in one line with the fix.
 
 The model files are tests/own_model/siblings/ and tests/own_model/custom_op/, copied into temporary
 folders that are no package and not on sys.path, as a user's would be.
@@ -24,14 +25,16 @@ from _shared_launch import Job, prepare
 from partitioner.verify import check_run
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
-# The command a user types (its sys.path holds neither the current directory nor the model's folder).
-PARTITIONER = str(Path(sys.executable).with_name("partitioner"))
+# The command a user types (its sys.path holds neither the current directory nor the model's folder);
+# where this interpreter has no console script, the same entry point without the current directory.
+PARTITIONER = ([str(Path(sys.executable).with_name("partitioner"))] if Path(sys.executable).with_name("partitioner").is_file()
+               else [sys.executable, "-P", "-m", "partitioner"])
 COPIED = {"siblings": ["user/my_model.py", "user/my_blocks.py", "user/layers/__init__.py", "user/layers/mix.py"],
-          "custom_op": ["user/my_model.py"]}
+          "custom_op": ["user/my_model.py", "user/my_blocks.py"]}
 
 
 def compile_cli(cwd: Path, *args, check: bool = True, module: bool = False) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "partitioner"] if module else [PARTITIONER]
+    command = [sys.executable, "-m", "partitioner"] if module else PARTITIONER
     done = subprocess.run(command + ["compile", *map(str, args), "--devices", "2", "--stages", "2",
                                      "--global-batch", "8", "-q"],
                           cwd=cwd, capture_output=True, text=True, timeout=600)

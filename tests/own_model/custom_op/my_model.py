@@ -1,10 +1,13 @@
 """A model whose file defines a torch.library custom op with its own backward: straight-through
 rounding (the forward rounds, the backward passes the gradient on unchanged; autograd's gradient
-of round would be zero). The file is named like siblings/my_model.py on purpose: two programs
-whose user files share a name train one after the other in the same workers (tests)."""
+of round would be zero). The file and its sibling are named like siblings/my_model.py and
+siblings/my_blocks.py on purpose: two programs whose user files share names train one after the
+other in the same workers (tests), each importing its own."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from my_blocks import WIDTH
 
 from partitioner import Workload
 
@@ -27,7 +30,7 @@ round_ste.register_autograd(_backward)
 
 
 class Quantised(nn.Module):
-    def __init__(self, features=8, width=16, outputs=4):
+    def __init__(self, features=8, width=WIDTH, outputs=4):
         super().__init__()
         self.inp = nn.Linear(features, width)
         self.mid = nn.Linear(width, width)
