@@ -24,19 +24,23 @@ from partitioner.codegen import write_program
 from partitioner.plan import Plan
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
-from partitioner.user_source import UserSources, derive_sources
+from partitioner.codegen.stage_code import custom_ops
+from partitioner.user_source import UserSources, check_imports, derive_sources, op_sources
 from partitioner.workload import Workload
+from runtime.data import constant_inputs
 from runtime.program import Program
 
 if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
     from partitioner.compiled import Compiled
 
 def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: dict | None = None,
-                 sources: UserSources | None = None) -> Program:
+                 sources: UserSources | None = None, constants: list | None = None) -> Program:
     """The program the runtime runs (runtime.program.Program, validated here, at compile time);
     plan.json holds its ``to_dict()``. ``keyed_ops``: the random ops keyed by meaning;
     ``init``: the init recipes of a model compiled on the meta device; ``sources``: where the ranks
-    find make_batch and loss_fn (default: derived from the workload, Note [user code travels])."""
+    find make_batch and loss_fn (default: derived from the workload, Note [user code travels]);
+    ``constants``: the inputs the lowered graph was traced with that hold no tensor (default: the
+    workload's example's; Note [constant inputs] in runtime/data.py)."""
     def values(vs):
         # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
         # positions) is the same for every sample: it crosses whole, never split by batch.
@@ -45,6 +49,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
 
     sources = sources or derive_sources(workload)
     keywords = list(workload.keywords)
+    constants = workload.constants if constants is None else constants
     if keywords:  # Note [keyword inputs] in runtime/data.py: the dict's keys in stage 0's order
         names = [v.name for v in stages[0].inputs]
         if names[len(names) - len(keywords):] != keywords:
@@ -68,7 +73,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
                    for s in stages],
         "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
         "data": {"make_batch": list(sources.specs["make_batch"]), "loss_fn": list(sources.specs["loss_fn"]),
-                 **({"keywords": keywords} if keywords else {})},
+                 **({"keywords": keywords} if keywords else {}),
+                 **({"constants": constants} if constants else {})},
         "optimizer": plan.training["optimizer"],
         "seed": plan.training["seed"],
         "collective_timeout_s": plan.training["collective_timeout_s"],
@@ -196,10 +202,17 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     sources = compiled.sources
     if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
         sources = derive_sources(workload)  # the error naming what is missing
-    program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources)
+    # Note [custom ops travel]: the module each op's stage file imports; a file of the user's
+    # travels with its local imports (Note [local modules travel] in partitioner/user_source.py).
+    sources = op_sources(custom_ops(*(graph for s in stages for graph in (s.gm.graph, *(r.graph for r in s.checkpointed)))),
+                         sources, workload.name)
+    program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources,
+                           constants=constant_inputs(traced.example_args, traced.example_kwargs))
     # The traced module holds every tensor a stage reads: parameters, buffers (persistent or
     # not) and constants export lifted, under the names the stage files use.
     state = lifted_state if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
     return write_program(folder, plan=plan, stages=stages, program=program.to_dict(), state=state,
-                         problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files)
+                         problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files,
+                         op_imports=sources.op_imports,
+                         check_user_files=lambda tmp: check_imports(tmp, sources, final=folder, workload_name=workload.name))

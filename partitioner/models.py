@@ -9,13 +9,13 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import importlib.util
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from partitioner.user_source import load_model_file
 from partitioner.workload import Workload
 from runtime import data
 
@@ -345,9 +345,7 @@ def load_workload(spec: str, *, pretrained: str | None = None) -> Workload:
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"MODEL {spec!r}: file {name} does not exist")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = load_model_file(path, spec)  # as `python my_model.py` runs it (Note [local modules travel])
     else:
         try:
             module = importlib.import_module(name)

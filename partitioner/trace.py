@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from partitioner.errors import TraceError
+from runtime.data import holds_tensor
 
 
 @dataclass
@@ -68,13 +69,18 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _clean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop export's input-guard call: it checks shapes of one example, not of every microbatch."""
+    """Drop export's input-guard call: it checks shapes of one example, not of every microbatch;
+    and the inputs that hold no tensor, whose values export baked into the graph and only that
+    guard read (Note [constant inputs] in runtime/data.py: the program checks them per batch)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     gm.graph.eliminate_dead_code()
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and not node.users and not holds_tensor(node.meta.get("val")):
+            gm.graph.erase_node(node)
     gm.recompile()
     return gm
 
@@ -163,8 +169,8 @@ def _refuse_autograd_functions(model: torch.nn.Module, seen: dict) -> None:
         fix = ("remove the module's backward hook (register_full_backward_hook / register_full_backward_pre_hook): "
                "the program runs the traced graph, which calls no hooks")
     else:
-        fix = ("rewrite it as a torch.library.custom_op with register_autograd in an importable module "
-               "(Note [custom ops travel]), or remove it")
+        fix = ("rewrite it as a torch.library.custom_op with register_autograd, in the model file or a module "
+               "(the files travel with the program: Note [custom ops travel]), or remove it")
     raise TraceError(
         f"{type(model).__name__} uses the custom autograd Function {name}"
         + (f" at {where}" if where else "") + others

@@ -176,6 +176,7 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
         model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
         program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
         replicas=program.dp, keywords=data.keywords, call_with_keywords=oracle == "original model",
+        constants=data.constants,
         precision=program.precision, clip_grad_norm=program.clip_grad_norm, grad_norms=grad_norms)
     return losses, state, oracle
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from runtime.data import constant_inputs, holds_tensor, same_constant
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,40 @@ class Workload:
         if self.example_args and self.example_kwargs:
             raise ValueError("Workload has both example_args and example_kwargs: give the forward's "
                              "inputs one way, a tuple (positional) or a dict (keyword inputs), as make_batch returns them")
+        for key, value in self.constants:  # Note [constant inputs] in runtime/data.py: refused before the trace
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                what = f"the keyword input {key!r}" if isinstance(key, str) else f"positional input {key}"
+                raise ValueError(
+                    f"workload {self.name!r}: {what} is {type(value).__name__} {value!r}, not a tensor: the trace "
+                    "bakes such a value into the graph, and the program must check that make_batch keeps giving it, "
+                    "which it can only for plain values (str, int, float, bool, None, lists and dicts of them): make "
+                    f"it an attribute of the model that forward reads, or bind it with functools.partial, and drop it "
+                    "from the inputs") from None
 
     @property
     def keywords(self) -> tuple[str, ...]:
-        """The keyword inputs, in the order the trace makes them stage 0's inputs."""
-        return tuple(self.example_kwargs)
+        """The keyword inputs that are tensors, in the order the trace makes them stage 0's inputs
+        (the others are constants: Note [constant inputs] in runtime/data.py)."""
+        return tuple(k for k, v in self.example_kwargs.items() if holds_tensor(v))
+
+    @property
+    def constants(self) -> list[list]:
+        """[[position or keyword, value]] of the example inputs that hold no tensor: baked into the
+        graph by the trace (Note [constant inputs] in runtime/data.py)."""
+        return constant_inputs(self.example_args, self.example_kwargs)
+
+    def _same_constants(self, args, kwargs, microbatch_size: int) -> None:
+        """make_batch's constant inputs must be the example's: the retrace at the microbatch size
+        bakes make_batch's, the program checks every batch against them."""
+        got = dict((k, v) for k, v in constant_inputs(args, kwargs))
+        for key, value in self.constants:
+            if key in got and not same_constant(got[key], value):
+                name = key if isinstance(key, str) else f"input {key}"
+                raise ValueError(f"workload {self.name!r}: make_batch(0, {microbatch_size}) returns {name}={got[key]!r} "
+                                 f"but the example inputs have {name}={value!r}: the trace bakes a non-tensor input "
+                                 "into the graph (Note [constant inputs] in runtime/data.py); give both the same value")
 
     @property
     def example_batch_size(self) -> int:
@@ -82,6 +114,7 @@ class Workload:
             raise ValueError(f"workload {self.name!r}: make_batch returns a dict of keyword inputs "
                              f"{sorted(args)} but example_args is a tuple: give the example as "
                              "example_kwargs={...} with example_args=()")
+        self._same_constants(tuple(args), {}, microbatch_size)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -95,5 +128,6 @@ class Workload:
             got = sorted(args) if isinstance(args, dict) else type(args).__name__
             raise ValueError(f"workload {self.name!r}: make_batch returns inputs {got} but example_kwargs has "
                              f"{sorted(self.example_kwargs)}: return a dict with the same keys")
+        self._same_constants((), args, microbatch_size)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         return {k: (args[k].to(device) if isinstance(args[k], torch.Tensor) else args[k]) for k in self.example_kwargs}

@@ -1,6 +1,6 @@
 """Errors the runtime raises; partitioner.errors re-exports them (runtime never imports partitioner).
 
-Both derive from ValueError: they are the user's to fix (a folder edited by hand, a bad
+All derive from ValueError: they are the user's to fix (a folder edited by hand, a bad
 checkpoint), and the CLI prints them as one line and exits non-zero.
 """
 
@@ -11,3 +11,8 @@ class PlanMismatchError(ValueError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint shard is missing, truncated or fails its checksum."""
+
+
+class InputMismatchError(ValueError):
+    """make_batch returned inputs the program was not compiled for (Notes [keyword inputs] and
+    [constant inputs] in runtime/data.py)."""

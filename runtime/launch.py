@@ -22,6 +22,7 @@ import sys
 import traceback
 from datetime import timedelta
 
+from runtime.errors import InputMismatchError
 from runtime.program import Program, load_program
 from runtime.torchrun import command_text, free_port
 
@@ -225,7 +226,9 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         elif peer_lost(exc):  # Note [a dead peer]: one line, not a gloo traceback per survivor
             print(peer_lost_line(who, exc), file=sys.stderr, flush=True)
         else:
-            if not isinstance(exc, LaunchError):  # a launch mistake needs its message, not a traceback
+            # a launch mistake, or a batch the program was not compiled for (Note [constant inputs] in
+            # runtime/data.py), needs its message, not a traceback
+            if not isinstance(exc, (LaunchError, InputMismatchError)):
                 traceback.print_exc()
             print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -184,6 +184,9 @@ class DataSpec:
     # make_batch's inputs are a dict of the forward's keyword inputs: their names, in the order of
     # stage 0's inputs (Note [keyword inputs] in runtime/data.py). Empty: inputs are a tuple.
     keywords: tuple[str, ...] = ()
+    # The inputs that hold no tensor, by keyword or position, with the values the trace baked into
+    # the graph: checked against every batch and dropped (Note [constant inputs] in runtime/data.py).
+    constants: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "make_batch", callable_spec(self.make_batch, "data.make_batch"))
@@ -191,6 +194,10 @@ class DataSpec:
         object.__setattr__(self, "keywords", tuple(self.keywords))
         if not all(isinstance(k, str) for k in self.keywords):
             raise ValueError(f"data.keywords must be a list of input names, got {list(self.keywords)}")
+        if not all(isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[0], (str, int))
+                   and not isinstance(c[0], bool) for c in self.constants):
+            raise ValueError(f"data.constants must be a list of [keyword or position, value], got {self.constants!r}")
+        object.__setattr__(self, "constants", tuple((c[0], c[1]) for c in self.constants))
 
     @staticmethod
     def from_dict(data: dict, where: str = "data") -> "DataSpec":
@@ -200,6 +207,8 @@ class DataSpec:
         out = {"make_batch": jsonable(self.make_batch), "loss_fn": jsonable(self.loss_fn)}
         if self.keywords:  # written only when set, so a positional program's object is unchanged
             out["keywords"] = list(self.keywords)
+        if self.constants:
+            out["constants"] = [[k, v] for k, v in self.constants]
         return out
 
 

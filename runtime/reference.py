@@ -22,7 +22,7 @@ import math
 
 from runtime import grad_norm as gn
 from runtime import randomness
-from runtime.data import batch_inputs
+from runtime.data import batch_inputs, with_constants
 from runtime.precision import LossScaler, autocast, clip_coefficient, wrap_forward
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
 
@@ -57,7 +57,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
                     loss_fn: Callable, optimizer_cfg: dict, global_batch: int,
                     num_microbatches: int, steps: int, seed: int = 0, *,
                     batch_dims: Sequence[int] | None = None, replicas: int = 1,
-                    keywords: Sequence[str] = (), call_with_keywords: bool = False,
+                    keywords: Sequence[str] = (), call_with_keywords: bool = False, constants: Sequence = (),
                     precision: str = "fp32", clip_grad_norm: float | None = None,
                     grad_norms: list | None = None, skipped: list | None = None):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
@@ -70,6 +70,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     keywords: the program's keyword inputs (Note [keyword inputs] in runtime/data.py): a dict
         batch is flattened in this order; ``call_with_keywords`` passes them back by name to a
         ``model`` that is the user's module (a traced graph and the stages take them by position).
+    constants: the program's constant inputs (Note [constant inputs] in runtime/data.py): checked in
+        every batch and dropped; given back in place to the user's module (``call_with_keywords``).
     replicas: the data-parallel degree whose buffer handling to reproduce: the microbatches are
         cut into ``replicas`` consecutive groups and buffers end each step as the first group
         left them (Note [buffers across replicas]).
@@ -93,13 +95,13 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         model = copy.deepcopy(model)
         modules = [model]
 
-        by_name = len(keywords) if call_with_keywords else 0
+        users_module = call_with_keywords and (keywords or constants)
 
         def forward(step, mb, seed, *args):
             torch.manual_seed(microbatch_seed(seed, step, 0, mb))
-            if by_name:
-                positional = len(args) - by_name
-                return model(*args[:positional], **dict(zip(keywords, args[positional:])))
+            if users_module:
+                positional, named = with_constants(args, keywords, constants)
+                return model(*positional, **named)
             return model(*args)
     else:
         modules = list(copy.deepcopy(list(model)))
@@ -126,7 +128,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     losses = []
     for step in range(steps):
         args, target = make_batch(step, global_batch)
-        args = batch_inputs(args, keywords)
+        args = batch_inputs(args, keywords, constants, step=step)
         dims = list(batch_dims) if batch_dims is not None else [0] * len(args)
         arg_chunks = [torch.tensor_split(a, num_microbatches, dim=d) for a, d in zip(args, dims)]
         target_chunks = torch.tensor_split(target, num_microbatches, dim=0)
@@ -190,6 +192,7 @@ def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: in
         program.optimizer, program.global_batch,
         num_microbatches or program.dp * program.num_microbatches, steps, program.seed,
         batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs], keywords=data.keywords,
+        constants=data.constants,
         replicas=program.dp if num_microbatches is None else 1,
         precision=program.precision, clip_grad_norm=program.clip_grad_norm, **kwargs)
 

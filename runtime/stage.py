@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from typing import TYPE_CHECKING, Sequence
 
-from runtime.user_code import import_path, tensor_dtype
+from runtime.user_code import enter_user_root, import_path, tensor_dtype
 
 if TYPE_CHECKING:
     from runtime.program_parts import TensorSpec
@@ -41,6 +41,9 @@ def load_stage_module(folder: str, stage_index: int):
     path = os.path.join(folder, f"stage_{stage_index}.py")
     if not os.path.isfile(path):
         raise StageFileError(f"{path} is missing")
+    # The stage file imports the copied user module that registers a custom op it calls (Note
+    # [custom ops travel]): from this folder's DIR/user/ (Note [one user root] in runtime/user_code.py).
+    enter_user_root(folder)
     return import_path(path, name=f"_runtime_stage_{stage_index}_{abs(hash(os.path.abspath(path)))}")
 
 

@@ -400,7 +400,9 @@ class RankTrainer:
         program = self.program
         m = program.num_microbatches
         args, target = self.make_batch(step, program.global_batch)
-        args = batch_inputs(args, program.data.keywords)  # Note [keyword inputs] in runtime/data.py
+        # Notes [keyword inputs] and [constant inputs] in runtime/data.py: another value of a
+        # constant input than the traced one is refused here, before the step runs
+        args = batch_inputs(args, program.data.keywords, program.data.constants, step=step)
         specs = program.stages[0].inputs
         for hook in self.randomness_hooks:
             hook.start(step, self.replica * m)

@@ -141,13 +141,17 @@ def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10,
 
 
 def _example_inputs(workload) -> tuple:
-    args = workload.example_args
+    """The graph's inputs, by position: keyword inputs in the trace's order, constant inputs
+    (baked into the graph) dropped (Notes [keyword inputs], [constant inputs] in runtime/data.py)."""
+    from runtime.data import batch_inputs
+
+    args = workload.example_kwargs or workload.example_args
     if workload.make_batch is not None:
         try:
             args, _ = workload.make_batch(0, workload.example_batch_size)
         except Exception:  # noqa: BLE001 - the example inputs are a fine fallback
-            args = workload.example_args
-    return tuple(args)
+            args = workload.example_kwargs or workload.example_args
+    return batch_inputs(args, workload.keywords, workload.constants)
 
 
 def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision="fp32") -> list[dict]:

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,13 +23,17 @@ from runtime.program import file_digests, seal_plan
 
 def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
                   state: dict[str, torch.Tensor] | None, problem=None, assignment=None,
-                  user_files: dict[str, str] | None = None) -> Path:
+                  user_files: dict[str, str] | None = None, op_imports: dict[str, str] | None = None,
+                  check_user_files: Callable[[Path], None] | None = None) -> Path:
     """Write the folder atomically: built in a temporary sibling, renamed into place when whole.
 
     ``problem`` and ``assignment`` (the solver's, plain numbers) go into plan.json beside the plan
     (outside its hash), so `inspect --node` prices moves exactly as the solver would.
     ``user_files``: {"user/<file>.py": original path}, the user's files the ranks import, copied
-    in and hashed like the rest (Note [user code travels] in partitioner/user_source.py)."""
+    in and hashed like the rest (Note [user code travels] in partitioner/user_source.py);
+    ``check_user_files(tmp)`` then tries them as a rank will, before anything else is written
+    (Note [local modules travel]); ``op_imports``: the module each custom op's stage file imports
+    (Note [custom ops travel] in partitioner/codegen/stage_code.py)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     plan_hash = plan.content_hash()
@@ -36,7 +41,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
     try:
         files: dict[str, str] = {}
         for stage in stages:
-            files[f"stage_{stage.index}.py"] = stage_source(stage, plan_hash, plan)
+            files[f"stage_{stage.index}.py"] = stage_source(stage, plan_hash, plan, op_imports)
         files.update(entry_files(program, plan_hash))
         files["README.md"] = readme_source(plan, plan_hash)
         for name, text in files.items():
@@ -46,6 +51,8 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         for rel, original in sorted((user_files or {}).items()):
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(original, tmp / rel)
+        if user_files and check_user_files is not None:
+            check_user_files(tmp)
         if state is not None:
             from safetensors.torch import save_file
 

@@ -64,43 +64,46 @@ _TORCH_NAMESPACES = {"aten", "prims", "prim", "quantized", "_quantized", "c10d",
                      "profiler", "rngprims", "inductor", "debugprims", "mkldnn", "mkl", "onednn"}
 
 
-def op_modules(*graphs: fx.Graph) -> list[str]:
-    """The Python modules that register every op namespace ``graphs`` call outside torch's own.
+def custom_ops(*graphs: fx.Graph) -> dict[str, tuple]:
+    """{"ns::op": (namespace, the first node calling it, the function its torch.library.custom_op
+    definition wraps, or None)} for every op ``graphs`` call outside torch's own namespaces.
 
     Note [custom ops travel]: an op such as ``torch.ops.transformers.grouped_mm_fallback`` (the
     MoE kernel of Hugging Face transformers) exists only once the module that defines it has run,
     and a torchrun worker imports nothing but the stage file. The stage file therefore imports,
-    for each such op, the module its ``torch.library.custom_op`` definition lives in, or else the
-    package named like the namespace. An op with neither is refused here, at compile time."""
+    for each such op, the module its ``torch.library.custom_op`` definition lives in: an installed
+    module by its name; a file of the user's (the model file itself, a sibling it imports) travels
+    into DIR/user/ and is imported from there by its module name, so the op is registered on every
+    rank (``op_sources`` in partitioner/user_source.py, Note [one user root] in
+    runtime/user_code.py); else the package named like the namespace. An op with none is refused
+    at compile time. Lowering decides each import (``UserSources.op_imports``) before any file is
+    written; ``op_modules`` reads them per stage."""
     from torch._library.custom_ops import OPDEFS
 
-    modules: set[str] = set()
+    ops: dict[str, tuple] = {}
     for node in (n for graph in graphs for n in graph.nodes):
         target = node.target
         namespace = getattr(target, "namespace", None)
         if node.op != "call_function" or namespace is None or namespace in _TORCH_NAMESPACES:
             continue
         qualname = target.name().split(".")[0]  # "ns::op" (the overload is not part of the key)
-        definition = OPDEFS.get(qualname)
-        module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
-        if module is None or module == "__main__":
-            import importlib.util
-
-            module = namespace if importlib.util.find_spec(namespace) is not None else None
-        if module is None:
-            raise ValueError(
-                f"node {node.name!r} calls the custom op {qualname}, and no importable module registers "
-                f"it (no torch.library.custom_op definition in an importable module, no package "
-                f"named {namespace!r}): define the op with torch.library.custom_op in an importable "
-                "module so that the generated stage file can import it")
-        modules.add(module)
-    return sorted(modules)
+        if qualname not in ops:
+            ops[qualname] = (namespace, node.name, getattr(OPDEFS.get(qualname), "_init_fn", None))
+    return ops
 
 
-def stage_source(stage: StageGraph, plan_hash: str, plan: Plan) -> str:
-    """stage_<k>.py: the stage's forward as Python a person reads (Note [stage code])."""
+def op_modules(*graphs: fx.Graph, imports: dict[str, str]) -> list[str]:
+    """The modules a stage file imports so that every custom op ``graphs`` call is registered
+    (Note [custom ops travel]); ``imports``: lowering's "ns::op" -> module."""
+    return sorted({imports[qualname] for qualname in custom_ops(*graphs)})
+
+
+def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict[str, str] | None = None) -> str:
+    """stage_<k>.py: the stage's forward as Python a person reads (Note [stage code]);
+    ``op_imports``: the module to import per custom op (Note [custom ops travel])."""
     custom_op_imports = [f"import {m}  # registers torch.ops it calls (Note [custom ops travel])"
-                         for m in op_modules(stage.gm.graph, *(run.graph for run in stage.checkpointed))]
+                         for m in op_modules(stage.gm.graph, *(run.graph for run in stage.checkpointed),
+                                             imports=op_imports or {})]
     emitter = _Emitter(_SourcePaths())
     last = stage.index == plan.num_stages - 1
     came_from = "the model's input" if stage.index == 0 else f"from stage {stage.index - 1}"

@@ -1,0 +1,2 @@
+"""The model's sizes, in a sibling named like siblings/my_blocks.py (a different file)."""
+WIDTH = 16

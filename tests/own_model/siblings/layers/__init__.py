@@ -1,0 +1,1 @@
+"""Layers of my own, a package next to the model file."""
