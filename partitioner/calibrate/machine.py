@@ -154,7 +154,7 @@ class MachineMeasurements:
     optimizer_s_per_param_byte: float | None   # AdamW's step as the runtime makes it, per parameter byte
     threads: int
     load_average_1m: float                     # os.getloadavg() when the measurement started
-    other_runnable: float                      # other processes running or waiting for a core then
+    other_runnable: float                      # other threads running or waiting for a core (the most seen)
     measure_s: float                           # how long measuring took
     time_unix: float
 
@@ -267,7 +267,7 @@ class MachineProfile:
         rate = m.matmul_flops_per_s / self.region_scales[0] if m.matmul_flops_per_s else None
         parts = [f"{self.key.cpu_model}, {self.key.cores} cores, torch {self.key.torch_version}",
                  f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(m.time_unix))} in {m.measure_s:.1f} s "
-                 f"with {m.other_runnable:.1f} other processes running (load average {m.load_average_1m:.1f})"]
+                 f"with up to {m.other_runnable:.1f} other threads running (load average {m.load_average_1m:.1f})"]
         figures = [f"matmul {rate / 1e9:.0f} GFLOP/s a rank" if rate else "matmul -",
                    f"two ranks at once x{m.contention:.2f}",
                    f"{m.forward.op_overhead_s * 1e6:.0f}/{m.backward.op_overhead_s * 1e6:.0f} us per op fwd/bwd"]
@@ -455,7 +455,7 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     say = progress or (lambda _message: None)
     started = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    others = _other_runnable(load)
+    others = [_other_runnable(load)]  # at the start, between the parts, at the end: the busiest counts
     workload = reference_workload()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -474,7 +474,9 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
             optimizer_s_per_param_byte = measure_optimizer_s_per_param_byte()
         finally:
             torch.set_num_threads(old_threads)
+    others.append(_other_runnable(load, seconds=0.3))
     g = _measure_gloo(say) if gloo else None
+    others.append(_other_runnable(load, seconds=0.3))
     tp = fit_collectives(g.collective_points, g.link_latency_s) if g else {}
     measured = MachineMeasurements(
         forward=_scaled(fitted.forward, 1.0), backward=_scaled(fitted.backward, 1.0),
@@ -488,7 +490,8 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
         p2p_latency_s=g.p2p_latency_s if g else None,
         recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
         tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
-        contention=g.contention if g else 1.0, optimizer_s_per_param_byte=optimizer_s_per_param_byte, threads=1, load_average_1m=float(load), other_runnable=others,
+        contention=g.contention if g else 1.0, optimizer_s_per_param_byte=optimizer_s_per_param_byte, threads=1,
+        load_average_1m=float(load), other_runnable=max(others),
         measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
 
@@ -519,7 +522,7 @@ def measure_optimizer_s_per_param_byte(num_bytes: int = 4 << 20, *, repeats: int
 
 
 def _other_runnable(load_average: float, seconds: float = 0.5) -> float:
-    """Processes besides this one running or waiting for a core, averaged over ``seconds``
+    """Threads besides this one running or waiting for a core, averaged over ``seconds``
     (/proc/loadavg's fourth field, which the 1-minute load average lags by a minute); the load
     average where there is no /proc."""
     samples = []
