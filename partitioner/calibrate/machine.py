@@ -21,21 +21,23 @@ Note [machine profile]
     * the optimizer's step as the runtime makes it (AdamW, fused, over 4 MiB of parameters in
       small tensors): seconds per parameter byte, paid once a step by the stage holding them
       (``optimizer_s_per_param_byte``, as Note [accelerator roofline] prices it on GPUs);
-    * two local processes over gloo (partitioner/calibrate/machine_worker.py): the seconds per
-      microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on tiny stages (the
-      schedule's own cost and the loss: ``microbatch_overhead_s``), the seconds per microbatch
-      slot of a two-stage one whose stages compute as a small model's do (what is left of that
-      slot beyond the stage's compute, its bytes and the overhead is what a stage pays per send
-      in a pipeline: the link's latency; a send to a busy peer takes longer than to an idle
-      one, so tiny stages would under-price it), a two-rank all-reduce at 1 KiB to 16 MiB (its least-squares
-      slope over the larger sizes is the link's bandwidth) and tensor parallelism's per-collective cost and drift
-      (``collective_points``). Slopes over two microbatch counts, so what a step pays once
-      (schedule set-up) is not charged per microbatch. And the ranks' contention: how many
-      times longer a few milliseconds of matmuls, GELU and layer norm take in each process while
-      the other computes too than while it waits (shared caches and memory bandwidth, SMT
-      siblings, and whatever else the machine runs at the time); the region coefficients are
-      multiplied by it (``region_scales``), since ranks compute side by side. A one-rank plan is
-      over-predicted by it (1.0 to 1.1 on an idle machine).
+    * two local processes over gloo (partitioner/calibrate/machine_worker.py):
+      - the seconds per microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on
+        a tiny stage: the schedule's own cost and the loss (``microbatch_overhead_s``);
+      - the seconds per microbatch slot of a two-stage one whose stages compute as a small
+        model's do: what is left of the slot beyond the stage's compute, its bytes and that
+        overhead is what a stage pays per send in a pipeline, the link's latency (a send to a
+        busy peer takes longer than to an idle one, so tiny stages would under-price it);
+      - a two-rank all-reduce at 1 KiB to 16 MiB: its least-squares slope over the larger sizes
+        is the link's bandwidth;
+      - tensor parallelism's per-collective cost and drift (``collective_points``);
+      - the ranks' contention: how many times longer about 15 ms of matmuls, GELU and layer norm
+        take in each process while the other computes too than while it waits (shared caches
+        and memory bandwidth, SMT siblings, whatever else the machine runs at the time). The
+        region coefficients are multiplied by it (``region_scales``), since ranks compute side by
+        side; a one-rank plan is over-predicted by it (1.0 to 1.1 on an idle machine).
+      Per-microbatch figures are slopes over two microbatch counts, so what a step pays once
+      (the schedule's set-up) is not charged per microbatch.
 
     The two-process timings keep the quieter quarter of their repeats (25th percentile), not the
     median: other work on a shared machine only ever adds time, and the profile is this machine
@@ -52,9 +54,11 @@ Note [machine profile]
     policy keeps the datasheet region model at the measured rate, with the measured overheads).
     ``--calibrate`` (this model's regions measured) wins over the reference fit for the regions;
     the machine profile still gives what ``--calibrate`` does not measure (the per-microbatch
-    overhead, the link). Every figure is this machine at the time it was measured: the load
-    average at the time is in the profile; ``--refresh`` measures again, and ``calibrate
-    --from-run`` refits it to a real run (partitioner/calibrate/refit.py, Note [refit from a run]).
+    overhead, the link). Every figure is this machine at the time it was measured: the most
+    other threads seen running while measuring are in the profile, and its description (printed
+    by every compile) says so when they held half the cores or more; ``--refresh`` measures
+    again, and ``calibrate --from-run`` refits it to a real run (partitioner/calibrate/refit.py,
+    Note [refit from a run]).
 
 Note [machine profile cache]
     One JSON file per machine, ``$XDG_CACHE_HOME/partitioner/machine-<key>.json`` (default
