@@ -193,6 +193,7 @@ class Refit:
     backward_scale: float
     microbatch_overhead_s: float
     time_unix: float
+    link_latency_s: float | None = None  # the pipeline latency after this refit (None: as measured)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class MachineProfile:
     forward_scale: float = 1.0              # region seconds: the measured fit times this (refit)
     backward_scale: float = 1.0
     microbatch_overhead_s: float | None = None  # refit from a run; None: measured
+    link_latency_s: float | None = None         # refit from a run; None: measured
     refits: tuple[Refit, ...] = ()
 
     # --- identity -----------------------------------------------------------------------------
@@ -225,7 +227,8 @@ class MachineProfile:
         m = self.measured
         if m.link_bandwidth_bytes_per_s is None or m.link_latency_s is None:
             return None
-        latency = max(m.link_latency_s, m.allreduce_latency_s or 0.0)
+        latency = self.link_latency_s if self.link_latency_s is not None else \
+            max(m.link_latency_s, m.allreduce_latency_s or 0.0)
         return LinkSpec(bandwidth_bytes_per_s=m.link_bandwidth_bytes_per_s, latency_s=latency)
 
     @property
@@ -264,7 +267,8 @@ class MachineProfile:
         return {"source": "machine profile", "file": path.name if path else None, "key": self.key.digest,
                 "measurement_id": self.measurement_id, "regions": "machine" if regions else "profile",
                 "forward_scale": self.forward_scale, "backward_scale": self.backward_scale,
-                "microbatch_overhead_s": self.effective_microbatch_overhead_s, "refits": len(self.refits)}
+                "microbatch_overhead_s": self.effective_microbatch_overhead_s, "refits": len(self.refits),
+                "link_latency_s": self.link().latency_s if self.link() else None}
 
     def describe(self) -> str:
         m = self.measured
@@ -305,6 +309,7 @@ class MachineProfile:
             profile = cls(key=MachineKey(**data["key"]), measured=MachineMeasurements(**measured),
                           forward_scale=float(data["forward_scale"]), backward_scale=float(data["backward_scale"]),
                           microbatch_overhead_s=data.get("microbatch_overhead_s"),
+                          link_latency_s=data.get("link_latency_s"),
                           refits=tuple(Refit(**r) for r in data.get("refits", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed machine profile ({type(exc).__name__}: {exc})") from None
