@@ -21,21 +21,23 @@ Note [machine profile]
     * the optimizer's step as the runtime makes it (AdamW, fused, over 4 MiB of parameters in
       small tensors): seconds per parameter byte, paid once a step by the stage holding them
       (``optimizer_s_per_param_byte``, as Note [accelerator roofline] prices it on GPUs);
-    * two local processes over gloo (partitioner/calibrate/machine_worker.py): the seconds per
-      microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on tiny stages (the
-      schedule's own cost and the loss: ``microbatch_overhead_s``), the seconds per microbatch
-      slot of a two-stage one whose stages compute as a small model's do (what is left of that
-      slot beyond the stage's compute, its bytes and the overhead is what a stage pays per send
-      in a pipeline: the link's latency; a send to a busy peer takes longer than to an idle
-      one, so tiny stages would under-price it), a two-rank all-reduce at 1 KiB to 16 MiB (its least-squares
-      slope over the larger sizes is the link's bandwidth) and tensor parallelism's per-collective cost and drift
-      (``collective_points``). Slopes over two microbatch counts, so what a step pays once
-      (schedule set-up) is not charged per microbatch. And the ranks' contention: how many
-      times longer a few milliseconds of matmuls, GELU and layer norm take in each process while
-      the other computes too than while it waits (shared caches and memory bandwidth, SMT
-      siblings, and whatever else the machine runs at the time); the region coefficients are
-      multiplied by it (``region_scales``), since ranks compute side by side. A one-rank plan is
-      over-predicted by it (1.0 to 1.1 on an idle machine).
+    * two local processes over gloo (partitioner/calibrate/machine_worker.py):
+      - the seconds per microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on
+        a tiny stage: the schedule's own cost and the loss (``microbatch_overhead_s``);
+      - the seconds per microbatch slot of a two-stage one whose stages compute as a small
+        model's do: what is left of the slot beyond the stage's compute, its bytes and that
+        overhead is what a stage pays per send in a pipeline, the link's latency (a send to a
+        busy peer takes longer than to an idle one, so tiny stages would under-price it);
+      - a two-rank all-reduce at 1 KiB to 16 MiB: its least-squares slope over the larger sizes
+        is the link's bandwidth;
+      - tensor parallelism's per-collective cost and drift (``collective_points``);
+      - the ranks' contention: how many times longer about 15 ms of matmuls, GELU and layer norm
+        take in each process while the other computes too than while it waits (shared caches
+        and memory bandwidth, SMT siblings, whatever else the machine runs at the time). The
+        region coefficients are multiplied by it (``region_scales``), since ranks compute side by
+        side; a one-rank plan is over-predicted by it (1.0 to 1.1 on an idle machine).
+      Per-microbatch figures are slopes over two microbatch counts, so what a step pays once
+      (the schedule's set-up) is not charged per microbatch.
 
     The two-process timings keep the quieter quarter of their repeats (25th percentile), not the
     median: other work on a shared machine only ever adds time, and the profile is this machine
@@ -52,9 +54,11 @@ Note [machine profile]
     policy keeps the datasheet region model at the measured rate, with the measured overheads).
     ``--calibrate`` (this model's regions measured) wins over the reference fit for the regions;
     the machine profile still gives what ``--calibrate`` does not measure (the per-microbatch
-    overhead, the link). Every figure is this machine at the time it was measured: the load
-    average at the time is in the profile; ``--refresh`` measures again, and ``calibrate
-    --from-run`` refits it to a real run (partitioner/calibrate/refit.py, Note [refit from a run]).
+    overhead, the link). Every figure is this machine at the time it was measured: the most
+    other threads seen running while measuring are in the profile, and its description (printed
+    by every compile) says so when they held half the cores or more; ``--refresh`` measures
+    again, and ``calibrate --from-run`` refits it to a real run (partitioner/calibrate/refit.py,
+    Note [refit from a run]).
 
 Note [machine profile cache]
     One JSON file per machine, ``$XDG_CACHE_HOME/partitioner/machine-<key>.json`` (default
@@ -154,7 +158,7 @@ class MachineMeasurements:
     optimizer_s_per_param_byte: float | None   # AdamW's step as the runtime makes it, per parameter byte
     threads: int
     load_average_1m: float                     # os.getloadavg() when the measurement started
-    other_runnable: float                      # other processes running or waiting for a core then
+    other_runnable: float                      # other threads running or waiting for a core (the most seen)
     measure_s: float                           # how long measuring took
     time_unix: float
 
@@ -189,6 +193,7 @@ class Refit:
     backward_scale: float
     microbatch_overhead_s: float
     time_unix: float
+    link_latency_s: float | None = None  # the pipeline latency after this refit (None: as measured)
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,7 @@ class MachineProfile:
     forward_scale: float = 1.0              # region seconds: the measured fit times this (refit)
     backward_scale: float = 1.0
     microbatch_overhead_s: float | None = None  # refit from a run; None: measured
+    link_latency_s: float | None = None         # refit from a run; None: measured
     refits: tuple[Refit, ...] = ()
 
     # --- identity -----------------------------------------------------------------------------
@@ -221,7 +227,8 @@ class MachineProfile:
         m = self.measured
         if m.link_bandwidth_bytes_per_s is None or m.link_latency_s is None:
             return None
-        latency = max(m.link_latency_s, m.allreduce_latency_s or 0.0)
+        latency = self.link_latency_s if self.link_latency_s is not None else \
+            max(m.link_latency_s, m.allreduce_latency_s or 0.0)
         return LinkSpec(bandwidth_bytes_per_s=m.link_bandwidth_bytes_per_s, latency_s=latency)
 
     @property
@@ -260,14 +267,15 @@ class MachineProfile:
         return {"source": "machine profile", "file": path.name if path else None, "key": self.key.digest,
                 "measurement_id": self.measurement_id, "regions": "machine" if regions else "profile",
                 "forward_scale": self.forward_scale, "backward_scale": self.backward_scale,
-                "microbatch_overhead_s": self.effective_microbatch_overhead_s, "refits": len(self.refits)}
+                "microbatch_overhead_s": self.effective_microbatch_overhead_s, "refits": len(self.refits),
+                "link_latency_s": self.link().latency_s if self.link() else None}
 
     def describe(self) -> str:
         m = self.measured
         rate = m.matmul_flops_per_s / self.region_scales[0] if m.matmul_flops_per_s else None
         parts = [f"{self.key.cpu_model}, {self.key.cores} cores, torch {self.key.torch_version}",
                  f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(m.time_unix))} in {m.measure_s:.1f} s "
-                 f"with {m.other_runnable:.1f} other processes running (load average {m.load_average_1m:.1f})"]
+                 f"with up to {m.other_runnable:.1f} other threads running (load average {m.load_average_1m:.1f})"]
         figures = [f"matmul {rate / 1e9:.0f} GFLOP/s a rank" if rate else "matmul -",
                    f"two ranks at once x{m.contention:.2f}",
                    f"{m.forward.op_overhead_s * 1e6:.0f}/{m.backward.op_overhead_s * 1e6:.0f} us per op fwd/bwd"]
@@ -301,6 +309,7 @@ class MachineProfile:
             profile = cls(key=MachineKey(**data["key"]), measured=MachineMeasurements(**measured),
                           forward_scale=float(data["forward_scale"]), backward_scale=float(data["backward_scale"]),
                           microbatch_overhead_s=data.get("microbatch_overhead_s"),
+                          link_latency_s=data.get("link_latency_s"),
                           refits=tuple(Refit(**r) for r in data.get("refits", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed machine profile ({type(exc).__name__}: {exc})") from None
@@ -455,7 +464,7 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     say = progress or (lambda _message: None)
     started = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    others = _other_runnable(load)
+    others = [_other_runnable(load)]  # at the start, between the parts, at the end: the busiest counts
     workload = reference_workload()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -474,7 +483,9 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
             optimizer_s_per_param_byte = measure_optimizer_s_per_param_byte()
         finally:
             torch.set_num_threads(old_threads)
+    others.append(_other_runnable(load, seconds=0.3))
     g = _measure_gloo(say) if gloo else None
+    others.append(_other_runnable(load, seconds=0.3))
     tp = fit_collectives(g.collective_points, g.link_latency_s) if g else {}
     measured = MachineMeasurements(
         forward=_scaled(fitted.forward, 1.0), backward=_scaled(fitted.backward, 1.0),
@@ -488,7 +499,8 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
         p2p_latency_s=g.p2p_latency_s if g else None,
         recompute_fixed_s=fitted.recompute_fixed_s, dtensor_op_s=dtensor_op_s,
         tp_collective_s=tp.get("tp_collective_s"), tp_skew=tp.get("tp_skew"),
-        contention=g.contention if g else 1.0, optimizer_s_per_param_byte=optimizer_s_per_param_byte, threads=1, load_average_1m=float(load), other_runnable=others,
+        contention=g.contention if g else 1.0, optimizer_s_per_param_byte=optimizer_s_per_param_byte, threads=1,
+        load_average_1m=float(load), other_runnable=max(others),
         measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
 
@@ -519,7 +531,7 @@ def measure_optimizer_s_per_param_byte(num_bytes: int = 4 << 20, *, repeats: int
 
 
 def _other_runnable(load_average: float, seconds: float = 0.5) -> float:
-    """Processes besides this one running or waiting for a core, averaged over ``seconds``
+    """Threads besides this one running or waiting for a core, averaged over ``seconds``
     (/proc/loadavg's fourth field, which the 1-minute load average lags by a minute); the load
     average where there is no /proc."""
     samples = []

@@ -13,10 +13,12 @@ Note [refit from a run]
     * the per-microbatch overhead: with the regions rescaled, the seconds per microbatch every
       stage must pay besides them for ``evaluate`` to give the measured step (linear in it:
       solved from two evaluations). It absorbs whatever the model leaves out on this machine
-      (the schedule's Python, waits on sends, the optimizer step per microbatch). Where it would
-      be negative (the stages overlapped better than the pipeline formula charges, as when the
-      ranks take turns on shared cores) it is 0 and both region scales shrink by one factor
-      until the step is what was measured.
+      (the schedule's Python, waits on sends). Where it would be negative it is 0 and the
+      profile's pipeline latency is refit instead (a profile measured while the machine was
+      busy prices sends too high), down to 0; where even that is not enough (the stages
+      overlapped better than the pipeline formula charges, as when the ranks take turns on
+      shared cores) both region scales shrink by one factor until the step is what was
+      measured.
 
     Both are relative to the profile that priced the plan, so the plan must have been priced by
     this machine's profile (plan.json's ``predicted.cpu_time_model``, written by the compile)
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from partitioner.calibrate.machine import KIND, MachineProfile, Refit
 
-_PROBE_S = 1e-3  # the overhead step of the linear solve
+_PROBE_S = 1e-3  # the overhead's second point of the linear solve
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class RefitReport:
     microbatch_overhead_before_s: float
     microbatch_overhead_after_s: float
     stage_times: bool              # per-stage times were there (else one factor for all)
+    link_latency_before_s: float = 0.0
+    link_latency_after_s: float = 0.0
 
     def text(self) -> str:
         how = ("regions x{:.2f} forward, x{:.2f} backward (per-stage times)".format(self.forward_scale,
@@ -67,7 +71,10 @@ class RefitReport:
             f"{self.predicted_after_s * 1e3:.1f} ms/step after "
             f"({self.predicted_after_s / self.measured_step_s:.2f}x)",
             f"  fitted     {how}; per-microbatch overhead {self.microbatch_overhead_before_s * 1e3:.2f} -> "
-            f"{self.microbatch_overhead_after_s * 1e3:.2f} ms",
+            f"{self.microbatch_overhead_after_s * 1e3:.2f} ms"
+            + (f"; a pipeline send's latency {self.link_latency_before_s * 1e3:.2f} -> "
+               f"{self.link_latency_after_s * 1e3:.2f} ms" if self.link_latency_after_s != self.link_latency_before_s
+               else ""),
         ])
 
 
@@ -193,6 +200,22 @@ def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
     before = float(plan.predicted["step_time_s"])
     core = core_sharing_factor(cluster, assignment.device_of_stage_replica)
     overhead_before = float((problem.microbatch_overhead_s_by_kind or {}).get(KIND) or 0.0)
+    link = cluster.intra_node_link
+    # the plan's link is the profile's (not a cluster file's) and the plan sends on it: its latency may be refit
+    latency_refits = (profile.link() is not None and record.get("link_latency_s") == link.latency_s
+                      and assignment.num_stages > 1)
+
+    def step_s(forward: float, backward: float, overhead: float, latency_s: float | None = None) -> float:
+        on = cluster if latency_s is None else dataclasses.replace(
+            cluster, intra_node_link=dataclasses.replace(link, latency_s=latency_s))
+        return _predicted_step_s(plan, _scaled_problem(problem, forward, backward, overhead), on, assignment)
+
+    def solve(f, lo: float, hi: float) -> float:
+        """x with f(x) = measured, f linear in x (two evaluations)."""
+        f_lo, f_hi = f(lo), f(hi)
+        return lo + (measured - f_lo) * (hi - lo) / (f_hi - f_lo) if f_hi != f_lo else lo
+
+    latency = link.latency_s
     stages = _stage_times(run_dir)
     priced = _stage_compute_s(problem, cluster, assignment)
     if stages and set(stages) == set(range(assignment.num_stages)):
@@ -200,18 +223,16 @@ def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
         bwd_priced = sum(b for _, b in priced) * core
         forward = sum(f for f, _ in stages.values()) / fwd_priced if fwd_priced > 0 else 1.0
         backward = sum(b for _, b in stages.values()) / bwd_priced if bwd_priced > 0 else 1.0
-        scaled = _scaled_problem(problem, forward, backward, 0.0)
-        at_zero = _predicted_step_s(plan, scaled, cluster, assignment)
-        at_probe = _predicted_step_s(plan, _scaled_problem(problem, forward, backward, _PROBE_S), cluster, assignment)
-        per_s = (at_probe - at_zero) / _PROBE_S
-        overhead = (measured - at_zero) / per_s if per_s > 0 else overhead_before
-        if overhead < 0:  # the stages' own times price more than the step took: they overlapped better
-            overhead = 0.0  # than the pipeline formula says; scale the regions down to the step instead
-            half = _predicted_step_s(plan, _scaled_problem(problem, forward / 2, backward / 2, 0.0), cluster,
-                                     assignment)
-            slope = 2 * (at_zero - half)  # step = fixed + slope * k for region scale k (sends stay)
-            k = (measured - (at_zero - slope)) / slope if slope > 0 else 1.0
-            forward, backward = forward * k, backward * k
+        overhead = solve(lambda o: step_s(forward, backward, o), 0.0, _PROBE_S)
+        if overhead < 0:  # the rest of the step is less than the overhead and the sends price: the sends
+            overhead = 0.0  # cost less than the profile says (a busy machine when it was measured)
+            if latency_refits:
+                latency = max(0.0, solve(lambda x: step_s(forward, backward, 0.0, x), 0.0, link.latency_s))
+            if step_s(forward, backward, 0.0, latency) > measured * (1 + 1e-9):
+                # even sends at no latency price more: the stages overlapped better than the pipeline
+                # formula says; the regions shrink by one factor until the step is what was measured
+                k = solve(lambda x: step_s(forward * x, backward * x, 0.0, latency), 0.5, 1.0)
+                forward, backward = forward * k, backward * k
         with_stage_times = True
     else:  # Note [refit from a run]: one factor for all
         forward = backward = measured / before if before > 0 else 1.0
@@ -219,18 +240,21 @@ def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
         with_stage_times = False
     regions_refit = record.get("regions") == "machine"
     # what this plan is priced at now: a --calibrate profile's regions stay as they were
-    after = _predicted_step_s(plan, _scaled_problem(problem, *((forward, backward) if regions_refit else (1.0, 1.0)),
-                                                    overhead), cluster, assignment)
+    after = step_s(*((forward, backward) if regions_refit else (1.0, 1.0)), overhead, latency)
     base_forward = float(record.get("forward_scale", 1.0))
     base_backward = float(record.get("backward_scale", 1.0))
     new_forward = base_forward * forward if regions_refit else profile.forward_scale
     new_backward = base_backward * backward if regions_refit else profile.backward_scale
+    new_latency = latency if latency != link.latency_s else profile.link_latency_s
     refit = Refit(run_dir=str(run_dir.resolve()), plan_hash=plan.content_hash(), measured_step_s=measured,
                   predicted_before_s=before, predicted_after_s=after, forward_scale=new_forward,
-                  backward_scale=new_backward, microbatch_overhead_s=overhead, time_unix=time.time())
+                  backward_scale=new_backward, microbatch_overhead_s=overhead, time_unix=time.time(),
+                  link_latency_s=new_latency)
     new = dataclasses.replace(profile, forward_scale=new_forward, backward_scale=new_backward,
-                              microbatch_overhead_s=overhead, refits=profile.refits + (refit,))
+                              microbatch_overhead_s=overhead, link_latency_s=new_latency,
+                              refits=profile.refits + (refit,))
     return RefitReport(profile=new, run_dir=run_dir, folder=folder, measured_step_s=measured,
                        predicted_before_s=before, predicted_after_s=after, forward_scale=forward,
                        backward_scale=backward, microbatch_overhead_before_s=overhead_before,
-                       microbatch_overhead_after_s=overhead, stage_times=with_stage_times)
+                       microbatch_overhead_after_s=overhead, stage_times=with_stage_times,
+                       link_latency_before_s=link.latency_s, link_latency_after_s=latency)

@@ -96,3 +96,39 @@ def test_refit_refuses_what_it_cannot_refit(trained, tmp_path):
     remeasured = fake_profile(load_average_1m=9.0)
     with pytest.raises(ValueError, match="measured again since"):
         refit_from_run(root / "priced" / "run", remeasured)
+
+
+def test_a_run_faster_than_its_sends_refits_the_latency(trained, tmp_path):
+    """A profile measured on a busy machine prices a pipeline's sends too high: a run whose stages
+    took what the plan priced but whose step was shorter refits the latency, not the regions."""
+    import dataclasses
+
+    from partitioner.calibrate.refit import _predicted_step_s, _stage_compute_s
+    from partitioner.cluster import ClusterSpec
+    from partitioner.inspect.explain import load_priced
+    from partitioner.plan import Plan
+    from partitioner.solver.problem import core_sharing_factor
+    from runtime.stage_times import FORMAT
+
+    root, profile = trained
+    folder = root / "priced"
+    plan = Plan.load(folder)
+    problem, assignment = load_priced(folder)
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    core = core_sharing_factor(cluster, assignment.device_of_stage_replica)
+    half = dataclasses.replace(cluster, intra_node_link=dataclasses.replace(
+        cluster.intra_node_link, latency_s=cluster.intra_node_link.latency_s / 2))
+    no_overhead = dataclasses.replace(problem, microbatch_overhead_s_by_kind={"cpu": 0.0})
+    measured = _predicted_step_s(plan, no_overhead, half, assignment)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"measured_step_time_s": measured, "folder": str(folder),
+                                                 "plan_hash": plan.content_hash()}))
+    for stage, (fwd, bwd) in enumerate(_stage_compute_s(problem, cluster, assignment)):
+        (run / f"stage_times_rank_{stage}.json").write_text(json.dumps({"format": FORMAT, "stages": [
+            {"stage": stage, "forward_s_per_microbatch": fwd * core, "backward_s_per_microbatch": bwd * core}]}))
+    report = refit_from_run(run, profile)
+    assert report.microbatch_overhead_after_s == 0.0
+    assert report.profile.link().latency_s == pytest.approx(profile.link().latency_s / 2, rel=1e-6)
+    assert (report.forward_scale, report.backward_scale) == pytest.approx((1.0, 1.0))
+    assert report.predicted_after_s == pytest.approx(measured, rel=1e-6) and "send's latency" in report.text()
