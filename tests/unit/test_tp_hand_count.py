@@ -117,8 +117,19 @@ def test_allreduce_link_is_hierarchical_across_nodes_and_per_lane_in_tensor_grou
 
 
 def test_the_roofline_prices_matmuls_attention_and_memory_bound_ops(problem):
+    from partitioner.calibrate.features import Features
+
     profile = datasheet_profile("a100-80gb", "fp16-mixed")
-    assert 1 / profile.forward.s_per_matmul_flop == RATES["a100-80gb"].gemm_flops_per_s["fp16"] == 267.9e12
+    fp32 = datasheet_profile("a100-80gb", "fp32")
+    # each term priced at its own rate, by hand: 1 TFLOP of GEMM at the sustained fp16 rate, 1 TFLOP of
+    # fused attention at its own, 1 GB of memory-bound traffic at 90% of the 2.039 TB/s HBM, 10 kernels
+    terms = Features(matmul_flops=1e12, other_flops=1e12, memory_bytes=1e9, num_ops=10)
+    by_hand = 1e12 / 267.9e12 + 1e12 / 180e12 + 1e9 / (0.9 * 2039e9) + 10 * 2e-6
+    assert profile.forward.seconds(terms) == pytest.approx(by_hand, rel=1e-12)
+    assert profile.backward.seconds(terms) == pytest.approx(by_hand, rel=1e-12)
+    # fp32 has no tensor-core rate: the same GEMM FLOPs take the fp32 peak's share, 312 / 19.5 = 16x longer
+    gemm = Features(matmul_flops=1e12)
+    assert fp32.forward.seconds(gemm) / profile.forward.seconds(gemm) == pytest.approx(312 / 19.5, rel=0.01)
     assert profile.meta["precision"] == "fp16-mixed"
     assert datasheet_profile("cpu", "fp32") is None
     cluster = ClusterSpec.homogeneous(2, "a100-80gb")
