@@ -10,7 +10,7 @@ to shard over): --precision fp32, bf16-mixed with --shard-optimizer off, and bf1
 measured (runtime/memory.py, live tensor storages on CPU), then in --rounds unmeasured launches
 that alternate the order, for step time (median of the steps after the first, best round).
 Predicted figures are the plan's (partitioner inspect). On CPU, bf16 matmuls are fast only with
-AMX (Note [flops per dtype] in partitioner/cluster.py); the non-matmul ops and autocast's casts
+AMX (Note [flops per dtype] in partitioner/device_presets.py); the non-matmul ops and autocast's casts
 are not, so bf16 may be slower here than the prediction: the figures say what was measured.
 """
 

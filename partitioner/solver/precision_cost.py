@@ -4,7 +4,7 @@ Note [precision in the cost model]: the passes trace the model in its own dtype;
 changes three figures, and this module changes them on the problem and the cluster before the
 solve, so the ILP, the chain DP, the checker and the baselines all see them alike:
 - compute: each device computes at the FLOP rate of the policy's dtype (``cluster_for_precision``,
-  Note [flops per dtype] in partitioner/cluster.py): fp32 -> fp32, bf16-mixed -> bf16,
+  Note [flops per dtype] in partitioner/device_presets.py): fp32 -> fp32, bf16-mixed -> bf16,
   fp16-mixed -> fp16;
 - weights: under autocast each weight a matmul reads is also held as a low-precision copy for
   the step (runtime/precision.py ``step_context``): the weights term grows by 2 bytes per 4-byte

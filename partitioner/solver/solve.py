@@ -388,7 +388,7 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
         ratio = needed / capacity
         if tightest is None or ratio < tightest[0]:
             tightest = (ratio, r, where, needed, capacity, any(result.recompute))
-    largest = max(d.usable_memory_bytes for d in space.cluster.devices) / GIB  # Note [usable memory] in cluster.py
+    largest = max(d.usable_memory_bytes for d in space.cluster.devices) / GIB  # Note [usable memory] in device_presets.py
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
