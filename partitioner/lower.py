@@ -22,6 +22,7 @@ from partitioner.analysis import annotate, trace_keyed, updating_regions
 from partitioner.lower_tensor_parallel import tensor_parallel_calls
 from partitioner.codegen import write_program
 from partitioner.plan import Plan
+from partitioner.codegen.boundary_dtypes import autocast_dtypes
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
@@ -157,7 +158,9 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
         if name not in stage_of_name:
             raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
         node_stage[node.name] = stage_of_name[name]
-    stages = split_graph(gm, node_stage, plan.num_stages)
+    # Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py
+    dtypes = autocast_dtypes(gm, plan.training.get("precision", "fp32"), plan.device_type)
+    stages = split_graph(gm, node_stage, plan.num_stages, dtypes)
     if plan.tensor_parallel > 1:  # Note [tensor-parallel roles] in passes/tensor_parallel.py
         from passes.tensor_parallel import sharded_parameters
 

@@ -16,9 +16,10 @@ because:
   activation-bound models. What bf16 parameters would save more of is ZeRO-sharded state (12 of
   16 bytes shardable instead of 8): a later step, not this one.
 The weight copies are cached for the whole step (``step_context``), not per microbatch.
-Tensors crossing a stage boundary are cast back to the dtype the plan declares for them (the
-traced dtype, fp32 for a fp32 model): PipelineStage's receive buffers are allocated from the plan,
-and the cast is exact in the direction bf16/fp16 -> fp32 (the cost model counts those bytes).
+Tensors crossing a stage boundary keep the dtype autocast made them in, which the plan declares
+for them (Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py), so a
+cut never changes what is computed; PipelineStage's receive buffers are allocated from the plan,
+and ``cast_outputs`` only guards a run on another device type than the one compiled for.
 
 Note [loss scaling]: fp16 has 5 exponent bits, so small gradients underflow; ``fp16-mixed``
 multiplies every microbatch's loss by a scale (2**16 at the start) before backward, and unscales
@@ -83,8 +84,9 @@ def step_context(precision: str, device_type: str):
 
 
 def cast_outputs(output, dtypes: list[torch.dtype]):
-    """A stage's floating outputs cast to the plan's boundary dtypes (Note [mixed precision]):
-    autocast may return bf16 where the plan (and the next stage's receive buffer) says fp32."""
+    """A stage's floating outputs cast to the plan's boundary dtypes (Note [mixed precision]): a
+    no-op on the device type compiled for; another device type's autocast may pick another dtype,
+    and the next stage's receive buffer holds the plan's."""
     single = not isinstance(output, tuple)
     outs = (output,) if single else output
     cast = tuple(o.to(d) if torch.is_tensor(o) and o.is_floating_point() and o.dtype != d else o

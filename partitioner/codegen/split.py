@@ -77,14 +77,17 @@ class StageGraph:
     tp_sharded: dict = field(default_factory=dict)
 
 
-def _value(node: fx.Node, name: str | None = None) -> Value:
+def _value(node: fx.Node, name: str | None = None, dtypes: dict[str, str] | None = None) -> Value:
+    """``dtypes``: node name -> its dtype under the program's autocast (Note [boundaries in the
+    autocast dtype] in partitioner/codegen/boundary_dtypes.py); the traced dtype otherwise."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ValueError(
             f"node {node.name!r} crosses a stage boundary but is not a tensor ({type(val).__name__}): "
             "keep it on one stage (merge its producer and consumers into one region)"
         )
-    return Value(name or node.name, tuple(int(s) for s in val.shape), str(val.dtype))
+    dtype = (dtypes or {}).get(node.name) or str(val.dtype)
+    return Value(name or node.name, tuple(int(s) for s in val.shape), dtype)
 
 
 def _is_trained(gm: fx.GraphModule, target: str) -> bool:
@@ -249,7 +252,10 @@ def normalize_stages(gm: fx.GraphModule, node_stage: dict[str, int]) -> dict[str
     return stage
 
 
-def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int) -> list[StageGraph]:
+def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int,
+                dtypes: dict[str, str] | None = None) -> list[StageGraph]:
+    """One GraphModule per stage; ``dtypes``: the boundary values' dtypes when they are not the
+    traced ones (``_value``)."""
     check_mutable_buffers(gm, node_stage)
     mutated = mutated_buffers(gm)
     node_stage = normalize_stages(gm, node_stage)
@@ -325,11 +331,11 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
             result = fx.node.map_arg(output_node.args[0], lambda n: env[n.name])
             if isinstance(result, (tuple, list)) and len(result) == 1:
                 result = result[0]  # a single output goes to the loss as a tensor, not a 1-tuple
-            outputs = [_value(n, name_of(n)) for n in output_node.all_input_nodes]
+            outputs = [_value(n, name_of(n), dtypes) for n in output_node.all_input_nodes]
             graph.output(result)
         else:
             crossing = [n for n in compute if made_on[n.name] <= index < last_read[n.name]]
-            outputs = [_value(n, name_of(n)) for n in crossing]
+            outputs = [_value(n, name_of(n), dtypes) for n in crossing]
             # Sends need dense tensors (an expanded mask is a view); contiguous() is free when
             # the tensor already is.
             sent = []
@@ -339,6 +345,6 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int)
                 sent.append(dense)
             graph.output(tuple(sent) if len(sent) > 1 else sent[0] if sent else ())
         stage_gm = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
-        stages.append(StageGraph(index, stage_gm, [_value(n, name_of(n)) for n in inputs], outputs, params, buffers,
+        stages.append(StageGraph(index, stage_gm, [_value(n, name_of(n), dtypes) for n in inputs], outputs, params, buffers,
                                  [name for name in buffers if name in mutated]))
     return stages

@@ -1,0 +1,114 @@
+"""The dtype each value has under the program's autocast, so a stage boundary carries what the
+unpartitioned model would have computed with.
+
+Note [boundaries in the autocast dtype]: under bf16-/fp16-mixed, a value's dtype is autocast's
+choice, not the trace's: a matmul writes bf16, a residual add of two bf16 values stays bf16, a norm
+may write fp32. A boundary sent in the traced dtype (fp32) is an upcast the unpartitioned model
+never does: the next stage then adds bf16 to fp32, promotes, and its numerics depend on where the
+solver cut (``verify`` failed on a 2-stage cut of a 4-block MLP at step 0). So the plan's boundary
+dtypes are the ones autocast produces, found by running the graph once on fake tensors of the
+program's device type under that device's autocast (CPU and CUDA autocast keep different op
+lists: CPU's layer_norm and softmax write bf16, CUDA's write fp32). The fake run needs no GPU:
+autocast's CUDA kernels are entered by setting its thread state directly, which torch.autocast
+refuses to do on a machine without CUDA. Sends, receive buffers and the backward's gradients then
+all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
+already counts: ``COMPUTE_ELEM_BYTES`` in runtime/precision.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses import FakeTensorMode
+
+from passes._fake_run import get_module_attr
+from runtime import randomness
+from runtime.precision import AUTOCAST_DTYPE, check_precision
+
+
+def _fake_like(value, device: torch.device):
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = tuple(int(s) for s in value.shape)
+    return torch.empty(shape, dtype=value.dtype, device=device)
+
+
+def _on_device(value, device: torch.device):
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _dtype_name(value) -> str | None:
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else None
+
+
+class _AutocastState:
+    """Autocast on for ``device_type`` in this thread, entered without torch.autocast's check that
+    the device is present (Note [boundaries in the autocast dtype])."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type, self.dtype = device_type, dtype
+
+    def __enter__(self):
+        self.saved = (torch.is_autocast_enabled(self.device_type), torch.get_autocast_dtype(self.device_type))
+        torch.set_autocast_enabled(self.device_type, True)
+        torch.set_autocast_dtype(self.device_type, self.dtype)
+        torch.autocast_increment_nesting()
+
+    def __exit__(self, *exc):
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(self.device_type, self.saved[0])
+        torch.set_autocast_dtype(self.device_type, self.saved[1])
+
+
+def autocast_dtypes(gm: fx.GraphModule, precision: str, device_type: str) -> dict[str, str]:
+    """Node name -> the dtype of its tensor output under ``precision``'s autocast on
+    ``device_type`` ("cpu" or "cuda"); empty under fp32 (every value keeps its traced dtype).
+    A node the fake run cannot execute is refused with its name: sending it in a guessed dtype
+    would train differently from the unpartitioned model."""
+    compute = AUTOCAST_DTYPE[check_precision(precision)]
+    if compute is None:
+        return {}
+    device = torch.device(device_type)
+    env: dict[str, object] = {}
+    out: dict[str, str] = {}
+    # keyed random ops draw from a context (runtime/randomness.py); any one does for a dtype
+    context = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
+    with FakeTensorMode(allow_non_fake_inputs=True), _AutocastState(device_type, compute), torch.no_grad(), \
+            randomness.restored(context):
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                continue
+            if node.op == "placeholder":
+                value = _fake_like(node.meta.get("val"), device)
+            elif node.op == "get_attr":
+                attr = get_module_attr(gm, node.target)
+                value = _fake_like(attr, device) if isinstance(attr, torch.Tensor) else attr
+            elif node.op == "call_function":
+                args = _on_device(fx.node.map_arg(node.args, lambda n: env[n.name]), device)
+                kwargs = _on_device(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
+                names = ([a.name for a in node.target._schema.arguments]
+                         if isinstance(node.target, torch._ops.OpOverload) else [])
+                if "device" in names[len(args):] and "device" not in kwargs:
+                    kwargs["device"] = device  # factories: where the stage runs (`with torch.device`)
+                try:
+                    value = node.target(*args, **kwargs)
+                except Exception as error:
+                    raise ValueError(
+                        f"node {node.name!r} ({getattr(node.target, '__name__', node.target)}) could not be run "
+                        f"under {precision} autocast on {device_type} to find the dtype it sends across a stage "
+                        f"boundary ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): "
+                        "compile with --precision fp32") from None
+            else:
+                raise ValueError(f"node {node.name!r} is a {node.op} node, which an exported graph does not hold")
+            env[node.name] = value
+            name = _dtype_name(value)
+            if name is not None:
+                out[node.name] = name
+    return out
