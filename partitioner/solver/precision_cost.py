@@ -21,8 +21,10 @@ solve, so the ILP, the chain DP, the checker and the baselines all see them alik
   ``tp_comm_bytes``), which stays fp32: an embedding is not autocast. The per-step gathers of split
   gradients (``tp_step_gather_bytes``) move fp32 gradients and keep their traced bytes;
 - what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
-  the tensors crossing a stage boundary are cast back to the plan's dtype, so pipeline
-  communication bytes are the traced ones. Saved activations stay at the traced dtype too, which over-counts the
+  pipeline communication is priced at the traced bytes, although a boundary crosses in the dtype
+  autocast made it in (Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py):
+  exact for an fp32 residual stream (GPT's embedding sum keeps it fp32), twice the bytes of one
+  that autocast turned bf16 (conservative). Saved activations stay at the traced dtype too, which over-counts the
   halves that autocast's matmuls save in bf16/fp16 (conservative, not modelled finer).
 """
 
