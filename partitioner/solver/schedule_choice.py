@@ -4,7 +4,8 @@ Note [schedule choice]
     Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b, interleaved) is solved over
     the whole allowed (stages, dp, microbatches) space by ``solve`` (interleaved at every v of
     LOCAL_STAGE_OPTIONS, ``solve_any_local_stages``), and the plan with the smallest predicted
-    step time under the memory limit wins; on a tie the earlier of SCHEDULE_ORDER (1f1b first: it
+    step time under the memory limit wins (the whole step: the terms beside the ILP, Note [terms
+    outside the ILP] in space.py, differ between the schedules' winners); on a tie the earlier of SCHEDULE_ORDER (1f1b first: it
     holds fewer activations). In the cost model (Note [cost model] in evaluate.py) 1F1B and GPipe
     have the same time for the same (p, d, m) and GPipe holds every microbatch's activations, so
     GPipe can only win where 1F1B cannot run: fewer microbatches than stages (Note [only runnable
@@ -66,7 +67,7 @@ def solve_any_local_stages(solve, problem, cluster, global_batch, *, config, **k
 
 
 def _others(results, errors, chosen_name) -> str:
-    parts = [f"{s} {r.step_time_s:.6g} s ({r.status})" for s, r in results.items() if s != chosen_name]
+    parts = [f"{s} {r.total_step_s:.6g} s ({r.status})" for s, r in results.items() if s != chosen_name]
     return ", ".join(parts + [f"{s} has no plan" for s in errors])
 
 
@@ -88,14 +89,15 @@ def _best_of(runs: dict, order: list[str], what: str = "no schedule has a plan")
             raise PartitionInfeasibleError(f"{what} ({detail})",
                                            timed_out=any(getattr(e, "timed_out", False) for e in infeasible))
         raise ValueError(f"{what} ({detail})")
-    chosen_name = min(results, key=lambda s: (results[s].step_time_s, order.index(s)))
+    # on the whole predicted step: the terms beside the ILP (norm, replica check) differ with dp
+    chosen_name = min(results, key=lambda s: (results[s].total_step_s, order.index(s)))
     chosen = results[chosen_name]
     status, bound = chosen.status, chosen.bound
     for name, other in results.items():
         if name == chosen_name:
             continue
         other_bound_s = (other.bound * other.time_unit_s) if other.bound is not None else 0.0
-        if other.status != "OPTIMAL" and other_bound_s < chosen.step_time_s:
+        if other.status != "OPTIMAL" and other_bound_s < chosen.total_step_s:  # its terms are >= 0
             status = "FEASIBLE"
             if bound is not None:
                 bound = min(bound, max(0, math.floor(other_bound_s / chosen.time_unit_s)))

@@ -115,6 +115,13 @@ class Solution:
     # of this many ranks when > 1; the figures are of SearchSpace.inputs(variant, dp).
     tensor_parallel: int = 1
     shard_optimizer: bool = False
+    # The per-step terms beside the ILP's objective (Note [terms outside the ILP] in space.py):
+    # the plan's predicted step is step_time_s + extra_step_s, and plans are compared on that sum.
+    extra_step_s: float = 0.0
+
+    @property
+    def total_step_s(self) -> float:
+        return self.step_time_s + self.extra_step_s
 
     @property
     def assignment(self) -> Assignment:

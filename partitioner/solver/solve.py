@@ -256,7 +256,7 @@ def solve(
                    baseline_details=baselines, candidates=tuple(records), status=status, bound=bound,
                    solve_time_s=time.perf_counter() - start, optimal_over=f"{scope}; {space.scope_words()}",
                    lower_bound_step_time_s=whole_space_lower_s,
-                   shard_optimizer=winner.sharded)
+                   shard_optimizer=winner.sharded, extra_step_s=best_s - best.step_time_s)
 
 
 def solve_with_sharding(problem, cluster, global_batch: int, *, shard: str = "auto", dp: int | None = None,

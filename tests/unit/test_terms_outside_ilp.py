@@ -61,3 +61,19 @@ def test_baselines_split_the_plans_own_tensor_groups_with_its_step_terms():
     assert plan.tensor_parallel == 2 and plan.predicted["grad_norm_s_per_step"] > 0
     for name in ("uniform", "param_balanced"):
         assert plan.baselines[name]["step_time_s"] == pytest.approx(ours, rel=1e-9), name
+
+
+def test_schedule_auto_weighs_the_terms_between_schedules():
+    """Note [schedule choice]: with one microbatch 1F1B can only run one stage (dp 2: the norm over
+    every gradient byte on one stage), GPipe can run two stages (the norm split): the faster ILP
+    objective is 1F1B's, the faster predicted step GPipe's, and auto must pick by the step."""
+    problem, cluster = _problem(), _cluster()
+    config, terms = SolverConfig(time_limit_s=5), StepTerms(global_norm=True)
+    each = {s: solve(problem, cluster, 2, microbatches=1, schedule=s, config=config, step_terms=terms)
+            for s in ("1f1b", "gpipe")}
+    assert each["1f1b"].step_time_s < each["gpipe"].step_time_s  # the ILP alone prefers 1F1B
+    chosen = solve(problem, cluster, 2, microbatches=1, schedule="auto", config=config, step_terms=terms)
+    assert (chosen.schedule, chosen.num_stages, chosen.dp) == ("gpipe", 2, 1)
+    for s, other in each.items():
+        assert chosen.total_step_s == pytest.approx(_full_s(chosen, problem, cluster), rel=1e-9)
+        assert _full_s(chosen, problem, cluster) <= _full_s(other, problem, cluster) * (1 + 1e-9), s
