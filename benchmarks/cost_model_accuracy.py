@@ -293,7 +293,8 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     from partitioner.analysis import analyze, build_problem
     from partitioner.models import load_workload
     from partitioner.solver.evaluate import evaluate
-    from partitioner.solver.problem import Assignment, in_flight_microbatches, place_stages
+    from partitioner.solver.problem import Assignment, place_stages
+    from runtime.pipeline_schedules import schedule_named
     from runtime.stage import build_stage
 
     torch.set_num_threads(1)
@@ -338,7 +339,7 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                 inputs = stage_inputs(folder, modules, args)
                 for s, module in enumerate(modules):
                     measured_s = time_stage(module, inputs[s], warmup=warmup, repeats=repeats)
-                    k = in_flight_microbatches(plan.schedule, s, num_stages, plan.num_microbatches)
+                    k = schedule_named(plan.schedule).in_flight(s, num_stages, plan.num_microbatches)
                     memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                                           num_microbatches=plan.num_microbatches, in_flight=k,
                                           make_batch=workload.make_batch, global_batch=plan.global_batch,
@@ -395,7 +396,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     from partitioner.cluster import ClusterSpec
     from partitioner.analysis import analyze
     from partitioner.models import load_workload
-    from partitioner.solver.problem import in_flight_microbatches
+    from runtime.pipeline_schedules import schedule_named
     from partitioner.codegen.split import split_graph
     from runtime.stage import build_stage
 
@@ -423,7 +424,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     inputs = stage_inputs("", modules, args)
     rows = []
     for s, module in enumerate(modules):
-        k = in_flight_microbatches(plan.schedule, s, num_stages, plan.num_microbatches)
+        k = schedule_named(plan.schedule).in_flight(s, num_stages, plan.num_microbatches)
         memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                               num_microbatches=plan.num_microbatches, in_flight=k,
                               make_batch=workload.make_batch, global_batch=plan.global_batch,

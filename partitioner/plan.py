@@ -139,6 +139,11 @@ class Plan:
     version: int = PLAN_VERSION
 
     # --- serialization -------------------------------------------------------------------
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks per pipeline: the stages over it (several per rank under interleaved)."""
+        return self.world_size // (self.dp * self.tensor_parallel)
+
     def to_dict(self) -> dict:
         body = _jsonable(asdict(self))
         body["stages"] = [_renamed(s, _JSON_KEYS) for s in body["stages"]]   # Note [json keys]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from runtime.errors import PlanMismatchError
 from runtime.layout import Layout
-from runtime.program_parts import (SCHEDULES, DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, RandomnessSpec,
+from runtime.pipeline_schedules import schedule_named
+from runtime.program_parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, RandomnessSpec,
                                    RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
 
 
@@ -133,8 +134,7 @@ class Program:
 
 def _validate(program: Program) -> None:
     """Consistency of a Program (its parts checked themselves); ValueError naming values and fix."""
-    if program.schedule not in SCHEDULES:
-        raise ValueError(f"schedule {program.schedule!r} is not one of {SCHEDULES}")
+    schedule_named(program.schedule)  # raises naming the schedules there are
     for name in ("world_size", "num_stages", "dp", "num_microbatches", "global_batch", "tensor_parallel"):
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
@@ -154,12 +154,6 @@ def _validate(program: Program) -> None:
     for i, st in enumerate(program.stages):
         if st.index != i:
             raise ValueError(f"stages[{i}] has index {st.index}: stages must be listed in order")
-    # Note [only runnable plans] in partitioner/solver/problem.py: the solver never emits these,
-    # but a hand-edited or hand-written program must fail here, in words, not inside every rank.
-    if program.schedule == "1f1b" and m < p:
-        raise ValueError(f"schedule 1f1b needs num_microbatches >= num_stages (torch's Schedule1F1B), "
-                         f"got {m} microbatches for {p} stages: recompile with --microbatches {p} or more, "
-                         "or --schedule gpipe")
     if len(program.ranks) != world:
         raise ValueError(f"world_size={world} but {len(program.ranks)} rank entries")
     b = program.global_batch
@@ -198,11 +192,11 @@ def _validate(program: Program) -> None:
                     "partitioner/codegen/split.py); recompile the program")
             holder[name] = st.index
     layout = program.layout  # raises if the rank layout is inconsistent
-    rounds = max(1, m // layout.pp_size)
-    if program.schedule == "interleaved" and m % rounds:
-        raise ValueError(f"schedule interleaved needs num_microbatches to be a multiple of its rounds "
-                         f"(max(1, {m} // {layout.pp_size} pipeline ranks) = {rounds}), got {m}: choose "
-                         f"a multiple of {layout.pp_size} microbatches")
+    # Note [only runnable plans] in partitioner/solver/problem.py: the solver never emits these,
+    # but a hand-edited or hand-written program must fail here, in words, not inside every rank.
+    refusal = schedule_named(program.schedule, p // layout.pp_size).refusal(p, m)
+    if refusal is not None:
+        raise ValueError(f"{refusal}: recompile with other --microbatches, or --schedule gpipe")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 

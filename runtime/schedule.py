@@ -13,15 +13,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+import torch.distributed.pipelining as pipelining
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
+from runtime.pipeline_schedules import Action, schedule_named
 from runtime.program import Program
 from runtime.stage import example_args
-
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                    "interleaved": ScheduleInterleaved1F1B}
 
 
 def pipeline_stage(module: torch.nn.Module, program: Program, stage_index: int,
@@ -48,46 +46,29 @@ def _unwrap_single(loss_fn: Callable) -> Callable:
 
 
 def build_schedule(stages: Sequence[PipelineStage], program: Program, loss_fn: Callable):
-    name = program.schedule
-    cls = SCHEDULE_CLASSES[name]
+    schedule = schedule_named(program.schedule, program.num_stages // program.layout.pp_size)
     first = program.stages[0]
     # Stage 0's inputs are chunked into microbatches along their batch_dim (targets along dim 0).
     chunk_spec = tuple(TensorChunkSpec(a.batch_dim or 0) for a in first.inputs)
     kwargs = dict(n_microbatches=program.num_microbatches, loss_fn=_unwrap_single(loss_fn),
                   args_chunk_spec=chunk_spec, scale_grads=True)
-    if name == "interleaved":
-        return cls(list(stages), **kwargs)
+    if schedule.local_stages > 1:  # torch's multi-stage schedules take the rank's list of stages
+        return getattr(pipelining, schedule.torch_class)(list(stages), **kwargs)
     if len(stages) != 1:
-        raise ValueError(f"schedule {name!r} runs one stage per rank, but this rank holds "
+        raise ValueError(f"schedule {schedule.name!r} runs one stage per rank, but this rank holds "
                          f"{len(stages)} stages: use schedule 'interleaved'")
-    return cls(stages[0], **kwargs)
+    return getattr(pipelining, schedule.torch_class)(stages[0], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
 # Printable schedule
 
 
-def _rank_orders(name: str, pp: int, num_stages: int, m: int) -> list[list[tuple[str, int, int]]]:
+def _rank_orders(name: str, pp: int, num_stages: int, m: int) -> list[list[Action]]:
     """Per pipeline position, the order of compute actions (kind "F"/"B", stage, microbatch) as
     torch.distributed.pipelining executes them."""
-    orders = []
-    for pos in range(pp):
-        if name == "gpipe":
-            acts = [("F", pos, i) for i in range(m)] + [("B", pos, i) for i in range(m)]
-        elif name == "1f1b":
-            warm = min(m, num_stages - pos)
-            acts = [("F", pos, i) for i in range(warm)]
-            f, b = warm, 0
-            while b < m:
-                acts.append(("B", pos, b))
-                b += 1
-                if f < m:
-                    acts.append(("F", pos, f))
-                    f += 1
-        else:
-            acts = _interleaved_order(pos, pp, num_stages // pp, m)
-        orders.append(acts)
-    return orders
+    schedule = schedule_named(name, num_stages // pp)
+    return [schedule.rank_order(pos, pp, num_stages, m) for pos in range(pp)]
 
 
 def rank_actions(program: Program, rank: int) -> list[Action]:
@@ -97,27 +78,6 @@ def rank_actions(program: Program, rank: int) -> list[Action]:
     position = layout.pipelines[layout.pipeline_index(rank)].index(rank)
     return _rank_orders(program.schedule, layout.pp_size, program.num_stages,
                         program.num_microbatches)[position]
-
-
-def _interleaved_order(pos: int, pp: int, n_local: int, m: int) -> list[tuple[str, int, int]]:
-    # Ask torch's own Interleaved1F1B for its order without building stages or groups.
-    sched = object.__new__(ScheduleInterleaved1F1B)
-    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, n_local, m
-    sched.number_of_rounds = max(1, m // pp)
-    sched.microbatches_per_round = m // sched.number_of_rounds
-    acts = []
-    for a in sched._calculate_single_rank_operations(pos):
-        if a is None:
-            continue
-        kind = getattr(a.computation_type, "value", str(a.computation_type))
-        if kind == "F":
-            acts.append(("F", a.stage_index, a.microbatch_index))
-        elif kind == "B":
-            acts.append(("B", a.stage_index, a.microbatch_index))
-    return acts
-
-
-Action = tuple[str, int, int]  # (kind "F"/"B", stage, microbatch)
 
 
 def timed_actions(name: str, pp: int, num_stages: int, m: int,

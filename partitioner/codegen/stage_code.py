@@ -55,6 +55,7 @@ from partitioner import ir
 from partitioner.codegen.recompute import MethodRef
 from partitioner.codegen.split import StageGraph
 from partitioner.plan import Plan
+from runtime.pipeline_schedules import schedule_named
 from runtime.recompute import checkpointed
 
 
@@ -180,14 +181,12 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     if not stage.checkpointed:
         return []
     from partitioner.inspect.units import human_bytes
-    from partitioner.solver.problem import in_flight_microbatches
-
     sp = plan.stages[stage.index]
     regions = list(dict.fromkeys(run.region for run in stage.checkpointed))
     saved_per_sample = sum(r.activation_bytes for r in plan.regions if r.name in regions)
     kept = sum(run.kept_bytes for run in stage.checkpointed)
-    in_flight = (in_flight_microbatches(plan.schedule, stage.index, plan.num_stages, plan.num_microbatches)
-                 if plan.schedule in ("gpipe", "1f1b") else plan.num_microbatches)
+    in_flight = schedule_named(plan.schedule, plan.num_stages // plan.pipeline_ranks).in_flight(
+        stage.index, plan.num_stages, plan.num_microbatches)
     extra = max(0, in_flight * (plan.microbatch_size * saved_per_sample - kept))
     return [""] + textwrap.wrap(
         f"Recomputed in backward (activation checkpointing through runtime.recompute.checkpointed, one "

@@ -10,16 +10,16 @@ from partitioner.cluster import ClusterSpec, LinkSpec
 from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
-    in_flight_microbatches,
     microbatch_overhead_s,
     place_stages,
     plan_links,
     region_times_s,
 )
 from partitioner.solver.recompute_cost import recompute_s
+from partitioner.solver.schedules import priced_schedule
 
 __all__ = ["lower_bound_step_time_s", "candidate_lower_bound_s", "allreduce_lower_bound_s",
-           "core_sharing_lower_bound", "interleaved_lower_bound_s"]
+           "core_sharing_lower_bound"]
 
 
 def lower_bound_step_time_s(
@@ -99,9 +99,11 @@ def candidate_lower_bound_s(
       with the fastest data-parallel link.
     """
     p, d, m, b = num_stages, dp, num_microbatches, microbatch_size
-    if schedule == "interleaved":
-        return interleaved_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
-                                         microbatch_size=b, local_stages=local_stages)
+    priced = priced_schedule(schedule, local_stages)  # Note [one class per schedule]
+    own = priced.lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                               allow_recompute=allow_recompute)
+    if own is not None:
+        return own
     homogeneous = cluster.is_homogeneous
     fastest = max(cluster.devices, key=lambda dev: dev.flops_per_s)
     # Every stage holds the global batch and at least the smallest region's backward transient
@@ -111,7 +113,7 @@ def candidate_lower_bound_s(
     capacity = max(dev.usable_memory_bytes for dev in cluster.devices) - floor
     if capacity < 0:
         return math.inf
-    in_flight = sorted((in_flight_microbatches(schedule, s, p, m) for s in range(p)), reverse=True)
+    in_flight = sorted((priced.in_flight(s, p, m) for s in range(p)), reverse=True)
     static_left = float(sum(r.static_bytes for r in problem.regions))
     budget = 0.0  # saved activation bytes per sample the stages can hold at best
     for k in in_flight:
@@ -180,30 +182,3 @@ def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, 
     bandwidth = max(link.bandwidth_bytes_per_s for link in links)
     latency = min(link.latency_s for link in links)
     return 2 * (d - 1) * (grads / (p * d * bandwidth) + latency)
-
-
-def interleaved_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, num_stages: int, dp: int,
-                              num_microbatches: int, microbatch_size: int, local_stages: int) -> float:
-    """A lower bound on every interleaved plan of (p, d, m, b) with v = ``local_stages`` on one
-    device class (Note [interleaved pricing] in interleaved.py): the pipeline is slots·(F + B) and
-    F + B >= max_s T_s >= max(sum_s T_s / p, the largest region's work), sum_s T_s >= the work +
-    both directions' boundary latencies + p overheads; some rank holds >= 1/pp of the gradients
-    (its all-reduce); ties >= 0; times the placement's core-sharing factor. Never inf: memory is
-    left to CP-SAT."""
-    from partitioner.solver.interleaved import pipeline_slots
-
-    p, d, m, b, v = num_stages, dp, num_microbatches, microbatch_size, local_stages
-    pp = p // v
-    placement = place_stages(cluster, p, d, local_stages=v)
-    device = cluster.devices[0]
-    boundary, dp_links, _ = plan_links(cluster, placement)
-    works = [sum(region_times_s(r, device, b)) for r in problem.regions]
-    total = sum(works) + 2 * sum(link.latency_s for link in boundary) + p * microbatch_overhead_s(problem, device)
-    pipeline = pipeline_slots(pp, v, m) * max(total / p, max(works))
-    allreduce = 0.0
-    links = [link for link in dp_links if link is not None]
-    if d > 1 and links:
-        grads = sum(r.grad_bytes for r in problem.regions)
-        bandwidth = max(link.bandwidth_bytes_per_s for link in links)
-        allreduce = 2 * (d - 1) * (grads / (pp * d * bandwidth) + min(link.latency_s for link in links))
-    return (pipeline + allreduce) * core_sharing_factor(cluster, placement)

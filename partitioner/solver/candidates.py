@@ -14,7 +14,8 @@ from partitioner.solver.check import check_assignment
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
-from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages, schedule_refusal
+from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages
+from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.solution import Solution
 
 __all__ = ["enumerate_candidates", "solve_candidate", "validate_request"]
@@ -41,7 +42,7 @@ def solve_candidate(
     b = global_batch // (d * m)
     single_node = len({device.node for device in cluster.devices}) == 1
     if cluster.is_homogeneous:
-        v = config.local_stages if schedule == "interleaved" else 1  # Note [interleaved pricing]
+        v = priced_schedule(schedule, config.local_stages).local_stages  # Note [interleaved pricing]
         result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=v)], p=p, d=d, m=m, b=b,
                                   schedule=schedule, config=config, time_limit_s=time_limit_s,
                                   incumbent_s=incumbent_s)
@@ -95,7 +96,8 @@ def enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microba
     class_counts: dict[tuple, int] = {}
     for device in cluster.devices:
         class_counts[device.device_class] = class_counts.get(device.device_class, 0) + 1
-    v = config.local_stages if schedule == "interleaved" else 1  # Note [interleaved pricing]
+    priced = priced_schedule(schedule, config.local_stages)  # Note [one class per schedule]
+    v = priced.local_stages
     stage_options = [num_stages] if num_stages is not None else range(1, min(num_devices * v, n) + 1)
     out = []
     for p in stage_options:
@@ -112,7 +114,7 @@ def enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microba
                     continue
                 if microbatches is None and config.max_microbatches is not None and m > config.max_microbatches:
                     continue
-                if schedule_refusal(schedule, p, m, local_stages=v) is not None:
+                if priced.refusal(p, m) is not None:
                     continue
                 out.append((p, d, m))
     return out
@@ -126,23 +128,31 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     if schedule not in SCHEDULES and schedule != "auto":  # auto: Note [schedule choice]
         raise ValueError(f"schedule={schedule!r} is not supported by the solver; use one of "
                          f"{SCHEDULES} or auto (--schedule 1f1b)")
-    if schedule == "interleaved" and not cluster.is_homogeneous:  # Note [interleaved pricing]
-        raise ValueError("schedule interleaved is priced on one device class only, and this cluster has "
+    if schedule == "auto":
+        return _validate_counts(cluster, global_batch, num_stages, dp, microbatches, (1,))
+    priced = priced_schedule(schedule)
+    if priced.one_device_class and not cluster.is_homogeneous:  # Note [interleaved pricing]
+        raise ValueError(f"schedule {schedule} is priced on one device class only, and this cluster has "
                          f"{len({d.device_class for d in cluster.devices})}: use --schedule 1f1b, gpipe or auto")
+    _validate_counts(cluster, global_batch, num_stages, dp, microbatches, priced.local_stage_options)
+
+
+def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_stage_options):
+    """The request's counts against the devices and the batch; ``local_stage_options``: the
+    stages per rank the schedule may put on a rank (stage counts are checked per rank then)."""
     for name, value in (("num_stages", num_stages), ("dp", dp), ("microbatches", microbatches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
     devices = cluster.num_devices
-    if schedule == "interleaved" and num_stages is not None:  # several stages per rank
-        from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS
-
-        ok = [v for v in LOCAL_STAGE_OPTIONS if num_stages % v == 0 and 2 <= num_stages // v <= devices]
+    several = local_stage_options != (1,)  # several stages per rank
+    if several and num_stages is not None:
+        ok = [v for v in local_stage_options if num_stages % v == 0 and 2 <= num_stages // v <= devices]
         if not ok:
-            good = sorted({v * r for v in LOCAL_STAGE_OPTIONS for r in range(2, devices + 1)})
+            good = sorted({v * r for v in local_stage_options for r in range(2, devices + 1)})
             raise ValueError(f"num_stages={num_stages} (--stages) cannot run interleaved on {devices} devices: it "
-                             f"puts {'/'.join(map(str, LOCAL_STAGE_OPTIONS))} stages on each of at least 2 ranks "
+                             f"puts {'/'.join(map(str, local_stage_options))} stages on each of at least 2 ranks "
                              f"(at most {devices}); use --stages {' or '.join(map(str, good[:4]))}")
-    if schedule == "interleaved":  # stage counts were checked per rank above
+    if several:  # stage counts were checked per rank above
         num_stages = None
     for name, flag, value in (("num_stages", "--stages", num_stages), ("dp", "--dp", dp)):
         if value is not None and value > devices:
@@ -164,8 +174,9 @@ def validate_request(problem, cluster, global_batch, num_stages, dp, microbatche
     if dp is not None and microbatches is not None and global_batch % (dp * microbatches):
         raise ValueError(f"global_batch={global_batch} is not divisible by dp * microbatches = "
                          f"{dp} * {microbatches}; choose values whose product divides it")
-    if num_stages is not None and microbatches is not None and schedule in ("gpipe", "1f1b"):
-        refusal = schedule_refusal(schedule, num_stages, microbatches)
+    one_per_rank = schedule != "auto" and priced_schedule(schedule).local_stage_options == (1,)
+    if num_stages is not None and microbatches is not None and one_per_rank:
+        refusal = priced_schedule(schedule).refusal(num_stages, microbatches)
         if refusal is not None:
             raise ValueError(f"{refusal}: use --microbatches {num_stages} or more, fewer stages, "
                              "or --schedule gpipe")

@@ -26,12 +26,12 @@ from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
     core_sharing_factor,
-    in_flight_microbatches,
     microbatch_overhead_s,
     plan_links,
     region_times_s,
 )
 from partitioner.solver.recompute_cost import recompute_s
+from partitioner.solver.schedules import priced_schedule
 
 __all__ = ["ChainDPResult", "solve_chain_dp", "chain_lower_bound_s", "has_chain_backbone"]
 
@@ -90,7 +90,7 @@ def _segment_memory(problem, placement, s, *, num_microbatches, microbatch_size,
     cut_out = cut_at[None, :] if s < p - 1 else np.zeros((1, n + 1))
     batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
     held = (static[None, :] - static[:, None] + m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch)
-    k = in_flight_microbatches(schedule, s, p, m)
+    k = priced_schedule(schedule).in_flight(s, p, m)
     active = k * b * (saved_prefix[None, :] - saved_prefix[:, None] + cut_out) + transient_max
     step = np.minimum(grads[None, :] - grads[:, None], problem.allreduce_bucket_bytes) if d > 1 else 0.0
     return held, active, held + step
@@ -160,7 +160,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
         capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
         compute = np.concatenate([[0.0], np.cumsum([sum(region_times_s(r, device, b)) for r in problem.regions])])
         comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
-        k = in_flight_microbatches(schedule, s, p, m)
+        k = priced_schedule(schedule).in_flight(s, p, m)
         held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
                                              schedule=schedule, cut_at=cut_at, saved_prefix=act,
                                              transient_max=np.zeros((n + 1, n + 1)))
@@ -367,7 +367,7 @@ def chain_lower_bound_s(
         t = compute[None, :] - compute[:, None]
         comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         t += comm
-        k = in_flight_microbatches(schedule, s, p, m)
+        k = priced_schedule(schedule).in_flight(s, p, m)
         # Transients without recompute: recomputing only raises them, so this stays a bound.
         held, active, step = _segment_memory(problem, placement, s, num_microbatches=m, microbatch_size=b,
                                              schedule=schedule, cut_at=cut_at, saved_prefix=act,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.evaluate import CostBreakdown, evaluate
-from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem, schedule_refusal
+from partitioner.solver.schedules import priced_schedule
+from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 
 __all__ = ["AssignmentError", "check_assignment", "structural_violations"]
 
@@ -38,7 +39,7 @@ def structural_violations(
         return out
     if a.schedule not in SCHEDULES:
         out.append(f"schedule={a.schedule!r} is not one of {SCHEDULES}")
-    elif (refusal := schedule_refusal(a.schedule, p, a.num_microbatches, local_stages=a.local_stages)) is not None:
+    elif (refusal := priced_schedule(a.schedule, a.local_stages).refusal(p, a.num_microbatches)) is not None:
         out.append(refusal)
     if global_batch is not None and a.microbatch_size * d * a.num_microbatches != global_batch:
         out.append(f"microbatch_size * dp * num_microbatches = {a.microbatch_size} * {d} * "
@@ -66,7 +67,7 @@ def structural_violations(
                    f"{[len(row) for row in a.device_of_stage_replica]}")
         return out
     rows = a.device_of_stage_replica
-    if a.schedule == "interleaved":  # stage s on the devices of pipeline position s % pp
+    if a.local_stages > 1:  # stage s on the devices of pipeline position s % pp
         pp = a.pipeline_ranks
         moved = [s for s in range(p) if rows[s] != rows[s % pp]]
         if moved:

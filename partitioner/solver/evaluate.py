@@ -80,11 +80,11 @@ from dataclasses import dataclass
 
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.bounds import lower_bound_step_time_s
+from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
     core_sharing_factor,
-    in_flight_microbatches,
     microbatch_overhead_s,
     plan_links,
     region_step_s,
@@ -253,16 +253,12 @@ def evaluate(
         )
     bottleneck = max(st.time_s for st in stage_costs)
     total = sum(st.time_s for st in stage_costs)
-    pipeline = (m - 1) * bottleneck + total
-    dp_allreduce = max(st.dp_allreduce_s for st in stage_costs)
     pp = a.pipeline_ranks
+    # Note [one class per schedule] in runtime/pipeline_schedules.py
+    pipeline, dp_allreduce, rank_memory, rank_capacity = priced_schedule(a.schedule, a.local_stages).pipeline_terms(
+        problem, a, stage_costs, dp_links, scale)
     state_bytes = [st.params_bytes + st.optimizer_bytes for st in stage_costs]
-    rank_memory, rank_capacity = (), ()
-    if a.schedule == "interleaved":  # Note [interleaved pricing]
-        pipeline, dp_allreduce, rank_memory, rank_capacity = _interleaved_terms(
-            problem, a, stage_costs, dp_links, scale)
-        bottleneck = max(st.time_s for st in stage_costs)
-        state_bytes = [sum(state_bytes[pos::pp]) for pos in range(pp)]
+    state_bytes = [sum(state_bytes[pos::pp]) for pos in range(pp)]  # per rank: its stages
     sdc_check = 0.0
     if sdc_every > 0 and d > 1:
         sdc_check = scale * replica_check_s(
@@ -297,33 +293,6 @@ def evaluate(
     )
 
 
-def _interleaved_terms(problem, a: Assignment, stage_costs, dp_links, scale):
-    """(pipeline, dp_allreduce, rank peaks, rank capacities) of an interleaved plan (Note
-    [interleaved pricing] in interleaved.py): the worst-stage bound on torch's timeline, the
-    all-reduce of each rank's stages' gradients at once, and each rank's peak as the sum of its
-    stages' less the v - 1 extra copies of the global batch."""
-    from partitioner.solver.interleaved import pipeline_slots
-
-    pp, v, d, m, b = a.pipeline_ranks, a.local_stages, a.dp, a.num_microbatches, a.microbatch_size
-    fwd_max = max(st.forward_s for st in stage_costs)
-    bwd_max = max(st.time_s - st.forward_s for st in stage_costs)
-    pipeline = pipeline_slots(pp, v, m) * (fwd_max + bwd_max)
-    allreduce = 0.0
-    batch = d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
-    rank_memory, rank_capacity = [], []
-    for pos in range(pp):
-        mine = stage_costs[pos::pp]
-        link = dp_links[pos]
-        step_s = sum(st.step_s for st in mine)
-        if link is not None:
-            grads = sum(st.grads_bytes for st in mine)
-            step_s += scale * 2 * (d - 1) * (grads / d / link.bandwidth_bytes_per_s + link.latency_s)
-        allreduce = max(allreduce, step_s)
-        rank_memory.append(sum(st.memory_bytes for st in mine) - (v - 1) * batch)
-        rank_capacity.append(mine[0].capacity_bytes)
-    return pipeline, allreduce, tuple(rank_memory), tuple(rank_capacity)
-
-
 def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list[int], cut: list[float],
                  grads_bytes: float, tie_grads_bytes: float) -> dict[str, float]:
     """The memory terms of stage s other than model state (Note [memory model]): activations,
@@ -335,7 +304,7 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
     cut_out = cut[s] if s < p - 1 else 0.0
     saved = sum(problem.regions[r].recompute_activation_bytes_per_sample if a.recompute[r]
                 else problem.regions[r].activation_bytes_per_sample for r in regions)
-    in_flight = in_flight_microbatches(a.schedule, s, p, m, local_stages=a.local_stages)
+    in_flight = priced_schedule(a.schedule, a.local_stages).in_flight(s, p, m)
     batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
     transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
     bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0

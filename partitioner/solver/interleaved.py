@@ -29,7 +29,7 @@ Note [interleaved pricing]
       ``timed_actions``). At F + B = max_s (f_s + b_s) it also held on every random instance
       tried (worst 0.96 of it), but that is not proven, so it is not used.
     * Memory is per rank, not per stage: a rank's v stages share one device. At its peak a rank
-      holds ``rank_in_flight`` microbatch-stages of activations and no single stage holds more
+      holds ``Interleaved.rank_in_flight`` microbatch-stages of activations and no single stage holds more
       than min(m, that), so every stage is priced with min(m, rank_in_flight) in flight, and a
       rank's peak as the sum of its stages' peaks (Note [memory model] in evaluate.py) less the
       v - 1 extra copies of the global batch each stage's figure counts: conservative (it
@@ -39,7 +39,7 @@ Note [interleaved pricing]
     * Scope: one device class (a heterogeneous cluster refuses it; auto leaves it out there),
       pp >= 2 ranks and v >= 2 stages per rank, v in ``LOCAL_STAGE_OPTIONS`` unless fixed
       (SolverConfig.local_stages). The chain DP and the placement search are 1F1B/GPipe-only, so
-      an interleaved candidate's strong bound is its cheap one (bounds.interleaved_lower_bound_s).
+      an interleaved candidate's strong bound is its cheap one (``PricedInterleaved.lower_bound_s`` in schedules.py).
 
 Note [zero-bubble schedules]
     torch 2.13 ships three schedules that split each backward into an input-gradient action (I)
@@ -65,41 +65,11 @@ Note [zero-bubble schedules]
 
 from __future__ import annotations
 
-__all__ = ["LOCAL_STAGE_OPTIONS", "interleaved_refusal", "rounds", "rank_in_flight", "pipeline_slots",
-           "uniform_pipeline_s"]
+# torch's rules for this schedule (its refusal, rounds, what a rank holds) live with the schedule
+# the runtime drives: runtime/pipeline_schedules.py ``Interleaved`` (Note [one class per schedule]).
+__all__ = ["LOCAL_STAGE_OPTIONS", "pipeline_slots", "uniform_pipeline_s"]
 
 LOCAL_STAGE_OPTIONS = (2, 3, 4)  # v tried when SolverConfig.local_stages is None
-
-
-def rounds(pipeline_ranks: int, num_microbatches: int) -> int:
-    """torch's ``number_of_rounds``: max(1, m // pp)."""
-    return max(1, num_microbatches // pipeline_ranks)
-
-
-def interleaved_refusal(num_stages: int, pipeline_ranks: int, num_microbatches: int) -> str | None:
-    """Why ``ScheduleInterleaved1F1B`` (torch 2.13) or our rank layout would refuse this plan, or
-    None (Note [only runnable plans] in problem.py). torch raises unless m is a multiple of its
-    rounds, max(1, m // pp); the layout puts stage s on position s % pp, so every rank must get the
-    same number of stages."""
-    if pipeline_ranks < 1 or num_stages % pipeline_ranks:
-        return (f"schedule interleaved gives every pipeline rank the same number of stages, but "
-                f"{num_stages} stages do not divide over {pipeline_ranks} ranks")
-    r = rounds(pipeline_ranks, num_microbatches)
-    if num_microbatches % r:
-        return (f"schedule interleaved needs microbatches to be a multiple of its rounds "
-                f"(torch's ScheduleInterleaved1F1B: max(1, {num_microbatches} // {pipeline_ranks}) = {r}), "
-                f"got {num_microbatches}: choose a multiple of {pipeline_ranks} microbatches")
-    return None
-
-
-def rank_in_flight(position: int, pipeline_ranks: int, local_stages: int, num_microbatches: int) -> int:
-    """Microbatch-stages whose activations the rank at ``position`` holds at its peak: torch's
-    warm-up count (v - 1) * m_round + 2 * (pp - 1 - position) forwards, plus the steady state's one
-    forward before each backward, at most every microbatch of every local stage."""
-    m, pp, v = num_microbatches, pipeline_ranks, local_stages
-    per_round = m // rounds(pp, m)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - position), m * v)
-    return min(warmup + 1, m * v)
 
 
 def uniform_pipeline_s(fwd_s: float, bwd_s: float, pipeline_ranks: int, local_stages: int,

@@ -75,11 +75,11 @@ from partitioner.solver.problem import (
     SCHEDULES,
     PartitionProblem,
     core_sharing_factor,
-    in_flight_microbatches,
     plan_links,
     region_times_s,
 )
 from partitioner.solver.recompute_cost import recompute_s
+from partitioner.solver.schedules import priced_schedule
 
 __all__ = ["SolverConfig", "CandidateModel", "CandidateResult", "InconsistentBoundError"]
 
@@ -170,8 +170,10 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         self.problem, self.cluster, self.config = problem, cluster, config
         self.p, self.d, self.m, self.b = num_stages, dp, num_microbatches, microbatch_size
         self.schedule = schedule
-        self.interleaved = schedule == "interleaved"  # Note [interleaved pricing] in interleaved.py
-        self.v = (config.local_stages or 0) if self.interleaved else 1
+        # Note [one class per schedule] in runtime/pipeline_schedules.py
+        self.pipeline_schedule = priced_schedule(schedule, config.local_stages)
+        self.v = self.pipeline_schedule.local_stages
+        self.interleaved = self.v > 1  # several stages per rank: memory per rank (Note [interleaved pricing])
         if self.interleaved and (placement is None or self.v < 2 or num_stages % self.v):
             raise ValueError(f"interleaved needs a placement and local_stages >= 2 dividing {num_stages} stages "
                              f"(got local_stages={config.local_stages})")
@@ -313,7 +315,7 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         if self.interleaved:
             return True
         pr, p, m, b, d = self.problem, self.p, self.m, self.b, self.d
-        k_max = max(in_flight_microbatches(self.schedule, s, p, self.m) for s in range(p))
+        k_max = max(self.pipeline_schedule.in_flight(s, p, self.m) for s in range(p))
         ties = sum(sum(pr.tie_bytes(t)) for t in pr.ties) * p
         edges = sum(e.bytes_per_sample for e in pr.edges)
         worst = (sum(r.static_bytes for r in pr.regions) + 2 * ties

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-from partitioner.solver.problem import in_flight_microbatches
 from partitioner.solver.terms import Terms
 
 
@@ -49,7 +48,7 @@ class MemoryConstraints:
     def _activation_expr(self, s: int) -> Terms:
         """k_s·b·(saved activations + cut_out) - recompute savings, in memory units."""
         pr, b, unit = self.problem, self.b, self.mem_unit
-        in_flight = in_flight_microbatches(self.schedule, s, self.p, self.m, local_stages=self.v)
+        in_flight = self.pipeline_schedule.in_flight(s, self.p, self.m)
         expr = Terms()
         for r, region in enumerate(pr.regions):
             expr.add(math.ceil(in_flight * b * region.activation_bytes_per_sample / unit), self.in_stage[r][s])

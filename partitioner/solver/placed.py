@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.baselines import baseline_assignments
-from partitioner.solver.bounds import allreduce_lower_bound_s, interleaved_lower_bound_s, lower_bound_step_time_s
+from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_time_s
 from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.placements import is_launchable
+from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
@@ -176,10 +177,12 @@ def placement_bound_s(problem, cluster, placement, *, p, d, m, b, schedule, allo
     """A lower bound on every plan on ``placement`` (inf: none fits memory): the chain DP's bound
     when every plan is contiguous (its links and devices are the placement's), else perfectly
     divisible work on its devices; plus the all-reduce's bound; times its core-sharing factor.
-    Interleaved: bounds.interleaved_lower_bound_s (the chain DP prices 1F1B/GPipe only)."""
-    if schedule == "interleaved":
-        return interleaved_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
-                                         microbatch_size=b, local_stages=len(placement) // len(set(placement)))
+    A schedule with a bound of its own (interleaved: the chain DP prices 1F1B/GPipe only) uses it."""
+    priced = priced_schedule(schedule, len(placement) // len(set(placement)))  # Note [one class per schedule]
+    own = priced.lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
+                               allow_recompute=allow_recompute)
+    if own is not None:
+        return own
     scale = core_sharing_factor(cluster, placement)
     if chain:
         pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
@@ -253,7 +256,7 @@ def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule
     for recompute in recompute_options:
         # interleaved: the 1F1B split of the same stages is a hint only (the model checks memory per rank)
         dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                   schedule="1f1b" if schedule == "interleaved" else schedule,
+                                   schedule=priced_schedule(schedule, model.v).chain_hint().name,
                                    placement=placement, recompute=recompute, max_caps=100)
         if dp_result is not None:
             plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))

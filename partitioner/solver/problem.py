@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
+from runtime.pipeline_schedules import SCHEDULES as RUNTIME_SCHEDULES
 
 __all__ = [
     "RegionCost",
@@ -50,42 +51,23 @@ __all__ = [
     "PartitionProblem",
     "Assignment",
     "SCHEDULES",
-    "schedule_refusal",
     "region_times_s",
     "microbatch_overhead_s",
     "region_step_s",
     "core_sharing_factor",
-    "in_flight_microbatches",
     "place_stages",
     "plan_links",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # interleaved: Note [interleaved pricing] in interleaved.py
-
-
-def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int, *,
-                     local_stages: int = 1) -> str | None:
-    """Why torch.distributed.pipelining would refuse this (schedule, stages, microbatches), or None.
-
-    Note [only runnable plans]: every constraint the runtime's schedules impose is a constraint of
-    the solver, so a plan never dies at the first step. torch 2.13's ``Schedule1F1B`` raises when
-    ``n_microbatches < num_stages`` (its warm-up sends one microbatch per later stage);
-    ``ScheduleGPipe`` takes any count; ``ScheduleInterleaved1F1B`` (``local_stages`` v >= 2 stages
-    per rank) needs the microbatches to be a multiple of its rounds and the stages to divide over
-    the ranks (interleaved.interleaved_refusal). The runtime checks the same rules at start-up
-    (runtime/program.py, Program).
-    """
-    if schedule == "interleaved":
-        from partitioner.solver.interleaved import interleaved_refusal
-
-        if local_stages < 2 or num_stages % local_stages or num_stages // local_stages < 2:
-            return (f"schedule interleaved needs at least 2 pipeline ranks of at least 2 stages each, got "
-                    f"{num_stages} stages at {local_stages} per rank")
-        return interleaved_refusal(num_stages, num_stages // local_stages, num_microbatches)
-    if schedule == "1f1b" and num_microbatches < num_stages:
-        return (f"schedule 1f1b needs microbatches >= stages (torch's Schedule1F1B), got "
-                f"{num_microbatches} microbatches for {num_stages} stages")
-    return None
+# Note [only runnable plans]: every constraint the runtime's schedules impose is a constraint of
+# the solver, so a plan never dies at the first step: each schedule's ``refusal`` (runtime/
+# pipeline_schedules.py, Note [one class per schedule]) is torch 2.13's rule, and the candidates,
+# the request check, the independent checker and the runtime's own start-up check (runtime/
+# program.py) all ask it. ``Schedule1F1B`` raises when ``n_microbatches < num_stages`` (its warm-up
+# sends one microbatch per later stage); ``ScheduleGPipe`` takes any count;
+# ``ScheduleInterleaved1F1B`` (v >= 2 stages per rank) needs the microbatches to be a multiple of
+# its rounds and the stages to divide over the ranks.
+SCHEDULES = tuple(RUNTIME_SCHEDULES)  # interleaved: Note [interleaved pricing] in interleaved.py
 
 
 def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:
@@ -362,27 +344,6 @@ def core_sharing_factor(
     return max([1.0] + [count / cores_of_node[node] for node, count in ranks_on_node.items()])
 
 
-def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int, *,
-                           local_stages: int = 1) -> int:
-    """Microbatches whose activations stage ``stage`` holds at its peak.
-
-    GPipe runs every forward before any backward: all m. 1F1B warms up with p - s forwards on
-    stage s before its first backward, then alternates: min(p - s, m). Interleaved (v =
-    ``local_stages`` per rank): at most what its rank holds at its peak, min(m, rank_in_flight)
-    (Note [interleaved pricing] in interleaved.py).
-    """
-    if schedule == "interleaved":
-        from partitioner.solver.interleaved import rank_in_flight
-
-        pp = num_stages // local_stages
-        return min(num_microbatches, rank_in_flight(stage % pp, pp, local_stages, num_microbatches))
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(num_stages - stage, num_microbatches)
-    raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-
-
 @dataclass(frozen=True)
 class Assignment:
     """A candidate answer: where every region runs and on which devices.
@@ -410,7 +371,8 @@ class Assignment:
     @property
     def local_stages(self) -> int:
         """Stages per rank: 1, or v under interleaved (rows of a rank's stages repeat its devices)."""
-        if self.schedule != "interleaved":
+        kind = RUNTIME_SCHEDULES.get(self.schedule)
+        if kind is None or not kind.several_per_rank:  # an unknown name: the checker names it
             return 1
         return self.num_stages // len(set(self.device_of_stage_replica))
 

@@ -25,44 +25,44 @@ import re
 from dataclasses import replace
 
 from partitioner.errors import PartitionInfeasibleError
-from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS
+from partitioner.solver.schedules import SCHEDULE_ORDER, priced_schedule
 from partitioner.solver.solution import Solution
 
 __all__ = ["AUTO", "SCHEDULE_ORDER", "solve_any_schedule"]
 
 AUTO = "auto"
-SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")  # tie-break: fewer activations first, then fewer stages
 
 
 def solve_any_schedule(solve, problem, cluster, global_batch, **kwargs) -> Solution:
     """The best of ``solve(..., schedule=s)`` over SCHEDULE_ORDER (Note [schedule choice]).
     ``solve`` is solve.solve (passed in: that module dispatches here). Interleaved is left out on
     a cluster of several device classes (Note [interleaved pricing] in interleaved.py)."""
-    order = [s for s in SCHEDULE_ORDER if s != "interleaved" or cluster.is_homogeneous]
+    order = [s for s in SCHEDULE_ORDER if cluster.is_homogeneous or not priced_schedule(s).one_device_class]
     runs = {s: (lambda s=s: solve(problem, cluster, global_batch, schedule=s, **kwargs)) for s in order}
     chosen, results, errors, chosen_name = _best_of(runs, order)
     others = _others(results, errors, chosen_name)
-    if "interleaved" not in order:
-        others += ", interleaved left out (one device class only)"
+    for left_out in (s for s in SCHEDULE_ORDER if s not in order):
+        others += f", {left_out} left out (one device class only)"
     scope = re.sub(rf"the {chosen.schedule} schedule( at \d+ stages per rank)?",
                    lambda match: f"schedules {' and '.join(order)} (chose {chosen.schedule}"
                                  f"{match.group(1) or ''}; {others})", chosen.optimal_over, count=1)
     return replace(chosen, optimal_over=scope)
 
 
-def solve_any_local_stages(solve, problem, cluster, global_batch, *, config, **kwargs) -> Solution:
-    """Interleaved with every v of LOCAL_STAGE_OPTIONS stages per rank, the best kept, as
-    ``solve_any_schedule`` keeps the best schedule (Note [interleaved pricing])."""
-    order = [f"v={v}" for v in LOCAL_STAGE_OPTIONS]
-    runs = {f"v={v}": (lambda v=v: solve(problem, cluster, global_batch, schedule="interleaved",
+def solve_any_local_stages(solve, problem, cluster, global_batch, *, schedule, config, **kwargs) -> Solution:
+    """``schedule`` at every number of stages per rank it offers (``local_stage_options``), the
+    best kept, as ``solve_any_schedule`` keeps the best schedule (Note [interleaved pricing])."""
+    options = priced_schedule(schedule).local_stage_options
+    order = [f"v={v}" for v in options]
+    runs = {f"v={v}": (lambda v=v: solve(problem, cluster, global_batch, schedule=schedule,
                                           config=replace(config, local_stages=v), **kwargs))
-            for v in LOCAL_STAGE_OPTIONS}
-    chosen, results, errors, chosen_name = _best_of(runs, order, "schedule interleaved has no plan at any "
+            for v in options}
+    chosen, results, errors, chosen_name = _best_of(runs, order, f"schedule {schedule} has no plan at any "
                                                     "number of stages per rank")
     others = _others(results, errors, chosen_name)
     scope = chosen.optimal_over.replace(
         f"at {chosen.local_stages} stages per rank",
-        f"at {', '.join(str(v) for v in LOCAL_STAGE_OPTIONS)} stages per rank (chose {chosen.local_stages}; {others})")
+        f"at {', '.join(str(v) for v in options)} stages per rank (chose {chosen.local_stages}; {others})")
     return replace(chosen, optimal_over=scope)
 
 

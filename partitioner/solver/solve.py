@@ -50,6 +50,7 @@ from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
+from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 from partitioner.solver.space import SearchSpace, StepTerms, Variant
 
@@ -94,12 +95,13 @@ def solve(
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress, shard=shard,
                                   tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)
-    if schedule == "interleaved" and config.local_stages is None:  # Note [interleaved pricing]
-        return solve_any_local_stages(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
+    if priced_schedule(schedule).local_stage_options != (1,) and config.local_stages is None:  # Note [interleaved pricing]
+        return solve_any_local_stages(solve, problem, cluster, global_batch, schedule=schedule, num_stages=num_stages, dp=dp,
                                       microbatches=microbatches, config=config, progress=progress, shard=shard,
                                       tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)
-    local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
     validate_request(problem, cluster, global_batch, num_stages, dp, microbatches, schedule)
+    priced = priced_schedule(schedule, config.local_stages)  # Note [one class per schedule]
+    local = priced.local_stages  # stages per rank
     space = SearchSpace(problem, cluster, tp_degrees=tp_degrees, shard=shard, tp_dp=tp_dp, tp_shard=tp_shard,
                         step_terms=step_terms)
     candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
@@ -125,7 +127,7 @@ def solve(
     def strong_bound(p, d, m, v, cheap):
         prob, clus = space.inputs(v, d)
         # interleaved: the chain DP prices 1F1B memory, no bound on it (Note [interleaved pricing])
-        if not (clus.is_homogeneous and chain) or not math.isfinite(cheap) or local > 1:
+        if not (clus.is_homogeneous and chain) or not math.isfinite(cheap) or not priced.chain_priced:
             return cheap
         b = global_batch // (d * m)
         pipeline = chain_lower_bound_s(prob, clus, num_stages=p, num_microbatches=m, microbatch_size=b,
@@ -309,10 +311,10 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         f"dp {dp} (fixed)" if dp is not None else "every dp",
         (f"{microbatches} microbatches (fixed)" if microbatches is not None
          else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
-        f"the {schedule} schedule" + (f" at {best.local_stages} stages per rank" if schedule == "interleaved" else ""),
+        priced_schedule(schedule, best.local_stages).words(),
         "recompute per region" if config.allow_recompute else "no recompute",
     ]
-    if cluster.is_homogeneous and schedule == "interleaved":
+    if cluster.is_homogeneous and best.local_stages > 1:
         parts.append("rank = (stage % pipeline ranks) * dp + replica on the devices in cluster order")
     elif cluster.is_homogeneous:
         parts.append("rank = stage * dp + replica on the devices in cluster order")
@@ -354,11 +356,12 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     if not failed:
         raise PartitionInfeasibleError("no candidate was solved: fix num_stages/dp/microbatches", timed_out=True)
 
-    local = config.local_stages if schedule == "interleaved" else 1  # stages per rank
+    priced = priced_schedule(schedule, config.local_stages)
+    local = priced.local_stages  # stages per rank
 
     def rough_memory(r: CandidateRecord) -> float:  # per-stage memory if everything divided evenly
         problem = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)[0]
-        in_flight = r.num_microbatches if schedule in ("gpipe", "interleaved") else min(r.num_stages, r.num_microbatches)
+        in_flight = max(priced.in_flight(s, r.num_stages, r.num_microbatches) for s in range(r.num_stages))
         static = sum(x.static_bytes for x in problem.regions)
         saved = sum(x.recompute_activation_bytes_per_sample if config.allow_recompute else x.activation_bytes_per_sample
                     for x in problem.regions)

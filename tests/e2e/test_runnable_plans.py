@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import partitioner
 from partitioner.cluster import ClusterSpec
-from partitioner.solver.problem import schedule_refusal
+from runtime.pipeline_schedules import schedule_named
 from partitioner.workload import Workload
 from runtime import data
 from runtime.program import Program
@@ -44,9 +44,9 @@ def users_workload(batch: int) -> Workload:
 
 
 def test_1f1b_refuses_fewer_microbatches_than_stages_and_gpipe_does_not():
-    assert schedule_refusal("1f1b", 2, 1) is not None
-    assert schedule_refusal("1f1b", 2, 2) is None
-    assert schedule_refusal("gpipe", 4, 1) is None
+    assert schedule_named("1f1b").refusal(2, 1) is not None
+    assert schedule_named("1f1b").refusal(2, 2) is None
+    assert schedule_named("gpipe").refusal(4, 1) is None
 
 
 def test_fixing_stages_and_too_few_microbatches_is_a_clear_error():
@@ -90,6 +90,6 @@ def test_every_plan_over_a_grid_of_devices_stages_and_batches_runs_a_step(shared
     plans, _ = shared_launches.result(_grid)
     assert len(plans) == len(GRID)
     for folder, global_batch, plan in plans:
-        assert schedule_refusal(plan.schedule, plan.num_stages, plan.num_microbatches) is None
+        assert schedule_named(plan.schedule).refusal(plan.num_stages, plan.num_microbatches) is None
         assert plan.dp * plan.num_microbatches * plan.microbatch_size == global_batch
         assert (folder / "run" / "metrics.jsonl").read_text().count("\n") == 1, folder

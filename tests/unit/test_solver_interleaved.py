@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from partitioner.solver.interleaved import interleaved_refusal, rank_in_flight, uniform_pipeline_s
+from partitioner.solver.interleaved import uniform_pipeline_s
+from runtime.pipeline_schedules import Interleaved
 from runtime.schedule import _rank_orders, timed_actions
 
 # (pp, v, m) torch accepts: m a multiple of max(1, m // pp)
@@ -18,13 +19,14 @@ GRID = [(pp, v, m) for pp in (2, 3, 4) for v in (2, 3) for m in range(1, 13)
 
 def test_refusal_follows_torch_rounds_rule():
     # torch's docstring examples: pp=4, m=10 (2 rounds) and m=3 (1 round) run; m=9 (2 rounds) does not
-    assert interleaved_refusal(8, 4, 10) is None
-    assert interleaved_refusal(8, 4, 3) is None
-    why = interleaved_refusal(8, 4, 9)
+    assert Interleaved(2).refusal(8, 10) is None
+    assert Interleaved(2).refusal(8, 3) is None
+    why = Interleaved(2).refusal(8, 9)
     assert why is not None and "multiple of its rounds" in why and "9" in why
-    assert "do not divide" in interleaved_refusal(5, 2, 4)
+    assert "5 stages at 2 per rank" in Interleaved(2).refusal(5, 4)  # every rank the same number of stages
+    assert "at least 2 pipeline ranks" in Interleaved(3).refusal(3, 4)
     for pp, v, m in GRID:
-        assert interleaved_refusal(pp * v, pp, m) is None
+        assert Interleaved(v).refusal(pp * v, m) is None
 
 
 @pytest.mark.parametrize("pp,v,m", GRID)
@@ -40,7 +42,7 @@ def test_rank_in_flight_is_torch_order_peak(pp, v, m):
             per_stage[stage] = per_stage.get(stage, 0) + step
             peak = max(peak, held)
             stage_peak[stage] = max(stage_peak.get(stage, 0), per_stage[stage])
-        assert rank_in_flight(pos, pp, v, m) == peak
+        assert Interleaved(v).rank_in_flight(pos, pp, m) == peak
         # the per-stage bound the memory note relies on: no stage above min(m, rank peak)
         assert max(stage_peak.values()) <= min(m, peak)
 
