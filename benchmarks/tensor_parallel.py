@@ -88,14 +88,14 @@ def modelled_bytes(compiled, tp: int = 2) -> dict:
     plan, regions = compiled.plan, compiled.problem.regions
     samples = plan.microbatch_size * plan.num_microbatches
     sent = [sent_bytes(r, tp) for r in regions]
-    payload = (sum(r.tp_comm_bytes + r.tp_comm_bwd_bytes + r.tp_gather_bytes / tp for r in regions) * samples
-               + sum(r.tp_step_gather_bytes / tp for r in regions))
+    payload = (sum(r.tp.comm_bytes + r.tp.comm_bwd_bytes + r.tp.gather_bytes / tp for r in regions) * samples
+               + sum(r.tp.step_gather_bytes / tp for r in regions))
     return {"sent_bytes": sum(f + b for f, b, _ in sent) * samples + sum(s for _, _, s in sent),
             "payload_bytes": payload,
-            "per_sample": {"forward_all_reduce": sum(r.tp_comm_bytes for r in regions),
-                           "forward_all_gather": sum(r.tp_gather_bytes for r in regions),
-                           "backward_all_reduce": sum(r.tp_comm_bwd_bytes for r in regions)},
-            "per_step_all_gather": sum(r.tp_step_gather_bytes for r in regions)}
+            "per_sample": {"forward_all_reduce": sum(r.tp.comm_bytes for r in regions),
+                           "forward_all_gather": sum(r.tp.gather_bytes for r in regions),
+                           "backward_all_reduce": sum(r.tp.comm_bwd_bytes for r in regions)},
+            "per_step_all_gather": sum(r.tp.step_gather_bytes for r in regions)}
 
 
 def measure_bytes(folder: Path, steps: int, out: Path) -> list[dict]:

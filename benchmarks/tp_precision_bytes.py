@@ -11,7 +11,7 @@ functional collectives DTensor issues (the first step is left out). The model's 
 payload ``modelled_bytes`` prices there (forward all-reduces and all-gathers, backward
 all-reduces per sample x the step's samples, plus the per-step gathers: Note [tensor-parallel
 traffic]); under bf16-mixed ``precision_problem`` prices them at 2 bytes an element, except the
-vocab lookup's all-reduce (``tp_lookup_bytes``), which stays fp32 in the program (an embedding is
+vocab lookup's all-reduce (``RegionCost.tp.lookup_bytes``), which stays fp32 in the program (an embedding is
 not autocast), and the per-step gradient gathers (fp32 gradients).
 """
 

@@ -101,18 +101,19 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             # max over nodes of each part: at least the max of their sums, at any microbatch size
             transient_bytes_per_sample=-(-r.bwd_transient_bytes // batch_size),
             transient_fixed_bytes=r.bwd_param_grad_bytes,
-            tp_comm_bytes=-(-r.tp_comm_bytes // batch_size),
-            tp_sharded_param_bytes=int(r.tp_sharded_param_bytes),
-            tp_comm_bwd_bytes=-(-r.tp_comm_bwd_bytes // batch_size),
-            tp_gather_bytes=-(-r.tp_gather_bytes // batch_size),
-            tp_lookup_bytes=-(-r.tp_lookup_bytes // batch_size),
-            tp_step_gather_bytes=int(r.tp_step_gather_bytes),
-            tp_fwd_collectives=r.tp_collectives[0], tp_bwd_collectives=r.tp_collectives[1],
-            tp_step_collectives=r.tp_collectives[2],
             fwd_ops=int(ops[r.region_id][0].num_ops), bwd_ops=int(ops[r.region_id][1].num_ops),
-            tp_sharded_flops_per_sample=split_flops.get(r.region_id, 0) / batch_size,
-            tp_sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
-                                                       -(-(r.saved_activation_bytes + r.held_bytes) // batch_size)),
+            tp=sp.TensorParallelCost(
+                comm_bytes=-(-r.tp_comm_bytes // batch_size),
+                sharded_param_bytes=int(r.tp_sharded_param_bytes),
+                comm_bwd_bytes=-(-r.tp_comm_bwd_bytes // batch_size),
+                gather_bytes=-(-r.tp_gather_bytes // batch_size),
+                lookup_bytes=-(-r.tp_lookup_bytes // batch_size),
+                step_gather_bytes=int(r.tp_step_gather_bytes),
+                fwd_collectives=r.tp_collectives[0], bwd_collectives=r.tp_collectives[1],
+                step_collectives=r.tp_collectives[2],
+                sharded_flops_per_sample=split_flops.get(r.region_id, 0) / batch_size,
+                sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
+                                                        -(-(r.saved_activation_bytes + r.held_bytes) // batch_size))),
         )
         for r in table
     )

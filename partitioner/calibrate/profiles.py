@@ -148,7 +148,7 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
         bwd_by_kind = dict(region.bwd_s_per_sample_by_kind or {})
         fwd_fixed = dict(region.fwd_s_per_microbatch_by_kind or {})
         bwd_fixed = dict(region.bwd_s_per_microbatch_by_kind or {})
-        split_fraction = dict(region.tp_split_fraction_by_kind or {})
+        split_fraction = dict(region.tp.split_fraction_by_kind or {})
         step = dict(region.step_s_by_kind or {})
         for profile in profiles:
             whole_features, split_features = features_of(profile)
@@ -165,7 +165,7 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
                 step[profile.kind] = step.get(profile.kind, 0.0) + profile.optimizer_s_per_param_byte * region.param_bytes
         regions.append(replace(region, fwd_s_per_sample_by_kind=fwd_by_kind, bwd_s_per_sample_by_kind=bwd_by_kind,
                                fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,
-                               tp_split_fraction_by_kind=split_fraction,
+                               tp=replace(region.tp, split_fraction_by_kind=split_fraction),
                                step_s_by_kind={k: v for k, v in step.items() if v} or None))
     measured = {}
     for name, field_name in (("microbatch_overhead_s", "microbatch_overhead_s_by_kind"),

@@ -31,6 +31,7 @@ from partitioner.solver.problem import (
     PartitionProblem,
     RegionCost,
     SharedParam,
+    TensorParallelCost,
     place_stages,
     region_times_s,
 )
@@ -39,7 +40,7 @@ from partitioner.solver.solve import CandidateRecord, Solution, solve, solve_can
 __all__ = [
     "Assignment", "AssignmentError", "BaselineCost", "CandidateRecord", "ChainDPResult", "CostBreakdown", "Edge",
     "PartitionProblem", "RegionCost", "SCHEDULES", "SharedParam", "Solution", "SolverConfig", "StageCost",
-    "TieCost", "check_assignment", "evaluate", "evaluate_baselines",
+    "TensorParallelCost", "TieCost", "check_assignment", "evaluate", "evaluate_baselines",
     "lower_bound_step_time_s", "param_balanced_split", "place_stages", "region_times_s", "solve", "solve_candidate",
     "solve_chain_dp", "uniform_split",
 ]

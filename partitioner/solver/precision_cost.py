@@ -14,12 +14,12 @@ solve, so the ILP, the chain DP, the checker and the baselines all see them alik
   autocast, and the profile records the policy (meta "precision"); a profile fitted under another
   policy is refused (partitioner/compiler.py), since its seconds are of other kernels;
 - tensor parallelism's collectives: a row-parallel linear's output, a column group's input
-  gradient and a vocab-split head's logits are autocast's dtype, so ``tp_comm_bytes``,
-  ``tp_comm_bwd_bytes`` and ``tp_gather_bytes`` (traced in the model's dtype, passes/tensor_parallel.py)
+  gradient and a vocab-split head's logits are autocast's dtype, so ``tp.comm_bytes``,
+  ``tp.comm_bwd_bytes`` and ``tp.gather_bytes`` (traced in the model's dtype, passes/tensor_parallel.py)
   are priced at 2 bytes an element (Note [tensor parallelism under autocast] in
-  runtime/tensor_parallel.py), except the vocab lookup's all-reduce (``tp_lookup_bytes``, part of
-  ``tp_comm_bytes``), which stays fp32: an embedding is not autocast. The per-step gathers of split
-  gradients (``tp_step_gather_bytes``) move fp32 gradients and keep their traced bytes;
+  runtime/tensor_parallel.py), except the vocab lookup's all-reduce (``tp.lookup_bytes``, part of
+  ``tp.comm_bytes``), which stays fp32: an embedding is not autocast. The per-step gathers of split
+  gradients (``tp.step_gather_bytes``) move fp32 gradients and keep their traced bytes;
 - what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
   pipeline communication is priced at the traced bytes, although a boundary crosses in the dtype
   autocast made it in (Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py):
@@ -71,11 +71,9 @@ def precision_problem(problem, precision: str, param_elem_bytes: int):
     # tensor parallelism's collectives move the compute dtype (Note [tensor parallelism under autocast])
     # the sharded bytes grow with the copies they shard, so tensor parallelism divides the same
     # share of the weights term (tp_param_share) under every policy
-    regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio)),
-                                        tp_sharded_param_bytes=int(r.tp_sharded_param_bytes * (1 + ratio)),
-                                        tp_comm_bytes=int(round((r.tp_comm_bytes - r.tp_lookup_bytes) * ratio))
-                                        + r.tp_lookup_bytes,
-                                        tp_comm_bwd_bytes=int(round(r.tp_comm_bwd_bytes * ratio)),
-                                        tp_gather_bytes=int(round(r.tp_gather_bytes * ratio)))
+    regions = tuple(dataclasses.replace(r, param_bytes=int(r.param_bytes * (1 + ratio)), tp=dataclasses.replace(
+        r.tp, sharded_param_bytes=int(r.tp.sharded_param_bytes * (1 + ratio)),
+        comm_bytes=int(round((r.tp.comm_bytes - r.tp.lookup_bytes) * ratio)) + r.tp.lookup_bytes,
+        comm_bwd_bytes=int(round(r.tp.comm_bwd_bytes * ratio)), gather_bytes=int(round(r.tp.gather_bytes * ratio))))
                     for r in problem.regions)
     return dataclasses.replace(problem, regions=regions, ties=tuple(ties))

@@ -46,6 +46,7 @@ from runtime.pipeline_schedules import SCHEDULES as RUNTIME_SCHEDULES
 
 __all__ = [
     "RegionCost",
+    "TensorParallelCost",
     "Edge",
     "SharedParam",
     "PartitionProblem",
@@ -78,6 +79,47 @@ def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:
 
 
 @dataclass(frozen=True)
+class TensorParallelCost:
+    """What a tensor group of tp > 1 ranks changes of one region (Note [tensor-parallel traffic] in
+    passes/tensor_parallel.py, Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
+    Per sample: the payload one member all-reduces in forward (``comm_bytes``) and in backward
+    (``comm_bwd_bytes``), and the whole output it all-gathers in forward (``gather_bytes``, a
+    vocab-split head's logits); per step: the gradient bytes it all-gathers after the schedule
+    (``step_gather_bytes``); the parameter bytes the group divides."""
+
+    comm_bytes: int = 0
+    sharded_param_bytes: int = 0
+    comm_bwd_bytes: int = 0
+    gather_bytes: int = 0
+    step_gather_bytes: int = 0
+    # Of comm_bytes, the vocab lookups' all-reduce: the embedding's dtype under autocast too.
+    lookup_bytes: int = 0
+    # How many collectives those are: per microbatch forward, backward, and per step.
+    fwd_collectives: int = 0
+    bwd_collectives: int = 0
+    step_collectives: int = 0
+    # Saved activation bytes per sample the group splits (Note [sharded activations] in
+    # passes/tp_activations.py): part of the region's activation_bytes_per_sample.
+    sharded_activation_bytes_per_sample: int = 0
+    # Forward + backward FLOPs per sample the group divides (passes/tp_activations.py
+    # ``sharded_flops``: the column/row/vocab matmuls and the attention between them); None (a
+    # problem built by hand) takes the region's sharded parameter share as its FLOP share.
+    sharded_flops_per_sample: float | None = None
+    # Of the region's measured seconds on a kind (RegionCost's *_by_kind fields), the fraction its
+    # split nodes take (passes/tp_activations.py): what the group divides by tp there; None: the
+    # FLOP share.
+    split_fraction_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+
+    def check(self, owner: str) -> None:
+        for name in ("comm_bytes", "sharded_param_bytes", "comm_bwd_bytes", "gather_bytes", "step_gather_bytes",
+                     "lookup_bytes", "fwd_collectives", "bwd_collectives", "step_collectives",
+                     "sharded_activation_bytes_per_sample"):
+            _check_nonneg(owner, name, getattr(self, name), integer=True)
+        if self.sharded_flops_per_sample is not None:
+            _check_nonneg(owner, "sharded_flops_per_sample", self.sharded_flops_per_sample, integer=False)
+
+
+@dataclass(frozen=True)
 class RegionCost:
     """A group of graph nodes; all figures are per sample of the microbatch."""
 
@@ -96,28 +138,8 @@ class RegionCost:
     # rerun forward's saved activations (activation_bytes_per_sample) to it.
     transient_bytes_per_sample: int = 0
     transient_fixed_bytes: int = 0
-    # Tensor parallelism (Note [tensor-parallel traffic] in passes/tensor_parallel.py), at tp > 1:
-    # per sample, the payload one tensor-parallel rank all-reduces in forward and in backward and
-    # the whole output it all-gathers in forward (a vocab-split head's logits); per step, the
-    # gradient bytes it all-gathers after the schedule; the parameter bytes tp divides.
-    tp_comm_bytes: int = 0
-    tp_sharded_param_bytes: int = 0
-    tp_comm_bwd_bytes: int = 0
-    tp_gather_bytes: int = 0
-    tp_step_gather_bytes: int = 0
-    # Of tp_comm_bytes, the vocab lookups' all-reduce: the embedding's dtype under autocast too.
-    tp_lookup_bytes: int = 0
-    # How many collectives those are: per microbatch forward, backward, and per step.
-    tp_fwd_collectives: int = 0
-    tp_bwd_collectives: int = 0
-    tp_step_collectives: int = 0
-    # Saved activation bytes per sample a tensor group splits (Note [sharded activations] in
-    # passes/tp_activations.py): part of activation_bytes_per_sample.
-    tp_sharded_activation_bytes_per_sample: int = 0
-    # Forward + backward FLOPs per sample a tensor group divides (passes/tp_activations.py
-    # ``sharded_flops``: the column/row/vocab matmuls and the attention between them); None (a
-    # problem built by hand) takes the region's sharded parameter share as its FLOP share.
-    tp_sharded_flops_per_sample: float | None = None
+    # What a tensor group changes of the region (at tp > 1): one seam for the axis.
+    tp: TensorParallelCost = field(default_factory=TensorParallelCost)
     # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -128,10 +150,6 @@ class RegionCost:
     # the data-parallel all-reduce (tensor parallelism's gradient collectives: Note
     # [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py); None: nothing.
     step_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
-    # Of the region's measured seconds on a kind (the *_by_kind fields above), the fraction its
-    # split nodes take (passes/tp_activations.py): what a tensor group divides by tp there;
-    # None: the FLOP share (Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
-    tp_split_fraction_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Ops the region runs per microbatch, forward and backward (calibrate's num_ops feature):
     # what a tensor group's DTensors dispatch one by one (Note [tensor-parallel overheads]).
     fwd_ops: int = 0
@@ -143,28 +161,24 @@ class RegionCost:
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
                      "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
-                     "transient_fixed_bytes", "tp_comm_bytes", "tp_sharded_param_bytes", "tp_comm_bwd_bytes",
-                     "tp_gather_bytes", "tp_step_gather_bytes", "tp_fwd_collectives", "tp_bwd_collectives",
-                     "tp_step_collectives", "fwd_ops", "bwd_ops", "tp_lookup_bytes",
-                     "tp_sharded_activation_bytes_per_sample"):
+                     "transient_fixed_bytes", "fwd_ops", "bwd_ops"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
-        if self.tp_sharded_flops_per_sample is not None:
-            _check_nonneg(owner, "tp_sharded_flops_per_sample", self.tp_sharded_flops_per_sample, integer=False)
+        self.tp.check(f"{owner}.tp")
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)):
             raise ValueError(f"{owner}.layer={self.layer!r} must be an int block index or None")
 
     @property
     def tp_param_share(self) -> float:
         """The fraction of the region's parameter bytes a tensor group divides (Note [tensor groups])."""
-        return min(1.0, self.tp_sharded_param_bytes / self.param_bytes) if self.param_bytes else 0.0
+        return min(1.0, self.tp.sharded_param_bytes / self.param_bytes) if self.param_bytes else 0.0
 
     @property
     def tp_flop_share(self) -> float:
         """The fraction of the region's FLOPs a tensor group divides (Note [tensor-parallel pricing])."""
-        if self.tp_sharded_flops_per_sample is None:
+        if self.tp.sharded_flops_per_sample is None:
             return self.tp_param_share
         total = self.fwd_flops_per_sample + self.bwd_flops_per_sample
-        return min(1.0, self.tp_sharded_flops_per_sample / total) if total else 0.0
+        return min(1.0, self.tp.sharded_flops_per_sample / total) if total else 0.0
 
     @property
     def static_bytes(self) -> int:

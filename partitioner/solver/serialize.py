@@ -13,10 +13,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from partitioner.solver.problem import Assignment, Edge, PartitionProblem, RegionCost, SharedParam
+from partitioner.solver.problem import (Assignment, Edge, PartitionProblem, RegionCost, SharedParam,
+                                       TensorParallelCost)
 
 # Which dataclass each list-valued field holds, for the nested types.
 _ITEMS = {PartitionProblem: {"regions": RegionCost, "edges": Edge, "ties": SharedParam}}
+# Which dataclass each single nested field holds.
+_ONE = {RegionCost: {"tp": TensorParallelCost}}
+# Fields that moved into a nested one: a plan.json written before RegionCost.tp held them flat
+# as tp_<name>, and is read as if nested (priced moves of a tensor-parallel plan stay priced).
+_MOVED = {RegionCost: ("tp_", "tp")}
 
 
 def to_dict(value) -> dict:
@@ -26,13 +32,20 @@ def to_dict(value) -> dict:
 
 def _build(cls, body: dict[str, Any], where: str):
     known = {f.name for f in dataclasses.fields(cls)}
-    nested = _ITEMS.get(cls, {})
+    nested, one = _ITEMS.get(cls, {}), _ONE.get(cls, {})
+    if cls in _MOVED:
+        prefix, into = _MOVED[cls]
+        moved = {k[len(prefix):]: v for k, v in body.items() if k.startswith(prefix) and k not in known}
+        if moved and into not in body:
+            body = {**body, into: moved}
     kwargs = {}
     for name, value in body.items():
         if name not in known:
             continue  # written by a newer compiler: not needed to price this plan
         if name in nested:
             value = tuple(_build(nested[name], item, f"{where}.{name}[{i}]") for i, item in enumerate(value))
+        elif name in one and isinstance(value, dict):
+            value = _build(one[name], value, f"{where}.{name}")
         kwargs[name] = value
     try:
         return cls(**kwargs)

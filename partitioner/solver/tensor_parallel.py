@@ -8,12 +8,12 @@ Megatron lays them out). This first version prices a group as
 - ``group_cluster``: one device with tp times the memory and tp times the FLOP/s of its members
   (compute divides perfectly), joined to the other groups by today's links;
 - ``tp_problem``: the parameter, gradient and optimizer bytes that the tensor group shards
-  (``RegionCost.tp_sharded_param_bytes``, from passes/tensor_parallel.py) held once per group
+  (``RegionCost.tp.sharded_param_bytes``, from passes/tensor_parallel.py) held once per group
   instead of once per device, i.e. divided by tp, and everything else (norms, biases of row
   linears, activations) held whole by every member: so the group's memory is tp x one member's.
 
 ``tp_priced_problem`` adds what the solver prices on top (Note [tensor-parallel pricing] below:
-the compute a group does not divide, the collectives ``RegionCost.tp_comm_bytes`` names on the
+the compute a group does not divide, the collectives ``RegionCost.tp.comm_bytes`` names on the
 intra-node link, the activations a group splits); the search over degrees is
 ``degrees_to_search`` with solver/space.py (Note [one enumeration]). Not priced: the lower
 efficiency of smaller matmuls.
@@ -89,7 +89,7 @@ def tp_problem(problem, tp: int):
 
 # Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (this
 # part is the solver's; ``group_cluster`` gives a group tp x one member's FLOP/s and memory):
-# - compute: the FLOPs of a region's split nodes (``RegionCost.tp_sharded_flops_per_sample``,
+# - compute: the FLOPs of a region's split nodes (``RegionCost.tp.sharded_flops_per_sample``,
 #   passes/tp_activations.py ``sharded_flops``: its column, row and vocab matmuls and the attention
 #   between them, split on heads / features, Megatron's pairing) are divided by tp; the rest (norms,
 #   residual adds) runs whole on every member, so counts tp times against the group's tp x FLOP/s.
@@ -98,19 +98,19 @@ def tp_problem(problem, tp: int):
 #   Smaller matmuls' lower efficiency is priced where the device has a matmul rate model
 #   (partitioner/solver/gpu_cost.py), not here;
 # - collectives (Note [tensor-parallel traffic] in passes/tensor_parallel.py): per microbatch, every
-#   member all-reduces the region's ``tp_comm_bytes`` per sample and all-gathers its
-#   ``tp_gather_bytes`` (a vocab-split head's logits) in forward, and all-reduces its
-#   ``tp_comm_bwd_bytes`` in backward; a ring over the intra-node link sends 2 (tp-1)/tp of an
+#   member all-reduces the region's ``tp.comm_bytes`` per sample and all-gathers its
+#   ``tp.gather_bytes`` (a vocab-split head's logits) in forward, and all-reduces its
+#   ``tp.comm_bwd_bytes`` in backward; a ring over the intra-node link sends 2 (tp-1)/tp of an
 #   all-reduce's payload and (tp-1)/tp of an all-gather's whole output from each member
 #   (``sent_bytes``), at the link's bandwidth, plus, per collective, 2 (tp-1) link latencies and
 #   the device's fixed cost per collective (``collective_fixed_s``, Note [tensor-parallel
 #   overheads]). The seconds go into the region's per-kind times (``fwd_s_per_sample_by_kind``
 #   and ``..._per_microbatch_by_kind``, Note [time model] in problem.py), so the ILP, the chain
 #   DP, the baselines and the checker all see them alike. Per step, the gradients of replicated
-#   parameters that arrive split (``tp_step_gather_bytes``) are all-gathered once: the region's
+#   parameters that arrive split (``tp.step_gather_bytes``) are all-gathered once: the region's
 #   ``step_s``, which its stage pays after the schedule (Note [cost model] in evaluate.py);
 # - activations: the saved bytes between a column and its row linear
-#   (``tp_sharded_activation_bytes_per_sample``, Note [sharded activations] in
+#   (``tp.sharded_activation_bytes_per_sample``, Note [sharded activations] in
 #   passes/tp_activations.py) held once per group, i.e. 1/tp per member; the rest (norms,
 #   residuals, the row outputs, a recomputed region's inputs) whole on every member, as
 #   ``tp_problem`` counts everything.
@@ -164,8 +164,8 @@ def sent_bytes(region, tp: int) -> tuple[float, float, float]:
     if tp == 1:
         return 0.0, 0.0, 0.0
     reduce, gather = 2 * (tp - 1) / tp, (tp - 1) / tp
-    return (reduce * region.tp_comm_bytes + gather * region.tp_gather_bytes, reduce * region.tp_comm_bwd_bytes,
-            gather * region.tp_step_gather_bytes)
+    return (reduce * region.tp.comm_bytes + gather * region.tp.gather_bytes, reduce * region.tp.comm_bwd_bytes,
+            gather * region.tp.step_gather_bytes)
 
 
 def region_step_s(region, kind: str) -> float:
@@ -186,7 +186,7 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
     for original, r in zip(problem.regions, grouped.regions):
         share = original.tp_flop_share
         whole = share + (1 - share) * tp  # FLOPs in units of one group's rate
-        split = min(original.tp_sharded_activation_bytes_per_sample, original.activation_bytes_per_sample)
+        split = min(original.tp.sharded_activation_bytes_per_sample, original.activation_bytes_per_sample)
         changes = dict(fwd_flops_per_sample=original.fwd_flops_per_sample * whole,
                        bwd_flops_per_sample=original.bwd_flops_per_sample * whole,
                        activation_bytes_per_sample=(original.activation_bytes_per_sample - split) * tp + split)
@@ -195,7 +195,7 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
         fwd, bwd, fwd_fixed, bwd_fixed, step = {}, {}, {}, {}, {}
         for kind, rate in rate_of.items():
             # of one member's seconds: the split nodes' part of a profile's seconds, else the FLOP share
-            split = (original.tp_split_fraction_by_kind or {}).get(kind, share)
+            split = (original.tp.split_fraction_by_kind or {}).get(kind, share)
             fraction = split / tp + (1 - split)
             per_collective = 2 * (tp - 1) * link.latency_s + collective_fixed_s(problem, kind)
             per_op = dtensor_op_s(problem, kind)
@@ -207,10 +207,10 @@ def tp_priced_problem(problem, cluster: ClusterSpec, tp: int):
             bwd[kind] = drift * (b_meas * fraction if b_meas is not None else
                                  original.bwd_flops_per_sample * fraction / rate) + bwd_sent / link.bandwidth_bytes_per_s
             fwd_fixed[kind] = drift * (((original.fwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if f_meas is not None
-                                        else 0.0) + original.fwd_ops * per_op) + original.tp_fwd_collectives * per_collective
+                                        else 0.0) + original.fwd_ops * per_op) + original.tp.fwd_collectives * per_collective
             bwd_fixed[kind] = drift * (((original.bwd_s_per_microbatch_by_kind or {}).get(kind, 0.0) if b_meas is not None
-                                        else 0.0) + original.bwd_ops * per_op) + original.tp_bwd_collectives * per_collective
-            step[kind] = (original.tp_step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
+                                        else 0.0) + original.bwd_ops * per_op) + original.tp.bwd_collectives * per_collective
+            step[kind] = (original.tp.step_collectives * per_collective + step_sent / link.bandwidth_bytes_per_s
                           + region_step_s(original, kind) * (state_share / tp + 1 - state_share))
         changes.update(fwd_s_per_sample_by_kind=fwd, bwd_s_per_sample_by_kind=bwd,
                        fwd_s_per_microbatch_by_kind=fwd_fixed, bwd_s_per_microbatch_by_kind=bwd_fixed,

@@ -206,6 +206,22 @@ def test_solver_problem_round_trips_through_json_and_tolerates_added_fields():
         serialize.problem_from_dict(body)
 
 
+def test_a_plan_written_before_the_tensor_parallel_costs_nested_still_prices_them():
+    """plan.json from before RegionCost.tp held the tensor-parallel figures flat (tp_comm_bytes, ...):
+    read into the nested TensorParallelCost, not dropped to zero."""
+    import dataclasses
+
+    from partitioner.solver.problem import TensorParallelCost
+
+    problem, _ = hand_problem()
+    region = dataclasses.replace(problem.regions[0], tp=TensorParallelCost(comm_bytes=96, sharded_param_bytes=64,
+                                                                           fwd_collectives=2))
+    body = json.loads(json.dumps(serialize.to_dict(dataclasses.replace(problem, regions=(region,) + problem.regions[1:]))))
+    old = body["regions"][0]
+    old.update({f"tp_{name}": value for name, value in old.pop("tp").items()})
+    assert serialize.problem_from_dict(body).regions[0].tp == region.tp
+
+
 def test_rank_ranges():
     assert rank_ranges(range(64)) == "0-63"
     assert rank_ranges([0, 16, 32, 48]) == "0-48/16"

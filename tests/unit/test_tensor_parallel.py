@@ -111,9 +111,9 @@ def test_region_figures_are_the_collectives_and_the_sharded_bytes():
     assert block.tp_sharded_param_bytes == block.param_bytes - 4 * 2 * 32
     problem = build_problem(gm, workload.example_batch_size)
     by_name = {r.name: r for r in problem.regions}
-    assert by_name["block.0"].tp_comm_bytes == block.tp_comm_bytes // 2  # per sample
-    assert by_name["block.0"].tp_sharded_param_bytes == block.tp_sharded_param_bytes
-    assert by_name["embed"].tp_comm_bytes == 8 * 32 * 4  # the vocab-split lookup's all-reduce
+    assert by_name["block.0"].tp.comm_bytes == block.tp_comm_bytes // 2  # per sample
+    assert by_name["block.0"].tp.sharded_param_bytes == block.tp_sharded_param_bytes
+    assert by_name["embed"].tp.comm_bytes == 8 * 32 * 4  # the vocab-split lookup's all-reduce
 
 
 def test_a_degree_that_does_not_divide_the_heads_is_refused():
@@ -134,7 +134,8 @@ def test_group_cluster_and_tp_problem():
         group_cluster(ClusterSpec.homogeneous(12, "h100", devices_per_node=6), 4)
     with pytest.raises(ValueError, match="does not divide the cluster's 6 devices"):
         group_cluster(ClusterSpec.homogeneous(6, "h100"), 4)
-    region = sp.RegionCost("r", 1.0, 2.0, 1000, 1000, 2000, 10, 5, tp_sharded_param_bytes=800, tp_comm_bytes=7)
+    region = sp.RegionCost("r", 1.0, 2.0, 1000, 1000, 2000, 10, 5,
+                           tp=sp.TensorParallelCost(sharded_param_bytes=800, comm_bytes=7))
     problem = sp.PartitionProblem((region,), ())
     grouped_problem = tp_problem(problem, 2)
     r = grouped_problem.regions[0]
@@ -193,8 +194,8 @@ def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_byt
                                        num_stages=1, microbatches=2, tensor_parallel=2, precision=precision)
         assert compiled.plan.tensor_parallel == 2 and compiled.plan.training["precision"] == precision
         regions = compiled.problem.regions
-        per_precision[precision] = [sum(getattr(r, f) for r in regions) for f in
-                                    ("tp_comm_bytes", "tp_comm_bwd_bytes", "tp_gather_bytes", "tp_lookup_bytes")]
+        per_precision[precision] = [sum(getattr(r.tp, f) for r in regions) for f in
+                                    ("comm_bytes", "comm_bwd_bytes", "gather_bytes", "lookup_bytes")]
     comm, bwd, gather, lookup = per_precision["fp32"]
     assert comm > lookup > 0 and bwd > 0 and gather > 0
     # the vocab lookup's all-reduce stays in the embedding's fp32; everything else moves 2 bytes
@@ -203,5 +204,5 @@ def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_byt
     gpu = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "h100"), global_batch=4, num_stages=1,
                               microbatches=2, tensor_parallel=2)  # bf16-mixed, the GPU default
     assert gpu.plan.tensor_parallel == 2 and gpu.plan.training["precision"] == "bf16-mixed"
-    assert [sum(getattr(r, f) for r in gpu.problem.regions) for f in
-            ("tp_comm_bytes", "tp_comm_bwd_bytes", "tp_gather_bytes", "tp_lookup_bytes")] == per_precision["fp16-mixed"]
+    assert [sum(getattr(r.tp, f) for r in gpu.problem.regions) for f in
+            ("comm_bytes", "comm_bwd_bytes", "gather_bytes", "lookup_bytes")] == per_precision["fp16-mixed"]

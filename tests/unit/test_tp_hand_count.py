@@ -74,7 +74,7 @@ def test_block_saved_activations_per_rank_follow_korthikanti(problem, tp):
     block = _region(problem, "block.0")
     whole_elems, split_elems = 4 * S * H, 12 * S * H + A * S
     norm_stats = 2 * 2 * S  # each layer norm saves its mean and rstd per token
-    assert block.tp_sharded_activation_bytes_per_sample == 4 * split_elems
+    assert block.tp.sharded_activation_bytes_per_sample == 4 * split_elems
     assert block.activation_bytes_per_sample == 4 * (whole_elems + split_elems + norm_stats)
     priced = _region(tp_priced_problem(problem, ClusterSpec.homogeneous(tp, "h100"), tp), "block.0")
     assert priced.activation_bytes_per_sample / tp == pytest.approx(
@@ -91,7 +91,7 @@ def test_the_vocab_split_embedding_and_head(problem, tp):
     assert _region(problem, "head").fwd_flops_per_sample == 2 * S * H * V
     assert _region(problem, "head").tp_flop_share == 1.0
     assert head.fwd_flops_per_sample == pytest.approx(2 * S * H * V)  # group units: 1/tp per member
-    assert _region(problem, "embed").tp_comm_bytes == 4 * S * H
+    assert _region(problem, "embed").tp.comm_bytes == 4 * S * H
 
 
 def test_allreduce_link_is_hierarchical_across_nodes_and_per_lane_in_tensor_groups():
@@ -149,11 +149,11 @@ def test_the_roofline_profile_reaches_the_problem_and_its_tp_split(problem):
     # a lower bound by hand: the block's matmul FLOPs at the GEMM rate (the rest adds to it)
     assert block.fwd_s_per_sample_by_kind["h100"] > 24 * S * H * H / rates.gemm_flops_per_s["bf16"]
     # the norms and residual adds are memory-bound and whole on every member: less than all of it splits
-    assert 0.0 < block.tp_split_fraction_by_kind["h100"] < 1.0
+    assert 0.0 < block.tp.split_fraction_by_kind["h100"] < 1.0
     # AdamW's step, once per step: 7 passes over the parameters at the HBM rate
     assert block.step_s_by_kind["h100"] == pytest.approx(7 * block.param_bytes / rates.hbm_bytes_per_s)
     one = _region(tp_priced_problem(priced, ClusterSpec.homogeneous(2, "h100"), 2), "block.0")
-    split = block.tp_split_fraction_by_kind["h100"]
+    split = block.tp.split_fraction_by_kind["h100"]
     compute = block.fwd_s_per_sample_by_kind["h100"] * (split / 2 + 1 - split)
     assert one.fwd_s_per_sample_by_kind["h100"] >= compute
     assert math.isfinite(one.fwd_s_per_sample_by_kind["h100"])

@@ -11,16 +11,16 @@ from partitioner.calibrate import DeviceProfile, DirectionFit
 from partitioner.calibrate.profiles import apply_profiles
 from partitioner.cluster import DEVICE_PRESETS, ClusterSpec
 from partitioner.solver import PartitionProblem, RegionCost, SolverConfig, evaluate, solve
-from partitioner.solver.problem import Assignment, region_times_s
+from partitioner.solver.problem import Assignment, TensorParallelCost, region_times_s
 from partitioner.solver.tensor_parallel import group_cluster, sent_bytes, tp_priced_problem
 
 MIB = 2**20
 
 
 def _region(**tp):
-    return RegionCost("block", 1e9, 2e9, 4 * MIB, 4 * MIB, 8 * MIB, MIB, MIB, tp_sharded_param_bytes=4 * MIB,
-                      tp_comm_bytes=4096, tp_comm_bwd_bytes=4096, tp_fwd_collectives=2, tp_bwd_collectives=2,
-                      fwd_ops=50, bwd_ops=40, **tp)
+    return RegionCost("block", 1e9, 2e9, 4 * MIB, 4 * MIB, 8 * MIB, MIB, MIB, fwd_ops=50, bwd_ops=40,
+                      tp=TensorParallelCost(sharded_param_bytes=4 * MIB, comm_bytes=4096, comm_bwd_bytes=4096,
+                                            fwd_collectives=2, bwd_collectives=2, **tp))
 
 
 def test_a_cpu_tensor_group_pays_per_op_and_per_collective_and_an_h100_does_not():
@@ -61,7 +61,7 @@ def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(t
     assert measured.dtensor_op_s_by_kind == {"cpu": 1e-3} and measured.tp_collective_s_by_kind == {"cpu": 5e-3}
     assert measured.tp_skew_by_kind == {"cpu": 0.25}
     block = next(r for r in measured.regions if r.layer is not None)
-    assert block.fwd_ops > 0 and block.bwd_ops > 0 and block.tp_fwd_collectives == 2
+    assert block.fwd_ops > 0 and block.bwd_ops > 0 and block.tp.fwd_collectives == 2
     cluster = ClusterSpec.homogeneous(2, "cpu")
     group = group_cluster(cluster, 2).devices[0]
     i = measured.regions.index(block)
@@ -79,7 +79,7 @@ def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(t
 def test_the_per_step_gradient_gathers_are_in_the_step_time_of_evaluate_and_the_solver():
     cluster = ClusterSpec.homogeneous(2, "cpu", cores=2)
     plain = PartitionProblem((_region(),), ())
-    gathered = PartitionProblem((_region(tp_step_gather_bytes=MIB, tp_step_collectives=1),), ())
+    gathered = PartitionProblem((_region(step_gather_bytes=MIB, step_collectives=1),), ())
     group, b = group_cluster(cluster, 2), 2
     assignment = Assignment((0,), (False,), ((0,),), 1, 1, 1, b, "1f1b")
     base = evaluate(tp_priced_problem(plain, cluster, 2), group, assignment)

@@ -4,6 +4,8 @@ memory forces it, the priced terms match a hand computation, and inspect shows t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import partitioner
@@ -12,7 +14,7 @@ from partitioner.errors import PartitionInfeasibleError
 from partitioner.inspect import inspect_json, table
 from partitioner.models import hf_llama
 from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, solve
-from partitioner.solver.problem import Assignment, region_times_s
+from partitioner.solver.problem import Assignment, TensorParallelCost, region_times_s
 from partitioner.solver.space import SearchSpace, Variant
 from partitioner.solver.tensor_parallel import degrees_to_search, group_cluster, tp_priced_problem
 
@@ -22,7 +24,7 @@ FAST = SolverConfig(time_limit_s=5)
 
 def _block(name, *, param, comm=0, fwd=1e9, act=MIB, opt=2):
     return RegionCost(name, fwd, 2 * fwd, param, param, opt * param, act, act, layer=None,
-                      tp_comm_bytes=comm, tp_sharded_param_bytes=param)
+                      tp=TensorParallelCost(comm_bytes=comm, sharded_param_bytes=param))
 
 
 def _two_blocks(param, opt=2):
@@ -56,7 +58,7 @@ def test_with_room_the_search_keeps_tp_one_when_its_collectives_cost_more():
     # Every byte fits one device: tp 2 halves compute but adds its all-reduces; pp 2 / dp 2 win
     # unless the collectives are free. The chosen plan is OPTIMAL over both degrees.
     problem = _two_blocks(MIB)
-    problem = PartitionProblem(tuple(RegionCost(**{**r.__dict__, "tp_comm_bytes": 10**9}) for r in problem.regions),
+    problem = PartitionProblem(tuple(dataclasses.replace(r, tp=dataclasses.replace(r.tp, comm_bytes=10**9)) for r in problem.regions),
                                problem.edges)
     sol = solve(problem, _h100s(2, 80 * GIB), 4, shard="auto", tp_degrees=(1, 2), config=FAST)
     assert sol.tensor_parallel == 1 and sol.status == "OPTIMAL"
@@ -66,9 +68,9 @@ def test_priced_terms_match_a_hand_computation():
     cluster = ClusterSpec.homogeneous(8, "h100")
     rate, link = cluster.devices[0].flops_per_s, cluster.intra_node_link
     region = RegionCost("b", 3e12, 6e12, 100 * MIB, 100 * MIB, 200 * MIB, 8 * MIB, 2 * MIB,
-                        tp_comm_bytes=16 * MIB, tp_sharded_param_bytes=75 * MIB,  # 3/4 of it sharded
-                        tp_sharded_activation_bytes_per_sample=6 * MIB,
-                        tp_comm_bwd_bytes=16 * MIB, tp_fwd_collectives=1, tp_bwd_collectives=1)
+                        tp=TensorParallelCost(comm_bytes=16 * MIB, sharded_param_bytes=75 * MIB,  # 3/4 sharded
+                                              sharded_activation_bytes_per_sample=6 * MIB,
+                                              comm_bwd_bytes=16 * MIB, fwd_collectives=1, bwd_collectives=1))
     problem = PartitionProblem((region,), ())
     tp, b = 4, 2
     priced = tp_priced_problem(problem, cluster, tp).regions[0]
@@ -106,8 +108,8 @@ def test_the_activations_between_column_and_row_linears_are_the_split_ones():
     assert sdpa and all(n in split for n in sdpa)  # per-head attention: split on heads
     problem = build_problem(gm, workload.example_batch_size)
     blocks = [r for r in problem.regions if r.layer is not None]
-    assert all(0 < r.tp_sharded_activation_bytes_per_sample < r.activation_bytes_per_sample for r in blocks)
-    assert problem.regions[0].tp_sharded_activation_bytes_per_sample == 0  # the embedding's output is whole
+    assert all(0 < r.tp.sharded_activation_bytes_per_sample < r.activation_bytes_per_sample for r in blocks)
+    assert problem.regions[0].tp.sharded_activation_bytes_per_sample == 0  # the embedding's output is whole
 
 
 def test_degrees_stay_within_a_node_and_divide_what_is_split():

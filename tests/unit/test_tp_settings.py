@@ -46,10 +46,11 @@ def test_sharded_state_with_tp_is_priced_per_member_and_chosen_where_only_it_fit
 
 def test_the_search_space_weighs_sharded_candidates_with_tp():
     """compile() now passes tp_shard=True (Note [one enumeration])."""
-    from partitioner.solver.problem import PartitionProblem, RegionCost
+    from partitioner.solver.problem import PartitionProblem, RegionCost, TensorParallelCost
 
     mib = 1 << 20
-    problem = PartitionProblem((RegionCost("b", 1e9, 2e9, mib, mib, 2 * mib, 1024, 1024, tp_sharded_param_bytes=mib),), ())
+    problem = PartitionProblem((RegionCost("b", 1e9, 2e9, mib, mib, 2 * mib, 1024, 1024,
+                                           tp=TensorParallelCost(sharded_param_bytes=mib)),), ())
     space = SearchSpace(problem, ClusterSpec.homogeneous(4, "cpu"), tp_degrees=(1, 2), shard="auto", tp_shard=True)
     assert Variant(2, True) in space.variants(2) and Variant(2, False) in space.variants(2)
     assert "unsharded" not in space.scope_words()

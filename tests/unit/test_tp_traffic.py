@@ -94,9 +94,9 @@ def test_the_bytes_a_tensor_group_sends_are_the_cost_models(counted):
     assert measured[name]["step"]["sent"] == pytest.approx(sum(s for _, _, s in per_region))
     # and the collectives, one by one: the latency the time model prices per collective
     calls = {d: sum(measured[name][d]["calls"].values()) for d in ("forward", "backward", "step")}
-    assert calls == {"forward": sum(r.tp_fwd_collectives for r in regions),
-                     "backward": sum(r.tp_bwd_collectives for r in regions),
-                     "step": sum(r.tp_step_collectives for r in regions)}
+    assert calls == {"forward": sum(r.tp.fwd_collectives for r in regions),
+                     "backward": sum(r.tp.bwd_collectives for r in regions),
+                     "step": sum(r.tp.step_collectives for r in regions)}
     # backward is not the forward again: no all-gather of the logits, no all-reduce of the lookup
     assert "all_gather_into_tensor" in measured[name]["forward"]["bytes"]
     assert "all_gather_into_tensor" not in measured[name]["backward"]["bytes"]
@@ -104,11 +104,11 @@ def test_the_bytes_a_tensor_group_sends_are_the_cost_models(counted):
 
 def test_a_vocab_heads_bias_is_gathered_once_a_step(counted):
     compiled, measured = counted
-    head = next(r for r in compiled["hf-bert"].problem.regions if r.tp_step_gather_bytes)
+    head = next(r for r in compiled["hf-bert"].problem.regions if r.tp.step_gather_bytes)
     assert measured["hf-bert"]["step"]["calls"] == {"all_gather_into_tensor": 1}
-    assert head.tp_step_gather_bytes == 64 * 4  # the decoder's bias: one fp32 per vocabulary row
+    assert head.tp.step_gather_bytes == 64 * 4  # the decoder's bias: one fp32 per vocabulary row
     # the norm weights' and the row linear's bias gradients are whole on every rank: nothing else
-    assert sum(r.tp_step_gather_bytes for r in compiled["hf-bert"].problem.regions) == head.tp_step_gather_bytes
+    assert sum(r.tp.step_gather_bytes for r in compiled["hf-bert"].problem.regions) == head.tp.step_gather_bytes
 
 
 if __name__ == "__main__":
