@@ -38,6 +38,10 @@ class PipelineSchedule:
         """Why torch's schedule would refuse (stages, microbatches), or None."""
         return None
 
+    def fix(self, num_stages: int) -> str:
+        """What to recompile with when ``refusal`` says no."""
+        return "--schedule gpipe"
+
     def in_flight(self, stage: int, num_stages: int, num_microbatches: int) -> int:
         """Microbatches whose activations ``stage`` holds at its peak."""
         raise NotImplementedError
@@ -79,6 +83,9 @@ class OneFOneB(PipelineSchedule):
             return (f"schedule 1f1b needs microbatches >= stages (torch's Schedule1F1B), got "
                     f"{num_microbatches} microbatches for {num_stages} stages")
         return None
+
+    def fix(self, num_stages):
+        return f"--microbatches {num_stages} or more, or --schedule gpipe"
 
     def in_flight(self, stage, num_stages, num_microbatches):
         return min(num_stages - stage, num_microbatches)
@@ -125,6 +132,10 @@ class Interleaved(PipelineSchedule):
                     f"(torch's ScheduleInterleaved1F1B: max(1, {num_microbatches} // {pp}) = {r}), "
                     f"got {num_microbatches}: choose a multiple of {pp} microbatches")
         return None
+
+    def fix(self, num_stages):
+        pp = self.pipeline_ranks(num_stages)
+        return f"a multiple of {pp} microbatches (--microbatches), or --schedule 1f1b"
 
     def rank_in_flight(self, position: int, pipeline_ranks: int, num_microbatches: int) -> int:
         """Microbatch-stages whose activations the rank at ``position`` holds at its peak: torch's

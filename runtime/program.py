@@ -194,9 +194,10 @@ def _validate(program: Program) -> None:
     layout = program.layout  # raises if the rank layout is inconsistent
     # Note [only runnable plans] in partitioner/solver/problem.py: the solver never emits these,
     # but a hand-edited or hand-written program must fail here, in words, not inside every rank.
-    refusal = schedule_named(program.schedule, p // layout.pp_size).refusal(p, m)
+    schedule = schedule_named(program.schedule, p // layout.pp_size)
+    refusal = schedule.refusal(p, m)
     if refusal is not None:
-        raise ValueError(f"{refusal}: recompile with other --microbatches, or --schedule gpipe")
+        raise ValueError(f"{refusal}: recompile with {schedule.fix(p)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
 from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages
+from partitioner.solver.candidate import Candidate
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.solution import Solution
 
@@ -38,27 +39,24 @@ def solve_candidate(
 
     ``incumbent_s``: a plan of that step time is already known; the model then only looks for
     plans whose objective can be below it (INFEASIBLE then means: cannot beat it)."""
-    p, d, m = num_stages, dp, num_microbatches
-    b = global_batch // (d * m)
+    c = Candidate.of(num_stages, dp, num_microbatches, global_batch, schedule, config.local_stages)
+    p, d, m, b = c.p, c.d, c.m, c.b
     single_node = len({device.node for device in cluster.devices}) == 1
     if cluster.is_homogeneous:
-        v = priced_schedule(schedule, config.local_stages).local_stages  # Note [interleaved pricing]
-        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=v)], p=p, d=d, m=m, b=b,
-                                  schedule=schedule, config=config, time_limit_s=time_limit_s,
-                                  incumbent_s=incumbent_s)
+        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=c.local_stages)], c,
+                                  config=config, time_limit_s=time_limit_s, incumbent_s=incumbent_s)
     else:
         # Note [exact placements]; on one node every link is the same and class choice is exact.
         placements = None if single_node else enumerate_placements(cluster, p, d, limit=config.max_placements)
         unit = common_time_unit_s(problem, cluster, b, config)
         if placements:
-            result = solve_placements(problem, cluster, placements, p=p, d=d, m=m, b=b, schedule=schedule,
-                                      config=config, time_limit_s=time_limit_s, incumbent_s=incumbent_s,
-                                      time_unit_s=unit)
+            result = solve_placements(problem, cluster, placements, c, config=config, time_limit_s=time_limit_s,
+                                      incumbent_s=incumbent_s, time_unit_s=unit)
         elif placements == []:
             return None, "INFEASIBLE", 0.0
         else:
-            result = solve_relaxed(problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule, config=config,
-                                   time_limit_s=time_limit_s, incumbent_s=incumbent_s, time_unit_s=unit)
+            result = solve_relaxed(problem, cluster, c, config=config, time_limit_s=time_limit_s,
+                                   incumbent_s=incumbent_s, time_unit_s=unit)
     if result.assignment is None:
         return None, result.status, result.solve_time_s
     assignment, cost = result.assignment, result.cost

@@ -1,4 +1,4 @@
-"""One candidate (p, d, m) solved over its placements: exactly, one CP-SAT model per placement
+"""One candidate (p, d, m: partitioner/solver/candidate.py) solved over its placements: exactly, one CP-SAT model per placement
 (Note [exact placements] in placements.py), or by the class-choice relaxation when there are too
 many (Note [heterogeneous devices] in model.py).
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 from partitioner.cluster import ClusterSpec
 from partitioner.solver.baselines import baseline_assignments
 from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_time_s
+from partitioner.solver.candidate import Candidate
 from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone, solve_chain_dp
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.placements import is_launchable
-from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
@@ -57,13 +57,17 @@ def common_time_unit_s(problem: PartitionProblem, cluster: ClusterSpec, microbat
     return min(1e-6, 10.0 ** math.floor(math.log10(work_s / 1e6))) if work_s > 0 else 1e-6
 
 
-def _hinted_model(problem, cluster, placement, *, p, d, m, b, schedule, config, incumbent_s, hints):
+def _model(problem, cluster, c: Candidate, config, placement=None) -> CandidateModel:
+    return CandidateModel(problem, cluster, num_stages=c.p, dp=c.d, num_microbatches=c.m, microbatch_size=c.b,
+                          schedule=c.schedule, config=config, placement=placement)
+
+
+def _hinted_model(problem, cluster, placement, c: Candidate, *, config, incumbent_s, hints):
     """A model on ``placement``, hinted and capped."""
-    model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                           schedule=schedule, config=config, placement=placement)
+    model = _model(problem, cluster, c, config, placement)
     plans = []
     if config.use_hint and hints is not None:
-        plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule, placement=hints)
+        plans = _hint_plans(model, problem, cluster, c, placement=hints)
     _hint_and_cap(model, plans, cluster, hints, incumbent_s)
     return model, plans
 
@@ -84,7 +88,7 @@ def _hint_and_cap(model, plans, cluster, hint_placement, incumbent_s) -> None:
         model.cap_objective(cap)
 
 
-def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, config, time_limit_s,
+def solve_placements(problem, cluster, placements, c: Candidate, *, config, time_limit_s,
                      incumbent_s, time_unit_s=None) -> PlacedResult:
     """Solve every placement's model (exact links), capping each at the best plan so far; the
     bound is the smallest over placements (a placement proven unable to beat the cap is bounded
@@ -98,8 +102,8 @@ def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, conf
     statuses: list[str] = []
     unit = mem_unit = None
     chain = has_chain_backbone(problem)
-    ranked = sorted((placement_bound_s(problem, cluster, placement, p=p, d=d, m=m, b=b, schedule=schedule,
-                                       allow_recompute=config.allow_recompute, chain=chain), placement)
+    ranked = sorted((placement_bound_s(problem, cluster, placement, c, allow_recompute=config.allow_recompute,
+                                       chain=chain), placement)
                     for placement in placements)
     placements = [placement for _, placement in ranked]
     for i, (lower_s, placement) in enumerate(ranked):
@@ -121,8 +125,8 @@ def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, conf
             cap_s = best[0].step_time_s if cap_s is None else min(cap_s, best[0].step_time_s)
         # the most promising placements come first and get the larger share
         each = max(left / (len(ranked) - i), min(max(left, 0.05), limit / 4))
-        model, plans = _hinted_model(problem, cluster, placement, p=p, d=d, m=m, b=b, schedule=schedule,
-                                     config=config, incumbent_s=cap_s, hints=placement)
+        model, plans = _hinted_model(problem, cluster, placement, c, config=config, incumbent_s=cap_s,
+                                     hints=placement)
         unit, mem_unit = model.time_unit_s, model.mem_unit
         result = model.solve(each)
         statuses.append(result.status)
@@ -142,9 +146,7 @@ def solve_placements(problem, cluster, placements, *, p, d, m, b, schedule, conf
                     found.append((stage_of_region, recompute, model.objective.value(values),
                                   model._rounding_slack(stage_of_region, recompute)))
         for stage_of_region, recompute, objective, slack in found:
-            assignment = Assignment(stage_of_region=stage_of_region, recompute=recompute,
-                                    device_of_stage_replica=placement, num_stages=p, dp=d, num_microbatches=m,
-                                    microbatch_size=b, schedule=schedule)
+            assignment = c.assignment(stage_of_region, recompute, placement)
             cost = evaluate(problem, cluster, assignment)
             if cost.fits_memory and (best is None or cost.step_time_s < best[0].step_time_s):
                 best = (cost, assignment, objective, model, slack)
@@ -173,27 +175,27 @@ def _within_rounding(bound: int, objective: int, model) -> int:
     return objective
 
 
-def placement_bound_s(problem, cluster, placement, *, p, d, m, b, schedule, allow_recompute, chain) -> float:
+def placement_bound_s(problem, cluster, placement, c: Candidate, *, allow_recompute, chain) -> float:
     """A lower bound on every plan on ``placement`` (inf: none fits memory): the chain DP's bound
     when every plan is contiguous (its links and devices are the placement's), else perfectly
     divisible work on its devices; plus the all-reduce's bound; times its core-sharing factor.
     A schedule with a bound of its own (interleaved: the chain DP prices 1F1B/GPipe only) uses it."""
-    priced = priced_schedule(schedule, len(placement) // len(set(placement)))  # Note [one class per schedule]
-    own = priced.lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                               allow_recompute=allow_recompute)
+    p, d, m, b = c.p, c.d, c.m, c.b
+    own = c.pipeline_schedule.lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                            microbatch_size=b, allow_recompute=allow_recompute)
     if own is not None:
         return own
     scale = core_sharing_factor(cluster, placement)
     if chain:
         pipeline = chain_lower_bound_s(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                       schedule=schedule, placement=placement, allow_recompute=allow_recompute)
+                                       schedule=c.schedule, placement=placement, allow_recompute=allow_recompute)
     else:
         pipeline = scale * lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
                                                    microbatch_size=b, stage_devices=[row[0] for row in placement])
     return pipeline + scale * allreduce_lower_bound_s(problem, cluster, num_stages=p, dp=d)
 
 
-def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_s, incumbent_s,
+def solve_relaxed(problem, cluster, c: Candidate, *, config, time_limit_s, incumbent_s,
                   time_unit_s=None) -> PlacedResult:
     """The class-choice model with the fastest links (Note [heterogeneous devices] in model.py):
     its bound holds for every placement; its plan, and every hint, placed by ``place_stages``
@@ -202,21 +204,19 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     start = time.perf_counter()
     if time_unit_s is not None:
         config = replace(config, time_unit_s=time_unit_s)
-    model = CandidateModel(problem, cluster, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                           schedule=schedule, config=config)
-    hint_placement = place_stages(cluster, p, d, _fastest_stage_classes(model, p))
+    model = _model(problem, cluster, c, config)
+    hint_placement = place_stages(cluster, c.p, c.d, _fastest_stage_classes(model, c.p))
     plans = []
     if config.use_hint:
-        plans = _hint_plans(model, problem, cluster, p=p, d=d, m=m, b=b, schedule=schedule,
-                            placement=hint_placement)
+        plans = _hint_plans(model, problem, cluster, c, placement=hint_placement)
     _hint_and_cap(model, plans, cluster, hint_placement, incumbent_s)
     result = model.solve(time_limit_s)
     unit = model.time_unit_s
     options = []
     if result.stage_of_region is not None:
-        options.append(Assignment(result.stage_of_region, result.recompute,
-                                  place_stages(cluster, p, d, list(result.stage_classes)), p, d, m, b, schedule))
-    options += [Assignment(s, r, hint_placement, p, d, m, b, schedule) for s, r in plans]
+        options.append(c.assignment(result.stage_of_region, result.recompute,
+                                    place_stages(cluster, c.p, c.d, list(result.stage_classes))))
+    options += [c.assignment(s, r, hint_placement) for s, r in plans]
     best = None
     for assignment in options:
         if not is_launchable(cluster, assignment.device_of_stage_replica):  # Note [exact placements]
@@ -243,11 +243,12 @@ def solve_relaxed(problem, cluster, *, p, d, m, b, schedule, config, time_limit_
     return PlacedResult(status, assignment, cost, objective, bound, unit, model.mem_unit, 1.0, True, elapsed, 0)
 
 
-def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule, placement):
+def _hint_plans(model: CandidateModel, problem, cluster, c: Candidate, *, placement):
     """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute)."""
+    p, m, b = c.p, c.m, c.b
     plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
-    for a in baseline_assignments(problem, num_stages=p, dp=d, num_microbatches=m, microbatch_size=b,
-                                  schedule=schedule, placement=placement).values():
+    for a in baseline_assignments(problem, num_stages=p, dp=c.d, num_microbatches=m, microbatch_size=b,
+                                  schedule=c.schedule, placement=placement).values():
         plans.append((a.stage_of_region, a.recompute))
     recompute_options: list = [(False,) * problem.num_regions]
     if model.rec:
@@ -256,7 +257,7 @@ def _hint_plans(model: CandidateModel, problem, cluster, *, p, d, m, b, schedule
     for recompute in recompute_options:
         # interleaved: the 1F1B split of the same stages is a hint only (the model checks memory per rank)
         dp_result = solve_chain_dp(problem, cluster, num_stages=p, num_microbatches=m, microbatch_size=b,
-                                   schedule=priced_schedule(schedule, model.v).chain_hint().name,
+                                   schedule=c.pipeline_schedule.chain_hint().name,
                                    placement=placement, recompute=recompute, max_caps=100)
         if dp_result is not None:
             plans.append((dp_result.stage_of_region, dp_result.assignment.recompute))

@@ -62,7 +62,7 @@ def test_a_hand_written_program_with_too_few_microbatches_is_refused_before_any_
                "stages": [{"index": k, "module": f"stage_{k}", "class": f"Stage{k}", "params": [],
                            "inputs": [], "outputs": []} for k in (0, 1)],
                "data": {"make_batch": "m:f", "loss_fn": "m:g"}, "optimizer": {"lr": 1e-3}}
-    with pytest.raises(ValueError, match="num_microbatches >= num_stages.*--microbatches 2"):
+    with pytest.raises(ValueError, match="microbatches >= stages.*recompile with --microbatches 2 or more"):
         Program.from_dict(program)
 
 
