@@ -188,7 +188,7 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
       forward's outputs kept until its backward (fwd_cache); on the last stage loss_fn applied
       to the outputs and backward from the loss;
     * after the schedule: gradients divided by m in place (scale_grads), for dp > 1 the
-      all-reduce's flat buckets (runtime.train.allreduce_flat_ without the collective), the
+      all-reduce's flat buckets (runtime.grad_sync.allreduce_flat_ without the collective), the
       optimizer step, zero_grad.
     One step first (the optimizer state), then the second step under LiveBytes, which counts
     the storages the step creates (views of parameters are not new storage)."""

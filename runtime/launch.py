@@ -248,7 +248,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
 
     from runtime.entry_files import check_rank_file
     from runtime.schedule import schedule_text
-    from runtime.train import RankTrainer, create_groups
+    from runtime.grad_sync import create_groups
+    from runtime.train import RankTrainer
 
     # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
     # file constants] in runtime/entry_files.py).
