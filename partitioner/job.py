@@ -1,14 +1,16 @@
 """Training settings: the defaults, a job file, the Python ``training=`` dict and CLI flags, merged
 key by key and checked once.
 
-Note [training settings merge]: the settings a plan records (``Plan.training``, the source of the
-program's optimizer, seed, timeouts and checkpoint cadence) are, lowest first,
-``DEFAULT_TRAINING`` < the job file's ``[training]`` < ``compile(training=...)`` / CLI flags. The
-merge is deep: ``training={"optimizer": {"lr": 3e-4}}`` changes the learning rate and keeps the
-default betas, weight decay and schedule (a shallow merge would have replaced the whole optimizer
-dict). Every key is checked against one schema (``TRAINING_SCHEMA``): an unknown key or a value of
-the wrong type is a ValueError naming the key, where it came from, and what it must be, raised
-before anything is traced.
+Note [training settings merge]: the settings a plan records (``Plan.training``, a
+``TrainingSettings`` of partitioner/settings.py: the source of the program's optimizer, seed,
+timeouts and checkpoint cadence) are, lowest first, the defaults (``TrainingSettings()``, whose
+optimizer defaults are runtime/program_parts.py ``OptimizerSettings``'s: one set) < the job file's
+``[training]`` < ``compile(training=...)`` < CLI flags and compile's keyword settings. The merge is
+deep: ``training={"optimizer": {"lr": 3e-4}}`` changes the learning rate and keeps the default
+betas, weight decay and schedule (a shallow merge would have replaced the whole optimizer dict).
+Every key is checked against one schema (``TRAINING_SCHEMA``): an unknown key or a value of the
+wrong type is a ValueError naming the key, where it came from, and what it must be, raised before
+anything is traced.
 
 A job file (TOML, README "Job file")::
 
@@ -38,15 +40,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from runtime.program_parts import LR_SCHEDULES
-
-DEFAULT_TRAINING = {
-    "optimizer": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                  "warmup_steps": 2, "lr_schedule": "cosine", "total_steps": 1000},
-    "seed": 0,
-    "collective_timeout_s": 60,
-    "checkpoint_every": 0,
-}
+from partitioner.settings import TrainingSettings
+from runtime.program_parts import LR_SCHEDULES, Precision
 
 
 # -- value checks: each returns the value (normalized) or raises naming ``where`` -------------------
@@ -123,7 +118,7 @@ def _memory_tier(value, where):
         return _choice(modes)(value, where)
     if not isinstance(value, dict):
         raise ValueError(f"{where} = {value!r} must be a mode ({', '.join(modes)}) or a table")
-    return _check_table(value, MEMORY_TIER_SCHEMA, where)
+    return check_table(value, MEMORY_TIER_SCHEMA, where)
 
 
 OPTIMIZER_SCHEMA = {
@@ -157,12 +152,12 @@ TRAINING_SCHEMA = {
     "pretrained": _string,
     # Global gradient-norm clipping (Note [global gradient norm] in runtime/grad_norm.py); None: off.
     "clip_grad_norm": _optional(_positive),
-    "precision": _choice(("fp32", "bf16-mixed", "fp16-mixed")),  # Note [mixed precision]
-    "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])  # the Hugging Face weights folder an hf: model starts from (set by the CLI)
+    "precision": _choice(tuple(p.value for p in Precision)),  # Note [mixed precision]
+    "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
 }
 
 
-def _check_table(table: Any, schema: dict, where: str) -> dict:
+def check_table(table: Any, schema: dict, where: str) -> dict:
     if not isinstance(table, dict):
         raise ValueError(f"{where} must be a table of settings, got {type(table).__name__} {table!r}")
     unknown = sorted(set(table) - set(schema))
@@ -172,7 +167,7 @@ def _check_table(table: Any, schema: dict, where: str) -> dict:
     out = {}
     for key, value in table.items():
         check = schema[key]
-        out[key] = _check_table(value, check, f"{where}.{key}") if isinstance(check, dict) else check(value, f"{where}.{key}")
+        out[key] = check_table(value, check, f"{where}.{key}") if isinstance(check, dict) else check(value, f"{where}.{key}")
     return out
 
 
@@ -187,16 +182,19 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def training_settings(*layers: dict | None, names: tuple[str, ...] | None = None) -> dict:
-    """DEFAULT_TRAINING with each of ``layers`` (lowest first) merged over it, each checked first
+def training_settings(*layers: dict | None, names: tuple[str, ...] | None = None) -> TrainingSettings:
+    """The defaults with each of ``layers`` (lowest first) merged over it, each checked first
     (Note [training settings merge]); ``names`` say where each layer came from, for the errors."""
-    merged = copy.deepcopy(DEFAULT_TRAINING)  # callers add keys to what they get: never to the defaults
+    merged: dict = {}
     for i, layer in enumerate(layers):
         if not layer:
             continue
         where = names[i] if names else "training"
-        merged = deep_merge(merged, _check_table(layer, TRAINING_SCHEMA, where))
-    return merged
+        merged = deep_merge(merged, check_table(layer, TRAINING_SCHEMA, where))
+    return TrainingSettings.from_dict(merged)
+
+
+DEFAULT_TRAINING = TrainingSettings().to_dict()  # the defaults as a table (what a job file starts from)
 
 
 # -- the job file -------------------------------------------------------------------------------
@@ -248,7 +246,7 @@ def nested_training(flat: dict, where: str) -> dict:
         raise ValueError(f"{where} sets both checkpoint_every and mtbf: keep one (mtbf picks the interval)")
     # Name errors by the file's keys, not the internal ones.
     try:
-        _check_table(out, TRAINING_SCHEMA, where)
+        check_table(out, TRAINING_SCHEMA, where)
     except ValueError as exc:
         text = str(exc).replace(f"{where}.optimizer.total_steps", f"{where}.steps").replace(
             f"{where}.optimizer.", f"{where}.").replace(f"{where}.mtbf_s", f"{where}.mtbf")

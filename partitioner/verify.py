@@ -188,10 +188,10 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
     load_program(str(folder))  # an edited or broken folder is refused before anything starts
-    if workload is None and plan.training.get("model_spec"):
+    if workload is None and plan.training.model_spec:
         from partitioner.models import load_workload
 
-        workload = load_workload(plan.training["model_spec"], pretrained=plan.training.get("pretrained"))
+        workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained)
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
@@ -219,11 +219,13 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
 
     folder = Path(folder).resolve()
     program = load_program(str(folder))
-    training = load_plan(str(folder)).get("training") or {}  # a hand-written folder has no full Plan
-    if workload is None and training.get("model_spec"):
+    from partitioner.settings import settings_of
+
+    settings = settings_of(load_plan(str(folder)))  # a hand-written folder has no full Plan
+    if workload is None and settings.model_spec:
         from partitioner.models import load_workload
 
-        workload = load_workload(training["model_spec"], pretrained=training.get("pretrained"))
+        workload = load_workload(settings.model_spec, pretrained=settings.pretrained)
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from runtime.errors import PlanMismatchError
 from runtime.layout import Layout
-from runtime.program_parts import (SCHEDULES, DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, RandomnessSpec,
-                                   RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
+from runtime.program_parts import (SCHEDULES, DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
+                                   RandomnessSpec, RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +55,7 @@ class Program:
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
     memory_tier: MemoryTierPlan | None = None
-    precision: str = "fp32"                   # "fp32" | "bf16-mixed" | "fp16-mixed" (Note [mixed precision]
-                                              # in runtime/precision.py)
+    precision: Precision = Precision.FP32     # Note [mixed precision] in runtime/precision.py
     clip_grad_norm: float | None = None       # clip the global gradient norm to this (Note [global
                                               # gradient norm] in runtime/grad_norm.py); None: off
     shard_optimizer: bool = False             # AdamW state sharded over the replicas (ZeRO-1, Note
@@ -75,6 +74,7 @@ class Program:
     def __post_init__(self):
         for name in ("ranks", "stages", "ties"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "precision", Precision.of(self.precision))
         if not self.backend:
             object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else "nccl")
         _validate(self)
@@ -100,7 +100,7 @@ class Program:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
         # The precision and sharding fields are written only when not the default, so a program
         # compiled before them round-trips unchanged.
-        quiet = {"precision": "fp32", "shard_optimizer": False, "tensor_parallel": 1}
+        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None
                 and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
@@ -139,9 +139,6 @@ def _validate(program: Program) -> None:
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
-    from runtime.precision import check_precision
-
-    check_precision(program.precision)
     if program.clip_grad_norm is not None and (isinstance(program.clip_grad_norm, bool)
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):

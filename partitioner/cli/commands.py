@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.program_parts import Precision
 from runtime.run_options import add_flags as add_run_flags
 from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 
@@ -57,7 +58,7 @@ EXAMPLES = {
 
 def program_sharded(plan) -> bool:
     """Whether the plan's program shards the optimizer state over its replicas (ZeRO-1)."""
-    return bool(plan.training.get("shard_optimizer")) and plan.dp > 1
+    return plan.decisions.shard_optimizer and plan.dp > 1
 
 
 def cmd_compile(args) -> int:
@@ -91,6 +92,8 @@ def cmd_compile(args) -> int:
             "--clip-grad-norm", args.clip_grad_norm)
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())
+    if args.precision:  # a setting like the others, not a keyword beside them
+        training["precision"] = args.precision
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
                          "(0: only the last)")
@@ -116,7 +119,7 @@ def cmd_compile(args) -> int:
     if job is not None and ("checkpoint_every" in training or "mtbf_s" in training):
         job.training.pop("checkpoint_every", None)  # one cadence: the flag's
         job.training.pop("mtbf_s", None)
-    training = training_settings(job.training if job else None, training,
+    settings = training_settings(job.training if job else None, training,
                                  names=(f"job file {args.job} [training]", "flags"))
     from partitioner.cli.progress import CompileProgress
 
@@ -135,15 +138,13 @@ def cmd_compile(args) -> int:
     elif args.profile_out:
         raise ValueError("--profile-out names where --calibrate saves its fit: add --calibrate")
     say(f"model {args.model}")
-    workload = load_workload(args.model, pretrained=training.get("pretrained"))
+    workload = load_workload(args.model, pretrained=settings.pretrained)
     started = time.perf_counter()
     plan = partitioner.compile(
         workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
         microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
-        training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
-        profiles=profiles, calibrate=calibration,
-        precision=args.precision, shard_optimizer=args.shard_optimizer,  # clipping: in training
-        tensor_parallel=args.tp,
+        training=settings, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
+        profiles=profiles, calibrate=calibration, shard_optimizer=args.shard_optimizer, tensor_parallel=args.tp,
         machine_profile="preset" if args.no_calibrate else "auto",  # Note [machine profile]
     )
     say(f"write {args.output}")
@@ -401,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibrate-repeats", type=int, default=10, help="timed repeats per region (median)")
     c.add_argument("--calibrate-threads", type=int, default=1, help="torch threads while measuring on CPU "
                    "(default 1, what `partitioner run` gives each rank; 0 = leave as is)")
-    c.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+    c.add_argument("--precision", choices=[p.value for p in Precision],
                    help="autocast policy (default: bf16-mixed on GPU kinds, fp32 on cpu)")
     c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
                    help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
