@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from partitioner.settings import program_optimizer  # noqa: E402
+
 MODELS = [
     ("gpt", "gpt:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2"),
     ("hf-gpt2", "hf-gpt2:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2"),
@@ -342,7 +344,7 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                     memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                                           num_microbatches=plan.num_microbatches, in_flight=k,
                                           make_batch=workload.make_batch, global_batch=plan.global_batch,
-                                          loss_fn=workload.loss_fn, optimizer_cfg=plan.training["optimizer"])
+                                          loss_fn=workload.loss_fn, optimizer_cfg=program_optimizer(plan.training, plan.decisions))
                     row = {"model": label, "spec": spec, "stages": num_stages, "stage": s,
                            "regions": list(plan.stages[s].region_names), "measured_s": measured_s,
                            "predicted_s": {name: p[s] for name, p in predicted.items()},
@@ -427,7 +429,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
         memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                               num_microbatches=plan.num_microbatches, in_flight=k,
                               make_batch=workload.make_batch, global_batch=plan.global_batch,
-                              loss_fn=workload.loss_fn, optimizer_cfg=plan.training["optimizer"])
+                              loss_fn=workload.loss_fn, optimizer_cfg=program_optimizer(plan.training, plan.decisions))
         st = plan.stages[s]
         rows.append({"case": label, "spec": spec, "stages": num_stages, "stage": s,
                      "capacity_bytes": st.memory_capacity_bytes,

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from partitioner.analysis import annotate, trace_keyed, updating_regions
 from partitioner.lower_tensor_parallel import tensor_parallel_calls
 from partitioner.codegen import write_program
 from partitioner.plan import Plan
+from partitioner.settings import program_optimizer
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
@@ -79,7 +79,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
                          keywords=tuple(keywords), constants=tuple(constants or ())),
         # the parts below are typed already: what the user asked and what the compiler decided
         # (Note [settings and decisions] in partitioner/settings.py)
-        "optimizer": dataclasses.replace(settings.optimizer, no_decay=decisions.no_decay),
+        "optimizer": program_optimizer(settings, decisions),
         "seed": settings.seed,
         "collective_timeout_s": settings.collective_timeout_s,
         "checkpoint_every": settings.checkpoint_every,

@@ -153,6 +153,11 @@ class Decisions:
                                                         group_size=tier["group_size"])
 
 
+def program_optimizer(settings: TrainingSettings, decisions: Decisions) -> OptimizerSettings:
+    """The optimizer the program runs: the user's, with the parameters the compiler exempted from decay."""
+    return dataclasses.replace(settings.optimizer, no_decay=decisions.no_decay)
+
+
 def settings_of(plan_json: dict) -> TrainingSettings:
     """The user's settings of a plan.json body (the defaults for a hand-written folder without any)."""
     training = plan_json.get("training") or {}
