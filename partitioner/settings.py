@@ -19,11 +19,141 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from runtime.program_parts import MemoryTierPlan, OptimizerSettings, Precision
+from typing import Any
+
+from runtime.program_parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSettings, Precision
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "auto")
 GRANULARITIES = ("block", "sublayer", "op", "node")
 _OPTIONAL = ("sdc_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained")
+
+
+# -- value checks: each returns the value (normalized) or raises naming ``where`` -------------------
+
+
+def _number(value, where: str, *, low: float | None = None, low_open: bool = False, high: float | None = None):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} = {value!r} must be a number")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{where} = {value!r} must be {'>' if low_open else '>='} {low}")
+    if high is not None and value >= high:
+        raise ValueError(f"{where} = {value!r} must be < {high}")
+    return float(value)
+
+
+def _integer(value, where: str, *, low: int = 0):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where} = {value!r} must be a whole number")
+    if value < low:
+        raise ValueError(f"{where} = {value!r} must be >= {low}")
+    return value
+
+
+def _positive(where_value, where):
+    return _number(where_value, where, low=0, low_open=True)
+
+
+def _fraction(value, where):
+    return _number(value, where, low=0, high=1)
+
+
+def _betas(value, where: str):
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"{where} = {value!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    return [_fraction(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _choice(options):
+    def check(value, where):
+        if value not in options:
+            raise ValueError(f"{where} = {value!r} must be one of {', '.join(map(repr, options))}")
+        return value
+    return check
+
+
+def _optional(check):
+    def inner(value, where):
+        return None if value is None else check(value, where)
+    return inner
+
+
+def _boolean_or_none(value, where):
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{where} = {value!r} must be true or false")
+    return value
+
+
+def _no_weight_decay(value, where):
+    if value in ("default", "none") or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise ValueError(f"{where} = {value!r} must be \"default\", \"none\" or a list of parameter-name "
+                     "patterns (fnmatch), e.g. [\"*.bias\", \"*norm*\"]")
+
+
+def _string(value, where):
+    if not isinstance(value, str):
+        raise ValueError(f"{where} = {value!r} must be a string")
+    return value
+
+
+def _memory_tier(value, where):
+    modes = ("auto", "none", "copy", "parity")
+    if isinstance(value, str):
+        return _choice(modes)(value, where)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} = {value!r} must be a mode ({', '.join(modes)}) or a table")
+    return check_table(value, MEMORY_TIER_SCHEMA, where)
+
+
+OPTIMIZER_SCHEMA = {
+    "name": _choice(("adamw",)),
+    "lr": _positive,
+    "betas": _betas,
+    "eps": _positive,
+    "weight_decay": lambda v, w: _number(v, w, low=0),
+    "warmup_steps": lambda v, w: _integer(v, w, low=0),
+    "lr_schedule": _choice(LR_SCHEDULES),
+    "total_steps": lambda v, w: _integer(v, w, low=1),
+    "min_lr_ratio": lambda v, w: _number(v, w, low=0, high=1.000001),
+    "fused": _boolean_or_none,
+    "foreach": _boolean_or_none,
+}
+MEMORY_TIER_SCHEMA = {
+    "mode": _choice(("auto", "none", "copy", "parity")),
+    "every": lambda v, w: _integer(v, w, low=1),
+    "group_size": _optional(lambda v, w: _integer(v, w, low=2)),
+}
+TRAINING_SCHEMA = {
+    "optimizer": OPTIMIZER_SCHEMA,
+    "seed": lambda v, w: _integer(v, w, low=0),
+    "collective_timeout_s": _positive,
+    "checkpoint_every": lambda v, w: _integer(v, w, low=0),
+    # Note [replica digests] (runtime/sdc.py); 0: off; left out: sdc_cost.default_every(dp)
+    "sdc_every": lambda v, w: _integer(v, w, low=0),
+    "mtbf_s": _positive,
+    "memory_tier": _memory_tier,
+    "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
+    "pretrained": _string,
+    # Global gradient-norm clipping (Note [global gradient norm] in runtime/grad_norm.py); None: off.
+    "clip_grad_norm": _optional(_positive),
+    "precision": _choice(tuple(p.value for p in Precision)),  # Note [mixed precision]
+    "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
+}
+
+
+def check_table(table: Any, schema: dict, where: str) -> dict:
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table of settings, got {type(table).__name__} {table!r}")
+    unknown = sorted(set(table) - set(schema))
+    if unknown:
+        raise ValueError(f"{where} has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                         f"known keys: {', '.join(sorted(schema))}")
+    out = {}
+    for key, value in table.items():
+        check = schema[key]
+        out[key] = check_table(value, check, f"{where}.{key}") if isinstance(check, dict) else check(value, f"{where}.{key}")
+    return out
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,16 +182,12 @@ class TrainingSettings:
             object.__setattr__(self, "precision", Precision.of(self.precision, "training.precision"))
         if isinstance(self.no_weight_decay, list):
             object.__setattr__(self, "no_weight_decay", tuple(self.no_weight_decay))
-        from partitioner.job import TRAINING_SCHEMA, check_table  # job imports this module: here, not at the top
-
         check_table(self.to_dict(), TRAINING_SCHEMA, "training")
 
     @staticmethod
     def from_dict(data: dict, where: str = "training") -> "TrainingSettings":
         """A checked settings table (missing keys: the defaults) as TrainingSettings; ValueError
         naming the key, ``where`` it came from, and what it must be."""
-        from partitioner.job import TRAINING_SCHEMA, check_table  # job imports this module
-
         checked = check_table(data, TRAINING_SCHEMA, where)
         if "optimizer" in checked:
             checked["optimizer"] = OptimizerSettings(**checked["optimizer"])
