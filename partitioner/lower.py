@@ -83,6 +83,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "seed": settings.seed,
         "collective_timeout_s": settings.collective_timeout_s,
         "checkpoint_every": settings.checkpoint_every,
+        "mtbf_s": settings.mtbf_s,  # --mtbf's default
         "sdc_every": decisions.sdc_every,  # Note [replica digests] (runtime/sdc.py)
         # Note [mixed precision] (runtime/precision.py), Note [global gradient norm]
         # (runtime/grad_norm.py), Note [sharded optimizer state] (runtime/zero.py)

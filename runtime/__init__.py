@@ -79,7 +79,7 @@ part: ``RankSpec``, ``StageSpec``, ``TensorSpec``, ``TieSpec``, ``DataSpec``, ``
 checks are in ``Program.from_dict`` / ``__post_init__``; plan.json holds ``Program.to_dict()``
 (same keys, so ``Program.from_dict(json)`` reads any plan.json this compiler writes).
 ``load_program(DIR)`` checks the file hashes and returns the validated Program, with plan.json's
-top-level "plan_hash", "model_fingerprint", "workload" and training "mtbf_s" copied in.
+top-level "plan_hash", "model_fingerprint" and "workload" copied in.
 
 Outputs of a run (DIR/run unless main(run_dir=...))::
 

@@ -29,9 +29,9 @@ class Program:
     """Everything the runtime reads from plan.json: which rank runs which stage, how the batch is
     cut, the schedule, the data, the optimizer. Validated when built; see the module docstring.
 
-    Fields are listed in the order plan.json writes them. The last four are not in plan.json's
-    "program" object: ``load_program`` copies them from the plan's top level (checkpoints record
-    and check them).
+    Fields are listed in the order plan.json writes them. plan_hash, model_fingerprint and workload
+    are not in plan.json's "program" object: ``load_program`` copies them from the plan's top level
+    (checkpoints record and check them).
     """
 
     world_size: int            # processes, = dp * ranks per pipeline
@@ -69,7 +69,7 @@ class Program:
     plan_hash: str | None = None              # from plan.json's top level
     model_fingerprint: str | None = None      # from plan.json's top level
     workload: str | None = None               # from plan.json's top level
-    mtbf_s: float | None = None               # from plan.json's "training"; --mtbf's default
+    mtbf_s: float | None = None               # --mtbf's default (a plan.json of an older compile: its "training")
 
     def __post_init__(self):
         for name in ("ranks", "stages", "ties"):
@@ -313,7 +313,7 @@ def verify_files(folder: str, plan: dict) -> None:
 
 def load_program(folder: str) -> Program:
     """plan.json's "program" object as a validated Program, after checking every file's hash;
-    the plan's top-level plan_hash, model_fingerprint, workload and training mtbf_s included."""
+    the plan's top-level plan_hash, model_fingerprint and workload included."""
     plan = load_plan(folder)
     verify_files(folder, plan)
     if "program" not in plan:
@@ -323,9 +323,9 @@ def load_program(folder: str) -> Program:
     # What checkpoints record and check (runtime/checkpoint/manifest.py), from the plan's top level.
     data.setdefault("model_fingerprint", plan.get("model_fingerprint"))
     data.setdefault("workload", plan.get("workload"))
-    training = plan.get("training") or {}
-    if training.get("mtbf_s") is not None:
-        data.setdefault("mtbf_s", training["mtbf_s"])
+    older = plan.get("training") or {}  # an older compile kept mtbf_s in the user's settings only
+    if "mtbf_s" not in data and older.get("mtbf_s") is not None:
+        data["mtbf_s"] = older["mtbf_s"]
     try:
         return Program.from_dict(data)
     except ValueError as exc:
