@@ -344,7 +344,8 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                     memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                                           num_microbatches=plan.num_microbatches, in_flight=k,
                                           make_batch=workload.make_batch, global_batch=plan.global_batch,
-                                          loss_fn=workload.loss_fn, optimizer_cfg=program_optimizer(plan.training, plan.decisions))
+                                          loss_fn=workload.loss_fn,
+                                          optimizer_cfg=program_optimizer(plan.training, plan.decisions))
                     row = {"model": label, "spec": spec, "stages": num_stages, "stage": s,
                            "regions": list(plan.stages[s].region_names), "measured_s": measured_s,
                            "predicted_s": {name: p[s] for name, p in predicted.items()},

@@ -183,7 +183,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     problem = precision_problem(problem, precision, _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, precision)
     tp_degrees = (tp,)
-    if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: the solver weighs each runnable degree
+    if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
         from partitioner.solver.tensor_parallel import degrees_to_search
 
         tp_degrees = degrees_to_search(cluster, tp_runs)

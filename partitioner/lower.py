@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
 def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: dict | None = None,
                  sources: UserSources | None = None, constants: list | None = None) -> Program:
     """The program the runtime runs (runtime.program.Program), built and validated once, here, at
-    compile time, from its typed parts; plan.json holds its ``to_dict()``, which the ranks read. ``keyed_ops``: the random ops keyed by meaning;
+    compile time, from its typed parts; plan.json holds its ``to_dict()``, which the ranks read.
+    ``keyed_ops``: the random ops keyed by meaning;
     ``init``: the init recipes of a model compiled on the meta device; ``sources``: where the ranks
     find make_batch and loss_fn (default: derived from the workload, Note [user code travels]);
     ``constants``: the inputs the lowered graph was traced with that hold no tensor (default: the

@@ -208,7 +208,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if steps is not None and steps < 1:
         raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
     sharded = program.shard_optimizer and program.dp > 1
-    options.check_for(world_size=world, sharded=sharded, steps=steps)  # what `partitioner run` checked: a hand start too
+    options.check_for(world_size=world, sharded=sharded, steps=steps)  # as `partitioner run` did: hand starts too
     if options.collective_timeout is not None:
         program = dataclasses.replace(program, collective_timeout_s=options.collective_timeout)
     use_ckpt = not options.no_checkpoint
@@ -329,7 +329,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     log_every = (options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
     from runtime import memory as peak
 
-    meter = peak.PeakMemory(trainer).start() if device.type == "cuda" or peak.requested(options.measure_memory) else None
+    measured = device.type == "cuda" or peak.requested(options.measure_memory)
+    meter = peak.PeakMemory(trainer).start() if measured else None
     if meter is not None:
         after_step = meter.unmeasured(after_step)
     while True:

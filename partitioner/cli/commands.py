@@ -467,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.run_options import unknown_flag_message
 
         sub = parser._subparsers._group_actions[0].choices[args.command]
-        print(f"error: {unknown_flag_message(unknown, list(sub._option_string_actions), f'partitioner {args.command}')}",
-              file=sys.stderr)
+        known = list(sub._option_string_actions)
+        print(f"error: {unknown_flag_message(unknown, known, f'partitioner {args.command}')}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return args.func(args)
