@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from partitioner.settings import program_optimizer  # noqa: E402
+
 MODELS = [
     ("gpt", "gpt:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2"),
     ("hf-gpt2", "hf-gpt2:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2"),
@@ -188,7 +190,7 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
       forward's outputs kept until its backward (fwd_cache); on the last stage loss_fn applied
       to the outputs and backward from the loss;
     * after the schedule: gradients divided by m in place (scale_grads), for dp > 1 the
-      all-reduce's flat buckets (runtime.train.allreduce_flat_ without the collective), the
+      all-reduce's flat buckets (runtime.grad_sync.allreduce_flat_ without the collective), the
       optimizer step, zero_grad.
     One step first (the optimizer state), then the second step under LiveBytes, which counts
     the storages the step creates (views of parameters are not new storage)."""
@@ -343,7 +345,8 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                     memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                                           num_microbatches=plan.num_microbatches, in_flight=k,
                                           make_batch=workload.make_batch, global_batch=plan.global_batch,
-                                          loss_fn=workload.loss_fn, optimizer_cfg=plan.training["optimizer"])
+                                          loss_fn=workload.loss_fn,
+                                          optimizer_cfg=program_optimizer(plan.training, plan.decisions))
                     row = {"model": label, "spec": spec, "stages": num_stages, "stage": s,
                            "regions": list(plan.stages[s].region_names), "measured_s": measured_s,
                            "predicted_s": {name: p[s] for name, p in predicted.items()},
@@ -428,7 +431,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
         memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                               num_microbatches=plan.num_microbatches, in_flight=k,
                               make_batch=workload.make_batch, global_batch=plan.global_batch,
-                              loss_fn=workload.loss_fn, optimizer_cfg=plan.training["optimizer"])
+                              loss_fn=workload.loss_fn, optimizer_cfg=program_optimizer(plan.training, plan.decisions))
         st = plan.stages[s]
         rows.append({"case": label, "spec": spec, "stages": num_stages, "stage": s,
                      "capacity_bytes": st.memory_capacity_bytes,

@@ -157,7 +157,7 @@ def main() -> int:
                     "--checkpoint-every", "0", "--memory-dir", f"{shm}-{mode}", "--run-dir", f"{root}/mem_{mode}",
                     "--checkpoint-dir", f"{root}/ckm_{mode}", "--"]
         _torchrun(4, [DRIVER, *job])
-        predicted = plan4.training["memory_tier"]
+        predicted = plan4.decisions.memory_tier
         from runtime.memtier import memory_cost, plan_redundancy
 
         print("\n3. host memory per rank, 4 stages on 4 hosts (shard = parameters + Adam state + RNG; "

@@ -87,13 +87,13 @@ def breakdown(compiled):
     from partitioner.tensor_parallel import grouped
 
     plan = compiled.plan
-    cluster = grouped(cluster_for_precision(cluster_of(plan.world_size), plan.training["precision"]), plan.tensor_parallel)
+    cluster = grouped(cluster_for_precision(cluster_of(plan.world_size), plan.decisions.precision), plan.tensor_parallel)
     cost = evaluate(compiled.problem, cluster, compiled.assignment,
-                    sdc_every=plan.training.get("sdc_every") or 0, global_norm=True)
+                    sdc_every=plan.decisions.sdc_every, global_norm=True)
     a = compiled.assignment
     # the paper recomputed every layer (its FLOP count has the extra forward): the same plan priced so
     everything = evaluate(compiled.problem, cluster, dataclasses.replace(a, recompute=(True,) * len(a.recompute)),
-                          sdc_every=plan.training.get("sdc_every") or 0, global_norm=True)
+                          sdc_every=plan.decisions.sdc_every, global_norm=True)
     slowest = max(cost.stages, key=lambda s: s.time_s)
     return {
         "pipeline_s": cost.pipeline_s,

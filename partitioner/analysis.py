@@ -124,7 +124,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
                         **({} if t.trainable else {"grad_bytes": 0, "optimizer_bytes": 0}))
                  for t in region_ties(gm) if len(set(t.regions)) > 1)
     inputs = sum(ir.get(n, ir.SHAPE).output_bytes for n in gm.graph.nodes if n.op == "placeholder")
-    # The all-reduce's flat bucket (runtime/train.py allreduce_flat_): 2**25 elements, or one
+    # The all-reduce's flat bucket (runtime/grad_sync.py allreduce_flat_): 2**25 elements, or one
     # larger gradient alone; 4-byte elements, the largest there are (Note [memory model]).
     largest_grad = max((ir.get(n, ir.MEMORY).grad_bytes for n in gm.graph.nodes), default=0)
     problem = sp.PartitionProblem(regions=regions, edges=problem_edges, ties=ties,

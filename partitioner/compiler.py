@@ -18,6 +18,7 @@ microbatch size → split → program → emit).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Callable
 
@@ -30,8 +31,10 @@ from partitioner.cluster import ClusterSpec
 from partitioner.compiled import Compiled
 from partitioner.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
+from partitioner.settings import Decisions, Request, TrainingSettings
 from partitioner.workload import Workload
 from runtime import randomness
+from runtime.program_parts import MemoryTierPlan, Precision
 
 
 def _progress(report: Callable[[str], None] | None, message: str) -> None:
@@ -55,12 +58,12 @@ def compile_workload(
     schedule: str = "1f1b",
     granularity: str = "block",
     optimizer: str = "adamw",
-    training: dict | None = None,
+    training: dict | TrainingSettings | None = None,
     solver_config=None,
     profiles=(),
     calibrate=None,
     progress: Callable[[object], None] | None = None,
-    precision: str | None = None,
+    precision: Precision | str | None = None,
     clip_grad_norm: float | None = None,
     shard_optimizer: str | bool = "auto",
     tensor_parallel: int | None = None,
@@ -69,91 +72,107 @@ def compile_workload(
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
     solver.solve.SolveProgress updates (str() of one is a status line).
-    ``precision``: "fp32" | "bf16-mixed" | "fp16-mixed" (Note [mixed precision] in
-    runtime/precision.py); None: training["precision"], else bf16-mixed on GPU kinds, fp32 on cpu.
-    ``clip_grad_norm``: clip the global gradient norm (None: training["clip_grad_norm"], else
-    off). ``shard_optimizer``: "auto" (the solver decides, Note [sharding as a candidate] in
-    solver/zero_choice.py), "on"/True or "off"/False. ``tensor_parallel``: the tensor-parallel
-    degree (None: the solver weighs every degree the program runs, Note [one enumeration] in
-    partitioner/solver/space.py; Note [tensor groups] in
-    partitioner/solver/tensor_parallel.py). training["no_weight_decay"]: "default",
-    "none" or fnmatch patterns (Note [no weight decay] in runtime/grad_norm.py).
+    ``training``: the training settings (a dict merged over the defaults and checked, Note
+    [training settings merge], or a TrainingSettings); ``precision`` and ``clip_grad_norm``, when
+    given, override its keys (Note [mixed precision] in runtime/precision.py; precision None:
+    bf16-mixed on GPU kinds, fp32 on cpu; clipping None: off). ``num_stages``, ``dp``,
+    ``tensor_parallel``, ``microbatches``, ``schedule``, ``shard_optimizer`` and ``granularity`` are
+    the Request (partitioner/settings.py): None leaves the choice to the solver (Note [one
+    enumeration] in partitioner/solver/space.py; shard_optimizer "auto": Note [sharding as a
+    candidate] in solver/zero_choice.py; Note [tensor groups] in partitioner/solver/tensor_parallel.py).
     ``machine_profile``: how cpu devices are priced (Note [the API measures too] in
     partitioner/calibrate/machine.py): "auto" (this machine's cached profile, measured once;
     the preset under PARTITIONER_NO_CALIBRATE=1), "preset", or a calibrate.machine.MachineProfile."""
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
+    settings = compile_settings(training, precision=precision, clip_grad_norm=clip_grad_norm)
+    request = Request(num_stages=num_stages, dp=dp, tensor_parallel=tensor_parallel, microbatches=microbatches,
+                      schedule=schedule, shard_optimizer=shard_optimizer, granularity=granularity)
+    return compile_request(workload, settings, request, cluster=cluster, global_batch=global_batch,
+                           optimizer=optimizer, solver_config=solver_config, profiles=profiles, calibrate=calibrate,
+                           progress=progress, machine_profile=machine_profile)
+
+
+def compile_settings(training: dict | TrainingSettings | None = None, *, precision=None,
+                     clip_grad_norm=None) -> TrainingSettings:
+    """The user's settings, checked once (Note [training settings merge]): compile's keyword
+    settings over ``training``."""
+    settings = training if isinstance(training, TrainingSettings) else training_settings(training)
+    if precision is not None:
+        settings = settings.replace(precision=Precision.of(precision))
+    if clip_grad_norm is not None:
+        if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (the largest global "
+                             "gradient norm), or None for no clipping")
+        settings = settings.replace(clip_grad_norm=float(clip_grad_norm))
+    return settings
+
+
+def compile_request(workload: Workload, settings: TrainingSettings, request: Request, *, cluster: ClusterSpec,
+                    global_batch: int, optimizer: str = "adamw", solver_config=None, profiles=(), calibrate=None,
+                    progress=None, machine_profile="auto") -> Compiled:
+    """The compile of ``workload`` as ``settings`` and ``request`` ask (Note [settings and
+    decisions] in partitioner/settings.py): reads both, decides the rest."""
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
     from partitioner.solver.solve import solve_with_sharding
     from runtime.grad_norm import no_decay_names
-    from runtime.precision import check_precision, default_precision
-
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
     from partitioner.solver.candidates import validate_options
-
     from partitioner.tensor_parallel import check_tensor_parallel, grouped
 
-    tp = check_tensor_parallel(tensor_parallel, cluster, shard_optimizer=shard_optimizer, precision=precision,
-                               training={**(training or {}), **({"clip_grad_norm": clip_grad_norm}
-                                                                if clip_grad_norm is not None else {})}, dp=dp)
-    validate_options(grouped(cluster, tp), global_batch, num_stages, dp, microbatches, schedule)  # before the trace
+    tp = check_tensor_parallel(request.tensor_parallel, cluster, settings)
+    validate_options(grouped(cluster, tp), global_batch, request.num_stages, request.dp, request.microbatches,
+                     request.schedule)  # before the trace
     from partitioner.user_source import derive_sources
 
     sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
-    training = training_settings(training)  # Note [training settings merge]: deep, checked
-    training["precision"] = check_precision(precision or training.get("precision")
-                                            or default_precision(cluster.devices[0].kind))
-    clip = clip_grad_norm if clip_grad_norm is not None else training.get("clip_grad_norm")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
-        raise ValueError(f"clip_grad_norm={clip!r} must be a positive number (the largest global gradient "
-                         "norm), or None for no clipping")
-    training["clip_grad_norm"] = None if clip is None else float(clip)
-    shard = {True: "on", False: "off"}.get(shard_optimizer, shard_optimizer)
-    if shard not in ("auto", "on", "off"):
-        raise ValueError(f"shard_optimizer={shard_optimizer!r} is not \"auto\", \"on\" or \"off\" (or a bool)")
-    if (training.get("sdc_every") or 0) > 0:  # Note [no replica check on sharded state] in runtime/sdc.py
+    precision = settings.precision or Precision.default_for(cluster.devices[0].kind)
+    shard = request.shard_optimizer
+    if (settings.sdc_every or 0) > 0:  # Note [no replica check on sharded state] in runtime/sdc.py
         if shard == "on":
-            raise ValueError(f"sdc_every={training['sdc_every']} with shard_optimizer on: the replica check cannot "
+            raise ValueError(f"sdc_every={settings.sdc_every} with shard_optimizer on: the replica check cannot "
                              "see corruption when the optimizer state is sharded (each piece is updated by its "
                              "owner and gathered into every replica); drop --sdc-every, or --shard-optimizer off")
         shard = "off"  # the check was asked for: only replicated state lets it see anything
-    training["optimizer"] = {**training["optimizer"],
-                             "no_decay": no_decay_names(workload.model, training.get("no_weight_decay", "default"))}
+    no_decay = tuple(no_decay_names(workload.model, settings.no_weight_decay))
     machine = _machine_step(machine_profile, cluster, progress)  # Note [machine profile]
     if machine is not None:
         cluster = machine.profile.cluster_for(cluster)  # Note [what the machine profile replaces]
     _progress(progress, "trace")
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
-    _progress(progress, f"passes: shapes, flops, memory, regions ({granularity})")
-    gm = annotate(traced, granularity=granularity, optimizer=optimizer,
+    _progress(progress, f"passes: shapes, flops, memory, regions ({request.granularity})")
+    gm = annotate(traced, granularity=request.granularity, optimizer=optimizer,
                   loss_outside_graph=workload.loss_fn is not None)
     profiles = list(profiles)
     for p in profiles:  # a fit is of one precision policy (calibrate's meta "precision")
-        fitted = p.meta.get("precision", "fp32")
-        if fitted != training["precision"]:
+        fitted = Precision.of(p.meta.get("precision", Precision.FP32))
+        if fitted is not precision:
             raise ValueError(f"the {p.kind} profile was fitted under precision {fitted}, but this plan trains in "
-                             f"{training['precision']}: recalibrate with --calibrate --precision {training['precision']}, "
+                             f"{precision}: recalibrate with --calibrate --precision {precision}, "
                              f"or compile with --precision {fitted}")
+
+    def tp_runs(t: int) -> bool:
+        return _tp_runs(gm, t, cluster, settings)
+
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
         from partitioner.solver.tensor_parallel import degrees_to_search
 
-        weighs_tp = tp > 1 or (tensor_parallel is None and any(
-            t > 1 and (num_stages is None or num_stages * t <= cluster.num_devices) for t in degrees_to_search(
-                cluster, lambda t: _tp_runs(gm, t, cluster, shard_optimizer, precision, training, dp))))
+        weighs_tp = tp > 1 or (request.tensor_parallel is None and any(
+            t > 1 and (request.num_stages is None or request.num_stages * t <= cluster.num_devices)
+            for t in degrees_to_search(cluster, tp_runs)))
         with randomness.restored(COSTING_RANDOMNESS):  # Note [tensor-parallel overheads]: measured if weighed
-            measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"],
-                                     tensor_parallel=weighs_tp)
+            measured = calibrate.run(workload, gm, progress=progress, precision=precision, tensor_parallel=weighs_tp)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     # Note [machine profile]: its reference fit prices cpu regions under fp32 unless this model's
     # own profile does; its fixed costs fill in whatever no profile measured
-    machine_regions = (machine is not None and training["precision"] == "fp32"
+    machine_regions = (machine is not None and not precision.is_mixed
                        and not any(p.kind == machine.profile.device_profile().kind for p in profiles))
     if machine_regions:
         profiles.append(machine.profile.device_profile())
     # Note [accelerator roofline]: a GPU kind nothing was measured on is priced from published rates
     from partitioner.calibrate.datasheet import datasheet_profiles
 
-    profiles += datasheet_profiles(cluster, training["precision"], measured_kinds={p.kind for p in profiles})
+    profiles += datasheet_profiles(cluster, precision, measured_kinds={p.kind for p in profiles})
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
@@ -161,14 +180,13 @@ def compile_workload(
 
         problem = fill_fixed_costs(problem, machine.profile)
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
-    problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
-    cluster = cluster_for_precision(cluster, training["precision"])
+    problem = precision_problem(problem, precision, _param_elem_bytes(workload.model))
+    cluster = cluster_for_precision(cluster, precision)
     tp_degrees = (tp,)
-    if tensor_parallel is None:  # Note [one enumeration] in solver/space.py: the solver weighs each runnable degree
+    if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
         from partitioner.solver.tensor_parallel import degrees_to_search
 
-        tp_degrees = degrees_to_search(cluster, lambda t: _tp_runs(gm, t, cluster, shard_optimizer, precision,
-                                                                  training, dp))
+        tp_degrees = degrees_to_search(cluster, tp_runs)
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tensor_parallel import check_degree
 
@@ -177,14 +195,16 @@ def compile_workload(
     from partitioner.solver.space import StepTerms
 
     # Note [terms outside the ILP]: the norm and the replica check weigh in the choice between candidates
-    step_terms = StepTerms(global_norm=computes_global_norm(training), sdc_every=training.get("sdc_every"))
+    global_norm = computes_global_norm(settings.clip_grad_norm, precision)
+    step_terms = StepTerms(global_norm=global_norm, sdc_every=settings.sdc_every)
 
     def solve_over(degrees):
         _progress(progress, f"solve: {problem.num_regions} regions on {cluster.num_devices} devices"
                   + (f", tensor-parallel degrees {', '.join(map(str, degrees))}" if degrees != (1,) else ""))
         return solve_with_sharding(
-            problem, cluster, global_batch, shard=shard, dp=dp, num_stages=num_stages, microbatches=microbatches,
-            schedule=schedule, config=solver_config, progress=progress, tp_degrees=degrees,
+            problem, cluster, global_batch, shard=shard, dp=request.dp, num_stages=request.num_stages,
+            microbatches=request.microbatches, schedule=request.schedule, config=solver_config, progress=progress,
+            tp_degrees=degrees,
             tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
             step_terms=step_terms)
 
@@ -192,19 +212,22 @@ def compile_workload(
     # priced, cpu compiles weigh every runnable degree like accelerators do
     solution, problem, cluster, sharded = solve_over(tp_degrees)
     tp = solution.tensor_parallel
-    training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
-    if training["shard_optimizer"]:  # Note [no replica check on sharded state] in runtime/sdc.py
-        training["sdc_every"] = 0
-    if training.get("sdc_every") is None:  # Note [replica digests]: a plan setting, priced by evaluate
+    sharded = bool(sharded and solution.assignment.dp > 1)
+    sdc_every = settings.sdc_every
+    if sharded:  # Note [no replica check on sharded state] in runtime/sdc.py
+        sdc_every = 0
+    if sdc_every is None:  # Note [replica digests]: a plan setting, priced by evaluate
         from partitioner.solver.sdc_cost import default_every
 
-        training["sdc_every"] = default_every(solution.assignment.dp)
-    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, training=training, tp=tp)
+        sdc_every = default_every(solution.assignment.dp)
+    decisions = Decisions(precision=precision, shard_optimizer=sharded, sdc_every=sdc_every, no_decay=no_decay)
+    plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,
+                     tp=tp)
     if solution.optimal_over:
-        plan.solver["optimal_over"] = f"regions at {granularity} granularity; {solution.optimal_over}"
+        plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
         plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path)
-    return Compiled(plan, workload, granularity, problem, solution.assignment, sources)
+    return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources)
 
 
 def _machine_step(option, cluster, progress):
@@ -220,7 +243,8 @@ def _machine_step(option, cluster, progress):
     return resolved
 
 
-def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training, tp: int = 1) -> Plan:
+def make_plan(workload, gm, problem, cluster, solution, global_batch, *, settings: TrainingSettings,
+              decisions: Decisions, tp: int = 1) -> Plan:
     from passes.regions import region_table
     from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
@@ -230,10 +254,10 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
     assignment = solution.assignment
     from partitioner.solver.grad_norm_cost import computes_global_norm
 
-    cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0),
-                    global_norm=computes_global_norm(training))  # Note [global gradient norm]
+    cost = evaluate(problem, cluster, assignment, sdc_every=decisions.sdc_every,  # Note [global gradient norm]
+                    global_norm=computes_global_norm(settings.clip_grad_norm, decisions.precision))
     # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
-    extra_s = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
+    extra_s = allgather_s(problem, cluster, assignment) if decisions.shard_optimizer else 0.0
     table = region_table(gm)
     b = assignment.microbatch_size
     stage_of = assignment.stage_of_region
@@ -283,9 +307,9 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
             cost_s=next((t.cost_s for t in cost.ties if set(t.regions) == set(regs)), 0.0))
         for name, _nbytes, regs in _ties(gm)
     )
-    if training.get("memory_tier") is not None:
-        training = {**training, "memory_tier": memory_tier_choice(training["memory_tier"], stages, cluster,
-                                                                  assignment)}
+    if settings.memory_tier is not None:
+        decisions = dataclasses.replace(decisions, memory_tier=memory_tier_choice(
+            settings.memory_tier, stages, cluster, assignment))
     step = cost.step_time_s + extra_s
     return Plan(
         workload=workload.name,
@@ -313,7 +337,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
         solver=solution_summary(solution),
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
-        training=training,
+        training=settings,
+        decisions=decisions,
         tensor_parallel=tp,
     )
 
@@ -325,6 +350,8 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
     costs in host memory: shard = parameters + optimizer state of the rank's stages, two slots."""
     from runtime.memtier import memory_cost, plan_redundancy
 
+    if isinstance(request, MemoryTierPlan):
+        request = {k: v for k, v in request.to_dict().items() if v is not None}
     request = {"mode": request} if isinstance(request, str) else dict(request)
     world = assignment.pipeline_ranks * assignment.dp
     hosts, keys, shard = [0] * world, [((), 0)] * world, [0] * world
@@ -345,7 +372,7 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
             "per_host_bytes": cost["per_host_bytes"]}
 
 
-def _tp_runs(gm, tp, cluster, shard_optimizer, precision, training, dp) -> bool:
+def _tp_runs(gm, tp, cluster, settings: TrainingSettings) -> bool:
     """Whether the program runs tensor-parallel degree ``tp`` with these settings (Note [only
     runnable plans]): the degree divides what the sharded nodes split, and compile() would accept it."""
     from partitioner.tensor_parallel import check_tensor_parallel
@@ -353,8 +380,7 @@ def _tp_runs(gm, tp, cluster, shard_optimizer, precision, training, dp) -> bool:
 
     try:
         check_degree(gm, tp)
-        check_tensor_parallel(tp, cluster, shard_optimizer=shard_optimizer, precision=precision, training=training,
-                              dp=dp)
+        check_tensor_parallel(tp, cluster, settings)
     except ValueError:
         return False
     return True

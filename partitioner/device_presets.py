@@ -110,7 +110,7 @@ _KIND_ALIASES: Mapping[str, str] = {"a100": "a100-80gb"}
 
 # Note [flops per dtype]: sustained FLOP/s per compute dtype, the same 40% of the datasheet's dense
 # peak the presets' ``flops_per_s`` take (which is the rate at the kind's default precision:
-# bf16 on the GPUs, fp32 on cpu; runtime/precision.py ``default_precision``). A100: 19.5 fp32,
+# bf16 on the GPUs, fp32 on cpu; runtime/program_parts.py ``Precision.default_for``). A100: 19.5 fp32,
 # 156 tf32, 312 bf16/fp16 TFLOP/s; H100/H200 SXM: 67, 495, 989, 989. torch computes fp32
 # matmuls in full fp32 unless told otherwise (allow_tf32 is off by default), so the fp32 policy
 # gets the fp32 rate. cpu: a 512^3 matmul alone (one thread, this Xeon with AMX-BF16) runs at fp32

@@ -23,6 +23,7 @@ from partitioner.lower_tensor_parallel import tensor_parallel_calls
 from partitioner.codegen import write_program
 from partitioner.plan import Plan
 from partitioner.codegen.boundary_dtypes import autocast_dtypes
+from partitioner.settings import program_optimizer
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
@@ -30,14 +31,16 @@ from partitioner.user_source import UserSources, check_imports, derive_sources, 
 from partitioner.workload import Workload
 from runtime.data import constant_inputs
 from runtime.program import Program
+from runtime.program_parts import DataSpec, InitSpec, RandomnessSpec, RankSpec, StageSpec, TensorSpec, TieSpec
 
 if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
     from partitioner.compiled import Compiled
 
 def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: dict | None = None,
                  sources: UserSources | None = None, constants: list | None = None) -> Program:
-    """The program the runtime runs (runtime.program.Program, validated here, at compile time);
-    plan.json holds its ``to_dict()``. ``keyed_ops``: the random ops keyed by meaning;
+    """The program the runtime runs (runtime.program.Program), built and validated once, here, at
+    compile time, from its typed parts; plan.json holds its ``to_dict()``, which the ranks read.
+    ``keyed_ops``: the random ops keyed by meaning;
     ``init``: the init recipes of a model compiled on the meta device; ``sources``: where the ranks
     find make_batch and loss_fn (default: derived from the workload, Note [user code travels]);
     ``constants``: the inputs the lowered graph was traced with that hold no tensor (default: the
@@ -45,8 +48,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
     def values(vs):
         # A tensor whose leading dimension is not the microbatch (rotary tables, masks built from
         # positions) is the same for every sample: it crosses whole, never split by batch.
-        return [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype,
-                 "batch_dim": 0 if v.shape and v.shape[0] == plan.microbatch_size else None} for v in vs]
+        return tuple(TensorSpec(name=v.name, shape=tuple(v.shape), dtype=v.dtype,
+                                batch_dim=0 if v.shape and v.shape[0] == plan.microbatch_size else None) for v in vs)
 
     sources = sources or derive_sources(workload)
     keywords = list(workload.keywords)
@@ -55,7 +58,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         names = [v.name for v in stages[0].inputs]
         if names[len(names) - len(keywords):] != keywords:
             raise AssertionError(f"stage 0's inputs {names} do not end with the keyword inputs {keywords}")
-    return Program.from_dict({
+    settings, decisions = plan.training, plan.decisions
+    return Program(**{
         "world_size": plan.world_size,
         "num_stages": plan.num_stages,
         "dp": plan.dp,
@@ -64,36 +68,36 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "schedule": plan.schedule,
         "device": plan.device_type,
         "backend": "gloo" if plan.device_type == "cpu" else "nccl",
-        "ranks": plan.rank_layout(),
+        "ranks": tuple(RankSpec(**r) for r in plan.rank_layout()),
         **({"tensor_parallel": plan.tensor_parallel,
             "tp_sharded": {n: v[1] for s in stages for n, v in s.tp_sharded.items()}}
            if plan.tensor_parallel > 1 else {}),
-        "stages": [{"index": s.index, "module": f"stage_{s.index}", "class": f"Stage{s.index}",
-                    "params": list(s.params), "mutable_buffers": list(s.mutable_buffers),
-                    "inputs": values(s.inputs), "outputs": values(s.outputs)}
-                   for s in stages],
-        "ties": [{"param": t.param, "stages": list(t.stages)} for t in plan.ties if t.placement == "replicated"],
-        "data": {"make_batch": list(sources.specs["make_batch"]), "loss_fn": list(sources.specs["loss_fn"]),
-                 **({"keywords": keywords} if keywords else {}),
-                 **({"constants": constants} if constants else {})},
-        "optimizer": plan.training["optimizer"],
-        "seed": plan.training["seed"],
-        "collective_timeout_s": plan.training["collective_timeout_s"],
-        "checkpoint_every": plan.training.get("checkpoint_every", 0),
-        # Note [replica digests] (runtime/sdc.py); an older plan without it: the runtime's default
-        **({"sdc_every": plan.training["sdc_every"]} if plan.training.get("sdc_every") is not None else {}),
+        "stages": tuple(StageSpec(index=s.index, module=f"stage_{s.index}", class_name=f"Stage{s.index}",
+                                  params=tuple(s.params), mutable_buffers=tuple(s.mutable_buffers),
+                                  inputs=values(s.inputs), outputs=values(s.outputs)) for s in stages),
+        "ties": tuple(TieSpec(param=t.param, stages=tuple(t.stages)) for t in plan.ties
+                      if t.placement == "replicated"),
+        "data": DataSpec(make_batch=tuple(sources.specs["make_batch"]), loss_fn=tuple(sources.specs["loss_fn"]),
+                         keywords=tuple(keywords), constants=tuple(constants or ())),
+        # the parts below are typed already: what the user asked and what the compiler decided
+        # (Note [settings and decisions] in partitioner/settings.py)
+        "optimizer": program_optimizer(settings, decisions),
+        "seed": settings.seed,
+        "collective_timeout_s": settings.collective_timeout_s,
+        "checkpoint_every": settings.checkpoint_every,
+        "mtbf_s": settings.mtbf_s,  # --mtbf's default
+        "sdc_every": decisions.sdc_every,  # Note [replica digests] (runtime/sdc.py)
         # Note [mixed precision] (runtime/precision.py), Note [global gradient norm]
         # (runtime/grad_norm.py), Note [sharded optimizer state] (runtime/zero.py)
-        **({"precision": plan.training["precision"]} if plan.training.get("precision", "fp32") != "fp32" else {}),
-        **({"clip_grad_norm": plan.training["clip_grad_norm"]} if plan.training.get("clip_grad_norm") else {}),
-        **({"shard_optimizer": True} if plan.training.get("shard_optimizer") else {}),
+        "precision": decisions.precision,
+        "clip_grad_norm": settings.clip_grad_norm,
+        "shard_optimizer": decisions.shard_optimizer,
         # Every run ends by printing what it measured next to this (runtime/train.py, RankTrainer.run).
         "predicted_step_time_s": float(plan.predicted["step_time_s"]),
-        **({"memory_tier": {k: plan.training["memory_tier"][k] for k in ("mode", "every", "group_size")}}
-           if plan.training.get("memory_tier") else {}),
+        "memory_tier": decisions.memory_tier_plan,
         # Note [randomness keyed by meaning] in runtime/randomness.py
-        **({"randomness": {"keyed_ops": [op.op for op in keyed_ops]}} if keyed_ops else {}),
-        **({"init": init} if init else {}),
+        "randomness": RandomnessSpec(keyed_ops=tuple(op.op for op in keyed_ops)) if keyed_ops else None,
+        "init": InitSpec.from_dict(init) if init else None,
     })
 
 
@@ -159,7 +163,7 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
             raise AssertionError(f"region {name!r} of the re-trace at microbatch size is not in the plan")
         node_stage[node.name] = stage_of_name[name]
     # Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py
-    dtypes = autocast_dtypes(gm, plan.training.get("precision", "fp32"), plan.device_type)
+    dtypes = autocast_dtypes(gm, plan.decisions.precision, plan.device_type)
     stages = split_graph(gm, node_stage, plan.num_stages, dtypes)
     if plan.tensor_parallel > 1:  # Note [tensor-parallel roles] in passes/tensor_parallel.py
         from passes.tensor_parallel import sharded_parameters
@@ -199,9 +203,9 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
                              "hf: drop device=meta), or register them as buffers")
         # Note [constants travel] in runtime/stage.py: shipped in weights/, the rest made by the ranks
         lifted_state = values or None
-        init = {"seed": plan.training["seed"], "params": {}, "weights": list(workload.source["init"])}
+        init = {"seed": plan.training.seed, "params": {}, "weights": list(workload.source["init"])}
     elif on_meta:
-        init = {"seed": plan.training["seed"], "params": init_recipes(workload.model, stages)}
+        init = {"seed": plan.training.seed, "params": init_recipes(workload.model, stages)}
     sources = compiled.sources
     if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
         sources = derive_sources(workload)  # the error naming what is missing
@@ -215,7 +219,7 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     # not) and constants export lifted, under the names the stage files use.
     state = lifted_state if on_meta else {
         name: _attr(traced.gm, name) for stage in stages for name in stage.params + stage.buffers}
-    return write_program(folder, plan=plan, stages=stages, program=program.to_dict(), state=state,
+    return write_program(folder, plan=plan, stages=stages, program=program, state=state,
                          problem=compiled.problem, assignment=compiled.assignment, user_files=sources.files,
                          op_imports=sources.op_imports,
                          check_user_files=lambda tmp: check_imports(tmp, sources, final=folder, workload_name=workload.name))

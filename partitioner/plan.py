@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner.settings import Decisions, TrainingSettings, split_legacy_training
+
 PLAN_VERSION = 1
 
 # Note [plans are deterministic]: the same workload, cluster and options give the same plan.json
@@ -130,7 +132,10 @@ class Plan:
     solver: dict                     # status, objective, bound, gap, solve_time_s, candidates
     baselines: dict                  # {"uniform": {"step_time_s"}, "param_balanced": {...}}
     cluster: dict
-    training: dict = field(default_factory=dict)   # optimizer, lr schedule, seed, checkpoint interval
+    # What the user asked (optimizer, lr schedule, seed, checkpoint interval, ...) and what the compiler
+    # chose, kept apart (Note [settings and decisions] in partitioner/settings.py)
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    decisions: Decisions = field(default_factory=Decisions)
     # Tensor-parallel degree: each stage replica runs on a tensor group of this many consecutive
     # ranks (Note [tensor groups] in partitioner/solver/tensor_parallel.py); ``stages[].ranks``
     # hold each group's first rank, ``world_size`` counts every rank. plan.json writes the key only
@@ -145,7 +150,7 @@ class Plan:
         return self.world_size // (self.dp * self.tensor_parallel)
 
     def to_dict(self) -> dict:
-        body = _jsonable(asdict(self))
+        body = _jsonable({**asdict(self), "training": self.training.to_dict(), "decisions": self.decisions.to_dict()})
         body["stages"] = [_renamed(s, _JSON_KEYS) for s in body["stages"]]   # Note [json keys]
         body["regions"] = [_renamed(r, _JSON_KEYS) for r in body["regions"]]
         if body.get("tensor_parallel") == 1:
@@ -162,8 +167,7 @@ class Plan:
         return {k: self.solver[k] for k in TIMING_KEYS if k in self.solver}
 
     def content_hash(self) -> str:
-        blob = json.dumps(self.stable_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return _hash_of(self.stable_dict())
 
     def to_json(self) -> str:
         body = self.stable_dict()
@@ -182,6 +186,12 @@ class Plan:
         body.pop("assignment", None)
         if body.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}: recompile the plan")
+        raw = dict(body)
+        if "decisions" not in body and isinstance(body.get("training"), dict):  # an older plan: decisions inside
+            body["training"], body["decisions"] = split_legacy_training(body["training"])
+        else:
+            body["training"] = _part(TrainingSettings.from_dict, body.get("training", {}), "training")
+            body["decisions"] = _part(Decisions.from_dict, body.get("decisions", {}), "decisions")
         _check_fields(cls, body, "")
         _check_figures(body)
         plan = cls(
@@ -194,11 +204,14 @@ class Plan:
                                             "shapes": tuple(tuple(x) for x in e["shapes"]),
                                             "boundaries": tuple(e["boundaries"])}) for e in body["cut_edges"]),
                "ties": tuple(PlanTie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
-        if stated is not None and stated != plan.content_hash():
+        # an older plan hashes as it was written: its decisions sat inside "training"
+        content_hash = plan.content_hash() if raw is None or "decisions" in raw else _hash_of(
+            {**raw, "solver": {k: v for k, v in raw["solver"].items() if k not in TIMING_KEYS}})
+        if stated is not None and stated != content_hash:
             from partitioner.errors import PlanMismatchError
 
             raise PlanMismatchError(
-                f"plan.json states hash {stated} but its content hashes to {plan.content_hash()}: "
+                f"plan.json states hash {stated} but its content hashes to {content_hash}: "
                 "it was edited by hand; recompile with `partitioner compile`"
             )
         return plan
@@ -265,6 +278,8 @@ def _field_ok(kind: str, value: Any) -> bool:
         return isinstance(value, str)
     if kind == "dict" or kind == "MemoryBreakdown":
         return isinstance(value, dict)
+    if kind in ("TrainingSettings", "Decisions"):  # read (and checked) before the fields
+        return isinstance(value, (TrainingSettings, Decisions))
     if kind.startswith("tuple[tuple["):
         return isinstance(value, list) and all(isinstance(v, list) and all(_field_ok("int", x) for x in v)
                                                for v in value)
@@ -331,6 +346,19 @@ def _check_figures(body: dict) -> None:
         if not isinstance(figures, dict) or not _field_ok("float | None", figures.get("step_time_s")):
             raise PlanFieldError(f"field baselines.{name} is {json.dumps(figures)[:40]}, expected "
                                  f'{{"step_time_s": float}}: {fix}')
+
+
+def _hash_of(body: dict) -> str:
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _part(read, value, where: str):
+    """A typed part of plan.json read by ``read``; its ValueError as a PlanFieldError naming ``where``."""
+    try:
+        return read(value)
+    except (ValueError, TypeError) as exc:
+        raise PlanFieldError(f"field {where}: {exc}: recompile it with `partitioner compile`") from None
 
 
 def _jsonable(value: Any) -> Any:

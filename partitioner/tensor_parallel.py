@@ -17,9 +17,9 @@ from __future__ import annotations
 from partitioner.cluster import ClusterSpec
 
 
-def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, *, shard_optimizer, precision, training,
-                          dp) -> int:
-    """The degree compile() plans with (None: 1), or ValueError naming the value and the fix."""
+def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, settings) -> int:
+    """The degree compile() plans with (None: 1) under ``settings`` (partitioner/settings.py
+    TrainingSettings), or ValueError naming the value and the fix."""
     if tensor_parallel is None:
         return 1
     tp = tensor_parallel
@@ -30,13 +30,12 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, *, shard_optimi
     from partitioner.solver.tensor_parallel import group_cluster
 
     group_cluster(cluster, tp)  # refuses a degree the cluster cannot group
-    training = training or {}
 
     def refuse(what: str, fix: str) -> None:
         raise ValueError(f"tensor_parallel={tp} does not run with {what} yet (Note [what tensor parallelism "
                          f"runs with] in partitioner/tensor_parallel.py): {fix}, or compile with --tp 1")
 
-    if training.get("memory_tier") is not None:  # any mode, "none" too: a tier without redundancy
+    if settings.memory_tier is not None:  # any mode, "none" too: a tier without redundancy
         refuse("the in-memory checkpoint tier", "leave --memory-tier out (disk checkpoints still run)")
     return tp
 

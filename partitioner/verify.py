@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from runtime.program import Program
+from runtime.program_parts import Precision
 from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 
 # Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
@@ -52,10 +53,11 @@ PARAM_TOLERANCE = 1e-4
 # 3 steps), so under a mixed policy the bound is max(the table's, 2 lr steps), lr the schedule's
 # peak; under fp32 (rounding noise only, rarely a flip) the table's bound scaled by lr / 1e-3.
 # Losses are compared relative to max(1, |oracle loss|): a loss of 10 rounds 10 times coarser.
-TOLERANCES = {"fp32": (LOSS_TOLERANCE, PARAM_TOLERANCE), "bf16-mixed": (1e-3, 2e-3), "fp16-mixed": (2e-4, 2e-3)}
+TOLERANCES = {Precision.FP32: (LOSS_TOLERANCE, PARAM_TOLERANCE), Precision.BF16_MIXED: (1e-3, 2e-3),
+              Precision.FP16_MIXED: (2e-4, 2e-3)}
 DEFAULT_LR = 1e-3
 # The global gradient norm (metrics.jsonl grad_norm) against the oracle's, relative.
-GRAD_NORM_TOLERANCE = {"fp32": 1e-4, "bf16-mixed": 1e-2, "fp16-mixed": 2e-3}
+GRAD_NORM_TOLERANCE = {Precision.FP32: 1e-4, Precision.BF16_MIXED: 1e-2, Precision.FP16_MIXED: 2e-3}
 # Running statistics average activations made from those parameters: compared relative to their
 # size (|diff| / max(1, |oracle|)), and counters (num_batches_tracked) must agree exactly.
 BUFFER_TOLERANCE = 1e-4
@@ -73,15 +75,18 @@ class VerifyReport:
     oracle: str  # "original model", "unpartitioned traced graph (keyed randomness)" or "stage chain"
     max_buffer_diff: float = 0.0  # relative: |diff| / max(1, |oracle|)
     worst_buffer: str = "-"
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     max_grad_norm_diff: float = 0.0  # relative: |program - oracle| / oracle, per step
     lr: float = DEFAULT_LR  # the schedule's peak learning rate
+
+    def __post_init__(self):
+        object.__setattr__(self, "precision", Precision.of(self.precision))
 
     @property
     def tolerances(self) -> tuple[float, float]:
         """(loss, parameters) for this run's precision, steps and lr (Note [tolerances scale with the run])."""
         loss_tol, param_tol = TOLERANCES[self.precision]
-        if self.precision == "fp32":
+        if not self.precision.is_mixed:
             return loss_tol, param_tol * max(1.0, self.lr / DEFAULT_LR)
         return loss_tol, max(param_tol, 2 * self.lr * self.steps)
 
@@ -188,10 +193,10 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
     load_program(str(folder))  # an edited or broken folder is refused before anything starts
-    if workload is None and plan.training.get("model_spec"):
+    if workload is None and plan.training.model_spec:
         from partitioner.models import load_workload
 
-        workload = load_workload(plan.training["model_spec"], pretrained=plan.training.get("pretrained"))
+        workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained)
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
@@ -219,11 +224,13 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
 
     folder = Path(folder).resolve()
     program = load_program(str(folder))
-    training = load_plan(str(folder)).get("training") or {}  # a hand-written folder has no full Plan
-    if workload is None and training.get("model_spec"):
+    from partitioner.settings import settings_of
+
+    settings = settings_of(load_plan(str(folder)))  # a hand-written folder has no full Plan
+    if workload is None and settings.model_spec:
         from partitioner.models import load_workload
 
-        workload = load_workload(training["model_spec"], pretrained=training.get("pretrained"))
+        workload = load_workload(settings.model_spec, pretrained=settings.pretrained)
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps

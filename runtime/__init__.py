@@ -16,7 +16,10 @@ checkpoint_drills  one-process drills of the checkpoint protocol (tests, benchma
 stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
 schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)`` and
            ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
-train      optimizer + LR schedule, randomness context per microbatch, gradient sync, ``RankTrainer``
+train      optimizer + LR schedule, randomness context per microbatch, ``RankTrainer``
+grad_sync  the process groups every rank creates, tie and data-parallel gradient sync, buffer broadcast
+run_options the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and train.py
+           parse the same; Note [one flag table])
 randomness the keyed random ops stage files call (``randomness.dropout(x, p, train, op=, batch_dim=)``,
            ``attention`` for SDPA with dropout, ...), the context they read, and ``capture()`` /
            ``restored(snapshot)`` for recompute (Note [randomness keyed by meaning])
@@ -76,7 +79,7 @@ part: ``RankSpec``, ``StageSpec``, ``TensorSpec``, ``TieSpec``, ``DataSpec``, ``
 checks are in ``Program.from_dict`` / ``__post_init__``; plan.json holds ``Program.to_dict()``
 (same keys, so ``Program.from_dict(json)`` reads any plan.json this compiler writes).
 ``load_program(DIR)`` checks the file hashes and returns the validated Program, with plan.json's
-top-level "plan_hash", "model_fingerprint", "workload" and training "mtbf_s" copied in.
+top-level "plan_hash", "model_fingerprint" and "workload" copied in.
 
 Outputs of a run (DIR/run unless main(run_dir=...))::
 
@@ -104,11 +107,11 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
     checkpoint_interval.json           the Young/Daly choice, when --mtbf chose it
     faults.jsonl                       injected faults that fired (rank, step, mode, time_unix)
 
-Flags of train.py / rank_<r>.py (``launch.parse_args``): --steps N, --run-dir D,
---checkpoint-dir D (default DIR/checkpoints; must be writable, checked before training),
---checkpoint-every K, --mtbf 6h, --keep-checkpoints N (default 3), --no-checkpoint,
---fail-at RANK:STEP[:MODE], --fail-persist RANK:STEP:BYTES, --collective-timeout S,
---measure-memory (or PARTITIONER_MEASURE_MEMORY=1). Every run
+Flags of train.py / rank_<r>.py: the table in runtime/run_options.py (``FLAGS``, `partitioner run`'s
+too; an unknown flag is refused, naming the nearest): --steps N, --run-dir D, --checkpoint-dir D
+(default DIR/checkpoints; must be writable, checked before training), --checkpoint-every K,
+--mtbf 6h, --keep-checkpoints N (default 3), --no-checkpoint, the fault drills, the memory tier's,
+--collective-timeout S, --measure-memory (or PARTITIONER_MEASURE_MEMORY=1). Every run
 resumes from the newest checkpoint valid on every rank in the checkpoint directory and leaves a
 committed checkpoint of its last step there.
 

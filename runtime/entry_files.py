@@ -179,17 +179,14 @@ def train_file_text(program: Program) -> str:
     return TRAIN_SOURCE.format(world_size=program.world_size)
 
 
-def entry_files(program: Program | dict, plan_hash: str | None = None) -> dict[str, str]:
-    """{file name: text} of every rank_<r>.py and train.py. A dict is read as ``Program.from_dict``
-    (partitioner/codegen/folder.py passes plan.json's object)."""
-    if isinstance(program, dict):
-        program = Program.from_dict(program)
+def entry_files(program: Program, plan_hash: str | None = None) -> dict[str, str]:
+    """{file name: text} of every rank_<r>.py and train.py."""
     files = {f"rank_{r}.py": rank_file_text(program, r, plan_hash) for r in range(program.world_size)}
     files["train.py"] = train_file_text(program)
     return files
 
 
-def write_entry_files(folder: str, program: Program | dict, plan_hash: str | None = None) -> None:
+def write_entry_files(folder: str, program: Program, plan_hash: str | None = None) -> None:
     """Write rank_<r>.py for every rank and train.py into ``folder`` (hand-made folders in tests)."""
     for name, text in entry_files(program, plan_hash).items():
         with open(os.path.join(folder, name), "w") as f:

@@ -141,7 +141,7 @@ def as_norm(total_sq: float) -> float:
 
 
 def finish_step(trainer, sync_gradients) -> tuple[float | None, bool]:
-    """A step after its backward: sync the gradients (``sync_gradients``: runtime/train.py's),
+    """A step after its backward: sync the gradients (``sync_gradients``: runtime/grad_sync.py's),
     unscale (fp16), the global norm where the program uses it, clip, then the optimizer step or,
     on an fp16 overflow, the skip: Notes [global gradient norm], [loss scaling], [sharded optimizer
     state]. Every rank runs the same collectives in the same order (``needs_global_norm`` is the

@@ -24,6 +24,7 @@ from datetime import timedelta
 
 from runtime.errors import InputMismatchError
 from runtime.program import Program, load_program
+from runtime.run_options import FlagError, RunOptions
 from runtime.torchrun import command_text, free_port
 
 
@@ -131,55 +132,10 @@ def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int,
     return env_rank, world, int(os.environ.get("LOCAL_RANK", str(env_rank)))
 
 
-def parse_args(argv: list[str] | None) -> dict:
-    """Flags `partitioner run` and torchrun pass through train.py to every rank."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="train.py", description="train this program's rank")
-    parser.add_argument("--steps", type=int, help="train until this many steps are done")
-    parser.add_argument("--run-dir", help="where metrics.jsonl and final/ go (default DIR/run)")
-    parser.add_argument("--checkpoint-dir", help="checkpoints go here (default DIR/checkpoints)")
-    parser.add_argument("--checkpoint-every", type=int,
-                        help="checkpoint every K steps (default: the program's checkpoint_every)")
-    parser.add_argument("--mtbf", help="mean time between failures (e.g. 6h): choose the interval "
-                        "by Young/Daly from the measured snapshot stall")
-    parser.add_argument("--keep-checkpoints", type=int, help="keep the newest N (default 3)")
-    parser.add_argument("--no-checkpoint", action="store_true", default=None,
-                        help="neither resume from nor write checkpoints")
-    parser.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (first attempt only)")
-    parser.add_argument("--fail-persist", help="RANK:STEP:BYTES: SIGKILL RANK after writing BYTES "
-                        "bytes of its shard of checkpoint STEP (first attempt only)")
-    parser.add_argument("--checkpoint-compression", choices=["none", "lossless"],
-                        help="lossless: store each tensor as a zstd'd XOR delta against the previous checkpoint")
-    parser.add_argument("--checkpoint-full-every", type=int, help="with lossless: a full checkpoint every K "
-                        "(default 8)")
-    parser.add_argument("--sdc-every", type=int, help="compare the replicas' parameter digests every K steps "
-                        "(0: never; default: the program's sdc_every, else 20); a mismatch rolls back")
-    parser.add_argument("--flip-bit", action="append", help="RANK:STEP[:TENSOR]: flip one bit of a parameter "
-                        "before STEP (silent data corruption drill, first attempt only)")
-    parser.add_argument("--memory-tier", choices=["off", "auto", "none", "copy", "parity"],
-                        help="in-memory checkpoints in host shared memory, with redundancy across hosts: "
-                        "none (own host only), copy (a peer holds a full copy), parity (XOR over a group); "
-                        "default: the program's choice (off if it has none)")
-    parser.add_argument("--memory-every", type=int, help="memory snapshot every K steps (default 1)")
-    parser.add_argument("--parity-group", type=int, help="hosts per parity group (default: the plan's)")
-    parser.add_argument("--hosts", help="host of each rank, e.g. 0,0,1,1 (default $PARTITIONER_HOSTS, else "
-                        "LOCAL_WORLD_SIZE ranks to a host)")
-    parser.add_argument("--memory-dir", help="the memory tier's shared-memory folder (default "
-                        "/dev/shm/partitioner-<id of checkpoint dir and plan>)")
-    parser.add_argument("--fail-host", action="append", help="HOST:STEP: kill every rank of HOST before "
-                        "STEP and wipe its memory tier (first attempt only)")
-    parser.add_argument("--measure-memory", action="store_true", default=None,
-                        help="record each rank's peak memory (run dir memory_rank_<r>.json) and print it next "
-                        "to the plan's prediction (always on CUDA; on CPU also $PARTITIONER_MEASURE_MEMORY=1)")
-    parser.add_argument("--collective-timeout", type=float,
-                        help="seconds (default: the program's collective_timeout_s)")
-    parser.add_argument("--quiet", action="store_true", default=None,
-                        help="rank 0 prints every Nth step (--log-every) and the final summary only")
-    parser.add_argument("--log-every", type=int, help="with --quiet: print every Nth step (default: "
-                        "about 10 lines per run)")
-    known, _unknown = parser.parse_known_args(argv)
-    return {k: v for k, v in vars(known).items() if v is not None}
+def parse_args(argv: list[str] | None) -> RunOptions:
+    """The flags `partitioner run` and torchrun pass through train.py to every rank (Note [one flag
+    table] in runtime/run_options.py): an unknown one is a FlagError, never dropped."""
+    return RunOptions.parse(sys.argv[1:] if argv is None else argv, side="rank")
 
 
 def _chain(*hooks):
@@ -207,10 +163,10 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     exit_on_error: on an exception print it and ``os._exit(1)`` (Note [no hangs]); False re-raises.
     """
     try:
-        flags = parse_args(sys.argv[1:] if argv is None else argv)
-        steps = flags.pop("steps", steps)
-        run_dir = flags.pop("run_dir", run_dir)
-        losses = _main(folder, rank, steps=steps, run_dir=run_dir, flags=flags)
+        options = parse_args(argv)
+        steps = options.steps if options.steps is not None else steps
+        run_dir = options.run_dir or run_dir
+        losses = _main(folder, rank, steps=steps, run_dir=run_dir, options=options)
         # The trainer's objects (precision, sharding, their hooks) form reference cycles that keep
         # the destroyed group's store, and so its listening port, alive until a collection: a
         # second launch in this process (a notebook, a test driver) could not bind the port.
@@ -228,7 +184,7 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         else:
             # a launch mistake, or a batch the program was not compiled for (Note [constant inputs] in
             # runtime/data.py), needs its message, not a traceback
-            if not isinstance(exc, (LaunchError, InputMismatchError)):
+            if not isinstance(exc, (LaunchError, InputMismatchError, FlagError)):
                 traceback.print_exc()
             print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -240,9 +196,9 @@ def _where(step: int) -> None:
 
 
 def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
-          flags: dict | None = None):
+          options: RunOptions | None = None):
     folder = os.path.abspath(folder)
-    flags = flags or {}
+    options = options or RunOptions()
     program = load_program(folder)
     rank, world, local_rank = read_env(program, folder, rank)
     # Checkpoint and fault settings are checked before anything slow (and before training).
@@ -251,56 +207,35 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
 
     if steps is not None and steps < 1:
         raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
-    if "collective_timeout" in flags:
-        if not flags["collective_timeout"] > 0:
-            raise LaunchError(f"--collective-timeout {flags['collective_timeout']}: give seconds > 0 "
-                              "(e.g. --collective-timeout 300)")
-        program = dataclasses.replace(program, collective_timeout_s=flags["collective_timeout"])
-    use_ckpt = not flags.get("no_checkpoint")
-    ckpt_dir = os.path.abspath(flags.get("checkpoint_dir") or os.path.join(folder, "checkpoints"))
-    every = flags.get("checkpoint_every")
-    mtbf_s = ck.parse_duration_s(flags["mtbf"]) if "mtbf" in flags else None
+    sharded = program.shard_optimizer and program.dp > 1
+    options.check_for(world_size=world, sharded=sharded, steps=steps)  # as `partitioner run` did: hand starts too
+    if options.collective_timeout is not None:
+        program = dataclasses.replace(program, collective_timeout_s=options.collective_timeout)
+    use_ckpt = not options.no_checkpoint
+    ckpt_dir = os.path.abspath(options.checkpoint_dir or os.path.join(folder, "checkpoints"))
+    every, mtbf_s = options.checkpoint_every, options.mtbf_s
     if every is None and mtbf_s is None:
         every = program.checkpoint_every or 0
         mtbf_s = None if every else program.mtbf_s
-    if every is not None and every < 0:
-        raise ValueError(f"--checkpoint-every {every}: must be a positive number of steps")
-    keep = flags.get("keep_checkpoints", 3)
-    if keep < 1:
-        raise ValueError(f"--keep-checkpoints {keep}: keep at least 1")
-    fail_at = [faults.parse_fail_at(t) for t in flags.get("fail_at", [])]
-    for text, fault in zip(flags.get("fail_at", []), fail_at):
-        if fault.rank >= world:
-            raise LaunchError(f"--fail-at {text}: rank {fault.rank} does not exist, the program has "
-                              f"{world} ranks (0..{world - 1})")
-    fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
+    keep = 3 if options.keep_checkpoints is None else options.keep_checkpoints
+    fail_at = [faults.parse_fail_at(t) for t in options.fail_at]
+    fail_persist = faults.parse_fail_persist(options.fail_persist) if options.fail_persist else None
     from runtime import sdc
     from runtime.checkpoint.delta import FULL_EVERY, _zstd
 
-    compression = flags.get("checkpoint_compression", "none")
-    full_every = flags.get("checkpoint_full_every", FULL_EVERY)
-    if full_every < 1:
-        raise LaunchError(f"--checkpoint-full-every {full_every}: give 1 or more (1: every checkpoint full)")
+    compression = options.checkpoint_compression or "none"
+    full_every = options.checkpoint_full_every or FULL_EVERY
     if compression == "lossless":
         _zstd()  # a missing zstandard is a clear error here, not in the first persist
-
-    sdc_every = flags.get("sdc_every", sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every)
-    if sdc_every < 0:
-        raise LaunchError(f"--sdc-every {sdc_every}: give a number of steps >= 0 (0: no replica check)")
-    if program.shard_optimizer and program.dp > 1:  # Note [no replica check on sharded state]
-        if flags.get("sdc_every", 0) > 0:
-            raise LaunchError(sdc.sharded_refusal(f"--sdc-every {flags['sdc_every']}"))
-        if flags.get("flip_bit"):
-            raise LaunchError(sdc.sharded_refusal(f"--flip-bit {flags['flip_bit'][0]}"))
-        sdc_every = 0  # a plan of an older compile may still name one: it could not see anything
-    flips = [faults.parse_flip_bit(t) for t in flags.get("flip_bit", [])]
-    for text, flip in zip(flags.get("flip_bit", []), flips):
-        if flip.rank >= world:
-            raise LaunchError(f"--flip-bit {text}: rank {flip.rank} does not exist, the program has "
-                              f"{world} ranks (0..{world - 1})")
+    sdc_every = options.sdc_every
+    if sdc_every is None:
+        sdc_every = sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every
+    if sharded:  # a plan of an older compile may still name one: it could not see anything
+        sdc_every = 0
+    flips = [faults.parse_flip_bit(t) for t in options.flip_bit]
     from runtime import memtier
 
-    memory_settings = memtier.settings_from(program.memory_tier, flags) if use_ckpt else None
+    memory_settings = memtier.settings_from(program.memory_tier, options) if use_ckpt else None
     if memory_settings is not None and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
         from runtime.tensor_parallel import memory_tier_refusal
 
@@ -313,7 +248,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
 
     from runtime.entry_files import check_rank_file
     from runtime.schedule import schedule_text
-    from runtime.train import RankTrainer, create_groups
+    from runtime.grad_sync import create_groups
+    from runtime.train import RankTrainer
 
     # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
     # file constants] in runtime/entry_files.py).
@@ -347,8 +283,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         from runtime.checkpoint.shared import check_shared
         from runtime.memtier import hosts_of_ranks
 
-        check_shared(ckpt_dir, rank, hosts_of_ranks(world, flags.get("hosts")), device)
-    quiet = bool(flags.get("quiet"))
+        check_shared(ckpt_dir, rank, hosts_of_ranks(world, options.hosts), device)
+    quiet = options.quiet
     if rank == 0:
         print(f"program {program.plan_hash}: {world} ranks, {program.num_stages} "
               f"stages x dp {program.dp}, {steps} steps\n" + ("" if quiet else schedule_text(program)),
@@ -390,10 +326,11 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         check = sdc.ReplicaCheck(trainer, sdc_every, run_dir=run_dir, last_step=steps,
                                  also_at=checkpointer.due if checkpointer else None, start_step=start_step)
         after_step = _chain(check.after_step, after_step)
-    log_every = (flags.get("log_every") or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
+    log_every = (options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
     from runtime import memory as peak
 
-    meter = peak.PeakMemory(trainer).start() if device.type == "cuda" or peak.requested(flags) else None
+    measured = device.type == "cuda" or peak.requested(options.measure_memory)
+    meter = peak.PeakMemory(trainer).start() if measured else None
     if meter is not None:
         after_step = meter.unmeasured(after_step)
     while True:

@@ -97,8 +97,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def requested(flags: dict) -> bool:
-    return bool(flags.get("measure_memory")) or os.environ.get(ENV, "") not in ("", "0")
+def requested(flag: bool) -> bool:
+    """--measure-memory, or the environment asks for it (a launch that passes no flags)."""
+    return flag or os.environ.get(ENV, "") not in ("", "0")
 
 
 def _storage_bytes(tensors) -> int:

@@ -40,45 +40,27 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
-AUTOCAST_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-# What flows through matmuls and the activations they save, in bytes per element (the cost
-# model's activation and boundary dtype: partitioner/solver/problem.py).
-COMPUTE_ELEM_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
+from runtime.program_parts import Precision
 
 
-def check_precision(name: str) -> str:
-    if name not in PRECISIONS:
-        raise ValueError(f"precision {name!r} is not one of {list(PRECISIONS)}: pass --precision "
-                         "fp32, bf16-mixed or fp16-mixed")
-    return name
-
-
-def default_precision(device_kind: str) -> str:
-    """bf16-mixed on GPU device kinds (every preset has bf16 tensor cores), fp32 on cpu (bf16
-    matmuls on a CPU without AMX are slower than fp32)."""
-    return "fp32" if device_kind == "cpu" else "bf16-mixed"
-
-
-def autocast(precision: str, device_type: str):
+def autocast(precision: Precision, device_type: str):
     """The forward's context under ``precision``: torch.autocast for the mixed policies."""
-    dtype = AUTOCAST_DTYPE[check_precision(precision)]
-    if dtype is None:
+    if not precision.is_mixed:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return torch.autocast(device_type=device_type, dtype=precision.autocast_dtype)
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, str(name).removeprefix("torch."))
 
 
-def step_context(precision: str, device_type: str):
+def step_context(precision: Precision, device_type: str):
     """Around a whole step's schedule under a mixed policy: an autocast region that is *off*
     (backward runs outside autocast, as torch recommends) but keeps autocast's nesting above
     zero, so the low-precision copy autocast makes of each weight is cached for the whole step
     instead of remade (and saved again for backward) by every microbatch's forward: one copy per
     weight, 2 bytes per parameter, for the step (the cost model's ``weight_copy_bytes``)."""
-    if AUTOCAST_DTYPE[check_precision(precision)] is None:
+    if not precision.is_mixed:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, enabled=False)
 
@@ -95,12 +77,12 @@ def cast_outputs(output, dtypes: list[torch.dtype]):
     return cast[0] if single else cast
 
 
-def wrap_forward(module: torch.nn.Module, precision: str, device_type: str, outputs) -> None:
+def wrap_forward(module: torch.nn.Module, precision: Precision, device_type: str, outputs) -> None:
     """Run ``module``'s forward under the policy's autocast and cast its outputs to the plan's
     dtypes (``outputs``: the stage's TensorSpecs, or dtypes). Nothing changes under fp32. Forward
     hooks, not a replaced ``forward``: they get the module as an argument, so a deep copy of the
     module (the oracle trains copies) keeps working on its own parameters."""
-    if AUTOCAST_DTYPE[check_precision(precision)] is None:
+    if not precision.is_mixed:
         return
     dtypes = [o if isinstance(o, torch.dtype) else _dtype(o.dtype) for o in outputs]
     open_contexts: list = []
@@ -129,8 +111,8 @@ class LossScaler:
     clean_steps: int = 0
 
     @staticmethod
-    def for_policy(precision: str) -> "LossScaler":
-        on = precision == "fp16-mixed"
+    def for_policy(precision: Precision) -> "LossScaler":
+        on = precision.loss_scaling
         return LossScaler(on, 2.0 ** 16 if on else 1.0)
 
     def update(self, finite: bool) -> bool:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from runtime.errors import PlanMismatchError
 from runtime.layout import Layout
 from runtime.pipeline_schedules import schedule_named
-from runtime.program_parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, RandomnessSpec,
-                                   RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
+from runtime.program_parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
+                                   RandomnessSpec, RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,9 +30,9 @@ class Program:
     """Everything the runtime reads from plan.json: which rank runs which stage, how the batch is
     cut, the schedule, the data, the optimizer. Validated when built; see the module docstring.
 
-    Fields are listed in the order plan.json writes them. The last four are not in plan.json's
-    "program" object: ``load_program`` copies them from the plan's top level (checkpoints record
-    and check them).
+    Fields are listed in the order plan.json writes them. plan_hash, model_fingerprint and workload
+    are not in plan.json's "program" object: ``load_program`` copies them from the plan's top level
+    (checkpoints record and check them).
     """
 
     world_size: int            # processes, = dp * ranks per pipeline
@@ -56,8 +56,7 @@ class Program:
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
     memory_tier: MemoryTierPlan | None = None
-    precision: str = "fp32"                   # "fp32" | "bf16-mixed" | "fp16-mixed" (Note [mixed precision]
-                                              # in runtime/precision.py)
+    precision: Precision = Precision.FP32     # Note [mixed precision] in runtime/precision.py
     clip_grad_norm: float | None = None       # clip the global gradient norm to this (Note [global
                                               # gradient norm] in runtime/grad_norm.py); None: off
     shard_optimizer: bool = False             # AdamW state sharded over the replicas (ZeRO-1, Note
@@ -71,11 +70,12 @@ class Program:
     plan_hash: str | None = None              # from plan.json's top level
     model_fingerprint: str | None = None      # from plan.json's top level
     workload: str | None = None               # from plan.json's top level
-    mtbf_s: float | None = None               # from plan.json's "training"; --mtbf's default
+    mtbf_s: float | None = None               # --mtbf's default (a plan.json of an older compile: its "training")
 
     def __post_init__(self):
         for name in ("ranks", "stages", "ties"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "precision", Precision.of(self.precision))
         if not self.backend:
             object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else "nccl")
         _validate(self)
@@ -101,7 +101,7 @@ class Program:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
         # The precision and sharding fields are written only when not the default, so a program
         # compiled before them round-trips unchanged.
-        quiet = {"precision": "fp32", "shard_optimizer": False, "tensor_parallel": 1}
+        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None
                 and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
@@ -139,9 +139,6 @@ def _validate(program: Program) -> None:
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
-    from runtime.precision import check_precision
-
-    check_precision(program.precision)
     if program.clip_grad_norm is not None and (isinstance(program.clip_grad_norm, bool)
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):
@@ -311,7 +308,7 @@ def verify_files(folder: str, plan: dict) -> None:
 
 def load_program(folder: str) -> Program:
     """plan.json's "program" object as a validated Program, after checking every file's hash;
-    the plan's top-level plan_hash, model_fingerprint, workload and training mtbf_s included."""
+    the plan's top-level plan_hash, model_fingerprint and workload included."""
     plan = load_plan(folder)
     verify_files(folder, plan)
     if "program" not in plan:
@@ -321,9 +318,9 @@ def load_program(folder: str) -> Program:
     # What checkpoints record and check (runtime/checkpoint/manifest.py), from the plan's top level.
     data.setdefault("model_fingerprint", plan.get("model_fingerprint"))
     data.setdefault("workload", plan.get("workload"))
-    training = plan.get("training") or {}
-    if training.get("mtbf_s") is not None:
-        data.setdefault("mtbf_s", training["mtbf_s"])
+    older = plan.get("training") or {}  # an older compile kept mtbf_s in the user's settings only
+    if "mtbf_s" not in data and older.get("mtbf_s") is not None:
+        data["mtbf_s"] = older["mtbf_s"]
     try:
         return Program.from_dict(data)
     except ValueError as exc:

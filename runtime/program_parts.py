@@ -5,10 +5,63 @@ each a frozen dataclass read from and written to plan.json's keys by one rule (`
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+class Precision(enum.StrEnum):
+    """A precision policy (Note [mixed precision] in runtime/precision.py): the one place its
+    values are spelled. A str, so plan.json holds the same text as before and a policy reads as
+    one in messages; everything that acts on it reads a property, never the text."""
+
+    FP32 = "fp32"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+
+    @staticmethod
+    def of(value: "Precision | str", where: str = "precision") -> "Precision":
+        try:
+            return Precision(value)
+        except ValueError:
+            raise ValueError(f"{where} {value!r} is not one of {[p.value for p in Precision]}: pass --precision "
+                             "fp32, bf16-mixed or fp16-mixed") from None
+
+    @staticmethod
+    def default_for(device_kind: str) -> "Precision":
+        """bf16-mixed on GPU device kinds (every preset has bf16 tensor cores), fp32 on cpu (bf16
+        matmuls on a CPU without AMX are slower than fp32)."""
+        return Precision.FP32 if device_kind == "cpu" else Precision.BF16_MIXED
+
+    @property
+    def is_mixed(self) -> bool:
+        """Forwards under torch.autocast, fp32 master weights."""
+        return self is not Precision.FP32
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype matmuls run in: the key of the FLOP-rate tables ("fp32", "bf16", "fp16")."""
+        return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}[self.value]
+
+    @property
+    def autocast_dtype(self):
+        """torch's dtype for torch.autocast, None for fp32."""
+        import torch  # here, not at the top: the program object and the CLI's parser stay torch-free
+
+        return None if not self.is_mixed else getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[self.dtype_name])
+
+    @property
+    def compute_elem_bytes(self) -> int:
+        """Bytes per element of what flows through matmuls and the activations they save (the cost
+        model's activation and boundary dtype: partitioner/solver/problem.py)."""
+        return 2 if self.is_mixed else 4
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Dynamic loss scaling (Note [loss scaling]): fp16's 5 exponent bits underflow small gradients."""
+        return self is Precision.FP16_MIXED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +113,9 @@ def callable_spec(spec, where: str):
 
 
 def jsonable(value):
-    """A field's JSON form: tuples become lists, parts become their dicts."""
+    """A field's JSON form: tuples become lists, parts become their dicts, a policy its text."""
+    if isinstance(value, enum.Enum):
+        return value.value
     if hasattr(value, "to_dict"):
         return value.to_dict()
     if isinstance(value, tuple):
@@ -213,16 +268,19 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW and its learning-rate schedule (runtime/train.py ``make_optimizer``, ``lr_factor``)."""
+    """AdamW and its learning-rate schedule (runtime/train.py ``make_optimizer``, ``lr_factor``).
+    The one set of optimizer defaults: a compile's settings start from these
+    (partitioner/settings.py ``TrainingSettings``), and a hand-written program that leaves a key out
+    gets the same value."""
 
-    lr: float
+    lr: float = 1e-3
     name: str = "adamw"                       # only "adamw"
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 0                     # linear warmup; step 0 gets lr/warmup_steps
-    lr_schedule: str = "constant"             # "cosine" | "linear" | "constant" after warmup
-    total_steps: int = 1                      # where cosine/linear reach min_lr_ratio * lr
+    weight_decay: float = 0.1
+    warmup_steps: int = 2                     # linear warmup; step 0 gets lr/warmup_steps
+    lr_schedule: str = "cosine"               # "cosine" | "linear" | "constant" after warmup
+    total_steps: int = 1000                   # where cosine/linear reach min_lr_ratio * lr
     min_lr_ratio: float = 0.0
     fused: bool | None = None                 # None: the fused kernel where torch has it
     foreach: bool | None = None

@@ -23,7 +23,7 @@ import math
 from runtime import grad_norm as gn
 from runtime import randomness
 from runtime.data import batch_inputs, with_constants
-from runtime.precision import LossScaler, autocast, clip_coefficient, wrap_forward
+from runtime.precision import LossScaler, Precision, autocast, clip_coefficient, wrap_forward
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
 
 
@@ -58,7 +58,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
                     num_microbatches: int, steps: int, seed: int = 0, *,
                     batch_dims: Sequence[int] | None = None, replicas: int = 1,
                     keywords: Sequence[str] = (), call_with_keywords: bool = False, constants: Sequence = (),
-                    precision: str = "fp32", clip_grad_norm: float | None = None,
+                    precision: Precision | str = Precision.FP32, clip_grad_norm: float | None = None,
                     grad_norms: list | None = None, skipped: list | None = None):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
@@ -123,6 +123,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     for n, p in named.items():
         name_of.setdefault(id(p), n)
     optimizer, lr_scheduler = make_optimizer(unique, optimizer_cfg, [name_of[id(p)] for p in unique])
+    precision = Precision.of(precision)  # callers may name it (tests, benchmarks)
     scaler = LossScaler.for_policy(precision)
     device_type = unique[0].device.type if unique else "cpu"
     losses = []

@@ -105,7 +105,15 @@ def _user_module(folder: str, rel: str):
     path = os.path.realpath(os.path.join(folder, rel))
     if os.path.isabs(rel) or not rel.startswith(USER_DIR + "/") or not os.path.isfile(path):
         return None
-    module = import_user_module(folder, user_module_name(rel))
+    name = user_module_name(rel)
+    enter_user_root(folder)
+    try:  # where the name resolves, without running it: another file of that name is not ours to run
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or os.path.realpath(found.origin or "") != path:
+        return None
+    module = import_user_module(folder, name)
     return module if os.path.realpath(getattr(module, "__file__", "") or "") == path else None
 
 

@@ -54,6 +54,7 @@ from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relat
 from partitioner.calibrate.measure import local_device_kind, measure
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
 from partitioner.calibrate.recompute_cost import fit_recompute_fixed_s
+from runtime.program_parts import Precision
 from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
@@ -63,12 +64,13 @@ __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "Li
 
 def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: int = 3, repeats: int = 10,
               threads: int | None = 1, progress: Callable[[str], None] | None = None,
-              precision: str = "fp32", tp_overheads: bool = False) -> DeviceProfile:
+              precision: Precision = Precision.FP32, tp_overheads: bool = False) -> DeviceProfile:
     """Measure ``gm``'s regions and ops here and fit a profile for this device kind, under the
     precision policy the program will train in (its meta records it: a profile fits one policy).
     ``tp_overheads``: measure tensor parallelism's fixed costs too (cpu only; Note
     [tensor-parallel overheads], partitioner/calibrate/tp_overheads.py)."""
     kind = kind or local_device_kind()
+    precision = Precision.of(precision)
     rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress,
                    precision=precision)
     old = torch.get_num_threads()
@@ -76,7 +78,7 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
         torch.set_num_threads(threads)
     try:
         profile = fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
-                                                     "threads": threads or old, "precision": precision})
+                                                     "threads": threads or old, "precision": precision.value})
         profile = replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
         if tp_overheads and kind == "cpu":
             from partitioner.calibrate.measure import _example_inputs
@@ -108,7 +110,7 @@ class CalibrationConfig:
             raise ValueError(f"calibration repeats={self.repeats} must be >= 1 and warmup={self.warmup} >= 0")
 
     def run(self, workload, gm: fx.GraphModule, *, progress: Callable[[str], None] | None = None,
-            precision: str = "fp32", tensor_parallel: bool = False) -> DeviceProfile:
+            precision: Precision = Precision.FP32, tensor_parallel: bool = False) -> DeviceProfile:
         profile = calibrate(workload, gm, kind=self.kind, warmup=self.warmup, repeats=self.repeats,
                             threads=self.threads, progress=progress, precision=precision,
                             tp_overheads=self.tp_overheads and tensor_parallel)

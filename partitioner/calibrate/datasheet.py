@@ -33,6 +33,7 @@ from typing import Mapping
 
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit
 from partitioner.cluster import DEVICE_PRESETS, ClusterSpec
+from runtime.program_parts import Precision
 
 
 @dataclass(frozen=True)
@@ -81,26 +82,24 @@ RATES: Mapping[str, AcceleratorRates] = {
 # autocast weight copies, rebuilt once per step, are left out: 1.5 more bytes per byte).
 ADAMW_BYTES_PER_PARAM_BYTE = 7.0
 
-_POLICY_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
-
-
-def datasheet_profile(kind: str, precision: str) -> DeviceProfile | None:
+def datasheet_profile(kind: str, precision: Precision | str) -> DeviceProfile | None:
     """The roofline profile of ``kind`` under ``precision`` (Note [accelerator roofline]), or None
     for a kind without published rates here (cpu: its preset or a measured profile)."""
     rates = RATES.get(kind)
     if rates is None:
         return None
-    dtype = _POLICY_DTYPE[precision]
+    precision = Precision.of(precision)
+    dtype = precision.dtype_name
     fit = DirectionFit(s_per_matmul_flop=1.0 / rates.gemm_flops_per_s[dtype],
                        s_per_other_flop=1.0 / rates.attention_flops_per_s[dtype],
                        s_per_byte=1.0 / rates.hbm_bytes_per_s, op_overhead_s=rates.kernel_floor_s)
     return DeviceProfile(kind=kind, forward=fit, backward=fit,
                          optimizer_s_per_param_byte=ADAMW_BYTES_PER_PARAM_BYTE / rates.hbm_bytes_per_s,
-                         meta={"source": "datasheet", "precision": precision,
+                         meta={"source": "datasheet", "precision": precision.value,
                                "note": "Note [accelerator roofline] in partitioner/calibrate/datasheet.py"})
 
 
-def datasheet_profiles(cluster: ClusterSpec, precision: str, *, measured_kinds=()) -> list[DeviceProfile]:
+def datasheet_profiles(cluster: ClusterSpec, precision: Precision | str, *, measured_kinds=()) -> list[DeviceProfile]:
     """A roofline profile for every accelerator kind of ``cluster`` that has published rates, no
     measured profile (``measured_kinds``) and no ``flops_per_s`` of the user's own in the cluster
     file (a figure the user gave is theirs to keep)."""

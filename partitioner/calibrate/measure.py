@@ -17,7 +17,7 @@ from partitioner import ir
 from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
 from partitioner.calibrate.recompute_cost import time_checkpointed
 from runtime.memory import LiveBytes
-from runtime.precision import autocast
+from runtime.precision import Precision, autocast
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def _build_group(gm: fx.GraphModule, nodes: list[fx.Node], values: dict, needs: 
     return GroupRun(name, fx.GraphModule(gm, graph), inputs, input_needs)
 
 
-def _time_group(run: GroupRun, *, warmup: int, repeats: int, params, precision: str = "fp32",
+def _time_group(run: GroupRun, *, warmup: int, repeats: int, params, precision: Precision = Precision.FP32,
                 device: str = "cpu") -> tuple[float, float, int]:
     """(median forward s, median backward s, peak live bytes of one forward + backward)."""
     generator = torch.Generator().manual_seed(0)
@@ -118,7 +118,7 @@ def local_device_kind() -> str:
 
 def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10, single_ops: bool = True,
             threads: int | None = 1, device: str | None = None,
-            progress: Callable[[str], None] | None = None, precision: str = "fp32") -> list[dict]:
+            progress: Callable[[str], None] | None = None, precision: Precision = Precision.FP32) -> list[dict]:
     """Measure every region of the annotated ``gm`` (and every distinct op alone) on this machine.
 
     Returns one dict per measured group: name, kind ("region" or "op"), fwd_s, bwd_s,
@@ -154,7 +154,7 @@ def _example_inputs(workload) -> tuple:
     return batch_inputs(args, workload.keywords, workload.constants)
 
 
-def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision="fp32") -> list[dict]:
+def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision=Precision.FP32) -> list[dict]:
     gm = gm.to(device)
     params = list(gm.parameters())
     needs = requires_grad_nodes(gm)

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from partitioner.calibrate.features import Features, autocast_byte_scale, region_features
+from runtime.program_parts import Precision
 
 
 FORMAT = "partitioner.profile/1"
@@ -130,8 +131,8 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
         raise AssertionError(f"{len(traced[0])} region feature rows for {problem.num_regions} regions")
     autocast = {}  # precision -> features with bytes under autocast (Note [bytes under autocast])
     for profile in profiles:
-        precision = profile.meta.get("precision", "fp32")
-        if profile.meta.get("source") == "datasheet" and precision != "fp32" and precision not in autocast:
+        precision = Precision.of(profile.meta.get("precision", Precision.FP32))
+        if profile.meta.get("source") == "datasheet" and precision.is_mixed and precision not in autocast:
             scale = autocast_byte_scale(gm)
             autocast[precision] = (region_features(gm, byte_scale=scale),
                                    region_features(gm, only=divided_nodes, byte_scale=scale))
@@ -139,7 +140,7 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     def features_of(profile):
         """A fitted profile keeps the traced bytes it was fitted on; the roofline moves autocast's."""
         if profile.meta.get("source") == "datasheet":
-            return autocast.get(profile.meta.get("precision", "fp32"), traced)
+            return autocast.get(Precision.of(profile.meta.get("precision", Precision.FP32)), traced)
         return traced
 
     regions = []

@@ -22,11 +22,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from partitioner.calibrate.features import Features
-from runtime.precision import autocast
+from runtime.precision import Precision, autocast
 from runtime.recompute import checkpointed
 
 
-def _forward_backward_s(module, inputs, grads_out, *, checkpoint: bool, precision: str, device: str):
+def _forward_backward_s(module, inputs, grads_out, *, checkpoint: bool, precision: Precision, device: str):
     """(seconds of one forward + backward, output gradients used) of ``module`` on ``inputs``."""
     start = time.perf_counter()
     with autocast(precision, device):
@@ -42,7 +42,7 @@ def _forward_backward_s(module, inputs, grads_out, *, checkpoint: bool, precisio
     return time.perf_counter() - start, grads_out
 
 
-def time_checkpointed(module, fresh_inputs, *, warmup: int, repeats: int, params, precision: str = "fp32",
+def time_checkpointed(module, fresh_inputs, *, warmup: int, repeats: int, params, precision: Precision = Precision.FP32,
                       device: str = "cpu") -> dict:
     """{"plain_s", "checkpointed_s"}: medians of one forward + backward of a region's ``module``
     on ``fresh_inputs()`` (new leaf copies each call), plain and checkpointed, measured in

@@ -138,10 +138,10 @@ def _predicted_step_s(plan, problem, cluster, assignment) -> float:
     from partitioner.solver.grad_norm_cost import computes_global_norm
     from partitioner.solver.zero_choice import allgather_s
 
-    training = plan.training or {}
-    cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0),
-                    global_norm=computes_global_norm(training))
-    extra = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
+    chosen = plan.decisions
+    cost = evaluate(problem, cluster, assignment, sdc_every=chosen.sdc_every,
+                    global_norm=computes_global_norm(plan.training.clip_grad_norm, chosen.precision))
+    extra = allgather_s(problem, cluster, assignment) if chosen.shard_optimizer else 0.0
     return cost.step_time_s + extra
 
 

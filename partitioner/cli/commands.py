@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.program_parts import Precision
+from runtime.run_options import add_flags as add_run_flags
 from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 
 EXIT_USAGE = 2
@@ -56,7 +58,7 @@ EXAMPLES = {
 
 def program_sharded(plan) -> bool:
     """Whether the plan's program shards the optimizer state over its replicas (ZeRO-1)."""
-    return bool(plan.training.get("shard_optimizer")) and plan.dp > 1
+    return plan.decisions.shard_optimizer and plan.dp > 1
 
 
 def cmd_compile(args) -> int:
@@ -90,6 +92,8 @@ def cmd_compile(args) -> int:
             "--clip-grad-norm", args.clip_grad_norm)
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())
+    if args.precision:  # a setting like the others, not a keyword beside them
+        training["precision"] = args.precision
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
                          "(0: only the last)")
@@ -115,7 +119,7 @@ def cmd_compile(args) -> int:
     if job is not None and ("checkpoint_every" in training or "mtbf_s" in training):
         job.training.pop("checkpoint_every", None)  # one cadence: the flag's
         job.training.pop("mtbf_s", None)
-    training = training_settings(job.training if job else None, training,
+    settings = training_settings(job.training if job else None, training,
                                  names=(f"job file {args.job} [training]", "flags"))
     from partitioner.cli.progress import CompileProgress
 
@@ -134,15 +138,13 @@ def cmd_compile(args) -> int:
     elif args.profile_out:
         raise ValueError("--profile-out names where --calibrate saves its fit: add --calibrate")
     say(f"model {args.model}")
-    workload = load_workload(args.model, pretrained=training.get("pretrained"))
+    workload = load_workload(args.model, pretrained=settings.pretrained)
     started = time.perf_counter()
     plan = partitioner.compile(
         workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
         microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
-        training=training, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
-        profiles=profiles, calibrate=calibration,
-        precision=args.precision, shard_optimizer=args.shard_optimizer,  # clipping: in training
-        tensor_parallel=args.tp,
+        training=settings, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
+        profiles=profiles, calibrate=calibration, shard_optimizer=args.shard_optimizer, tensor_parallel=args.tp,
         machine_profile="preset" if args.no_calibrate else "auto",  # Note [machine profile]
     )
     say(f"write {args.output}")
@@ -251,92 +253,32 @@ def cmd_run(args) -> int:
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
     from partitioner.plan import Plan
-    from runtime.checkpoint import check_writable, parse_duration_s
-    from runtime.faults import parse_fail_at, parse_fail_persist, parse_flip_bit
+    from runtime.checkpoint import check_writable
+    from runtime.run_options import RunOptions
 
     folder = Path(args.dir)
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps {args.steps}: train at least 1 step (e.g. --steps 20)")
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts {args.max_restarts}: give 0 (no restarts) or more")
-    if args.collective_timeout is not None and not args.collective_timeout > 0:
-        raise ValueError(f"--collective-timeout {args.collective_timeout}: give seconds > 0 "
-                         "(e.g. --collective-timeout 300)")
+    options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
     plan = Plan.load(folder)
-    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else folder / "checkpoints"
+    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan))
+    ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
-    if args.steps is not None:  # resuming past --steps would train nothing (runtime/launch.py checks again)
+    if options.steps is not None:  # resuming past --steps would train nothing (runtime/launch.py checks again)
         from runtime.checkpoint.manifest import newest_committed
 
         newest = newest_committed(str(ckpt_dir))
-        if newest > args.steps:
-            raise ValueError(f"--steps {args.steps}: the newest checkpoint in {ckpt_dir} is at step {newest}, "
+        if newest > options.steps:
+            raise ValueError(f"--steps {options.steps}: the newest checkpoint in {ckpt_dir} is at step {newest}, "
                              f"past it; pass --steps {newest + 1} or more to continue, or another "
                              "--checkpoint-dir to start over")
-    extra = ["--checkpoint-dir", str(ckpt_dir.resolve())]
-    if args.steps is not None:
-        extra += ["--steps", str(args.steps)]
-    if args.checkpoint_every is not None:
-        if args.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0")
-        extra += ["--checkpoint-every", str(args.checkpoint_every)]
-    if args.mtbf is not None:
-        parse_duration_s(args.mtbf)  # fail here, not in every worker
-        extra += ["--mtbf", args.mtbf]
-    if args.keep_checkpoints is not None:
-        if args.keep_checkpoints < 1:
-            raise ValueError(f"--keep-checkpoints {args.keep_checkpoints}: keep at least 1")
-        extra += ["--keep-checkpoints", str(args.keep_checkpoints)]
-    for fault in args.fail_at or []:
-        parsed = parse_fail_at(fault)
-        if not 0 <= parsed.rank < plan.world_size:  # it would never fire
-            raise ValueError(f"--fail-at {fault}: rank {parsed.rank} does not exist, {folder} runs "
-                             f"{plan.world_size} ranks: give a rank in 0..{plan.world_size - 1}")
-        if parsed.step < 0 or (args.steps is not None and parsed.step >= args.steps):
-            where = f"0..{args.steps - 1} (--steps {args.steps})" if args.steps is not None else ">= 0"
-            raise ValueError(f"--fail-at {fault}: step {parsed.step} is never reached, so the fault never "
-                             f"fires: give a step in {where}")
-        extra += ["--fail-at", fault]
-    if args.fail_persist:
-        parse_fail_persist(args.fail_persist)
-        extra += ["--fail-persist", args.fail_persist]
-    if args.checkpoint_compression:
-        extra += ["--checkpoint-compression", args.checkpoint_compression]
-    if args.checkpoint_full_every is not None:
-        if args.checkpoint_full_every < 1:
-            raise ValueError(f"--checkpoint-full-every {args.checkpoint_full_every}: give 1 or more")
-        extra += ["--checkpoint-full-every", str(args.checkpoint_full_every)]
-    if program_sharded(plan) and (args.flip_bit or (args.sdc_every or 0) > 0):
-        from runtime.sdc import sharded_refusal  # Note [no replica check on sharded state]
-
-        raise ValueError(sharded_refusal(f"--flip-bit {args.flip_bit[0]}" if args.flip_bit
-                                         else f"--sdc-every {args.sdc_every}"))
-    for flip in args.flip_bit or []:  # runtime/sdc.py finds it
-        parsed = parse_flip_bit(flip)
-        if parsed.rank >= plan.world_size or (args.steps is not None and parsed.step >= args.steps):
-            raise ValueError(f"--flip-bit {flip}: rank {parsed.rank} step {parsed.step} is never reached ({folder} "
-                             f"runs {plan.world_size} ranks{f' for {args.steps} steps' if args.steps else ''})")
-        extra += ["--flip-bit", flip]
-    if args.sdc_every is not None:
-        if args.sdc_every < 0:
-            raise ValueError(f"--sdc-every {args.sdc_every}: give a number of steps >= 0 (0: no replica check)")
-        extra += ["--sdc-every", str(args.sdc_every)]
-    if args.collective_timeout is not None:
-        extra += ["--collective-timeout", str(args.collective_timeout)]
-    if args.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
+    if options.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
         from runtime.tensor_parallel import memory_tier_refusal
 
-        raise ValueError(memory_tier_refusal(args.memory_tier, plan.tensor_parallel))
-    extra += _memory_tier_flags(args, plan.world_size)
-    if args.run_dir:
-        extra += ["--run-dir", str(Path(args.run_dir).resolve())]
-    if args.measure_memory:
-        extra += ["--measure-memory"]
-    if args.quiet:
-        extra += ["--quiet"] + (["--log-every", str(args.log_every)] if args.log_every else [])
-    elif args.log_every:
-        raise ValueError(f"--log-every {args.log_every} thins the step lines of --quiet: add --quiet")
-    if not args.quiet:
+        raise ValueError(memory_tier_refusal(options.memory_tier, plan.tensor_parallel))
+    # the workers start elsewhere: every path they are given is absolute
+    options = options.replace(checkpoint_dir=str(ckpt_dir.resolve()), **{
+        name: str(Path(getattr(options, name)).resolve()) for name in ("run_dir", "memory_dir")
+        if getattr(options, name) is not None})
+    if not options.quiet:
         world = plan.world_size
         nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly
         print(f"[run] {world} ranks on this host (torchrun --nproc-per-node {world} {folder / 'train.py'}); "
@@ -349,41 +291,9 @@ def cmd_run(args) -> int:
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
     # in runtime/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
     with hosted_store() as port:
-        command = torchrun_command(folder / "train.py", plan.world_size, args=extra,
-                                   max_restarts=args.max_restarts, store_port=port)
+        command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
+                                   max_restarts=options.max_restarts, store_port=port)
         return run_tree(command, env=run_env()).returncode
-
-
-def _memory_tier_flags(args, world_size: int) -> list[str]:
-    """The memory-tier and host-fault flags train.py takes, checked here before any worker starts."""
-    from runtime.faults import parse_fail_host
-
-    extra = []
-    if args.memory_tier is not None:
-        extra += ["--memory-tier", args.memory_tier]
-    if args.memory_every is not None:
-        if args.memory_every < 1:
-            raise ValueError(f"--memory-every {args.memory_every}: snapshot every 1 or more steps")
-        extra += ["--memory-every", str(args.memory_every)]
-    if args.parity_group is not None:
-        if args.parity_group < 2:
-            raise ValueError(f"--parity-group {args.parity_group}: a parity group holds 2 or more hosts")
-        extra += ["--parity-group", str(args.parity_group)]
-    if args.hosts is not None:
-        try:
-            hosts = [int(h) for h in args.hosts.split(",")]
-        except ValueError:
-            hosts = []
-        if len(hosts) != world_size or min(hosts) < 0:
-            raise ValueError(f"--hosts {args.hosts}: give the host of each of the {world_size} ranks, comma-"
-                             f"separated (e.g. {','.join(str(r * 2 // world_size) for r in range(world_size))})")
-        extra += ["--hosts", args.hosts]
-    if args.memory_dir is not None:
-        extra += ["--memory-dir", str(Path(args.memory_dir).resolve())]
-    for fault in args.fail_host or []:
-        parse_fail_host(fault)
-        extra += ["--fail-host", fault]
-    return extra
 
 
 def cmd_calibrate(args) -> int:
@@ -492,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibrate-repeats", type=int, default=10, help="timed repeats per region (median)")
     c.add_argument("--calibrate-threads", type=int, default=1, help="torch threads while measuring on CPU "
                    "(default 1, what `partitioner run` gives each rank; 0 = leave as is)")
-    c.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+    c.add_argument("--precision", choices=[p.value for p in Precision],
                    help="autocast policy (default: bf16-mixed on GPU kinds, fp32 on cpu)")
     c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
                    help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
@@ -513,41 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("run", help="train with a program folder on this host", epilog=EXAMPLES["run"],
-                       formatter_class=fmt, description="Train with a program folder on this host. "
+                       formatter_class=fmt, allow_abbrev=False, description="Train with a program folder on this host. "
                        "This executes the folder's Python code: run only folders you trust (README \"Trust model\").")
     r.add_argument("dir")
-    r.add_argument("--steps", type=int)
-    r.add_argument("--checkpoint-dir", help="where checkpoints go (default DIR/checkpoints)")
-    r.add_argument("--run-dir", help="where metrics.jsonl and final/ go (default DIR/run)")
-    every = r.add_mutually_exclusive_group()
-    every.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps (0: only the last)")
-    every.add_argument("--mtbf", help="mean time between failures (e.g. 6h): interval by Young/Daly")
-    r.add_argument("--keep-checkpoints", type=int, help="keep the newest N checkpoints (default 3)")
-    r.add_argument("--max-restarts", type=int, default=0)
-    r.add_argument("--fail-at", action="append", help="RANK:STEP[:exit|kill|hang] (fault injection, first attempt)")
-    r.add_argument("--fail-persist", help="RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of "
-                   "checkpoint STEP (fault injection, first attempt)")
-    r.add_argument("--checkpoint-compression", choices=["none", "lossless"], help="lossless: each tensor a zstd'd "
-                   "XOR delta against the previous checkpoint, a full one every --checkpoint-full-every (8)")
-    r.add_argument("--checkpoint-full-every", type=int, help="with lossless: a full checkpoint every K")
-    r.add_argument("--flip-bit", action="append", help="RANK:STEP[:TENSOR]: flip one bit of a parameter "
-                   "before STEP (silent data corruption drill, first attempt)")
-    r.add_argument("--sdc-every", type=int, help="compare the replicas' digests every K steps (0: never)")
-    r.add_argument("--collective-timeout", type=float, help="seconds (default: the plan's)")
-    r.add_argument("--memory-tier", choices=["off", "auto", "none", "copy", "parity"], help="in-memory "
-                   "checkpoints every step, with redundancy across hosts (default: the plan's choice)")
-    r.add_argument("--memory-every", type=int, help="memory snapshot every K steps (default 1)")
-    r.add_argument("--parity-group", type=int, help="hosts per parity group (default: the plan's)")
-    r.add_argument("--hosts", help="host of each rank, e.g. 0,0,1,1 (default: LOCAL_WORLD_SIZE ranks a host)")
-    r.add_argument("--memory-dir", help="the memory tier's shared-memory folder (default /dev/shm)")
-    r.add_argument("--fail-host", action="append", help="HOST:STEP: kill every rank of HOST before STEP and "
-                   "wipe its memory tier (fault injection, first attempt)")
-    r.add_argument("--measure-memory", action="store_true", help="measure each rank's peak memory and print "
-                   "it next to the plan's prediction (RUN_DIR/memory_rank_<r>.json; always on with CUDA)")
-    r.add_argument("-q", "--quiet", action="store_true", help="rank 0 prints every Nth step and the final "
-                   "summary only (no schedule table)")
-    r.add_argument("--log-every", type=int, metavar="N", help="with --quiet: the step lines' interval "
-                   "(default: about 10 lines per run)")
+    add_run_flags(r, "run")  # Note [one flag table] in runtime/run_options.py: train.py parses the same
     r.set_defaults(func=cmd_run)
 
     k = sub.add_parser("calibrate", help="this machine's cpu profile: measure it, show it, refit it from a run",
@@ -583,7 +462,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused, never dropped: a misspelt flag would run with the default and say nothing
+        from runtime.run_options import unknown_flag_message
+
+        sub = parser._subparsers._group_actions[0].choices[args.command]
+        known = list(sub._option_string_actions)
+        print(f"error: {unknown_flag_message(unknown, known, f'partitioner {args.command}')}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.func(args)
     except KeyboardInterrupt:

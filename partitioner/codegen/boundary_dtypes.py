@@ -12,7 +12,7 @@ lists: CPU's layer_norm and softmax write bf16, CUDA's write fp32). The fake run
 autocast's CUDA kernels are entered by setting its thread state directly, which torch.autocast
 refuses to do on a machine without CUDA. Sends, receive buffers and the backward's gradients then
 all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
-already counts: ``COMPUTE_ELEM_BYTES`` in runtime/precision.py).
+already counts: ``Precision.compute_elem_bytes``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch._subclasses import FakeTensorMode
 
 from passes._fake_run import get_module_attr
 from runtime import randomness
-from runtime.precision import AUTOCAST_DTYPE, check_precision
+from runtime.program_parts import Precision
 
 
 def _fake_like(value, device: torch.device):
@@ -67,12 +67,13 @@ class _AutocastState:
         torch.set_autocast_dtype(self.device_type, self.saved[1])
 
 
-def autocast_dtypes(gm: fx.GraphModule, precision: str, device_type: str) -> dict[str, str]:
+def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type: str) -> dict[str, str]:
     """Node name -> the dtype of its tensor output under ``precision``'s autocast on
     ``device_type`` ("cpu" or "cuda"); empty under fp32 (every value keeps its traced dtype).
     A node the fake run cannot execute is refused with its name: sending it in a guessed dtype
     would train differently from the unpartitioned model."""
-    compute = AUTOCAST_DTYPE[check_precision(precision)]
+    precision = Precision.of(precision)
+    compute = precision.autocast_dtype
     if compute is None:
         return {}
     device = torch.device(device_type)

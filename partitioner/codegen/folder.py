@@ -18,10 +18,10 @@ from partitioner.codegen.stage_code import stage_source
 from partitioner.plan import Plan
 from partitioner.solver import serialize
 from runtime.entry_files import entry_files
-from runtime.program import file_digests, seal_plan
+from runtime.program import Program, file_digests, seal_plan
 
 
-def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: dict,
+def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: Program,
                   state: dict[str, torch.Tensor] | None, problem=None, assignment=None,
                   user_files: dict[str, str] | None = None, op_imports: dict[str, str] | None = None,
                   check_user_files: Callable[[Path], None] | None = None) -> Path:
@@ -68,7 +68,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         digests = file_digests(str(tmp))  # every file written so far (plan.json comes next)
         body = plan.stable_dict()
         body["plan_hash"] = plan_hash
-        body["program"] = program
+        body["program"] = program.to_dict()  # the one JSON form; the ranks read it back (load_program)
         if problem is not None:
             body["problem"] = serialize.to_dict(problem)
             body["assignment"] = serialize.to_dict(assignment)

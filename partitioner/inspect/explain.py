@@ -115,7 +115,7 @@ def explain_node(plan: Plan, name: str, problem: PartitionProblem, assignment: A
 
     _check_matches(plan, problem, assignment)
     cluster = ClusterSpec.from_dict(plan.cluster)
-    sdc_every = plan.training.get("sdc_every") or 0  # priced in the plan's step (Note [cost model])
+    sdc_every = plan.decisions.sdc_every  # priced in the plan's step (Note [cost model])
     now_step = evaluate(problem, cluster, assignment, sdc_every=sdc_every).step_time_s
     out["repriced_step_time_s"] = now_step
     out["plan_step_time_s"] = plan.predicted["step_time_s"]

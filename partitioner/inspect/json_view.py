@@ -52,10 +52,10 @@ def inspect_json(plan: Plan) -> dict:
         "schedule": plan.schedule,
         "world_size": plan.world_size,
         "layout": layout_json(plan),  # tensor groups x stages x replicas (inspect/layout.py)
-        "precision": (plan.training or {}).get("precision", "fp32"),
-        "shard_optimizer": bool((plan.training or {}).get("shard_optimizer")),
-        "clip_grad_norm": (plan.training or {}).get("clip_grad_norm"),
-        **({"sdc_every": plan.training["sdc_every"]} if (plan.training or {}).get("sdc_every") is not None else {}),
+        "precision": plan.decisions.precision.value,
+        "shard_optimizer": plan.decisions.shard_optimizer,
+        "clip_grad_norm": plan.training.clip_grad_norm,
+        "sdc_every": plan.decisions.sdc_every,
         "predicted": predicted,
         "balance": balance(plan),
         "solver": solver,
@@ -70,7 +70,7 @@ def inspect_json(plan: Plan) -> dict:
                      "param_bytes": r.param_bytes, "activation_bytes_per_sample": r.activation_bytes,
                      "nodes": list(r.nodes)} for r in plan.regions],
         "baselines": {name: {"step_time_s": b.get("step_time_s")} for name, b in plan.baselines.items()},
-        **({"memory_tier": plan.training["memory_tier"]} if plan.training.get("memory_tier") else {}),
+        **({"memory_tier": plan.decisions.memory_tier} if plan.decisions.memory_tier else {}),
     }
 
 

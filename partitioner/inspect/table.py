@@ -29,10 +29,9 @@ def samples_per_s(plan: Plan) -> float:
 def training_line(plan: Plan) -> str:
     """Precision, optimizer-state sharding and clipping (Notes [mixed precision], [sharding as a
     candidate], [global gradient norm])."""
-    t = plan.training or {}
-    shard = "sharded over the dp replicas (ZeRO-1)" if t.get("shard_optimizer") else "replicated"
-    clip = t.get("clip_grad_norm")
-    return (f"precision {t.get('precision', 'fp32')}; optimizer state {shard}; "
+    shard = "sharded over the dp replicas (ZeRO-1)" if plan.decisions.shard_optimizer else "replicated"
+    clip = plan.training.clip_grad_norm
+    return (f"precision {plan.decisions.precision}; optimizer state {shard}; "
             f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}")
 
 
@@ -141,17 +140,17 @@ def table(plan: Plan) -> str:
     for t in plan.ties:
         lines.append(f"tied parameter {t.param}: {t.placement} on stages {list(t.stages)}, "
                      f"costs {ms(t.cost_s)} ms/step")
-    if plan.training.get("memory_tier"):
-        lines.append(memory_tier_line(plan.training["memory_tier"]))
-    if plan.dp > 1 and plan.training.get("sdc_every") is not None:
+    if plan.decisions.memory_tier:
+        lines.append(memory_tier_line(plan.decisions.memory_tier))
+    if plan.dp > 1:
         lines.append(sdc_line(plan))
     return "\n".join(lines)
 
 
 def sdc_line(plan) -> str:
     """The replica check's interval and what it adds to the predicted step (Note [replica digests])."""
-    every = plan.training["sdc_every"]
-    if not every and plan.training.get("shard_optimizer") and plan.dp > 1:
+    every = plan.decisions.sdc_every
+    if not every and plan.decisions.shard_optimizer and plan.dp > 1:
         return ("replica check   off: the optimizer state is sharded, so replicas agree even on a corrupted state "
                 "(Note [no replica check on sharded state]); --shard-optimizer off to run it")
     if not every:

@@ -16,6 +16,8 @@ norm (``computes_global_norm``), and plan.json keeps it as ``predicted.grad_norm
 
 from __future__ import annotations
 
+from runtime.program_parts import Precision
+
 # Gradient bytes per second one rank's norm pass reads: torch._foreach_norm over the 3.7 MB of fp32
 # gradients of the step_time_accuracy GPT took 0.27 ms on one thread here (~14 GB/s, fastest of 200
 # on a loaded 2-core machine); 10 GB/s keeps it on the safe side. An accelerator reads HBM at TB/s.
@@ -23,10 +25,10 @@ NORM_BYTES_PER_S = {"cpu": 10e9}
 DEFAULT_ACCELERATOR_NORM_BYTES_PER_S = 1e12
 
 
-def computes_global_norm(training: dict) -> bool:
-    """Whether the program of these training settings computes the global norm each step (the
-    runtime's ``needs_global_norm``: clipping, or fp16 loss scaling)."""
-    return training.get("clip_grad_norm") is not None or training.get("precision") == "fp16-mixed"
+def computes_global_norm(clip_grad_norm: float | None, precision: Precision) -> bool:
+    """Whether a program that clips at ``clip_grad_norm`` (None: no clipping) under ``precision``
+    computes the global norm each step (the runtime's ``needs_global_norm``: clipping, or loss scaling)."""
+    return clip_grad_norm is not None or precision.loss_scaling
 
 
 def global_norm_s(grad_bytes_per_stage: list[float], device_kinds: list[str], *, world_size: int,

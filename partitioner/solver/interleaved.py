@@ -35,7 +35,7 @@ Note [interleaved pricing]
       v - 1 extra copies of the global batch each stage's figure counts: conservative (it
       over-counts the later stages, which hold fewer, and sums transients that do not overlap).
     * Data-parallel all-reduce per rank: its stages' gradients in one flat all-reduce
-      (runtime/train.py ``sync_gradients``): 2 (d - 1) (G_rank / (d bw) + latency).
+      (runtime/grad_sync.py ``sync_gradients``): 2 (d - 1) (G_rank / (d bw) + latency).
     * Scope: one device class (a heterogeneous cluster refuses it; auto leaves it out there),
       pp >= 2 ranks and v >= 2 stages per rank, v in ``LOCAL_STAGE_OPTIONS`` unless fixed
       (SolverConfig.local_stages). The chain DP and the placement search are 1F1B/GPipe-only, so

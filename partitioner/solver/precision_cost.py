@@ -33,34 +33,32 @@ from __future__ import annotations
 import dataclasses
 
 from partitioner.cluster import FLOPS_PER_S_BY_DTYPE, resolve_kind
-
-POLICY_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
-
+from runtime.program_parts import Precision
 
 def _default_dtype(kind: str) -> str:
     return "fp32" if kind == "cpu" else "bf16"
 
 
-def flops_ratio(kind: str, precision: str) -> float:
+def flops_ratio(kind: str, precision: Precision | str) -> float:
     """rate[policy dtype] / rate[kind's default dtype]; 1 for a kind without a table."""
     try:
         table = FLOPS_PER_S_BY_DTYPE[resolve_kind(kind)]
     except ValueError:
         return 1.0
-    return table[POLICY_DTYPE[precision]] / table[_default_dtype(resolve_kind(kind))]
+    return table[Precision.of(precision).dtype_name] / table[_default_dtype(resolve_kind(kind))]
 
 
-def cluster_for_precision(cluster, precision: str):
+def cluster_for_precision(cluster, precision: Precision | str):
     """``cluster`` with each device's flops_per_s at the policy's dtype."""
     devices = tuple(dataclasses.replace(d, flops_per_s=d.flops_per_s * flops_ratio(d.kind, precision))
                     for d in cluster.devices)
     return dataclasses.replace(cluster, devices=devices)
 
 
-def precision_problem(problem, precision: str, param_elem_bytes: int):
+def precision_problem(problem, precision: Precision | str, param_elem_bytes: int):
     """``problem`` with the autocast weight copies in the weights term (Note [precision in the
     cost model]); unchanged under fp32 or for a model already in 2-byte parameters."""
-    if precision == "fp32" or param_elem_bytes <= 2:
+    if not Precision.of(precision).is_mixed or param_elem_bytes <= 2:
         return problem
     ratio = 2 / param_elem_bytes
     ties = []

@@ -232,7 +232,7 @@ class SharedParam:
         _check_nonneg("SharedParam", "param_bytes", self.param_bytes, integer=True)
 
 
-# runtime/train.py ``allreduce_flat_`` concatenates gradients into buckets of up to 2**25
+# runtime/grad_sync.py ``allreduce_flat_`` concatenates gradients into buckets of up to 2**25
 # elements (one tensor larger than that is a bucket of its own): 128 MiB of fp32.
 ALLREDUCE_BUCKET_ELEMS = 1 << 25
 

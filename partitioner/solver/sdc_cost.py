@@ -11,7 +11,7 @@ The check is the same on every partition up to which stage holds the most state,
 fraction of a percent of a step at the default K (benchmarks/checkpoint_overhead.py measures
 it), so it stays out of the ILP's objective, where it would change no choice; ``evaluate``
 (Note [whole-step terms] in problem.py) adds it to the plan's predicted step time, next to the
-data-parallel all-reduce, when given the plan's ``sdc_every`` (``training["sdc_every"]``, default
+data-parallel all-reduce, when given the plan's ``sdc_every`` (``Decisions.sdc_every``, default
 ``default_every(dp)``); plan.json keeps it as ``predicted.sdc_check_s_per_step``.
 """
 

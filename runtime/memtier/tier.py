@@ -48,25 +48,22 @@ class Settings:
     fail_hosts: tuple[tuple[int, int, int], ...] = ()  # (host, step, attempt)
 
 
-def settings_from(plan: MemoryTierPlan | None, flags: dict) -> Settings | None:
-    """The memory tier's settings from the plan's choice (``Program.memory_tier``) and the flags;
-    None when it is off (neither asks for it, or --memory-tier off)."""
+def settings_from(plan: MemoryTierPlan | None, options) -> Settings | None:
+    """The memory tier's settings from the plan's choice (``Program.memory_tier``) and the run's
+    ``RunOptions`` (runtime/run_options.py, which checked their values); None when it is off
+    (neither asks for it, or --memory-tier off)."""
     plan = plan or MemoryTierPlan(mode="off")
-    mode = flags.get("memory_tier") or plan.mode
+    mode = options.memory_tier or plan.mode
     if mode is None or mode == "off":
         return None
     if mode not in ("auto",) + MODES:
         raise ValueError(f"--memory-tier {mode!r}: write off, auto, none, copy or parity")
-    every = flags.get("memory_every", plan.every)
-    if every < 1:
-        raise ValueError(f"--memory-every {every}: must be a positive number of steps")
-    group = flags.get("parity_group")
-    if group is not None and group < 2:
-        raise ValueError(f"--parity-group {group}: a parity group needs at least 2 hosts")
+    every = plan.every if options.memory_every is None else options.memory_every
+    group = options.parity_group
     if group is None:  # the plan's: a one-host plan says 1 (no groups), which means none
         group = plan.group_size if plan.group_size is not None and plan.group_size >= 2 else None
-    fails = [faults.parse_fail_host(text) for text in flags.get("fail_host", [])]
-    return Settings(mode, every, group, flags.get("hosts"), flags.get("memory_dir"), tuple(fails))
+    fails = [faults.parse_fail_host(text) for text in options.fail_host]
+    return Settings(mode, every, group, options.hosts, options.memory_dir, tuple(fails))
 
 
 class MemoryTier:

@@ -96,7 +96,7 @@ def _assert_bit_exact(run_dir, ref_dir):
 
 
 def test_plan_chooses_a_peer_copy_across_its_two_nodes(job):
-    choice = job["plan"].training["memory_tier"]
+    choice = job["plan"].decisions.memory_tier
     assert choice["mode"] == "copy" and choice["hosts"] == [0, 0, 1, 1]
     assert all(len(g) == 2 and choice["hosts"][g[0]] != choice["hosts"][g[1]] for g in choice["groups"])
     assert "memory tier" in job["plan"].summary() and "full copy on a peer host" in job["plan"].summary()

@@ -167,7 +167,7 @@ def test_plan_that_fits_only_sharded_is_chosen_and_runs(runs):
     from partitioner.plan import Plan
 
     plan = Plan.load(runs["fits_sharded"])
-    assert plan.dp == 2 and plan.training["shard_optimizer"] is True
+    assert plan.dp == 2 and plan.decisions.shard_optimizer is True
     assert all(s.peak_memory_bytes <= SMALL_DEVICE_BYTES for s in plan.stages)
     with pytest.raises(PartitionInfeasibleError):  # replicated state does not fit these devices
         compile_plan(load_workload(MLP_SPEC), cluster=_small_cluster(), global_batch=8, dp=2, shard_optimizer="off")

@@ -192,7 +192,7 @@ def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
     if name == "tp2pp2":
         from partitioner.verify import read_grad_norms
 
-        assert plans[name].training["clip_grad_norm"] == 0.05 < min(read_grad_norms(root / run))
+        assert plans[name].training.clip_grad_norm == 0.05 < min(read_grad_norms(root / run))
 
 
 def test_the_tied_embedding_is_split_and_summed_across_stages(runs):
@@ -236,7 +236,7 @@ def test_tensor_parallel_with_sharded_optimizer_state_trains_like_one_process(ru
     """tp 2 x dp 2 with ZeRO-1 (each tensor index's replicas shard their local pieces), clipped
     hard: the global norm counts each piece once."""
     root, plans = runs
-    assert plans["zero_tp2dp2"].training["shard_optimizer"] is True and plans["zero_tp2dp2"].tensor_parallel == 2
+    assert plans["zero_tp2dp2"].decisions.shard_optimizer is True and plans["zero_tp2dp2"].tensor_parallel == 2
     report = check_run(root / "zero_tp2dp2", root / "run_zero", workload=llama())
     assert report.ok, report.text()
 

@@ -173,8 +173,12 @@ def test_solver_reports_candidates_incumbent_and_bound():
 
 def test_run_quiet_reaches_train_py():
     from runtime.launch import parse_args
+    from runtime.run_options import RunOptions
 
     args = build_parser().parse_args(["run", "out", "--quiet", "--log-every", "5"])
-    assert args.quiet and args.log_every == 5
-    assert parse_args(["--steps", "3", "--quiet", "--log-every", "5"]) == {"steps": 3, "quiet": True, "log_every": 5}
-    assert "quiet" not in parse_args(["--steps", "3"])
+    options = RunOptions.from_namespace(args)
+    assert options.quiet and options.log_every == 5
+    # what `partitioner run` hands every rank is what the rank reads back
+    assert options.to_argv() == ["--quiet", "--log-every", "5"]
+    assert parse_args(["--steps", "3", *options.to_argv()]) == RunOptions(steps=3, quiet=True, log_every=5)
+    assert not parse_args(["--steps", "3"]).quiet

@@ -32,7 +32,7 @@ def test_the_job_file_example_loads(tmp_path):
     path.write_text(_block("### Job file", "toml"))
     job = load_job(path)
     got = training_settings(job.training)
-    assert got["optimizer"]["lr"] == 3e-4 and got["clip_grad_norm"] == 1.0
+    assert got.optimizer.lr == 3e-4 and got.clip_grad_norm == 1.0
     assert job.cluster.num_devices == 16
 
 

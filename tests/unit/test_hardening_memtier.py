@@ -28,6 +28,7 @@ from runtime.checkpoint_drills import trainers_at
 from runtime.memtier import slots as slots_mod
 from runtime.memtier import tier as tier_mod
 from runtime.program_parts import MemoryTierPlan
+from runtime.run_options import RunOptions
 
 
 @pytest.fixture(scope="module")
@@ -228,12 +229,12 @@ def test_one_host_plan_with_a_memory_tier_gives_settings_the_runtime_accepts():
         choice = memory_tier_choice(request, [stage, stage], cluster, assignment)
         assert choice["mode"] == "none" and choice["group_size"] is None
         plan = MemoryTierPlan(mode=choice["mode"], every=choice["every"], group_size=choice["group_size"])
-        s = mt.settings_from(plan, {})
+        s = mt.settings_from(plan, RunOptions())
         assert s is not None and s.mode == "none" and s.group_size is None
     # plans compiled before this fix say group_size 1: still accepted (the user never passed it)
-    assert mt.settings_from(MemoryTierPlan(mode="none", group_size=1), {}).group_size is None
+    assert mt.settings_from(MemoryTierPlan(mode="none", group_size=1), RunOptions()).group_size is None
     with pytest.raises(ValueError, match="--parity-group 1"):
-        mt.settings_from(MemoryTierPlan(mode="none"), {"parity_group": 1})
+        mt.settings_from(MemoryTierPlan(mode="none"), RunOptions(parity_group=1))
     # four hosts: parity groups keep their size
     cluster4 = SimpleNamespace(devices=[SimpleNamespace(node=n) for n in range(4)])
     a4 = SimpleNamespace(num_stages=1, pipeline_ranks=1, dp=4, rank_of=lambda s, r: r, device_of_stage_replica=[[0, 1, 2, 3]])

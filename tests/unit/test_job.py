@@ -9,22 +9,26 @@ import sys
 import pytest
 
 from partitioner.job import DEFAULT_TRAINING, load_job, training_settings
+from partitioner.settings import TrainingSettings
+from runtime.program_parts import OptimizerSettings
 
 
 def test_a_partial_optimizer_dict_keeps_the_other_defaults():
     got = training_settings({"optimizer": {"lr": 3e-4}})
-    assert got["optimizer"]["lr"] == 3e-4
+    assert got.optimizer.lr == 3e-4
+    defaults = OptimizerSettings()  # the one set of optimizer defaults (the runtime's too)
     for key in ("betas", "weight_decay", "lr_schedule", "warmup_steps", "total_steps", "eps"):
-        assert got["optimizer"][key] == DEFAULT_TRAINING["optimizer"][key], key
-    assert got["seed"] == DEFAULT_TRAINING["seed"]
-    assert DEFAULT_TRAINING["optimizer"]["lr"] == 1e-3  # the defaults themselves are not changed
+        assert getattr(got.optimizer, key) == getattr(defaults, key), key
+        assert DEFAULT_TRAINING["optimizer"][key] == defaults.to_dict()[key], key
+    assert got.seed == TrainingSettings().seed
+    assert DEFAULT_TRAINING["optimizer"]["lr"] == 1e-3 == defaults.lr  # the defaults themselves are not changed
 
 
 def test_later_layers_win_key_by_key():
     job = {"optimizer": {"lr": 0.01, "betas": [0.8, 0.9]}, "seed": 5}
     flags = {"optimizer": {"lr": 0.003}}
     got = training_settings(job, flags)
-    assert got["optimizer"]["lr"] == 0.003 and got["optimizer"]["betas"] == [0.8, 0.9] and got["seed"] == 5
+    assert got.optimizer.lr == 0.003 and got.optimizer.betas == (0.8, 0.9) and got.seed == 5
 
 
 @pytest.mark.parametrize("settings, words", [
@@ -51,8 +55,8 @@ def test_unknown_keys_and_wrong_types_name_the_key(settings, words):
 def test_clip_grad_norm_is_a_training_setting():
     # One place for it (like precision): training["clip_grad_norm"], which becomes the program
     # object's clip_grad_norm (runtime/program.py) that runtime/train.py clips with.
-    assert training_settings({"clip_grad_norm": 1.0})["clip_grad_norm"] == 1.0
-    assert training_settings().get("clip_grad_norm") is None
+    assert training_settings({"clip_grad_norm": 1.0}).clip_grad_norm == 1.0
+    assert training_settings().clip_grad_norm is None
 
 
 JOB = """
@@ -76,13 +80,13 @@ def test_a_job_file_reads_training_and_cluster(tmp_path):
     path.write_text(JOB)
     job = load_job(path)
     got = training_settings(job.training)
-    assert got["optimizer"]["lr"] == 3e-4 and got["optimizer"]["total_steps"] == 500
-    assert got["clip_grad_norm"] == 1.0 and got["mtbf_s"] == 6 * 3600
-    assert got["optimizer"]["weight_decay"] == DEFAULT_TRAINING["optimizer"]["weight_decay"]
+    assert got.optimizer.lr == 3e-4 and got.optimizer.total_steps == 500
+    assert got.clip_grad_norm == 1.0 and got.mtbf_s == 6 * 3600
+    assert got.optimizer.weight_decay == DEFAULT_TRAINING["optimizer"]["weight_decay"]
     assert job.cluster.num_devices == 16 and job.cluster.devices[0].kind == "h100"
-    assert "sdc_every" not in got  # left out: the compiler picks it by dp (sdc_cost.default_every)
+    assert got.sdc_every is None  # left out: the compiler picks it by dp (sdc_cost.default_every)
     (tmp_path / "k.toml").write_text("[training]\nsdc_every = 0\n")
-    assert training_settings(load_job(tmp_path / "k.toml").training)["sdc_every"] == 0
+    assert training_settings(load_job(tmp_path / "k.toml").training).sdc_every == 0
 
 
 def test_a_job_file_may_name_a_cluster_file(tmp_path):

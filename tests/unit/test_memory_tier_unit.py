@@ -20,6 +20,7 @@ from runtime import recovery
 from runtime.checkpoint_drills import FakeTrainer, trainers_at
 from runtime.program import load_program
 from runtime.program_parts import MemoryTierPlan
+from runtime.run_options import RunOptions
 
 
 @pytest.fixture(scope="module")
@@ -189,14 +190,15 @@ def test_groups_follow_hosts_and_stages_and_cost_what_they_say():
 
 
 def test_settings_from_program_and_flags():
-    assert mt.settings_from(None, {}) is None
-    s = mt.settings_from(MemoryTierPlan(mode="parity", group_size=3, every=2), {})
+    assert mt.settings_from(None, RunOptions()) is None
+    s = mt.settings_from(MemoryTierPlan(mode="parity", group_size=3, every=2), RunOptions())
     assert (s.mode, s.group_size, s.every) == ("parity", 3, 2)
-    assert mt.settings_from(MemoryTierPlan(mode="copy"), {"memory_tier": "off"}) is None
-    s = mt.settings_from(None, {"memory_tier": "auto", "fail_host": ["1:3", "2:5:1"], "hosts": "0,0,1,1"})
+    assert mt.settings_from(MemoryTierPlan(mode="copy"), RunOptions(memory_tier="off")) is None
+    s = mt.settings_from(None, RunOptions.parse(["--memory-tier", "auto", "--fail-host", "1:3", "--fail-host", "2:5:1",
+                                                 "--hosts", "0,0,1,1"]))
     assert s.fail_hosts == ((1, 3, 0), (2, 5, 1)) and s.hosts == "0,0,1,1"
-    with pytest.raises(ValueError, match="HOST:STEP"):
-        mt.settings_from(None, {"memory_tier": "copy", "fail_host": ["x"]})
+    with pytest.raises(ValueError, match="HOST:STEP"):  # refused when the options are read, before the tier
+        RunOptions.parse(["--memory-tier", "copy", "--fail-host", "x"])
 
 
 def test_shards_parse_without_copy_or_pickle_and_refuse_bad_offsets(two_rank, tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from runtime.errors import CheckpointCorruptError
 from runtime.grad_norm import no_decay_names, param_groups
-from runtime.precision import LossScaler, cast_outputs, clip_coefficient, wrap_forward
+from runtime.precision import LossScaler, Precision, cast_outputs, clip_coefficient, wrap_forward
 from runtime.zero import layout, piece_state
 
 
@@ -45,14 +45,14 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
     s = LossScaler(True, 8.0, growth_interval=2)
     assert s.update(False) is False and s.scale == 4.0
     assert s.update(True) and s.update(True) and s.scale == 8.0
-    off = LossScaler.for_policy("bf16-mixed")
+    off = LossScaler.for_policy(Precision.BF16_MIXED)
     assert off.scale == 1.0 and off.update(False) is True  # never skips without fp16
     assert clip_coefficient(10.0, 1.0) == pytest.approx(0.1, rel=1e-6) and clip_coefficient(0.5, 1.0) == 1.0
 
 
 def test_wrap_forward_runs_under_autocast_and_casts_outputs_back():
     lin = torch.nn.Linear(4, 4)
-    wrap_forward(lin, "bf16-mixed", "cpu", [torch.float32])
+    wrap_forward(lin, Precision.BF16_MIXED, "cpu", [torch.float32])
     out = lin(torch.randn(2, 4))
     assert out.dtype == torch.float32  # the plan's boundary dtype
     raw = torch.nn.Linear(4, 4)
@@ -117,7 +117,7 @@ def test_calibration_fits_the_plans_precision_and_a_mismatched_profile_is_refuse
     cluster = ClusterSpec.homogeneous(2, "cpu")
     compiled = compile_plan(mlp(), cluster=cluster, global_batch=8, precision="bf16-mixed",
                             calibrate=CalibrationConfig(repeats=1, warmup=0))
-    assert compiled.plan.training["precision"] == "bf16-mixed"
+    assert compiled.plan.decisions.precision == "bf16-mixed"
     measured = CalibrationConfig(repeats=1, warmup=0).run(mlp(), _annotated(mlp()), precision="bf16-mixed")
     assert measured.meta["precision"] == "bf16-mixed"
     with pytest.raises(ValueError, match="fitted under precision bf16-mixed.*--precision bf16-mixed"):

@@ -25,7 +25,8 @@ from runtime.user_code import import_path
 from runtime.reference import train_reference, train_reference_from_folder
 from runtime.schedule import schedule_text, simulate
 from runtime.stage import StageFileError, build_stage
-from runtime.train import Groups, lr_factor, sync_gradients
+from runtime.grad_sync import Groups, sync_gradients
+from runtime.train import lr_factor
 
 
 def test_build_stage_registers_original_names(tmp_path):
@@ -176,10 +177,10 @@ def test_a_rank_file_that_disagrees_with_the_plan_is_refused_naming_both_values(
         monkeypatch.setenv(key, "x")  # registers the key for restoration
         monkeypatch.delenv(key)
     with pytest.raises(PlanMismatchError, match="NUM_MICROBATCHES = 8 but plan.json's program gives 4"):
-        main(str(tmp_path), exit_on_error=False)
+        main(str(tmp_path), exit_on_error=False, argv=[])
     os.remove(path)
     with pytest.raises(PlanMismatchError, match=r"rank_0.py \(missing\)"):
-        main(str(tmp_path), exit_on_error=False)
+        main(str(tmp_path), exit_on_error=False, argv=[])
 
 
 def test_train_py_without_rank_exits_naming_torchrun(tmp_path):
@@ -198,7 +199,7 @@ def test_wrong_world_size_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(LaunchError, match=r"world_size=2 but WORLD_SIZE=3.*torchrun --nproc-per-node 2"):
-        main(str(tmp_path), rank=0, exit_on_error=False)
+        main(str(tmp_path), rank=0, exit_on_error=False, argv=[])
     # the generated rank program exits non-zero with that one line, no traceback
     proc = subprocess.run([sys.executable, str(tmp_path / "rank_0.py")], capture_output=True, text=True,
                           env=dict(child_env(), WORLD_SIZE="1", RANK="0"), timeout=60)
@@ -206,7 +207,7 @@ def test_wrong_world_size_is_a_clear_error(tmp_path, monkeypatch):
     assert "world_size=2 but WORLD_SIZE=1" in proc.stderr and "Traceback" not in proc.stderr
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(LaunchError, match="needs 2 processes"):
-        main(str(tmp_path), rank=0, exit_on_error=False)
+        main(str(tmp_path), rank=0, exit_on_error=False, argv=[])
 
 
 def test_one_rank_program_runs_in_process(tmp_path, monkeypatch):
@@ -216,7 +217,7 @@ def test_one_rank_program_runs_in_process(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
         monkeypatch.setenv(key, "x")  # registers the key for restoration
         monkeypatch.delenv(key)
-    losses = main(str(tmp_path), exit_on_error=False)
+    losses = main(str(tmp_path), exit_on_error=False, argv=[])
     from runtime.data import mse_loss, regression_batch
     want, state, _ = train_reference(model, functools.partial(regression_batch, features=8, outputs=4),
                                      mse_loss, OPTIMIZER, 16, 4, 2, 0)
@@ -230,7 +231,7 @@ def test_bucketed_allreduce_copies_back_every_tensor(tmp_path):
     """World of one (file rendezvous): the sum is the identity, so this checks bucketing."""
     import torch.distributed as dist
 
-    from runtime.train import allreduce_flat_
+    from runtime.grad_sync import allreduce_flat_
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:

@@ -71,7 +71,7 @@ def test_sdc_every_travels_from_compile_to_the_program_object(folders):
     for name, k in (("default", DEFAULT_EVERY), ("k5", 5), ("off", 0)):
         body = json.loads((folders[name] / "plan.json").read_text())
         plan = Plan.load(folders[name])
-        assert plan.training["sdc_every"] == k and body["program"]["sdc_every"] == k
+        assert plan.decisions.sdc_every == k and body["program"]["sdc_every"] == k
         assert load_program(str(folders[name])).sdc_every == k  # what runtime/launch.py runs
         cost[name] = plan.predicted["sdc_check_s_per_step"]
         assert load_program(str(folders[name])).predicted_step_time_s == plan.predicted["step_time_s"]

@@ -24,7 +24,7 @@ def _compile(tmp_path, name, **options):
 def test_a_sharded_plan_runs_no_replica_check_and_says_why(tmp_path, capsys):
     folder = _compile(tmp_path, "zero", shard_optimizer="on")
     plan = Plan.load(folder)
-    assert plan.training["shard_optimizer"] is True and plan.training["sdc_every"] == 0
+    assert plan.decisions.shard_optimizer is True and plan.decisions.sdc_every == 0
     assert plan.predicted["sdc_check_s_per_step"] == 0.0
     assert main(["inspect", str(folder)]) == 0
     assert "replica check   off: the optimizer state is sharded" in capsys.readouterr().out
@@ -43,6 +43,6 @@ def test_run_refuses_a_replica_check_on_sharded_state_before_any_worker(tmp_path
 def test_asking_for_the_check_keeps_the_state_replicated_or_is_refused(tmp_path):
     folder = _compile(tmp_path, "asked", training={"sdc_every": 5})  # shard_optimizer auto
     plan = Plan.load(folder)
-    assert plan.training["shard_optimizer"] is False and plan.training["sdc_every"] == 5
+    assert plan.decisions.shard_optimizer is False and plan.decisions.sdc_every == 5
     with pytest.raises(ValueError, match="replica check cannot see corruption when the optimizer state is sharded"):
         _compile(tmp_path, "both", shard_optimizer="on", training={"sdc_every": 5})

@@ -77,6 +77,7 @@ def test_the_norm_is_priced_only_where_the_program_computes_it():
     from partitioner.solver import problem as sp
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.grad_norm_cost import NORM_BYTES_PER_S, computes_global_norm
+    from runtime.program_parts import Precision
 
     regions = (sp.RegionCost("a", 1e6, 2e6, 4_000_000, 4_000_000, 8_000_000, 1024, 1024),
                sp.RegionCost("b", 1e6, 2e6, 16_000_000, 16_000_000, 32_000_000, 1024, 1024))
@@ -89,9 +90,9 @@ def test_the_norm_is_priced_only_where_the_program_computes_it():
     assert off.grad_norm_s == 0.0
     assert on.grad_norm_s == pytest.approx(16e6 / NORM_BYTES_PER_S["cpu"] + 2 * latency)  # stage 1's gradients
     assert on.step_time_s == pytest.approx(off.step_time_s + on.grad_norm_s, rel=1e-12)
-    assert not computes_global_norm({"clip_grad_norm": None, "precision": "fp32"})
-    assert computes_global_norm({"clip_grad_norm": 1.0, "precision": "fp32"})
-    assert computes_global_norm({"clip_grad_norm": None, "precision": "fp16-mixed"})
+    assert not computes_global_norm(None, Precision.FP32)
+    assert computes_global_norm(1.0, Precision.FP32)
+    assert computes_global_norm(None, Precision.FP16_MIXED)
 
 
 def test_a_clipping_plan_predicts_its_norm(tmp_path):

@@ -151,7 +151,7 @@ def test_compile_with_tp_2_lays_out_tensor_groups():
                                    num_stages=2, microbatches=2, tensor_parallel=2)
     plan = compiled.plan
     assert plan.tensor_parallel == 2 and plan.world_size == 4 and plan.dp == 1
-    assert plan.training["shard_optimizer"] is False  # ZeRO-1 is not a candidate with tensor groups
+    assert plan.decisions.shard_optimizer is False  # ZeRO-1 is not a candidate with tensor groups
     assert [s.ranks for s in plan.stages] == [(0,), (2,)]
     assert plan.rank_layout() == [{"rank": 0, "stages": [0], "replica": 0, "tp_index": 0},
                                   {"rank": 1, "stages": [0], "replica": 0, "tp_index": 1},
@@ -192,7 +192,7 @@ def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_byt
     for precision in ("fp32", "fp16-mixed"):
         compiled = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=4,
                                        num_stages=1, microbatches=2, tensor_parallel=2, precision=precision)
-        assert compiled.plan.tensor_parallel == 2 and compiled.plan.training["precision"] == precision
+        assert compiled.plan.tensor_parallel == 2 and compiled.plan.decisions.precision == precision
         regions = compiled.problem.regions
         per_precision[precision] = [sum(getattr(r.tp, f) for r in regions) for f in
                                     ("comm_bytes", "comm_bwd_bytes", "gather_bytes", "lookup_bytes")]
@@ -203,6 +203,6 @@ def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_byt
                                                         abs=8)
     gpu = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "h100"), global_batch=4, num_stages=1,
                               microbatches=2, tensor_parallel=2)  # bf16-mixed, the GPU default
-    assert gpu.plan.tensor_parallel == 2 and gpu.plan.training["precision"] == "bf16-mixed"
+    assert gpu.plan.tensor_parallel == 2 and gpu.plan.decisions.precision == "bf16-mixed"
     assert [sum(getattr(r.tp, f) for r in gpu.problem.regions) for f in
             ("comm_bytes", "comm_bwd_bytes", "gather_bytes", "lookup_bytes")] == per_precision["fp16-mixed"]

@@ -29,7 +29,7 @@ def test_sharded_state_with_tp_is_priced_per_member_and_chosen_where_only_it_fit
     cluster = ClusterSpec.homogeneous(4, "cpu")
     off = _compile(cluster, dp=2, tensor_parallel=2, shard_optimizer="off").plan
     on = _compile(cluster, dp=2, tensor_parallel=2, shard_optimizer="on").plan
-    assert on.training["shard_optimizer"] is True and on.tensor_parallel == 2
+    assert on.decisions.shard_optimizer is True and on.tensor_parallel == 2
     # each member: the AdamW state of its local tensors (1/tp of the split ones), then / dp
     assert on.stages[0].memory.optimizer_bytes == pytest.approx(off.stages[0].memory.optimizer_bytes / 2, abs=8)
     peak_on, peak_off = on.stages[0].memory.total_bytes, off.stages[0].memory.total_bytes
@@ -41,7 +41,7 @@ def test_sharded_state_with_tp_is_priced_per_member_and_chosen_where_only_it_fit
                                                       for x in cluster.devices))
     auto = _compile(small, dp=2, tensor_parallel=2, shard_optimizer="auto").plan
     # (on gloo sharding costs an all-gather more: "auto" shards only where the replicated state does not fit)
-    assert auto.training["shard_optimizer"] is True and auto.tensor_parallel == 2 and auto.dp == 2
+    assert auto.decisions.shard_optimizer is True and auto.tensor_parallel == 2 and auto.dp == 2
 
 
 def test_the_search_space_weighs_sharded_candidates_with_tp():
