@@ -144,13 +144,13 @@ def compile_workload(
             measured = calibrate.run(workload, gm, progress=progress, precision=training["precision"],
                                      tensor_parallel=weighs_tp)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
-    # Note [machine profile]: its reference fit prices cpu regions under fp32 unless this model's
-    # own profile does; its fixed costs fill in whatever no profile measured
+    # the machine profile's reference fit (Note [machine profile]) prices cpu regions under fp32
+    # unless this model's own profile does; its fixed costs fill in whatever no profile measured
     machine_regions = (machine is not None and training["precision"] == "fp32"
                        and not any(p.kind == machine.profile.device_profile().kind for p in profiles))
     if machine_regions:
         profiles.append(machine.profile.device_profile())
-    # Note [accelerator roofline]: a GPU kind nothing was measured on is priced from published rates
+    # a GPU kind nothing was measured on is priced from published rates (Note [accelerator roofline])
     from partitioner.calibrate.datasheet import datasheet_profiles
 
     profiles += datasheet_profiles(cluster, training["precision"], measured_kinds={p.kind for p in profiles})
@@ -176,7 +176,7 @@ def compile_workload(
     from partitioner.solver.grad_norm_cost import computes_global_norm
     from partitioner.solver.space import StepTerms
 
-    # Note [terms outside the ILP]: the norm and the replica check weigh in the choice between candidates
+    # the norm and the replica check weigh in the choice between candidates (Note [terms outside the ILP])
     step_terms = StepTerms(global_norm=computes_global_norm(training), sdc_every=training.get("sdc_every"))
 
     def solve_over(degrees):
@@ -188,8 +188,8 @@ def compile_workload(
             tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
             step_terms=step_terms)
 
-    # Note [tensor-parallel overheads]: with DTensor's dispatch and gloo's per-collective cost
-    # priced, cpu compiles weigh every runnable degree like accelerators do
+    # with DTensor's dispatch and gloo's per-collective cost priced (Note [tensor-parallel
+    # overheads]), cpu compiles weigh every runnable degree like accelerators do
     solution, problem, cluster, sharded = solve_over(tp_degrees)
     tp = solution.tensor_parallel
     training["shard_optimizer"] = bool(sharded and solution.assignment.dp > 1)
@@ -232,7 +232,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, trainin
 
     cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0),
                     global_norm=computes_global_norm(training))  # Note [global gradient norm]
-    # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
+    # gloo's extra all-gather of sharded state, in the promise too (Note [sharding as a candidate])
     extra_s = allgather_s(problem, cluster, assignment) if training.get("shard_optimizer") else 0.0
     table = region_table(gm)
     b = assignment.microbatch_size

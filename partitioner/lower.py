@@ -202,7 +202,7 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     sources = compiled.sources
     if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
         sources = derive_sources(workload)  # the error naming what is missing
-    # Note [custom ops travel]: the module each op's stage file imports; a file of the user's
+    # the module each op's stage file imports (Note [custom ops travel]); a file of the user's
     # travels with its local imports (Note [local modules travel] in partitioner/user_source.py).
     sources = op_sources(custom_ops(*(graph for s in stages for graph in (s.gm.graph, *(r.graph for r in s.checkpointed)))),
                          sources, workload.name)

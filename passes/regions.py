@@ -91,8 +91,8 @@ class RegionRow:
     # Note [tensor-parallel roles] in passes/tensor_parallel.py (0 until that pass ran):
     tp_comm_bytes: int = 0  # all-reduce payload tensor parallelism adds in forward, this batch
     tp_sharded_param_bytes: int = 0  # parameter bytes a tensor group divides
-    # Note [tensor-parallel traffic]: backward all-reduces and forward all-gathers, this batch;
-    # per-step gradient all-gathers; and how many collectives each of the three is
+    # backward all-reduces and forward all-gathers, this batch; per-step gradient all-gathers; and
+    # how many collectives each of the three is (Note [tensor-parallel traffic])
     tp_comm_bwd_bytes: int = 0
     tp_gather_bytes: int = 0
     tp_step_gather_bytes: int = 0

@@ -97,7 +97,9 @@ def parse_flip_bit(text: str) -> BitFlip:
 
 
 def _stored(tensor):
-    """The plain tensor this rank stores for ``tensor``. Note [a flip without a collective]: a
+    """The plain tensor this rank stores for ``tensor``.
+
+    Note [a flip without a collective]: a
     tensor-parallel parameter is a DTensor (vocab-split embedding, column/row linears, replicated
     norms), and any op on it is DTensor's (a ``view(-1)`` of a shard all-gathers it over the tensor
     group); run on the named rank alone, that collective waits for peers that never join, and the

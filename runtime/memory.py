@@ -26,7 +26,9 @@ ENV = "PARTITIONER_MEASURE_MEMORY"
 
 
 def _storages(t: torch.Tensor):
-    """The storages holding ``t``'s bytes on this rank. Note [a DTensor's bytes]: a wrapper
+    """The storages holding ``t``'s bytes on this rank.
+
+    Note [a DTensor's bytes]: a wrapper
     subclass (a tensor-parallel stage's DTensor parameters, activations and gradients) has no
     storage of its own (its ``untyped_storage().data_ptr()`` raises); its bytes are its inner
     tensors' (a DTensor's local shard), found through ``__tensor_flatten__`` (whose names may hold

@@ -4,8 +4,8 @@ Per step: batch = make_batch(step, global_batch), cut into ``num_microbatches`` 
 microbatches along dim 0 (pass dp * program num_microbatches to match a data-parallel run: the
 runtime's global batch is cut into that many), loss_i = loss_fn(model(*args_i), target_i) with the
 randomness context of microbatch i set (Note [randomness keyed by meaning] in runtime/randomness.py),
-backward of each loss_i, gradients divided by the number of microbatches (Note [loss scaling] in
-runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
+backward of each loss_i, gradients divided by the number of microbatches (Note [mean over
+microbatches] in runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
 Buffers the forward updates (BatchNorm running statistics) are updated by every microbatch in
 order, as the stage holding them does; with ``replicas`` > 1 they end each step as the first
 replica's microbatches left them (Note [buffers across replicas] in runtime/train.py).

@@ -367,7 +367,7 @@ class RankTrainer:
 
         from runtime.stage_times import StageTimes
 
-        # Note [stage times]: each stage's forward, backward and loss seconds, for `calibrate --from-run`
+        # each stage's forward, backward and loss seconds, for `calibrate --from-run` (Note [stage times])
         self.stage_times = StageTimes(self.pipe_stages, self.stage_ids, program.num_microbatches)
         self.schedule = build_schedule(self.pipe_stages, program, self.stage_times.timed_loss(loss_under_policy))
         self.zero = None

@@ -133,7 +133,7 @@ class SearchSpace:
         return extra
 
     def sharding_relaxes(self, tp: int, dp: int) -> bool:
-        """Note [one enumeration]: sharded plans at ``dp`` are never slower nor larger than unsharded ones."""
+        """Sharded plans at ``dp`` are never slower nor larger than unsharded ones (Note [one enumeration])."""
         problem, cluster = self.grouped(tp)
         if any(device.kind == "cpu" for device in cluster.devices):  # gloo's extra all-gather
             return False

@@ -54,7 +54,7 @@ def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
             first, name=f"{first.name}..{members[-1].name}",
             memory_bytes=first.memory_bytes * tp, flops_per_s=first.flops_per_s * tp,
             memory_reserve_bytes=first.memory_reserve_bytes * tp))
-    # Note [collectives as NCCL runs them]: each member all-reduces its own share of the group's gradients
+    # each member all-reduces its own share of the group's gradients (Note [collectives as NCCL runs them])
     return dataclasses.replace(cluster, devices=tuple(groups), collective_lanes=cluster.collective_lanes * tp)
 
 

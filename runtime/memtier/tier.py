@@ -152,7 +152,7 @@ class MemoryTier:
             self.snapshot(done)
 
     def snapshot(self, done: int) -> float:
-        """Note [memory snapshot]: at the step boundary, join the previous background work and
+        """At the step boundary (Note [memory snapshot]), join the previous background work and
         capture what is not a tensor; the copy into shared memory runs in the background thread,
         overlapping the next step's forward and backward, and the optimizer's next step waits for
         it (a step pre-hook) before it changes a parameter. Returns the stall so far."""
@@ -215,7 +215,7 @@ class MemoryTier:
             self.error = exc
 
     def _exchange(self, slot: Slot, step: int, nbytes: int, sha: str) -> None:
-        """Note [redundancy]: all-gather (step, bytes, sha256), then copy or parity."""
+        """All-gather (step, bytes, sha256), then copy or parity (Note [redundancy])."""
         import torch.distributed as dist
 
         row = torch.zeros(34, dtype=torch.int64)

@@ -200,7 +200,7 @@ def test_cut_edges_price_each_tensor_once_per_boundary():
 
 
 def test_ordering_edges_only_where_no_dependency_orders_the_readers():
-    """Note [one priced reader]: at block, sublayer and op granularity no zoo model needs an
+    """Note [one priced reader] holds: at block, sublayer and op granularity no zoo model needs an
     ordering edge (the search is over data dependencies only); at node granularity some do."""
     for key in ("gpt12", "llama", "bert"):
         _, gm = traced(key)

@@ -89,7 +89,7 @@ def _write(root, files: dict):
 
 
 def test_the_local_modules_a_file_imports_travel_with_it(tmp_path):
-    """Note [local modules travel]: statements anywhere in the file (a function body too),
+    """Note [local modules travel] holds: statements anywhere in the file (a function body too),
     transitively, packages with their __init__.py and relative imports; installed modules and an
     optional import that exists nowhere stay plain imports."""
     from partitioner.user_source import local_modules

@@ -1,0 +1,110 @@
+"""The house rules of docs/design.md §9, read from the source (nothing here imports the product):
+
+- every cited ``Note [name]`` is defined exactly once;
+- every module is in its package's map (the package ``__init__.py`` docstring), and the map names
+  no module that does not exist;
+- a function-local import carries a comment naming its reason, on its line or the line above;
+- no module is over 500 lines.
+
+Each rule is a function from source text to the list of its offenders (``file:line: what``), so a
+test can feed it a broken input and see it fail; the tests over the repository assert the list is
+empty and print it otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("partitioner", "passes", "runtime")
+NOTE_ROOTS = (*PACKAGES, "benchmarks", "tests")
+NOTE_FILES = ("docs/design.md",)
+MAX_LINES = 500
+
+
+def _sources(roots=PACKAGES) -> dict[str, str]:
+    return {str(p.relative_to(REPO)): p.read_text() for root in roots for p in sorted((REPO / root).rglob("*.py"))}
+
+
+# ---- Notes -------------------------------------------------------------------------------------
+# A definition is a line whose prose (after indentation, `#` and an opening docstring quote) starts
+# with `Note [name]` followed by `:` or nothing: the heading form (`Note [name]` alone, its body
+# indented below) or the paragraph form (`Note [name]: the body`). Every other mention is a
+# citation, a plural one too (`Notes [a], [b] and [c]`); a name may wrap onto the next line.
+_PROSE_PREFIX = re.compile(r"^[ \t]*(?:#+[ \t]?)?[ \t]*(?:[rRbBuU]?(?:\"\"\"|'''))?[ \t]*", re.M)
+_DEFINITION = re.compile(r"Note \[([^\]]+)\](?::|[ \t]*$)")
+_MENTION = re.compile(r"\bNotes?\s+((?:\[[^\]]+\](?:\s*,\s*|\s+and\s+|,\s+and\s+)?)+)")
+
+
+def _prose(text: str) -> str:
+    """``text`` with each line's indentation, comment marker and opening quote cut, lines kept."""
+    return _PROSE_PREFIX.sub("", text)
+
+
+def _name(raw: str) -> str:
+    """One Note's name as written, its wrapping undone: across lines, and across the pieces of an
+    implicitly joined string literal (``"... (Note [tensor-parallel", "# stages] ..."``)."""
+    return " ".join(re.sub(r"[\"']\s*,?\s*[rRbBfFuU]*[\"']\s*#?", " ", raw).split())
+
+
+def notes(sources: dict[str, str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(definitions, citations): each Note's name -> the ``file:line`` places."""
+    definitions: dict[str, list[str]] = defaultdict(list)
+    citations: dict[str, list[str]] = defaultdict(list)
+    for path, text in sources.items():
+        prose = _prose(text)
+        starts = [0] + [m.end() for m in re.finditer("\n", prose)]
+        line_of = lambda offset: next(i for i in range(len(starts), 0, -1) if starts[i - 1] <= offset)  # noqa: E731
+        defined_at = set()
+        for number, line in enumerate(prose.split("\n"), 1):
+            m = _DEFINITION.match(line)
+            if m:
+                definitions[_name(m.group(1))].append(f"{path}:{number}")
+                defined_at.add(starts[number - 1])
+        for m in _MENTION.finditer(prose):
+            for bracket in re.finditer(r"\[([^\]]+)\]", m.group(1)):
+                offset = m.start(1) + bracket.start()
+                if m.start() in defined_at and bracket.start() == 0:
+                    continue
+                citations[_name(bracket.group(1))].append(f"{path}:{line_of(offset)}")
+    return definitions, citations
+
+
+def note_problems(sources: dict[str, str]) -> list[str]:
+    definitions, citations = notes(sources)
+    problems = [f"{places[0]}: Note [{name}] is cited but never defined (also cited at {len(places) - 1} more places)"
+                for name, places in sorted(citations.items()) if name not in definitions]
+    problems += [f"{places[1]}: Note [{name}] is defined {len(places)} times ({', '.join(places)}): keep the one "
+                 "where the decision is made and cite it at the others (`Note [name]` not opening a line, or "
+                 "not followed by a colon)" for name, places in sorted(definitions.items()) if len(places) > 1]
+    return problems
+
+
+def _note_sources() -> dict[str, str]:
+    sources = {**_sources(NOTE_ROOTS), **{f: (REPO / f).read_text() for f in NOTE_FILES}}
+    del sources[str(Path(__file__).resolve().relative_to(REPO))]  # its examples are no Notes
+    return sources
+
+
+def test_every_cited_note_is_defined_once():
+    problems = note_problems(_note_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_note_rule_finds_an_undefined_and_a_twice_defined_note():
+    sources = {
+        "a.py": '"""Note [kept]\n    the body.\n\nNote [twice]: first.\n"""\nx = 1  # Note [kept], Note [nowhere]\n',
+        "b.py": "# Note [twice]: again\n# see Notes [kept] and [wrapped\n# name]\n",
+        "c.md": "Prose (Note [kept]), a citation.\nNote [wrapped name]: a definition.\n",
+    }
+    definitions, citations = notes(sources)
+    assert definitions == {"kept": ["a.py:1"], "twice": ["a.py:4", "b.py:1"], "wrapped name": ["c.md:2"]}
+    assert citations == {"kept": ["a.py:6", "b.py:2", "c.md:1"], "nowhere": ["a.py:6"], "wrapped name": ["b.py:2"]}
+    assert note_problems(sources) == [
+        "a.py:6: Note [nowhere] is cited but never defined (also cited at 0 more places)",
+        "b.py:1: Note [twice] is defined 2 times (a.py:4, b.py:1): keep the one where the decision is made and "
+        "cite it at the others (`Note [name]` not opening a line, or not followed by a colon)",
+    ]
