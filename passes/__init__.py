@@ -1,5 +1,14 @@
 """Graph analyses over a traced GraphModule. Each pass writes one ``partitioner.ir`` key on every
-node; they run in the order of :func:`run_all` (shapes -> flops -> memory -> regions)."""
+node; they run in the order of :func:`run_all` (shapes -> flops -> memory -> regions).
+
+shapes.py          what each node produces (``partitioner.shape``)
+flops.py           forward and backward FLOPs per node (``partitioner.flops``)
+memory.py          bytes each node holds during training (``partitioner.memory``)
+regions.py         nodes grouped into a DAG of regions (``partitioner.region``); the region table
+tensor_parallel.py which nodes a tensor group shards, and how (``tp_role``)
+tp_activations.py  what a tensor group splits of saved activations and FLOPs (reads, writes no key)
+_fake_run.py       every node run once on fake inputs: the engine of the flops and memory passes
+"""
 
 from __future__ import annotations
 

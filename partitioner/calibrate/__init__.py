@@ -37,8 +37,17 @@ Note [per sample]
     grow with the batch) divided by the traced example batch (``fwd_s_per_sample_by_kind``). So a
     plan with microbatches of 1 pays the per-op overhead once per microbatch, not 1/b of it.
 
-The room: features.py (a graph's terms), measure.py (timing groups here), fitting.py (the fit),
-profiles.py (DeviceProfile, its file, applying it to a problem); ``calibrate`` is measure + fit.
+The room (``calibrate`` is measure + fit):
+    features.py        a graph's terms of the fitted time model: FLOPs by kind, bytes, ops
+    measure.py         every region and every distinct op timed here (Note [measuring a region])
+    fitting.py         the non-negative least-squares fit of a profile to measured seconds
+    profiles.py        DeviceProfile, its file, and how it prices a problem (Note [per sample])
+    datasheet.py       an accelerator's profile from published rates (Note [accelerator roofline])
+    recompute_cost.py  the recompute fixed cost, measured (Note [recompute fixed cost])
+    tp_overheads.py    tensor parallelism's fixed costs measured here: DTensor dispatch, gloo calls
+    machine.py         this machine's cpu profile, measured once and cached (Note [machine profile])
+    machine_worker.py  one of the two gloo processes of the machine profile's measurements
+    refit.py           `calibrate --from-run`: the machine profile refit to a run (Note [refit from a run])
 """
 
 from __future__ import annotations

@@ -108,3 +108,61 @@ def test_note_rule_finds_an_undefined_and_a_twice_defined_note():
         "b.py:1: Note [twice] is defined 2 times (a.py:4, b.py:1): keep the one where the decision is made and "
         "cite it at the others (`Note [name]` not opening a line, or not followed by a colon)",
     ]
+
+
+# ---- Module maps -------------------------------------------------------------------------------
+# A package's map is its ``__init__.py`` docstring's entries: a line whose first word is a module's
+# file name (``name.py``) or a sub-package's folder (``name/``) followed by what it holds, so the
+# map reads as the folder's listing does.
+_MAP_ENTRY = re.compile(r"^[ \t]*([A-Za-z_]\w*(?:\.py|/))(?=[ \t]|$)", re.M)
+
+
+def map_entries(init_source: str) -> dict[str, int]:
+    """The names a package's map lists -> the docstring line (1-based, in the file) naming them."""
+    tree = ast.parse(init_source)
+    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    if doc is None or not isinstance(doc.value, ast.Constant) or not isinstance(doc.value.value, str):
+        return {}
+    first_line = doc.lineno
+    raw = init_source.splitlines()[first_line - 1:doc.end_lineno]
+    text = "\n".join(raw)
+    return {m.group(1): first_line + text.count("\n", 0, m.start()) for m in _MAP_ENTRY.finditer(text)}
+
+
+def map_problems(package: str, init_source: str, listing: set[str]) -> list[str]:
+    """``listing``: the package folder's module files (``__init__.py`` aside) and sub-packages (``name/``)."""
+    entries = map_entries(init_source)
+    where = f"{package}/__init__.py"
+    problems = [f"{where}:1: the map leaves out {name} (add a line `{name}  what it holds` to the docstring)"
+                for name in sorted(listing - set(entries))]
+    problems += [f"{where}:{line}: the map names {name}, which is not in {package}/"
+                 for name, line in sorted(entries.items()) if name not in listing]
+    return problems
+
+
+def _packages() -> dict[str, set[str]]:
+    out = {}
+    for root in PACKAGES:
+        for init in sorted((REPO / root).rglob("__init__.py")):
+            folder = init.parent
+            out[str(folder.relative_to(REPO))] = (
+                {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+                | {f"{d.name}/" for d in folder.iterdir() if (d / "__init__.py").is_file()})
+    return out
+
+
+def test_every_module_is_in_its_packages_map():
+    problems = [p for package, listing in _packages().items()
+                for p in map_problems(package, (REPO / package / "__init__.py").read_text(), listing)]
+    assert not problems, "\n".join(problems)
+
+
+def test_map_rule_finds_a_missing_and_a_stale_module():
+    init = '"""The room.\n\nshapes.py   what each node produces\nsolver/     the solver\ngone.py     removed\n"""\nx = 1\n'
+    assert map_entries(init) == {"shapes.py": 3, "solver/": 4, "gone.py": 5}
+    assert map_problems("pkg", init, {"shapes.py", "solver/", "flops.py"}) == [
+        "pkg/__init__.py:1: the map leaves out flops.py (add a line `flops.py  what it holds` to the docstring)",
+        "pkg/__init__.py:5: the map names gone.py, which is not in pkg/",
+    ]
+    assert map_problems("pkg", "x = 1\n", {"a.py"}) == [
+        "pkg/__init__.py:1: the map leaves out a.py (add a line `a.py  what it holds` to the docstring)"]
