@@ -3,7 +3,8 @@ partition problem as plain numbers. compile() (partitioner/compiler.py) runs it 
 batch; lowering (partitioner/lower.py) runs the trace and the passes again at the plan's microbatch.
 
     traced   = trace the model (torch.export, symbolic_trace fallback), random ops keyed
-    annotate = shapes → flops → memory → regions, each checked for what it declares
+    annotate = passes.PIPELINE: shapes → flops → memory → regions → tensor-parallel roles, each
+               checked for what it declares
     problem  = the region graph as plain numbers, per sample, priced by the fitted profiles if any
 """
 
@@ -36,17 +37,12 @@ def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, exa
 
 def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
              loss_outside_graph: bool = False) -> fx.GraphModule:
-    from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
-    from passes.tensor_parallel import annotate_tensor_parallel
+    """The cost passes over the traced graph: ``passes.run_all``, the one pass list."""
+    import passes
 
-    gm = traced.gm
     with randomness.restored(COSTING_RANDOMNESS):
-        annotate_shapes(gm)
-        annotate_flops(gm)
-        annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
-        annotate_regions(gm, granularity=granularity)
-        annotate_tensor_parallel(gm)
-    return gm
+        return passes.run_all(traced.gm, granularity=granularity, optimizer=optimizer,
+                              loss_outside_graph=loss_outside_graph)
 
 
 def analyze(workload: Workload, *, granularity: str = "block"):

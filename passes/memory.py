@@ -163,7 +163,7 @@ def loss_bytes(output: fx.Node, *, loss_outside_graph: bool) -> tuple[int, int]:
     return held + sum(4 * t.numel() for t in floats), transient
 
 
-@ir.graph_pass(writes=(ir.MEMORY,))
+@ir.graph_pass(reads=(ir.SHAPE,), writes=(ir.MEMORY,))
 def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
                     loss_outside_graph: bool = False) -> fx.GraphModule:
     """``loss_outside_graph``: the Workload applies a ``loss_fn`` to the graph's outputs (Note

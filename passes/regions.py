@@ -298,7 +298,7 @@ def _data_inputs(node: fx.Node) -> list[fx.Node]:
     return [m for m in node.all_input_nodes if m.op != "get_attr"]
 
 
-@ir.graph_pass(writes=(ir.REGION,))
+@ir.graph_pass(reads=(), writes=(ir.REGION,))  # reads torch's ``nn_module_stack``
 def annotate_regions(gm: fx.GraphModule, *, granularity: str = "block") -> fx.GraphModule:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
