@@ -21,7 +21,9 @@ The rooms (docs/design.md §3), in the order data flows through them:
 workload.py               what a user hands the compiler: model, example inputs, loss, make_batch
 models.py                 built-in workloads and the MODEL spec of the command line
 hf.py                     ``hf:CONFIG_DIR``: a Workload from a Hugging Face config, local files only
-user_source.py            where the ranks find make_batch, loss_fn and custom ops; user files copied
+user_source.py            where the ranks find make_batch, loss_fn and custom ops; a model file run
+local_modules.py          the local modules a travelling file imports, tried as a rank imports them
+rank_imports.py           what a rank can import: its sys.path, the spec it would find a name by
 job.py                    training settings: defaults < job file < training= / flags, checked
 cluster.py                ClusterSpec: devices, nodes, links, cluster files
 device_presets.py         device kinds: memory, FLOP/s per dtype, usable memory, cpu fixed costs

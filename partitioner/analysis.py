@@ -47,7 +47,7 @@ def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "ad
 
 def analyze(workload: Workload, *, granularity: str = "block"):
     """Trace and annotate: the graph and its per-region cost table."""
-    from passes.regions import region_table
+    from passes.region_graph import region_table
 
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     gm = annotate(traced, granularity=granularity, loss_outside_graph=workload.loss_fn is not None)
@@ -63,7 +63,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
     time model on their kind (Note [the fitted time model] in partitioner/calibrate/)."""
     from partitioner.calibrate import apply_profiles
 
-    from passes.regions import region_cut_edges, region_edges, region_table, region_ties
+    from passes.region_graph import region_cut_edges, region_edges, region_table, region_ties
 
     from passes.tp_activations import sharded_flops, sharded_saved_bytes
 

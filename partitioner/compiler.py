@@ -221,7 +221,7 @@ def _machine_step(option, cluster, progress):
 
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training, tp: int = 1) -> Plan:
-    from passes.regions import region_table
+    from passes.region_graph import region_table
     from partitioner.solver.evaluate import evaluate
     from partitioner.codegen.split import check_mutable_buffers
 
@@ -367,7 +367,7 @@ def _param_elem_bytes(model: torch.nn.Module) -> int:
 
 
 def _ties(gm):
-    from passes.regions import region_ties
+    from passes.region_graph import region_ties
 
     # Only trained parameters are ties: their copies' gradients are summed. A buffer read on two
     # stages is simply held by both (Note [stages talk only to their neighbours] in split.py).

@@ -74,7 +74,7 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class PlanRegion:
-    """A region as the plan places it. The same region is a ``RegionRow`` of passes/regions.py (what the
+    """A region as the plan places it. The same region is a ``RegionRow`` of passes/region_graph.py (what the
     passes measured) and a ``RegionCost`` of partitioner/solver/problem.py (what the solver prices)."""
 
     id: int

@@ -6,7 +6,8 @@ and the tests' alike.
 shapes.py          what each node produces (``partitioner.shape``)
 flops.py           forward and backward FLOPs per node (``partitioner.flops``)
 memory.py          bytes each node holds during training (``partitioner.memory``)
-regions.py         nodes grouped into a DAG of regions (``partitioner.region``); the region table
+regions.py         nodes grouped into a DAG of regions (``partitioner.region``)
+region_graph.py    the region graph the problem reads: costs per region, edges, ties (writes no key)
 tensor_parallel.py which nodes a tensor group shards, and how (``tp_role``)
 tp_activations.py  what a tensor group splits of saved activations and FLOPs (reads, writes no key)
 _fake_run.py       every node run once on fake inputs: the engine of the flops and memory passes
@@ -18,8 +19,8 @@ import torch.fx as fx
 
 from passes.flops import annotate_flops
 from passes.memory import annotate_memory
-from passes.regions import (RegionRow, TieRow, annotate_regions, region_cut_edges, region_edges, region_table,
-                            region_ties)
+from passes.region_graph import RegionRow, TieRow, region_cut_edges, region_edges, region_table, region_ties
+from passes.regions import annotate_regions
 from passes.shapes import annotate_shapes
 from passes.tensor_parallel import annotate_tensor_parallel
 

@@ -46,6 +46,8 @@ The room (``calibrate`` is measure + fit):
     recompute_cost.py  the recompute fixed cost, measured (Note [recompute fixed cost])
     tp_overheads.py    tensor parallelism's fixed costs measured here: DTensor dispatch, gloo calls
     machine.py         this machine's cpu profile, measured once and cached (Note [machine profile])
+    machine_profile.py what the profile is: its key, its measured figures, refits, what it prices
+    machine_measure.py measuring it: the reference model's fit, AdamW's step, two gloo processes
     machine_worker.py  one of the two gloo processes of the machine profile's measurements
     refit.py           `calibrate --from-run`: the machine profile refit to a run (Note [refit from a run])
 """

@@ -43,7 +43,7 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
     import torch.distributed as dist
 
     from partitioner.calibrate.features import region_features
-    from passes.regions import region_table
+    from passes.region_graph import region_table
     from passes.tensor_parallel import sharded_parameters
 
     sharded = sharded_parameters(gm)

@@ -166,3 +166,21 @@ def test_map_rule_finds_a_missing_and_a_stale_module():
     ]
     assert map_problems("pkg", "x = 1\n", {"a.py"}) == [
         "pkg/__init__.py:1: the map leaves out a.py (add a line `a.py  what it holds` to the docstring)"]
+
+
+# ---- Module size -------------------------------------------------------------------------------
+
+def size_problems(sources: dict[str, str], limit: int = MAX_LINES) -> list[str]:
+    counts = {path: len(text.splitlines()) for path, text in sources.items()}
+    return [f"{path}:{limit + 1}: {count} lines, over {limit}: split it along a seam (a room per concern)"
+            for path, count in sorted(counts.items(), key=lambda item: -item[1]) if count > limit]
+
+
+def test_no_module_is_over_500_lines():
+    problems = size_problems(_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_size_rule_names_the_long_module():
+    assert size_problems({"a.py": "x = 1\n" * 3, "b.py": "x = 1\n" * 2}, limit=2) == [
+        "a.py:3: 3 lines, over 2: split it along a seam (a room per concern)"]

@@ -206,10 +206,10 @@ def test_ordering_edges_only_where_no_dependency_orders_the_readers():
         _, gm = traced(key)
         for granularity in ("block", "sublayer", "op"):
             regions_of(gm, granularity)
-            assert passes.regions.ordering_edges(gm) == [], (key, granularity)
+            assert passes.region_graph.ordering_edges(gm) == [], (key, granularity)
     _, gm = traced("bert")
     regions_of(gm, "node")
-    assert passes.regions.ordering_edges(gm)  # q, k, v read the same hidden state, none feeds another
+    assert passes.region_graph.ordering_edges(gm)  # q, k, v read the same hidden state, none feeds another
 
 
 @pytest.mark.parametrize("key, stages", [("bert", 4), ("gpt12", 2)])

@@ -18,7 +18,7 @@ from partitioner.models import gpt, hf_llama
 from partitioner.plan import Plan
 from partitioner.solver import problem as sp
 from partitioner.solver.tensor_parallel import group_cluster, tp_problem
-from passes.regions import region_table
+from passes.region_graph import region_table
 from passes.tensor_parallel import check_degree, sharded_parameters
 
 
