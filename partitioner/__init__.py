@@ -64,6 +64,7 @@ from partitioner.errors import (
 def __getattr__(name):
     # Workload imports torch (seconds); `partitioner inspect` and the solver never need it.
     if name == "Workload":
+        # lazy: loads torch
         from partitioner.workload import Workload
 
         return Workload
@@ -78,6 +79,7 @@ def compile(workload, *, cluster, global_batch, **options):  # noqa: A001 - the 
 
 def analyze(workload, *, granularity: str = "block"):
     """Trace and annotate a workload: returns (GraphModule, per-region cost table)."""
+    # lazy: loads torch
     from partitioner.analysis import analyze as _analyze
 
     return _analyze(workload, granularity=granularity)

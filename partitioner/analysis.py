@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from partitioner import ir
+from partitioner.calibrate import apply_profiles
+from partitioner.calibrate.features import region_features
+from partitioner.codegen.randomness import lower_randomness
+from partitioner.codegen.split import mutated_buffers
 from partitioner.solver import problem as sp
 from partitioner.trace import Traced, trace
 from partitioner.workload import Workload
@@ -28,8 +33,6 @@ def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, exa
     """trace, then key every random op (partitioner/codegen/randomness.py): the graph the cost passes
     price is the graph the stages run (keyed attention with dropout is explicit attention, which
     keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
-    from partitioner.codegen.randomness import lower_randomness
-
     kwargs = workload.example_kwargs if example_kwargs is None else example_kwargs
     traced = trace(workload.model, example_args, kwargs)
     return traced, lower_randomness(traced.gm, batch_size=batch_size)
@@ -38,6 +41,7 @@ def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, exa
 def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
              loss_outside_graph: bool = False) -> fx.GraphModule:
     """The cost passes over the traced graph: ``passes.run_all``, the one pass list."""
+    # lazy: loads networkx
     import passes
 
     with randomness.restored(COSTING_RANDOMNESS):
@@ -47,6 +51,7 @@ def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "ad
 
 def analyze(workload: Workload, *, granularity: str = "block"):
     """Trace and annotate: the graph and its per-region cost table."""
+    # lazy: loads networkx
     from passes.region_graph import region_table
 
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
@@ -61,13 +66,11 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
 
     ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
     time model on their kind (Note [the fitted time model] in partitioner/calibrate/)."""
-    from partitioner.calibrate import apply_profiles
-
+    # lazy: loads networkx
     from passes.region_graph import region_cut_edges, region_edges, region_table, region_ties
 
+    # lazy: loads networkx
     from passes.tp_activations import sharded_flops, sharded_saved_bytes
-
-    from partitioner.calibrate.features import region_features
 
     table = region_table(gm)
     split = sharded_saved_bytes(gm)  # Note [sharded activations]
@@ -137,16 +140,12 @@ def updating_regions(gm: fx.GraphModule) -> set[str]:
     update a second time (running statistics counted twice per microbatch). The problem prices
     its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
     and lowering (partitioner/lower.py) does not checkpoint it even if a hand-made plan asks to."""
-    from partitioner.codegen.split import mutated_buffers
-
     updaters = {name for names in mutated_buffers(gm).values() for name in names}
     return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}
 
 
 def target_bytes_of(workload: Workload) -> int:
     """Bytes of the loss target of one example batch (every rank builds the global batch's)."""
-    from torch.utils._pytree import tree_flatten
-
     if workload.loss_fn is None or workload.make_batch is None:
         return 0
     _args, target = workload.make_batch(0, workload.example_batch_size)

@@ -26,12 +26,27 @@ import torch.fx as fx
 
 from partitioner import ir
 from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
+from partitioner.calibrate import machine
+from partitioner.calibrate.machine import fill_fixed_costs
 from partitioner.cluster import ClusterSpec
+from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
 from partitioner.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
+from partitioner.solver.candidates import validate_options
+from partitioner.solver.evaluate import evaluate
+from partitioner.solver.grad_norm_cost import computes_global_norm
+from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+from partitioner.solver.solve import solve_with_sharding
+from partitioner.solver.space import StepTerms
+from partitioner.solver.tensor_parallel import degrees_to_search
+from partitioner.solver.zero_choice import allgather_s
+from partitioner.tensor_parallel import check_tensor_parallel, grouped
 from partitioner.workload import Workload
 from runtime import randomness
+from runtime.grad_norm import no_decay_names
+from runtime.memtier import memory_cost, plan_redundancy
+from runtime.precision import check_precision, default_precision
 
 
 def _progress(report: Callable[[str], None] | None, message: str) -> None:
@@ -81,16 +96,8 @@ def compile_workload(
     ``machine_profile``: how cpu devices are priced (Note [the API measures too] in
     partitioner/calibrate/machine.py): "auto" (this machine's cached profile, measured once;
     the preset under PARTITIONER_NO_CALIBRATE=1), "preset", or a calibrate.machine.MachineProfile."""
-    from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
-    from partitioner.solver.solve import solve_with_sharding
-    from runtime.grad_norm import no_decay_names
-    from runtime.precision import check_precision, default_precision
-
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
-    from partitioner.solver.candidates import validate_options
-
-    from partitioner.tensor_parallel import check_tensor_parallel, grouped
 
     tp = check_tensor_parallel(tensor_parallel, cluster, shard_optimizer=shard_optimizer, precision=precision,
                                training={**(training or {}), **({"clip_grad_norm": clip_grad_norm}
@@ -135,7 +142,6 @@ def compile_workload(
                              f"or compile with --precision {fitted}")
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
-        from partitioner.solver.tensor_parallel import degrees_to_search
 
         weighs_tp = tp > 1 or (tensor_parallel is None and any(
             t > 1 and (num_stages is None or num_stages * t <= cluster.num_devices) for t in degrees_to_search(
@@ -157,24 +163,18 @@ def compile_workload(
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
-        from partitioner.calibrate.machine import fill_fixed_costs
-
         problem = fill_fixed_costs(problem, machine.profile)
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, training["precision"], _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, training["precision"])
     tp_degrees = (tp,)
     if tensor_parallel is None:  # Note [one enumeration] in solver/space.py: the solver weighs each runnable degree
-        from partitioner.solver.tensor_parallel import degrees_to_search
-
         tp_degrees = degrees_to_search(cluster, lambda t: _tp_runs(gm, t, cluster, shard_optimizer, precision,
                                                                   training, dp))
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tensor_parallel import check_degree
 
         check_degree(gm, tp)
-    from partitioner.solver.grad_norm_cost import computes_global_norm
-    from partitioner.solver.space import StepTerms
 
     # the norm and the replica check weigh in the choice between candidates (Note [terms outside the ILP])
     step_terms = StepTerms(global_norm=computes_global_norm(training), sdc_every=training.get("sdc_every"))
@@ -209,8 +209,6 @@ def compile_workload(
 
 def _machine_step(option, cluster, progress):
     """The machine profile this compile prices cpu devices with, or None (Note [the API measures too])."""
-    from partitioner.calibrate import machine
-
     if isinstance(option, str) and option == "auto" and any(d.kind == machine.KIND for d in cluster.devices) \
             and not machine.calibration_disabled():
         _progress(progress, "machine: this machine's cpu profile")
@@ -221,14 +219,10 @@ def _machine_step(option, cluster, progress):
 
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, training, tp: int = 1) -> Plan:
+    # lazy: loads networkx
     from passes.region_graph import region_table
-    from partitioner.solver.evaluate import evaluate
-    from partitioner.codegen.split import check_mutable_buffers
-
-    from partitioner.solver.zero_choice import allgather_s
 
     assignment = solution.assignment
-    from partitioner.solver.grad_norm_cost import computes_global_norm
 
     cost = evaluate(problem, cluster, assignment, sdc_every=training.get("sdc_every", 0),
                     global_norm=computes_global_norm(training))  # Note [global gradient norm]
@@ -323,8 +317,6 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
     grouped one per node, the i-th rank of each node by (stages, replica) so that group members hold
     the same stage; mode "auto" is none on one node, copy on two, parity on more. Says what it
     costs in host memory: shard = parameters + optimizer state of the rank's stages, two slots."""
-    from runtime.memtier import memory_cost, plan_redundancy
-
     request = {"mode": request} if isinstance(request, str) else dict(request)
     world = assignment.pipeline_ranks * assignment.dp
     hosts, keys, shard = [0] * world, [((), 0)] * world, [0] * world
@@ -348,7 +340,7 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
 def _tp_runs(gm, tp, cluster, shard_optimizer, precision, training, dp) -> bool:
     """Whether the program runs tensor-parallel degree ``tp`` with these settings (Note [only
     runnable plans]): the degree divides what the sharded nodes split, and compile() would accept it."""
-    from partitioner.tensor_parallel import check_tensor_parallel
+    # lazy: loads networkx
     from passes.tensor_parallel import check_degree
 
     try:
@@ -367,6 +359,7 @@ def _param_elem_bytes(model: torch.nn.Module) -> int:
 
 
 def _ties(gm):
+    # lazy: loads networkx
     from passes.region_graph import region_ties
 
     # Only trained parameters are ties: their copies' gradients are summed. A buffer read on two
@@ -380,8 +373,6 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 
     The graph was traced at the example batch; shapes and bytes are restated per microbatch
     (a leading dimension equal to the example batch is the batch dimension)."""
-    from partitioner.codegen.split import boundary_names
-
     region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
     readable = boundary_names(gm)  # the names the stage files give them (Note [boundary names])
     grouped: dict[tuple[int, int], list[fx.Node]] = {}

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from partitioner.rank_imports import location, places, rank_spec, within
+from runtime.torchrun import run_env
 from runtime.user_code import USER_DIR, user_module_name
 
 if TYPE_CHECKING:
@@ -200,7 +201,6 @@ def check_imports(folder: str | Path, sources: UserSources, *, final: str | Path
     fails (Note [local modules travel])."""
     if not sources.files:
         return
-    from runtime.torchrun import run_env
 
     folder = str(Path(folder).resolve())
     specs = [list(spec) for spec in sources.specs.values() if str(spec[0]).startswith(USER_DIR + "/")]

@@ -29,6 +29,7 @@ from partitioner.local_modules import check_imports
 from partitioner.user_source import UserSources, derive_sources, op_sources
 from partitioner.workload import Workload
 from runtime.data import constant_inputs
+from runtime.materialize import fan_in_bound
 from runtime.program import Program
 
 if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
@@ -102,8 +103,6 @@ def init_recipes(model: torch.nn.Module, stages) -> dict:
 
     Linear layers and Embeddings follow torch's defaults; Hugging Face models their
     `initializer_range` normal; norms start at one (weights) and zero (biases)."""
-    from runtime.materialize import fan_in_bound
-
     std = getattr(getattr(model, "config", None), "initializer_range", None)
     recipes = {}
     for stage in stages:

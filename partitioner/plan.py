@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from partitioner.errors import PlanMismatchError
 
 PLAN_VERSION = 1
 
@@ -190,8 +192,6 @@ class Plan:
                                             "boundaries": tuple(e["boundaries"])}) for e in body["cut_edges"]),
                "ties": tuple(PlanTie(**{**t, "stages": tuple(t["stages"])}) for t in body["ties"])})
         if stated is not None and stated != plan.content_hash():
-            from partitioner.errors import PlanMismatchError
-
             raise PlanMismatchError(
                 f"plan.json states hash {stated} but its content hashes to {plan.content_hash()}: "
                 "it was edited by hand; recompile with `partitioner compile`"
@@ -272,8 +272,6 @@ def _field_ok(kind: str, value: Any) -> bool:
 def _check_fields(cls, item: Any, where: str) -> None:
     """Every field of dataclass ``cls`` present in ``item`` (the plan.json spelling, Note [json keys])
     with a value of its type, nested ones too; PlanFieldError names the first that is not."""
-    from dataclasses import MISSING, fields
-
     fix = "recompile it with `partitioner compile`"
     if not isinstance(item, dict):
         raise PlanFieldError(f"{where} is a {type(item).__name__}, not an object: {fix}")

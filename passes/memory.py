@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from partitioner import ir
 from passes._fake_run import get_module_attr, run_nodes_on_fake
@@ -101,8 +102,6 @@ def state_bytes(gm: fx.GraphModule, *, optimizer: str = "adamw") -> dict[fx.Node
 
 
 def _output_tensors(node: fx.Node) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     val = node.meta.get("val")
     return [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
 

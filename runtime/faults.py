@@ -114,6 +114,7 @@ def flip_bit(tensor) -> int:
     """Flip one bit of element 0 of ``tensor`` in place (bit 20 of a 4-byte word, a low mantissa
     bit of a float32: the value changes, stays finite); returns the bit's index in its word. A
     DTensor: element 0 of this rank's local piece (Note [a flip without a collective])."""
+    # lazy: loads torch
     import torch
 
     flat = _stored(tensor).detach().view(-1)

@@ -15,6 +15,7 @@ dead peer; torchrun's agent then tears down the remaining workers (and restarts 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import os
@@ -22,9 +23,11 @@ import sys
 import traceback
 from datetime import timedelta
 
+from runtime import faults
+from runtime.entry_files import check_rank_file
 from runtime.errors import InputMismatchError
 from runtime.program import Program, load_program
-from runtime.torchrun import command_text, free_port
+from runtime.torchrun import LOOPBACK, command_text, free_port, loopback_store
 
 
 def _worker_store(rank: int, world: int, timeout: timedelta):
@@ -34,9 +37,8 @@ def _worker_store(rank: int, world: int, timeout: timedelta):
     addr = os.environ.get("MASTER_ADDR", "")
     if addr not in ("127.0.0.1", "localhost", "::1") or "MASTER_PORT" not in os.environ:
         return None
+    # lazy: loads torch
     import torch.distributed as dist
-
-    from runtime.torchrun import LOOPBACK, loopback_store
 
     port = int(os.environ["MASTER_PORT"])
     if rank == 0:
@@ -69,6 +71,7 @@ _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken p
 def peer_lost(exc: BaseException) -> bool:
     """Is ``exc`` a collective or point-to-point operation failing because a peer is gone?"""
     try:
+        # lazy: loads torch
         import torch.distributed as dist
 
         kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
@@ -94,6 +97,7 @@ def peer_lost_line(rank, exc: BaseException) -> str:
         resume = "from step 0"
         if _at["ckpt_dir"]:
             try:
+                # lazy: loads torch
                 from runtime.checkpoint.manifest import newest_committed
 
                 newest = newest_committed(_at["ckpt_dir"])
@@ -133,8 +137,6 @@ def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int,
 
 def parse_args(argv: list[str] | None) -> dict:
     """Flags `partitioner run` and torchrun pass through train.py to every rank."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="train.py", description="train this program's rank")
     parser.add_argument("--steps", type=int, help="train until this many steps are done")
     parser.add_argument("--run-dir", help="where metrics.jsonl and final/ go (default DIR/run)")
@@ -247,7 +249,6 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     rank, world, local_rank = read_env(program, folder, rank)
     # Checkpoint and fault settings are checked before anything slow (and before training).
     from runtime import checkpoint as ck
-    from runtime import faults
 
     if steps is not None and steps < 1:
         raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
@@ -274,7 +275,9 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             raise LaunchError(f"--fail-at {text}: rank {fault.rank} does not exist, the program has "
                               f"{world} ranks (0..{world - 1})")
     fail_persist = faults.parse_fail_persist(flags["fail_persist"]) if "fail_persist" in flags else None
+    # lazy: loads torch
     from runtime import sdc
+    # lazy: loads torch
     from runtime.checkpoint.delta import FULL_EVERY, _zstd
 
     compression = flags.get("checkpoint_compression", "none")
@@ -298,6 +301,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         if flip.rank >= world:
             raise LaunchError(f"--flip-bit {text}: rank {flip.rank} does not exist, the program has "
                               f"{world} ranks (0..{world - 1})")
+    # lazy: loads torch
     from runtime import memtier
 
     memory_settings = memtier.settings_from(program.memory_tier, flags) if use_ckpt else None
@@ -309,10 +313,12 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
     import torch
+    # lazy: loads torch
     import torch.distributed as dist
 
-    from runtime.entry_files import check_rank_file
+    # lazy: loads torch
     from runtime.schedule import schedule_text
+    # lazy: loads torch
     from runtime.train import RankTrainer, create_groups
 
     # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
@@ -322,6 +328,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     steps = program.steps_to_train if steps is None else steps
     run_dir = run_dir or os.path.join(folder, "run")
     timeout = timedelta(seconds=float(program.collective_timeout_s))
+    # lazy: loads torch
     from runtime.train import seed_host_generators
 
     seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/train.py
@@ -345,6 +352,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
     if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
         from runtime.checkpoint.shared import check_shared
+        # lazy: loads torch
         from runtime.memtier import hosts_of_ranks
 
         check_shared(ckpt_dir, rank, hosts_of_ranks(world, flags.get("hosts")), device)
@@ -356,7 +364,9 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     start_step = 0
     checkpointer = None
     if use_ckpt:
+        # lazy: loads torch
         from runtime.checkpoint import Checkpointer
+        # lazy: loads torch
         from runtime.recovery import recover, recover_any
 
         memory = None
@@ -391,6 +401,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                  also_at=checkpointer.due if checkpointer else None, start_step=start_step)
         after_step = _chain(check.after_step, after_step)
     log_every = (flags.get("log_every") or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
+    # lazy: loads torch
     from runtime import memory as peak
 
     meter = peak.PeakMemory(trainer).start() if device.type == "cuda" or peak.requested(flags) else None

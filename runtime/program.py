@@ -139,6 +139,7 @@ def _validate(program: Program) -> None:
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
+    # lazy: loads torch
     from runtime.precision import check_precision
 
     check_precision(program.precision)

@@ -24,7 +24,10 @@ from runtime import grad_norm as gn
 from runtime import randomness
 from runtime.data import batch_inputs, with_constants
 from runtime.precision import LossScaler, autocast, clip_coefficient, wrap_forward
+from runtime.program import load_program
+from runtime.stage import build_stage
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
+from runtime.user_code import resolve_callable
 
 
 def _chain(stages: Sequence[torch.nn.Module]) -> Callable:
@@ -178,10 +181,6 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
 def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None, **kwargs):
     """The oracle of a program folder: its stage modules chained in one process, with the
     program's data, loss, optimizer and seed (what ``partitioner verify`` compares against)."""
-    from runtime.program import load_program
-    from runtime.user_code import resolve_callable
-    from runtime.stage import build_stage
-
     program = load_program(folder)
     stages = [build_stage(folder, k, "cpu") for k in range(program.num_stages)]
     for k, stage in enumerate(stages):  # the boundary casts the runtime does (Note [mixed precision])

@@ -62,9 +62,10 @@ import torch.fx as fx
 
 from partitioner.calibrate.features import Features, group_features, node_features, region_features
 from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relative, relative_errors
-from partitioner.calibrate.measure import local_device_kind, measure
+from partitioner.calibrate.measure import _example_inputs, local_device_kind, measure
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
 from partitioner.calibrate.recompute_cost import fit_recompute_fixed_s
+from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
 from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
@@ -90,9 +91,6 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
                                                      "threads": threads or old, "precision": precision})
         profile = replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
         if tp_overheads and kind == "cpu":
-            from partitioner.calibrate.measure import _example_inputs
-            from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
-
             profile = replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
                               **(measure_collectives() or {}))
             if progress:

@@ -6,18 +6,31 @@ beside another. Seconds, not minutes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+import torch.nn as nn
+
+from partitioner.calibrate import calibrate
 from partitioner.calibrate.machine_profile import KIND, MachineKey, MachineMeasurements, MachineProfile, _scaled
+from partitioner.calibrate.machine_worker import BLOCK_MESSAGE_BYTES
+from partitioner.calibrate.measure import _example_inputs
 from partitioner.calibrate.profiles import DirectionFit
+from partitioner.calibrate.tp_overheads import fit_collectives, measure_dtensor_op_s
 from partitioner.cluster import DEFAULT_LINKS
+from partitioner.models import Block
+from partitioner.workload import Workload
+from runtime import data
 
 _WORKER_TIMEOUT_S = 120.0
 
@@ -25,15 +38,6 @@ _WORKER_TIMEOUT_S = 120.0
 def reference_workload():
     """The fixed model the region coefficients are fitted on (Note [machine profile]): the ops
     small models are made of, at two widths, 2 x 64 tokens (the demo's microbatch)."""
-    import functools
-
-    import torch
-    import torch.nn as nn
-
-    from partitioner.models import Block
-    from partitioner.workload import Workload
-    from runtime import data
-
     class Reference(nn.Module):
         def __init__(self):
             super().__init__()
@@ -61,12 +65,8 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
                     gloo: bool = True) -> MachineProfile:
     """Measure this machine (Note [machine profile]): seconds, not minutes. ``gloo=False`` skips
     the two-process figures (they stay the preset's)."""
-    import torch
-
+    # lazy: loads OR-Tools
     from partitioner.analysis import analyze
-    from partitioner.calibrate import calibrate
-    from partitioner.calibrate.measure import _example_inputs
-    from partitioner.calibrate.tp_overheads import fit_collectives, measure_dtensor_op_s
 
     say = progress or (lambda _message: None)
     started = time.perf_counter()
@@ -75,7 +75,6 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     workload = reference_workload()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    import warnings
 
     with warnings.catch_warnings():  # torch's own deprecation notices (export, pytree): not the user's business
         warnings.simplefilter("ignore", FutureWarning)
@@ -117,10 +116,7 @@ def measure_optimizer_s_per_param_byte(num_bytes: int = 4 << 20, *, repeats: int
     kernel where torch has one, and the schedule's step) per parameter byte, over ``num_bytes``
     of fp32 parameters in 64 KiB tensors, a small model's (Note [machine profile]). The step's
     own fixed cost is in the figure, spread over those bytes."""
-    import statistics
-
-    import torch
-
+    # lazy: loads safetensors
     from runtime.train import make_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(16384)) for _ in range(max(1, num_bytes // (16384 * 4)))]
@@ -207,8 +203,6 @@ class GlooFigures:
 
 def fit_gloo(raw: dict) -> GlooFigures:
     """The figures of ``machine_worker``'s raw timings (Note [machine profile])."""
-    from partitioner.calibrate.machine_worker import BLOCK_MESSAGE_BYTES
-
     def slope(points):
         (x0, y0), (x1, y1) = points[0], points[-1]
         return max(0.0, (y1 - y0) / (x1 - x0))

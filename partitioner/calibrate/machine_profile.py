@@ -8,11 +8,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit
 from partitioner.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec, LinkSpec
@@ -32,8 +35,6 @@ class MachineKey:
 
     @classmethod
     def here(cls) -> "MachineKey":
-        import torch
-
         return cls(cpu_model=_cpu_model(), cores=os.cpu_count() or 1, torch_version=str(torch.__version__),
                    python_version=platform.python_version())
 
@@ -70,8 +71,6 @@ class MachineMeasurements:
     time_unix: float
 
     def __post_init__(self) -> None:
-        import math
-
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             values = dataclasses.astuple(value) if isinstance(value, DirectionFit) else (value,)

@@ -13,6 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import partitioner
+from partitioner.cli.progress import CompileProgress, end_open_lines
+from partitioner.cluster import ClusterSpec
+from partitioner.job import load_job, training_settings
+from partitioner.plan import Plan
+from runtime.faults import parse_fail_at, parse_fail_host, parse_fail_persist, parse_flip_bit
 from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
 
 EXIT_USAGE = 2
@@ -60,13 +66,12 @@ def program_sharded(plan) -> bool:
 
 
 def cmd_compile(args) -> int:
-    import partitioner
-    from partitioner.cluster import ClusterSpec
+    # lazy: loads torch
     from partitioner.models import load_workload
+    # lazy: loads OR-Tools
     from partitioner.solver.solve import SolverConfig
+    # lazy: loads torch
     from runtime.checkpoint import parse_duration_s
-
-    from partitioner.job import load_job, training_settings
 
     job = load_job(args.job) if args.job else None  # Note [training settings merge]: flags win
     if args.cluster:
@@ -117,7 +122,6 @@ def cmd_compile(args) -> int:
         job.training.pop("mtbf_s", None)
     training = training_settings(job.training if job else None, training,
                                  names=(f"job file {args.job} [training]", "flags"))
-    from partitioner.cli.progress import CompileProgress
 
     say = CompileProgress(quiet=args.quiet, verbose=args.verbose)  # steps, times and the solver, on stderr
     from partitioner.calibrate import CalibrationConfig, DeviceProfile
@@ -166,6 +170,7 @@ def _float_flag(flag: str, text: str) -> float:
 def _checkpoint_target(target: Path, checkpoints: bool):
     """(checkpoint dir, program or None, one step or None) when TARGET names checkpoints: a folder
     of step_N dirs, one step_N dir (or its manifest.json), or a program folder with --checkpoints."""
+    # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
 
     def program_near(folder: Path):  # DIR/checkpoints of a program folder: check the model too
@@ -187,7 +192,9 @@ def _checkpoint_target(target: Path, checkpoints: bool):
 
 
 def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
+    # lazy: loads torch
     from partitioner import inspect
+    # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
 
     for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
@@ -204,9 +211,10 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
 
 
 def cmd_inspect(args) -> int:
+    # lazy: loads torch
     from partitioner import inspect
+    # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
-    from partitioner.plan import Plan
 
     target = Path(args.target)
     if not target.exists():
@@ -250,9 +258,8 @@ def cmd_run(args) -> int:
     """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
-    from partitioner.plan import Plan
+    # lazy: loads torch
     from runtime.checkpoint import check_writable, parse_duration_s
-    from runtime.faults import parse_fail_at, parse_fail_persist, parse_flip_bit
 
     folder = Path(args.dir)
     if args.steps is not None and args.steps < 1:
@@ -324,6 +331,7 @@ def cmd_run(args) -> int:
     if args.collective_timeout is not None:
         extra += ["--collective-timeout", str(args.collective_timeout)]
     if args.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
+        # lazy: loads torch
         from runtime.tensor_parallel import memory_tier_refusal
 
         raise ValueError(memory_tier_refusal(args.memory_tier, plan.tensor_parallel))
@@ -356,8 +364,6 @@ def cmd_run(args) -> int:
 
 def _memory_tier_flags(args, world_size: int) -> list[str]:
     """The memory-tier and host-fault flags train.py takes, checked here before any worker starts."""
-    from runtime.faults import parse_fail_host
-
     extra = []
     if args.memory_tier is not None:
         extra += ["--memory-tier", args.memory_tier]
@@ -389,14 +395,15 @@ def _memory_tier_flags(args, world_size: int) -> list[str]:
 def cmd_calibrate(args) -> int:
     """This machine's cpu profile: show it (measuring it if absent or with --refresh), or refit
     it from a finished run (Notes [machine profile], [refit from a run])."""
+    # lazy: loads torch
     from partitioner.calibrate import machine
-    from partitioner.cli.progress import CompileProgress
 
     if args.from_run and args.refresh:
         raise ValueError("--refresh measures the machine again and --from-run refits it to a run: give one "
                          "(a refit needs the measurement the run's plan was priced by)")
     say = CompileProgress(prefix="[calibrate] ")
     if args.from_run:
+        # lazy: loads torch
         from partitioner.calibrate.refit import refit_from_run
 
         key = machine.MachineKey.here()
@@ -417,6 +424,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    # lazy: loads torch
     from partitioner.verify import verify
 
     folder = Path(args.dir)
@@ -430,6 +438,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
+    # lazy: loads torch
     from partitioner.export import export
 
     report = export(args.target, args.output, program_dir=args.program)
@@ -590,7 +599,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - user-facing boundary
         from partitioner.errors import PartitionerError
-        from partitioner.cli.progress import end_open_lines
 
         end_open_lines()
         if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError, RuntimeError)):

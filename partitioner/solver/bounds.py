@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
@@ -190,8 +191,6 @@ def interleaved_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *
     both directions' boundary latencies + p overheads; some rank holds >= 1/pp of the gradients
     (its all-reduce); ties >= 0; times the placement's core-sharing factor. Never inf: memory is
     left to CP-SAT."""
-    from partitioner.solver.interleaved import pipeline_slots
-
     p, d, m, b, v = num_stages, dp, num_microbatches, microbatch_size, local_stages
     pp = p // v
     placement = place_stages(cluster, p, d, local_stages=v)

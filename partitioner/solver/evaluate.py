@@ -91,6 +91,7 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 from partitioner.solver.grad_norm_cost import global_norm_s
+from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.sdc_cost import replica_check_s
 
@@ -302,8 +303,6 @@ def _interleaved_terms(problem, a: Assignment, stage_costs, dp_links, scale):
     [interleaved pricing] in interleaved.py): the worst-stage bound on torch's timeline, the
     all-reduce of each rank's stages' gradients at once, and each rank's peak as the sum of its
     stages' less the v - 1 extra copies of the global batch."""
-    from partitioner.solver.interleaved import pipeline_slots
-
     pp, v, d, m, b = a.pipeline_ranks, a.local_stages, a.dp, a.num_microbatches, a.microbatch_size
     fwd_max = max(st.forward_s for st in stage_costs)
     bwd_max = max(st.time_s - st.forward_s for st in stage_costs)

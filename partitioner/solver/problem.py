@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
+from partitioner.solver.interleaved import interleaved_refusal, rank_in_flight
 
 __all__ = [
     "RegionCost",
@@ -76,8 +77,6 @@ def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int, *,
     (runtime/program.py, Program).
     """
     if schedule == "interleaved":
-        from partitioner.solver.interleaved import interleaved_refusal
-
         if local_stages < 2 or num_stages % local_stages or num_stages // local_stages < 2:
             return (f"schedule interleaved needs at least 2 pipeline ranks of at least 2 stages each, got "
                     f"{num_stages} stages at {local_stages} per rank")
@@ -372,8 +371,6 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     (Note [interleaved pricing] in interleaved.py).
     """
     if schedule == "interleaved":
-        from partitioner.solver.interleaved import rank_in_flight
-
         pp = num_stages // local_stages
         return min(num_microbatches, rank_in_flight(stage % pp, pp, local_stages, num_microbatches))
     if schedule == "gpipe":

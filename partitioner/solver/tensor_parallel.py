@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from partitioner.cluster import ClusterSpec
+from partitioner.solver.problem import measured_or_preset
 
 
 def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
@@ -151,8 +152,6 @@ def skew(problem, kind: str) -> float:
 
 
 def _overhead(measured, kind: str, preset_field: str) -> float:
-    from partitioner.solver.problem import measured_or_preset
-
     return measured_or_preset(measured, kind, preset_field)
 
 

@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from runtime import faults
 from runtime.faults import say
@@ -75,8 +76,6 @@ class MemoryTier:
     on every rank in the same order as the other groups (it creates a gloo group)."""
 
     def __init__(self, trainer, settings: Settings, *, ckpt_dir: str, timeout=None, run_dir: str | None = None):
-        import torch.distributed as dist
-
         self.trainer, self.settings, self.run_dir = trainer, settings, run_dir
         program = trainer.program
         self.rank, self.world = trainer.rank, dist.get_world_size()
@@ -125,8 +124,6 @@ class MemoryTier:
         """Whether every host's shared memory holds what the tier will write there (a full tmpfs
         kills a writer with SIGBUS); agreed by all ranks. When not, the run goes on from disk only
         (one warning) and the caller drops the tier (``enabled`` False)."""
-        import torch.distributed as dist
-
         est = sum(p.numel() * p.element_size() for p in trainer.named_parameters().values()) * 3 + (1 << 20)
         mine = torch.tensor([est], dtype=torch.int64)
         rows = [torch.zeros_like(mine) for _ in range(self.world)]
@@ -216,8 +213,6 @@ class MemoryTier:
 
     def _exchange(self, slot: Slot, step: int, nbytes: int, sha: str) -> None:
         """All-gather (step, bytes, sha256), then copy or parity (Note [redundancy])."""
-        import torch.distributed as dist
-
         row = torch.zeros(34, dtype=torch.int64)
         row[0], row[1] = step, nbytes
         row[2:] = torch.tensor(list(bytes.fromhex(sha)), dtype=torch.int64)
@@ -268,8 +263,6 @@ class MemoryTier:
     def finish(self, *, cleanup: bool = True) -> None:
         """Join the background work, write the stats; after a clean run remove the memory tier (its
         own folder; never --memory-dir itself)."""
-        import torch.distributed as dist
-
         self._join()
         if self.run_dir and self.stats:
             os.makedirs(self.run_dir, exist_ok=True)

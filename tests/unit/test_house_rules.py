@@ -14,7 +14,9 @@ empty and print it otherwise.
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
@@ -166,6 +168,51 @@ def test_map_rule_finds_a_missing_and_a_stale_module():
     ]
     assert map_problems("pkg", "x = 1\n", {"a.py"}) == [
         "pkg/__init__.py:1: the map leaves out a.py (add a line `a.py  what it holds` to the docstring)"]
+
+
+# ---- Function-local imports --------------------------------------------------------------------
+# An import inside a function hides an edge of the import graph and costs the reader a search, so
+# one carries its reason (``# lazy: loads torch``, ``# optional dependency: ...``) on its line or
+# the line above; one with no reason belongs at the top of the module.
+
+def _comment_lines(text: str) -> set[int]:
+    return {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT}
+
+
+def local_import_problems(sources: dict[str, str]) -> list[str]:
+    problems = []
+    for path, text in sources.items():
+        tree = ast.parse(text)
+        commented = _comment_lines(text)
+        seen: set[int] = set()
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
+                    seen.add(node.lineno)
+                    if not commented & set(range(node.lineno - 1, node.end_lineno + 1)):
+                        names = ", ".join(a.name for a in node.names)
+                        what = f"from {'.' * node.level}{node.module or ''} import {names}" \
+                            if isinstance(node, ast.ImportFrom) else f"import {names}"
+                        problems.append(f"{path}:{node.lineno}: `{what}` in {function.name}() has no comment naming "
+                                        "why it is local: move it to the top of the module, or say why not")
+    return sorted(problems, key=lambda p: (p.split(":")[0], int(p.split(":")[1])))
+
+
+def test_every_function_local_import_says_why():
+    problems = local_import_problems(_sources())
+    assert not problems, f"{len(problems)} function-local imports without a reason:\n" + "\n".join(problems)
+
+
+def test_local_import_rule_finds_the_bare_one():
+    source = (
+        "import os\n\n\ndef f():\n    import json\n    return json\n\n\n"
+        "def g():\n    # lazy: loads torch\n    import torch\n    from a import (b,\n                   c)  # lazy: loads a\n"
+        "    return torch\n")
+    assert local_import_problems({"m.py": source}) == [
+        "m.py:5: `import json` in f() has no comment naming why it is local: move it to the top of the module, "
+        "or say why not"]
 
 
 # ---- Module size -------------------------------------------------------------------------------
