@@ -182,8 +182,10 @@ def _comment_lines(text: str) -> set[int]:
 def local_import_problems(sources: dict[str, str]) -> list[str]:
     problems = []
     for path, text in sources.items():
+        if "import" not in text:
+            continue
         tree = ast.parse(text)
-        commented = _comment_lines(text)
+        commented = None  # tokenized only where a function imports
         seen: set[int] = set()
         for function in ast.walk(tree):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -191,6 +193,7 @@ def local_import_problems(sources: dict[str, str]) -> list[str]:
             for node in ast.walk(function):
                 if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
                     seen.add(node.lineno)
+                    commented = _comment_lines(text) if commented is None else commented
                     if not commented & set(range(node.lineno - 1, node.end_lineno + 1)):
                         names = ", ".join(a.name for a in node.names)
                         what = f"from {'.' * node.level}{node.module or ''} import {names}" \
