@@ -108,7 +108,7 @@ def _op_layer(regions: list, edges: list, previous: int, layer: int, *, h, s, f,
     """One block at "op" granularity, as passes/regions.py cuts a real one: a region per matmul
     (Llama: q, k, v, attention core, o | gate, up, down; GPT: fused qkv, core, proj | fc, proj),
     the norm with its sublayer's first matmul, the residual add with its last. Saved bytes add up
-    to the "fine" regions'. Edges as passes.regions.region_cut_edges prices them: a tensor read by
+    to the "fine" regions'. Edges as passes.region_graph.region_cut_edges prices them: a tensor read by
     several regions (the residual stream by a norm and an add, the normed input by q, k and v) is
     priced once, on the edge to its last reader, with 0-byte edges to the others."""
     res = 2 * s * h

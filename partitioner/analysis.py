@@ -3,7 +3,8 @@ partition problem as plain numbers. compile() (partitioner/compiler.py) runs it 
 batch; lowering (partitioner/lower.py) runs the trace and the passes again at the plan's microbatch.
 
     traced   = trace the model (torch.export, symbolic_trace fallback), random ops keyed
-    annotate = shapes → flops → memory → regions, each checked for what it declares
+    annotate = passes.PIPELINE: shapes → flops → memory → regions → tensor-parallel roles, each
+               checked for what it declares
     problem  = the region graph as plain numbers, per sample, priced by the fitted profiles if any
 """
 
@@ -11,8 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from partitioner import ir
+from partitioner.calibrate import apply_profiles
+from partitioner.calibrate.features import region_features
+from partitioner.codegen.randomness import lower_randomness
+from partitioner.codegen.split import mutated_buffers
 from partitioner.solver import problem as sp
 from partitioner.trace import Traced, trace
 from partitioner.workload import Workload
@@ -27,8 +33,6 @@ def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, exa
     """trace, then key every random op (partitioner/codegen/randomness.py): the graph the cost passes
     price is the graph the stages run (keyed attention with dropout is explicit attention, which
     keeps more than the fused kernel). Returns (Traced, the keyed ops)."""
-    from partitioner.codegen.randomness import lower_randomness
-
     kwargs = workload.example_kwargs if example_kwargs is None else example_kwargs
     traced = trace(workload.model, example_args, kwargs)
     return traced, lower_randomness(traced.gm, batch_size=batch_size)
@@ -36,22 +40,19 @@ def trace_keyed(workload: Workload, example_args: tuple, *, batch_size: int, exa
 
 def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "adamw",
              loss_outside_graph: bool = False) -> fx.GraphModule:
-    from passes import annotate_flops, annotate_memory, annotate_regions, annotate_shapes
-    from passes.tensor_parallel import annotate_tensor_parallel
+    """The cost passes over the traced graph: ``passes.run_all``, the one pass list."""
+    # lazy: loads networkx
+    import passes
 
-    gm = traced.gm
     with randomness.restored(COSTING_RANDOMNESS):
-        annotate_shapes(gm)
-        annotate_flops(gm)
-        annotate_memory(gm, optimizer=optimizer, loss_outside_graph=loss_outside_graph)
-        annotate_regions(gm, granularity=granularity)
-        annotate_tensor_parallel(gm)
-    return gm
+        return passes.run_all(traced.gm, granularity=granularity, optimizer=optimizer,
+                              loss_outside_graph=loss_outside_graph)
 
 
 def analyze(workload: Workload, *, granularity: str = "block"):
     """Trace and annotate: the graph and its per-region cost table."""
-    from passes.regions import region_table
+    # lazy: loads networkx
+    from passes.region_graph import region_table
 
     traced, _keyed = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     gm = annotate(traced, granularity=granularity, loss_outside_graph=workload.loss_fn is not None)
@@ -65,13 +66,11 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
 
     ``profiles`` (calibrate.DeviceProfile, one per device kind) price every region by the fitted
     time model on their kind (Note [the fitted time model] in partitioner/calibrate/)."""
-    from partitioner.calibrate import apply_profiles
+    # lazy: loads networkx
+    from passes.region_graph import region_cut_edges, region_edges, region_table, region_ties
 
-    from passes.regions import region_cut_edges, region_edges, region_table, region_ties
-
+    # lazy: loads networkx
     from passes.tp_activations import sharded_flops, sharded_saved_bytes
-
-    from partitioner.calibrate.features import region_features
 
     table = region_table(gm)
     split = sharded_saved_bytes(gm)  # Note [sharded activations]
@@ -142,16 +141,12 @@ def updating_regions(gm: fx.GraphModule) -> set[str]:
     update a second time (running statistics counted twice per microbatch). The problem prices
     its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
     and lowering (partitioner/lower.py) does not checkpoint it even if a hand-made plan asks to."""
-    from partitioner.codegen.split import mutated_buffers
-
     updaters = {name for names in mutated_buffers(gm).values() for name in names}
     return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}
 
 
 def target_bytes_of(workload: Workload) -> int:
     """Bytes of the loss target of one example batch (every rank builds the global batch's)."""
-    from torch.utils._pytree import tree_flatten
-
     if workload.loss_fn is None or workload.make_batch is None:
         return 0
     _args, target = workload.make_batch(0, workload.example_batch_size)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from partitioner.inspect import table
 from partitioner.plan import Plan
 from partitioner.solver.problem import Assignment, PartitionProblem
 from partitioner.user_source import UserSources
@@ -35,8 +36,6 @@ class Compiled:
         return write_program_folder(self, folder)
 
     def summary(self) -> str:
-        from partitioner.inspect import table
-
         return table(self.plan)
 
     def __getattr__(self, name: str):

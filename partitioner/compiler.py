@@ -27,13 +27,28 @@ import torch.fx as fx
 
 from partitioner import ir
 from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
+from partitioner.calibrate import machine
+from partitioner.calibrate.machine import fill_fixed_costs
 from partitioner.cluster import ClusterSpec
+from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
 from partitioner.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.settings import Decisions, Request, TrainingSettings
+from partitioner.solver.candidates import validate_options
+from partitioner.solver.evaluate import evaluate
+from partitioner.solver.grad_norm_cost import computes_global_norm
+from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+from partitioner.solver.solve import solve_with_sharding
+from partitioner.solver.space import StepTerms
+from partitioner.solver.tensor_parallel import degrees_to_search
+from partitioner.solver.zero_choice import allgather_s
+from partitioner.tensor_parallel import check_tensor_parallel, grouped
 from partitioner.workload import Workload
+from passes.region_graph import region_table
 from runtime import randomness
+from runtime.grad_norm import no_decay_names
+from runtime.memtier import memory_cost, plan_redundancy
 from runtime.program_parts import MemoryTierPlan, Precision
 
 
@@ -113,11 +128,6 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                     progress=None, machine_profile="auto") -> Compiled:
     """The compile of ``workload`` as ``settings`` and ``request`` ask (Note [settings and
     decisions] in partitioner/settings.py): reads both, decides the rest."""
-    from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
-    from partitioner.solver.solve import solve_with_sharding
-    from runtime.grad_norm import no_decay_names
-    from partitioner.solver.candidates import validate_options
-    from partitioner.tensor_parallel import check_tensor_parallel, grouped
 
     tp = check_tensor_parallel(request.tensor_parallel, cluster, settings)
     validate_options(grouped(cluster, tp), global_batch, request.num_stages, request.dp, request.microbatches,
@@ -155,7 +165,6 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
 
     if calibrate is not None:  # calibrate = partitioner.calibrate.CalibrationConfig
         _progress(progress, f"calibrate: measure every region here ({calibrate.repeats} repeats), fit the time model")
-        from partitioner.solver.tensor_parallel import degrees_to_search
 
         weighs_tp = tp > 1 or (request.tensor_parallel is None and any(
             t > 1 and (request.num_stages is None or request.num_stages * t <= cluster.num_devices)
@@ -163,38 +172,32 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
         with randomness.restored(COSTING_RANDOMNESS):  # Note [tensor-parallel overheads]: measured if weighed
             measured = calibrate.run(workload, gm, progress=progress, precision=precision, tensor_parallel=weighs_tp)
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
-    # Note [machine profile]: its reference fit prices cpu regions under fp32 unless this model's
+    # (Note [machine profile]) its reference fit prices cpu regions under fp32 unless this model's
     # own profile does; its fixed costs fill in whatever no profile measured
     machine_regions = (machine is not None and not precision.is_mixed
                        and not any(p.kind == machine.profile.device_profile().kind for p in profiles))
     if machine_regions:
         profiles.append(machine.profile.device_profile())
-    # Note [accelerator roofline]: a GPU kind nothing was measured on is priced from published rates
+    # a GPU kind nothing was measured on is priced from published rates (Note [accelerator roofline])
     from partitioner.calibrate.datasheet import datasheet_profiles
 
     profiles += datasheet_profiles(cluster, precision, measured_kinds={p.kind for p in profiles})
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles,
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
-        from partitioner.calibrate.machine import fill_fixed_costs
-
         problem = fill_fixed_costs(problem, machine.profile)
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, precision, _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, precision)
     tp_degrees = (tp,)
     if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
-        from partitioner.solver.tensor_parallel import degrees_to_search
-
         tp_degrees = degrees_to_search(cluster, tp_runs)
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tensor_parallel import check_degree
 
         check_degree(gm, tp)
-    from partitioner.solver.grad_norm_cost import computes_global_norm
-    from partitioner.solver.space import StepTerms
 
-    # Note [terms outside the ILP]: the norm and the replica check weigh in the choice between candidates
+    # the norm and the replica check weigh in the choice between candidates (Note [terms outside the ILP])
     global_norm = computes_global_norm(settings.clip_grad_norm, precision)
     step_terms = StepTerms(global_norm=global_norm, sdc_every=settings.sdc_every)
 
@@ -208,8 +211,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
             tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
             step_terms=step_terms)
 
-    # Note [tensor-parallel overheads]: with DTensor's dispatch and gloo's per-collective cost
-    # priced, cpu compiles weigh every runnable degree like accelerators do
+    # with DTensor's dispatch and gloo's per-collective cost priced (Note [tensor-parallel
+    # overheads]), cpu compiles weigh every runnable degree like accelerators do
     solution, problem, cluster, sharded = solve_over(tp_degrees)
     tp = solution.tensor_parallel
     sharded = bool(sharded and solution.assignment.dp > 1)
@@ -232,8 +235,6 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
 
 def _machine_step(option, cluster, progress):
     """The machine profile this compile prices cpu devices with, or None (Note [the API measures too])."""
-    from partitioner.calibrate import machine
-
     if isinstance(option, str) and option == "auto" and any(d.kind == machine.KIND for d in cluster.devices) \
             and not machine.calibration_disabled():
         _progress(progress, "machine: this machine's cpu profile")
@@ -245,18 +246,13 @@ def _machine_step(option, cluster, progress):
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, settings: TrainingSettings,
               decisions: Decisions, tp: int = 1) -> Plan:
-    from passes.regions import region_table
-    from partitioner.solver.evaluate import evaluate
-    from partitioner.codegen.split import check_mutable_buffers
 
-    from partitioner.solver.zero_choice import allgather_s
 
     assignment = solution.assignment
-    from partitioner.solver.grad_norm_cost import computes_global_norm
 
     cost = evaluate(problem, cluster, assignment, sdc_every=decisions.sdc_every,  # Note [global gradient norm]
                     global_norm=computes_global_norm(settings.clip_grad_norm, decisions.precision))
-    # Note [sharding as a candidate]: gloo's extra all-gather of sharded state, in the promise too
+    # gloo's extra all-gather of sharded state, in the promise too (Note [sharding as a candidate])
     extra_s = allgather_s(problem, cluster, assignment) if decisions.shard_optimizer else 0.0
     table = region_table(gm)
     b = assignment.microbatch_size
@@ -348,7 +344,6 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
     grouped one per node, the i-th rank of each node by (stages, replica) so that group members hold
     the same stage; mode "auto" is none on one node, copy on two, parity on more. Says what it
     costs in host memory: shard = parameters + optimizer state of the rank's stages, two slots."""
-    from runtime.memtier import memory_cost, plan_redundancy
 
     if isinstance(request, MemoryTierPlan):
         request = {k: v for k, v in request.to_dict().items() if v is not None}
@@ -375,7 +370,7 @@ def memory_tier_choice(request, stages, cluster, assignment) -> dict:
 def _tp_runs(gm, tp, cluster, settings: TrainingSettings) -> bool:
     """Whether the program runs tensor-parallel degree ``tp`` with these settings (Note [only
     runnable plans]): the degree divides what the sharded nodes split, and compile() would accept it."""
-    from partitioner.tensor_parallel import check_tensor_parallel
+    # lazy: loads networkx
     from passes.tensor_parallel import check_degree
 
     try:
@@ -393,7 +388,8 @@ def _param_elem_bytes(model: torch.nn.Module) -> int:
 
 
 def _ties(gm):
-    from passes.regions import region_ties
+    # lazy: loads networkx
+    from passes.region_graph import region_ties
 
     # Only trained parameters are ties: their copies' gradients are summed. A buffer read on two
     # stages is simply held by both (Note [stages talk only to their neighbours] in split.py).
@@ -406,8 +402,6 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
 
     The graph was traced at the example batch; shapes and bytes are restated per microbatch
     (a leading dimension equal to the example batch is the batch dimension)."""
-    from partitioner.codegen.split import boundary_names
-
     region_of = {n.name: ir.get(n, ir.REGION).region_id for n in gm.graph.nodes}
     readable = boundary_names(gm)  # the names the stage files give them (Note [boundary names])
     grouped: dict[tuple[int, int], list[fx.Node]] = {}

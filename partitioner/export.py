@@ -22,6 +22,11 @@ from pathlib import Path
 
 import torch
 
+from partitioner.hf import no_progress_bars
+from runtime import pretrained
+from runtime.checkpoint import MANIFEST, fsync_dir, list_step_dirs, load_for_rank, step_dirname
+from runtime.program import load_plan
+
 HF_WEIGHTS = "runtime.pretrained:hf_weights"
 
 
@@ -51,6 +56,7 @@ def _program_folder(path: Path) -> Path | None:
 
 def resolve(target: Path, program_dir: Path | None) -> tuple[Path, Path, int | None]:
     """(checkpoint folder, program folder, one step or None) named by TARGET."""
+    # lazy: loads OR-Tools
     from partitioner.inspect.checkpoints import is_checkpoint_dir, is_step_dir
 
     target = Path(target)
@@ -81,8 +87,6 @@ def resolve(target: Path, program_dir: Path | None) -> tuple[Path, Path, int | N
 def choose_step(ckpt: Path, step: int | None) -> tuple[int, tuple[str, ...]]:
     """The step to export: the one named (refused if it was never committed), or the newest
     committed one. Newer uncommitted step directories are reported, never exported."""
-    from runtime.checkpoint import MANIFEST, list_step_dirs, step_dirname
-
     steps = list_step_dirs(str(ckpt))
     committed = [s for s in steps if (ckpt / step_dirname(s) / MANIFEST).is_file()]
     if step is not None:
@@ -101,8 +105,6 @@ def choose_step(ckpt: Path, step: int | None) -> tuple[int, tuple[str, ...]]:
 
 def read_state(ckpt: Path, step: int, program) -> dict[str, torch.Tensor]:
     """Every trained parameter and mutable buffer of checkpoint ``step``, verified shard by shard."""
-    from runtime.checkpoint import load_for_rank
-
     names = program.params_of(range(program.num_stages))
     names += [n for s in program.stages for n in s.mutable_buffers]
     loaded = load_for_rank(str(ckpt), step, program, -1, names)  # rank -1: no own shard, any holder
@@ -110,8 +112,6 @@ def read_state(ckpt: Path, step: int, program) -> dict[str, torch.Tensor]:
 
 
 def _fsync_tree(folder: Path) -> None:
-    from runtime.checkpoint import fsync_dir
-
     for path in folder.iterdir():
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
@@ -123,8 +123,6 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> str:
-    from runtime import pretrained
-
     kwargs = dict(weights_spec[1])
     model = pretrained.build_meta(kwargs["config"], kwargs["architecture"])
     alias = pretrained.aliases(model)
@@ -143,7 +141,6 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> 
         for name in names:
             o, l = pretrained.owner_of(model, name)
             (o._parameters if is_param else o._buffers)[l] = tensor
-    from partitioner.hf import no_progress_bars
 
     with no_progress_bars():
         model.save_pretrained(str(tmp))
@@ -155,6 +152,7 @@ def _every_tied_name(path: Path, groups) -> None:
     """save_pretrained stores a tied group under one name (from_pretrained ties the rest again); a
     user's ``load_state_dict(..., strict=True)`` wants every name, so the file gets the others as
     copies (equal values: from_pretrained loads them as they are). A sharded save keeps its index."""
+    # lazy: loads safetensors
     from safetensors.torch import load_file, save_file
 
     if not path.is_file():
@@ -170,8 +168,9 @@ def _every_tied_name(path: Path, groups) -> None:
 
 
 def export(target, output, *, program_dir=None) -> ExportReport:
+    # lazy: loads OR-Tools
     from partitioner.inspect.checkpoints import program_of
-    from runtime.program import load_plan
+    # lazy: loads safetensors
     from safetensors.torch import save_file
 
     output = Path(output)
@@ -198,7 +197,6 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    from runtime.checkpoint import fsync_dir
 
     fsync_dir(str(output.parent))
     files = tuple(sorted(p.name for p in output.iterdir()))

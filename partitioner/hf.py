@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 from partitioner.workload import Workload
+from runtime import data, hf_data
+from runtime import pretrained as weights
+from runtime.pretrained import require_transformers
 
 # Build on the meta device above this many bytes of training state, as the built-ins do
 # (partitioner/models.py imports this module, so the figure is repeated; a test keeps them equal).
@@ -62,8 +65,6 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def load_config(name: str, *, attn: str = "sdpa"):
     """AutoConfig from a folder or the local cache only (HF_HUB_OFFLINE semantics)."""
-    from runtime.pretrained import require_transformers
-
     transformers = require_transformers()
 
     try:
@@ -94,12 +95,14 @@ def task_of(config, spec: str) -> str:
 
 
 def _mapping(task: str) -> dict:
+    # lazy: loads transformers (the [hf] extra)
     from transformers.models.auto import modeling_auto
 
     return getattr(modeling_auto, _MAPPINGS[task])
 
 
 def architecture_of(config, task: str, spec: str) -> str:
+    # lazy: loads transformers (the [hf] extra)
     import transformers
 
     name = _mapping(task).get(config.model_type)
@@ -116,8 +119,6 @@ def _state_bytes(model: torch.nn.Module) -> int:
 
 def _data(task: str, config, *, seq: int, batch: int, seed: int, spec: str, image: int | None = None):
     """(example_args, make_batch, loss_fn, source entries) of ``task``."""
-    from runtime import data, hf_data
-
     def entry(fn, **kwargs):
         return functools.partial(fn, **kwargs), (f"{fn.__module__}:{fn.__name__}", kwargs)
 
@@ -158,8 +159,6 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
                 device: str | None = None, attn: str = "sdpa", pretrained: str | None = None,
                 spec: str | None = None, image: int | None = None) -> Workload:
     """The Workload of a Hugging Face model from its config (this module's docstring)."""
-    from runtime import pretrained as weights
-
     spec = spec or f"hf:{name}"
     if task is not None and task not in TASKS:
         raise ValueError(f"MODEL {spec!r}: task={task} is not one of {', '.join(TASKS)}")
@@ -209,6 +208,7 @@ def hf_workload(name: str, *, task: str | None = None, seq: int | None = None, b
 @contextlib.contextmanager
 def no_progress_bars():
     """transformers' loading and saving bars would land between compile's (and export's) lines."""
+    # lazy: loads transformers (the [hf] extra)
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
@@ -223,8 +223,8 @@ def no_progress_bars():
 def _materialized(model, config, architecture: str, seed: int, pretrained: str | None):
     """The whole model on the CPU: its own initialisation, or ``from_pretrained`` (with what the
     files lack made as the ranks make it)."""
+    # lazy: loads transformers (the [hf] extra)
     import transformers
-    from runtime import pretrained as weights
 
     names = list(weights.aliases(model))
     if pretrained is None:

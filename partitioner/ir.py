@@ -6,8 +6,11 @@ frozen dataclass whose numeric fields carry their unit in the name. A reader tha
 missing gets :class:`MissingMetaError` naming the pass that writes it.
 
 Note [one writer per key]: a pass declares the keys it reads and writes with :func:`graph_pass`;
-the compile driver calls :func:`check_written` after each pass so a pass that forgets a node is
-caught where it happens, not three passes later.
+the wrapper checks every read key is on every node before the pass runs (naming its writer) and
+calls :func:`check_written` after it, so a pass that forgets a node is caught where it happens,
+not three passes later. The passes run in the order of ``passes.PIPELINE``, where each declared
+read is written by an earlier pass (tests/unit/test_pass_contract.py runs the list and checks
+every key a pass touches is one it declared).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ SHAPE = "partitioner.shape"
 FLOPS = "partitioner.flops"
 MEMORY = "partitioner.memory"
 REGION = "partitioner.region"
-STAGE = "partitioner.stage"
 TP = "tp_role"  # the key named in the tensor-parallel contract (docs/design.md §4)
 
 
@@ -106,17 +108,11 @@ class TpMeta:
     lookup_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class StageMeta:
-    stage: int
-
-
 VALUE_TYPES: dict[str, type] = {
     SHAPE: ShapeMeta,
     FLOPS: FlopsMeta,
     MEMORY: MemoryMeta,
     REGION: RegionMeta,
-    STAGE: StageMeta,
     TP: TpMeta,
 }
 
@@ -125,7 +121,6 @@ WRITER: dict[str, str] = {
     FLOPS: "passes.flops.annotate_flops",
     MEMORY: "passes.memory.annotate_memory",
     REGION: "passes.regions.annotate_regions",
-    STAGE: "partitioner.codegen (plan application)",
     TP: "passes.tensor_parallel.annotate_tensor_parallel",
 }
 
@@ -166,8 +161,9 @@ class PassSpec:
     writes: tuple[str, ...]
 
 
-def graph_pass(*, reads: Iterable[str] = (), writes: Iterable[str]) -> Callable:
-    """Declare what a pass reads and writes; the driver checks both (Note [one writer per key])."""
+def graph_pass(*, reads: Iterable[str], writes: Iterable[str]) -> Callable:
+    """Declare the keys of ours a pass reads and writes; the driver checks both (Note [one writer
+    per key]). Both are required: a pass that reads none of our keys says ``reads=()``."""
 
     def wrap(fn: Callable) -> Callable:
         spec = PassSpec(f"{fn.__module__}.{fn.__name__}", tuple(reads), tuple(writes))

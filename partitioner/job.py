@@ -40,6 +40,7 @@ import tomllib
 from pathlib import Path
 
 from partitioner.settings import TRAINING_SCHEMA, TrainingSettings, check_table
+from partitioner.cluster import ClusterSpec
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -103,6 +104,7 @@ def nested_training(flat: dict, where: str) -> dict:
     for key, value in flat.items():
         *parents, leaf = JOB_TRAINING_KEYS[key]
         if key == "mtbf" and isinstance(value, str):
+            # lazy: loads torch
             from runtime.checkpoint import parse_duration_s
 
             try:
@@ -147,8 +149,6 @@ def load_job(path: str | Path) -> Job:
     training = nested_training(data.get("training", {}), f"job file {path} [training]")
     cluster = None
     if "cluster" in data:
-        from partitioner.cluster import ClusterSpec
-
         spec = data["cluster"]
         if isinstance(spec, str):
             file = (path.parent / spec) if not Path(spec).is_absolute() else Path(spec)

@@ -27,9 +27,11 @@ from partitioner.settings import program_optimizer
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
-from partitioner.user_source import UserSources, check_imports, derive_sources, op_sources
+from partitioner.local_modules import check_imports
+from partitioner.user_source import UserSources, derive_sources, op_sources
 from partitioner.workload import Workload
 from runtime.data import constant_inputs
+from runtime.materialize import fan_in_bound
 from runtime.program import Program
 from runtime.program_parts import DataSpec, InitSpec, RandomnessSpec, RankSpec, StageSpec, TensorSpec, TieSpec
 
@@ -106,8 +108,6 @@ def init_recipes(model: torch.nn.Module, stages) -> dict:
 
     Linear layers and Embeddings follow torch's defaults; Hugging Face models their
     `initializer_range` normal; norms start at one (weights) and zero (biases)."""
-    from runtime.materialize import fan_in_bound
-
     std = getattr(getattr(model, "config", None), "initializer_range", None)
     recipes = {}
     for stage in stages:
@@ -209,8 +209,8 @@ def write_program_folder(compiled: "Compiled", folder) -> Path:
     sources = compiled.sources
     if sources is None or any(role not in sources.specs for role in ("make_batch", "loss_fn")):
         sources = derive_sources(workload)  # the error naming what is missing
-    # Note [custom ops travel]: the module each op's stage file imports; a file of the user's
-    # travels with its local imports (Note [local modules travel] in partitioner/user_source.py).
+    # the module each op's stage file imports (Note [custom ops travel]); a file of the user's
+    # travels with its local imports (Note [local modules travel] in partitioner/local_modules.py).
     sources = op_sources(custom_ops(*(graph for s in stages for graph in (s.gm.graph, *(r.graph for r in s.checkpointed)))),
                          sources, workload.name)
     program = program_spec(plan, stages, workload, keyed_ops=keyed_ops, init=init, sources=sources,

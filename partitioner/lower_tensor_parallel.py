@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from runtime import tensor_parallel
+
 
 def tensor_parallel_calls(gm: fx.GraphModule, tp_sharded: dict) -> None:
     """The calls where a tensor group settles its collectives, Megatron's places (Note
@@ -16,8 +18,6 @@ def tensor_parallel_calls(gm: fx.GraphModule, tp_sharded: dict) -> None:
     sublayer's column-parallel linears (and of a vocab-split head) passes ``tensor_parallel.column_input`` (their input
     gradients all-reduced once in backward), attention ``tensor_parallel.attention`` (torch's kernel
     on each rank's heads)."""
-    from runtime import tensor_parallel
-
     def role(node, index):
         arg = node.args[index] if len(node.args) > index else None
         if isinstance(arg, fx.Node) and arg.op == "get_attr":

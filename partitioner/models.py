@@ -164,6 +164,7 @@ def mlp(features: int = 32, hidden: int = 64, depth: int = 4, outputs: int = 8, 
 
 def _hf(kind: str, *, layers: int, width: int, heads: int, vocab: int, seq: int, batch: int,
         seed: int, attn: str, device: str, dropout: float = 0.0, experts: int = 4, top_k: int = 2) -> Workload:
+    # lazy: loads transformers (the [hf] extra)
     import transformers
 
     common = dict(use_cache=False, attn_implementation=attn)
@@ -259,6 +260,7 @@ _AT_LEAST = {"layers": 1, "width": 1, "heads": 1, "vocab": 1, "seq": 1, "batch":
 def _check_builtin_args(spec: str, name: str, kwargs: dict) -> None:
     """Types and ranges of a built-in's arguments, checked before anything is built: the value,
     what it must be, and an example."""
+    # here, not at the top: tests/golden/program_stage_*.py quote this file's line numbers above
     import inspect
 
     params = inspect.signature(BUILTINS[name]).parameters
@@ -333,7 +335,7 @@ def load_workload(spec: str, *, pretrained: str | None = None) -> Workload:
         try:
             return BUILTINS[name](**kwargs)
         except TypeError as exc:
-            import inspect
+            import inspect  # here, not at the top: the golden stage files quote this file's line numbers
 
             known = ", ".join(inspect.signature(BUILTINS[name]).parameters)
             raise ValueError(f"MODEL {spec!r}: {exc}; {name} takes {known}") from None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from partitioner.settings import Decisions, TrainingSettings, split_legacy_training
+from partitioner.errors import PlanMismatchError
 
 PLAN_VERSION = 1
 
@@ -76,7 +77,7 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class PlanRegion:
-    """A region as the plan places it. The same region is a ``RegionRow`` of passes/regions.py (what the
+    """A region as the plan places it. The same region is a ``RegionRow`` of passes/region_graph.py (what the
     passes measured) and a ``RegionCost`` of partitioner/solver/problem.py (what the solver prices)."""
 
     id: int
@@ -208,7 +209,6 @@ class Plan:
         content_hash = plan.content_hash() if raw is None or "decisions" in raw else _hash_of(
             {**raw, "solver": {k: v for k, v in raw["solver"].items() if k not in TIMING_KEYS}})
         if stated is not None and stated != content_hash:
-            from partitioner.errors import PlanMismatchError
 
             raise PlanMismatchError(
                 f"plan.json states hash {stated} but its content hashes to {content_hash}: "
@@ -292,8 +292,6 @@ def _field_ok(kind: str, value: Any) -> bool:
 def _check_fields(cls, item: Any, where: str) -> None:
     """Every field of dataclass ``cls`` present in ``item`` (the plan.json spelling, Note [json keys])
     with a value of its type, nested ones too; PlanFieldError names the first that is not."""
-    from dataclasses import MISSING, fields
-
     fix = "recompile it with `partitioner compile`"
     if not isinstance(item, dict):
         raise PlanFieldError(f"{where} is a {type(item).__name__}, not an object: {fix}")

@@ -27,6 +27,7 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, settings) -> in
         raise ValueError(f"tensor_parallel={tp!r} must be an int >= 1 (ranks per tensor group), e.g. --tp 2")
     if tp == 1:
         return 1
+    # lazy: loads OR-Tools
     from partitioner.solver.tensor_parallel import group_cluster
 
     group_cluster(cluster, tp)  # refuses a degree the cluster cannot group
@@ -42,6 +43,7 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, settings) -> in
 
 def grouped(cluster: ClusterSpec, tp: int) -> ClusterSpec:
     """The cluster the solver plans over: each tensor group as one device."""
+    # lazy: loads OR-Tools
     from partitioner.solver.tensor_parallel import group_cluster
 
     return group_cluster(cluster, tp)

@@ -25,6 +25,11 @@ import torch
 from runtime.program import Program
 from runtime.program_parts import Precision
 from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
+from runtime.user_code import resolve_callable
+from partitioner.plan import Plan
+from runtime.program import load_plan, load_program
+from partitioner.settings import settings_of
+from partitioner.models import load_workload
 
 # Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
 # the rounding of sums (data-parallel mean, gradient accumulation order), ~1e-7 in the loss.
@@ -117,6 +122,7 @@ class VerifyReport:
 def _read_finals(run_dir: Path, pattern: str) -> tuple[dict[str, torch.Tensor], float]:
     """Tensors of every final/<pattern> file by original name, and the largest difference between
     two ranks' copies of one name (data-parallel replicas, tied copies)."""
+    # lazy: loads safetensors
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -160,7 +166,7 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
 def train_oracle(folder: str | Path, program: Program, workload, steps: int, grad_norms: list | None = None):
     """(losses, final state, which oracle) of the one-process run ``verify`` compares against,
     under the program's precision policy and clipping; ``grad_norms`` gets the oracle's norms."""
-    from runtime.user_code import resolve_callable
+    # lazy: loads safetensors
     from runtime.reference import train_reference, train_reference_from_folder
 
     if workload is None:
@@ -172,6 +178,7 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
     num_microbatches = program.dp * program.num_microbatches
     model, oracle = workload.model, "original model"
     if program.randomness is not None and program.randomness.keyed_ops:
+        # lazy: loads OR-Tools
         from partitioner.codegen.randomness import keyed_graph
 
         model, _ = keyed_graph(workload, program.global_batch // num_microbatches)
@@ -187,14 +194,10 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
 
 
 def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
-    from partitioner.plan import Plan
-    from runtime.program import load_program
-
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
     load_program(str(folder))  # an edited or broken folder is refused before anything starts
     if workload is None and plan.training.model_spec:
-        from partitioner.models import load_workload
 
         workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained)
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
@@ -220,15 +223,11 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     """The verdict on a finished run of the program in ``folder`` (its metrics.jsonl and final/
     in ``run_dir``): the same steps trained by the oracle in this process. ``steps``: how many the
     run was asked for (default: as many as it logged)."""
-    from runtime.program import load_plan, load_program
-
     folder = Path(folder).resolve()
     program = load_program(str(folder))
-    from partitioner.settings import settings_of
 
     settings = settings_of(load_plan(str(folder)))  # a hand-written folder has no full Plan
     if workload is None and settings.model_spec:
-        from partitioner.models import load_workload
 
         workload = load_workload(settings.model_spec, pretrained=settings.pretrained)
     losses, params, replica_diff = read_program_run(Path(run_dir))

@@ -61,7 +61,7 @@ def sdpa_flops(node: fx.Node, sims: dict[fx.Node, NodeRun]) -> ir.FlopsMeta:
     return ir.FlopsMeta(fwd_flops=int(fwd), bwd_flops=int(bwd))
 
 
-@ir.graph_pass(writes=(ir.FLOPS,))
+@ir.graph_pass(reads=(), writes=(ir.FLOPS,))  # runs each node on fake inputs (``val``)
 def annotate_flops(gm: fx.GraphModule) -> fx.GraphModule:
     sims = run_nodes_on_fake(gm, count_flops=True, record_saved=False)
     for node in gm.graph.nodes:

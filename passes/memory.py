@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from partitioner import ir
 from passes._fake_run import get_module_attr, run_nodes_on_fake
@@ -101,8 +102,6 @@ def state_bytes(gm: fx.GraphModule, *, optimizer: str = "adamw") -> dict[fx.Node
 
 
 def _output_tensors(node: fx.Node) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     val = node.meta.get("val")
     return [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
 
@@ -163,7 +162,7 @@ def loss_bytes(output: fx.Node, *, loss_outside_graph: bool) -> tuple[int, int]:
     return held + sum(4 * t.numel() for t in floats), transient
 
 
-@ir.graph_pass(writes=(ir.MEMORY,))
+@ir.graph_pass(reads=(ir.SHAPE,), writes=(ir.MEMORY,))
 def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
                     loss_outside_graph: bool = False) -> fx.GraphModule:
     """``loss_outside_graph``: the Workload applies a ``loss_fn`` to the graph's outputs (Note

@@ -32,7 +32,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return int(t.numel()) * t.element_size()
 
 
-@ir.graph_pass(writes=(ir.SHAPE,))
+@ir.graph_pass(reads=(), writes=(ir.SHAPE,))  # reads torch's ``val``
 def annotate_shapes(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         tensors = _tensors_of(gm, node)

@@ -3,45 +3,85 @@ the standard library (never on ``partitioner`` or ``passes``).
 
 Modules
 -------
-launch     ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the one
-           call of every rank_<r>.py (env, process groups, training, final save)
-program    plan.json's "program" object as the frozen dataclass ``Program`` (every field documented
-           there), ``load_program``; its parts in program_parts; ``Layout`` (groups) in layout;
-           user_code: the callables and files a program names, made objects
-entry_files the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``), one
-           emitter for codegen and hand-made test folders
-torchrun   ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
-run_many   torchrun entry training several folders in the same workers (tests, benchmarks)
-checkpoint_drills  one-process drills of the checkpoint protocol (tests, benchmarks; never a program)
-stage      ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
-schedule   plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)`` and
-           ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
-train      optimizer + LR schedule, randomness context per microbatch, ``RankTrainer``
-grad_sync  the process groups every rank creates, tie and data-parallel gradient sync, buffer broadcast
-run_options the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and train.py
-           parse the same; Note [one flag table])
-randomness the keyed random ops stage files call (``randomness.dropout(x, p, train, op=, batch_dim=)``,
-           ``attention`` for SDPA with dropout, ...), the context they read, and ``capture()`` /
-           ``restored(snapshot)`` for recompute (Note [randomness keyed by meaning])
-recompute  ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
-           checkpointing with the same random draws (Note [recompute draws the same randomness])
-memory     a rank's measured peak memory (``LiveBytes`` on CPU, the CUDA allocator on GPUs)
-reference  ``train_reference(...)``: the one-process oracle with the same math
-data       deterministic batches and losses of the built-in workloads
-checkpoint the disk tier, a package of rooms (its __init__ re-exports the names callers use):
-           shard (the format, Note [checkpoint format]; the one writer and reader, disk and memory),
-           state (what a shard takes of a trainer, snapshot, restore), durable (tmp/fsync/rename),
-           manifest (the commit record, pruning, Note [crash consistency]), load (verified and
-           resharded loads), interval (Young/Daly, --mtbf), persist (``Checkpointer``: checkpoint
-           points, background persist, commit by rank 0, Note [distributed commit])
-memtier    the memory tier, a package of rooms: groups (hosts, redundancy, cost: what the compiler
-           plans with), parity (XOR), slots (shared-memory slots, whole or absent), tier
-           (``MemoryTier``: background copy, redundancy exchange; ``settings_from``)
-recovery   start-up recovery from the fastest tier that survived (``recover_any``): the memory
-           cascade (own slot, peer copy, parity; Note [memory recovery]) and the disk's agreement
-           on the newest valid checkpoint (``recover``, Note [recovery agreement])
-faults     every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
-           RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host HOST:STEP[:ATTEMPT]``
+Start-up and the program object:
+
+launch.py           ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the
+                    one call of every rank_<r>.py (env, process groups, training, final save)
+program.py          plan.json's "program" object as the frozen dataclass ``Program`` (every field
+                    documented there), ``load_program``
+program_parts.py    its parts: stages and the tensors crossing them, ranks, ties, data, optimizer,
+                    memory tier, randomness and init recipes
+layout.py           which rank holds what; the process groups every rank creates (``Layout``)
+user_code.py        the callables and files a program names, made objects (Note [one user root])
+entry_files.py      the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``),
+                    one emitter for codegen and hand-made test folders
+errors.py           the runtime's errors (partitioner.errors re-exports them)
+python_version.py   the Python >= 3.11 check run on import of partitioner and runtime
+
+A stage and its step:
+
+stage.py            ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
+materialize.py      initial parameters of a model compiled on meta, made by the rank that holds
+                    them (Note [materialize per rank])
+pretrained.py       a Hugging Face model's weights per rank: own init, or pretrained safetensors
+pipeline_schedules.py  each schedule torch runs, one class: its refusal, in-flight microbatches, action
+                    order (Note [one class per schedule])
+schedule.py         plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
+                    and ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
+grad_sync.py        the process groups every rank creates, tie and data-parallel gradient sync, buffer
+                    broadcast
+run_options.py      the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and
+                    train.py parse the same; Note [one flag table])
+train.py            optimizer + LR schedule, randomness context per microbatch, gradient sync,
+                    ``RankTrainer``
+precision.py        precision policies: autocast, master weights, fp16's loss scale (Note [mixed
+                    precision])
+grad_norm.py        the global gradient norm, clipping, the no-decay names (Note [global gradient norm])
+zero.py             optimizer state sharded over the replicas, ZeRO-1 (Note [sharded optimizer state])
+tensor_parallel.py  a stage run by a tensor group: DTensor parameters, Megatron's collective points
+                    (Note [tensor-parallel stages])
+collective_bytes.py what tensor parallelism sends, counted at torch's functional collectives
+randomness.py       the keyed random ops stage files call (``randomness.dropout(x, p, train, op=,
+                    batch_dim=)``, ``attention`` for SDPA with dropout, ...), the context they read,
+                    and ``capture()`` / ``restored(snapshot)`` for recompute (Note [randomness keyed
+                    by meaning])
+recompute.py        ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
+                    checkpointing with the same random draws (Note [recompute draws the
+                    same randomness])
+data.py             deterministic batches and losses of the built-in workloads (Note [constant inputs])
+hf_data.py          the same for the Hugging Face tasks other than causal LM
+
+What a run reports:
+
+memory.py           a rank's measured peak memory (``LiveBytes`` on CPU, the CUDA allocator on GPUs)
+stage_times.py      each stage's measured seconds per microbatch (Note [stage times])
+watch.py            the step line's ETA, model FLOPs, MFU, peak memory; TensorBoard
+
+Resilience:
+
+checkpoint/         the disk tier, a package of rooms (its __init__ re-exports the names callers
+                    use): the shard format, state, durable writes, writers, deltas, the manifest,
+                    verified loads, the interval, the persist (Notes [checkpoint format], [crash
+                    consistency], [distributed commit])
+memtier/            the memory tier, a package of rooms: groups (hosts, redundancy, cost: what the
+                    compiler plans with), parity (XOR), slots (shared-memory slots, whole or absent),
+                    tier (``MemoryTier``: background copy, redundancy exchange; ``settings_from``)
+recovery.py         start-up recovery from the fastest tier that survived (``recover_any``): the
+                    memory cascade (own slot, peer copy, parity; Note [memory recovery]) and the
+                    disk's agreement on the newest valid checkpoint (``recover``, Note [recovery
+                    agreement])
+sdc.py              replica digests, the silent-data-corruption check and its rollback (Note
+                    [replica digests])
+faults.py           every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
+                    RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host
+                    HOST:STEP[:ATTEMPT]``, ``--flip-bit RANK:STEP[:TENSOR]``
+
+Launching, and the drivers tests and benchmarks use:
+
+torchrun.py         ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
+reference.py        ``train_reference(...)``: the one-process oracle with the same math
+run_many.py         torchrun entry training several folders in the same workers (tests, benchmarks)
+checkpoint_drills.py one-process drills of the checkpoint protocol (tests, benchmarks; never a program)
 
 The program folder (written by partitioner/codegen/)
 ------------------------------------------------------

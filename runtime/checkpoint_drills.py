@@ -17,6 +17,8 @@ import zlib
 import torch
 
 from runtime import checkpoint as ck
+from runtime.checkpoint.delta import encode_snapshot
+from runtime.checkpoint.writers import write_cost, writes_of_ranks
 from runtime.program import Program, load_program
 from runtime.recovery import agree_newest
 from runtime.stage import build_stage
@@ -75,8 +77,6 @@ def random_point(rng, trial: int, total_bytes: int, total_ops: int, shard_bytes:
 def drill_writes(trainers, program: Program) -> dict[int, frozenset[str]]:
     """What each rank of ``trainers`` writes (Note [one writer per byte]), as the Checkpointer
     computes it across ranks."""
-    from runtime.checkpoint.writers import write_cost, writes_of_ranks
-
     nbytes: dict[str, int] = {}
     for t in trainers:
         nbytes.update(write_cost(t))
@@ -86,8 +86,6 @@ def drill_writes(trainers, program: Program) -> dict[int, frozenset[str]]:
 def lossless_snaps(trainers, writes, base: dict | None, base_step: int | None) -> list:
     """Each rank's share encoded as the Checkpointer encodes it (Note [lossless deltas]): against
     ``base`` (rank -> the tensors of its last committed share), or full when None."""
-    from runtime.checkpoint.delta import encode_snapshot
-
     out = []
     for t in trainers:
         share = ck.snapshot(t, None if writes is None else writes[t.rank])

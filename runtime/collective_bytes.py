@@ -11,6 +11,7 @@ c10d calls on process groups, not functional collectives: not counted.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Bytes one member sends under ring algorithms, per byte of the collective's input (tp members).
@@ -35,8 +36,6 @@ class CollectiveBytes(TorchDispatchMode):
         self.calls: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor desugar the op into local ops and collectives first
         kwargs = kwargs or {}

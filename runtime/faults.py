@@ -97,7 +97,9 @@ def parse_flip_bit(text: str) -> BitFlip:
 
 
 def _stored(tensor):
-    """The plain tensor this rank stores for ``tensor``. Note [a flip without a collective]: a
+    """The plain tensor this rank stores for ``tensor``.
+
+    Note [a flip without a collective]: a
     tensor-parallel parameter is a DTensor (vocab-split embedding, column/row linears, replicated
     norms), and any op on it is DTensor's (a ``view(-1)`` of a shard all-gathers it over the tensor
     group); run on the named rank alone, that collective waits for peers that never join, and the
@@ -112,6 +114,7 @@ def flip_bit(tensor) -> int:
     """Flip one bit of element 0 of ``tensor`` in place (bit 20 of a 4-byte word, a low mantissa
     bit of a float32: the value changes, stays finite); returns the bit's index in its word. A
     DTensor: element 0 of this rank's local piece (Note [a flip without a collective])."""
+    # lazy: loads torch
     import torch
 
     flat = _stored(tensor).detach().view(-1)

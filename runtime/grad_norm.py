@@ -40,6 +40,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from runtime.precision import clip_coefficient
+
 NORM_TYPES = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
               "LlamaRMSNorm", "T5LayerNorm", "InstanceNorm1d", "InstanceNorm2d")
 
@@ -146,8 +148,6 @@ def finish_step(trainer, sync_gradients) -> tuple[float | None, bool]:
     on an fp16 overflow, the skip: Notes [global gradient norm], [loss scaling], [sharded optimizer
     state]. Every rank runs the same collectives in the same order (``needs_global_norm`` is the
     program's, alike everywhere). Returns (norm, or None when not computed; skipped)."""
-    from runtime.precision import clip_coefficient
-
     program, zero, scaler = trainer.program, trainer.zero, trainer.scaler
     if zero is None:
         sync_gradients(trainer.modules, program, trainer.groups)

@@ -22,10 +22,13 @@ import sys
 import traceback
 from datetime import timedelta
 
+from runtime import faults
+from runtime.entry_files import check_rank_file
 from runtime.errors import InputMismatchError
 from runtime.program import Program, load_program
 from runtime.run_options import FlagError, RunOptions
 from runtime.torchrun import command_text, free_port
+from runtime.torchrun import LOOPBACK, loopback_store
 
 
 def _worker_store(rank: int, world: int, timeout: timedelta):
@@ -35,9 +38,8 @@ def _worker_store(rank: int, world: int, timeout: timedelta):
     addr = os.environ.get("MASTER_ADDR", "")
     if addr not in ("127.0.0.1", "localhost", "::1") or "MASTER_PORT" not in os.environ:
         return None
+    # lazy: loads torch
     import torch.distributed as dist
-
-    from runtime.torchrun import LOOPBACK, loopback_store
 
     port = int(os.environ["MASTER_PORT"])
     if rank == 0:
@@ -70,6 +72,7 @@ _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken p
 def peer_lost(exc: BaseException) -> bool:
     """Is ``exc`` a collective or point-to-point operation failing because a peer is gone?"""
     try:
+        # lazy: loads torch
         import torch.distributed as dist
 
         kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
@@ -95,6 +98,7 @@ def peer_lost_line(rank, exc: BaseException) -> str:
         resume = "from step 0"
         if _at["ckpt_dir"]:
             try:
+                # lazy: loads torch
                 from runtime.checkpoint.manifest import newest_committed
 
                 newest = newest_committed(_at["ckpt_dir"])
@@ -203,7 +207,6 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     rank, world, local_rank = read_env(program, folder, rank)
     # Checkpoint and fault settings are checked before anything slow (and before training).
     from runtime import checkpoint as ck
-    from runtime import faults
 
     if steps is not None and steps < 1:
         raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
@@ -220,7 +223,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     keep = 3 if options.keep_checkpoints is None else options.keep_checkpoints
     fail_at = [faults.parse_fail_at(t) for t in options.fail_at]
     fail_persist = faults.parse_fail_persist(options.fail_persist) if options.fail_persist else None
-    from runtime import sdc
+    from runtime import sdc  # lazy: loads torch
+    # lazy: loads torch
     from runtime.checkpoint.delta import FULL_EVERY, _zstd
 
     compression = options.checkpoint_compression or "none"
@@ -233,7 +237,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if sharded:  # a plan of an older compile may still name one: it could not see anything
         sdc_every = 0
     flips = [faults.parse_flip_bit(t) for t in options.flip_bit]
-    from runtime import memtier
+    from runtime import memtier  # lazy: loads torch
 
     memory_settings = memtier.settings_from(program.memory_tier, options) if use_ckpt else None
     if memory_settings is not None and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
@@ -244,12 +248,13 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
     import torch
+    # lazy: loads torch
     import torch.distributed as dist
 
-    from runtime.entry_files import check_rank_file
+    # lazy: loads torch
     from runtime.schedule import schedule_text
-    from runtime.grad_sync import create_groups
-    from runtime.train import RankTrainer
+    from runtime.grad_sync import create_groups  # lazy: loads torch
+    from runtime.train import RankTrainer  # lazy: loads torch
 
     # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
     # file constants] in runtime/entry_files.py).
@@ -258,6 +263,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     steps = program.steps_to_train if steps is None else steps
     run_dir = run_dir or os.path.join(folder, "run")
     timeout = timedelta(seconds=float(program.collective_timeout_s))
+    # lazy: loads torch
     from runtime.train import seed_host_generators
 
     seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/train.py
@@ -281,6 +287,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
     if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
         from runtime.checkpoint.shared import check_shared
+        # lazy: loads torch
         from runtime.memtier import hosts_of_ranks
 
         check_shared(ckpt_dir, rank, hosts_of_ranks(world, options.hosts), device)
@@ -292,7 +299,9 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     start_step = 0
     checkpointer = None
     if use_ckpt:
+        # lazy: loads torch
         from runtime.checkpoint import Checkpointer
+        # lazy: loads torch
         from runtime.recovery import recover, recover_any
 
         memory = None
@@ -327,7 +336,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                  also_at=checkpointer.due if checkpointer else None, start_step=start_step)
         after_step = _chain(check.after_step, after_step)
     log_every = (options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
-    from runtime import memory as peak
+    from runtime import memory as peak  # lazy: loads torch
 
     measured = device.type == "cuda" or peak.requested(options.measure_memory)
     meter = peak.PeakMemory(trainer).start() if measured else None

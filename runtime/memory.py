@@ -19,14 +19,20 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from runtime.program import load_plan
 
 ENV = "PARTITIONER_MEASURE_MEMORY"
 
 
 def _storages(t: torch.Tensor):
-    """The storages holding ``t``'s bytes on this rank. Note [a DTensor's bytes]: a wrapper
+    """The storages holding ``t``'s bytes on this rank.
+
+    Note [a DTensor's bytes]: a wrapper
     subclass (a tensor-parallel stage's DTensor parameters, activations and gradients) has no
     storage of its own (its ``untyped_storage().data_ptr()`` raises); its bytes are its inner
     tensors' (a DTensor's local shard), found through ``__tensor_flatten__`` (whose names may hold
@@ -51,7 +57,6 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
         self.live: dict = {}
@@ -164,8 +169,6 @@ class PeakMemory:
 def plan_figures(folder: str, stages: list[int]) -> tuple[int | None, int | None]:
     """(predicted peak, capacity) of a rank holding ``stages``, from plan.json's stage table
     (absent in hand-written folders)."""
-    from runtime.program import load_plan
-
     table = {s.get("index"): s for s in load_plan(folder).get("stages", []) if isinstance(s, dict)}
     if not all(k in table for k in stages) or not stages:
         return None, None
@@ -180,8 +183,6 @@ def _mib(num_bytes) -> str:
 def report(meter: PeakMemory, *, folder: str, rank: int, run_dir: str) -> None:
     """Write run_dir/memory_rank_<r>.json on every rank; rank 0 prints one line for all ranks.
     A collective over the world: every rank calls it at the same point."""
-    import torch.distributed as dist
-
     t = meter.trainer
     predicted, capacity = plan_figures(folder, list(t.stage_ids))
     row = {"rank": rank, "stages": list(t.stage_ids),

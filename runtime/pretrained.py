@@ -105,6 +105,7 @@ def config_dict(config) -> dict:
 
 def require_transformers():
     try:
+        # optional dependency: transformers (the [hf] extra); the except below handles its absence
         import transformers
     except ImportError:
         raise ValueError("Hugging Face models need transformers on every node: pip install "
@@ -179,6 +180,7 @@ def materialize(model: torch.nn.Module, names) -> None:
 
 def own_init(model: torch.nn.Module, seed: int) -> None:
     """The model's own initialisation, keyed by module (Note [own initialisation per rank])."""
+    # lazy: loads transformers (the [hf] extra)
     from transformers import PreTrainedModel
 
     names: dict[int, str] = {}
@@ -234,6 +236,7 @@ def initial_weights(model: torch.nn.Module, names, seed: int) -> dict[str, torch
 
 def weight_files(folder: str) -> dict[str, str]:
     """Tensor name -> file in ``folder`` (model.safetensors or the shards its index lists)."""
+    # lazy: loads safetensors
     from safetensors import safe_open
 
     index = os.path.join(folder, INDEX)
@@ -283,6 +286,7 @@ def check_shapes(model: torch.nn.Module, folder: str) -> int:
     """Every tensor of a meta-built ``model`` that ``folder`` holds has the model's shape (read
     from the files' headers only); returns how many it holds. The compiler calls this, so that a
     mismatch is one error at compile time, not one per rank."""
+    # lazy: loads safetensors
     from safetensors import safe_open
 
     found = locate(model, list(aliases(model)), folder)
@@ -305,6 +309,7 @@ def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
                        say=None) -> dict[str, torch.Tensor]:
     """``names`` read from ``folder``'s safetensors (Note [pretrained per rank]); what the files lack
     is made by the model's own initialisation."""
+    # lazy: loads safetensors
     from safetensors import safe_open
 
     plan = locate(model, names, folder)

@@ -4,8 +4,8 @@ Per step: batch = make_batch(step, global_batch), cut into ``num_microbatches`` 
 microbatches along dim 0 (pass dp * program num_microbatches to match a data-parallel run: the
 runtime's global batch is cut into that many), loss_i = loss_fn(model(*args_i), target_i) with the
 randomness context of microbatch i set (Note [randomness keyed by meaning] in runtime/randomness.py),
-backward of each loss_i, gradients divided by the number of microbatches (Note [loss scaling] in
-runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
+backward of each loss_i, gradients divided by the number of microbatches (Note [mean over
+microbatches] in runtime/schedule.py), AdamW step, LR schedule step. The step's loss is the mean of the loss_i.
 Buffers the forward updates (BatchNorm running statistics) are updated by every microbatch in
 order, as the stage holding them does; with ``replicas`` > 1 they end each step as the first
 replica's microbatches left them (Note [buffers across replicas] in runtime/train.py).
@@ -25,6 +25,9 @@ from runtime import randomness
 from runtime.data import batch_inputs, with_constants
 from runtime.precision import LossScaler, Precision, autocast, clip_coefficient, wrap_forward
 from runtime.train import make_optimizer, microbatch_seed, seed_host_generators
+from runtime.user_code import resolve_callable
+from runtime.program import load_program
+from runtime.stage import build_stage
 
 
 def _chain(stages: Sequence[torch.nn.Module]) -> Callable:
@@ -179,10 +182,6 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
 def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None, **kwargs):
     """The oracle of a program folder: its stage modules chained in one process, with the
     program's data, loss, optimizer and seed (what ``partitioner verify`` compares against)."""
-    from runtime.program import load_program
-    from runtime.user_code import resolve_callable
-    from runtime.stage import build_stage
-
     program = load_program(folder)
     stages = [build_stage(folder, k, "cpu") for k in range(program.num_stages)]
     for k, stage in enumerate(stages):  # the boundary casts the runtime does (Note [mixed precision])

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Callable
+from runtime import faults
 
 
 class FlagError(ValueError):
@@ -173,7 +174,6 @@ class RunOptions:
         """The checks that need the program: every named rank exists, every fault fires, nothing
         asks a sharded program for the replica check. ``steps``: the steps this run trains, when
         known (default: --steps)."""
-        from runtime import faults
 
         steps = self.steps if steps is None else steps
         last = f"0..{world_size - 1}"
@@ -206,7 +206,6 @@ class RunOptions:
 
 def _check_values(o: RunOptions) -> None:
     """Each value on its own (no program needed); FlagError naming the flag, the value and the fix."""
-    from runtime import faults
 
     def at_least(name: str, low, fix: str):
         value = getattr(o, name)

@@ -1,7 +1,7 @@
 """Pipeline schedules: the plan's schedule name -> a torch.distributed.pipelining schedule, and
 the same schedule as printable text.
 
-Note [loss scaling]: each microbatch's loss is loss_fn(output, target) (a mean over the
+Note [mean over microbatches]: each microbatch's loss is loss_fn(output, target) (a mean over the
 microbatch); the schedule sums microbatch gradients and divides by num_microbatches
 (``scale_grads=True``), and the data-parallel all-reduce then averages over replicas. With equal
 microbatches this is the gradient of the mean loss over the global batch, which is what

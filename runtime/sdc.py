@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from runtime import checkpoint as ck
 from runtime.faults import say
+from runtime.recovery import recover
 
 DEFAULT_EVERY = 20  # K when the plan does not say (benchmarks/checkpoint_overhead.py measures its cost)
 
@@ -187,12 +189,9 @@ def roll_back(trainer, exc: SilentDataCorruption, *, ckpt_dir: str | None, check
               check: ReplicaCheck) -> int:
     """After ``exc`` on every rank: restore the newest checkpoint at or before ``exc.last_agreed``
     valid on every rank (collective), set newer ones aside, and return the step to train from."""
-    from runtime.recovery import recover
-
     if checkpointer is None or ckpt_dir is None:
         raise RuntimeError(f"{exc}; this run writes no checkpoints (--no-checkpoint): nothing to roll back "
                            "to, the job stops") from exc
-    from runtime import checkpoint as ck
 
     checkpointer.settle()  # the persist in flight (possibly of a step after the corruption) ends first
     if memory is not None:

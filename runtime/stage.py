@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from typing import TYPE_CHECKING, Sequence
 
+from runtime.program import Program, load_plan
 from runtime.user_code import enter_user_root, import_path, tensor_dtype
 
 if TYPE_CHECKING:
@@ -77,7 +78,6 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
         to_make = [n for n in param_names + buffer_names if n not in weights]
         if to_make:  # compiled on the meta device (Note [materialize per rank] in runtime/materialize.py)
             from runtime.materialize import materialize_all
-            from runtime.program import Program, load_plan
 
             init = Program.from_dict(load_plan(folder)["program"]).init
             if not init:

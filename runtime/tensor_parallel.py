@@ -52,6 +52,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._pytree import tree_map
 
 
 def memory_tier_refusal(mode: str, tensor_parallel: int) -> str:
@@ -74,14 +78,10 @@ def create_tensor_groups(layout, rank: int, *, timeout, backend: str | None = No
 
 
 def mesh_of(group, device: torch.device):
-    from torch.distributed.device_mesh import DeviceMesh
-
     return DeviceMesh.from_group(group, device.type)
 
 
 def is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 
@@ -91,15 +91,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(t) -> bool:
-    from torch.distributed.tensor import Shard
-
     return is_dtensor(t) and any(isinstance(p, Shard) for p in t.placements)
 
 
 def shard_layout(t) -> tuple[int, int, int, int] | None:
     """(dim, start, end, global size) of this rank's piece of a sharded DTensor, else None."""
-    from torch.distributed.tensor import Shard
-
     if not is_dtensor(t):
         return None
     for p in t.placements:
@@ -114,8 +110,6 @@ def shard_layout(t) -> tuple[int, int, int, int] | None:
 def shard_stage(module: torch.nn.Module, sharded: dict[str, int], mesh) -> torch.nn.Module:
     """Make every parameter of ``module`` a DTensor on ``mesh`` (Note [tensor-parallel stages]) and
     its forward take and give plain tensors."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     size, index = mesh.size(), mesh.get_local_rank()
     done: dict[int, torch.nn.Parameter] = {}
     for name in module.parameter_names:
@@ -143,9 +137,6 @@ def shard_stage(module: torch.nn.Module, sharded: dict[str, int], mesh) -> torch
 def _wrap_forward(module: torch.nn.Module, mesh) -> None:
     """Inputs in as Replicate DTensors, outputs out whole. Hooks, not a replaced ``forward`` (as
     runtime/precision.py's): a deep copy keeps working."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.utils._pytree import tree_map
-
     def enter(t):
         return DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) \
             and not isinstance(t, DTensor) else t
@@ -168,6 +159,7 @@ def replicate_plain_tensors() -> None:
     tensor rank (Note [tensor-parallel stages])."""
     global _implicit
     if _implicit is None:
+        # lazy: loads torch.distributed.tensor, torch.utils._sympy (+59 torch modules)
         from torch.distributed.tensor.experimental import implicit_replication
 
         _implicit = implicit_replication()
@@ -201,7 +193,6 @@ def vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: in
     Outside a tensor group it is the plain lookup."""
     if not is_dtensor(weight):
         return torch.ops.aten.embedding.default(weight, indices, padding_idx, *args)
-    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     mesh = weight.device_mesh
     _dim, start, end, _rows = shard_layout(weight)
@@ -221,8 +212,6 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     op by op, on q, k and v separately: three all-reduces where one does."""
     out = torch.ops.aten.linear.default(x, weight, bias)
     if is_dtensor(out):
-        from torch.distributed.tensor import Replicate
-
         out = out.redistribute(out.device_mesh, [Replicate()])
     return out
 
@@ -234,8 +223,6 @@ class _ColumnInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.distributed.tensor import Replicate
-
         if is_dtensor(grad) and tuple(grad.placements) != (Replicate(),):
             grad = grad.redistribute(grad.device_mesh, [Replicate()])
         return grad
@@ -265,12 +252,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     (column-parallel projections) each rank runs torch's fused kernel on its local heads, with no
     communication. DTensor has no CPU strategy for the fused kernel and decomposes it op by op at
     every call (tens of seconds), hence this; other layouts are made whole first."""
-    import torch.nn.functional as F
-
     if not is_dtensor(q):
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = q.device_mesh
     heads = [Shard(1)]
@@ -325,8 +309,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def from_full(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` (the whole value) laid out as ``like`` is: this rank's chunk of a sharded DTensor,
     a replicated DTensor, or ``full`` itself."""
-    from torch.distributed.tensor import DTensor
-
     if not is_dtensor(like):
         return full
     layout = shard_layout(like)

@@ -13,6 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
@@ -92,8 +95,7 @@ def loopback_interface() -> str:
 
 def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: float = 300):
     """A TCPStore server listening on 127.0.0.1:``port`` only (Note [loopback only])."""
-    from datetime import timedelta
-
+    # lazy: loads torch
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -181,8 +183,6 @@ def _signal(pids, sig) -> None:
 def stop_tree(proc: subprocess.Popen, *, grace_s: float = 10.0) -> None:
     """SIGTERM the agent's process group and every process below it; SIGKILL what is left after
     ``grace_s`` (Note [process groups])."""
-    import time
-
     seen = set(descendants(proc.pid))
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -215,8 +215,6 @@ def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: floa
              capture: bool = False, grace_s: float = 10.0) -> subprocess.CompletedProcess:
     """Run torchrun in its own session, forwarding SIGTERM/SIGINT to it; on ``timeout_s`` stop the
     whole tree and raise subprocess.TimeoutExpired (Note [process groups])."""
-    import threading
-
     pipe = subprocess.PIPE if capture else None
     proc = subprocess.Popen(list(command), env=env, stdout=pipe, stderr=pipe, text=True,
                             start_new_session=True)

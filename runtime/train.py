@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import statistics
 import time
 from typing import Callable
@@ -65,8 +66,12 @@ from runtime.grad_sync import Groups, sync_buffers, sync_gradients
 from runtime.tensor_parallel import full_tensor
 from runtime.program import Program
 from runtime.program_parts import OptimizerSettings
+from runtime.stage import build_stage
+from runtime.stage_times import StageTimes
 from runtime.user_code import resolve_callable
 from runtime.watch import StepWatch
+from runtime.grad_norm import finish_step, param_groups
+from runtime.precision import LossScaler, autocast, step_context, wrap_forward
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer and learning-rate schedule (shared with the reference)
@@ -97,8 +102,6 @@ def make_optimizer(params, cfg: OptimizerSettings | dict, names: list[str] | Non
     weight decay] in runtime/grad_norm.py); without names every parameter decays alike.
     cfg.fused (default: on where torch has the kernel) or cfg.foreach pick the kernel. A dict is
     read as ``OptimizerSettings.from_dict`` (tests and the reference pass plain dicts)."""
-    from runtime.grad_norm import param_groups
-
     cfg = OptimizerSettings.coerce(cfg)
     params = list(params)
     if not params:
@@ -134,11 +137,10 @@ def microbatch_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
 
 def seed_host_generators(seed: int) -> None:
     """Seed torch's, Python's and numpy's global generators (Note [global generators])."""
-    import random
-
     torch.manual_seed(seed)
     random.seed(seed)
     try:
+        # optional dependency: numpy (torch runs without it); the except below handles its absence
         import numpy
     except ImportError:  # numpy is optional for torch; without it there is nothing to seed
         return
@@ -209,8 +211,8 @@ class RankTrainer:
 
     def __init__(self, folder: str, program: Program, rank: int, *, device: torch.device,
                  groups: Groups, run_dir: str):
+        # lazy: loads torch.distributed.tensor, torch.distributed._shard (+300 torch modules)
         from runtime.schedule import build_schedule, pipeline_stage
-        from runtime.stage import build_stage
 
         self.folder, self.program, self.rank, self.device = folder, program, rank, device
         self.layout = program.layout
@@ -235,7 +237,6 @@ class RankTrainer:
         data = program.data
         self.make_batch: Callable = resolve_callable(data.make_batch, folder)
         self.loss_fn: Callable = resolve_callable(data.loss_fn, folder)
-        from runtime.precision import LossScaler, autocast, wrap_forward
 
         for s, m in zip(self.stage_ids, self.modules):  # Note [mixed precision] in runtime/precision.py
             wrap_forward(m, program.precision, device.type, program.stages[s].outputs)
@@ -246,9 +247,7 @@ class RankTrainer:
                 loss = self.loss_fn(output, target)
             return loss.float() * self.scaler.scale if self.scaler.enabled else loss
 
-        from runtime.stage_times import StageTimes
-
-        # Note [stage times]: each stage's forward, backward and loss seconds, for `calibrate --from-run`
+        # each stage's forward, backward and loss seconds, for `calibrate --from-run` (Note [stage times])
         self.stage_times = StageTimes(self.pipe_stages, self.stage_ids, program.num_microbatches)
         self.schedule = build_schedule(self.pipe_stages, program, self.stage_times.timed_loss(loss_under_policy))
         self.zero = None
@@ -292,7 +291,6 @@ class RankTrainer:
         feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] \
             if self.is_first else []
         tgt = self._replica_rows(target, 0) if self.is_last else None
-        from runtime.precision import step_context
 
         schedule_start = time.perf_counter()
         with step_context(program.precision, self.device.type):  # Note [mixed precision]
@@ -317,8 +315,6 @@ class RankTrainer:
 
     def finish_gradients_and_step(self) -> None:
         """Sync, unscale, the global norm, clip, step or skip (runtime/grad_norm.py ``finish_step``)."""
-        from runtime.grad_norm import finish_step
-
         self.last_grad_norm, self.last_skipped = finish_step(self, sync_gradients)
 
     def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,

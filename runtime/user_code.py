@@ -143,6 +143,7 @@ def import_path(path: str, name: str | None = None):
 
 
 def tensor_dtype(name: str):
+    # lazy: loads torch
     import torch
 
     dtype = getattr(torch, name.removeprefix("torch."), None)

@@ -37,8 +37,19 @@ Note [per sample]
     grow with the batch) divided by the traced example batch (``fwd_s_per_sample_by_kind``). So a
     plan with microbatches of 1 pays the per-op overhead once per microbatch, not 1/b of it.
 
-The room: features.py (a graph's terms), measure.py (timing groups here), fitting.py (the fit),
-profiles.py (DeviceProfile, its file, applying it to a problem); ``calibrate`` is measure + fit.
+The room (``calibrate`` is measure + fit):
+    features.py        a graph's terms of the fitted time model: FLOPs by kind, bytes, ops
+    measure.py         every region and every distinct op timed here (Note [measuring a region])
+    fitting.py         the non-negative least-squares fit of a profile to measured seconds
+    profiles.py        DeviceProfile, its file, and how it prices a problem (Note [per sample])
+    datasheet.py       an accelerator's profile from published rates (Note [accelerator roofline])
+    recompute_cost.py  the recompute fixed cost, measured (Note [recompute fixed cost])
+    tp_overheads.py    tensor parallelism's fixed costs measured here: DTensor dispatch, gloo calls
+    machine.py         this machine's cpu profile, measured once and cached (Note [machine profile])
+    machine_profile.py what the profile is: its key, its measured figures, refits, what it prices
+    machine_measure.py measuring it: the reference model's fit, AdamW's step, two gloo processes
+    machine_worker.py  one of the two gloo processes of the machine profile's measurements
+    refit.py           `calibrate --from-run`: the machine profile refit to a run (Note [refit from a run])
 """
 
 from __future__ import annotations
@@ -51,10 +62,11 @@ import torch.fx as fx
 
 from partitioner.calibrate.features import Features, group_features, node_features, region_features
 from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relative, relative_errors
-from partitioner.calibrate.measure import local_device_kind, measure
+from partitioner.calibrate.measure import _example_inputs, local_device_kind, measure
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
 from partitioner.calibrate.recompute_cost import fit_recompute_fixed_s
 from runtime.program_parts import Precision
+from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
 from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
@@ -81,9 +93,6 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
                                                      "threads": threads or old, "precision": precision.value})
         profile = replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
         if tp_overheads and kind == "cpu":
-            from partitioner.calibrate.measure import _example_inputs
-            from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
-
             profile = replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
                               **(measure_collectives() or {}))
             if progress:

@@ -8,6 +8,7 @@ import platform
 import statistics
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from partitioner.calibrate.features import Features
@@ -22,8 +23,6 @@ def nnls_relative(rows: Sequence[Sequence[float]], seconds: Sequence[float],
     """Non-negative least squares of ``rows @ x ≈ seconds`` in relative error (each row weighted by
     1/seconds). Few columns, so every subset of columns is solved and the best non-negative one
     kept (exact NNLS for this size; no scipy)."""
-    import numpy as np
-
     a = np.asarray(rows, dtype=float)
     y = np.asarray(seconds, dtype=float)
     if a.ndim != 2 or len(a) != len(y) or len(y) == 0:

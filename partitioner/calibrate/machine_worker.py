@@ -35,6 +35,9 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+
+from partitioner.calibrate.tp_overheads import collective_points
 
 # Microbatch counts of the schedule timings (the slope between them is the per-microbatch cost).
 PIPELINE_MICROBATCHES = (2, 10)
@@ -83,6 +86,7 @@ def block(seed: int) -> torch.nn.Module:
 def _pipeline_step(num_stages: int, stage_index: int, group, m: int, module: torch.nn.Module | None = None):
     """A step function of a 1F1B schedule over ``num_stages`` stages (this rank's one): tiny
     Linear stages, or ``module`` on microbatches of BLOCK_ROWS x BLOCK_TOKENS x BLOCK_WIDTH."""
+    # lazy: loads torch.distributed.tensor, torch.distributed._shard (+300 torch modules)
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     shape = (PIPELINE_ROWS, PIPELINE_FEATURES) if module is None else (BLOCK_ROWS, BLOCK_TOKENS, BLOCK_WIDTH)
@@ -109,8 +113,6 @@ def _pipeline_step(num_stages: int, stage_index: int, group, m: int, module: tor
 
 def _contention(rank: int, rounds: int = 8) -> list[float]:
     """[seconds of ``compute`` alone, with both ranks computing] (``quiet``), the ranks' mean."""
-    import torch.distributed as dist
-
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(128, 128, generator=generator)
     up, down = torch.randn(128, 512, generator=generator) / 16, torch.randn(512, 128, generator=generator) / 32
@@ -143,10 +145,6 @@ def _contention(rank: int, rounds: int = 8) -> list[float]:
 
 
 def measure(rank: int, *, repeats: int = 15) -> dict:
-    import torch.distributed as dist
-
-    from partitioner.calibrate.tp_overheads import collective_points
-
     out: dict = {"allreduce": [], "pingpong": [], "pipeline_1": [], "pipeline_2_block": []}
     for nbytes in ALLREDUCE_BYTES:
         x = torch.zeros(nbytes // 4)
@@ -188,8 +186,6 @@ def measure(rank: int, *, repeats: int = 15) -> dict:
 
 
 def main(rank: int, store_path: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)  # as the ranks run (partitioner run sets OMP_NUM_THREADS=1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))

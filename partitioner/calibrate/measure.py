@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from partitioner import ir
 from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
 from partitioner.calibrate.recompute_cost import time_checkpointed
+from runtime.data import batch_inputs
 from runtime.memory import LiveBytes
 from runtime.precision import Precision, autocast
 
@@ -143,8 +144,6 @@ def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10,
 def _example_inputs(workload) -> tuple:
     """The graph's inputs, by position: keyword inputs in the trace's order, constant inputs
     (baked into the graph) dropped (Notes [keyword inputs], [constant inputs] in runtime/data.py)."""
-    from runtime.data import batch_inputs
-
     args = workload.example_kwargs or workload.example_args
     if workload.make_batch is not None:
         try:

@@ -123,6 +123,7 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
     kinds = [p.kind for p in profiles]
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"two profiles for the same device kind {kinds}: give one per kind")
+    # lazy: loads networkx
     from passes.tp_activations import tp_divided_nodes
 
     divided_nodes = tp_divided_nodes(gm)  # Note [tensor-parallel pricing]

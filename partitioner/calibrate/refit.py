@@ -39,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from partitioner.calibrate.machine import KIND, MachineProfile, Refit
+from partitioner.cluster import ClusterSpec
+from partitioner.plan import Plan
+from runtime.stage_times import FORMAT
 
 _PROBE_S = 1e-3  # the overhead's second point of the linear solve
 
@@ -98,8 +101,6 @@ def _run_paths(path: str | Path) -> tuple[Path, dict]:
 
 def _stage_times(run_dir: Path) -> dict[int, tuple[float, float]]:
     """stage -> (forward, backward) measured seconds per microbatch, averaged over its replicas."""
-    from runtime.stage_times import FORMAT
-
     seen: dict[int, list[tuple[float, float]]] = {}
     for path in sorted(run_dir.glob("stage_times_rank_*.json")):
         try:
@@ -134,8 +135,11 @@ def _scaled_problem(problem, forward: float, backward: float, overhead_s: float 
 
 def _predicted_step_s(plan, problem, cluster, assignment) -> float:
     """The plan's step as compile priced it (make_plan in partitioner/compiler.py)."""
+    # lazy: loads OR-Tools
     from partitioner.solver.evaluate import evaluate
+    # lazy: loads OR-Tools
     from partitioner.solver.grad_norm_cost import computes_global_norm
+    # lazy: loads OR-Tools
     from partitioner.solver.zero_choice import allgather_s
 
     chosen = plan.decisions
@@ -148,7 +152,9 @@ def _predicted_step_s(plan, problem, cluster, assignment) -> float:
 def _stage_compute_s(problem, cluster, assignment) -> list[tuple[float, float]]:
     """Per stage, the (forward, backward) region seconds of one microbatch the plan priced (a
     recomputed region's rerun in the backward, where the runtime runs it)."""
+    # lazy: loads OR-Tools
     from partitioner.solver.problem import region_times_s
+    # lazy: loads OR-Tools
     from partitioner.solver.recompute_cost import recompute_s
 
     b = assignment.microbatch_size
@@ -168,9 +174,9 @@ def _stage_compute_s(problem, cluster, assignment) -> list[tuple[float, float]]:
 
 def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
     """The machine profile refit to a finished run (Note [refit from a run])."""
-    from partitioner.cluster import ClusterSpec
+    # lazy: loads OR-Tools
     from partitioner.inspect.explain import load_priced
-    from partitioner.plan import Plan
+    # lazy: loads OR-Tools
     from partitioner.solver.problem import core_sharing_factor
 
     run_dir, summary = _run_paths(run)

@@ -22,6 +22,7 @@ collective.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import statistics
@@ -31,7 +32,15 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from partitioner.calibrate.features import region_features
+from partitioner.cluster import DEFAULT_LINKS
+from partitioner.lower_tensor_parallel import tensor_parallel_calls
+from runtime.tensor_parallel import mesh_of, shard_stage
 
 _SMALL_ELEMS = 256  # a small all-reduce: the fixed cost, not the bytes
 
@@ -40,10 +49,9 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
     """Seconds per op (forward + backward, as calibrate's ``num_ops`` counts them) that ``gm``
     costs as a tensor-parallel stage beyond the compute the solver divides (Note [tensor-parallel
     overheads]), or None where a process group is already up or nothing would be split."""
-    import torch.distributed as dist
-
-    from partitioner.calibrate.features import region_features
-    from passes.regions import region_table
+    # lazy: loads networkx
+    from passes.region_graph import region_table
+    # lazy: loads networkx
     from passes.tensor_parallel import sharded_parameters
 
     sharded = sharded_parameters(gm)
@@ -58,13 +66,11 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
         kept += (r.fwd_flops + r.bwd_flops) * (share / 2 + 1 - share)
     fraction = kept / flops if flops else 1.0
     plain = _runnable(gm)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
+        # lazy: loads torch.distributed.tensor, torch.utils._sympy (+59 torch modules)
         from torch.distributed.tensor.experimental import implicit_replication
-
-        from runtime.tensor_parallel import mesh_of, shard_stage
 
         stage = _runnable(gm, tp_sharded=sharded)
         stage.parameter_names = tuple(n for n, _ in gm.named_parameters())
@@ -81,8 +87,6 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
 def _runnable(gm: fx.GraphModule, tp_sharded: dict | None = None) -> fx.GraphModule:
     """A copy of ``gm`` as a stage file runs it: no metadata asserts; with ``tp_sharded`` (name ->
     (role, dim)), the calls where a tensor group settles its collectives (partitioner/lower.py)."""
-    from partitioner.lower_tensor_parallel import tensor_parallel_calls
-
     out = copy.deepcopy(gm)
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
@@ -143,8 +147,6 @@ def fit_collectives(points, link_latency_s: float | None = None) -> dict:
     """{"tp_collective_s", "tp_skew"} from ``collective_points``' two (compute s, wait s) points;
     ``link_latency_s``: the intra-node link's latency the solver will add per collective (default
     the cpu preset's)."""
-    from partitioner.cluster import DEFAULT_LINKS
-
     (c_short, w_short), (c_long, w_long) = points
     skew = max(0.0, (w_long - w_short) / (c_long - c_short)) if c_long > c_short else 0.0
     latency_s = DEFAULT_LINKS["cpu"][0].latency_s if link_latency_s is None else link_latency_s
@@ -154,10 +156,6 @@ def fit_collectives(points, link_latency_s: float | None = None) -> dict:
 
 def _collective_worker(rank: int, store_path: str, calls: int) -> None:
     """One of the two processes: ``collective_points`` printed as JSON."""
-    import datetime
-
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
@@ -170,9 +168,6 @@ def _collective_worker(rank: int, store_path: str, calls: int) -> None:
 def collective_points(calls: int) -> list[tuple[float, float]]:
     """(compute seconds, median extra seconds of the all-reduce after it) at two amounts of
     compute, on the default process group of two ranks (also partitioner/calibrate/machine_worker.py)."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
     x, a = torch.ones(_SMALL_ELEMS), torch.randn(64, 64)
 
     def compute(n):

@@ -3,6 +3,7 @@
   commands.py   partitioner compile | inspect | run | verify: the parser and one function a command
   progress.py   compile's progress lines on stderr
   demo.py       `make demo` (``python -m partitioner.cli.demo``): the main job end to end
+  __main__.py   ``python -m partitioner.cli``
 
 The console script is ``partitioner.cli:main``; ``python -m partitioner`` and ``python -m
 partitioner.cli`` run the same. Importing this package imports no torch (`--help` stays fast).

@@ -16,6 +16,12 @@ from pathlib import Path
 from runtime.program_parts import Precision
 from runtime.run_options import add_flags as add_run_flags
 from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
+import partitioner
+from partitioner.cli.progress import CompileProgress, end_open_lines
+from partitioner.cluster import ClusterSpec
+from partitioner.job import load_job, training_settings
+from partitioner.plan import Plan
+from runtime.run_options import RunOptions
 
 EXIT_USAGE = 2
 
@@ -62,13 +68,12 @@ def program_sharded(plan) -> bool:
 
 
 def cmd_compile(args) -> int:
-    import partitioner
-    from partitioner.cluster import ClusterSpec
+    # lazy: loads torch
     from partitioner.models import load_workload
+    # lazy: loads OR-Tools
     from partitioner.solver.solve import SolverConfig
+    # lazy: loads torch
     from runtime.checkpoint import parse_duration_s
-
-    from partitioner.job import load_job, training_settings
 
     job = load_job(args.job) if args.job else None  # Note [training settings merge]: flags win
     if args.cluster:
@@ -121,7 +126,6 @@ def cmd_compile(args) -> int:
         job.training.pop("mtbf_s", None)
     settings = training_settings(job.training if job else None, training,
                                  names=(f"job file {args.job} [training]", "flags"))
-    from partitioner.cli.progress import CompileProgress
 
     say = CompileProgress(quiet=args.quiet, verbose=args.verbose)  # steps, times and the solver, on stderr
     from partitioner.calibrate import CalibrationConfig, DeviceProfile
@@ -168,6 +172,7 @@ def _float_flag(flag: str, text: str) -> float:
 def _checkpoint_target(target: Path, checkpoints: bool):
     """(checkpoint dir, program or None, one step or None) when TARGET names checkpoints: a folder
     of step_N dirs, one step_N dir (or its manifest.json), or a program folder with --checkpoints."""
+    # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
 
     def program_near(folder: Path):  # DIR/checkpoints of a program folder: check the model too
@@ -189,7 +194,9 @@ def _checkpoint_target(target: Path, checkpoints: bool):
 
 
 def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
+    # lazy: loads torch
     from partitioner import inspect
+    # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
 
     for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
@@ -206,9 +213,10 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
 
 
 def cmd_inspect(args) -> int:
+    # lazy: loads torch
     from partitioner import inspect
+    # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
-    from partitioner.plan import Plan
 
     target = Path(args.target)
     if not target.exists():
@@ -252,9 +260,7 @@ def cmd_run(args) -> int:
     """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
-    from partitioner.plan import Plan
-    from runtime.checkpoint import check_writable
-    from runtime.run_options import RunOptions
+    from runtime.checkpoint import check_writable  # lazy: loads torch (the CLI's parser stays torch-free)
 
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
@@ -271,7 +277,7 @@ def cmd_run(args) -> int:
                              f"past it; pass --steps {newest + 1} or more to continue, or another "
                              "--checkpoint-dir to start over")
     if options.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
-        from runtime.tensor_parallel import memory_tier_refusal
+        from runtime.tensor_parallel import memory_tier_refusal  # lazy: loads torch
 
         raise ValueError(memory_tier_refusal(options.memory_tier, plan.tensor_parallel))
     # the workers start elsewhere: every path they are given is absolute
@@ -299,14 +305,15 @@ def cmd_run(args) -> int:
 def cmd_calibrate(args) -> int:
     """This machine's cpu profile: show it (measuring it if absent or with --refresh), or refit
     it from a finished run (Notes [machine profile], [refit from a run])."""
+    # lazy: loads torch
     from partitioner.calibrate import machine
-    from partitioner.cli.progress import CompileProgress
 
     if args.from_run and args.refresh:
         raise ValueError("--refresh measures the machine again and --from-run refits it to a run: give one "
                          "(a refit needs the measurement the run's plan was priced by)")
     say = CompileProgress(prefix="[calibrate] ")
     if args.from_run:
+        # lazy: loads torch
         from partitioner.calibrate.refit import refit_from_run
 
         key = machine.MachineKey.here()
@@ -327,6 +334,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    # lazy: loads torch
     from partitioner.verify import verify
 
     folder = Path(args.dir)
@@ -340,6 +348,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
+    # lazy: loads torch
     from partitioner.export import export
 
     report = export(args.target, args.output, program_dir=args.program)
@@ -476,7 +485,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - user-facing boundary
         from partitioner.errors import PartitionerError
-        from partitioner.cli.progress import end_open_lines
 
         end_open_lines()
         if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError, RuntimeError)):

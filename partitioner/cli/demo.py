@@ -25,6 +25,7 @@ def banner(text: str) -> None:
 
 
 def cli(*argv: str) -> int:
+    # local name: the module's own main is another
     from partitioner.cli import main
 
     print("$ partitioner " + " ".join(argv), flush=True)

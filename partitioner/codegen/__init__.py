@@ -15,6 +15,7 @@ custom ops a stage calls (Note [custom ops travel]).
 
 The lowering passes over the traced graph live here too, in the order they run:
   randomness.py   every random op → a keyed draw (on the unpartitioned graph, before the split)
+  boundary_dtypes.py  each value's dtype under the program's autocast (Note [boundaries in the autocast dtype])
   split.py        one GraphModule per pipeline stage, boundary tensors named for their module
   recompute.py    recomputed regions → checkpointed methods of the stage
   stage_code.py   a stage graph → stage_<k>.py (Note [stage code])

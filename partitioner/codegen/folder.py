@@ -54,6 +54,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         if user_files and check_user_files is not None:
             check_user_files(tmp)
         if state is not None:
+            # lazy: loads safetensors
             from safetensors.torch import save_file
 
             (tmp / "weights").mkdir()

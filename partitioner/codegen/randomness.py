@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from partitioner.trace import trace
 from runtime import randomness as keyed
 
 aten = torch.ops.aten
@@ -181,8 +182,6 @@ def keyed_graph(workload, microbatch_size: int) -> tuple[fx.GraphModule, list[Ke
     """The unpartitioned model as verify's oracle runs it when it has random ops: traced at one
     microbatch (the program's shapes), random ops lowered exactly as in the program's stage files,
     so that it draws the program's masks in one process."""
-    from partitioner.trace import trace
-
     traced = trace(workload.model, workload.example_args_at(microbatch_size),
                    workload.example_kwargs_at(microbatch_size))
     lowered = lower_randomness(traced.gm, batch_size=microbatch_size)

@@ -48,12 +48,14 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch._library.custom_ops import OPDEFS
 from torch.fx.graph import dtype_abbrs, magic_methods
 from torch.fx.node import _get_qualified_name
 
 from partitioner import ir
 from partitioner.codegen.recompute import MethodRef
 from partitioner.codegen.split import StageGraph
+from partitioner.inspect.units import human_bytes
 from partitioner.plan import Plan
 from runtime.pipeline_schedules import schedule_named
 from runtime.recompute import checkpointed
@@ -79,8 +81,6 @@ def custom_ops(*graphs: fx.Graph) -> dict[str, tuple]:
     runtime/user_code.py); else the package named like the namespace. An op with none is refused
     at compile time. Lowering decides each import (``UserSources.op_imports``) before any file is
     written; ``op_modules`` reads them per stage."""
-    from torch._library.custom_ops import OPDEFS
-
     ops: dict[str, tuple] = {}
     for node in (n for graph in graphs for n in graph.nodes):
         target = node.target
@@ -180,7 +180,7 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     (Note [recompute keeps a region's inputs] in partitioner/codegen/recompute.py)."""
     if not stage.checkpointed:
         return []
-    from partitioner.inspect.units import human_bytes
+
     sp = plan.stages[stage.index]
     regions = list(dict.fromkeys(run.region for run in stage.checkpointed))
     saved_per_sample = sum(r.activation_bytes for r in plan.regions if r.name in regions)

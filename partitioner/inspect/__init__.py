@@ -3,15 +3,16 @@
 Everything here reads plan.json or a checkpoint folder only (plain data, no model, nothing
 executed): a plan copied off a cluster can be inspected anywhere.
 
-    units        SI counts, byte units, milliseconds, padded columns, stage colours
-    table        the terminal table (`inspect DIR`, ``compile(...).summary()``)
-    json_view    `inspect --json` (docs/design.md §11 fields and more)
-    graph        the region graph coloured by stage: Graphviz (`--dot`) and the page's SVG
-    timeline     the predicted pipeline timeline (runtime/schedule.py's simulation, timed)
-    page         `inspect --html`: one self-contained page
-    explain      `inspect --node`: where a node sits and what moving it costs, priced by the
-                 solver on the problem plan.json stores
-    checkpoints  `inspect CKPT_DIR` / `--checkpoints`: valid or why not, and what a resume picks
+    units.py        SI counts, byte units, milliseconds, padded columns, stage colours
+    table.py        the terminal table (`inspect DIR`, ``compile(...).summary()``)
+    json_view.py    `inspect --json` (docs/design.md §11 fields and more)
+    layout.py       which ranks form each tensor group, stage and replica (table and --json)
+    graph.py        the region graph coloured by stage: Graphviz (`--dot`) and the page's SVG
+    timeline.py     the predicted pipeline timeline (runtime/schedule.py's simulation, timed)
+    page.py         `inspect --html`: one self-contained page
+    explain.py      `inspect --node`: where a node sits and what moving it costs, priced by the
+                    solver on the problem plan.json stores
+    checkpoints.py  `inspect CKPT_DIR` / `--checkpoints`: valid or why not, and what a resume picks
 """
 
 from partitioner.inspect import checkpoints

@@ -2,20 +2,35 @@
 
     problem.py          RegionCost / Edge / SharedParam / PartitionProblem, Assignment, the time model, links
     evaluate.py         evaluate(): the float cost model (Notes [cost model], [memory model])
+    recompute_cost.py   what recomputing a region costs a microbatch (Note [recompute fixed cost])
+    precision_cost.py   the precision policy as a transformed problem and cluster
+    grad_norm_cost.py   what the global gradient norm costs a step, where the program computes it
+    sdc_cost.py         what the replica digest check (runtime/sdc.py) costs a step, beside the plan
+    tensor_parallel.py  a tensor group planned as one device (Notes [tensor groups], [tensor-parallel pricing])
+    interleaved.py      the facts of torch's interleaved 1F1B the cost model prices (Note [interleaved pricing])
+    schedules.py        each schedule with its price: pipeline time, lower bound (Note [one class per schedule])
     bounds.py           lower bounds on the step time, for pruning and for the report
     check.py            check_assignment(): the independent verifier
     model.py            the CP-SAT model of one (stages, dp, microbatches) candidate; SolverConfig
     model_placement.py  its constraint families, one module a concern: placement,
     model_time.py         time and the objective,
     model_memory.py       memory,
+    model_interleaved.py  the interleaved schedule's time and memory,
     model_hints.py        hints and search help
     terms.py            a linear expression kept as terms (posted and evaluated on hints)
+    placements.py       every distinct placement of a candidate's stages on a mixed cluster
+    placed.py           one candidate over its placements, exactly or by the relaxation
+    space.py            the space searched: (stages, dp, microbatches) x variants (tp, sharding)
+    candidate.py        one candidate: (stages, dp, microbatches, microbatch size, schedule) as one value
     candidates.py       the candidates solve() enumerates, and their pruning
-    solve.py            solve(): solve each candidate, keep the best, verify
+    solve.py            solve(): solve each candidate, keep the best, verify (Note [honest optimality])
+    solution.py         what solve() returns and records per candidate, and its progress reports
+    schedule_choice.py  `--schedule auto`: one solve per schedule, the faster plan kept
+    zero_choice.py      whether to shard the optimizer state (Note [sharding as a candidate])
     baselines.py        uniform-by-layer and parameter-balanced splits
+    fair_baselines.py   each baseline at its own best configuration (Note [fair baselines])
     chain_dp.py         exact dynamic program for chains (the ILP's oracle in tests)
     serialize.py        problem and assignment to and from plain dicts (plan.json)
-    sdc_cost.py         what the replica digest check (runtime/sdc.py) costs a step, beside the plan
 """
 
 from partitioner.solver.baselines import BaselineCost, evaluate_baselines, param_balanced_split, uniform_split

@@ -6,15 +6,15 @@ the variables and solves; the families live beside it, one mixin a concern:
   model_placement.py  upto, in_stage, recompute, tie holding, device classes
   model_time.py       stage times, bottleneck, prefix work, all-reduce, ties, the objective
   model_memory.py     every stage's memory within its capacity
-  model_hints.py      hints, the objective cap and the stage fixings it implies (Note [no clamped bound]
+  model_hints.py      hints, the objective cap and the stage fixings it implies (Note [search help])
+
+Note [no clamped bound]
     CP-SAT's bound is a bound on the model's optimum, and the plan's own objective (re-evaluated at
     tight values, Note [tight objective]) is the objective of a feasible assignment of the same
     model, so bound <= objective always holds for a sound model. A bound above it means the tight
     values of the plan violate some constraint (a family that does not transcribe ``evaluate``,
     or an epigraph variable forced above its terms): ``solve`` raises InconsistentBoundError
     instead of lowering the bound to the objective and calling the plan OPTIMAL.
-
-Note [search help])
 
 Note [ILP scaling]
     Time is counted in integer units of ``time_unit_s`` (1 us, or finer for models whose whole
@@ -353,7 +353,7 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
             stage_classes = tuple(self.classes)
         else:
             stage_classes = tuple(next(c for c in self.classes if solver.value(self.on_class[s][c])) for s in range(p))
-        # Note [tight objective]: report the plan's own objective, not CP-SAT's variable values.
+        # report the plan's own objective, not CP-SAT's variable values (Note [tight objective])
         objective = self.objective.value(self.hint_values(stage_of_region, recompute, stage_classes))
         slack = self._rounding_slack(stage_of_region, recompute)
         if self.minimize_memory:  # CP-SAT's objective is the overflow there: no bound on time

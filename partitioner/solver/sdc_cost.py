@@ -26,6 +26,7 @@ DEFAULT_ACCELERATOR_DIGEST_BYTES_PER_S = 1e12
 def default_every(dp: int) -> int:
     """The plan's K when the training settings leave ``sdc_every`` out: the runtime's default with
     replicas to compare, else 0 (off)."""
+    # lazy: loads torch
     from runtime.sdc import DEFAULT_EVERY
 
     return DEFAULT_EVERY if dp > 1 else 0

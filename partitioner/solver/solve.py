@@ -138,7 +138,7 @@ def solve(
 
     # (bound, strong?, p, d, m, variant, tries); Note [candidate pruning]
     queue = [(cheap_bound(p, d, m, v), False, p, d, m, v, 0) for p, d, m, v in candidates]
-    # Note [whole-space lower bound]
+    # the smallest cheap bound over the whole space (Note [whole-space lower bound])
     whole_space_lower_s = min(bound for bound, *_ in queue)
     heapq.heapify(queue)
     start = time.perf_counter()
@@ -225,7 +225,7 @@ def solve(
             records.append(record(p, d, m, v, "PRUNED", None, lower, 0.0))
     if best is None:
         _raise_infeasible(space, global_batch, records, schedule, config)
-    # Note [fair baselines]: a person's pipeline x data-parallel split over the plan's own tensor
+    # a person's pipeline x data-parallel split (Note [fair baselines]) over the plan's own tensor
     # groups (at tp 1 on the same --tp N request it would leave (N - 1)/N of the devices idle)
     base_problem, base_cluster = space.grouped(best.tensor_parallel)
     baselines = best_baselines(base_problem, base_cluster,
@@ -247,7 +247,7 @@ def solve(
         status = "FEASIBLE"
         bound = min(bound, max(0, math.floor(min(open_bounds) / best.time_unit_s)))
     report(finished=True, status=status, bound_s=bound * best.time_unit_s)
-    # Note [whole-space lower bound]: never lowered to the plan's time; one above it is a bound bug
+    # never lowered to the plan's time; one above it is a bound bug (Note [whole-space lower bound])
     if whole_space_lower_s > best.step_time_s * (1 + 1e-9) + slack_s:
         raise InconsistentBoundError(best.objective or 0, math.ceil(whole_space_lower_s / best.time_unit_s),
                                      best.step_time_s / best.time_unit_s, "whole-space lower bound")
@@ -304,7 +304,15 @@ def _bounds_for_baselines(queue, records, space, tp: int = 1) -> dict:
 
 
 def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedule, config, best) -> str:
-    """What the plan's OPTIMAL is a proof over, in words (``partitioner inspect`` prints it)."""
+    """What the plan's OPTIMAL is a proof over, in words (``partitioner inspect`` prints it).
+
+    Note [honest optimality]: OPTIMAL is a proof over the cost model for the space the request
+    allows, never over every plan a person could write, so the plan says which space: the region
+    granularity (compiler.py adds it), each of stages, dp and microbatches fixed or searched (and
+    the microbatch cap), the schedule, recompute, the rank layout (fixed on one device class,
+    enumerated placements or their relaxation on mixed ones) and the integer units the ILP rounds
+    to; the enumeration adds its tensor-parallel degrees and sharding (``Space.scope_words``).
+    A reader who sees OPTIMAL without this would take it for more than was proved."""
     limit = f", at most {config.max_microbatches}" if config.max_microbatches is not None and microbatches is None else ""
     parts = [
         f"stages {num_stages} (fixed)" if num_stages is not None else "every stage count",

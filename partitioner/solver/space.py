@@ -28,6 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partitioner.solver.candidates import enumerate_candidates
+from partitioner.solver.evaluate import evaluate
+from partitioner.solver.sdc_cost import default_every
+from partitioner.solver.tensor_parallel import group_cluster, tp_priced_problem
+from partitioner.solver.zero_choice import SHARD_CHOICES, allgather_s, sharded_problem
+
 __all__ = ["Variant", "SearchSpace", "StepTerms"]
 
 
@@ -52,7 +58,6 @@ class StepTerms:
     def every(self, dp: int) -> int:
         if self.sdc_every is not None:
             return self.sdc_every
-        from partitioner.solver.sdc_cost import default_every
 
         return default_every(dp)
 
@@ -81,8 +86,6 @@ class SearchSpace:
 
     def __init__(self, problem, cluster, *, tp_degrees=(1,), shard: str = "off", tp_dp: bool = True,
                  tp_shard: bool | None = None, step_terms: StepTerms | None = None):
-        from partitioner.solver.zero_choice import SHARD_CHOICES
-
         if shard not in SHARD_CHOICES:
             raise ValueError(f"shard_optimizer {shard!r} is not one of {list(SHARD_CHOICES)}")
         degrees = sorted(set(tp_degrees))
@@ -98,8 +101,6 @@ class SearchSpace:
     def grouped(self, tp: int):
         """(problem, cluster) with tensor groups of ``tp`` as devices."""
         if tp not in self._grouped:
-            from partitioner.solver.tensor_parallel import group_cluster, tp_priced_problem
-
             self._grouped[tp] = ((self.problem, self.cluster) if tp == 1 else
                                  (tp_priced_problem(self.problem, self.cluster, tp), group_cluster(self.cluster, tp)))
         return self._grouped[tp]
@@ -108,8 +109,6 @@ class SearchSpace:
         """(problem, cluster) the ILP solves for ``variant`` at ``dp`` replicas."""
         key = (variant, dp if variant.sharded else 0)
         if key not in self._inputs:
-            from partitioner.solver.zero_choice import sharded_problem
-
             problem, cluster = self.grouped(variant.tp)
             self._inputs[key] = (sharded_problem(problem, dp) if variant.sharded else problem, cluster)
         return self._inputs[key]
@@ -120,12 +119,8 @@ class SearchSpace:
         problem, cluster = self.inputs(variant, assignment.dp)
         extra = 0.0
         if variant.sharded:
-            from partitioner.solver.zero_choice import allgather_s
-
             extra += allgather_s(problem, cluster, assignment)
         if self.step_terms.any:
-            from partitioner.solver.evaluate import evaluate
-
             # Note [no replica check on sharded state] in runtime/sdc.py: a sharded plan runs none
             every = 0 if variant.sharded else self.step_terms.every(assignment.dp)
             cost = evaluate(problem, cluster, assignment, sdc_every=every, global_norm=self.step_terms.global_norm)
@@ -133,7 +128,7 @@ class SearchSpace:
         return extra
 
     def sharding_relaxes(self, tp: int, dp: int) -> bool:
-        """Note [one enumeration]: sharded plans at ``dp`` are never slower nor larger than unsharded ones."""
+        """Sharded plans at ``dp`` are never slower nor larger than unsharded ones (Note [one enumeration])."""
         problem, cluster = self.grouped(tp)
         if any(device.kind == "cpu" for device in cluster.devices):  # gloo's extra all-gather
             return False
@@ -161,8 +156,6 @@ class SearchSpace:
 
     def candidates(self, global_batch, num_stages, dp, microbatches, config, schedule):
         """Every (p, d, m, variant) the request allows (candidates.enumerate_candidates per degree)."""
-        from partitioner.solver.candidates import enumerate_candidates
-
         out = []
         for tp in self.tp_degrees:
             problem, cluster = self.grouped(tp)
@@ -175,7 +168,6 @@ class SearchSpace:
         """The tie-break of Note [sharding as a candidate] for a relaxed winner (Note [one enumeration])."""
         if not variant.sharded or self.shard != "auto" or not self.sharding_relaxes(variant.tp, assignment.dp):
             return variant
-        from partitioner.solver.evaluate import evaluate
 
         problem, cluster = self.grouped(variant.tp)
         return Variant(variant.tp, False) if evaluate(problem, cluster, assignment).fits_memory else variant

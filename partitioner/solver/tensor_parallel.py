@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from partitioner.cluster import ClusterSpec
+from partitioner.solver.problem import measured_or_preset
 
 
 def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
@@ -54,7 +55,7 @@ def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
             first, name=f"{first.name}..{members[-1].name}",
             memory_bytes=first.memory_bytes * tp, flops_per_s=first.flops_per_s * tp,
             memory_reserve_bytes=first.memory_reserve_bytes * tp))
-    # Note [collectives as NCCL runs them]: each member all-reduces its own share of the group's gradients
+    # each member all-reduces its own share of the group's gradients (Note [collectives as NCCL runs them])
     return dataclasses.replace(cluster, devices=tuple(groups), collective_lanes=cluster.collective_lanes * tp)
 
 
@@ -151,8 +152,6 @@ def skew(problem, kind: str) -> float:
 
 
 def _overhead(measured, kind: str, preset_field: str) -> float:
-    from partitioner.solver.problem import measured_or_preset
-
     return measured_or_preset(measured, kind, preset_field)
 
 

@@ -27,6 +27,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from partitioner.solver.evaluate import evaluate
+from partitioner.solver.problem import core_sharing_factor, plan_links
+
 SHARD_CHOICES = ("auto", "on", "off")
 
 
@@ -43,9 +46,6 @@ def sharded_problem(problem, dp: int):
 
 def allgather_s(problem, cluster, assignment) -> float:
     """The all-gather a sharded plan adds on gloo (cpu devices); 0 under NCCL or at dp 1."""
-    from partitioner.solver.evaluate import evaluate
-    from partitioner.solver.problem import core_sharing_factor, plan_links
-
     d = assignment.dp
     if d < 2 or cluster.devices[0].kind != "cpu":
         return 0.0

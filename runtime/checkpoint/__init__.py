@@ -4,22 +4,30 @@ this package re-exports the names callers use (``from runtime import checkpoint 
 
 Rooms
 -----
-shard     the shard format, its layout for the disk (``shard_pieces``, streamed) and for preallocated memory
-          (``ShardLayout``), its one reader (``parse_shard``) (Note [checkpoint format])
-state     what a shard holds of a RankTrainer (``state_entries``, ``snapshot``, RNG states) and how
-          a loaded one goes back in (``LoadedCheckpoint``, ``take_state``, ``restore``)
-durable   tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``;
-          ``write_pieces_atomic`` streams buffers and hashes them while writing
-writers   which rank writes each name (``writes_of_ranks``, ``assign_writers``; Note [one writer per byte])
-delta     lossless incremental shards: XOR against the last commit, byte planes, zstd (Note [lossless deltas])
-manifest  the commit record (``manifest_for``, ``write_manifest``, ``read_manifest`` with its schema
-          check), the step directories, pruning to N that verify, debris, ``commit_local``
-          (Notes [crash consistency], [manifest schema])
-load      verified, possibly resharded loads of what one rank needs (``load_for_rank``,
-          ``find_valid``, ``loaded_from_bytes`` for the memory tier's bytes)
-interval  Young/Daly (``young_daly_interval``), ``parse_duration_s``
-persist   ``Checkpointer``: checkpoint points, the background persist, the distributed commit
-          (Note [distributed commit])
+shard.py      the shard format, its layout for the disk (``shard_pieces``, streamed) and for
+              preallocated memory (``ShardLayout``), its one reader (``parse_shard``) (Note
+              [checkpoint format])
+state.py      what a shard holds of a RankTrainer (``state_entries``, ``snapshot``, RNG states) and
+              how a loaded one goes back in (``LoadedCheckpoint``, ``take_state``, ``restore``)
+tp_pieces.py  a tensor-parallel rank's piece of a split parameter and its place; stitching the
+              whole back at any degree (Notes [tensor-parallel pieces], [sharded state with
+              tensor parallelism])
+durable.py    tmp + fsync + rename + fsync dir, every step through a ``runtime.faults.FaultPoint``;
+              ``write_pieces_atomic`` streams buffers and hashes them while writing
+writers.py    which rank writes each name (``writes_of_ranks``, ``assign_writers``; Note [one
+              writer per byte])
+delta.py      lossless incremental shards: XOR against the last commit, byte planes, zstd (Note
+              [lossless deltas])
+manifest.py   the commit record (``manifest_for``, ``write_manifest``, ``read_manifest`` with its
+              schema check), the step directories, pruning to N that verify, debris,
+              ``commit_local`` (Notes [crash consistency], [manifest schema])
+load.py       verified, possibly resharded loads of what one rank needs (``load_for_rank``,
+              ``find_valid``, ``loaded_from_bytes`` for the memory tier's bytes)
+interval.py   Young/Daly (``young_daly_interval``), ``parse_duration_s``
+persist.py    ``Checkpointer``: checkpoint points, the background persist, the distributed commit
+              (Note [distributed commit])
+shared.py     is the checkpoint folder one folder for every node? checked once at the start of a
+              multi-node run (Note [shared checkpoint folder])
 
 Everything but ``persist`` works without a process group. The start-up side (which checkpoint
 every rank resumes from, and the memory tier before it) is runtime/recovery.py; the memory tier

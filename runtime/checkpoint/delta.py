@@ -25,6 +25,7 @@ import hashlib
 import torch
 
 from runtime.checkpoint.shard import _ST_BY_NAME, _ST_DTYPES, tensor_bytes
+from runtime.checkpoint.state import Snapshot
 from runtime.errors import CheckpointCorruptError
 
 CODEC = "xor-byteplanes-zstd/1"
@@ -35,6 +36,7 @@ LEVEL = 1  # zstd's fastest standard level: the planes of a delta are mostly zer
 
 def _zstd():
     try:
+        # optional dependency: zstandard (the [compression] extra); the except below handles its absence
         import zstandard
     except ImportError:
         raise ValueError("--checkpoint-compression lossless needs the zstandard package: "
@@ -97,8 +99,6 @@ def encode_snapshot(snap, base: dict[str, torch.Tensor] | None, base_step: int |
     """The Snapshot ``snap`` with every tensor but the RNG states encoded (Note [lossless
     deltas]); a delta against ``base`` (the previous committed checkpoint's tensors, by key) where
     it holds the same key with the same shape and dtype."""
-    from runtime.checkpoint.state import Snapshot
-
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     for key, t in snap.tensors.items():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.checkpoint.delta import decode_shard
 from runtime.checkpoint.manifest import _bare_name, check_model, list_step_dirs, read_manifest
 from runtime.checkpoint.shard import parse_shard, step_dirname
 from runtime.checkpoint.state import LoadedCheckpoint, pieces_complete, take_pieces, take_state
@@ -66,8 +67,6 @@ def _name_of(key: str) -> str:
 
 
 def _decoded(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cache: dict):
-    from runtime.checkpoint.delta import decode_shard
-
     enc = meta["encoding"]
     base_step = enc.get("base_step") if isinstance(enc, dict) else None
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+import torch.distributed as dist
+
 MARKER = ".shared-check-"
 
 
@@ -36,8 +39,6 @@ def check_shared(ckpt_dir: str, rank: int, hosts, device) -> list[int]:
     folder rank 0 writes to; rank 0 prints the warning. Nothing runs on a single host."""
     if len(set(hosts)) < 2:
         return []
-    import torch
-    import torch.distributed as dist
 
     token = torch.zeros(16, dtype=torch.uint8, device=device)
     if rank == 0:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.checkpoint.shard import FORMAT
+from runtime.checkpoint.tp_pieces import piece_entries
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program import Program
 from runtime.tensor_parallel import from_full, local
+from runtime.zero import full_state
 
 # ---------------------------------------------------------------------------------------------
 # Taking the state
@@ -66,8 +68,6 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
     Parameters and Adam state are the live tensors: the caller copies them before the optimizer
     next runs. Mutable buffers are copied now, because the next forward updates them while a
     background copy may still be running."""
-    from runtime.checkpoint.tp_pieces import piece_entries
-
     tensors: list[tuple[str, torch.Tensor]] = []
     names, param_steps, tp_pieces = [], {}, {}
     for name, p in trainer.named_parameters().items():
@@ -316,8 +316,6 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
 def _unshard_optim(trainer, ckpt: LoadedCheckpoint) -> None:
     """Sharded pieces -> whole Adam state by name, for a trainer without sharding (a reshard to
     dp 1 or to replicated state)."""
-    from runtime.zero import full_state
-
     for name, p in trainer.named_parameters().items():
         if name not in ckpt.optim:
             st = full_state(name, p.numel(), p.shape, ckpt.optim, ckpt.optim_pieces)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import CheckpointCorruptError
+from runtime.tensor_parallel import local, shard_layout
+from runtime.zero import piece_state
 
 KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -27,8 +29,6 @@ def piece_entries(name: str, param: torch.Tensor, state: dict, tensors: list) ->
     """Append this rank's piece of a split parameter (and its Adam state) to ``tensors``; returns
     the piece's [dim, start, end, size], or None for a tensor that is not split (the caller writes
     it whole)."""
-    from runtime.tensor_parallel import local, shard_layout
-
     layout = shard_layout(param)
     if layout is None:
         return None
@@ -97,8 +97,6 @@ def stitch_sharded_tp_state(loaded, needed: list[str], read: dict, manifest: dic
     """Whole Adam state in ``loaded.optim`` for every needed name whose state was written as
     tensor-parallel ZeRO pieces (Note [sharded state with tensor parallelism]): every shard of the
     stages holding the name is read (verified like any shard) for its pieces."""
-    from runtime.zero import piece_state
-
     if not any((meta.get("optim_tp_pieces") or {}) for _t, meta in read.values()):
         return
     entries = sorted(manifest["shards"], key=lambda e: e["rank"])

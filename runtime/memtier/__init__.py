@@ -5,13 +5,13 @@ re-exports the names callers use (``from runtime import memtier``).
 
 Rooms
 -----
-groups    hosts of ranks, redundancy groups and mode (``plan_redundancy``), host memory they cost
-          (``memory_cost``); no torch: the compiler plans with it (Note [redundancy])
-parity    XOR parity: chunks, stripes, a survivor's piece, the rebuild
-slots     shared-memory slots, whole or absent, and one rank's set of them (``LocalStore``)
-          (Note [memory tier layout])
-tier      ``MemoryTier`` (snapshots copied in the background, the redundancy exchange, clean-up)
-          and ``settings_from`` (Note [memory snapshot])
+groups.py  hosts of ranks, redundancy groups and mode (``plan_redundancy``), host memory they cost
+           (``memory_cost``); no torch: the compiler plans with it (Note [redundancy])
+parity.py  XOR parity: chunks, stripes, a survivor's piece, the rebuild
+slots.py   shared-memory slots, whole or absent, and one rank's set of them (``LocalStore``)
+           (Note [memory tier layout])
+tier.py    ``MemoryTier`` (snapshots copied in the background, the redundancy exchange, clean-up)
+           and ``settings_from`` (Note [memory snapshot])
 
 A slot holds a shard in the disk format, written by runtime.checkpoint.ShardLayout and read by
 runtime.checkpoint.parse_shard. Recovery from the tier (own slot, peer copy, parity, else disk)

@@ -39,7 +39,9 @@ import json
 import mmap
 import os
 import shutil
+import socket
 import stat
+import tempfile
 import threading
 import time
 
@@ -65,7 +67,6 @@ class UnsafeMemoryDir(RuntimeError):
 def default_base() -> str:
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         return "/dev/shm"
-    import tempfile
     return tempfile.gettempdir()
 
 
@@ -163,7 +164,6 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _host_tag() -> str:
-    import socket
     return "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())[:64] or "host"
 
 

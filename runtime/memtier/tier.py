@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from runtime import faults
 from runtime.faults import say
@@ -72,8 +73,6 @@ class MemoryTier:
     on every rank in the same order as the other groups (it creates a gloo group)."""
 
     def __init__(self, trainer, settings: Settings, *, ckpt_dir: str, timeout=None, run_dir: str | None = None):
-        import torch.distributed as dist
-
         self.trainer, self.settings, self.run_dir = trainer, settings, run_dir
         program = trainer.program
         self.rank, self.world = trainer.rank, dist.get_world_size()
@@ -122,8 +121,6 @@ class MemoryTier:
         """Whether every host's shared memory holds what the tier will write there (a full tmpfs
         kills a writer with SIGBUS); agreed by all ranks. When not, the run goes on from disk only
         (one warning) and the caller drops the tier (``enabled`` False)."""
-        import torch.distributed as dist
-
         est = sum(p.numel() * p.element_size() for p in trainer.named_parameters().values()) * 3 + (1 << 20)
         mine = torch.tensor([est], dtype=torch.int64)
         rows = [torch.zeros_like(mine) for _ in range(self.world)]
@@ -149,7 +146,7 @@ class MemoryTier:
             self.snapshot(done)
 
     def snapshot(self, done: int) -> float:
-        """Note [memory snapshot]: at the step boundary, join the previous background work and
+        """At the step boundary (Note [memory snapshot]), join the previous background work and
         capture what is not a tensor; the copy into shared memory runs in the background thread,
         overlapping the next step's forward and backward, and the optimizer's next step waits for
         it (a step pre-hook) before it changes a parameter. Returns the stall so far."""
@@ -212,9 +209,7 @@ class MemoryTier:
             self.error = exc
 
     def _exchange(self, slot: Slot, step: int, nbytes: int, sha: str) -> None:
-        """Note [redundancy]: all-gather (step, bytes, sha256), then copy or parity."""
-        import torch.distributed as dist
-
+        """All-gather (step, bytes, sha256), then copy or parity (Note [redundancy])."""
         row = torch.zeros(34, dtype=torch.int64)
         row[0], row[1] = step, nbytes
         row[2:] = torch.tensor(list(bytes.fromhex(sha)), dtype=torch.int64)
@@ -265,8 +260,6 @@ class MemoryTier:
     def finish(self, *, cleanup: bool = True) -> None:
         """Join the background work, write the stats; after a clean run remove the memory tier (its
         own folder; never --memory-dir itself)."""
-        import torch.distributed as dist
-
         self._join()
         if self.run_dir and self.stats:
             os.makedirs(self.run_dir, exist_ok=True)

@@ -249,7 +249,7 @@ def test_a_held_buffer_costs_memory_not_time():
 
 
 def test_a_region_that_updates_running_statistics_is_never_priced_as_saving_by_recompute():
-    """Note [recompute never updates twice]: recomputing it would update the statistics twice."""
+    """Note [recompute never updates twice] holds: recomputing it would update the statistics twice."""
     from partitioner.analysis import analyze, build_problem, updating_regions
 
     wl = workload()

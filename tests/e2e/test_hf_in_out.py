@@ -122,7 +122,7 @@ def test_falcon_and_resnet_from_plain_config_files_verify(hf):
 
 
 def test_meta_built_ranks_start_from_the_oracles_weights(hf):
-    """Note [own initialisation per rank]: each stage of a meta-built program materialises the very
+    """Note [own initialisation per rank] holds: each stage of a meta-built program materialises the very
     values the CPU-built model has, GPT-2's scaled residual projections included."""
     oracle = load_workload(f"hf:{hf['dirs']['gpt2']}")
     state = dict(oracle.model.named_parameters(remove_duplicate=False))

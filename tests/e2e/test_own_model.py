@@ -39,7 +39,7 @@ def test_own_model_file_compiles_runs_and_verifies_from_the_cli(user_dir, tmp_pa
     cli("compile", "my_model.py:build", "-o", "out", "--devices", "2", "--stages", "2", "--global-batch", "8",
         "-q", cwd=user_dir)
     plan = json.loads((user_dir / "out" / "plan.json").read_text())
-    # Note [user code travels]: the file went into the folder, hashed, and the program names the copy.
+    # Note [user code travels] holds: the file went into the folder, hashed, and the program names the copy.
     assert plan["program"]["data"]["make_batch"][0] == "user/my_model.py:make_batch"
     assert plan["program"]["data"]["loss_fn"][0] == "user/my_model.py:loss"
     assert "user/my_model.py" in plan["files"]
@@ -59,7 +59,7 @@ def test_dict_batch_model_with_a_job_file_runs_and_verifies(user_dir, tmp_path):
     program = plan["program"]
     assert program["world_size"] == 2  # the job file's cluster: 2 cpu devices
     assert program["data"]["keywords"] == ["input_ids", "attention_mask", "labels"]
-    # Note [training settings merge]: the flag beats the job file, the job file beats the defaults,
+    # Note [training settings merge] holds: the flag beats the job file, the job file beats the defaults,
     # and what neither says keeps its default.
     optimizer = program["optimizer"]
     assert optimizer["lr"] == 0.003

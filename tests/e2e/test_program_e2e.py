@@ -171,7 +171,7 @@ def test_hf_llama_and_bert_train_like_one_process(folders, name, builder):
 
 
 def test_mixture_of_experts_stage_files_import_their_custom_op_and_train_like_one_process(folders):
-    """Note [custom ops travel]: the stage files call torch.ops.transformers.*, which exists only
+    """Note [custom ops travel] holds: the stage files call torch.ops.transformers.*, which exists only
     once transformers' MoE module has run; a torchrun worker imports nothing else."""
     root, _ = folders
     for k in (0, 1):

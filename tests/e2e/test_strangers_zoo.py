@@ -92,7 +92,7 @@ def test_recurrent_dropout_between_layers_is_refused_with_the_fix_and_a_single_l
 
 
 def test_a_recurrent_layer_is_never_planned_on_a_tensor_group():
-    """Note [no fused recurrent ops on a tensor group]: DTensor cannot run the fused op, so --tp 2
+    """Note [no fused recurrent ops on a tensor group] holds: DTensor cannot run the fused op, so --tp 2
     is refused at compile time, and the search without --tp keeps tp 1."""
     import partitioner
     from partitioner.cluster import ClusterSpec

@@ -242,7 +242,7 @@ def test_tensor_parallel_with_sharded_optimizer_state_trains_like_one_process(ru
 
 
 def test_a_sharded_tensor_parallel_checkpoint_stores_both_layouts_and_resumes_at_tp_1(runs):
-    """Note [sharded state with tensor parallelism]: each rank's AdamW piece of a split parameter
+    """Note [sharded state with tensor parallelism] holds: each rank's AdamW piece of a split parameter
     is of its tensor-parallel shard, with both places; the run resumed at tp 1 x dp 4 matches the
     oracle's steps 2 and 3."""
     root, plans = runs

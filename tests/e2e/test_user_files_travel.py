@@ -73,7 +73,7 @@ def test_a_model_file_importing_its_siblings_compiles_runs_and_verifies(travelle
 
 
 def test_a_custom_op_defined_in_the_model_file_is_imported_from_the_copy_and_trains(travelled):
-    """Note [custom ops travel]: the stage file calling torch.ops.own_model.round_ste imports the
+    """Note [custom ops travel] holds: the stage file calling torch.ops.own_model.round_ste imports the
     copied model file by its name; the op's registered backward (straight-through) is what the
     ranks train with, as the oracle does (round's own gradient is zero: a dropped backward would
     leave `inp` untrained and fail the comparison)."""

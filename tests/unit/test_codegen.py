@@ -12,7 +12,7 @@ from runtime.stage import build_stage
 
 
 def test_meta_model_ranks_draw_the_same_weights_under_any_partition(tmp_path):
-    """Note [materialize per rank]: values depend on the parameter's name, not on the plan."""
+    """Note [materialize per rank] holds: values depend on the parameter's name, not on the plan."""
     def tiny():
         return gpt(layers=3, width=32, heads=2, vocab=64, seq=16, device="meta")
 

@@ -3,6 +3,8 @@ e2e test runs, the job and cluster examples parse, the Python floor is stated an
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import tomllib
 from pathlib import Path
@@ -47,3 +49,95 @@ def test_python_floor_is_stated_and_checked():
     with pytest.raises(ImportError, match=r"needs Python 3.11 or newer.*this is Python 3.10.12.*python3.11 -m venv"):
         check_python((3, 10, 12))
     check_python((3, 11, 0))
+
+
+# ---- docs/design.md against the code --------------------------------------------------------------
+DESIGN = (REPO / "docs/design.md").read_text()
+
+
+def _section(number: int) -> str:
+    start = DESIGN.index(f"\n## {number}. ")
+    return DESIGN[start:DESIGN.index("\n## ", start + 1)]
+
+
+def metadata_rows(text: str) -> dict[str, tuple[str, set[str]]]:
+    """§4's table: key -> (writer module path, reader module paths)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[2], {r.strip() for r in cells[3].split(",") if r.strip()})
+    return rows
+
+
+@functools.cache
+def _ir_names() -> dict[str, frozenset[str]]:
+    """Module path -> the ``ir.<NAME>`` attributes it uses, over partitioner/ and passes/."""
+    out = {}
+    for path in sorted([*(REPO / "partitioner").rglob("*.py"), *(REPO / "passes").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        out[str(path.relative_to(REPO).with_suffix(""))] = frozenset(
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "ir")
+    return out
+
+
+def key_readers(constant: str, writer: str) -> set[str]:
+    """The modules of partitioner/ and passes/ that name ``ir.<constant>``, but ir.py and the writer."""
+    return {module for module, names in _ir_names().items()
+            if constant in names and module not in ("partitioner/ir", writer)}
+
+
+def table_problems(rows, value_types, writers, constants, readers_of) -> list[str]:
+    problems = [f"§4 has no row for {key}" for key in value_types if key not in rows]
+    problems += [f"§4 lists {key}, which partitioner/ir.py does not define" for key in rows if key not in value_types]
+    for key, (writer, readers) in rows.items():
+        if key not in value_types:
+            continue
+        want = writers[key].rsplit(".", 1)[0].replace(".", "/")
+        if writer != want:
+            problems.append(f"§4: {key}'s writer is {want} (partitioner/ir.py WRITER), not {writer}")
+        actual = readers_of(constants[key], want)
+        if readers != actual:
+            problems.append(f"§4: {key}'s readers are {sorted(actual)}, not {sorted(readers)}")
+    return problems
+
+
+def test_the_metadata_table_is_the_contract():
+    from partitioner import ir
+
+    constants = {value: name for name, value in vars(ir).items() if isinstance(value, str) and value in ir.VALUE_TYPES}
+    problems = table_problems(metadata_rows(_section(4)), ir.VALUE_TYPES, ir.WRITER, constants, key_readers)
+    assert not problems, "\n".join(problems)
+    # the check can fail: a stale row, a wrong writer, a missing reader
+    stale = {**metadata_rows(_section(4)), "partitioner.stage": ("partitioner/codegen", {"partitioner/codegen"})}
+    assert "§4 lists partitioner.stage, which partitioner/ir.py does not define" in table_problems(
+        stale, ir.VALUE_TYPES, ir.WRITER, constants, lambda constant, writer: set())
+    assert table_problems({"k": ("passes/x", {"a"})}, {"k": object}, {"k": "passes.y.run"}, {"k": "K"},
+                          lambda constant, writer: {"a", "b"}) == [
+        "§4: k's writer is passes/y (partitioner/ir.py WRITER), not passes/x", "§4: k's readers are ['a', 'b'], not ['a']"]
+
+
+def test_the_layout_names_every_module():
+    layout = _section(3)
+    missing = [f"{package}/{name}" for package in ("partitioner", "passes", "runtime")
+               for name in sorted({p.name for p in (REPO / package).glob("*.py") if p.name != "__init__.py"}
+                                  | {f"{d.name}/" for d in (REPO / package).iterdir() if (d / "__init__.py").is_file()})
+               if not re.search(rf"(?<![\w/.]){re.escape(name)}(?![\w])", layout)]
+    assert not missing, f"docs/design.md §3 does not name {missing}"
+
+
+def torchrun_starters(sources: dict[str, str]) -> set[str]:
+    """The unit test files that start torchrun: a torchrun command run in a process, or `partitioner run`."""
+    return {path for path, text in sources.items()
+            if ("torchrun_command(" in text and ("Popen(" in text or "run_tree(" in text))
+            or re.search(r"""["']partitioner(?:\.cli)?["'],\s*["']run["']""", text)}
+
+
+def test_the_unit_tests_that_start_torchrun_are_named():
+    starters = torchrun_starters({p.name: p.read_text() for p in sorted((REPO / "tests/unit").glob("test_*.py"))
+                                  if p.name != Path(__file__).name})  # its examples start nothing
+    assert starters, "none found: the detection is broken"
+    unnamed = sorted(name for name in starters if name not in _section(3))
+    assert not unnamed, f"docs/design.md §3 says unit tests are one process each but for those it names; also {unnamed}"
+    assert torchrun_starters({"a.py": 'subprocess.run([sys.executable, "-m", "partitioner", "run", d])',
+                              "b.py": "torchrun_command('t.py', 2)", "c.py": "x = 1"}) == {"a.py"}

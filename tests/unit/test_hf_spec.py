@@ -33,7 +33,7 @@ def _names(model):
                                                          vocab_size=64, decoder_start_token_id=0)),
 ])
 def test_own_initialisation_is_the_same_for_any_subset_of_tensors(architecture, config):
-    """Note [own initialisation per rank]: a rank holding half the model gets the values a process
+    """Note [own initialisation per rank] holds: a rank holding half the model gets the values a process
     holding all of it gets; buffers (rotary tables) equal what the constructor computes."""
     config = config.to_dict()
     model = pretrained.build_meta(config, architecture)

@@ -200,16 +200,16 @@ def test_cut_edges_price_each_tensor_once_per_boundary():
 
 
 def test_ordering_edges_only_where_no_dependency_orders_the_readers():
-    """Note [one priced reader]: at block, sublayer and op granularity no zoo model needs an
+    """Note [one priced reader] holds: at block, sublayer and op granularity no zoo model needs an
     ordering edge (the search is over data dependencies only); at node granularity some do."""
     for key in ("gpt12", "llama", "bert"):
         _, gm = traced(key)
         for granularity in ("block", "sublayer", "op"):
             regions_of(gm, granularity)
-            assert passes.regions.ordering_edges(gm) == [], (key, granularity)
+            assert passes.region_graph.ordering_edges(gm) == [], (key, granularity)
     _, gm = traced("bert")
     regions_of(gm, "node")
-    assert passes.regions.ordering_edges(gm)  # q, k, v read the same hidden state, none feeds another
+    assert passes.region_graph.ordering_edges(gm)  # q, k, v read the same hidden state, none feeds another
 
 
 @pytest.mark.parametrize("key, stages", [("bert", 4), ("gpt12", 2)])

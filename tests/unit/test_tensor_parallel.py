@@ -18,7 +18,7 @@ from partitioner.models import gpt, hf_llama
 from partitioner.plan import Plan
 from partitioner.solver import problem as sp
 from partitioner.solver.tensor_parallel import group_cluster, tp_problem
-from passes.regions import region_table
+from passes.region_graph import region_table
 from passes.tensor_parallel import check_degree, sharded_parameters
 
 
@@ -184,7 +184,7 @@ def test_what_tp_does_not_run_with_is_refused_before_the_trace(options, message)
 
 
 def test_tp_compiles_under_mixed_precision_and_prices_its_collectives_at_two_bytes():
-    """Note [what tensor parallelism runs with]: no refusal under bf16-mixed / fp16-mixed (a GPU's
+    """Note [what tensor parallelism runs with] holds: no refusal under bf16-mixed / fp16-mixed (a GPU's
     default), and the tensor-parallel payloads are priced at the compute dtype's 2 bytes (Note
     [tensor parallelism under autocast])."""
     workload = hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2)

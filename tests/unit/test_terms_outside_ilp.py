@@ -50,7 +50,7 @@ def test_the_search_weighs_the_gradient_norm_between_candidates():
 
 
 def test_baselines_split_the_plans_own_tensor_groups_with_its_step_terms():
-    """Note [fair baselines]: with --tp 2 --stages 1 the one-stage baselines are the plan itself
+    """Note [fair baselines] holds: with --tp 2 --stages 1 the one-stage baselines are the plan itself
     (same tensor groups, same gradient norm and replica check), not tp 1 on half the devices."""
     from partitioner import compile
     from partitioner.models import gpt
@@ -64,7 +64,7 @@ def test_baselines_split_the_plans_own_tensor_groups_with_its_step_terms():
 
 
 def test_schedule_auto_weighs_the_terms_between_schedules():
-    """Note [schedule choice]: with one microbatch 1F1B can only run one stage (dp 2: the norm over
+    """As Note [schedule choice] asks: with one microbatch 1F1B can only run one stage (dp 2: the norm over
     every gradient byte on one stage), GPipe can run two stages (the norm split): the faster ILP
     objective is 1F1B's, the faster predicted step GPipe's, and auto must pick by the step."""
     problem, cluster = _problem(), _cluster()

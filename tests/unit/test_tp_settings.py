@@ -110,7 +110,7 @@ def _zero_tp_shard(rank, name, start, end, lo, hi, values):
 
 
 def test_sharded_tp_state_is_stitched_whole_and_a_missing_piece_is_refused():
-    """Note [sharded state with tensor parallelism]: two tensor pieces (rows 0-1, 2-3) of a [4, 2]
+    """Note [sharded state with tensor parallelism] holds: two tensor pieces (rows 0-1, 2-3) of a [4, 2]
     parameter, each split over two replicas' ZeRO ranges, come back as the whole state; without
     one replica's shard the reader refuses the checkpoint instead of restoring a hole."""
     import torch

@@ -123,7 +123,7 @@ def _straight_through():
 
 
 def test_a_custom_autograd_function_is_refused_at_compile_time_with_its_name_and_the_fix():
-    """Note [custom autograd Functions]: the trace keeps a Function's forward and drops its
+    """Note [custom autograd Functions] holds: the trace keeps a Function's forward and drops its
     backward, so a straight-through estimator would train with round's zero gradient instead."""
     import partitioner
     from partitioner.cluster import ClusterSpec

@@ -89,10 +89,10 @@ def _write(root, files: dict):
 
 
 def test_the_local_modules_a_file_imports_travel_with_it(tmp_path):
-    """Note [local modules travel]: statements anywhere in the file (a function body too),
+    """Note [local modules travel] holds: statements anywhere in the file (a function body too),
     transitively, packages with their __init__.py and relative imports; installed modules and an
     optional import that exists nowhere stay plain imports."""
-    from partitioner.user_source import local_modules
+    from partitioner.local_modules import local_modules
 
     _write(tmp_path, {
         "my_model.py": "import torch\nimport my_blocks\ntry:\n    import apex_not_here\nexcept ImportError:\n    pass\n"
@@ -113,7 +113,7 @@ def test_the_local_modules_a_file_imports_travel_with_it(tmp_path):
 def test_a_compiled_extension_of_the_folder_is_refused_with_the_fix(tmp_path):
     import importlib.machinery
 
-    from partitioner.user_source import local_modules
+    from partitioner.local_modules import local_modules
 
     _write(tmp_path, {"my_model.py": "import fastops\n",
                       "fastops" + importlib.machinery.EXTENSION_SUFFIXES[0]: "not really a binary"})

@@ -1,0 +1,236 @@
+"""The house rules of docs/design.md §9, read from the source (nothing here imports the product):
+
+- every cited ``Note [name]`` is defined exactly once;
+- every module is in its package's map (the package ``__init__.py`` docstring), and the map names
+  no module that does not exist;
+- a function-local import carries a comment naming its reason, on its line or the line above;
+- no module is over 500 lines.
+
+Each rule is a function from source text to the list of its offenders (``file:line: what``), so a
+test can feed it a broken input and see it fail; the tests over the repository assert the list is
+empty and print it otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("partitioner", "passes", "runtime")
+NOTE_ROOTS = (*PACKAGES, "benchmarks", "tests")
+NOTE_FILES = ("docs/design.md",)
+MAX_LINES = 500
+
+
+def _sources(roots=PACKAGES) -> dict[str, str]:
+    return {str(p.relative_to(REPO)): p.read_text() for root in roots for p in sorted((REPO / root).rglob("*.py"))}
+
+
+# ---- Notes -------------------------------------------------------------------------------------
+# A definition is a line whose prose (after indentation, `#` and an opening docstring quote) starts
+# with `Note [name]` followed by `:` or nothing: the heading form (`Note [name]` alone, its body
+# indented below) or the paragraph form (`Note [name]: the body`). Every other mention is a
+# citation, a plural one too (`Notes [a], [b] and [c]`); a name may wrap onto the next line.
+_PROSE_PREFIX = re.compile(r"^[ \t]*(?:#+[ \t]?)?[ \t]*(?:[rRbBuU]?(?:\"\"\"|'''))?[ \t]*", re.M)
+_DEFINITION = re.compile(r"Note \[([^\]]+)\](?::|[ \t]*$)")
+_MENTION = re.compile(r"\bNotes?\s+((?:\[[^\]]+\](?:\s*,\s*|\s+and\s+|,\s+and\s+)?)+)")
+
+
+def _prose(text: str) -> str:
+    """``text`` with each line's indentation, comment marker and opening quote cut, lines kept."""
+    return _PROSE_PREFIX.sub("", text)
+
+
+def _name(raw: str) -> str:
+    """One Note's name as written, its wrapping undone: across lines, and across the pieces of an
+    implicitly joined string literal (``"... (Note [tensor-parallel", "# stages] ..."``)."""
+    return " ".join(re.sub(r"[\"']\s*,?\s*[rRbBfFuU]*[\"']\s*#?", " ", raw).split())
+
+
+def notes(sources: dict[str, str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(definitions, citations): each Note's name -> the ``file:line`` places."""
+    definitions: dict[str, list[str]] = defaultdict(list)
+    citations: dict[str, list[str]] = defaultdict(list)
+    for path, text in sources.items():
+        prose = _prose(text)
+        starts = [0] + [m.end() for m in re.finditer("\n", prose)]
+        line_of = lambda offset: next(i for i in range(len(starts), 0, -1) if starts[i - 1] <= offset)  # noqa: E731
+        defined_at = set()
+        for number, line in enumerate(prose.split("\n"), 1):
+            m = _DEFINITION.match(line)
+            if m:
+                definitions[_name(m.group(1))].append(f"{path}:{number}")
+                defined_at.add(starts[number - 1])
+        for m in _MENTION.finditer(prose):
+            for bracket in re.finditer(r"\[([^\]]+)\]", m.group(1)):
+                offset = m.start(1) + bracket.start()
+                if m.start() in defined_at and bracket.start() == 0:
+                    continue
+                citations[_name(bracket.group(1))].append(f"{path}:{line_of(offset)}")
+    return definitions, citations
+
+
+def note_problems(sources: dict[str, str]) -> list[str]:
+    definitions, citations = notes(sources)
+    problems = [f"{places[0]}: Note [{name}] is cited but never defined (also cited at {len(places) - 1} more places)"
+                for name, places in sorted(citations.items()) if name not in definitions]
+    problems += [f"{places[1]}: Note [{name}] is defined {len(places)} times ({', '.join(places)}): keep the one "
+                 "where the decision is made and cite it at the others (`Note [name]` not opening a line, or "
+                 "not followed by a colon)" for name, places in sorted(definitions.items()) if len(places) > 1]
+    return problems
+
+
+def _note_sources() -> dict[str, str]:
+    sources = {**_sources(NOTE_ROOTS), **{f: (REPO / f).read_text() for f in NOTE_FILES}}
+    del sources[str(Path(__file__).resolve().relative_to(REPO))]  # its examples are no Notes
+    return sources
+
+
+def test_every_cited_note_is_defined_once():
+    problems = note_problems(_note_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_note_rule_finds_an_undefined_and_a_twice_defined_note():
+    sources = {
+        "a.py": '"""Note [kept]\n    the body.\n\nNote [twice]: first.\n"""\nx = 1  # Note [kept], Note [nowhere]\n',
+        "b.py": "# Note [twice]: again\n# see Notes [kept] and [wrapped\n# name]\n",
+        "c.md": "Prose (Note [kept]), a citation.\nNote [wrapped name]: a definition.\n",
+    }
+    definitions, citations = notes(sources)
+    assert definitions == {"kept": ["a.py:1"], "twice": ["a.py:4", "b.py:1"], "wrapped name": ["c.md:2"]}
+    assert citations == {"kept": ["a.py:6", "b.py:2", "c.md:1"], "nowhere": ["a.py:6"], "wrapped name": ["b.py:2"]}
+    assert note_problems(sources) == [
+        "a.py:6: Note [nowhere] is cited but never defined (also cited at 0 more places)",
+        "b.py:1: Note [twice] is defined 2 times (a.py:4, b.py:1): keep the one where the decision is made and "
+        "cite it at the others (`Note [name]` not opening a line, or not followed by a colon)",
+    ]
+
+
+# ---- Module maps -------------------------------------------------------------------------------
+# A package's map is its ``__init__.py`` docstring's entries: a line whose first word is a module's
+# file name (``name.py``) or a sub-package's folder (``name/``) followed by what it holds, so the
+# map reads as the folder's listing does.
+_MAP_ENTRY = re.compile(r"^[ \t]*([A-Za-z_]\w*(?:\.py|/))(?=[ \t]|$)", re.M)
+
+
+def map_entries(init_source: str) -> dict[str, int]:
+    """The names a package's map lists -> the docstring line (1-based, in the file) naming them."""
+    tree = ast.parse(init_source)
+    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    if doc is None or not isinstance(doc.value, ast.Constant) or not isinstance(doc.value.value, str):
+        return {}
+    first_line = doc.lineno
+    raw = init_source.splitlines()[first_line - 1:doc.end_lineno]
+    text = "\n".join(raw)
+    return {m.group(1): first_line + text.count("\n", 0, m.start()) for m in _MAP_ENTRY.finditer(text)}
+
+
+def map_problems(package: str, init_source: str, listing: set[str]) -> list[str]:
+    """``listing``: the package folder's module files (``__init__.py`` aside) and sub-packages (``name/``)."""
+    entries = map_entries(init_source)
+    where = f"{package}/__init__.py"
+    problems = [f"{where}:1: the map leaves out {name} (add a line `{name}  what it holds` to the docstring)"
+                for name in sorted(listing - set(entries))]
+    problems += [f"{where}:{line}: the map names {name}, which is not in {package}/"
+                 for name, line in sorted(entries.items()) if name not in listing]
+    return problems
+
+
+def _packages() -> dict[str, set[str]]:
+    out = {}
+    for root in PACKAGES:
+        for init in sorted((REPO / root).rglob("__init__.py")):
+            folder = init.parent
+            out[str(folder.relative_to(REPO))] = (
+                {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+                | {f"{d.name}/" for d in folder.iterdir() if (d / "__init__.py").is_file()})
+    return out
+
+
+def test_every_module_is_in_its_packages_map():
+    problems = [p for package, listing in _packages().items()
+                for p in map_problems(package, (REPO / package / "__init__.py").read_text(), listing)]
+    assert not problems, "\n".join(problems)
+
+
+def test_map_rule_finds_a_missing_and_a_stale_module():
+    init = '"""The room.\n\nshapes.py   what each node produces\nsolver/     the solver\ngone.py     removed\n"""\nx = 1\n'
+    assert map_entries(init) == {"shapes.py": 3, "solver/": 4, "gone.py": 5}
+    assert map_problems("pkg", init, {"shapes.py", "solver/", "flops.py"}) == [
+        "pkg/__init__.py:1: the map leaves out flops.py (add a line `flops.py  what it holds` to the docstring)",
+        "pkg/__init__.py:5: the map names gone.py, which is not in pkg/",
+    ]
+    assert map_problems("pkg", "x = 1\n", {"a.py"}) == [
+        "pkg/__init__.py:1: the map leaves out a.py (add a line `a.py  what it holds` to the docstring)"]
+
+
+# ---- Function-local imports --------------------------------------------------------------------
+# An import inside a function hides an edge of the import graph and costs the reader a search, so
+# one carries its reason (``# lazy: loads torch``, ``# optional dependency: ...``) on its line or
+# the line above; one with no reason belongs at the top of the module.
+
+def _comment_lines(text: str) -> set[int]:
+    return {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT}
+
+
+def local_import_problems(sources: dict[str, str]) -> list[str]:
+    problems = []
+    for path, text in sources.items():
+        if "import" not in text:
+            continue
+        tree = ast.parse(text)
+        commented = None  # tokenized only where a function imports
+        seen: set[int] = set()
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
+                    seen.add(node.lineno)
+                    commented = _comment_lines(text) if commented is None else commented
+                    if not commented & set(range(node.lineno - 1, node.end_lineno + 1)):
+                        names = ", ".join(a.name for a in node.names)
+                        what = f"from {'.' * node.level}{node.module or ''} import {names}" \
+                            if isinstance(node, ast.ImportFrom) else f"import {names}"
+                        problems.append(f"{path}:{node.lineno}: `{what}` in {function.name}() has no comment naming "
+                                        "why it is local: move it to the top of the module, or say why not")
+    return sorted(problems, key=lambda p: (p.split(":")[0], int(p.split(":")[1])))
+
+
+def test_every_function_local_import_says_why():
+    problems = local_import_problems(_sources())
+    assert not problems, f"{len(problems)} function-local imports without a reason:\n" + "\n".join(problems)
+
+
+def test_local_import_rule_finds_the_bare_one():
+    source = (
+        "import os\n\n\ndef f():\n    import json\n    return json\n\n\n"
+        "def g():\n    # lazy: loads torch\n    import torch\n    from a import (b,\n                   c)  # lazy: loads a\n"
+        "    return torch\n")
+    assert local_import_problems({"m.py": source}) == [
+        "m.py:5: `import json` in f() has no comment naming why it is local: move it to the top of the module, "
+        "or say why not"]
+
+
+# ---- Module size -------------------------------------------------------------------------------
+
+def size_problems(sources: dict[str, str], limit: int = MAX_LINES) -> list[str]:
+    counts = {path: len(text.splitlines()) for path, text in sources.items()}
+    return [f"{path}:{limit + 1}: {count} lines, over {limit}: split it along a seam (a room per concern)"
+            for path, count in sorted(counts.items(), key=lambda item: -item[1]) if count > limit]
+
+
+def test_no_module_is_over_500_lines():
+    problems = size_problems(_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_size_rule_names_the_long_module():
+    assert size_problems({"a.py": "x = 1\n" * 3, "b.py": "x = 1\n" * 2}, limit=2) == [
+        "a.py:3: 3 lines, over 2: split it along a seam (a room per concern)"]
