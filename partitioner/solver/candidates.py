@@ -133,6 +133,9 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
     devices = cluster.num_devices
+    if schedule == "interleaved" and devices < 2:  # no stage count can help: say what does
+        raise ValueError(f"schedule interleaved needs at least 2 pipeline ranks and the cluster has {devices} "
+                         "device: use --schedule 1f1b or gpipe, or more devices (--devices 2)")
     if schedule == "interleaved" and num_stages is not None:  # several stages per rank
         from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS
 
