@@ -23,7 +23,10 @@ only and recovery reads the checkpoints as after a torchrun restart. As torchrun
 when any rank's child fails, every other rank's child is killed (SIGKILL) and, restarts left,
 the attempt runs again on every rank; a job whose attempts all fail ends the launch with exit 1.
 The workers coordinate through the launch's store: the attempt's port, a "failed" key, a count
-of ranks done with the attempt. Every wait has a deadline (ATTEMPT_TIMEOUT_S).
+of ranks done with the attempt. Every wait has a deadline (ATTEMPT_TIMEOUT_S). Put ``--restarts``
+jobs before the plain ones (tests/_shared_launch.py does): a child inherits what its parent's
+earlier jobs left in torch, and DTensor's caches hold device meshes of the groups those jobs
+made, which the parent destroyed (a tensor-parallel child then fails to resolve their names).
 """
 
 import os

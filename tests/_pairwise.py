@@ -50,9 +50,12 @@ def uncovered(rows: Sequence[Mapping], factors: Mapping[str, Sequence]) -> list[
 
 
 def all_pairs(factors: Mapping[str, Sequence], *, valid: Callable[[Mapping], bool] = _always, seed: int = 0,
-              candidates: int = 12) -> tuple[list[dict], list[Pair]]:
+              candidates: int = 12, cost: Callable[[Mapping], float] | None = None,
+              ) -> tuple[list[dict], list[Pair]]:
     """(rows, impossible pairs): a covering set of every pair ``valid`` allows, and the pairs it
-    does not (no valid row holds them)."""
+    does not (no valid row holds them). ``cost(row)``: what a full row costs to run (e.g. its
+    world size); candidates are then ranked by uncovered pairs per unit of cost, so cheap rows
+    cover what they can and dear ones only what needs them."""
     names = list(factors)
     if any(len(factors[n]) == 0 for n in names):
         raise ValueError(f"every factor needs at least one value: {[n for n in names if not factors[n]]}")
@@ -73,13 +76,30 @@ def all_pairs(factors: Mapping[str, Sequence], *, valid: Callable[[Mapping], boo
                 impossible.append(start)
                 left.discard(start)
                 continue
-            gain = len(pairs_in(row, names) & left)
+            gain = len(pairs_in(row, names) & left) / (1.0 if cost is None else cost(row))
             if gain > best_gain:
                 best, best_gain = row, gain
         if best is not None:
             rows.append(best)
             left -= pairs_in(best, names)
-    return rows, sorted(impossible, key=todo.index)
+    return _without_redundant(rows, names, cost), sorted(impossible, key=todo.index)
+
+
+def _without_redundant(rows: list[dict], names, cost) -> list[dict]:
+    """Drop every row whose pairs the other rows all hold (dearest first): greedy rows picked
+    early can be made redundant by later ones."""
+    count: dict[Pair, int] = {}
+    for row in rows:
+        for pair in pairs_in(row, names):
+            count[pair] = count.get(pair, 0) + 1
+    keep = list(rows)
+    for row in sorted(rows, key=lambda r: -(1.0 if cost is None else cost(r))):  # stable: later rows first on ties
+        pairs = pairs_in(row, names)
+        if all(count[p] > 1 for p in pairs):
+            keep.remove(row)
+            for p in pairs:
+                count[p] -= 1
+    return keep
 
 
 def _build(start: Pair, factors, names, left, valid, rng) -> dict | None:

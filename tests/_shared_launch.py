@@ -15,8 +15,8 @@ from its preparer; ``before`` runs right before that job's launch (e.g. to copy 
 world-2 launch wrote). Running one test file alone prepares and launches only that file's jobs.
 A job with ``restarts=R`` (a ``--fail-at`` kill to resume from) is restarted up to R times on its
 own, in forked workers (Note [restarts in a fork] in runtime/run_many.py): it needs no launch of
-its own, and its kill neither restarts nor re-runs the other jobs. Those jobs run after every
-plain job of their world's launch, so plain jobs keep running in workers that forked nothing.
+its own, and its kill neither restarts nor re-runs the other jobs. Those jobs run before every
+plain job of their world's launch, so each is forked from a worker that has trained nothing yet.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class SharedLaunches:
         for world in [w for w in WORLD_ORDER if w in worlds] + sorted(worlds - set(WORLD_ORDER)):
             mine = []
             ordered = sorted(((key, i, job) for key, (_, jobs) in prepared.items() for i, job in enumerate(jobs)),
-                             key=lambda kij: kij[2].restarts > 0)  # stable: plain jobs first, in module order
+                             key=lambda kij: kij[2].restarts == 0)  # stable: restartable jobs first (Note [restarts in a fork])
             for key, i, job in ordered:
                 if job.world != world or key in failed:
                     continue
