@@ -88,10 +88,29 @@ def restarts_of(job: list[str]) -> tuple[int, list[str]]:
     return 0, job
 
 
+# What runtime.launch imports only once a job starts (seconds of CPU per process): imported here
+# once, before the first fork, so no attempt's child imports them again.
+WARM = ("torch.distributed.pipelining", "torch.distributed.tensor", "safetensors.torch", "runtime.train",
+        "runtime.recovery", "runtime.checkpoint", "runtime.checkpoint.shared", "runtime.checkpoint.delta",
+        "runtime.memtier", "runtime.sdc", "runtime.entry_files", "runtime.schedule", "runtime.memory",
+        "runtime.stage", "runtime.tensor_parallel", "runtime.recompute")
+OPTIONAL_WARM = ("torch.utils.tensorboard", "zstandard")  # rank 0's metrics board, lossless checkpoints
+
+
 def run_restartable(store, rank: int, world: int, index: int, folder: str, flags: list[str], restarts: int) -> bool:
     """Train the job in forked children, restarting every rank's child after a failure (Note
     [restarts in a fork]); True when an attempt succeeded on every rank."""
+    import importlib
+
     from runtime.torchrun import free_port
+
+    for name in WARM:
+        importlib.import_module(name)
+    for name in OPTIONAL_WARM:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed: the job does without it, as it would anyway
+            pass
 
     for attempt in range(restarts + 1):
         key = f"run_many/{index}/{attempt}"

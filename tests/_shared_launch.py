@@ -93,8 +93,9 @@ class SharedLaunches:
         worlds = {job.world for _, jobs in prepared.values() for job in jobs}
         for world in [w for w in WORLD_ORDER if w in worlds] + sorted(worlds - set(WORLD_ORDER)):
             mine = []
+            # stable: restartable jobs first, then the plain ones, each in module order (Note [restarts in a fork])
             ordered = sorted(((key, i, job) for key, (_, jobs) in prepared.items() for i, job in enumerate(jobs)),
-                             key=lambda kij: kij[2].restarts == 0)  # stable: restartable jobs first (Note [restarts in a fork])
+                             key=lambda kij: kij[2].restarts == 0)
             for key, i, job in ordered:
                 if job.world != world or key in failed:
                     continue
