@@ -15,19 +15,22 @@ it. Interleaved puts 2 stages on each pipeline rank (SolverConfig.local_stages=2
 The covering set (tests/_pairwise.py, seeded: the same cells every run) holds every pair of
 values of every two factors except:
 
-- over the world cap: stages 3 x dp 3 is 9 ranks (tp 1), and every cell here runs on at most 6
-  (two cores; a 9-rank cell would cost more than the rest of the matrix). No other pair needs
-  more than 6: stages 3 x tp 2 and dp 3 x tp 2 run at 6 with the third factor 1.
+- over the world cap: stages 3 x dp 3 is 9 ranks (tp 1), and every cell here runs on at most 6:
+  on two cores a 9-rank cell needs a launch of its own, 9 workers importing torch (some 45
+  CPU-seconds before its first step), and 9 processes on 2 cores. No other pair needs more than
+  6: stages 3 x tp 2, dp 3 x tp 2, stages 3 x dp 2 and stages 2 x dp 3 run at 6 with the third
+  factor 1.
 - refused by the product (REFUSED, each asserted with its message): the replica check with ZeRO
   (sharded state cannot be compared), the memory tier with tp 2, interleaved on one pipeline
   rank, ZeRO with dp 1 (no replicas to shard over).
 - inert (INERT, asserted to compile to the plain setting): the replica check with dp 1, where
   there are no replicas to compare; the plan keeps sdc_every and prices no check.
 
-Every cell's kill is a real SIGKILL (--fail-at RANK:3:kill, after the checkpoint of step 2) in
-the session's shared launch of its world size; the job is restarted on its own in forked workers
-(Job(restarts=1), Note [restarts in a fork] in runtime/run_many.py), recovers from the newest
-checkpoint (memory tier cells: from host memory), and must end where the uninterrupted run ends.
+Every cell's kill is a real SIGKILL of one rank (--fail-at RANK:3:kill, lossless cells 4; a
+checkpoint every step) in the session's shared launch of its world size; the job is restarted on
+its own in forked workers (Job(restarts=1), Note [restarts in a fork] in runtime/run_many.py),
+recovers from the newest checkpoint (memory tier cells: from host memory, Note [memory tier
+fallback]), and must end bit for bit where the uninterrupted run of the same cell ends.
 Run with -s to see the table of cells and verdicts; PARTITIONER_MATRIX_TABLE=PATH also writes it
 as markdown.
 """
@@ -76,6 +79,11 @@ SEED = 21  # of the seeds tried, the cover with the fewest ranks in all (13 cell
 # step later, so the resume is from a delta (step 1 is the chain's full checkpoint).
 STEPS, KILL_STEP = 4, 3
 LOSSLESS_STEPS, LOSSLESS_KILL_STEP = 5, 4
+# Note [memory tier fallback]: a memory tier cell resumes from host memory, unless no step is in
+# every rank's memory: each rank keeps its two newest snapshots, and the killed rank may already
+# be overwriting the older while a slower peer is still committing the newer (a window of the
+# copy's hash, in a background thread). The product then says so and recovers from disk, as it
+# should; the cell accepts that, and only that (test_memory_tier_dist.py holds the tier to memory).
 CLIP = 0.5  # below the tiny GPT's gradient norm: every step is clipped
 SDC_EVERY = 2
 MODEL = "gpt:layers=4,width=32,heads=2,vocab=64,seq=16,dropout={dropout}"  # 6 regions: 3 ranks x 2 interleaved
@@ -299,17 +307,24 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     killed_text = killed_out.stdout + killed_out.stderr
     assert f"fault injection: kill before step {kill_step}" in killed_text, killed_text[-3000:]
     assert "run_many: job" in killed_text and "restarting it" in killed_text, killed_text[-3000:]
+    source = "disk"
     if row["memtier"]:
         recoveries = [json.loads(line) for line in (killed / "recovery.jsonl").read_text().splitlines()]
         assert sorted(r["rank"] for r in recoveries) == list(range(world(row))), recoveries
-        assert {r["tier"] for r in recoveries} == {"memory"} and {r["disk_shards_read"] for r in recoveries} == {0}
-        resumed = recoveries[0]["step"]
+        assert len({(r["step"], r["tier"]) for r in recoveries}) == 1, recoveries  # every rank alike
+        resumed, source = recoveries[0]["step"], recoveries[0]["tier"]
+        if source == "memory":
+            assert {r["disk_shards_read"] for r in recoveries} == {0}, recoveries
+        else:  # Note [memory tier fallback] above: only with the product saying why
+            fallback = re.search(r"memory tier: (.*): recovering from disk", killed_text)
+            assert source == "disk" and fallback, (recoveries, killed_text[-3000:])
+            source = f"disk (memory tier: {fallback.group(1)})"
     else:
         found = re.findall(r"resuming from checkpoint \S+ at step (\d+)", killed_text)
         assert found, killed_text[-3000:]
         resumed = int(found[-1])
     assert kill_step - 2 <= resumed <= kill_step, resumed  # see STEPS: never from scratch, whatever the timing
-    if row["lossless"] and not row["memtier"]:  # the resume read a delta and its base
+    if row["lossless"] and source.startswith("disk"):  # the resume read a delta and its base
         manifest = json.loads((folder / "ck_killed" / step_dirname(resumed) / "manifest.json").read_text())
         assert manifest["compression"] == "lossless" and manifest["base_step"] is not None, manifest
 
@@ -329,7 +344,7 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     assert report.ok, f"{name}:\n{report.text()}"
     VERDICTS[name] = (row, f"PASS: loss diff {report.max_loss_diff:.1e}, params {report.max_param_diff:.1e} "
                            f"({report.oracle}); rank {kill_rank(row, index)} killed before step {kill_step}, "
-                           f"resumed at step {resumed} from {'memory' if row['memtier'] else 'disk'}, "
+                           f"resumed at step {resumed} from {source}, "
                            "bit-exact with the uninterrupted run")
 
 
