@@ -13,6 +13,10 @@ every job its own output files, so a test reads only its own jobs' lines.
 To add a job to a shared launch, a test module returns one more ``Job(world, [FOLDER, FLAGS...])``
 from its preparer; ``before`` runs right before that job's launch (e.g. to copy a checkpoint the
 world-2 launch wrote). Running one test file alone prepares and launches only that file's jobs.
+A job with ``restarts=R`` (a ``--fail-at`` kill to resume from) is restarted up to R times on its
+own, in forked workers (Note [restarts in a fork] in runtime/run_many.py): it needs no launch of
+its own, and its kill neither restarts nor re-runs the other jobs. Those jobs run before every
+plain job of their world's launch, so each is forked from a worker that has trained nothing yet.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Job:
     world: int
     args: list  # FOLDER FLAGS... (train.py flags), stringified at launch
     before: Callable[[], None] | None = None
+    restarts: int = 0  # > 0: restarted on its own after a failure (Note [restarts in a fork])
 
 
 @dataclasses.dataclass
@@ -88,16 +93,18 @@ class SharedLaunches:
         worlds = {job.world for _, jobs in prepared.values() for job in jobs}
         for world in [w for w in WORLD_ORDER if w in worlds] + sorted(worlds - set(WORLD_ORDER)):
             mine = []
-            for key, (_, jobs) in prepared.items():
-                for i, job in enumerate(jobs):
-                    if job.world != world or key in failed:
-                        continue
-                    try:
-                        if job.before is not None:
-                            job.before()
-                        mine.append((key, i, job))
-                    except Exception as error:  # noqa: BLE001
-                        failed[key] = error
+            # stable: restartable jobs first, then the plain ones, each in module order (Note [restarts in a fork])
+            ordered = sorted(((key, i, job) for key, (_, jobs) in prepared.items() for i, job in enumerate(jobs)),
+                             key=lambda kij: kij[2].restarts == 0)
+            for key, i, job in ordered:
+                if job.world != world or key in failed:
+                    continue
+                try:
+                    if job.before is not None:
+                        job.before()
+                    mine.append((key, i, job))
+                except Exception as error:  # noqa: BLE001
+                    failed[key] = error
             # A job that fails fails its own module's tests only: the jobs after it (run_many stops
             # there) go again in a new launch, without the failed module's.
             while mine := [(key, i, job) for key, i, job in mine if key not in failed]:
@@ -105,7 +112,8 @@ class SharedLaunches:
                 logs = self.root / f"logs_{self.launches}_world_{world}"
                 args = ["--job-logs", str(logs)]
                 for n, (_, _, job) in enumerate(mine):
-                    args += ([] if n == 0 else ["--"]) + [str(a) for a in job.args]
+                    prefix = ["--restarts", str(job.restarts)] if job.restarts else []
+                    args += ([] if n == 0 else ["--"]) + prefix + [str(a) for a in job.args]
                 done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(pythonpath=REPO),
                                       capture_output=True, text=True, timeout=self.timeout_s)
                 ran = len(mine)

@@ -143,6 +143,9 @@ def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_
             raise ValueError(f"{name}={value!r} must be an int >= 1 or None (let the solver choose)")
     devices = cluster.num_devices
     several = local_stage_options != (1,)  # several stages per rank
+    if several and devices < 2:  # no stage count can help: say what does
+        raise ValueError(f"schedule interleaved needs at least 2 pipeline ranks and the cluster has {devices} "
+                         "device: use --schedule 1f1b or gpipe, or more devices (--devices 2)")
     if several and num_stages is not None:
         ok = [v for v in local_stage_options if num_stages % v == 0 and 2 <= num_stages // v <= devices]
         if not ok:

@@ -56,7 +56,7 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
                                      f"file {digest[:12]}...)")
     tensors, meta = parse_verified(data, path)
     if isinstance(meta, dict) and meta.get("encoding"):
-        tensors = _decoded(ckpt_dir, manifest, tensors, meta, path, {} if cache is None else cache)
+        tensors = _decoded(ckpt_dir, manifest, tensors, meta, path, {} if cache is None else cache, entry.get("rank"))
     return tensors, meta
 
 
@@ -66,7 +66,11 @@ def _name_of(key: str) -> str:
     return rest.rsplit("/", 1)[0] if kind == "optim" else rest
 
 
-def _decoded(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cache: dict):
+def _decoded(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cache: dict, writer=None):
+    """Note [a delta's base is its writer's]: a writer encodes against its own previous shard (the
+    Checkpointer keeps it in host memory), and other shards may hold the same name with other
+    bytes (each rank of a tensor group writes its piece under the parameter's name), so the base
+    is the shard the same rank (``writer``) wrote at the base step."""
     enc = meta["encoding"]
     base_step = enc.get("base_step") if isinstance(enc, dict) else None
 
@@ -79,7 +83,7 @@ def _decoded(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cac
             raise CheckpointCorruptError(f"{where} is a delta against step {base_step}, which is not a "
                                          f"checkpoint any more ({exc})") from None
         cache[("manifest", base_step)] = base
-        holder = next((e for e in sorted(base["shards"], key=lambda e: e["rank"]) if _holds(e, _name_of(key))), None)
+        holder = next((e for e in base["shards"] if e["rank"] == writer and _holds(e, _name_of(key))), None)
         if holder is None:
             raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {key!r}")
         ident = ("shard", base_step, holder["file"])

@@ -96,6 +96,31 @@ def test_a_delta_chain_restores_every_rank_bit_for_bit_and_reshards(dp2, tmp_pat
         assert torch.equal(fresh.optimizer.state[p]["exp_avg"], saved[f"optim/{name}/exp_avg"])
 
 
+def test_a_delta_is_read_against_its_own_writers_base_when_other_shards_hold_the_name(dp2, tmp_path):
+    """Several shards can hold one name with different bytes: under tensor parallelism each rank of
+    a tensor group writes its piece of a split parameter under the parameter's name. A writer's
+    delta is against its own previous shard, so it must be read against that shard of the base
+    step, not the lowest rank's holding the name (which failed every piece but rank 0's sha256 and
+    made recovery fall back to the chain's full checkpoint). Here the replicas of each stage all
+    write their stage (no one-writer split) and hold different values, as tensor pieces do."""
+    program = load_program(dp2)
+    trainers = trainers_at(dp2, 0)
+    base = None
+    for step in (1, 2):
+        for t in trainers:
+            t.fake_step(step)
+            with torch.no_grad():
+                for p in t.named_parameters().values():
+                    p.add_(1e-3 * (t.rank + 1))
+        snaps = lossless_snaps(trainers, None, base, None if base is None else 1)
+        ck.commit_local(str(tmp_path), snaps, program, keep=8)
+        base = {t.rank: ck.snapshot(t).tensors for t in trainers}
+    assert ck.read_manifest(str(tmp_path), 2)["base_step"] == 1
+    for t in trainers:
+        needed = ck.state_names(program, program.layout.stages_of_rank[t.rank])
+        assert same_state(ck.load_for_rank(str(tmp_path), 2, program, t.rank, needed), ck.snapshot(t)), t.rank
+
+
 @pytest.mark.parametrize("harm", ["missing", "corrupt"])
 def test_a_chain_whose_base_is_missing_or_corrupt_falls_back(dp2, tmp_path, harm):
     program, *_ = _chain(dp2, str(tmp_path), 4, full_every=3)  # 1 full, 2 and 3 deltas, 4 full

@@ -159,6 +159,17 @@ def test_heterogeneous_interleaved_is_refused_with_the_fix_and_left_out_of_auto(
         validate_options(_cluster(2), 8, 3, 1, 4, "interleaved")
 
 
+@pytest.mark.parametrize("num_stages", [None, 2, 4])
+def test_interleaved_on_one_device_names_a_fix(num_stages):
+    """No stage count runs interleaved on one device: the refusal says what does (it used to end
+    in an empty 'use --stages ' list)."""
+    with pytest.raises(ValueError) as info:
+        validate_options(_cluster(1), 8, num_stages, 1, 4, "interleaved")
+    text = str(info.value)
+    assert "needs at least 2 pipeline ranks" in text and "--schedule 1f1b or gpipe" in text
+    assert "--devices 2" in text and not text.rstrip().endswith("--stages")
+
+
 def test_no_fit_names_the_rank_whose_stages_overflow():
     from partitioner.errors import PartitionInfeasibleError
 
