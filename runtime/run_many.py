@@ -26,7 +26,8 @@ The workers coordinate through the launch's store: the attempt's port, a "failed
 of ranks done with the attempt. Every wait has a deadline (ATTEMPT_TIMEOUT_S). Put ``--restarts``
 jobs before the plain ones (tests/_shared_launch.py does): a child inherits what its parent's
 earlier jobs left in torch, and DTensor's caches hold device meshes of the groups those jobs
-made, which the parent destroyed (a tensor-parallel child then fails to resolve their names).
+made, which the parent destroyed; a DeviceMesh equals any other over the same ranks whatever its
+groups, so a tensor-parallel child is handed a cached mesh whose group names no longer resolve.
 """
 
 import os

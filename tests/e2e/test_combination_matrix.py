@@ -258,8 +258,7 @@ def table(tmp_path_factory):
 
 
 def _show(value) -> str:
-    return {True: "on", False: "off", None: "-"}.get(value, str(value)) if isinstance(value, (bool, type(None))) \
-        else str(value)
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def test_the_cells_cover_every_pair_that_can_run_here():
