@@ -119,10 +119,12 @@ def run_restartable(store, rank: int, world: int, index: int, folder: str, flags
             store.set(f"{key}/port", str(free_port()))
         port = store.get(f"{key}/port").decode()
         sys.stdout.flush(), sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the attempt's worker: it never returns into this loop
             code = 1
             try:
+                _die_with(parent)
                 os.environ.update(MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT=str(attempt),
                                   TORCHELASTIC_MAX_RESTARTS=str(restarts))
                 runtime.launch.main(folder, argv=flags)  # exits 1 itself on an error (Note [no hangs])
@@ -164,6 +166,20 @@ def run_restartable(store, rank: int, world: int, index: int, folder: str, flags
                   + (f"restarting it ({left} restart{'s' if left != 1 else ''} left)" if left else "no restarts left"),
                   file=sys.stderr, flush=True)
     return False
+
+
+def _die_with(parent: int) -> None:
+    """This child is SIGKILLed when ``parent`` dies, however it dies (torchrun's agent stops a
+    worker's whole process group, which holds the child too; a worker killed alone would leave it
+    training): Linux's PR_SET_PDEATHSIG, and a parent already gone is an exit."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the process group still covers the agent's stop
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 if __name__ == "__main__":
