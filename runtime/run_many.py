@@ -26,7 +26,8 @@ The workers coordinate through the launch's store: the attempt's port, a "failed
 of ranks done with the attempt. Every wait has a deadline (ATTEMPT_TIMEOUT_S). Put ``--restarts``
 jobs before the plain ones (tests/_shared_launch.py does): a child inherits what its parent's
 earlier jobs left in torch, and DTensor's caches hold device meshes of the groups those jobs
-made, which the parent destroyed (a tensor-parallel child then fails to resolve their names).
+made, which the parent destroyed; a DeviceMesh equals any other over the same ranks whatever its
+groups, so a tensor-parallel child is handed a cached mesh whose group names no longer resolve.
 """
 
 import importlib
@@ -117,10 +118,12 @@ def run_restartable(store, rank: int, world: int, index: int, folder: str, flags
             store.set(f"{key}/port", str(free_port()))
         port = store.get(f"{key}/port").decode()
         sys.stdout.flush(), sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the attempt's worker: it never returns into this loop
             code = 1
             try:
+                _die_with(parent)
                 os.environ.update(MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT=str(attempt),
                                   TORCHELASTIC_MAX_RESTARTS=str(restarts))
                 runtime.launch.main(folder, argv=flags)  # exits 1 itself on an error (Note [no hangs])
@@ -162,6 +165,20 @@ def run_restartable(store, rank: int, world: int, index: int, folder: str, flags
                   + (f"restarting it ({left} restart{'s' if left != 1 else ''} left)" if left else "no restarts left"),
                   file=sys.stderr, flush=True)
     return False
+
+
+def _die_with(parent: int) -> None:
+    """This child is SIGKILLed when ``parent`` dies, however it dies (torchrun's agent stops a
+    worker's whole process group, which holds the child too; a worker killed alone would leave it
+    training): Linux's PR_SET_PDEATHSIG, and a parent already gone is an exit."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the process group still covers the agent's stop
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,10 @@ def solve(
                         step_terms=step_terms)
     candidates = space.candidates(global_batch, num_stages, dp, microbatches, config, schedule)
     if not candidates:
+        if shard == "on" and dp == 1:  # asked for both: say which two settings clash
+            raise ValueError("shard_optimizer 'on' needs a plan with dp > 1, and dp=1 (--dp 1) was asked for: "
+                             "there are no replicas to shard the optimizer state over; use --dp 2 or more, or "
+                             "shard_optimizer 'auto' or 'off'")
         if shard == "on":
             raise ValueError("shard_optimizer 'on' needs a plan with dp > 1, and none fits this cluster and "
                              "global batch: allow more devices, or use shard_optimizer 'auto'")
