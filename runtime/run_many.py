@@ -172,7 +172,7 @@ def _die_with(parent: int) -> None:
     worker's whole process group, which holds the child too; a worker killed alone would leave it
     training): Linux's PR_SET_PDEATHSIG, and a parent already gone is an exit."""
     try:
-        import ctypes
+        import ctypes  # lazy: only a restartable child sets its death signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the process group still covers the agent's stop
