@@ -99,14 +99,19 @@ def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _to_cpu_device(value):
+def devices_to(value, device: torch.device):
+    """``value`` (an op's arguments) with every torch.device in it replaced by ``device``."""
     if isinstance(value, torch.device):
-        return _CPU
+        return device
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu_device(v) for v in value)
+        return type(value)(devices_to(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to_cpu_device(v) for k, v in value.items()}
+        return {k: devices_to(v, device) for k, v in value.items()}
     return value
+
+
+def _to_cpu_device(value):
+    return devices_to(value, _CPU)
 
 
 def _concrete(size) -> tuple[int, ...]:

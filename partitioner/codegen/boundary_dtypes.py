@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses import FakeTensorMode
 
-from passes._fake_run import get_module_attr
+from passes._fake_run import devices_to, get_module_attr
 from runtime import randomness
 from runtime.program_parts import Precision
 
@@ -31,16 +31,6 @@ def _fake_like(value, device: torch.device):
         return value
     shape = tuple(int(s) for s in value.shape)
     return torch.empty(shape, dtype=value.dtype, device=device)
-
-
-def _on_device(value, device: torch.device):
-    if isinstance(value, torch.device):
-        return device
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_device(v, device) for k, v in value.items()}
-    return value
 
 
 def _dtype_name(value) -> str | None:
@@ -92,8 +82,8 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
                 attr = get_module_attr(gm, node.target)
                 value = _fake_like(attr, device) if isinstance(attr, torch.Tensor) else attr
             elif node.op == "call_function":
-                args = _on_device(fx.node.map_arg(node.args, lambda n: env[n.name]), device)
-                kwargs = _on_device(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
+                args = devices_to(fx.node.map_arg(node.args, lambda n: env[n.name]), device)
+                kwargs = devices_to(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
                 names = ([a.name for a in node.target._schema.arguments]
                          if isinstance(node.target, torch._ops.OpOverload) else [])
                 if "device" in names[len(args):] and "device" not in kwargs:
