@@ -4,6 +4,7 @@ dtypes by name."""
 
 from __future__ import annotations
 
+import filecmp
 import functools
 import importlib
 import importlib.util
@@ -107,12 +108,13 @@ def _user_module(folder: str, rel: str):
         return None
     name = user_module_name(rel)
     enter_user_root(folder)
-    try:  # where the name resolves, without running it: another file of that name is not ours to run
+    try:  # where the name resolves, without running it
         found = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         found = None
-    if found is None or os.path.realpath(found.origin or "") != path:
-        return None
+    origin = os.path.realpath(found.origin) if found is not None and found.origin else None
+    if origin is not None and origin != path and not filecmp.cmp(origin, path, shallow=False):
+        return None  # another file of that name (an earlier model's folder on sys.path): not ours to run
     module = import_user_module(folder, name)
     return module if os.path.realpath(getattr(module, "__file__", "") or "") == path else None
 
