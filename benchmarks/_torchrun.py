@@ -1,6 +1,6 @@
 """What the torchrun-driven benchmarks share: a launch that stops the benchmark on failure, JSONL rows.
 
-The command, its environment and the port come from runtime/torchrun.py, like every launch.
+The command, its environment and the port come from runtime/launch/torchrun.py, like every launch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import os
 import subprocess
 import sys
 
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = RUN_MANY  # several program folders in the same workers

@@ -1,7 +1,7 @@
-"""torchrun worker of benchmarks/tensor_parallel.py: trains one program folder (runtime.launch.main,
+"""torchrun worker of benchmarks/tensor_parallel.py: trains one program folder (runtime.launch.rank.main,
 no checkpoints) with every training step under a dispatch mode that adds up the tensors handed to
 torch's functional collectives (the ones DTensor issues for tensor parallelism: all-reduce,
-all-gather, reduce-scatter, all-to-all; runtime/collective_bytes.py), and writes this rank's bytes
+all-gather, reduce-scatter, all-to-all; runtime/parallel/collective_bytes.py), and writes this rank's bytes
 per step to OUT/bytes_rank_<r>.json.
 
     torchrun --nproc-per-node 2 benchmarks/_tp_bytes_worker.py FOLDER OUT STEPS
@@ -19,12 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.collective_bytes import CollectiveBytes  # noqa: E402
+from runtime.parallel.collective_bytes import CollectiveBytes  # noqa: E402
 
 
 def main(folder: str, out: str, steps: int) -> None:
-    import runtime.launch
-    import runtime.train as train
+    import runtime.launch.rank
+    import runtime.execute.train as train
 
     per_step: list[dict] = []
     original = train.RankTrainer.train_step
@@ -36,7 +36,7 @@ def main(folder: str, out: str, steps: int) -> None:
         return loss
 
     train.RankTrainer.train_step = counted
-    runtime.launch.main(folder, argv=["--steps", str(steps), "--no-checkpoint", "--quiet",
+    runtime.launch.rank.main(folder, argv=["--steps", str(steps), "--no-checkpoint", "--quiet",
                                       "--run-dir", os.path.join(out, "run")])
     rank = int(os.environ["RANK"])
     with open(os.path.join(out, f"bytes_rank_{rank}.json"), "w") as f:

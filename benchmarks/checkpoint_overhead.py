@@ -41,7 +41,7 @@ from _torchrun import DRIVER, REPO  # noqa: E402
 from _torchrun import rows as _rows  # noqa: E402
 from _torchrun import torchrun as _torchrun  # noqa: E402
 
-from runtime.sdc import DEFAULT_EVERY  # noqa: E402
+from runtime.resilience.sdc import DEFAULT_EVERY  # noqa: E402
 
 
 def raw_fsync_throughput(directory: str, total_mib: int = 64, chunk_mib: int = 1) -> float:
@@ -68,8 +68,8 @@ def idle_persist_vs_raw(folder: str, root: str, reps: int = 5) -> tuple[float, f
     machine's other load hits both alike)."""
     import torch
 
-    from runtime import checkpoint as ck
-    from runtime.checkpoint_drills import FakeTrainer
+    from runtime.resilience import checkpoint as ck
+    from tests.drivers.checkpoint_drills import FakeTrainer
 
     torch.set_num_threads(1)
     trainer = FakeTrainer(folder, 0)
@@ -128,8 +128,8 @@ def sdc_overhead(root: str, folder: str) -> None:
 
 
 def lossless(root: str, folder: str, steps: int) -> None:
-    from runtime import checkpoint as ck
-    from runtime.program import load_program
+    from runtime.resilience import checkpoint as ck
+    from runtime.program.spec import load_program
 
     plain = [s for r in range(2) for s in _rows(f"{root}/run_every_1/checkpoint_stats_rank_{r}.jsonl")]
     rows = [s for r in range(2) for s in _rows(f"{root}/run_lossless/checkpoint_stats_rank_{r}.jsonl")]
@@ -165,8 +165,8 @@ def lossless(root: str, folder: str, steps: int) -> None:
 
 def _full_bytes_dp2(folder: str, root: str) -> None:
     """What one checkpoint of the dp 2 program would be if every replica wrote its whole state."""
-    from runtime import checkpoint as ck
-    from runtime.checkpoint_drills import trainers_at
+    from runtime.resilience import checkpoint as ck
+    from tests.drivers.checkpoint_drills import trainers_at
 
     total = sum(len(ck.serialize(ck.snapshot(t))) for t in trainers_at(folder, 1))
     with open(f"{root}/dp2_full_bytes.jsonl", "w") as f:
@@ -182,8 +182,8 @@ def main() -> int:
     args = parser.parse_args()
 
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import gpt
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import gpt
 
     root = args.workdir or tempfile.mkdtemp(prefix="checkpoint_overhead_")
     folder = os.path.join(root, "program")

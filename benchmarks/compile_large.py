@@ -16,9 +16,9 @@ import time
 import transformers
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from partitioner.workload import Workload
-from runtime import data
+from partitioner.config.cluster import ClusterSpec
+from partitioner.frontend.workload import Workload
+from runtime.data import synthetic as data
 import torch
 
 

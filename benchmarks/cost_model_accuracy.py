@@ -9,7 +9,7 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
 1. calibrate on this machine (partitioner/calibrate/: every region and every distinct op run
    alone, median of repeats, weighted NNLS fit), one profile per model;
 2. compile with that profile and write the program folder;
-3. measure every stage module (runtime.stage.build_stage on the folder) alone: forward + backward
+3. measure every stage module (runtime.execute.stage.build_stage on the folder) alone: forward + backward
    of one microbatch on real inputs (stage k's inputs are what stages < k produced for the same
    batch), backward from fixed random output gradients, one torch thread (what `partitioner run`
    gives each rank), median of --repeats after warm-up;
@@ -20,7 +20,7 @@ second per step here), each at 2 and 4 pipeline stages (dp 1, 4 microbatches of 
 5. peak memory of a rank (``runtime_peak``): parameters, buffers and AdamW state (bytes of the
    real tensors) + the peak of live tensor bytes (calibrate.LiveBytes, a TorchDispatchMode that
    tracks every storage an op creates until it is freed; views of the parameters are not new
-   storage) over one training step emulated in one process as runtime/train.py runs it over
+   storage) over one training step emulated in one process as runtime/execute/train.py runs it over
    PipelineStage: the global batch, an activation and a gradient receive buffer per microbatch,
    1F1B with min(p - s, m) microbatches in flight, the outputs kept until their backward, the
    loss on the last stage, gradients, the fused AdamW step, zero_grad. Predicted: the plan's
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from partitioner.settings import program_optimizer  # noqa: E402
+from partitioner.config.settings import program_optimizer  # noqa: E402
 
 MODELS = [
     ("gpt", "gpt:layers=4,width=256,heads=4,vocab=2048,seq=128,batch=2"),
@@ -177,9 +177,9 @@ class RegionCheckpointed(torch.nn.Module):
 def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatches: int, in_flight: int,
                  make_batch, global_batch: int, loss_fn, optimizer_cfg: dict, dp: int = 1) -> dict:
     """Peak bytes one rank holds while it trains stage ``stage`` for a step, emulated in one
-    process as the runtime runs it (runtime/train.py over PipelineStage):
+    process as the runtime runs it (runtime/execute/train.py over PipelineStage):
 
-    * model state: parameters and buffers, AdamW state (the optimizer runtime.train builds,
+    * model state: parameters and buffers, AdamW state (the optimizer runtime.execute.train builds,
       fused), gradients (made in the backward, freed by zero_grad(set_to_none) after the step);
     * the global batch every rank builds (make_batch(step, global_batch));
     * PipelineStage's receive buffers: an activation buffer per microbatch for every input
@@ -190,14 +190,14 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
       forward's outputs kept until its backward (fwd_cache); on the last stage loss_fn applied
       to the outputs and backward from the loss;
     * after the schedule: gradients divided by m in place (scale_grads), for dp > 1 the
-      all-reduce's flat buckets (runtime.grad_sync.allreduce_flat_ without the collective), the
+      all-reduce's flat buckets (runtime.parallel.grad_sync.allreduce_flat_ without the collective), the
       optimizer step, zero_grad.
     One step first (the optimizer state), then the second step under LiveBytes, which counts
     the storages the step creates (views of parameters are not new storage)."""
     from collections import deque
 
     from partitioner.calibrate import LiveBytes
-    from runtime.train import make_optimizer
+    from runtime.execute.train import make_optimizer
 
     m = num_microbatches
     first, last = stage == 0, stage == num_stages - 1
@@ -291,13 +291,13 @@ def runtime_peak(module, inputs, *, stage: int, num_stages: int, num_microbatche
 def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> dict:
     import partitioner
     from partitioner.calibrate import calibrate
-    from partitioner.cluster import ClusterSpec
-    from partitioner.analysis import analyze, build_problem
-    from partitioner.models import load_workload
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.models.builtin import load_workload
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, place_stages
-    from runtime.pipeline_schedules import schedule_named
-    from runtime.stage import build_stage
+    from runtime.execute.pipeline_schedules import schedule_named
+    from runtime.execute.stage import build_stage
 
     torch.set_num_threads(1)
     results = {"configs": [], "profiles": {}}
@@ -381,7 +381,7 @@ def _recompute_capacity(workload, num_stages: int) -> int:
     """Bytes per device below the best recompute-free plan's peak and above the best plan's
     with every region recomputable: the solver must recompute."""
     import partitioner
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
     from partitioner.solver.model import SolverConfig
 
     b = workload.example_batch_size
@@ -396,12 +396,12 @@ def _recompute_capacity(workload, num_stages: int) -> int:
 
 def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None, tmp: str) -> list[dict]:
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.analysis import analyze
-    from partitioner.models import load_workload
-    from runtime.pipeline_schedules import schedule_named
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.analysis import analyze
+    from partitioner.models.builtin import load_workload
+    from runtime.execute.pipeline_schedules import schedule_named
     from partitioner.codegen.split import split_graph
-    from runtime.stage import build_stage
+    from runtime.execute.stage import build_stage
 
     workload = load_workload(spec)
     b = workload.example_batch_size

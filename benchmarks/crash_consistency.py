@@ -2,7 +2,7 @@
 
 A compiled 2 x 2 GPT program's four rank shards (real optimizer state after a few steps, each
 replica writing its share: Note [one writer per byte]) are committed with the runtime's protocol
-(``runtime.checkpoint.commit_local``: shards, manifest, pruning, in the order the distributed
+(``runtime.resilience.checkpoint.commit_local``: shards, manifest, pruning, in the order the distributed
 commit uses). Checkpoints of steps 1 and 2 exist; the
 persist of step 3 runs in a forked child that SIGKILLs itself after a random number of bytes or
 before a random operation (open, write, fsync, rename, mkdir, unlink, rmtree, directory fsync);
@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from runtime import checkpoint as ck
-from runtime.checkpoint_drills import (count_commit, drill_writes, killed_commit, newest_for_all, random_point,
+from runtime.resilience import checkpoint as ck
+from tests.drivers.checkpoint_drills import (count_commit, drill_writes, killed_commit, newest_for_all, random_point,
                                       same_state, trainers_at)
-from runtime.checkpoint.delta import encode_snapshot
-from runtime.program import load_program
+from runtime.resilience.checkpoint.delta import encode_snapshot
+from runtime.program.spec import load_program
 
 
 def main() -> int:
@@ -46,8 +46,8 @@ def main() -> int:
     torch.set_num_threads(1)
 
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import gpt
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import gpt
 
     root = tempfile.mkdtemp(prefix="crash_consistency_")
     folder = os.path.join(root, "program")

@@ -12,7 +12,7 @@ Formulas (per sample = one sequence of s tokens):
   2 · 2 · s^2 · h per layer; backward = 2 x forward, so training = 6 · params · tokens + attention.
   Head: 2 · s · h · V forward.
 * memory per parameter, as the runtime keeps it under bf16-mixed (Note [mixed precision] in
-  runtime/precision.py, no sharding): 4 bytes fp32 weight (the master weights) + 2 bytes of its
+  runtime/execute/precision.py, no sharding): 4 bytes fp32 weight (the master weights) + 2 bytes of its
   bf16 copy autocast caches for the step (the "weight" term, Note [precision in the cost model]),
   4 bytes fp32 gradient, 8 bytes AdamW m and v = 18 bytes.
 * saved activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation",

@@ -34,7 +34,7 @@ from _torchrun import torchrun as _torchrun  # noqa: E402
 
 def _compile(model_fn, folder: str, *, stages: int, nodes: int, mode: str):
     import partitioner
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
 
     plan = partitioner.compile(model_fn(), cluster=ClusterSpec.homogeneous(stages, "cpu", devices_per_node=stages // nodes),
                                global_batch=16, num_stages=stages, dp=1, microbatches=4,
@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--workdir", help="default: a fresh temporary folder")
     args = parser.parse_args()
 
-    from partitioner.models import gpt
+    from partitioner.models.builtin import gpt
 
     root = args.workdir or tempfile.mkdtemp(prefix="memory_tier_")
     shm = f"/dev/shm/partitioner-bench-{uuid.uuid4().hex[:8]}" if os.path.isdir("/dev/shm") else f"{root}/shm"
@@ -158,7 +158,7 @@ def main() -> int:
                     "--checkpoint-dir", f"{root}/ckm_{mode}", "--"]
         _torchrun(4, [DRIVER, *job])
         predicted = plan4.decisions.memory_tier
-        from runtime.memtier import memory_cost, plan_redundancy
+        from runtime.resilience.memtier import memory_cost, plan_redundancy
 
         print("\n3. host memory per rank, 4 stages on 4 hosts (shard = parameters + Adam state + RNG; "
               "two alternating slots each)")

@@ -16,9 +16,9 @@ node 0, A100s on node 1): our plan is searched over every placement of stages on
 [exact placements]), its status says whether that search was proven.
 
 The last rows are a Llama-70B-like model (compile_large.py's configuration, traced on the meta
-device: its tensor-parallel figures come from passes/tensor_parallel.py) on 64 H100 (8 per node),
+device: its tensor-parallel figures come from passes/tp_roles.py) on 64 H100 (8 per node),
 searched without and with tensor parallelism (Note [one enumeration] in partitioner/solver/space.py,
-Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py), under bf16-mixed (the
+Note [tensor-parallel pricing] in partitioner/solver/tensor_groups.py), under bf16-mixed (the
 H100 default) and fp32: tp x pp x dp with sharded optimizer state allowed, all of which the
 runtime runs (Note [what tensor parallelism runs with]). Megatron-LM's published layout for 70B
 is tp 8 within a node, pipeline across nodes.
@@ -27,7 +27,7 @@ interleaved 1F1B at v = 2 and 4 stages per rank on the same model, cluster and m
 [interleaved pricing] in partitioner/solver/interleaved.py), sublayer granularity: the step time the
 solver prices (the worst stage's forward and backward at every stage: never below torch's order),
 the step time with the pipeline replaced by torch's own order simulated over the plan's stage
-times (runtime/schedule.py timed_actions), and whether it fits memory.
+times (runtime/execute/schedule.py timed_actions), and whether it fits memory.
 
 "ours" is solved at "op" granularity (a region per matmul: passes/regions.py), the "sublayer"
 column at attention/MLP granularity, to show what the finer regions buy. The baselines split
@@ -44,10 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt_like import gpt2_small, gpt_like_problem, llama_like  # noqa: E402
 
-from partitioner.cluster import ClusterSpec  # noqa: E402
+from partitioner.config.cluster import ClusterSpec  # noqa: E402
 from partitioner.errors import PartitionInfeasibleError  # noqa: E402
 from partitioner.solver import SolverConfig, evaluate, solve  # noqa: E402
-from runtime.schedule import timed_actions  # noqa: E402
+from runtime.execute.schedule import timed_actions  # noqa: E402
 
 
 def scenarios(granularity: str):
@@ -74,7 +74,7 @@ def llama70b_problems():
     """{precision: (problem, cluster)} of compile_large.py's Llama-70B on 64 H100, as compile() builds them."""
     from compile_large import llama70b
 
-    from partitioner.analysis import annotate, build_problem, target_bytes_of, trace_keyed
+    from partitioner.frontend.analysis import annotate, build_problem, target_bytes_of, trace_keyed
     from partitioner.compiler import _param_elem_bytes
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
 
@@ -94,7 +94,7 @@ def llama70b_problems():
 
 
 def llama70b_rows(time_limit_s: float) -> None:
-    from partitioner.solver.tensor_parallel import degrees_to_search
+    from partitioner.solver.tensor_groups import degrees_to_search
 
     print("\nLlama-70B-like (80 layers, h=8192, 64 heads, s=4096), 64 x H100 (8 per node), global batch 512,"
           " solver picks everything; optimizer state sharding auto")

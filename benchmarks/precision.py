@@ -7,10 +7,10 @@ AdamW state sharded over the replicas (ZeRO-1).
 The model is compiled three times for 2 CPU devices as 1 stage x dp 2 (so sharding has replicas
 to shard over): --precision fp32, bf16-mixed with --shard-optimizer off, and bf16-mixed with
 --shard-optimizer on. The three programs train in one torchrun launch with every rank's peak
-measured (runtime/memory.py, live tensor storages on CPU), then in --rounds unmeasured launches
+measured (runtime/observe/memory.py, live tensor storages on CPU), then in --rounds unmeasured launches
 that alternate the order, for step time (median of the steps after the first, best round).
 Predicted figures are the plan's (partitioner inspect). On CPU, bf16 matmuls are fast only with
-AMX (Note [flops per dtype] in partitioner/device_presets.py); the non-matmul ops and autocast's casts
+AMX (Note [flops per dtype] in partitioner/config/device_presets.py); the non-matmul ops and autocast's casts
 are not, so bf16 may be slower here than the prediction: the figures say what was measured.
 """
 
@@ -40,8 +40,8 @@ def jobs(folders, steps: int) -> list[str]:
 
 def main() -> None:
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import load_workload
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import load_workload
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -87,7 +87,7 @@ def main() -> None:
         print(f"{name} vs fp32: measured peak {max(peaks[name].values()) / base_peak - 1:+.1%}, "
               f"step time {min(rounds[name]) / base - 1:+.1%} (predicted "
               f"{plans[name].predicted['step_time_s'] / plans['fp32'].predicted['step_time_s'] - 1:+.1%})")
-    print(f"measured peak: live tensor storages per rank (runtime/memory.py); step time: best of {args.rounds} "
+    print(f"measured peak: live tensor storages per rank (runtime/observe/memory.py); step time: best of {args.rounds} "
           f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores (machine shared with "
           f"other jobs); folders: {root}")
 

@@ -64,7 +64,7 @@ def measured_step_s(row) -> float:
 
 
 def cluster_of(gpus: int):
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
 
     return ClusterSpec.from_dict({
         "group": [{"kind": "a100-80gb", "count": gpus, "devices_per_node": 8}],
@@ -73,7 +73,7 @@ def cluster_of(gpus: int):
 
 
 def workload_of(row):
-    from partitioner.models import gpt
+    from partitioner.models.builtin import gpt
 
     _, heads, hidden, layers, *_ = row
     return gpt(layers=layers, width=hidden, heads=heads, vocab=VOCAB, seq=SEQ, dropout=0.1, attn="eager",
@@ -84,7 +84,7 @@ def breakdown(compiled):
     """The predicted step's terms (seconds) re-evaluated from the plan's own problem and layout."""
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.precision_cost import cluster_for_precision
-    from partitioner.tensor_parallel import grouped
+    from partitioner.frontend.tp_support import grouped
 
     plan = compiled.plan
     cluster = grouped(cluster_for_precision(cluster_of(plan.world_size), plan.decisions.precision), plan.tensor_parallel)

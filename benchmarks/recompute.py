@@ -5,7 +5,7 @@
 For each configuration: compile for 2 CPU devices whose memory makes the solver recompute some
 regions, and write the plan's program ("recompute") and the same plan with recompute switched off
 ("plain": same stages, same weights). Both train under torchrun in one launch twice: once with
-every rank's peak measured (runtime/memory.py, Note [what a rank's peak counts]; live tensor
+every rank's peak measured (runtime/observe/memory.py, Note [what a rank's peak counts]; live tensor
 storages on CPU), then unmeasured for step time (median of the steps after the first, best of
 --rounds launches that alternate which program trains first). Predicted
 figures are the cost model's (partitioner.solver.evaluate.evaluate) for each assignment: by the
@@ -31,12 +31,12 @@ from benchmarks._torchrun import DRIVER, rows, torchrun  # noqa: E402
 
 
 def jobs(folders, steps: int) -> list[str]:
-    """runtime/run_many.py's arguments: every folder trained ``steps`` steps in the same workers."""
+    """tests/drivers/run_many.py's arguments: every folder trained ``steps`` steps in the same workers."""
     return [arg for i, folder in enumerate(folders) for arg in (["--"] if i else []) + [str(folder), "--steps", str(steps)]]
 
 
 def configs():
-    from partitioner.models import gpt
+    from partitioner.models.builtin import gpt
 
     return [
         ("gpt 4x32 seq 64 (the test's)", lambda: gpt(layers=4, width=32, heads=2, vocab=64, seq=64), 1_300_000),
@@ -46,8 +46,8 @@ def configs():
 
 def predicted(plan, workload, recompute: bool, profiles=()):
     """(step time s, peak bytes per stage) of the plan's assignment with or without its recompute."""
-    from partitioner.cluster import ClusterSpec
-    from partitioner.analysis import analyze, build_problem
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.analysis import analyze, build_problem
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, place_stages
 
@@ -67,7 +67,7 @@ def predicted(plan, workload, recompute: bool, profiles=()):
 
 def main() -> None:
     import partitioner
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
@@ -83,7 +83,7 @@ def main() -> None:
     for name, build, capacity in configs():
         options = dict(global_batch=8, num_stages=2, microbatches=4)
         if args.calibrate:
-            from partitioner.analysis import analyze
+            from partitioner.frontend.analysis import analyze
             from partitioner.calibrate import calibrate
 
             profile = calibrate(build(), analyze(build())[0])
@@ -132,7 +132,7 @@ def main() -> None:
                        f"{(times['recompute'] - times['plain']) * 1e3:.2f} ms, predicted "
                        f"{(pred['recompute'][0] - pred['plain'][0]) * 1e3:.2f} ms")
     print("\n".join(summary))
-    print(f"measured peak: live tensor storages per rank (runtime/memory.py); step time: best of {args.rounds} "
+    print(f"measured peak: live tensor storages per rank (runtime/observe/memory.py); step time: best of {args.rounds} "
           f"alternating rounds of the median of {args.steps - 1} steps, 2 shared CPU cores (load average "
           f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); folders: {root}")
 

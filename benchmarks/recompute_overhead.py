@@ -1,6 +1,6 @@
 """What a recomputed region costs one microbatch beyond plain, by checkpoint mechanism, and the
 fixed term that leaves for the cost model (Note [recompute fixed cost] in
-partitioner/solver/recompute_cost.py, Note [cheap checkpointing] in runtime/recompute.py).
+partitioner/solver/recompute_cost.py, Note [cheap checkpointing] in runtime/execute/recompute.py).
 
     .venv/bin/python benchmarks/recompute_overhead.py [--iterations 200]
 
@@ -12,7 +12,7 @@ over rounds of the differences against plain in the same round) under
 
     plain        no region recomputed
     before       torch.utils.checkpoint non-reentrant, RNG state saved (the runtime until now)
-    runtime      runtime.recompute.checkpointed as it is (reentrant, no RNG state)
+    runtime      runtime.execute.recompute.checkpointed as it is (reentrant, no RNG state)
 
 and prints the extra ms per recomputed region, the block's forward as the uncalibrated cost model
 prices it (its FLOPs at the cpu preset's rate), the rerun forward alone as measured (with grad),
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _forward_backward_s(module, inputs, grad, microbatch: int) -> tuple[float, object]:
     """(CPU seconds of one forward + backward of ``module``, its output)."""
-    from runtime import randomness
+    from runtime.execute import randomness
 
     randomness.set_context(seed=1, step=0, first_sample=0, microbatch=microbatch)
     start = time.thread_time()
@@ -56,8 +56,8 @@ def _paired(plain, recompute, method: str, inputs, iterations: int, mechanisms: 
     the paired difference against plain; "rerun": the lone forward."""
     import torch
 
-    import runtime.recompute as rc
-    from runtime import randomness
+    import runtime.execute.recompute as rc
+    from runtime.execute import randomness
 
     randomness.set_context(seed=1, step=0, first_sample=0, microbatch=0)
     with torch.no_grad():
@@ -88,10 +88,10 @@ def main() -> None:
     from torch.utils.checkpoint import checkpoint
 
     import partitioner
-    import runtime.recompute as rc
+    import runtime.execute.recompute as rc
     from benchmarks.recompute import configs
-    from partitioner.analysis import analyze, build_problem
-    from partitioner.cluster import DEVICE_PRESETS, ClusterSpec
+    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec
     from partitioner.solver.problem import region_times_s
 
     parser = argparse.ArgumentParser()
@@ -123,7 +123,7 @@ def main() -> None:
         problem = build_problem(gm, workload.example_batch_size)
         region = next(r for r in problem.regions if r.name == blocks[0])
         priced = region_times_s(region, cluster.devices[0], b)[0]
-        from runtime.stage import build_stage
+        from runtime.execute.stage import build_stage
 
         modules = {k: build_stage(str(f), 0).train() for k, f in folders.items()}
         got = _paired(modules["plain"], modules["recompute"], "recompute_" + blocks[0].replace(".", "_"),

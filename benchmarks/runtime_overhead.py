@@ -4,7 +4,7 @@
 
 Two ratios (throughput, higher is better for us):
   1. a 1-stage generated program  vs  a plain eager training loop (same model, data, and the
-     program's own AdamW: runtime.train.make_optimizer over the plan's optimizer settings),
+     program's own AdamW: runtime.execute.train.make_optimizer over the plan's optimizer settings),
      target >= 0.95;
   2. our 2-stage program  vs  a hand-written torch.distributed.pipelining program (pipeline() +
      Schedule1F1B) with the same split, target >= 1.0.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.torchrun import run_env, torchrun_command
+from runtime.launch.torchrun import run_env, torchrun_command
 
 MODEL = "gpt:layers=4,width=256,heads=4,vocab=2048,seq=128"
 GLOBAL_BATCH = 16
@@ -38,14 +38,14 @@ def median_after_warmup(times: list[float]) -> float:
 
 
 def handwritten_optimizer(named_params, program_folder: str):
-    """The optimizer our program runs, built by the same function (runtime.train.make_optimizer)
+    """The optimizer our program runs, built by the same function (runtime.execute.train.make_optimizer)
     from the compiled program's own settings (plan.json's program.optimizer: lr, betas, weight
     decay, the cosine schedule, the no-decay names, fused or not): like for like, every side pays
     the same optimizer step with the same parameter groups (torch's default per-parameter loop
     costs ~4x the fused kernel on CPU, ~2% of this model's step, and would be measured as our
     runtime's gain)."""
-    from runtime.program import load_program
-    from runtime.train import make_optimizer
+    from runtime.program.spec import load_program
+    from runtime.execute.train import make_optimizer
 
     names, params = zip(*named_params)
     return make_optimizer(list(params), load_program(program_folder).optimizer, list(names))
@@ -60,7 +60,7 @@ def optimizer_text(opt) -> str:
 
 def eager_loop(steps: int, program_folder: Path) -> float:
     """The baseline a user writes: forward, loss, backward over microbatches, AdamW step."""
-    from partitioner.models import load_workload
+    from partitioner.models.builtin import load_workload
 
     torch.set_num_threads(1)
     workload = load_workload(MODEL)
@@ -105,7 +105,7 @@ def handwritten_pipeline_worker(steps: int, split_at: str, out_path: str, progra
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
-    from partitioner.models import load_workload
+    from partitioner.models.builtin import load_workload
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -174,8 +174,8 @@ def main() -> int:
         return 0
 
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import load_workload
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import load_workload
 
     with tempfile.TemporaryDirectory() as tmp:
         one, two = Path(tmp) / "one", Path(tmp) / "two"
@@ -205,7 +205,7 @@ def main() -> int:
         print(f"{name:<44} {t * 1e3:>9.2f} {GLOBAL_BATCH / t:>10.1f}")
     print("every round's median, ms: " + "; ".join(f"{name} " + " ".join(f"{t * 1e3:.0f}" for t in times)
                                                  for name, times in rounds.items()))
-    print("optimizers (ours: runtime.train.make_optimizer over the same plan settings, in each rank): "
+    print("optimizers (ours: runtime.execute.train.make_optimizer over the same plan settings, in each rank): "
           + "; ".join(f"{k}: {v}" for k, v in OPTIMIZERS.items()))
     r1, r2 = eager_s / ours1_s, hand2_s / ours2_s
     print(f"ratio 1-stage program / eager loop (throughput): {r1:.3f} (target >= 0.95)")

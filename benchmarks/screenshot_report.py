@@ -26,8 +26,8 @@ MAX_PNG_BYTES = 300 * 1024
 def main() -> int:
     import partitioner
     from partitioner import inspect
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import load_workload
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import load_workload
 
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt_like import gpt_like_problem  # noqa: E402
 
-from partitioner.cluster import ClusterSpec  # noqa: E402
+from partitioner.config.cluster import ClusterSpec  # noqa: E402
 from partitioner.solver import SolverConfig, solve_candidate  # noqa: E402
 
 

@@ -9,7 +9,7 @@ and without data parallelism (global batch 16, microbatches of the example batch
 1. calibrate each model here once (`partitioner compile --calibrate`: every region and distinct op
    alone, one thread), compile every plan with that profile and write the program folder;
 2. train it under torchrun (one thread per rank, no checkpoints) for --steps steps; the run's own
-   summary (RUN_DIR/summary.json, Note [step time summary] in runtime/train.py) gives the median
+   summary (RUN_DIR/summary.json, Note [step time summary] in runtime/execute/train.py) gives the median
    step time over the steps after the first. Each run waits (up to --quiet-wait s) until no other
    task is runnable; plans alternate over --rounds rounds and the fastest round counts: other
    work on a shared machine only ever adds time;
@@ -23,7 +23,7 @@ and without data parallelism (global batch 16, microbatches of the example batch
 
 It also prints the per-microbatch stage overhead each plan implies, (measured / core-sharing
 factor - prediction without the overhead) / (m + p - 1) slots of the pipeline; their median is
-what the cpu preset's ``CPU_MICROBATCH_OVERHEAD_S`` (partitioner/cluster.py) was set from.
+what the cpu preset's ``CPU_MICROBATCH_OVERHEAD_S`` (partitioner/config/cluster.py) was set from.
 The machine is 2 shared CPU cores: the load average is printed beside the figures. Measured here,
 a 2-rank plan's step is bimodal, ~60 ms or ~130 ms for the same program folder (the `gpt 2x1`
 plan and `gpt demo` are the same split), depending on whether another job keeps one core busy
@@ -69,9 +69,9 @@ def _rel(pred: float, meas: float) -> float:
 def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     import partitioner
     from partitioner.calibrate import calibrate
-    from partitioner.cluster import ClusterSpec
-    from partitioner.analysis import analyze, build_problem
-    from partitioner.models import load_workload
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.models.builtin import load_workload
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages
     from partitioner.calibrate.machine import fill_fixed_costs, machine_profile

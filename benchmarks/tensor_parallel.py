@@ -12,13 +12,13 @@ and measured, in one run.
 2. Bytes, on three models (hf-llama; the repo's GPT, whose fused qkv stays replicated; hf-bert,
    whose vocab head has a bias): train each tp 2 folder under torchrun with every step inside a
    dispatch mode that adds up the tensors handed to torch's functional collectives, the ones
-   DTensor issues (runtime/collective_bytes.py, benchmarks/_tp_bytes_worker.py), by kind. What a
+   DTensor issues (runtime/parallel/collective_bytes.py, benchmarks/_tp_bytes_worker.py), by kind. What a
    rank sends under ring algorithms (an all-reduce of n bytes 2 (tp-1)/tp n, an all-gather of c
    bytes per member (tp-1) c) beside the cost model's ``sent_bytes`` (Note [tensor-parallel
-   pricing] in partitioner/solver/tensor_parallel.py) over the regions: forward and backward per
+   pricing] in partitioner/solver/tensor_groups.py) over the regions: forward and backward per
    sample x the step's samples, plus the per-step gathers (Note [tensor-parallel traffic] in
-   passes/tensor_parallel.py); and the payloads as counted beside the model's.
-3. Step time: the three preset folders trained in one torchrun launch (runtime/run_many.py, one
+   passes/tp_roles.py); and the payloads as counted beside the model's.
+3. Step time: the three preset folders trained in one torchrun launch (tests/drivers/run_many.py, one
    thread per rank, no checkpoints), each run's median step after the first (RUN_DIR/summary.json),
    beside both predictions. The machine is 2 CPU cores shared with other jobs: the load average
    is printed beside the times, and a CPU run says nothing about GPU speed (tiny matmuls, gloo
@@ -55,10 +55,10 @@ def compile_plans(root: Path, calibrate_repeats: int) -> tuple[dict, dict, dict]
     cost and gloo's per-collective cost, partitioner/calibrate/tp_overheads.py): (preset plans,
     calibrated plans, the profile's tensor-parallel figures)."""
     import partitioner
-    from partitioner.analysis import annotate, trace_keyed
+    from partitioner.frontend.analysis import annotate, trace_keyed
     from partitioner.calibrate import calibrate
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import hf_llama
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import hf_llama
 
     workload = hf_llama(**SPEC)
     traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
@@ -83,7 +83,7 @@ def modelled_bytes(compiled, tp: int = 2) -> dict:
     over the regions, forward and backward per sample x the step's samples, plus the per-step
     gathers; and the payloads they come from (all-reduce inputs, all-gather inputs = each member's
     1/tp of the whole), as the dispatch mode counts them."""
-    from partitioner.solver.tensor_parallel import sent_bytes
+    from partitioner.solver.tensor_groups import sent_bytes
 
     plan, regions = compiled.plan, compiled.problem.regions
     samples = plan.microbatch_size * plan.num_microbatches
@@ -114,7 +114,7 @@ def measure_bytes(folder: Path, steps: int, out: Path) -> list[dict]:
 
 def ring_sent(kinds: dict, tp: int = 2) -> float:
     """Bytes a rank sends for these payloads (the collectives' input tensors) under ring algorithms."""
-    from runtime.collective_bytes import ring_factor
+    from runtime.parallel.collective_bytes import ring_factor
 
     return sum(ring_factor(kind, tp) * nbytes for kind, nbytes in kinds.items())
 
@@ -131,8 +131,8 @@ def step_times(folders: dict, steps: int) -> dict:
 
 def compile_tp(name: str, root: Path):
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner import models
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models import builtin as models
 
     compiled = partitioner.compile(getattr(models, BYTES_MODELS[name])(**SPEC), cluster=ClusterSpec.homogeneous(2, "cpu"),
                                    global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, **PLANS["tp 2"])

@@ -1,6 +1,6 @@
 """Tensor parallelism under mixed precision, measured: the bytes each rank's tensor-parallel
 collectives carry per step under tp 2 in fp32 and in bf16-mixed, side by side with the cost
-model's figure for each (Note [tensor parallelism under autocast] in runtime/tensor_parallel.py).
+model's figure for each (Note [tensor parallelism under autocast] in runtime/parallel/tensor_parallel.py).
 
     .venv/bin/python benchmarks/tp_precision_bytes.py [--steps 3]
 
@@ -31,8 +31,8 @@ from tensor_parallel import GLOBAL_BATCH, MICROBATCHES, SPEC, measure_bytes, mod
 
 def main(argv=None) -> dict:
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import hf_llama
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import hf_llama
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)

@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import passes
-    from partitioner import ir
-    from partitioner.trace import trace
+    from passes import ir
+    from partitioner.frontend.trace import trace
 
     steps: list[tuple[str, float]] = []
     start = last = time.perf_counter()

@@ -16,43 +16,34 @@ device      the accelerator (or CPU) a rank runs on; a ClusterSpec lists them.
 replica     one of the `dp` data-parallel copies of the whole pipeline.
 microbatch  a slice of a replica's batch; the pipeline keeps several in flight.
 
-The rooms (docs/design.md §3), in the order data flows through them:
+The rooms (docs/design.md §3), in the order data flows through them (each folder's __init__
+maps its modules):
 
-workload.py               what a user hands the compiler: model, example inputs, loss, make_batch
-models.py                 built-in workloads and the MODEL spec of the command line
-hf.py                     ``hf:CONFIG_DIR``: a Workload from a Hugging Face config, local files only
-user_source.py            where the ranks find make_batch, loss_fn and custom ops; a model file run
-local_modules.py          the local modules a travelling file imports, tried as a rank imports them
-rank_imports.py           what a rank can import: its sys.path, the spec it would find a name by
-job.py                    training settings: defaults < job file < training= / flags, checked
-settings.py               TrainingSettings, Request, Decisions: what the user asks and what compile chose
-cluster.py                ClusterSpec: devices, nodes, links, cluster files
-device_presets.py         device kinds: memory, FLOP/s per dtype, usable memory, cpu fixed costs
-tensor_parallel.py        what compile() accepts with a tensor-parallel degree, refused in words
-trace.py                  the only file that calls torch.export / symbolic_trace
-ir.py                     the metadata contract between passes (docs/design.md §4)
-analysis.py               front end: trace, key random ops, the passes, the PartitionProblem
+config/                   what the user asks, typed: training settings, job files, the cluster, device kinds
+models/                   built-in workloads and the MODEL spec, Hugging Face configs in, weights out
+frontend/                 the workload traced and annotated (the passes), the PartitionProblem, what
+                          the ranks will import of the user's code
 calibrate/                a fitted per-kind time model; this machine's cpu profile
 solver/                   the partition problem as plain numbers, solved and checked
-plan.py                   the frozen Plan: JSON, content hash
+codegen/                  the back end: lowering passes and the program folder's text
+inspect/                  plans, checkpoints and programs for people; `verify` against the oracle
+cli/                      the `partitioner` command
+
 compiler.py               compile(): the straight list of named steps
 compiled.py               what compile() returns: the plan and what writing its program needs
-lower.py                  back end: retrace at the microbatch, split, program object, emit
-lower_tensor_parallel.py  where a tensor group settles its collectives, written into a stage graph
-codegen/                  the lowering passes and the program folder's text
-inspect/                  plans and checkpoints for people, one module per view
-verify.py                 the program against the one-process oracle
-export.py                 a verified checkpoint as from_pretrained-ready weights
+plan.py                   the frozen Plan: JSON, content hash
 errors.py                 the domain errors (runtime's re-exported)
-cli/                      the `partitioner` command
 __main__.py               ``python -m partitioner``
+
+The metadata contract between passes is passes/ir.py (the passes own it; nothing in passes/
+imports partitioner).
 """
 
 from runtime.python_version import check_python as _check_python
 
-_check_python()  # before anything that needs 3.11 (tomllib in partitioner.cluster)
+_check_python()  # before anything that needs 3.11 (tomllib in partitioner.config.cluster)
 
-from partitioner.cluster import ClusterSpec  # noqa: E402
+from partitioner.config.cluster import ClusterSpec  # noqa: E402
 from partitioner.errors import (
     CheckpointCorruptError,
     PartitionerError,
@@ -66,7 +57,7 @@ def __getattr__(name):
     # Workload imports torch (seconds); `partitioner inspect` and the solver never need it.
     if name == "Workload":
         # lazy: loads torch
-        from partitioner.workload import Workload
+        from partitioner.frontend.workload import Workload
 
         return Workload
     raise AttributeError(f"module 'partitioner' has no attribute {name!r}")
@@ -81,7 +72,7 @@ def compile(workload, *, cluster, global_batch, **options):  # noqa: A001 - the 
 def analyze(workload, *, granularity: str = "block"):
     """Trace and annotate a workload: returns (GraphModule, per-region cost table)."""
     # lazy: loads torch
-    from partitioner.analysis import analyze as _analyze
+    from partitioner.frontend.analysis import analyze as _analyze
 
     return _analyze(workload, granularity=granularity)
 

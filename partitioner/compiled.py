@@ -16,8 +16,8 @@ from pathlib import Path
 from partitioner.inspect import table
 from partitioner.plan import Plan
 from partitioner.solver.problem import Assignment, PartitionProblem
-from partitioner.user_source import UserSources
-from partitioner.workload import Workload
+from partitioner.frontend.user_source import UserSources
+from partitioner.frontend.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,11 @@ class Compiled:
     granularity: str
     problem: PartitionProblem
     assignment: Assignment
-    sources: UserSources | None = None  # where the ranks find make_batch and loss_fn (partitioner/user_source.py)
+    sources: UserSources | None = None  # where the ranks find make_batch and loss_fn (partitioner/frontend/user_source.py)
 
     def save(self, folder: str | Path) -> Path:
-        """Write the program folder (docs/design.md §6): partitioner/lower.py."""
-        from partitioner.lower import write_program_folder  # traces the model: torch, loaded late
+        """Write the program folder (docs/design.md §6): partitioner/codegen/lower.py."""
+        from partitioner.codegen.lower import write_program_folder  # traces the model: torch, loaded late
 
         return write_program_folder(self, folder)
 

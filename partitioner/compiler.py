@@ -3,16 +3,16 @@
 (Named compiler.py, not compile.py: a submodule called `compile` would shadow the package's
 `partitioner.compile` function as soon as anything imported it.) Data flows one way:
 
-    traced   = trace the model, random ops keyed          partitioner/analysis.py
-    annotate = shapes → flops → memory → regions          partitioner/analysis.py, passes/
+    traced   = trace the model, random ops keyed          partitioner/frontend/analysis.py
+    annotate = shapes → flops → memory → regions          partitioner/frontend/analysis.py, passes/
     machine  = this machine's cpu profile, cached (measured the first time): partitioner/calibrate/machine.py
     profile  = (optional) measure regions here and fit the time model (partitioner/calibrate/)
-    problem  = the region graph as plain numbers          partitioner/analysis.py
+    problem  = the region graph as plain numbers          partitioner/frontend/analysis.py
     solution = the ILP over stages × data-parallel degree × microbatches, checked independently
     plan     = the frozen Plan, with the baselines beside it (this module)
     compiled = Compiled(plan, workload, problem, ...)     partitioner/compiled.py
 
-and Compiled.save lowers it to the program folder (partitioner/lower.py: retrace at the
+and Compiled.save lowers it to the program folder (partitioner/codegen/lower.py: retrace at the
 microbatch size → split → program → emit).
 """
 
@@ -25,31 +25,31 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from partitioner import ir
-from partitioner.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
+from passes import ir
+from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
 from partitioner.calibrate import machine
 from partitioner.calibrate.machine import fill_fixed_costs
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
-from partitioner.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
+from partitioner.config.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
-from partitioner.settings import Decisions, Request, TrainingSettings
+from partitioner.config.settings import Decisions, Request, TrainingSettings
 from partitioner.solver.candidates import validate_options
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
 from partitioner.solver.solve import solve_with_sharding
 from partitioner.solver.space import StepTerms
-from partitioner.solver.tensor_parallel import degrees_to_search
+from partitioner.solver.tensor_groups import degrees_to_search
 from partitioner.solver.zero_choice import allgather_s
-from partitioner.tensor_parallel import check_tensor_parallel, grouped
-from partitioner.workload import Workload
+from partitioner.frontend.tp_support import check_tensor_parallel, grouped
+from partitioner.frontend.workload import Workload
 from passes.region_graph import region_table
-from runtime import randomness
-from runtime.grad_norm import no_decay_names
-from runtime.memtier import memory_cost, plan_redundancy
-from runtime.program_parts import MemoryTierPlan, Precision
+from runtime.execute import randomness
+from runtime.parallel.grad_norm import no_decay_names
+from runtime.resilience.memtier import memory_cost, plan_redundancy
+from runtime.program.parts import MemoryTierPlan, Precision
 
 
 def _progress(report: Callable[[str], None] | None, message: str) -> None:
@@ -89,12 +89,12 @@ def compile_workload(
     solver.solve.SolveProgress updates (str() of one is a status line).
     ``training``: the training settings (a dict merged over the defaults and checked, Note
     [training settings merge], or a TrainingSettings); ``precision`` and ``clip_grad_norm``, when
-    given, override its keys (Note [mixed precision] in runtime/precision.py; precision None:
+    given, override its keys (Note [mixed precision] in runtime/execute/precision.py; precision None:
     bf16-mixed on GPU kinds, fp32 on cpu; clipping None: off). ``num_stages``, ``dp``,
     ``tensor_parallel``, ``microbatches``, ``schedule``, ``shard_optimizer`` and ``granularity`` are
-    the Request (partitioner/settings.py): None leaves the choice to the solver (Note [one
+    the Request (partitioner/config/settings.py): None leaves the choice to the solver (Note [one
     enumeration] in partitioner/solver/space.py; shard_optimizer "auto": Note [sharding as a
-    candidate] in solver/zero_choice.py; Note [tensor groups] in partitioner/solver/tensor_parallel.py).
+    candidate] in solver/zero_choice.py; Note [tensor groups] in partitioner/solver/tensor_groups.py).
     ``machine_profile``: how cpu devices are priced (Note [the API measures too] in
     partitioner/calibrate/machine.py): "auto" (this machine's cached profile, measured once;
     the preset under PARTITIONER_NO_CALIBRATE=1), "preset", or a calibrate.machine.MachineProfile."""
@@ -127,17 +127,17 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                     global_batch: int, optimizer: str = "adamw", solver_config=None, profiles=(), calibrate=None,
                     progress=None, machine_profile="auto") -> Compiled:
     """The compile of ``workload`` as ``settings`` and ``request`` ask (Note [settings and
-    decisions] in partitioner/settings.py): reads both, decides the rest."""
+    decisions] in partitioner/config/settings.py): reads both, decides the rest."""
 
     tp = check_tensor_parallel(request.tensor_parallel, cluster, settings)
     validate_options(grouped(cluster, tp), global_batch, request.num_stages, request.dp, request.microbatches,
                      request.schedule)  # before the trace
-    from partitioner.user_source import derive_sources
+    from partitioner.frontend.user_source import derive_sources
 
     sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
     precision = settings.precision or Precision.default_for(cluster.devices[0].kind)
     shard = request.shard_optimizer
-    if (settings.sdc_every or 0) > 0:  # Note [no replica check on sharded state] in runtime/sdc.py
+    if (settings.sdc_every or 0) > 0:  # Note [no replica check on sharded state] in runtime/resilience/sdc.py
         if shard == "on":
             raise ValueError(f"sdc_every={settings.sdc_every} with shard_optimizer on: the replica check cannot "
                              "see corruption when the optimizer state is sharded (each piece is updated by its "
@@ -193,7 +193,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
         tp_degrees = degrees_to_search(cluster, tp_runs)
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
-        from passes.tensor_parallel import check_degree
+        from passes.tp_roles import check_degree
 
         check_degree(gm, tp)
 
@@ -208,7 +208,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
             problem, cluster, global_batch, shard=shard, dp=request.dp, num_stages=request.num_stages,
             microbatches=request.microbatches, schedule=request.schedule, config=solver_config, progress=progress,
             tp_degrees=degrees,
-            tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/tensor_parallel.py)
+            tp_dp=True, tp_shard=True,  # the runtime runs tp x dp with ZeRO-1 (partitioner/frontend/tp_support.py)
             step_terms=step_terms)
 
     # with DTensor's dispatch and gloo's per-collective cost priced (Note [tensor-parallel
@@ -217,7 +217,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     tp = solution.tensor_parallel
     sharded = bool(sharded and solution.assignment.dp > 1)
     sdc_every = settings.sdc_every
-    if sharded:  # Note [no replica check on sharded state] in runtime/sdc.py
+    if sharded:  # Note [no replica check on sharded state] in runtime/resilience/sdc.py
         sdc_every = 0
     if sdc_every is None:  # Note [replica digests]: a plan setting, priced by evaluate
         from partitioner.solver.sdc_cost import default_every
@@ -340,7 +340,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
 
 
 def memory_tier_choice(request, stages, cluster, assignment) -> dict:
-    """The memory tier's redundancy for this layout (runtime/memtier/groups.py, Note [redundancy]): ranks
+    """The memory tier's redundancy for this layout (runtime/resilience/memtier/groups.py, Note [redundancy]): ranks
     grouped one per node, the i-th rank of each node by (stages, replica) so that group members hold
     the same stage; mode "auto" is none on one node, copy on two, parity on more. Says what it
     costs in host memory: shard = parameters + optimizer state of the rank's stages, two slots."""
@@ -371,7 +371,7 @@ def _tp_runs(gm, tp, cluster, settings: TrainingSettings) -> bool:
     """Whether the program runs tensor-parallel degree ``tp`` with these settings (Note [only
     runnable plans]): the degree divides what the sharded nodes split, and compile() would accept it."""
     # lazy: loads networkx
-    from passes.tensor_parallel import check_degree
+    from passes.tp_roles import check_degree
 
     try:
         check_degree(gm, tp)

@@ -13,7 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from partitioner.settings import Decisions, TrainingSettings, split_legacy_training
+from partitioner.config.settings import Decisions, TrainingSettings, split_legacy_training
 from partitioner.errors import PlanMismatchError
 
 PLAN_VERSION = 1
@@ -134,11 +134,11 @@ class Plan:
     baselines: dict                  # {"uniform": {"step_time_s"}, "param_balanced": {...}}
     cluster: dict
     # What the user asked (optimizer, lr schedule, seed, checkpoint interval, ...) and what the compiler
-    # chose, kept apart (Note [settings and decisions] in partitioner/settings.py)
+    # chose, kept apart (Note [settings and decisions] in partitioner/config/settings.py)
     training: TrainingSettings = field(default_factory=TrainingSettings)
     decisions: Decisions = field(default_factory=Decisions)
     # Tensor-parallel degree: each stage replica runs on a tensor group of this many consecutive
-    # ranks (Note [tensor groups] in partitioner/solver/tensor_parallel.py); ``stages[].ranks``
+    # ranks (Note [tensor groups] in partitioner/solver/tensor_groups.py); ``stages[].ranks``
     # hold each group's first rank, ``world_size`` counts every rank. plan.json writes the key only
     # when it is not 1, so a plan without it (an older one) is tp 1 and hashes as before.
     tensor_parallel: int = 1
@@ -182,7 +182,7 @@ class Plan:
         stated = body.pop("plan_hash", None)
         body.pop("program", None)
         body.pop("files", None)
-        body.pop("program_hash", None)  # over all of plan.json (runtime/program.py)
+        body.pop("program_hash", None)  # over all of plan.json (runtime/program/spec.py)
         body.pop("problem", None)  # the solver's problem and answer, kept beside the plan for inspect
         body.pop("assignment", None)
         if body.get("version") != PLAN_VERSION:

@@ -1,14 +1,15 @@
-"""Graph analyses over a traced GraphModule. Each pass writes one ``partitioner.ir`` key on every
+"""Graph analyses over a traced GraphModule. Each pass writes one ``passes.ir`` key on every
 node and declares the keys it reads (``@ir.graph_pass``); ``PIPELINE`` is their order, and
-:func:`run_all` runs it: the one pass list, the compiler's (partitioner/analysis.py ``annotate``)
+:func:`run_all` runs it: the one pass list, the compiler's (partitioner/frontend/analysis.py ``annotate``)
 and the tests' alike.
 
+ir.py              the metadata contract between passes: node keys, ``graph_pass`` (docs/design.md §4)
 shapes.py          what each node produces (``partitioner.shape``)
 flops.py           forward and backward FLOPs per node (``partitioner.flops``)
 memory.py          bytes each node holds during training (``partitioner.memory``)
 regions.py         nodes grouped into a DAG of regions (``partitioner.region``)
 region_graph.py    the region graph the problem reads: costs per region, edges, ties (writes no key)
-tensor_parallel.py which nodes a tensor group shards, and how (``tp_role``)
+tp_roles.py        which nodes a tensor group shards, and how (``tp_role``)
 tp_activations.py  what a tensor group splits of saved activations and FLOPs (reads, writes no key)
 _fake_run.py       every node run once on fake inputs: the engine of the flops and memory passes
 """
@@ -22,7 +23,7 @@ from passes.memory import annotate_memory
 from passes.region_graph import RegionRow, TieRow, region_cut_edges, region_edges, region_table, region_ties
 from passes.regions import annotate_regions
 from passes.shapes import annotate_shapes
-from passes.tensor_parallel import annotate_tensor_parallel
+from passes.tp_roles import annotate_tensor_parallel
 
 __all__ = [
     "annotate_shapes", "annotate_flops", "annotate_memory", "annotate_regions", "annotate_tensor_parallel",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.flop_counter import bmm_flop, sdpa_flop_count
 
-from partitioner import ir
+from passes import ir
 from passes._fake_run import NodeRun, is_sdpa, run_nodes_on_fake
 
 

@@ -62,7 +62,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from partitioner import ir
+from passes import ir
 from passes._fake_run import get_module_attr, run_nodes_on_fake
 
 OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from partitioner import ir
+from passes import ir
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class RegionRow:
     bwd_param_grad_bytes: int  # the largest of its nodes'
     bwd_transient_bytes: int  # the largest of its nodes' (Note [backward transients] in passes/memory.py)
     output_bytes: int  # bytes of this region's tensors consumed by other regions (each tensor once)
-    # Note [tensor-parallel roles] in passes/tensor_parallel.py (0 until that pass ran):
+    # Note [tensor-parallel roles] in passes/tp_roles.py (0 until that pass ran):
     tp_comm_bytes: int = 0  # all-reduce payload tensor parallelism adds in forward, this batch
     tp_sharded_param_bytes: int = 0  # parameter bytes a tensor group divides
     # backward all-reduces and forward all-gathers, this batch; per-step gradient all-gathers; and

@@ -47,7 +47,7 @@ import re
 import networkx as nx
 import torch.fx as fx
 
-from partitioner import ir
+from passes import ir
 
 GRANULARITIES = ("block", "sublayer", "op", "node")
 _CALL_SUFFIX = re.compile(r"@\d+$")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from partitioner import ir
+from passes import ir
 from passes._fake_run import get_module_attr, output_list
 
 

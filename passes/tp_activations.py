@@ -1,5 +1,5 @@
 """Which saved activations a tensor group splits: read-only, over the metadata of passes/memory.py
-(saved bytes per node) and passes/tensor_parallel.py (roles). Writes no node key.
+(saved bytes per node) and passes/tp_roles.py (roles). Writes no node key.
 
 Note [sharded activations]: between a column-parallel linear and the row-parallel linear it
 feeds, every tensor is split on heads / hidden features (Note [tensor-parallel roles]): each
@@ -9,14 +9,14 @@ activation functions, dropout and views between the pair); a row linear's output
 whole again, as is everything a whole tensor feeds (residual adds, norms, the vocab layers'
 outputs). ``sharded_saved_bytes`` sums, per region, the saved activation bytes (MemoryMeta) of the
 split nodes: what the solver divides by tp (Note [tensor-parallel pricing] in
-partitioner/solver/tensor_parallel.py); the rest stays whole on every member.
+partitioner/solver/tensor_groups.py); the rest stays whole on every member.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from partitioner import ir
+from passes import ir
 
 
 def split_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -42,7 +42,7 @@ def sharded_flops(gm: fx.GraphModule) -> dict[int, int]:
     """region id -> forward + backward FLOPs (per traced batch) a tensor group divides by tp: the
     split nodes' (Note [sharded activations]: the column linears and everything between them and
     their row linear, the attention core included) and the row and vocab layers' own matmuls, each
-    member computing its slice (Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
+    member computing its slice (Note [tensor-parallel pricing] in partitioner/solver/tensor_groups.py).
     Norms, residual adds and anything else on whole tensors run whole on every member."""
     out: dict[int, int] = {}
     for n in tp_divided_nodes(gm):

@@ -15,4 +15,4 @@ class CheckpointCorruptError(ValueError):
 
 class InputMismatchError(ValueError):
     """make_batch returned inputs the program was not compiled for (Notes [keyword inputs] and
-    [constant inputs] in runtime/data.py)."""
+    [constant inputs] in runtime/data/synthetic.py)."""

@@ -52,7 +52,7 @@ def loss_fn(logits, target, noise: float = 0.0):
 def workload(*, noise: float = 0.0, name: str = "bn-cnn"):
     from functools import partial
 
-    from partitioner.workload import Workload
+    from partitioner.frontend.workload import Workload
 
     torch.manual_seed(0)
     return Workload(

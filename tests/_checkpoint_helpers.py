@@ -1,4 +1,4 @@
-"""What checkpoint tests assert and edit beyond the drills of runtime/checkpoint_drills.py."""
+"""What checkpoint tests assert and edit beyond the drills of tests/drivers/checkpoint_drills.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from runtime.checkpoint_drills import FakeTrainer
+from tests.drivers.checkpoint_drills import FakeTrainer
 
 
 def assert_trains_identically(trainer: FakeTrainer, fresh: FakeTrainer, step: int) -> None:
@@ -30,7 +30,7 @@ def set_plan_fields(folder: str, **fields) -> None:
         plan["program"]["plan_hash"] = fields["plan_hash"]
     with open(path, "w") as f:
         json.dump(plan, f, indent=1)
-    from runtime.program import seal_folder
+    from runtime.program.spec import seal_folder
 
     seal_folder(folder)  # an edited plan.json is refused unless resealed
 

@@ -10,7 +10,7 @@ import itertools
 import math
 import random
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import Assignment, Edge, PartitionProblem, RegionCost, evaluate
 
 MIB = 2**20

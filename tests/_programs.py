@@ -8,8 +8,9 @@ import subprocess
 from pathlib import Path
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+from partitioner.config.cluster import ClusterSpec
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import run_env, torchrun_command
 
 STEPS = 3
 

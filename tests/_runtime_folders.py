@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from runtime.entry_files import write_entry_files
-from runtime.program import seal_folder
-from runtime.program import Program
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+from runtime.program.entry_files import write_entry_files
+from runtime.program.spec import seal_folder
+from runtime.program.spec import Program
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,9 +223,9 @@ def mlp_folder(folder, *, splits, ranks, dp=1, num_microbatches=4, global_batch=
     sizes = [model.layers[0].in_features] + [l.out_features for l in model.layers]
     micro = global_batch // (dp * num_microbatches)
     srcs = mlp_stage_sources(model, splits)
-    data = {"make_batch": ["runtime.data:regression_batch", {"features": sizes[0], "outputs": sizes[-1],
+    data = {"make_batch": ["runtime.data.synthetic:regression_batch", {"features": sizes[0], "outputs": sizes[-1],
                                                              "seed": seed}],
-            "loss_fn": ["runtime.data:mse_loss", {}]}
+            "loss_fn": ["runtime.data.synthetic:mse_loss", {}]}
     program = write_folder(
         folder, model, srcs,
         in_spec=lambda k: ([micro, sizes[splits[k][0]]], "torch.float32"),
@@ -247,8 +248,8 @@ def skip_folder(folder, *, schedule="gpipe", num_microbatches=4, global_batch=8,
                       "add_1 = add + mask[:, :4].float()"])
     micro = global_batch // num_microbatches
     boundary = [([micro, 16], "torch.float32"), ([micro, 8], "torch.float32"), ([micro, 8], "torch.int64")]
-    data = {"make_batch": ["runtime.data:regression_batch", {"features": 8, "outputs": 4}],
-            "loss_fn": ["runtime.data:mse_loss", {}]}
+    data = {"make_batch": ["runtime.data.synthetic:regression_batch", {"features": 8, "outputs": 4}],
+            "loss_fn": ["runtime.data.synthetic:mse_loss", {}]}
     program = write_folder(
         folder, model, [(s0, p0, "x", ["tanh", "x", "mask"]), (s1, p1, ["tanh", "x", "mask"], "add_1")],
         in_spec=lambda k: ([micro, 8], "torch.float32") if k == 0 else boundary,
@@ -264,8 +265,8 @@ def gpt_folder(folder, *, splits, ranks, dp=1, num_microbatches=2, global_batch=
     model = TinyGPT(vocab=vocab, seq=seq, d=d, layers=sum(len(s) for s in splits), dropout=dropout)
     micro = global_batch // (dp * num_microbatches)
     last = len(splits) - 1
-    data = {"make_batch": ["runtime.data:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}],
-            "loss_fn": ["runtime.data:causal_lm_loss", {}]}
+    data = {"make_batch": ["runtime.data.synthetic:token_batch", {"vocab": vocab, "seq": seq, "seed": seed}],
+            "loss_fn": ["runtime.data.synthetic:causal_lm_loss", {}]}
     program = write_folder(
         folder, model, gpt_stage_sources(model, splits),
         in_spec=lambda k: ([micro, seq], "torch.int64") if k == 0 else ([micro, seq, d], "torch.float32"),
@@ -287,7 +288,7 @@ def child_env() -> dict:
 
 def torchrun(folder, nproc, *, timeout=120, also=()):
     """Run DIR/train.py under torchrun (how users run it). ``also``: more folders of the same world
-    size, trained after ``folder`` in the same workers (runtime/run_many.py)."""
+    size, trained after ``folder`` in the same workers (tests/drivers/run_many.py)."""
     if also:
         cmd = torchrun_command(RUN_MANY, nproc, args=[folder] + [arg for more in also for arg in ("--", more)])
     else:

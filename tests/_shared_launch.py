@@ -6,7 +6,7 @@ dist modules whose jobs need no restart and no special environment do not launch
 module registers a *preparer*, a function of a fresh folder that compiles or writes its program
 folders and returns ``(context, jobs)``; its module fixture asks the session's ``shared_launches``
 fixture (tests/conftest.py) for the result. The first such request prepares every registered
-module that has a selected test, then runs one ``runtime/run_many.py`` launch per world size, in
+module that has a selected test, then runs one ``tests/drivers/run_many.py`` launch per world size, in
 the order of WORLD_ORDER (2 first: later worlds may resume checkpoints it wrote). ``--job-logs`` gives
 every job its own output files, so a test reads only its own jobs' lines.
 
@@ -14,7 +14,7 @@ To add a job to a shared launch, a test module returns one more ``Job(world, [FO
 from its preparer; ``before`` runs right before that job's launch (e.g. to copy a checkpoint the
 world-2 launch wrote). Running one test file alone prepares and launches only that file's jobs.
 A job with ``restarts=R`` (a ``--fail-at`` kill to resume from) is restarted up to R times on its
-own, in forked workers (Note [restarts in a fork] in runtime/run_many.py): it needs no launch of
+own, in forked workers (Note [restarts in a fork] in tests/drivers/run_many.py): it needs no launch of
 its own, and its kill neither restarts nor re-runs the other jobs. Those jobs run before every
 plain job of their world's launch, so each is forked from a worker that has trained nothing yet.
 """
@@ -27,7 +27,8 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import run_env, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD_ORDER = (2, 3, 4, 1)

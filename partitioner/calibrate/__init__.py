@@ -65,9 +65,9 @@ from partitioner.calibrate.fitting import fit_direction, fit_profile, nnls_relat
 from partitioner.calibrate.measure import _example_inputs, local_device_kind, measure
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit, apply_profiles
 from partitioner.calibrate.recompute_cost import fit_recompute_fixed_s
-from runtime.program_parts import Precision
+from runtime.program.parts import Precision
 from partitioner.calibrate.tp_overheads import measure_collectives, measure_dtensor_op_s
-from runtime.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
+from runtime.observe.memory import LiveBytes  # in the runtime: it measures a training rank's peak too
 
 __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "LiveBytes", "apply_profiles",
            "calibrate", "fit_direction", "fit_profile", "fit_recompute_fixed_s", "group_features", "local_device_kind", "measure",

@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit
-from partitioner.cluster import DEVICE_PRESETS, ClusterSpec
-from runtime.program_parts import Precision
+from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec
+from runtime.program.parts import Precision
 
 
 @dataclass(frozen=True)

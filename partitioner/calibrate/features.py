@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from partitioner import ir
+from passes import ir
 
 
 TERMS = ("matmul_flops", "other_flops", "memory_bytes", "num_ops")

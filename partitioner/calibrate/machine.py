@@ -7,7 +7,7 @@ machine_profile.py, how it is measured in machine_measure.py (their names are re
     partitioner compile ... [--no-calibrate]        # priced by it (default), or by the cpu preset
 
 Note [machine profile]
-    The ``cpu`` preset's figures (partitioner/cluster.py: 50 GFLOP/s, 1 ms per microbatch, gloo
+    The ``cpu`` preset's figures (partitioner/config/cluster.py: 50 GFLOP/s, 1 ms per microbatch, gloo
     at 1 GB/s + 50 us, ...) were measured on one machine; on another the prediction is off by
     what that machine differs in (1.6 to 2.4x for `make demo` on a machine it was not tuned on).
     The machine profile measures this machine's figures once, model-independently, in seconds,
@@ -43,7 +43,7 @@ Note [machine profile]
 
     The two-process timings keep the quieter quarter of their repeats (25th percentile), not the
     median: other work on a shared machine only ever adds time, and the profile is this machine
-    with its cores to the job, as the cpu preset's figures were taken (partitioner/cluster.py).
+    with its cores to the job, as the cpu preset's figures were taken (partitioner/config/cluster.py).
     A run on a busier machine takes longer than predicted; ``calibrate --from-run`` refits the
     profile to it where that is how the machine will be.
 
@@ -101,7 +101,7 @@ from typing import Callable
 from partitioner.calibrate.machine_measure import fit_gloo, measure_machine, reference_workload  # noqa: F401 - callers' names
 from partitioner.calibrate.machine_profile import (FORMAT, KIND, MachineKey, MachineMeasurements,  # noqa: F401
                                                    MachineProfile, Refit, fill_fixed_costs)
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 
 NO_CALIBRATE_ENV = "PARTITIONER_NO_CALIBRATE"
 CACHE_ENV = "XDG_CACHE_HOME"

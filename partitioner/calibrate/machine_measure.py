@@ -27,10 +27,10 @@ from partitioner.calibrate.machine_worker import BLOCK_MESSAGE_BYTES
 from partitioner.calibrate.measure import _example_inputs
 from partitioner.calibrate.profiles import DirectionFit
 from partitioner.calibrate.tp_overheads import fit_collectives, measure_dtensor_op_s
-from partitioner.cluster import DEFAULT_LINKS
-from partitioner.models import Block
-from partitioner.workload import Workload
-from runtime import data
+from partitioner.config.cluster import DEFAULT_LINKS
+from partitioner.models.builtin import Block
+from partitioner.frontend.workload import Workload
+from runtime.data import synthetic as data
 
 _WORKER_TIMEOUT_S = 120.0
 
@@ -66,7 +66,7 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
     """Measure this machine (Note [machine profile]): seconds, not minutes. ``gloo=False`` skips
     the two-process figures (they stay the preset's)."""
     # lazy: loads OR-Tools
-    from partitioner.analysis import analyze
+    from partitioner.frontend.analysis import analyze
 
     say = progress or (lambda _message: None)
     started = time.perf_counter()
@@ -112,12 +112,12 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
 
 
 def measure_optimizer_s_per_param_byte(num_bytes: int = 4 << 20, *, repeats: int = 10) -> float:
-    """Seconds of one optimizer step (runtime/train.py ``make_optimizer``: AdamW, its fused
+    """Seconds of one optimizer step (runtime/execute/train.py ``make_optimizer``: AdamW, its fused
     kernel where torch has one, and the schedule's step) per parameter byte, over ``num_bytes``
     of fp32 parameters in 64 KiB tensors, a small model's (Note [machine profile]). The step's
     own fixed cost is in the figure, spread over those bytes."""
     # lazy: loads safetensors
-    from runtime.train import make_optimizer
+    from runtime.execute.train import make_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(16384)) for _ in range(max(1, num_bytes // (16384 * 4)))]
     for p in params:

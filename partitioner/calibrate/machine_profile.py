@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from partitioner.calibrate.profiles import DeviceProfile, DirectionFit
-from partitioner.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec, LinkSpec
+from partitioner.config.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec, LinkSpec
 
 FORMAT = "partitioner.machine/1"
 KIND = "cpu"  # the device kind this machine's processes are (Note [core sharing] in cluster.py)

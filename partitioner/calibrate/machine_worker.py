@@ -7,7 +7,7 @@ STORE``, one thread, a file rendezvous, and rank 0 prints one JSON line of raw t
 - ``pingpong``: [bytes, s one way] of a blocking send/recv round trip, halved;
 - ``pipeline_1``: [microbatches, s of one step] of a torch.distributed.pipelining 1F1B
   schedule of one tiny Linear stage on each rank alone (both ranks at once, as data-parallel
-  ranks run), built as runtime/schedule.py builds the generated programs' (static shapes,
+  ranks run), built as runtime/execute/schedule.py builds the generated programs' (static shapes,
   ``scale_grads``, a loss on the last stage). Two microbatch counts, so the parent fits seconds
   per microbatch as a slope, free of what a step pays once;
 - ``pipeline_2_block``: the same schedule over two stages, one per rank, that compute as a small

@@ -13,12 +13,12 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from partitioner import ir
+from passes import ir
 from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
 from partitioner.calibrate.recompute_cost import time_checkpointed
-from runtime.data import batch_inputs
-from runtime.memory import LiveBytes
-from runtime.precision import Precision, autocast
+from runtime.data.synthetic import batch_inputs
+from runtime.observe.memory import LiveBytes
+from runtime.execute.precision import Precision, autocast
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10,
     Returns one dict per measured group: name, kind ("region" or "op"), fwd_s, bwd_s,
     peak_live_bytes and the (forward, backward) features (Note [measuring a region]).
     ``precision``: forwards run under that policy's autocast, as the program runs them (Note
-    [mixed precision] in runtime/precision.py), so the fit is the policy's."""
+    [mixed precision] in runtime/execute/precision.py), so the fit is the policy's."""
     if any(p.device.type == "meta" for p in gm.parameters()):
         raise ValueError(f"--calibrate runs the model, but {workload.name} lives on the meta device: calibrate "
                          "on a smaller configuration of the same model (same kinds of ops) and pass the "
@@ -143,7 +143,7 @@ def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10,
 
 def _example_inputs(workload) -> tuple:
     """The graph's inputs, by position: keyword inputs in the trace's order, constant inputs
-    (baked into the graph) dropped (Notes [keyword inputs], [constant inputs] in runtime/data.py)."""
+    (baked into the graph) dropped (Notes [keyword inputs], [constant inputs] in runtime/data/synthetic.py)."""
     args = workload.example_kwargs or workload.example_args
     if workload.make_batch is not None:
         try:

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from partitioner.calibrate.features import Features, autocast_byte_scale, region_features
-from runtime.program_parts import Precision
+from runtime.program.parts import Precision
 
 
 FORMAT = "partitioner.profile/1"

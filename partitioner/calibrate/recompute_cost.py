@@ -3,7 +3,7 @@ partitioner/solver/recompute_cost.py): each region measured once more under the 
 checkpoint, and the fixed term that leaves beyond the fitted forward.
 
 ``time_checkpointed`` times a region's forward + backward plain and under
-``runtime.recompute.checkpointed`` in alternation (the same inputs, the same output gradients;
+``runtime.execute.recompute.checkpointed`` in alternation (the same inputs, the same output gradients;
 the median of the paired differences, which a loaded machine shifts less than two separate
 medians). ``fit_recompute_fixed_s`` takes, over the regions, the median of
 
@@ -22,8 +22,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from partitioner.calibrate.features import Features
-from runtime.precision import Precision, autocast
-from runtime.recompute import checkpointed
+from runtime.execute.precision import Precision, autocast
+from runtime.execute.recompute import checkpointed
 
 
 def _forward_backward_s(module, inputs, grads_out, *, checkpoint: bool, precision: Precision, device: str):

@@ -4,7 +4,7 @@ measured (Note [refit from a run]).
 Note [refit from a run]
     A run measures the truth the profile predicts: summary.json's step time and, per stage,
     the seconds its forward and backward took per microbatch (Note [stage times] in
-    runtime/stage_times.py). The refit reprices the run's own plan (plan.json keeps the priced
+    runtime/observe/stage_times.py). The refit reprices the run's own plan (plan.json keeps the priced
     problem, the assignment and the cluster) and fits two things:
 
     * the region scales: measured forward (backward) seconds summed over the stages, over
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from partitioner.calibrate.machine import KIND, MachineProfile, Refit
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.plan import Plan
-from runtime.stage_times import FORMAT
+from runtime.observe.stage_times import FORMAT
 
 _PROBE_S = 1e-3  # the overhead's second point of the linear solve
 

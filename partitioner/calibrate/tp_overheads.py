@@ -1,11 +1,11 @@
 """Tensor parallelism's fixed costs, measured here (Note [tensor-parallel overheads] in
-partitioner/solver/tensor_parallel.py): DTensor's dispatch per op, and gloo's cost per
+partitioner/solver/tensor_groups.py): DTensor's dispatch per op, and gloo's cost per
 collective.
 
 - ``dtensor_op_s``: the traced model runs forward and backward once with plain tensors and once
   with every parameter a ``Replicate`` DTensor on a tensor group of 2 (torch's fake process
   group: a replicated op issues no collective, and its local op is the plain op), attention
-  through ``runtime.tensor_parallel.attention`` as the program runs it; the difference of the
+  through ``runtime.parallel.tensor_parallel.attention`` as the program runs it; the difference of the
   medians over the graph's ops (forward and backward, counted as the fitted time model counts
   them: calibrate's ``num_ops``) is the seconds per op. In process; skipped (None) where a process
   group is already up.
@@ -38,9 +38,9 @@ import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from partitioner.calibrate.features import region_features
-from partitioner.cluster import DEFAULT_LINKS
-from partitioner.lower_tensor_parallel import tensor_parallel_calls
-from runtime.tensor_parallel import mesh_of, shard_stage
+from partitioner.config.cluster import DEFAULT_LINKS
+from partitioner.codegen.tp_collectives import tensor_parallel_calls
+from runtime.parallel.tensor_parallel import mesh_of, shard_stage
 
 _SMALL_ELEMS = 256  # a small all-reduce: the fixed cost, not the bytes
 
@@ -52,7 +52,7 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
     # lazy: loads networkx
     from passes.region_graph import region_table
     # lazy: loads networkx
-    from passes.tensor_parallel import sharded_parameters
+    from passes.tp_roles import sharded_parameters
 
     sharded = sharded_parameters(gm)
     if dist.is_initialized() or not sharded:
@@ -86,7 +86,7 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
 
 def _runnable(gm: fx.GraphModule, tp_sharded: dict | None = None) -> fx.GraphModule:
     """A copy of ``gm`` as a stage file runs it: no metadata asserts; with ``tp_sharded`` (name ->
-    (role, dim)), the calls where a tensor group settles its collectives (partitioner/lower.py)."""
+    (role, dim)), the calls where a tensor group settles its collectives (partitioner/codegen/lower.py)."""
     out = copy.deepcopy(gm)
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:

@@ -13,15 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.program_parts import Precision
-from runtime.run_options import add_flags as add_run_flags
-from runtime.torchrun import hosted_store, run_env, run_tree, torchrun_command
+from runtime.program.parts import Precision
+from runtime.launch.run_options import add_flags as add_run_flags
+from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
 from partitioner.cli.progress import CompileProgress, end_open_lines
-from partitioner.cluster import ClusterSpec
-from partitioner.job import load_job, training_settings
+from partitioner.config.cluster import ClusterSpec
+from partitioner.config.job import load_job, training_settings
 from partitioner.plan import Plan
-from runtime.run_options import RunOptions
+from runtime.launch.run_options import RunOptions
 
 EXIT_USAGE = 2
 
@@ -69,11 +69,11 @@ def program_sharded(plan) -> bool:
 
 def cmd_compile(args) -> int:
     # lazy: loads torch
-    from partitioner.models import load_workload
+    from partitioner.models.builtin import load_workload
     # lazy: loads OR-Tools
     from partitioner.solver.solve import SolverConfig
     # lazy: loads torch
-    from runtime.checkpoint import parse_duration_s
+    from runtime.resilience.checkpoint import parse_duration_s
 
     job = load_job(args.job) if args.job else None  # Note [training settings merge]: flags win
     if args.cluster:
@@ -260,7 +260,7 @@ def cmd_run(args) -> int:
     """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
     DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
     newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
-    from runtime.checkpoint import check_writable  # lazy: loads torch (the CLI's parser stays torch-free)
+    from runtime.resilience.checkpoint import check_writable  # lazy: loads torch (the CLI's parser stays torch-free)
 
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
@@ -268,8 +268,8 @@ def cmd_run(args) -> int:
     options.check_for(world_size=plan.world_size, sharded=program_sharded(plan))
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
-    if options.steps is not None:  # resuming past --steps would train nothing (runtime/launch.py checks again)
-        from runtime.checkpoint.manifest import newest_committed
+    if options.steps is not None:  # resuming past --steps would train nothing (runtime/launch/rank.py checks again)
+        from runtime.resilience.checkpoint.manifest import newest_committed
 
         newest = newest_committed(str(ckpt_dir))
         if newest > options.steps:
@@ -277,7 +277,7 @@ def cmd_run(args) -> int:
                              f"past it; pass --steps {newest + 1} or more to continue, or another "
                              "--checkpoint-dir to start over")
     if options.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
-        from runtime.tensor_parallel import memory_tier_refusal  # lazy: loads torch
+        from runtime.parallel.tensor_parallel import memory_tier_refusal  # lazy: loads torch
 
         raise ValueError(memory_tier_refusal(options.memory_tier, plan.tensor_parallel))
     # the workers start elsewhere: every path they are given is absolute
@@ -295,7 +295,7 @@ def cmd_run(args) -> int:
                  if nodes > 1 else "README \"Multi-node\" says how to run it across nodes"),
               file=sys.stderr, flush=True)
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
-    # in runtime/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
+    # in runtime/launch/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
     with hosted_store() as port:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
@@ -335,7 +335,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_verify(args) -> int:
     # lazy: loads torch
-    from partitioner.verify import verify
+    from partitioner.inspect.verify import verify
 
     folder = Path(args.dir)
     if not (folder / "plan.json").is_file():
@@ -349,7 +349,7 @@ def cmd_verify(args) -> int:
 
 def cmd_export(args) -> int:
     # lazy: loads torch
-    from partitioner.export import export
+    from partitioner.models.export import export
 
     report = export(args.target, args.output, program_dir=args.program)
     print(report.text())
@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt, allow_abbrev=False, description="Train with a program folder on this host. "
                        "This executes the folder's Python code: run only folders you trust (README \"Trust model\").")
     r.add_argument("dir")
-    add_run_flags(r, "run")  # Note [one flag table] in runtime/run_options.py: train.py parses the same
+    add_run_flags(r, "run")  # Note [one flag table] in runtime/launch/run_options.py: train.py parses the same
     r.set_defaults(func=cmd_run)
 
     k = sub.add_parser("calibrate", help="this machine's cpu profile: measure it, show it, refit it from a run",
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused, never dropped: a misspelt flag would run with the default and say nothing
-        from runtime.run_options import unknown_flag_message
+        from runtime.launch.run_options import unknown_flag_message
 
         sub = parser._subparsers._group_actions[0].choices[args.command]
         known = list(sub._option_string_actions)

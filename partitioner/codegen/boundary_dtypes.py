@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch._subclasses import FakeTensorMode
 
 from passes._fake_run import devices_to, get_module_attr
-from runtime import randomness
-from runtime.program_parts import Precision
+from runtime.execute import randomness
+from runtime.program.parts import Precision
 
 
 def _fake_like(value, device: torch.device):
@@ -69,7 +69,7 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
     device = torch.device(device_type)
     env: dict[str, object] = {}
     out: dict[str, str] = {}
-    # keyed random ops draw from a context (runtime/randomness.py); any one does for a dtype
+    # keyed random ops draw from a context (runtime/execute/randomness.py); any one does for a dtype
     context = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
     with FakeTensorMode(allow_non_fake_inputs=True), _AutocastState(device_type, compute), torch.no_grad(), \
             randomness.restored(context):

@@ -17,8 +17,8 @@ from partitioner.codegen.split import StageGraph
 from partitioner.codegen.stage_code import stage_source
 from partitioner.plan import Plan
 from partitioner.solver import serialize
-from runtime.entry_files import entry_files
-from runtime.program import Program, file_digests, seal_plan
+from runtime.program.entry_files import entry_files
+from runtime.program.spec import Program, file_digests, seal_plan
 
 
 def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: Program,
@@ -30,7 +30,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
     ``problem`` and ``assignment`` (the solver's, plain numbers) go into plan.json beside the plan
     (outside its hash), so `inspect --node` prices moves exactly as the solver would.
     ``user_files``: {"user/<file>.py": original path}, the user's files the ranks import, copied
-    in and hashed like the rest (Note [user code travels] in partitioner/user_source.py);
+    in and hashed like the rest (Note [user code travels] in partitioner/frontend/user_source.py);
     ``check_user_files(tmp)`` then tries them as a rank will, before anything else is written
     (Note [local modules travel]); ``op_imports``: the module each custom op's stage file imports
     (Note [custom ops travel] in partitioner/codegen/stage_code.py)."""
@@ -60,7 +60,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
             (tmp / "weights").mkdir()
             for stage in stages:
                 # all of a stage's tensors, or only the lifted constants of a program whose ranks
-                # make their weights (Note [constants travel] in runtime/stage.py)
+                # make their weights (Note [constants travel] in runtime/execute/stage.py)
                 tensors = {name: state[name].detach().to("cpu").contiguous().clone()
                            for name in stage.params + stage.buffers if name in state}
                 if tensors:
@@ -73,7 +73,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         if problem is not None:
             body["problem"] = serialize.to_dict(problem)
             body["assignment"] = serialize.to_dict(assignment)
-        # The file map and program_hash over all of plan.json (Note [folder integrity] in runtime/program.py).
+        # The file map and program_hash over all of plan.json (Note [folder integrity] in runtime/program/spec.py).
         body = seal_plan(body, digests)
         (tmp / "plan.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         # Wall-clock figures: the one file two compiles may differ in (Note [plans are deterministic]).

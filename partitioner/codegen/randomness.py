@@ -1,6 +1,6 @@
-"""Lower every random op of the whole traced graph to a keyed draw of runtime.randomness.
+"""Lower every random op of the whole traced graph to a keyed draw of runtime.execute.randomness.
 
-Note [randomness keyed by meaning] in runtime/randomness.py says why: a random op must draw the
+Note [randomness keyed by meaning] in runtime/execute/randomness.py says why: a random op must draw the
 same numbers for the same (seed, step, sample, op) whatever the partition. This pass runs on the
 unpartitioned graph, before it is split, so the key's op name is the node's name in that graph
 (``dropout_3``), the same for every plan of the model.
@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from partitioner.trace import trace
-from runtime import randomness as keyed
+from partitioner.frontend.trace import trace
+from runtime.execute import randomness as keyed
 
 aten = torch.ops.aten
 
@@ -145,7 +145,7 @@ def _module_of(node: fx.Node) -> str:
 
 def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
     """Rewrite every random node of ``gm`` (the whole traced graph, traced at ``batch_size``)
-    into its keyed twin in runtime.randomness; returns what was rewritten, in graph order."""
+    into its keyed twin in runtime.execute.randomness; returns what was rewritten, in graph order."""
     lowered: list[KeyedOp] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Dropout):

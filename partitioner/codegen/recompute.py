@@ -3,7 +3,7 @@
 ``checkpoint_regions(gm, recomputed)`` is a pass over one stage's GraphModule (partitioner/codegen/split.py).
 Reads ``partitioner.region`` (ir.REGION) of every node; writes no metadata. It rewrites the graph:
 every maximal run of consecutive nodes of one recomputed region moves into a graph of its own (a
-``CheckpointedRun``), and the stage's graph calls it through ``runtime.recompute.checkpointed``.
+``CheckpointedRun``), and the stage's graph calls it through ``runtime.execute.recompute.checkpointed``.
 Codegen emits each run as a method of the Stage class, named after its region
 (``recompute_block_0``), which reads its parameters from ``self`` like the forward does.
 
@@ -14,7 +14,7 @@ it reads from outside (parameters are held anyway), and its backward recomputes 
 time, so the transient during a recompute is one region's activations, never a whole stage's. Two
 consecutive recomputed regions therefore become two checkpoints, not one: merged, the first's
 inputs would be all they keep, but the backward would rematerialize both at once.
-Parameters stay registered under their original names on the stage module (runtime/stage.py):
+Parameters stay registered under their original names on the stage module (runtime/execute/stage.py):
 the run's method reads them through ``self``; they are not arguments of the checkpoint.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from partitioner import ir
-from runtime.recompute import checkpointed
+from passes import ir
+from runtime.execute.recompute import checkpointed
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _method_name(region: str, taken: set[str]) -> str:
 
 def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[CheckpointedRun]:
     """Move each run of a region in ``recomputed`` (region names) into a CheckpointedRun and call
-    it through runtime.recompute.checkpointed. Returns the runs in graph order; the stage's graph
+    it through runtime.execute.recompute.checkpointed. Returns the runs in graph order; the stage's graph
     is rebuilt in place (node names kept, so the emitted forward reads as before)."""
     runs = [run for run in _runs(gm, recomputed) if any(u not in run for n in run for u in n.users)]
     if not runs:

@@ -19,8 +19,8 @@ unpartitioned model. A read after the update uses the update's result (export th
 the in-place node), an activation that crosses stages like any other; but every direct reader of
 the buffer must be on the updating stage: a copy on another stage would never see the update, so
 ``check_mutable_buffers`` refuses such a plan. The stage file
-lists these buffers in MUTABLE_BUFFERS; the runtime checkpoints them (runtime/checkpoint.py) and
-keeps them equal across data-parallel replicas (Note [buffers across replicas] in runtime/train.py).
+lists these buffers in MUTABLE_BUFFERS; the runtime checkpoints them (runtime/resilience/checkpoint.py) and
+keeps them equal across data-parallel replicas (Note [buffers across replicas] in runtime/execute/train.py).
 A region recomputed in backward would run its updates a second time: recompute must leave such
 regions out, or put the buffers back after the second forward.
 

@@ -7,7 +7,7 @@ source comments holding absolute paths (so another checkout gave other bytes). P
 text with patterns would break on the first format change in torch; the graph is the stable input.
 The emitter writes one statement per node, in graph order:
   * parameters and buffers are read where they are used (``self.tok_emb.weight``, numeric parts
-    through ``getattr(self.blocks, "0")``, as runtime/stage.py registers them); a tuple whose
+    through ``getattr(self.blocks, "0")``, as runtime/execute/stage.py registers them); a tuple whose
     items are all indexed is unpacked in one statement (``getitem, getitem_1, getitem_2 = ...``);
     a send's ``.contiguous()`` is written in the return;
   * calls read as the op they are: ``torch.ops.aten.<op>.<overload>(...)``, keyed random ops as
@@ -15,7 +15,7 @@ The emitter writes one statement per node, in graph order:
     ...)`` with the region's method below the forward;
   * each run of statements from one source line gets one comment: the innermost module they run
     in, and the line as ``file:line: code``. A file is named by its import path
-    (``partitioner/models.py``, ``transformers/models/llama/modeling_llama.py``), a file no
+    (``partitioner/models/builtin.py``, ``transformers/models/llama/modeling_llama.py``), a file no
     module names by its path below site-packages or else its bare name (_SourcePaths): the bytes
     do not depend on where the checkout or the environment lives, and a reader finds the file
     the way Python does;
@@ -27,7 +27,7 @@ Freeing. FX frees every value after its last read; the forward here frees at reg
 autograd saves for backward live on regardless, and all locals die when the forward returns, so
 only the forward's own transients (values no backward reads: the embeddings before their sum, an
 attention projection before the residual add) are concerned; without any ``del`` they would pile
-up over the whole stage. Measured with runtime.memory.LiveBytes on a gpt:layers=8 stage of four
+up over the whole stage. Measured with runtime.observe.memory.LiveBytes on a gpt:layers=8 stage of four
 blocks (two microbatches' forward, then backward): forward peak 4.31 MB with FX's deletions,
 4.34 MB with region-end ``del`` (one region's transients at most), 4.60 MB with none; the peak
 over forward and backward was 6.20 MB in all three, gradients bit-identical. A recomputed
@@ -52,13 +52,13 @@ from torch._library.custom_ops import OPDEFS
 from torch.fx.graph import dtype_abbrs, magic_methods
 from torch.fx.node import _get_qualified_name
 
-from partitioner import ir
+from passes import ir
 from partitioner.codegen.recompute import MethodRef
 from partitioner.codegen.split import StageGraph
 from partitioner.inspect.units import human_bytes
 from partitioner.plan import Plan
-from runtime.pipeline_schedules import schedule_named
-from runtime.recompute import checkpointed
+from runtime.execute.pipeline_schedules import schedule_named
+from runtime.execute.recompute import checkpointed
 
 
 # Op namespaces torch itself registers: a stage calling them needs only `import torch`.
@@ -77,8 +77,8 @@ def custom_ops(*graphs: fx.Graph) -> dict[str, tuple]:
     for each such op, the module its ``torch.library.custom_op`` definition lives in: an installed
     module by its name; a file of the user's (the model file itself, a sibling it imports) travels
     into DIR/user/ and is imported from there by its module name, so the op is registered on every
-    rank (``op_sources`` in partitioner/user_source.py, Note [one user root] in
-    runtime/user_code.py); else the package named like the namespace. An op with none is refused
+    rank (``op_sources`` in partitioner/frontend/user_source.py, Note [one user root] in
+    runtime/program/user_code.py); else the package named like the namespace. An op with none is refused
     at compile time. Lowering decides each import (``UserSources.op_imports``) before any file is
     written; ``op_modules`` reads them per stage."""
     ops: dict[str, tuple] = {}
@@ -116,7 +116,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
     for run in stage.checkpointed:
         body += [""] + emitter.function(
             run.graph, run.name,
-            doc=[f'"""Region {run.region} (through runtime.recompute.checkpointed): its activations are dropped',
+            doc=[f'"""Region {run.region} (through runtime.execute.recompute.checkpointed): its activations are dropped',
                  'after the forward and recomputed in backward."""'])
     names = plan.stages[stage.index].region_names
     lines = [
@@ -141,7 +141,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
         "",
         "",
         f"class Stage{stage.index}(torch.nn.Module):",
-        '    """Holds no parameters of its own: runtime.stage registers PARAMETERS under their original names."""',
+        '    """Holds no parameters of its own: runtime.execute.stage registers PARAMETERS under their original names."""',
         "",
         *[("    " + line) if line else "" for line in body],
         "",
@@ -151,13 +151,13 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
 
 def _tensor_parallel_table(stage: StageGraph, plan: Plan) -> list[str]:
     """TENSOR_PARALLEL: which parameters the tensor group splits and on which dimension, with a
-    readable table; nothing at tp 1 (Note [tensor-parallel stages] in runtime/tensor_parallel.py)."""
+    readable table; nothing at tp 1 (Note [tensor-parallel stages] in runtime/parallel/tensor_parallel.py)."""
     tp = plan.tensor_parallel
     if tp == 1:
         return []
     lines = [f"# Tensor parallelism: this stage runs on a tensor group of {tp} ranks (Note [tensor-parallel",
-             "# stages] in runtime/tensor_parallel.py). Each parameter listed is a DTensor split on that",
-             f"# dimension (each rank holds 1/{tp}: Note [tensor-parallel roles] in passes/tensor_parallel.py);",
+             "# stages] in runtime/parallel/tensor_parallel.py). Each parameter listed is a DTensor split on that",
+             f"# dimension (each rank holds 1/{tp}: Note [tensor-parallel roles] in passes/tp_roles.py);",
              "# every other parameter is whole on every rank. The forward below keeps the global shapes;",
              "# DTensor runs it on the shards and adds the all-reduces / all-gathers.",
              "#   parameter | role | split dim | global shape -> per rank"]
@@ -189,7 +189,7 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
         stage.index, plan.num_stages, plan.num_microbatches)
     extra = max(0, in_flight * (plan.microbatch_size * saved_per_sample - kept))
     return [""] + textwrap.wrap(
-        f"Recomputed in backward (activation checkpointing through runtime.recompute.checkpointed, one "
+        f"Recomputed in backward (activation checkpointing through runtime.execute.recompute.checkpointed, one "
         f"checkpoint per region): {', '.join(regions)}. The plan chose it because memory binds on this "
         f"stage's device ({sp.device}): predicted peak {human_bytes(sp.peak_memory_bytes)} with recompute, "
         f"capacity {human_bytes(sp.memory_capacity_bytes)}; keeping these regions' activations "
@@ -206,14 +206,14 @@ def _shape(dtype, shape) -> str:
 class _SourcePaths:
     """Where a source line lives, said the same way in every checkout (Note [stage code]).
 
-    A file that is an imported module is named by its import path (``partitioner/models.py``,
+    A file that is an imported module is named by its import path (``partitioner/models/builtin.py``,
     ``transformers/models/gpt2/modeling_gpt2.py``): independent of where the checkout or the
     environment lives, and what a reader finds the file by. A file inside site-packages that no
     module names is its path below site-packages; any other file is its bare name."""
 
     def __init__(self):
         self._by_file: dict[str, str] = {}
-        # A file imported under two names (`models` and `partitioner.models`) takes the fuller one.
+        # A file imported under two names (`models` and `partitioner.models.builtin`) takes the fuller one.
         for name, module in sorted(list(sys.modules.items()), key=lambda item: (-item[0].count("."), item[0])):
             file = getattr(module, "__file__", None)
             if not file or name == "__main__" or not file.endswith(".py"):
@@ -434,15 +434,15 @@ class _Emitter:
 
     def _callee(self, target) -> str:
         if target is checkpointed:
-            self.imports.add("from runtime.recompute import checkpointed")
+            self.imports.add("from runtime.execute.recompute import checkpointed")
             return "checkpointed"
-        if getattr(target, "__module__", None) == "runtime.randomness":
-            # Keyed random ops (Note [randomness keyed by meaning] in runtime/randomness.py).
-            self.imports.add("from runtime import randomness")
+        if getattr(target, "__module__", None) == "runtime.execute.randomness":
+            # Keyed random ops (Note [randomness keyed by meaning] in runtime/execute/randomness.py).
+            self.imports.add("from runtime.execute import randomness")
             return f"randomness.{target.__name__}"
-        if getattr(target, "__module__", None) == "runtime.tensor_parallel":
-            # Note [tensor-parallel stages] in runtime/tensor_parallel.py
-            self.imports.add("from runtime import tensor_parallel")
+        if getattr(target, "__module__", None) == "runtime.parallel.tensor_parallel":
+            # Note [tensor-parallel stages] in runtime/parallel/tensor_parallel.py
+            self.imports.add("from runtime.parallel import tensor_parallel")
             return f"tensor_parallel.{target.__name__}"
         qualified = _get_qualified_name(target)
         if qualified.startswith("torch.") or qualified in dir(builtins):
@@ -481,7 +481,7 @@ class _Emitter:
 
 
 def _attribute(base: str, dotted: str) -> str:
-    """``self.blocks.0.ln_1.weight`` as Python: numeric parts through getattr (runtime/stage.py
+    """``self.blocks.0.ln_1.weight`` as Python: numeric parts through getattr (runtime/execute/stage.py
     registers plain modules, not lists)."""
     out = base
     for part in dotted.split("."):

@@ -1,4 +1,5 @@
-"""Plans and checkpoints for people: what `partitioner inspect` prints, one module per view.
+"""Plans, checkpoints and programs for people: what `partitioner inspect` and `verify` print, one
+module per view.
 
 Everything here reads plan.json or a checkpoint folder only (plain data, no model, nothing
 executed): a plan copied off a cluster can be inspected anywhere.
@@ -8,11 +9,13 @@ executed): a plan copied off a cluster can be inspected anywhere.
     json_view.py    `inspect --json` (docs/design.md §11 fields and more)
     layout.py       which ranks form each tensor group, stage and replica (table and --json)
     graph.py        the region graph coloured by stage: Graphviz (`--dot`) and the page's SVG
-    timeline.py     the predicted pipeline timeline (runtime/schedule.py's simulation, timed)
+    timeline.py     the predicted pipeline timeline (runtime/execute/schedule.py's simulation, timed)
     page.py         `inspect --html`: one self-contained page
     explain.py      `inspect --node`: where a node sits and what moving it costs, priced by the
                     solver on the problem plan.json stores
     checkpoints.py  `inspect CKPT_DIR` / `--checkpoints`: valid or why not, and what a resume picks
+    verify.py       `verify`: the program trained beside the one-process oracle, compared (this one
+                    runs the program: torch and torchrun)
 """
 
 from partitioner.inspect import checkpoints

@@ -1,7 +1,7 @@
 """`partitioner inspect` of checkpoints: every step_N directory of a checkpoint folder, whether
 it is a checkpoint (and if not, why), and which one a resume would pick.
 
-Verification is the runtime's own (runtime.checkpoint: read_manifest, read_shard, check_model),
+Verification is the runtime's own (runtime.resilience.checkpoint: read_manifest, read_shard, check_model),
 so what this prints is what `partitioner run` would decide (Note [checkpoint format] and Note
 [recovery agreement] in runtime/). Statuses:
 
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from partitioner.inspect.units import human_bytes, render_columns
-from runtime import checkpoint as ck
+from runtime.resilience import checkpoint as ck
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
-from runtime.program import Program, load_plan
+from runtime.program.spec import Program, load_plan
 
 _STEP = re.compile(r"^step_(\d{9,})$")
 _RESUME_LIMIT = ck.RESUME_CANDIDATES  # a resume looks at the newest ones only
@@ -135,7 +135,7 @@ def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
 
 def scan(ckpt_dir: str | Path, *, program: Program | None = None, step: int | None = None) -> dict:
     """Every step directory of ``ckpt_dir`` (or only ``step``), newest first, and the resume pick:
-    what runtime.recovery.recover would restore for a program of the same plan (``program``:
+    what runtime.resilience.recovery.recover would restore for a program of the same plan (``program``:
     plan.json's program object, to say whether a resume would accept them at all)."""
     ckpt_dir = str(ckpt_dir)
     steps = ck.list_step_dirs(ckpt_dir)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.inspect.units import held, human_bytes, ms, si
 from partitioner.solver.check import structural_violations
 from partitioner.solver.evaluate import evaluate

@@ -1,6 +1,6 @@
 """Which ranks form each tensor group, pipeline stage and data-parallel replica (`inspect` table
 and --json). The tensor index is innermost (Note [tensor groups] in
-partitioner/solver/tensor_parallel.py): the stage replica whose group starts at rank g holds
+partitioner/solver/tensor_groups.py): the stage replica whose group starts at rank g holds
 ranks g .. g + tp - 1; ``Plan.rank_layout()`` lists every rank."""
 
 from __future__ import annotations

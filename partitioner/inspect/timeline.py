@@ -1,5 +1,5 @@
 """The predicted pipeline timeline of one step: every rank's forwards and backwards in the order
-torch.distributed.pipelining runs them, timed by runtime.schedule.timed_actions (the simulation
+torch.distributed.pipelining runs them, timed by runtime.execute.schedule.timed_actions (the simulation
 behind the runtime's printable schedule, so the page and the run's schedule table agree), with
 each stage's predicted time as its durations."""
 
@@ -29,12 +29,12 @@ def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float]]:
 
 def timeline(plan: Plan) -> dict:
     """One step of one data-parallel replica: for every rank of the pipeline, its forward (F) and
-    backward (B) of every microbatch as [start, end) seconds (``runtime.schedule.timed_actions``:
+    backward (B) of every microbatch as [start, end) seconds (``runtime.execute.schedule.timed_actions``:
     torch.distributed.pipelining's order; F of stage s waits for F of stage s-1, B of stage s for
     its own F and B of stage s+1)."""
-    # Here, not at the top: runtime.schedule imports torch.distributed.pipelining (seconds), and
+    # Here, not at the top: runtime.execute.schedule imports torch.distributed.pipelining (seconds), and
     # only the HTML page draws a timeline.
-    from runtime.schedule import timed_actions
+    from runtime.execute.schedule import timed_actions
 
     ranks = []
     for s in plan.stages:

@@ -5,8 +5,8 @@
     recompute_cost.py   what recomputing a region costs a microbatch (Note [recompute fixed cost])
     precision_cost.py   the precision policy as a transformed problem and cluster
     grad_norm_cost.py   what the global gradient norm costs a step, where the program computes it
-    sdc_cost.py         what the replica digest check (runtime/sdc.py) costs a step, beside the plan
-    tensor_parallel.py  a tensor group planned as one device (Notes [tensor groups], [tensor-parallel pricing])
+    sdc_cost.py         what the replica digest check (runtime/resilience/sdc.py) costs a step, beside the plan
+    tensor_groups.py    a tensor group planned as one device (Notes [tensor groups], [tensor-parallel pricing])
     interleaved.py      the facts of torch's interleaved 1F1B the cost model prices (Note [interleaved pricing])
     schedules.py        each schedule with its price: pipeline time, lower bound (Note [one class per schedule])
     bounds.py           lower bounds on the step time, for pruning and for the report

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.config.cluster import ClusterSpec, LinkSpec
 from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.problem import (
     PartitionProblem,

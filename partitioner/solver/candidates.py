@@ -9,7 +9,7 @@ baseline or chain-DP plan (Note [search help] in model.py), or the class-choice 
 
 from __future__ import annotations
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.check import check_assignment
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed

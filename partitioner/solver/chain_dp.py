@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.problem import (
     Assignment,

@@ -8,7 +8,7 @@ by more than the ILP's rounding slack (Note [ILP scaling] in model.py).
 
 from __future__ import annotations
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem

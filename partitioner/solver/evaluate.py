@@ -24,7 +24,7 @@ Note [cost model]
                    or K = 0; partitioner/solver/sdc_cost.py). The ILP leaves it out: its callers
                    pass no sdc_every.
     * grad_norm  = the global gradient norm when the program computes it (clipping or fp16:
-                   Note [global gradient norm] in runtime/grad_norm.py): the slowest rank's norm
+                   Note [global gradient norm] in runtime/parallel/grad_norm.py): the slowest rank's norm
                    pass over its gradient bytes + 2 (world - 1) * latency; 0 otherwise
                    (partitioner/solver/grad_norm_cost.py). Like sdc_check, outside the ILP.
     * step_time  = pipeline + dp_allreduce + sdc_check + grad_norm + sum of tie costs.
@@ -41,7 +41,7 @@ Note [cost model]
 
 Note [memory model]
     Memory is predicted conservatively (docs/design.md §12): the solver fills a device to the
-    prediction, so every term is what the runtime (runtime/train.py over torch.distributed.
+    prediction, so every term is what the runtime (runtime/execute/train.py over torch.distributed.
     pipelining's PipelineStage) actually holds, rounded up where it is uncertain. Stage s of p,
     d replicas, m microbatches of b samples, k_s = in-flight microbatches (m for GPipe,
     min(p - s, m) for 1F1B), cut_in = cut[s - 1] (0 on stage 0), cut_out = cut[s] (0 last):
@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.bounds import lower_bound_step_time_s
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.problem import (
@@ -255,7 +255,7 @@ def evaluate(
     bottleneck = max(st.time_s for st in stage_costs)
     total = sum(st.time_s for st in stage_costs)
     pp = a.pipeline_ranks
-    # Note [one class per schedule] in runtime/pipeline_schedules.py
+    # Note [one class per schedule] in runtime/execute/pipeline_schedules.py
     pipeline, dp_allreduce, rank_memory, rank_capacity = priced_schedule(a.schedule, a.local_stages).pipeline_terms(
         problem, a, stage_costs, dp_links, scale)
     state_bytes = [st.params_bytes + st.optimizer_bytes for st in stage_costs]

@@ -18,7 +18,7 @@ Note [fair baselines]
 
 from __future__ import annotations
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.baselines import BaselineCost, param_balanced_split, uniform_split
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.placements import is_launchable

@@ -1,5 +1,5 @@
 """What the global gradient norm costs a step, when the program computes it (Note [global gradient
-norm] in runtime/grad_norm.py): with clipping on, or under fp16 loss scaling (its overflow test).
+norm] in runtime/parallel/grad_norm.py): with clipping on, or under fp16 loss scaling (its overflow test).
 Otherwise the program makes no norm pass and no norm collective, and the term is 0.
 
 Every rank takes the 2-norm of each gradient it owns (one foreach kernel: a read of its gradient
@@ -16,7 +16,7 @@ norm (``computes_global_norm``), and plan.json keeps it as ``predicted.grad_norm
 
 from __future__ import annotations
 
-from runtime.program_parts import Precision
+from runtime.program.parts import Precision
 
 # Gradient bytes per second one rank's norm pass reads: torch._foreach_norm over the 3.7 MB of fp32
 # gradients of the step_time_accuracy GPT took 0.27 ms on one thread here (~14 GB/s, fastest of 200

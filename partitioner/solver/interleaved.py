@@ -3,7 +3,7 @@ model prices, as plain numbers (no torch), each checked against torch's own acti
 tests/unit/test_solver_interleaved.py (Note [interleaved pricing]).
 
 Notation: ``pipeline_ranks`` (pp) ranks per pipeline, ``local_stages`` (v) stages per rank, so
-pp * v stages in all, stage s on pipeline position s % pp (runtime/layout.py); m microbatches.
+pp * v stages in all, stage s on pipeline position s % pp (runtime/program/layout.py); m microbatches.
 
 Note [interleaved pricing]
     ``--schedule interleaved`` is priced by the worst stage, an upper bound on torch's timeline
@@ -25,7 +25,7 @@ Note [interleaved pricing]
       activation send and b_s = backward (+ recompute) + the gradient send + the per-microbatch
       overhead, so F + B >= every stage's T_s. It is an exact simulation of nothing: a plan the
       solver calls OPTIMAL is optimal for this bound, and on unequal stages torch's own order
-      finishes earlier (tests check the bound against the simulated order, runtime/schedule.py
+      finishes earlier (tests check the bound against the simulated order, runtime/execute/schedule.py
       ``timed_actions``). At F + B = max_s (f_s + b_s) it also held on every random instance
       tried (worst 0.96 of it), but that is not proven, so it is not used.
     * Memory is per rank, not per stage: a rank's v stages share one device. At its peak a rank
@@ -35,7 +35,7 @@ Note [interleaved pricing]
       v - 1 extra copies of the global batch each stage's figure counts: conservative (it
       over-counts the later stages, which hold fewer, and sums transients that do not overlap).
     * Data-parallel all-reduce per rank: its stages' gradients in one flat all-reduce
-      (runtime/grad_sync.py ``sync_gradients``): 2 (d - 1) (G_rank / (d bw) + latency).
+      (runtime/parallel/grad_sync.py ``sync_gradients``): 2 (d - 1) (G_rank / (d bw) + latency).
     * Scope: one device class (a heterogeneous cluster refuses it; auto leaves it out there),
       pp >= 2 ranks and v >= 2 stages per rank, v in ``LOCAL_STAGE_OPTIONS`` unless fixed
       (SolverConfig.local_stages). The chain DP and the placement search are 1F1B/GPipe-only, so
@@ -57,7 +57,7 @@ Note [zero-bubble schedules]
       that term could overflow a device.
     * ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` place stages in a V
       (``generate_stage_to_rank_mapping(style="v")``: stages s and 2 pp - 1 - s on rank s), which
-      runtime/layout.py refuses (it requires stage s on position s % pp), so the runtime cannot
+      runtime/program/layout.py refuses (it requires stage s on position s % pp), so the runtime cannot
       drive them; both also need exactly 2 stages per rank, DualPipeV at least as many
       microbatches as stages, and DualPipeV's overlapped F+B actions (OVERLAP_F_B) have no
       time in the cost model. Besides the layout they need everything ZB1P needs above.
@@ -66,7 +66,7 @@ Note [zero-bubble schedules]
 from __future__ import annotations
 
 # torch's rules for this schedule (its refusal, rounds, what a rank holds) live with the schedule
-# the runtime drives: runtime/pipeline_schedules.py ``Interleaved`` (Note [one class per schedule]).
+# the runtime drives: runtime/execute/pipeline_schedules.py ``Interleaved`` (Note [one class per schedule]).
 __all__ = ["LOCAL_STAGE_OPTIONS", "pipeline_slots", "uniform_pipeline_s"]
 
 LOCAL_STAGE_OPTIONS = (2, 3, 4)  # v tried when SolverConfig.local_stages is None

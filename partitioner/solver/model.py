@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.config.cluster import ClusterSpec, LinkSpec
 from partitioner.solver.model_hints import SearchHelp
 from partitioner.solver.model_interleaved import InterleavedConstraints
 from partitioner.solver.model_memory import MemoryConstraints
@@ -170,7 +170,7 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         self.problem, self.cluster, self.config = problem, cluster, config
         self.p, self.d, self.m, self.b = num_stages, dp, num_microbatches, microbatch_size
         self.schedule = schedule
-        # Note [one class per schedule] in runtime/pipeline_schedules.py
+        # Note [one class per schedule] in runtime/execute/pipeline_schedules.py
         self.pipeline_schedule = priced_schedule(schedule, config.local_stages)
         self.v = self.pipeline_schedule.local_stages
         self.interleaved = self.v > 1  # several stages per rank: memory per rank (Note [interleaved pricing])

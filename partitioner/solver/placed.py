@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.baselines import baseline_assignments
 from partitioner.solver.bounds import allreduce_lower_bound_s, lower_bound_step_time_s
 from partitioner.solver.candidate import Candidate

@@ -27,7 +27,7 @@ Note [exact placements]
 
 from __future__ import annotations
 
-from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.config.cluster import ClusterSpec, LinkSpec
 
 __all__ = ["enumerate_placements", "fastest_link", "is_launchable", "placement_key"]
 

@@ -1,13 +1,13 @@
-"""The precision policy in the cost model (Note [mixed precision] in runtime/precision.py).
+"""The precision policy in the cost model (Note [mixed precision] in runtime/execute/precision.py).
 
 Note [precision in the cost model]: the passes trace the model in its own dtype; the policy
 changes three figures, and this module changes them on the problem and the cluster before the
 solve, so the ILP, the chain DP, the checker and the baselines all see them alike:
 - compute: each device computes at the FLOP rate of the policy's dtype (``cluster_for_precision``,
-  Note [flops per dtype] in partitioner/device_presets.py): fp32 -> fp32, bf16-mixed -> bf16,
+  Note [flops per dtype] in partitioner/config/device_presets.py): fp32 -> fp32, bf16-mixed -> bf16,
   fp16-mixed -> fp16;
 - weights: under autocast each weight a matmul reads is also held as a low-precision copy for
-  the step (runtime/precision.py ``step_context``): the weights term grows by 2 bytes per 4-byte
+  the step (runtime/execute/precision.py ``step_context``): the weights term grows by 2 bytes per 4-byte
   parameter (``precision_problem``: every parameter counted, which over-counts norms and
   embeddings that are not cast: memory is predicted conservatively);
 - calibration: ``--calibrate`` measures every region with its forward under the policy's
@@ -15,9 +15,9 @@ solve, so the ILP, the chain DP, the checker and the baselines all see them alik
   policy is refused (partitioner/compiler.py), since its seconds are of other kernels;
 - tensor parallelism's collectives: a row-parallel linear's output, a column group's input
   gradient and a vocab-split head's logits are autocast's dtype, so ``tp.comm_bytes``,
-  ``tp.comm_bwd_bytes`` and ``tp.gather_bytes`` (traced in the model's dtype, passes/tensor_parallel.py)
+  ``tp.comm_bwd_bytes`` and ``tp.gather_bytes`` (traced in the model's dtype, passes/tp_roles.py)
   are priced at 2 bytes an element (Note [tensor parallelism under autocast] in
-  runtime/tensor_parallel.py), except the vocab lookup's all-reduce (``tp.lookup_bytes``, part of
+  runtime/parallel/tensor_parallel.py), except the vocab lookup's all-reduce (``tp.lookup_bytes``, part of
   ``tp.comm_bytes``), which stays fp32: an embedding is not autocast. The per-step gathers of split
   gradients (``tp.step_gather_bytes``) move fp32 gradients and keep their traced bytes;
 - what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from partitioner.cluster import FLOPS_PER_S_BY_DTYPE, resolve_kind
-from runtime.program_parts import Precision
+from partitioner.config.cluster import FLOPS_PER_S_BY_DTYPE, resolve_kind
+from runtime.program.parts import Precision
 
 def _default_dtype(kind: str) -> str:
     return "fp32" if kind == "cpu" else "bf16"

@@ -41,8 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from partitioner.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
-from runtime.pipeline_schedules import SCHEDULES as RUNTIME_SCHEDULES
+from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
+from runtime.execute.pipeline_schedules import SCHEDULES as RUNTIME_SCHEDULES
 
 __all__ = [
     "RegionCost",
@@ -81,7 +81,7 @@ def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:
 @dataclass(frozen=True)
 class TensorParallelCost:
     """What a tensor group of tp > 1 ranks changes of one region (Note [tensor-parallel traffic] in
-    passes/tensor_parallel.py, Note [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py).
+    passes/tp_roles.py, Note [tensor-parallel pricing] in partitioner/solver/tensor_groups.py).
     Per sample: the payload one member all-reduces in forward (``comm_bytes``) and in backward
     (``comm_bwd_bytes``), and the whole output it all-gathers in forward (``gather_bytes``, a
     vocab-split head's logits); per step: the gradient bytes it all-gathers after the schedule
@@ -148,7 +148,7 @@ class RegionCost:
     bwd_s_per_microbatch_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Seconds by device kind the region's stage pays once per step, after the schedule, beside
     # the data-parallel all-reduce (tensor parallelism's gradient collectives: Note
-    # [tensor-parallel pricing] in partitioner/solver/tensor_parallel.py); None: nothing.
+    # [tensor-parallel pricing] in partitioner/solver/tensor_groups.py); None: nothing.
     step_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Ops the region runs per microbatch, forward and backward (calibrate's num_ops feature):
     # what a tensor group's DTensors dispatch one by one (Note [tensor-parallel overheads]).
@@ -232,7 +232,7 @@ class SharedParam:
         _check_nonneg("SharedParam", "param_bytes", self.param_bytes, integer=True)
 
 
-# runtime/grad_sync.py ``allreduce_flat_`` concatenates gradients into buckets of up to 2**25
+# runtime/parallel/grad_sync.py ``allreduce_flat_`` concatenates gradients into buckets of up to 2**25
 # elements (one tensor larger than that is a bucket of its own): 128 MiB of fp32.
 ALLREDUCE_BUCKET_ELEMS = 1 << 25
 
@@ -253,7 +253,7 @@ class PartitionProblem:
     # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
     microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel
-    # overheads] in partitioner/solver/tensor_parallel.py): seconds per DTensor op, per collective,
+    # overheads] in partitioner/solver/tensor_groups.py): seconds per DTensor op, per collective,
     # and seconds the members wait per second they compute.
     dtensor_op_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_collective_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
@@ -395,7 +395,7 @@ class Assignment:
         return self.num_stages // self.local_stages
 
     def rank_of(self, stage: int, replica: int) -> int:
-        """Interleaved: stage s runs on pipeline position s % pp (runtime/layout.py)."""
+        """Interleaved: stage s runs on pipeline position s % pp (runtime/program/layout.py)."""
         return (stage % self.pipeline_ranks) * self.dp + replica
 
     def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Note [recompute fixed cost]
     A recomputed region runs its forward once more in backward, and the checkpoint that reruns
-    it costs something of its own, nearly whatever the region's size (runtime/recompute.py, Note
+    it costs something of its own, nearly whatever the region's size (runtime/execute/recompute.py, Note
     [cheap checkpointing]): the autograd Function per region, the nested backward through the
     rerun, the autocast and randomness contexts, ~0.37 ms per region per microbatch for GPT
     blocks of width 32 and 128 alike on this CPU (benchmarks/recompute_overhead.py: extra over
@@ -28,7 +28,7 @@ Note [recompute fixed cost]
 
 from __future__ import annotations
 
-from partitioner.cluster import DeviceSpec
+from partitioner.config.cluster import DeviceSpec
 from partitioner.solver.problem import PartitionProblem, RegionCost, measured_or_preset, region_times_s
 
 

@@ -1,4 +1,4 @@
-"""What the replica check of runtime/sdc.py costs a step (Note [replica digests] there).
+"""What the replica check of runtime/resilience/sdc.py costs a step (Note [replica digests] there).
 
 Every K steps each rank reads its parameters and optimizer state once (one int64 sum over their
 bit patterns, memory-bound) and takes part in one all_gather of 16 bytes per rank:
@@ -27,7 +27,7 @@ def default_every(dp: int) -> int:
     """The plan's K when the training settings leave ``sdc_every`` out: the runtime's default with
     replicas to compare, else 0 (off)."""
     # lazy: loads torch
-    from runtime.sdc import DEFAULT_EVERY
+    from runtime.resilience.sdc import DEFAULT_EVERY
 
     return DEFAULT_EVERY if dp > 1 else 0
 

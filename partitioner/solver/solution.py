@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from partitioner.cluster import GIB
+from partitioner.config.cluster import GIB
 from partitioner.solver.baselines import BaselineCost
 from partitioner.solver.evaluate import StageCost, TieCost
 from partitioner.solver.problem import Assignment

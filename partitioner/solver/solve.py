@@ -36,7 +36,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from partitioner.cluster import GIB, ClusterSpec
+from partitioner.config.cluster import GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver.bounds import (
     allreduce_lower_bound_s,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from partitioner.solver.candidates import enumerate_candidates
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.sdc_cost import default_every
-from partitioner.solver.tensor_parallel import group_cluster, tp_priced_problem
+from partitioner.solver.tensor_groups import group_cluster, tp_priced_problem
 from partitioner.solver.zero_choice import SHARD_CHOICES, allgather_s, sharded_problem
 
 __all__ = ["Variant", "SearchSpace", "StepTerms"]
@@ -82,7 +82,7 @@ class SearchSpace:
     sharded plans, d > 1) or "auto"; ``tp_dp``: whether a tp > 1 plan may also have d > 1 and
     sharded state; ``tp_shard`` (default: ``tp_dp``): whether a tp > 1 plan may have sharded state
     (compile() passes False: the runtime refuses ZeRO-1 with tp, Note [what tensor parallelism runs
-    with] in partitioner/tensor_parallel.py)."""
+    with] in partitioner/frontend/tp_support.py)."""
 
     def __init__(self, problem, cluster, *, tp_degrees=(1,), shard: str = "off", tp_dp: bool = True,
                  tp_shard: bool | None = None, step_terms: StepTerms | None = None):
@@ -121,7 +121,7 @@ class SearchSpace:
         if variant.sharded:
             extra += allgather_s(problem, cluster, assignment)
         if self.step_terms.any:
-            # Note [no replica check on sharded state] in runtime/sdc.py: a sharded plan runs none
+            # Note [no replica check on sharded state] in runtime/resilience/sdc.py: a sharded plan runs none
             every = 0 if variant.sharded else self.step_terms.every(assignment.dp)
             cost = evaluate(problem, cluster, assignment, sdc_every=every, global_norm=self.step_terms.global_norm)
             extra += cost.sdc_check_s + cost.grad_norm_s

@@ -1,6 +1,6 @@
 """Whether to shard the optimizer state over the data-parallel replicas (ZeRO-1): a plan decision.
 
-Note [sharding as a candidate]: sharded optimizer state (runtime/zero.py, Note [sharded optimizer
+Note [sharding as a candidate]: sharded optimizer state (runtime/parallel/zero.py, Note [sharded optimizer
 state]) changes two cost-model terms of every stage with d > 1 replicas, and nothing else:
 - memory: AdamW state / d per replica (the runtime's pieces are views of the parameters: no
   master copy), and the step phase holds the whole flat gradient the reduce-scatter reads

@@ -6,7 +6,7 @@
 - resharded resume: saved under 4 stages and resumed under 2 x 2 (losses and parameters match the
   one-process oracle, fp tolerance); a model with dropout saved under 2 stages and resumed under 3
   draws the uninterrupted 2-stage run's masks (Note [randomness keyed by meaning] in
-  runtime/randomness.py): its losses and parameters match that run's;
+  runtime/execute/randomness.py): its losses and parameters match that run's;
 - `partitioner run` refuses an unwritable checkpoint directory before starting anything.
 """
 
@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 
 from _runtime_folders import child_env, one_thread  # noqa: F401
 from partitioner import compile as compile_plan
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
-from runtime.reference import train_reference_from_folder
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
+from runtime.execute.reference import train_reference_from_folder
 from _shared_launch import Job, prepare
 
 STEPS, EVERY = 6, 2
@@ -130,7 +130,7 @@ def _assert_bit_exact(full_run, killed_run, world):
 
 
 def _committed(ckpt_dir):
-    from runtime.checkpoint import list_step_dirs, read_manifest
+    from runtime.resilience.checkpoint import list_step_dirs, read_manifest
 
     return [s for s in list_step_dirs(ckpt_dir) if read_manifest(ckpt_dir, s)]
 

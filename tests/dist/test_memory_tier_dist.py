@@ -1,6 +1,6 @@
 """The memory tier in one real torchrun job (gloo, 4 ranks) of a compiled 2 x 2 GPT program with
 dropout, whose plan chose the memory tier (2 nodes: a full copy on the peer node). The job trains
-three runs of the same program, one after another in the same workers (runtime/run_many.py),
+three runs of the same program, one after another in the same workers (tests/drivers/run_many.py),
 and torchrun restarts it after each failure (--max-restarts 4); a finished run re-entered after a
 restart resumes at its last step and trains nothing:
 
@@ -29,9 +29,10 @@ from safetensors.torch import load_file
 
 from _runtime_folders import child_env
 from partitioner import compile as compile_plan
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
-from runtime.torchrun import RUN_MANY, torchrun_command
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import torchrun_command
 
 STEPS, EVERY, WORLD = 6, 2, 4
 
@@ -131,7 +132,7 @@ def test_two_hosts_lost_in_one_parity_group_fall_back_to_disk(job):
     assert all(r["disk_shards_read"] > 0 for r in rows)
     # Two reasons are right, depending on timing: the parity group is short of two members, or (on a
     # loaded machine, where the disk checkpoint commits before the kill) the disk is already as new
-    # as memory's newest step and recovery never looks at memory (runtime/recovery.py).
+    # as memory's newest step and recovery never looks at memory (runtime/resilience/recovery.py).
     assert "recovering from disk" in job["out"]
     assert ("parity group [0, 1, 2, 3] lost 2 members" in job["out"]
             or "the disk holds step 4, as new as memory's newest (4)" in job["out"]), job["out"][-3000:]

@@ -1,9 +1,9 @@
 """Mixed precision, clipping and sharded optimizer state in real programs, against the
-one-process oracle under the same policy (runtime/reference.py):
+one-process oracle under the same policy (runtime/execute/reference.py):
 
 - bf16-mixed and fp16-mixed on 2 stages x 2 replicas with sharded AdamW state and clipping
   (a tie across the stages): losses, parameters and the recorded global gradient norm match the
-  oracle within the policy's tolerance (partitioner/verify.py TOLERANCES), replicas agree exactly;
+  oracle within the policy's tolerance (partitioner/inspect/verify.py TOLERANCES), replicas agree exactly;
 - a checkpoint written at dp 2 with sharded state resumes at dp 1 (unsharded) and at dp 4
   (sharded, other slices) on the oracle's losses;
 - a compiled plan that fits only with sharded state (dp 2 asked for, devices too small for
@@ -26,10 +26,10 @@ from _runtime_folders import gpt_folder, mlp_folder, one_thread  # noqa: F401
 from _shared_launch import Job, prepare
 from partitioner import PartitionInfeasibleError
 from partitioner import compile as compile_plan
-from partitioner.cluster import ClusterSpec
-from partitioner.models import load_workload
-from partitioner.verify import GRAD_NORM_TOLERANCE, check_run, TOLERANCES, read_grad_norms, read_program_run
-from runtime.reference import train_reference_from_folder
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import load_workload
+from partitioner.inspect.verify import GRAD_NORM_TOLERANCE, check_run, TOLERANCES, read_grad_norms, read_program_run
+from runtime.execute.reference import train_reference_from_folder
 
 CLIP = 0.5  # below the tiny GPT's gradient norm (about 6): every step is clipped
 

@@ -1,5 +1,5 @@
 """Programs with dropout train like the unpartitioned model (Note [randomness keyed by meaning] in
-runtime/randomness.py): gpt, hf-gpt2 and hf-llama (attention dropout through SDPA's dropout_p)
+runtime/execute/randomness.py): gpt, hf-gpt2 and hf-llama (attention dropout through SDPA's dropout_p)
 with dropout 0.1, compiled to 2 stages, and gpt as 2 data-parallel replicas of one stage with a
 microbatch twice as large, all trained in the session's 2-worker shared launch (tests/_shared_launch.py), each against verify's
 one-process oracle (the unpartitioned traced graph with keyed random ops). The 3-stage plan and the
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.models import gpt, hf_gpt2, hf_llama
-from partitioner.verify import read_program_run, train_oracle
-from runtime.program import Program
-from runtime.reference import train_reference
+from partitioner.models.builtin import gpt, hf_gpt2, hf_llama
+from partitioner.inspect.verify import read_program_run, train_oracle
+from runtime.program.spec import Program
+from runtime.execute.reference import train_reference
 from _programs import compile_to
 from _shared_launch import Job, prepare
 

@@ -1,5 +1,5 @@
 """Real multi-process runs of hand-made program folders (torchrun + gloo), checked against the
-one-process oracle ``runtime.reference.train_reference`` on the unpartitioned model."""
+one-process oracle ``runtime.execute.reference.train_reference`` on the unpartitioned model."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # n
                               one_thread, skip_folder,
                               read_final, read_metrics)
 from _shared_launch import Job, prepare
-from runtime.data import causal_lm_loss, mse_loss, regression_batch, token_batch
-from runtime.reference import train_reference, train_reference_from_folder
-from runtime.torchrun import free_port
-from runtime.train import lr_factor
+from runtime.data.synthetic import causal_lm_loss, mse_loss, regression_batch, token_batch
+from runtime.execute.reference import train_reference, train_reference_from_folder
+from runtime.launch.torchrun import free_port
+from runtime.execute.train import lr_factor
 from safetensors.torch import load_file
 
 TOL = dict(rtol=1e-5, atol=1e-6)

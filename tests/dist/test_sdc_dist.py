@@ -82,7 +82,7 @@ def test_the_recovered_run_ends_bit_identical_to_the_clean_run(runs, run):
 
 
 def test_lossless_checkpoints_are_delta_chains_that_the_rollback_restored_from(runs):
-    from runtime import checkpoint as ck
+    from runtime.resilience import checkpoint as ck
 
     root, _ = runs
     assert _rows(f"{root}/lossless/sdc.jsonl")[1]["rolled_back_to"] == 4

@@ -1,5 +1,5 @@
 """A multi-node run says at start-up when its checkpoint folder is not one folder for every node
-(Note [shared checkpoint folder] in runtime/checkpoint/shared.py). Two real gloo processes on
+(Note [shared checkpoint folder] in runtime/resilience/checkpoint/shared.py). Two real gloo processes on
 "hosts" 0 and 1; node-local disks are played by giving each rank its own folder."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import torch.multiprocessing as mp
 
-from runtime.checkpoint.shared import check_shared, unshared_hosts
+from runtime.resilience.checkpoint.shared import check_shared, unshared_hosts
 
 
 def _rank(rank: int, init_file: str, cases: list[list[str]], out: str) -> None:

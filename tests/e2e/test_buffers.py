@@ -9,7 +9,7 @@
   resumes bit-exact, buffers and numpy's / Python's generators included;
 - a buffer updated on one stage and read (before the update) on another is refused, naming it.
 
-One torchrun launch of 2 workers trains every folder (runtime/run_many.py); the
+One torchrun launch of 2 workers trains every folder (tests/drivers/run_many.py); the
 killed job comes last, so torchrun's restart re-runs the others as resumes of finished runs.
 """
 
@@ -30,12 +30,13 @@ import partitioner
 from _bn_workload import workload
 from _checkpoint_helpers import FakeTrainer
 from _runtime_folders import REPO, child_env, one_thread  # noqa: F401
-from partitioner.cluster import ClusterSpec
-from partitioner.verify import check_run, read_program_buffers
-from runtime import checkpoint as ck
-from runtime import memtier as mt
-from runtime.program import load_program
-from runtime.torchrun import RUN_MANY, torchrun_command
+from partitioner.config.cluster import ClusterSpec
+from partitioner.inspect.verify import check_run, read_program_buffers
+from runtime.resilience import checkpoint as ck
+from runtime.resilience import memtier as mt
+from runtime.program.spec import load_program
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import torchrun_command
 
 STEPS, EVERY = 6, 2
 RUNNING = ["bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked",
@@ -174,7 +175,7 @@ def test_checkpoint_of_buffers_round_trips_and_reshards(runs, tmp_path):
 
 
 def test_host_generators_are_seeded_and_checkpointed():
-    from runtime.train import seed_host_generators
+    from runtime.execute.train import seed_host_generators
 
     seed_host_generators(7)
     first = (np.random.random(), random.random(), float(torch.rand(())))
@@ -203,7 +204,7 @@ class _ReadThenUpdatedElsewhere(torch.nn.Module):
 
 def test_buffer_updated_on_one_stage_and_read_on_another_is_refused():
     from partitioner.codegen.split import check_mutable_buffers, mutated_buffers
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     gm = trace(_ReadThenUpdatedElsewhere(), (torch.zeros(2, 4),)).gm
     assert list(mutated_buffers(gm)) == ["count"]
@@ -217,7 +218,7 @@ def test_buffer_updated_on_one_stage_and_read_on_another_is_refused():
 
 
 def test_a_mutable_buffer_on_two_stages_is_refused_at_load(runs):
-    from runtime.program import Program
+    from runtime.program.spec import Program
 
     root, _, _ = runs
     program = load_program(str(root / "two"))
@@ -250,7 +251,7 @@ def test_a_held_buffer_costs_memory_not_time():
 
 def test_a_region_that_updates_running_statistics_is_never_priced_as_saving_by_recompute():
     """Note [recompute never updates twice] holds: recomputing it would update the statistics twice."""
-    from partitioner.analysis import analyze, build_problem, updating_regions
+    from partitioner.frontend.analysis import analyze, build_problem, updating_regions
 
     wl = workload()
     gm, _ = analyze(wl, granularity="node")

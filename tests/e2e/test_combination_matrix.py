@@ -1,7 +1,7 @@
 """The combination matrix (issue 26, "never silently wrong: every feature with every other"): a
 pairwise covering set over the training features, each cell compiled, trained a few steps with a
 rank SIGKILLed and the job resumed from its checkpoint, and verified against the one-process
-oracle (partitioner/verify.py) and bit for bit against the same cell trained without the kill.
+oracle (partitioner/inspect/verify.py) and bit for bit against the same cell trained without the kill.
 The cells the product refuses at compile time are listed below with the refusal they must get.
 
 Factors (FACTORS): pipeline ranks ("stages") 1/2/3, dp 1/2/3, tp 1/2, precision fp32/bf16-mixed/
@@ -28,7 +28,7 @@ values of every two factors except:
 
 Every cell's kill is a real SIGKILL of one rank (--fail-at RANK:3:kill, lossless cells 4; a
 checkpoint every step) in the session's shared launch of its world size; the job is restarted on
-its own in forked workers (Job(restarts=1), Note [restarts in a fork] in runtime/run_many.py),
+its own in forked workers (Job(restarts=1), Note [restarts in a fork] in tests/drivers/run_many.py),
 recovers from the newest checkpoint (memory tier cells: from host memory, Note [memory tier
 fallback]), and must end bit for bit where the uninterrupted run of the same cell ends.
 Run with -s to see the table of cells and verdicts; PARTITIONER_MATRIX_TABLE=PATH also writes it
@@ -50,11 +50,11 @@ import partitioner
 from _pairwise import all_pairs, uncovered
 from _runtime_folders import one_thread  # noqa: F401 - the oracles train here, beside the workers
 from _shared_launch import Job, prepare
-from partitioner.cluster import ClusterSpec
-from partitioner.models import load_workload
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import load_workload
 from partitioner.solver.model import SolverConfig
-from partitioner.verify import check_run, read_grad_norms
-from runtime.checkpoint.shard import step_dirname
+from partitioner.inspect.verify import check_run, read_grad_norms
+from runtime.resilience.checkpoint.shard import step_dirname
 
 FACTORS = {
     "stages": [1, 2, 3],  # pipeline ranks (interleaved: 2 stages on each)

@@ -1,4 +1,4 @@
-"""A non-tensor input (Note [constant inputs] in runtime/data.py): `forward(self, x, pool="mean")`
+"""A non-tensor input (Note [constant inputs] in runtime/data/synthetic.py): `forward(self, x, pool="mean")`
 fed {"x": tensor, "pool": "first"} by make_batch. The trace bakes "first" into the graph; the
 program takes only the tensor, records the constant, and refuses a make_batch that later returns
 another value. Trained 2 steps on 2 ranks in the session's shared launch (Note [shared launches]
@@ -17,8 +17,8 @@ import pytest
 
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from partitioner.models import load_workload
-from partitioner.verify import check_run
+from partitioner.models.builtin import load_workload
+from partitioner.inspect.verify import check_run
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
 MODEL = f"{OWN / 'constant_kwarg.py'}:build"
@@ -56,6 +56,6 @@ def test_another_value_at_run_time_is_refused_in_one_line(tmp_path):
     assert errors[0].startswith("[rank 0] InputMismatchError: make_batch returned pool='mean' at step 1, but the "
                                 "program was specialised to pool='first'"), errors
     assert "recompile" in errors[0], errors
-    assert "runtime/data.py\", line" not in done.stderr, done.stderr  # no traceback from the rank
+    assert "runtime/data/synthetic.py\", line" not in done.stderr, done.stderr  # no traceback from the rank
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0]  # step 0 ran as traced; step 1 never did

@@ -1,6 +1,6 @@
 """Hugging Face in and out: ``hf:CONFIG_DIR`` models, ``--pretrained`` safetensors read per rank,
-and ``partitioner export`` back to ``from_pretrained`` (partitioner/hf.py, runtime/pretrained.py,
-partitioner/export.py). Tiny configs; every program trains under torchrun (the session's shared
+and ``partitioner export`` back to ``from_pretrained`` (partitioner/models/hf.py, runtime/execute/pretrained.py,
+partitioner/models/export.py). Tiny configs; every program trains under torchrun (the session's shared
 launch, tests/_shared_launch.py) and is compared with the unpartitioned model trained in one process."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import transformers
 from _programs import compile_to
 from _shared_launch import Job, prepare
 from partitioner.cli.commands import main as cli
-from partitioner.export import export
-from partitioner.models import load_workload
-from partitioner.verify import check_run, read_program_run
-from runtime import pretrained
-from runtime.checkpoint import CheckpointCorruptError, list_step_dirs, shard_filename, step_dirname
-from runtime.stage import build_stage
+from partitioner.models.export import export
+from partitioner.models.builtin import load_workload
+from partitioner.inspect.verify import check_run, read_program_run
+from runtime.execute import pretrained
+from runtime.resilience.checkpoint import CheckpointCorruptError, list_step_dirs, shard_filename, step_dirname
+from runtime.execute.stage import build_stage
 
 STEPS = 2
 
@@ -96,7 +96,7 @@ def test_hf_config_dir_compiles_and_verifies(hf):
     report = _verdict(hf["root"] / "gpt2")
     assert report.oracle == "unpartitioned traced graph (keyed randomness)"
     program = json.loads((hf["root"] / "gpt2" / "plan.json").read_text())["program"]
-    assert program["init"]["weights"][0] == "runtime.pretrained:hf_weights"
+    assert program["init"]["weights"][0] == "runtime.execute.pretrained:hf_weights"
     assert not (hf["root"] / "gpt2" / "weights").exists()  # the ranks made their own
 
 
@@ -110,7 +110,7 @@ def test_masked_lm_image_classification_and_seq2seq_verify(hf, name, architectur
 
 def test_falcon_and_resnet_from_plain_config_files_verify(hf):
     """Falcon's lifted constants travel in weights/ beside the ranks' own initialisation (Note
-    [constants travel] in runtime/stage.py); ResNet's config without image_size takes image=."""
+    [constants travel] in runtime/execute/stage.py); ResNet's config without image_size takes image=."""
     _verdict(hf["root"] / "falcon")
     _verdict(hf["root"] / "resnet")
     from safetensors.torch import load_file

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from _shared_launch import Job, prepare
 from partitioner import compile as compile_plan
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
-from partitioner.verify import check_run
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
+from partitioner.inspect.verify import check_run
 
 STEPS, EVERY = 4, 2
 

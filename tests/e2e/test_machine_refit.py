@@ -23,8 +23,8 @@ STEPS = 4
 @prepare
 def _refit_programs(root: Path):
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import gpt
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import gpt
 
     profile = fake_profile()
     plan = partitioner.compile(gpt(layers=2, width=32, heads=2, vocab=64, seq=16),
@@ -104,11 +104,11 @@ def test_a_run_faster_than_its_sends_refits_the_latency(trained, tmp_path):
     import dataclasses
 
     from partitioner.calibrate.refit import _predicted_step_s, _stage_compute_s
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
     from partitioner.inspect.explain import load_priced
     from partitioner.plan import Plan
     from partitioner.solver.problem import core_sharing_factor
-    from runtime.stage_times import FORMAT
+    from runtime.observe.stage_times import FORMAT
 
     root, profile = trained
     folder = root / "priced"

@@ -19,8 +19,8 @@ import torch.nn as nn
 from _programs import compile_to
 from _shared_launch import Job, prepare
 from partitioner.codegen.boundary_dtypes import autocast_dtypes
-from partitioner.verify import check_run, read_program_run, train_oracle
-from runtime.program import load_program
+from partitioner.inspect.verify import check_run, read_program_run, train_oracle
+from runtime.program.spec import load_program
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
 CELLS = {"bf16_2": ("bf16-mixed", 2), "bf16_3": ("bf16-mixed", 3), "fp16_2": ("fp16-mixed", 2)}
@@ -79,7 +79,7 @@ def test_the_dtypes_follow_the_programs_device_autocast_without_a_gpu():
     """CPU and CUDA autocast keep different op lists: CUDA's layer_norm and softmax write fp32,
     CPU's write bf16; a matmul writes bf16 on both, and bf16 + fp32 promotes to fp32. The CUDA
     answer comes from autocast's own CUDA kernels, run on fake tensors on this GPU-less machine."""
-    from partitioner.trace import trace
+    from partitioner.frontend.trace import trace
 
     traced = trace(_NormThenLinear(), (torch.randn(4, 8),))
     gm = traced.gm

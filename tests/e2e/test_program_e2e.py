@@ -1,7 +1,7 @@
 """Compiled plans, run as generated programs under torchrun (gloo), against one-process training.
 
 The oracle is always the unpartitioned model trained in this process with the same data, loss,
-optimizer and microbatch split (runtime.reference.train_reference).
+optimizer and microbatch split (runtime.execute.reference.train_reference).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import torch
 import torch.nn as nn
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
 from _programs import STEPS, compile_to
 from _shared_launch import Job, prepare
-from partitioner.verify import read_program_run
-from partitioner.workload import Workload
-from runtime import data
-from runtime.program import Program
-from runtime.reference import train_reference
-from runtime.torchrun import run_env, torchrun_command
+from partitioner.inspect.verify import read_program_run
+from partitioner.frontend.workload import Workload
+from runtime.data import synthetic as data
+from runtime.program.spec import Program
+from runtime.execute.reference import train_reference
+from runtime.launch.torchrun import run_env, torchrun_command
 
 
 
@@ -55,8 +55,8 @@ def long_skip_workload() -> Workload:
         model=LongSkip(), example_args=(torch.zeros(2, 8),), loss_fn=data.mse_loss,
         make_batch=functools.partial(data.regression_batch, features=8, outputs=4, seed=0),
         name="long-skip",
-        source={"make_batch": ("runtime.data:regression_batch", {"features": 8, "outputs": 4, "seed": 0}),
-                "loss_fn": ("runtime.data:mse_loss", {})},
+        source={"make_batch": ("runtime.data.synthetic:regression_batch", {"features": 8, "outputs": 4, "seed": 0}),
+                "loss_fn": ("runtime.data.synthetic:mse_loss", {})},
     )
 
 
@@ -129,7 +129,7 @@ def _as_compiled(folders, to: Path) -> Path:
 
 
 def test_every_run_ends_with_predicted_and_measured_step_time(folders):
-    """Note [step time summary] in runtime/train.py: the plan's figure reaches the program and the
+    """Note [step time summary] in runtime/execute/train.py: the plan's figure reaches the program and the
     run prints and records it beside the median it measured (values never asserted: wall clock)."""
     root, made = folders
     for name in ("gpt_2stage", "gpt_2x2"):
@@ -220,7 +220,7 @@ def test_two_compiles_give_byte_identical_folders(folders, tmp_path):
 
 def test_edited_folder_is_refused(folders, tmp_path):
     from partitioner.errors import PlanMismatchError
-    from runtime.program import load_program
+    from runtime.program.spec import load_program
 
     folder = _as_compiled(folders, tmp_path / "prog")
     stage = folder / "stage_1.py"

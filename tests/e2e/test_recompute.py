@@ -1,5 +1,5 @@
 """Regions the plan recomputes run under activation checkpointing (partitioner/codegen/recompute.py,
-runtime/recompute.py), on devices whose memory makes the solver choose it.
+runtime/execute/recompute.py), on devices whose memory makes the solver choose it.
 
 The twin of every recompute folder is the same plan with no region recomputed ("plain"): same
 weights, same seeds, same stage boundaries; only the checkpointing differs.
@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import partitioner
-from runtime.torchrun import RUN_MANY, run_env, torchrun_command
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
-from partitioner.verify import check_run
-from runtime.stage import build_stage
+from tests.drivers import RUN_MANY
+from runtime.launch.torchrun import run_env, torchrun_command
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
+from partitioner.inspect.verify import check_run
+from runtime.execute.stage import build_stage
 
 STEPS = 3
 
@@ -63,7 +64,7 @@ def forward_backward(folder: Path, stage: int, inputs, seed: int):
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     try:  # keyed randomness, where the branch has it (Note [recompute draws the same randomness])
-        from runtime import randomness
+        from runtime.execute import randomness
     except ImportError:
         return
     if hasattr(randomness, "set_context"):
@@ -95,7 +96,7 @@ def test_recomputed_stage_gives_the_plain_stage_gradients_and_saves_less(dropout
 def test_recompute_without_the_randomness_context_would_draw_other_masks(dropout_pair, monkeypatch):
     """The check above can fail: with the forward's randomness context not made current again for
     the rerun, the recompute's masks differ."""
-    import runtime.recompute as rc
+    import runtime.execute.recompute as rc
 
     _, recompute, plain = dropout_pair
     monkeypatch.setattr(rc, "_replay", lambda fn, context, *args: fn(*args))
@@ -117,8 +118,8 @@ def test_stage_file_says_what_it_recomputes_and_why(dropout_pair):
     assert "The plan chose it because memory binds on this stage's device" in words and "capacity" in words
     compile(text, "stage_0.py", "exec")
     imports = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))}
-    # `from runtime import randomness`: the model has dropout, drawn keyed (runtime/randomness.py)
-    assert imports == {"torch", "runtime.recompute", "runtime"}
+    # `from runtime.execute import randomness`: the model has dropout, drawn keyed (runtime/execute/randomness.py)
+    assert imports == {"torch", "runtime.execute.recompute", "runtime"}
     # Checkpoints stay keyed by original names: the stage holds the same parameters as the plain one.
     for k in range(plan.num_stages):
         names = lambda folder: [n for n, _ in build_stage(str(folder), k).named_parameters()]  # noqa: E731
@@ -127,7 +128,7 @@ def test_stage_file_says_what_it_recomputes_and_why(dropout_pair):
 
 def test_plan_that_fits_only_through_recompute_runs_within_capacity(tmp_path):
     """Devices of 1.3 MB: stage 0 needs ~1.6 MB unless it recomputes. Both programs train in one
-    torchrun launch with peak memory measured per rank (runtime/memory.py)."""
+    torchrun launch with peak memory measured per rank (runtime/observe/memory.py)."""
     capacity = 1_300_000
     plan, recompute, plain = compile_pair(tmp_path, gpt(layers=4, width=32, heads=2, vocab=64, seq=64),
                                           memory_bytes=capacity)

@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from runtime.pipeline_schedules import schedule_named
-from partitioner.workload import Workload
-from runtime import data
-from runtime.program import Program
+from partitioner.config.cluster import ClusterSpec
+from runtime.execute.pipeline_schedules import schedule_named
+from partitioner.frontend.workload import Workload
+from runtime.data import synthetic as data
+from runtime.program.spec import Program
 from _shared_launch import Job, prepare
 
 
@@ -38,8 +38,8 @@ def users_workload(batch: int) -> Workload:
         model=UsersNet(), example_args=(torch.zeros(batch, 6),), loss_fn=data.mse_loss,
         make_batch=functools.partial(data.regression_batch, features=6, outputs=3, seed=0),
         name="users-net",
-        source={"make_batch": ("runtime.data:regression_batch", {"features": 6, "outputs": 3, "seed": 0}),
-                "loss_fn": ("runtime.data:mse_loss", {})},
+        source={"make_batch": ("runtime.data.synthetic:regression_batch", {"features": 6, "outputs": 3, "seed": 0}),
+                "loss_fn": ("runtime.data.synthetic:mse_loss", {})},
     )
 
 

@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from partitioner.verify import check_run
-from partitioner.workload import Workload
-from runtime import data
+from partitioner.inspect.verify import check_run
+from partitioner.frontend.workload import Workload
+from runtime.data import synthetic as data
 
 VOCAB, SEQ = 32, 6
 RECURRENT = {"gru": nn.GRU, "lstm": nn.LSTM, "rnn": nn.RNN}
@@ -46,7 +46,7 @@ def recurrent_workload(kind: str, **options) -> Workload:
         model=RecurrentLM(kind, **options), example_args=data.token_batch(0, 2, **batch)[0],
         loss_fn=data.causal_lm_loss, make_batch=lambda step, size: data.token_batch(step, size, **batch),
         name=f"{kind}-lm",
-        source={"make_batch": ("runtime.data:token_batch", batch), "loss_fn": ("runtime.data:causal_lm_loss", {})})
+        source={"make_batch": ("runtime.data.synthetic:token_batch", batch), "loss_fn": ("runtime.data.synthetic:causal_lm_loss", {})})
 
 
 # kind -> (stages, dp): a pipeline cut before or after the recurrent op, and a data-parallel copy
@@ -78,7 +78,7 @@ def test_recurrent_dropout_between_layers_is_refused_with_the_fix_and_a_single_l
     """A 2-layer GRU with dropout 0.1 draws inside the fused op (no key): refused at compile time,
     naming the node, the module and the fix. One layer never drops (nn.GRU warns): it compiles."""
     import partitioner
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
 
     cluster = ClusterSpec.homogeneous(1, "cpu")
     with pytest.raises(ValueError) as info:
@@ -95,7 +95,7 @@ def test_a_recurrent_layer_is_never_planned_on_a_tensor_group():
     """Note [no fused recurrent ops on a tensor group] holds: DTensor cannot run the fused op, so --tp 2
     is refused at compile time, and the search without --tp keeps tp 1."""
     import partitioner
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
 
     cluster = ClusterSpec.homogeneous(2, "cpu")
     with pytest.raises(ValueError, match=r"tensor_parallel=2: node 'gru' calls aten.gru.input in module `rnn`.*--tp 1"):

@@ -1,5 +1,5 @@
 """Tensor parallelism in the generated program (Note [tensor-parallel stages] in
-runtime/tensor_parallel.py), trained under torchrun (gloo) against the one-process oracle:
+runtime/parallel/tensor_parallel.py), trained under torchrun (gloo) against the one-process oracle:
 tp 2 (2 ranks), tp 2 x pp 2 (4 ranks, clipped) and tp 2 x dp 2 (4 ranks: the replicas' gradient
 all-reduce and digests on each tensor index's pieces), with keyed attention dropout on sharded heads and with
 GPT-2's tied embedding (a vocab-split tie across two stages), and checkpoints written at tp 2
@@ -21,11 +21,11 @@ import torch
 
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from partitioner.models import gpt, hf_gpt2, hf_llama
-from partitioner.verify import check_run, read_program_run, train_oracle
-from runtime.checkpoint.load import read_shard
-from runtime.checkpoint.manifest import read_manifest
-from runtime.program import load_program
+from partitioner.models.builtin import gpt, hf_gpt2, hf_llama
+from partitioner.inspect.verify import check_run, read_program_run, train_oracle
+from runtime.resilience.checkpoint.load import read_shard
+from runtime.resilience.checkpoint.manifest import read_manifest
+from runtime.program.spec import load_program
 
 
 def llama():
@@ -87,7 +87,7 @@ def runs(shared_launches):
 
 
 # --- tp with mixed precision and with ZeRO-1 (Notes [tensor parallelism under autocast] in
-# runtime/tensor_parallel.py, [what tensor parallelism runs with] in partitioner/tensor_parallel.py)
+# runtime/parallel/tensor_parallel.py, [what tensor parallelism runs with] in partitioner/frontend/tp_support.py)
 
 MIXED = ("bf16-mixed", "fp16-mixed")
 
@@ -122,7 +122,7 @@ def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, pre
     report = check_run(folder, run, workload=llama())
     assert report.precision == precision and report.ok, report.text()
     if precision == "fp16-mixed":
-        from runtime.reference import train_reference_from_folder
+        from runtime.execute.reference import train_reference_from_folder
 
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         oracle_skipped: list[bool] = []
@@ -131,7 +131,7 @@ def test_tensor_parallel_trains_like_one_process_under_mixed_precision(runs, pre
 
 
 def test_measure_memory_reports_a_peak_per_rank_of_a_tensor_parallel_program(runs):
-    """--measure-memory on tp 2 (Note [a DTensor's bytes] in runtime/memory.py): each rank counts
+    """--measure-memory on tp 2 (Note [a DTensor's bytes] in runtime/observe/memory.py): each rank counts
     its DTensors' local shards, writes its peak and trains as it does unmeasured."""
     root, plans = runs
     rows = [json.loads((root / "run_mem" / f"memory_rank_{r}.json").read_text()) for r in (0, 1)]
@@ -143,7 +143,7 @@ def test_measure_memory_reports_a_peak_per_rank_of_a_tensor_parallel_program(run
 
 
 def test_a_flipped_bit_on_a_tensor_parallel_rank_is_found_and_rolled_back_without_a_hang(runs):
-    """--flip-bit on tp 2 x dp 2 (Note [a flip without a collective] in runtime/faults.py): rank 1
+    """--flip-bit on tp 2 x dp 2 (Note [a flip without a collective] in runtime/resilience/faults.py): rank 1
     flips its local piece of the vocab-split embedding (no collective on one rank: no hang); its
     replica group (ranks 1 and 3, tensor index 1) disagrees after the step, the job rolls back to
     the checkpoint of step 2 and ends bit for bit where the clean run (run_g) ends."""
@@ -190,7 +190,7 @@ def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
     assert report.oracle == "unpartitioned traced graph (keyed randomness)"
     assert report.ok, report.text()
     if name == "tp2pp2":
-        from partitioner.verify import read_grad_norms
+        from partitioner.inspect.verify import read_grad_norms
 
         assert plans[name].training.clip_grad_norm == 0.05 < min(read_grad_norms(root / run))
 

@@ -1,11 +1,11 @@
-"""User code travels with the program folder (Note [user code travels] in partitioner/user_source.py):
+"""User code travels with the program folder (Note [user code travels] in partitioner/frontend/user_source.py):
 a model file that imports its sibling modules (and a package of the same folder), and a model file
 that defines a torch.library custom op with its own backward, each compiled with the `partitioner`
 command in the user's folder, trained 2 steps on 2 ranks in the session's shared launch (Note
 [shared launches] in tests/_shared_launch.py) and verified against the one-process oracle. Both
 model files are called my_model.py, with a sibling my_blocks.py each: the two programs train one after
 the other in the same workers, each importing its own copies (Note [one user root] in
-runtime/user_code.py). What cannot travel is refused at compile time in one line with the fix.
+runtime/program/user_code.py). What cannot travel is refused at compile time in one line with the fix.
 
 The model files are tests/own_model/siblings/ and tests/own_model/custom_op/, copied into temporary
 folders that are no package and not on sys.path, as a user's would be.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from _shared_launch import Job, prepare
-from partitioner.verify import check_run
+from partitioner.inspect.verify import check_run
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
 # The command a user types (its sys.path holds neither the current directory nor the model's folder);
@@ -88,7 +88,7 @@ def test_a_custom_op_defined_in_the_model_file_is_imported_from_the_copy_and_tra
 
 def test_an_edited_copied_sibling_is_refused(travelled, tmp_path):
     from partitioner.errors import PlanMismatchError
-    from runtime.program import load_program
+    from runtime.program.spec import load_program
 
     folder = tmp_path / "prog"
     shutil.copytree(travelled / "siblings" / "out", folder)

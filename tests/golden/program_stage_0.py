@@ -6,7 +6,7 @@ point at the model's source lines. Do not edit: the runtime checks every file ag
 sha256 listed in plan.json.
 """
 import torch
-from runtime import randomness
+from runtime.execute import randomness
 
 PARAMETERS = [
     "tok_emb.weight",
@@ -33,56 +33,56 @@ OUTPUTS = ["blocks_0_out"]
 
 
 class Stage0(torch.nn.Module):
-    """Holds no parameters of its own: runtime.stage registers PARAMETERS under their original names."""
+    """Holds no parameters of its own: runtime.execute.stage registers PARAMETERS under their original names."""
 
     def forward(self, tokens):
         # tokens: i64[2, 16], the model's input
 
-        # partitioner/models.py:101: positions = torch.arange(tokens.shape[1], device=tokens.device)
+        # partitioner/models/builtin.py:101: positions = torch.arange(tokens.shape[1], device=tokens.device)
         arange = torch.ops.aten.arange.default(16, pin_memory=False)
 
-        # partitioner/models.py:102: x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        # partitioner/models/builtin.py:102: x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         embedding = torch.ops.aten.embedding.default(self.tok_emb.weight, tokens)
         embedding_1 = torch.ops.aten.embedding.default(self.pos_emb.weight, arange)
         add = torch.ops.aten.add.Tensor(embedding, embedding_1)
         dropout = randomness.dropout(add, 0.1, True, op='dropout', batch_dim=0)
         del arange, embedding, embedding_1, add
 
-        # blocks.0.ln_1 (partitioner/models.py:81): x = x + self.attn(self.ln_1(x))
+        # blocks.0.ln_1 (partitioner/models/builtin.py:81): x = x + self.attn(self.ln_1(x))
         layer_norm = torch.ops.aten.layer_norm.default(dropout, [32], getattr(self.blocks, "0").ln_1.weight, getattr(self.blocks, "0").ln_1.bias, 1e-05, False)
 
-        # blocks.0.attn (partitioner/models.py:48): per_head = self.qkv(x).view(batch, seq, self.heads, 3 * (width // self.heads))
+        # blocks.0.attn (partitioner/models/builtin.py:48): per_head = self.qkv(x).view(batch, seq, self.heads, 3 * (width // self.heads))
         linear = torch.ops.aten.linear.default(layer_norm, getattr(self.blocks, "0").attn.qkv.weight, getattr(self.blocks, "0").attn.qkv.bias)
         view = torch.ops.aten.view.default(linear, [2, 16, 2, 48])
 
-        # blocks.0.attn (partitioner/models.py:49): q, k, v = (t.transpose(1, 2) for t in per_head.split(width // self.heads, dim=3))
+        # blocks.0.attn (partitioner/models/builtin.py:49): q, k, v = (t.transpose(1, 2) for t in per_head.split(width // self.heads, dim=3))
         getitem, getitem_1, getitem_2 = torch.ops.aten.split.Tensor(view, 16, 3)
         transpose = torch.ops.aten.transpose.int(getitem, 1, 2)
         transpose_1 = torch.ops.aten.transpose.int(getitem_1, 1, 2)
         transpose_2 = torch.ops.aten.transpose.int(getitem_2, 1, 2)
 
-        # blocks.0.attn (partitioner/models.py:55): y = F.scaled_dot_product_attention(
+        # blocks.0.attn (partitioner/models/builtin.py:55): y = F.scaled_dot_product_attention(
         scaled_dot_product_attention = randomness.attention(transpose, transpose_1, transpose_2, None, 0.1, True, op='scaled_dot_product_attention', batch_dim=0)
 
-        # blocks.0.attn (partitioner/models.py:58): return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
+        # blocks.0.attn (partitioner/models/builtin.py:58): return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
         transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2)
         reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32])
         linear_1 = torch.ops.aten.linear.default(reshape, getattr(self.blocks, "0").attn.proj.weight, getattr(self.blocks, "0").attn.proj.bias)
         dropout_1 = randomness.dropout(linear_1, 0.1, True, op='dropout_1', batch_dim=0)
 
-        # blocks.0 (partitioner/models.py:81): x = x + self.attn(self.ln_1(x))
+        # blocks.0 (partitioner/models/builtin.py:81): x = x + self.attn(self.ln_1(x))
         add_1 = torch.ops.aten.add.Tensor(dropout, dropout_1)
 
-        # blocks.0.ln_2 (partitioner/models.py:82): return x + self.mlp(self.ln_2(x))
+        # blocks.0.ln_2 (partitioner/models/builtin.py:82): return x + self.mlp(self.ln_2(x))
         layer_norm_1 = torch.ops.aten.layer_norm.default(add_1, [32], getattr(self.blocks, "0").ln_2.weight, getattr(self.blocks, "0").ln_2.bias, 1e-05, False)
 
-        # blocks.0.mlp (partitioner/models.py:69): return self.drop(self.proj(F.gelu(self.fc(x))))
+        # blocks.0.mlp (partitioner/models/builtin.py:69): return self.drop(self.proj(F.gelu(self.fc(x))))
         linear_2 = torch.ops.aten.linear.default(layer_norm_1, getattr(self.blocks, "0").mlp.fc.weight, getattr(self.blocks, "0").mlp.fc.bias)
         gelu = torch.ops.aten.gelu.default(linear_2)
         linear_3 = torch.ops.aten.linear.default(gelu, getattr(self.blocks, "0").mlp.proj.weight, getattr(self.blocks, "0").mlp.proj.bias)
         dropout_2 = randomness.dropout(linear_3, 0.1, True, op='dropout_2', batch_dim=0)
 
-        # blocks.0 (partitioner/models.py:82): return x + self.mlp(self.ln_2(x))
+        # blocks.0 (partitioner/models/builtin.py:82): return x + self.mlp(self.ln_2(x))
         blocks_0_out = torch.ops.aten.add.Tensor(add_1, dropout_2)
 
         # blocks_0_out: f32[2, 16, 32], to stage 1

@@ -1,6 +1,6 @@
 """A model with a non-tensor keyword input, as a stranger writes it: `pool` picks how the sequence
 is pooled, and make_batch returns it in the batch dict next to the tensor. The trace bakes the
-value into the graph (Note [constant inputs] in runtime/data.py)."""
+value into the graph (Note [constant inputs] in runtime/data/synthetic.py)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -50,8 +50,8 @@ def test_nnls_never_returns_negative_coefficients():
 
 
 def _gpt_graph():
-    from partitioner.analysis import analyze
-    from partitioner.models import gpt
+    from partitioner.frontend.analysis import analyze
+    from partitioner.models.builtin import gpt
 
     workload = gpt(layers=2, width=32, heads=2, vocab=64, seq=16, batch=2)
     gm, _ = analyze(workload)
@@ -59,8 +59,8 @@ def _gpt_graph():
 
 
 def test_profile_round_trip_changes_region_times(tmp_path):
-    from partitioner.cluster import ClusterSpec
-    from partitioner.analysis import build_problem
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.analysis import build_problem
     from partitioner.solver.problem import region_times_s
 
     _workload, gm = _gpt_graph()

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import checkpoint as ck
-from runtime import memtier as mt
-from runtime.program import Program
+from runtime.resilience import checkpoint as ck
+from runtime.resilience import memtier as mt
+from runtime.program.spec import Program
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden")
 GOLDEN = os.path.join(GOLDEN_DIR, "checkpoint_format_1")
@@ -39,7 +39,7 @@ PROGRAM = Program.from_dict({
     "ranks": [{"rank": 0, "stages": [0], "replica": 0}],
     "stages": [{"index": 0, "module": "stage_0", "class": "Stage0", "params": ["layer.weight", "layer.bias"],
                 "mutable_buffers": ["norm.running_mean"], "inputs": [], "outputs": []}],
-    "data": {"make_batch": ["runtime.data:regression_batch", {}], "loss_fn": ["runtime.data:mse_loss", {}]},
+    "data": {"make_batch": ["runtime.data.synthetic:regression_batch", {}], "loss_fn": ["runtime.data.synthetic:mse_loss", {}]},
     "optimizer": {"name": "adamw", "lr": 0.1}})
 NEEDED = ["layer.weight", "layer.bias", "norm.running_mean"]
 

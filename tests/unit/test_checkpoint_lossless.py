@@ -1,4 +1,4 @@
-"""Lossless incremental checkpoints (Note [lossless deltas] in runtime/checkpoint/delta.py): the
+"""Lossless incremental checkpoints (Note [lossless deltas] in runtime/resilience/checkpoint/delta.py): the
 codec is bit-exact for every dtype; a chain of deltas restores every rank bit for bit and
 reshards; a chain whose base is missing or corrupt falls back like any corrupt checkpoint;
 retention keeps the bases a kept delta needs; SIGKILLs during a delta's persist leave the
@@ -14,11 +14,11 @@ import torch
 
 from _checkpoint_helpers import set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
-from runtime import checkpoint as ck
-from runtime.checkpoint.delta import decode_tensor, encode_tensor
-from runtime.checkpoint_drills import (FakeTrainer, count_commit, drill_writes, killed_commit, lossless_snaps,
+from runtime.resilience import checkpoint as ck
+from runtime.resilience.checkpoint.delta import decode_tensor, encode_tensor
+from tests.drivers.checkpoint_drills import (FakeTrainer, count_commit, drill_writes, killed_commit, lossless_snaps,
                                        newest_for_all, random_point, same_state, trainers_at)
-from runtime.program import load_program
+from runtime.program.spec import load_program
 
 FINGERPRINT = "mlp-8-32-32-32-4"
 

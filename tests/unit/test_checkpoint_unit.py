@@ -15,13 +15,13 @@ import torch
 
 from _checkpoint_helpers import assert_trains_identically, set_plan_fields, two_stage_mlp_folder
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
-from runtime import checkpoint as ck
-from runtime import faults
-from runtime.checkpoint_drills import FakeTrainer, count_commit, killed_commit, newest_for_all, random_point, same_state, trainers_at
+from runtime.resilience import checkpoint as ck
+from runtime.resilience import faults
+from tests.drivers.checkpoint_drills import FakeTrainer, count_commit, killed_commit, newest_for_all, random_point, same_state, trainers_at
 from runtime.errors import PlanMismatchError
-from runtime.program import load_program
-from runtime.recovery import agree_newest
-from runtime.train import keep_metrics_before
+from runtime.program.spec import load_program
+from runtime.resilience.recovery import agree_newest
+from runtime.execute.train import keep_metrics_before
 
 FINGERPRINT = "mlp-8-32-32-32-4"
 
@@ -197,14 +197,14 @@ def test_unwritable_checkpoint_dir_is_an_error_before_training(two_rank, tmp_pat
     with pytest.raises(ValueError, match="not writable"):
         ck.check_writable(bad)
     # the runtime refuses before it creates any process group or trains
-    import runtime.launch
+    import runtime.launch.rank
 
     saved_env = dict(os.environ)
     one = str(tmp_path / "one")
     mlp_folder(one, splits=[[0, 1, 2, 3]], ranks=[([0], 0)])
     try:
         with pytest.raises(ValueError, match="not writable"):
-            runtime.launch.main(one, argv=["--checkpoint-dir", bad], exit_on_error=False)
+            runtime.launch.rank.main(one, argv=["--checkpoint-dir", bad], exit_on_error=False)
     finally:
         os.environ.clear()
         os.environ.update(saved_env)

@@ -1,5 +1,5 @@
 """Each byte of replicated state is written once (Note [one writer per byte] in
-runtime/checkpoint/writers.py): the assignment (one writer per name per data-parallel group,
+runtime/resilience/checkpoint/writers.py): the assignment (one writer per name per data-parallel group,
 spread evenly), and a 2-stage x dp 3 checkpoint written that way that resumes on every rank,
 reshards to other partitions, is what `inspect --checkpoints` reads, and falls back when a shard
 another rank relies on is corrupt."""
@@ -13,10 +13,10 @@ import torch
 
 from _checkpoint_helpers import assert_trains_identically, set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
-from runtime import checkpoint as ck
-from runtime.checkpoint.writers import assign_writers, balance, write_cost, writes_of_ranks
-from runtime.checkpoint_drills import FakeTrainer, trainers_at
-from runtime.program import load_program
+from runtime.resilience import checkpoint as ck
+from runtime.resilience.checkpoint.writers import assign_writers, balance, write_cost, writes_of_ranks
+from tests.drivers.checkpoint_drills import FakeTrainer, trainers_at
+from runtime.program.spec import load_program
 
 FINGERPRINT = "mlp-8-32-32-32-4"
 

@@ -14,9 +14,9 @@ import pytest
 from _checkpoint_helpers import set_plan_fields
 from _runtime_folders import mlp_folder
 from partitioner.cli import build_parser, main
-from runtime import checkpoint as ck
-from runtime.checkpoint_drills import trainers_at
-from runtime.program import load_program
+from runtime.resilience import checkpoint as ck
+from tests.drivers.checkpoint_drills import trainers_at
+from runtime.program.spec import load_program
 
 FINGERPRINT = "mlp-8-32-32-32-4"
 
@@ -152,7 +152,7 @@ def test_terminal_progress_overwrites_one_line_per_step(monkeypatch):
 
 
 def test_solver_reports_candidates_incumbent_and_bound():
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
     from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, solve
 
     regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, 1000, 1000, 6000, 100, 10) for i in range(4))
@@ -172,8 +172,8 @@ def test_solver_reports_candidates_incumbent_and_bound():
 # --- run --quiet -----------------------------------------------------------------------------------
 
 def test_run_quiet_reaches_train_py():
-    from runtime.launch import parse_args
-    from runtime.run_options import RunOptions
+    from runtime.launch.rank import parse_args
+    from runtime.launch.run_options import RunOptions
 
     args = build_parser().parse_args(["run", "out", "--quiet", "--log-every", "5"])
     options = RunOptions.from_namespace(args)

@@ -1,6 +1,6 @@
 import pytest
 
-from partitioner.cluster import DEVICE_PRESETS, GIB, ClusterSpec, DeviceSpec, LinkSpec
+from partitioner.config.cluster import DEVICE_PRESETS, GIB, ClusterSpec, DeviceSpec, LinkSpec
 
 
 def test_presets_cover_the_named_kinds():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from _programs import compile_to
-from partitioner.models import gpt, hf_llama
-from runtime.program import load_program
-from runtime.stage import build_stage
+from partitioner.models.builtin import gpt, hf_llama
+from runtime.program.spec import load_program
+from runtime.execute.stage import build_stage
 
 
 def test_meta_model_ranks_draw_the_same_weights_under_any_partition(tmp_path):

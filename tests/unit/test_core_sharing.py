@@ -3,7 +3,7 @@ the factor, its effect on the prediction, and the ILP, the checker and the chain
 
 import pytest
 
-from partitioner.cluster import CPU_MICROBATCH_OVERHEAD_S, ClusterSpec
+from partitioner.config.cluster import CPU_MICROBATCH_OVERHEAD_S, ClusterSpec
 from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, solve, solve_chain_dp
 from partitioner.solver.problem import core_sharing_factor, place_stages
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
-from partitioner.job import load_job, training_settings
+from partitioner.config.cluster import ClusterSpec
+from partitioner.config.job import load_job, training_settings
 from runtime.python_version import check_python
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def _block(after_heading: str, lang: str) -> str:
 
 def test_use_it_opens_with_the_own_model_file_the_tests_run():
     use_it = README[README.index("## Use it"):]
-    assert use_it.index("```python\n" + (REPO / "tests/own_model/my_model.py").read_text()) < use_it.index("from partitioner.models")
+    assert use_it.index("```python\n" + (REPO / "tests/own_model/my_model.py").read_text()) < use_it.index("from partitioner.models.builtin")
 
 
 def test_the_job_file_example_loads(tmp_path):
@@ -89,13 +89,13 @@ def key_readers(constant: str, writer: str) -> set[str]:
 
 def table_problems(rows, value_types, writers, constants, readers_of) -> list[str]:
     problems = [f"§4 has no row for {key}" for key in value_types if key not in rows]
-    problems += [f"§4 lists {key}, which partitioner/ir.py does not define" for key in rows if key not in value_types]
+    problems += [f"§4 lists {key}, which passes/ir.py does not define" for key in rows if key not in value_types]
     for key, (writer, readers) in rows.items():
         if key not in value_types:
             continue
         want = writers[key].rsplit(".", 1)[0].replace(".", "/")
         if writer != want:
-            problems.append(f"§4: {key}'s writer is {want} (partitioner/ir.py WRITER), not {writer}")
+            problems.append(f"§4: {key}'s writer is {want} (passes/ir.py WRITER), not {writer}")
         actual = readers_of(constants[key], want)
         if readers != actual:
             problems.append(f"§4: {key}'s readers are {sorted(actual)}, not {sorted(readers)}")
@@ -103,18 +103,18 @@ def table_problems(rows, value_types, writers, constants, readers_of) -> list[st
 
 
 def test_the_metadata_table_is_the_contract():
-    from partitioner import ir
+    from passes import ir
 
     constants = {value: name for name, value in vars(ir).items() if isinstance(value, str) and value in ir.VALUE_TYPES}
     problems = table_problems(metadata_rows(_section(4)), ir.VALUE_TYPES, ir.WRITER, constants, key_readers)
     assert not problems, "\n".join(problems)
     # the check can fail: a stale row, a wrong writer, a missing reader
     stale = {**metadata_rows(_section(4)), "partitioner.stage": ("partitioner/codegen", {"partitioner/codegen"})}
-    assert "§4 lists partitioner.stage, which partitioner/ir.py does not define" in table_problems(
+    assert "§4 lists partitioner.stage, which passes/ir.py does not define" in table_problems(
         stale, ir.VALUE_TYPES, ir.WRITER, constants, lambda constant, writer: set())
     assert table_problems({"k": ("passes/x", {"a"})}, {"k": object}, {"k": "passes.y.run"}, {"k": "K"},
                           lambda constant, writer: {"a", "b"}) == [
-        "§4: k's writer is passes/y (partitioner/ir.py WRITER), not passes/x", "§4: k's readers are ['a', 'b'], not ['a']"]
+        "§4: k's writer is passes/y (passes/ir.py WRITER), not passes/x", "§4: k's readers are ['a', 'b'], not ['a']"]
 
 
 def test_the_layout_names_every_module():

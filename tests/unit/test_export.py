@@ -1,4 +1,4 @@
-"""`partitioner export` on a model that is not a Hugging Face one (partitioner/export.py), in one
+"""`partitioner export` on a model that is not a Hugging Face one (partitioner/models/export.py), in one
 process: a 2-stage MLP's committed checkpoint, consolidated by original names; what TARGET may be;
 refusals that leave nothing behind. (The Hugging Face round trip: tests/e2e/test_hf_in_out.py.)"""
 
@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 from _checkpoint_helpers import two_stage_mlp_folder
 from _runtime_folders import one_thread  # noqa: F401
 from partitioner.cli.commands import main as cli
-from partitioner.export import export
-from runtime import checkpoint as ck
-from runtime.checkpoint_drills import trainers_at
+from partitioner.models.export import export
+from runtime.resilience import checkpoint as ck
+from tests.drivers.checkpoint_drills import trainers_at
 from runtime.errors import PlanMismatchError
-from runtime.program import load_program
+from runtime.program.spec import load_program
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ fitting shown as not fitting (Note [fair baselines] in partitioner/solver/fair_b
 import sys
 from pathlib import Path
 
-from partitioner.cluster import GIB, ClusterSpec
+from partitioner.config.cluster import GIB, ClusterSpec
 from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate_baselines, solve
 from partitioner.solver.baselines import proportional_counts, uniform_split
 from partitioner.solver.fair_baselines import hand_placement

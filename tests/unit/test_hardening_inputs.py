@@ -13,8 +13,8 @@ import pytest
 
 import partitioner
 from partitioner.cli import main
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +101,12 @@ def test_builtin_arguments_are_checked_before_building(capsys, tmp_path, spec, n
 # --- compile: --stages / --dp beyond the devices, before tracing ------------------------------
 
 def test_stages_beyond_the_devices_is_refused_before_tracing(capsys, tmp_path, monkeypatch):
-    import partitioner.analysis
+    import partitioner.frontend.analysis
 
     def no_trace(*_a, **_k):
         raise AssertionError("traced before checking --stages")
 
-    monkeypatch.setattr(partitioner.analysis, "trace", no_trace)
+    monkeypatch.setattr(partitioner.frontend.analysis, "trace", no_trace)
     monkeypatch.setattr("partitioner.compiler.trace_keyed", no_trace)
     one_line_error(capsys, ["compile", "gpt", "-o", tmp_path / "o", "--devices", "2", "--stages", "3", "-q"],
                    "num_stages=3 (--stages)", "cluster has 2", "--stages 2")
@@ -162,7 +162,7 @@ def test_a_failed_trace_prints_one_line_and_restores_logging(capfd, tmp_path, mo
     (tmp_path / "vdmodel.py").write_text(textwrap.dedent("""
         import torch, torch.nn as nn
         from partitioner import Workload
-        from runtime import data
+        from runtime.data import synthetic as data
 
         class VD(nn.Module):
             def __init__(self):
@@ -191,7 +191,7 @@ def test_a_failed_trace_prints_one_line_and_restores_logging(capfd, tmp_path, mo
 
 @pytest.fixture()
 def one_rank(tmp_path, monkeypatch):
-    from runtime.torchrun import free_port
+    from runtime.launch.torchrun import free_port
 
     out = tmp_path / "one"
     assert main(["compile", "mlp", "-o", str(out), "--devices", "1", "-q"]) == 0
@@ -206,7 +206,7 @@ def one_rank(tmp_path, monkeypatch):
 
 
 def test_resume_beyond_steps_is_refused_at_start_up(one_rank, capsys):
-    from runtime import launch
+    from runtime.launch import rank as launch
 
     launch.main(str(one_rank), 0, steps=4, exit_on_error=False, argv=["--checkpoint-every", "2"])
     metrics = (one_rank / "run" / "metrics.jsonl").read_text()
@@ -225,7 +225,7 @@ GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] 
 
 
 def test_a_dead_peer_is_one_line_with_the_step_and_what_happens_next(monkeypatch, tmp_path):
-    from runtime import launch
+    from runtime.launch import rank as launch
 
     assert launch.peer_lost(RuntimeError(GLOO))
     assert not launch.peer_lost(RuntimeError("shape mismatch in stage 1"))
@@ -245,7 +245,7 @@ def test_a_dead_peer_is_one_line_with_the_step_and_what_happens_next(monkeypatch
 
 
 def test_a_dead_peer_prints_no_traceback(monkeypatch, capfd):
-    from runtime import launch
+    from runtime.launch import rank as launch
 
     def boom(*_a, **_k):
         raise RuntimeError(GLOO)
@@ -266,7 +266,7 @@ def test_a_dead_peer_prints_no_traceback(monkeypatch, capfd):
 def test_run_refuses_steps_below_the_newest_checkpoint_before_torchrun(one_rank, capsys, monkeypatch):
     import subprocess
 
-    from runtime import launch
+    from runtime.launch import rank as launch
 
     launch.main(str(one_rank), 0, steps=4, exit_on_error=False, argv=["--checkpoint-every", "2"])
     capsys.readouterr()

@@ -1,6 +1,6 @@
 """Issue 14: the network a run listens on, the integrity of the program folder, and the processes
-a run leaves behind (Note [loopback only], Note [process groups] in runtime/torchrun.py; Note
-[folder integrity] in runtime/program.py)."""
+a run leaves behind (Note [loopback only], Note [process groups] in runtime/launch/torchrun.py; Note
+[folder integrity] in runtime/program/spec.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import PlanMismatchError
-from runtime.program import load_program, seal_folder
-from runtime.torchrun import (listening_ports, loopback_interface, loopback_store, run_env, run_tree,
+from runtime.program.spec import load_program, seal_folder
+from runtime.launch.torchrun import (listening_ports, loopback_interface, loopback_store, run_env, run_tree,
                               torchrun_command)
 from _runtime_folders import REPO, child_env, mlp_folder
 
@@ -53,8 +53,8 @@ def test_the_loopback_store_listens_on_127_0_0_1_only():
 def test_a_single_host_worker_store_binds_loopback(monkeypatch):
     from datetime import timedelta
 
-    from runtime.launch import _worker_store
-    from runtime.torchrun import free_port
+    from runtime.launch.rank import _worker_store
+    from runtime.launch.torchrun import free_port
 
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -147,7 +147,7 @@ def test_the_compiler_and_the_test_folders_seal_with_one_writer(folder):
     assert after["files"] == before["files"] and after["program_hash"] == before["program_hash"]
     from partitioner.codegen import folder as codegen_folder
 
-    assert codegen_folder.seal_plan is __import__("runtime.program", fromlist=["x"]).seal_plan
+    assert codegen_folder.seal_plan is __import__("runtime.program.spec", fromlist=["x"]).seal_plan
 
 
 def test_train_py_does_not_import_from_the_program_folder(folder):
@@ -158,7 +158,7 @@ def test_train_py_does_not_import_from_the_program_folder(folder):
     seal_folder(str(folder))
     env = child_env()
     env.pop("PYTHONSAFEPATH", None)  # the files themselves must do it, however they are started
-    from runtime.torchrun import free_port
+    from runtime.launch.torchrun import free_port
 
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     done = subprocess.run([sys.executable, str(folder / "train.py"), "--steps", "1", "--no-checkpoint"],
@@ -228,7 +228,7 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
     mlp_folder(str(folder), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)], steps=50, timeout_s=300)
     driver = (
         "import sys\n"
-        "from runtime.torchrun import run_tree, torchrun_command, run_env, hosted_store\n"
+        "from runtime.launch.torchrun import run_tree, torchrun_command, run_env, hosted_store\n"
         f"with hosted_store() as port:\n"
         f"    cmd = torchrun_command({str(folder / 'train.py')!r}, 2, store_port=port,\n"
         "                           args=['--fail-at', '0:0:hang', '--no-checkpoint'])\n"
@@ -292,7 +292,7 @@ def test_verify_timeout_leaves_no_worker_behind(compiled, tmp_path):
     must stop it, not only the agent."""
     import shutil
 
-    from partitioner.verify import verify
+    from partitioner.inspect.verify import verify
 
     for timeout_s in TIMEOUTS_S:
         folder, entered = tmp_path / f"sleepy_{timeout_s}", tmp_path / f"entered_{timeout_s}"

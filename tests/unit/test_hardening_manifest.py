@@ -17,11 +17,11 @@ import torch
 from _checkpoint_helpers import two_stage_mlp_folder
 from _runtime_folders import one_thread  # noqa: F401
 from partitioner.inspect import checkpoints as listing
-from runtime import checkpoint as ck
-from runtime.checkpoint_drills import FakeTrainer, newest_for_all, trainers_at
+from runtime.resilience import checkpoint as ck
+from tests.drivers.checkpoint_drills import FakeTrainer, newest_for_all, trainers_at
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
-from runtime.program import load_program
-from runtime.recovery import agree_newest
+from runtime.program.spec import load_program
+from runtime.resilience.recovery import agree_newest
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def _debris(ckpt: str, step: int = 7) -> list[str]:
 def test_debris_is_cleaned_at_start_up_before_the_first_persist(two_rank, tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from runtime.checkpoint.persist import Checkpointer
+    from runtime.resilience.checkpoint.persist import Checkpointer
 
     ckpt = str(tmp_path / "ckpt")
     _two_checkpoints(two_rank, ckpt)

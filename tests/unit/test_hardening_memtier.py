@@ -1,5 +1,5 @@
 """Hardening of the memory tier's shared-memory folder (issue 14; Note [memory tier trust] in
-runtime/memtier/slots.py): the tier works only in a 0700 folder it creates inside --memory-dir and
+runtime/resilience/memtier/slots.py): the tier works only in a 0700 folder it creates inside --memory-dir and
 removes only that; planted folders, links and snapshots of another run are refused or ignored; a
 full /dev/shm turns the tier off with a warning instead of SIGBUS; stale folders go; a fresh
 checkpoint directory starts fresh; a one-host plan's settings work; a malformed slot fails before
@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from _checkpoint_helpers import set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
-from runtime import memtier as mt
-from runtime import recovery
-from runtime.checkpoint_drills import trainers_at
-from runtime.memtier import slots as slots_mod
-from runtime.memtier import tier as tier_mod
-from runtime.program_parts import MemoryTierPlan
-from runtime.run_options import RunOptions
+from runtime.resilience import memtier as mt
+from runtime.resilience import recovery
+from tests.drivers.checkpoint_drills import trainers_at
+from runtime.resilience.memtier import slots as slots_mod
+from runtime.resilience.memtier import tier as tier_mod
+from runtime.program.parts import MemoryTierPlan
+from runtime.launch.run_options import RunOptions
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`hf:` specs (partitioner/hf.py) and the own initialisation per rank (runtime/pretrained.py),
+"""`hf:` specs (partitioner/models/hf.py) and the own initialisation per rank (runtime/execute/pretrained.py),
 single process: tiny configs, a large one that stays on meta, a name in the local cache, errors."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from partitioner.models import load_workload
-from runtime import pretrained
+from partitioner.models.builtin import load_workload
+from runtime.execute import pretrained
 
 
 def _gpt2(folder, **extra):
@@ -54,7 +54,7 @@ def test_a_config_dir_builds_each_task(tmp_path):
     w = load_workload(f"hf:{_gpt2(tmp_path / 'g')},seq=8,batch=3")
     assert type(w.model).__name__ == "GPT2LMHeadModel" and w.example_args[0].shape == (3, 8)
     assert next(w.model.parameters()).device.type == "cpu"
-    assert w.source["init"][0] == "runtime.pretrained:hf_weights"
+    assert w.source["init"][0] == "runtime.execute.pretrained:hf_weights"
     (args, target) = w.make_batch(0, 3)
     with torch.no_grad():
         assert float(w.loss_fn(w.model(*args), target)) > 0
@@ -68,7 +68,7 @@ def test_a_config_dir_builds_each_task(tmp_path):
 
 
 def test_a_large_config_stays_on_meta(tmp_path):
-    from partitioner import hf, models
+    from partitioner.models import hf, builtin as models
 
     assert hf.META_THRESHOLD_BYTES == models.META_THRESHOLD_BYTES
     transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,

@@ -11,8 +11,8 @@ import pytest
 
 import partitioner
 from partitioner.cli import main
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
 from partitioner.plan import Plan
 
 

@@ -11,7 +11,7 @@ import pytest
 from partitioner.inspect.table import rank_ranges
 
 from partitioner import inspect as report
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.solver import problem as sp
 from partitioner.solver import serialize

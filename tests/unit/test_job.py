@@ -1,5 +1,5 @@
 """Training settings: defaults < job file < training= / flags, merged key by key, every key checked
-(Note [training settings merge] in partitioner/job.py)."""
+(Note [training settings merge] in partitioner/config/job.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from partitioner.job import DEFAULT_TRAINING, load_job, training_settings
-from partitioner.settings import TrainingSettings
-from runtime.program_parts import OptimizerSettings
+from partitioner.config.job import DEFAULT_TRAINING, load_job, training_settings
+from partitioner.config.settings import TrainingSettings
+from runtime.program.parts import OptimizerSettings
 
 
 def test_a_partial_optimizer_dict_keeps_the_other_defaults():
@@ -54,7 +54,7 @@ def test_unknown_keys_and_wrong_types_name_the_key(settings, words):
 
 def test_clip_grad_norm_is_a_training_setting():
     # One place for it (like precision): training["clip_grad_norm"], which becomes the program
-    # object's clip_grad_norm (runtime/program.py) that runtime/train.py clips with.
+    # object's clip_grad_norm (runtime/program/spec.py) that runtime/execute/train.py clips with.
     assert training_settings({"clip_grad_norm": 1.0}).clip_grad_norm == 1.0
     assert training_settings().clip_grad_norm is None
 

@@ -1,6 +1,6 @@
 """This machine's cpu profile (partitioner/calibrate/machine.py): the cache (keyed, refreshed,
 corrupt files measured again, atomic writes), what it replaces in a compile, --no-calibrate and
-PARTITIONER_NO_CALIBRATE, and the stage times a run writes (runtime/stage_times.py).
+PARTITIONER_NO_CALIBRATE, and the stage times a run writes (runtime/observe/stage_times.py).
 
 Measuring is replaced by a counter (``measured``) except in the one test that measures for real;
 no wall-clock figure is asserted."""
@@ -14,7 +14,7 @@ import pytest
 
 from _machine import fake_profile, other_machine
 from partitioner.calibrate import machine
-from partitioner.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec
+from partitioner.config.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_fit_of_the_gloo_timings():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from partitioner.models import gpt
+    from partitioner.models.builtin import gpt
 
     return gpt(layers=2, width=32, heads=2, vocab=64, seq=16)
 
@@ -257,7 +257,7 @@ def test_measuring_this_machine(cache):
     assert m.threads == 1 and m.measure_s > 0 and m.optimizer_s_per_param_byte > 0
 
 
-# ---- runtime/stage_times.py -------------------------------------------------------------------------
+# ---- runtime/observe/stage_times.py -------------------------------------------------------------------------
 
 class _Stage:
     def __init__(self, seconds):
@@ -271,7 +271,7 @@ class _Stage:
 
 
 def test_stage_times_sum_each_steps_calls_and_take_medians(tmp_path, monkeypatch):
-    from runtime import stage_times
+    from runtime.observe import stage_times
 
     clock = iter(range(10_000))
     monkeypatch.setattr(stage_times.time, "perf_counter", lambda: float(next(clock)))

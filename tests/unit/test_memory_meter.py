@@ -1,4 +1,4 @@
-"""The peak-memory meter (runtime/memory.py) on a tensor-parallel stage, without torchrun: one
+"""The peak-memory meter (runtime/observe/memory.py) on a tensor-parallel stage, without torchrun: one
 process plays rank 0 of a tensor group of 2 on torch's fake process group (as
 tests/unit/test_tp_traffic.py does), builds the program folder's stage as the runtime does
 (``build_stage``, ``shard_stages``: DTensor parameters) and measures one microbatch forward and
@@ -13,8 +13,8 @@ import subprocess
 import sys
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from partitioner.models import hf_llama
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import hf_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,11 +28,11 @@ def _measure(folder: str) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime.memory import PeakMemory
-    from runtime.program import Program, load_plan
-    from runtime.stage import build_stage
-    from runtime.tensor_parallel import shard_stages
-    from runtime.user_code import tensor_dtype
+    from runtime.observe.memory import PeakMemory
+    from runtime.program.spec import Program, load_plan
+    from runtime.execute.stage import build_stage
+    from runtime.parallel.tensor_parallel import shard_stages
+    from runtime.program.user_code import tensor_dtype
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

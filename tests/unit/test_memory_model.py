@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partitioner import ir
-from partitioner.cluster import GIB, ClusterSpec
+from passes import ir
+from partitioner.config.cluster import GIB, ClusterSpec
 from partitioner.solver import Assignment, Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, place_stages
 from partitioner.solver import solve_candidate
 from partitioner.solver.chain_dp import chain_lower_bound_s
@@ -195,11 +195,11 @@ def test_last_stage_carries_the_loss_and_a_real_stage_stays_under_its_prediction
     1F1B with one microbatch in flight, cross entropy, fused AdamW) and measure the live bytes:
     the plan's prediction must not be below it."""
     from partitioner.calibrate import LiveBytes
-    from partitioner.analysis import annotate, build_problem
+    from partitioner.frontend.analysis import annotate, build_problem
     from partitioner.codegen.split import split_graph
-    from partitioner.trace import trace
-    from runtime.data import causal_lm_loss
-    from runtime.train import make_optimizer
+    from partitioner.frontend.trace import trace
+    from runtime.data.synthetic import causal_lm_loss
+    from runtime.execute.train import make_optimizer
 
     torch.manual_seed(0)
     model, b, seq, m, p = _Tiny(), 2, 16, 4, 2

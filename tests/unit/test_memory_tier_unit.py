@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 
 from _checkpoint_helpers import assert_trains_identically, two_stage_mlp_folder
 from _runtime_folders import one_thread  # noqa: F401
-from runtime import checkpoint as ck
-from runtime import memtier as mt
-from runtime import recovery
-from runtime.checkpoint_drills import FakeTrainer, trainers_at
-from runtime.program import load_program
-from runtime.program_parts import MemoryTierPlan
-from runtime.run_options import RunOptions
+from runtime.resilience import checkpoint as ck
+from runtime.resilience import memtier as mt
+from runtime.resilience import recovery
+from tests.drivers.checkpoint_drills import FakeTrainer, trainers_at
+from runtime.program.spec import load_program
+from runtime.program.parts import MemoryTierPlan
+from runtime.launch.run_options import RunOptions
 
 
 @pytest.fixture(scope="module")

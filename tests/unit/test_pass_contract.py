@@ -1,5 +1,5 @@
-"""The passes' contract (docs/design.md §4, Note [one writer per key] in partitioner/ir.py), held on
-the product's own pass list: ``passes.PIPELINE``, which ``partitioner.analysis.annotate`` runs.
+"""The passes' contract (docs/design.md §4, Note [one writer per key] in passes/ir.py), held on
+the product's own pass list: ``passes.PIPELINE``, which ``partitioner.frontend.analysis.annotate`` runs.
 
 - every key a pass declares it reads was written by an earlier pass of the list;
 - running the list, every key of ours a pass reads or writes is one it declared.
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import passes
-from partitioner import ir, models
-from partitioner.analysis import annotate
-from partitioner.trace import trace
+from passes import ir
+from partitioner.models import builtin as models
+from partitioner.frontend.analysis import annotate
+from partitioner.frontend.trace import trace
 
 OURS = frozenset(ir.VALUE_TYPES)
 

@@ -17,8 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import passes
-from partitioner import ir, models
-from partitioner.trace import trace
+from passes import ir
+from partitioner.models import builtin as models
+from partitioner.frontend.trace import trace
 from passes.memory import annotate_memory
 
 TINY = dict(layers=2, width=32, heads=2, vocab=64, seq=16)

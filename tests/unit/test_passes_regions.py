@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 import passes
-from partitioner import ir, models
-from partitioner.trace import trace
+from passes import ir
+from partitioner.models import builtin as models
+from partitioner.frontend.trace import trace
 
 
 @functools.cache
@@ -219,8 +220,8 @@ def test_ordering_edges_do_not_change_the_optimum(key, stages):
     optimum with them an upper bound: equal optima prove the edges cost nothing here."""
     import dataclasses
 
-    from partitioner.analysis import build_problem
-    from partitioner.cluster import ClusterSpec
+    from partitioner.frontend.analysis import build_problem
+    from partitioner.config.cluster import ClusterSpec
     from partitioner.solver import Edge, SolverConfig, solve
 
     workload, gm = traced(key)

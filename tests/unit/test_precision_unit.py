@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from runtime.errors import CheckpointCorruptError
-from runtime.grad_norm import no_decay_names, param_groups
-from runtime.precision import LossScaler, Precision, cast_outputs, clip_coefficient, wrap_forward
-from runtime.zero import layout, piece_state
+from runtime.parallel.grad_norm import no_decay_names, param_groups
+from runtime.execute.precision import LossScaler, Precision, cast_outputs, clip_coefficient, wrap_forward
+from runtime.parallel.zero import layout, piece_state
 
 
 class Net(torch.nn.Module):
@@ -89,7 +89,7 @@ def test_piece_state_reshards_from_pieces_or_whole_state():
 
 
 def test_sharded_problem_divides_optimizer_state_and_precision_adds_weight_copies():
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
     from partitioner.solver.problem import Edge, PartitionProblem, RegionCost
     from partitioner.solver.zero_choice import sharded_problem
@@ -111,8 +111,8 @@ def test_sharded_problem_divides_optimizer_state_and_precision_adds_weight_copie
 def test_calibration_fits_the_plans_precision_and_a_mismatched_profile_is_refused():
     from partitioner import compile as compile_plan
     from partitioner.calibrate import CalibrationConfig
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import mlp
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import mlp
 
     cluster = ClusterSpec.homogeneous(2, "cpu")
     compiled = compile_plan(mlp(), cluster=cluster, global_batch=8, precision="bf16-mixed",
@@ -125,7 +125,7 @@ def test_calibration_fits_the_plans_precision_and_a_mismatched_profile_is_refuse
 
 
 def _annotated(workload):
-    from partitioner.analysis import annotate, trace_keyed
+    from partitioner.frontend.analysis import annotate, trace_keyed
 
     traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
     return annotate(traced, granularity="block", optimizer="adamw", loss_outside_graph=True)

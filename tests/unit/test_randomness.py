@@ -1,4 +1,4 @@
-"""Randomness keyed by meaning (Note [randomness keyed by meaning] in runtime/randomness.py), in one
+"""Randomness keyed by meaning (Note [randomness keyed by meaning] in runtime/execute/randomness.py), in one
 process: the keyed draws are functions of (seed, step, sample or microbatch, op) alone, a
 microbatch split draws the whole batch's rows, capture/restored replays a context, and the lowering
 keys every random node of a traced model."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partitioner.models import gpt
+from partitioner.models.builtin import gpt
 from partitioner.codegen.randomness import keyed_graph, lower_randomness
-from partitioner.trace import trace
-from runtime import randomness
+from partitioner.frontend.trace import trace
+from runtime.execute import randomness
 
 X = torch.ones(4, 3, 5)
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from partitioner.cluster import DEVICE_PRESETS, ClusterSpec
+from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec
 from partitioner.solver import (Assignment, Edge, PartitionProblem, RegionCost, SolverConfig, evaluate,
                                 place_stages, solve_candidate)
 from partitioner.solver.bounds import candidate_lower_bound_s
@@ -96,12 +96,12 @@ def test_ilp_matches_brute_force_with_a_large_fixed_term(seed):
 
 
 def test_calibration_measures_the_fixed_term_and_the_profile_carries_it(tmp_path):
-    """calibrate's region rows time the region under runtime.recompute.checkpointed too; the fit
+    """calibrate's region rows time the region under runtime.execute.recompute.checkpointed too; the fit
     is the median of (extra - fitted forward) floored at 0; the profile file keeps it and
     ``apply_profiles`` hands it to the problem, where it wins over the preset."""
     import partitioner.calibrate as cal
-    from partitioner.analysis import analyze, build_problem
-    from partitioner.models import gpt
+    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.models.builtin import gpt
 
     workload = gpt(layers=1, width=16, heads=2, vocab=32, seq=8, batch=2)
     gm, _ = analyze(workload)

@@ -1,4 +1,4 @@
-"""One flag table for `partitioner run` and train.py (Note [one flag table] in runtime/run_options.py):
+"""One flag table for `partitioner run` and train.py (Note [one flag table] in runtime/launch/run_options.py):
 an unknown flag is refused by both, naming the nearest known one; a bad value is refused by both alike."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from partitioner.cli import main
-from runtime.run_options import FLAGS, FlagError, RunOptions
-from runtime.torchrun import run_env
+from runtime.launch.run_options import FLAGS, FlagError, RunOptions
+from runtime.launch.torchrun import run_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

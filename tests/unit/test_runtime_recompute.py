@@ -1,11 +1,11 @@
-"""runtime.recompute.checkpointed (Note [cheap checkpointing]): the same outputs and gradients as the
+"""runtime.execute.recompute.checkpointed (Note [cheap checkpointing]): the same outputs and gradients as the
 plain forward, on both of its paths, with keyed dropout drawing the same masks in the rerun."""
 
 import pytest
 import torch
 
-import runtime.recompute as rc
-from runtime import randomness
+import runtime.execute.recompute as rc
+from runtime.execute import randomness
 
 
 class Block(torch.nn.Module):

@@ -16,17 +16,17 @@ import torch
 from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # noqa: F401
                               one_thread,
                               read_final, read_metrics)
-from runtime.data import causal_lm_loss, token_batch
-from runtime.launch import LaunchError, main
+from runtime.data.synthetic import causal_lm_loss, token_batch
+from runtime.launch.rank import LaunchError, main
 from runtime.errors import PlanMismatchError
-from runtime.layout import Layout
-from runtime.program import Program, load_program
-from runtime.user_code import import_path
-from runtime.reference import train_reference, train_reference_from_folder
-from runtime.schedule import schedule_text, simulate
-from runtime.stage import StageFileError, build_stage
-from runtime.grad_sync import Groups, sync_gradients
-from runtime.train import lr_factor
+from runtime.program.layout import Layout
+from runtime.program.spec import Program, load_program
+from runtime.program.user_code import import_path
+from runtime.execute.reference import train_reference, train_reference_from_folder
+from runtime.execute.schedule import schedule_text, simulate
+from runtime.execute.stage import StageFileError, build_stage
+from runtime.parallel.grad_sync import Groups, sync_gradients
+from runtime.execute.train import lr_factor
 
 
 def test_build_stage_registers_original_names(tmp_path):
@@ -167,7 +167,7 @@ def test_rank_file_states_the_schedule_of_its_stages(tmp_path):
 def test_a_rank_file_that_disagrees_with_the_plan_is_refused_naming_both_values(tmp_path, monkeypatch):
     """A rank file resealed into plan.json's file map still has to state the program: the
     constants check refuses it."""
-    from runtime.program import seal_folder
+    from runtime.program.spec import seal_folder
 
     mlp_folder(str(tmp_path), splits=[[0, 1, 2, 3]], ranks=[([0], 0)], steps=1)
     path = tmp_path / "rank_0.py"
@@ -218,7 +218,7 @@ def test_one_rank_program_runs_in_process(tmp_path, monkeypatch):
         monkeypatch.setenv(key, "x")  # registers the key for restoration
         monkeypatch.delenv(key)
     losses = main(str(tmp_path), exit_on_error=False, argv=[])
-    from runtime.data import mse_loss, regression_batch
+    from runtime.data.synthetic import mse_loss, regression_batch
     want, state, _ = train_reference(model, functools.partial(regression_batch, features=8, outputs=4),
                                      mse_loss, OPTIMIZER, 16, 4, 2, 0)
     assert losses == pytest.approx(want, rel=1e-6)
@@ -231,7 +231,7 @@ def test_bucketed_allreduce_copies_back_every_tensor(tmp_path):
     """World of one (file rendezvous): the sum is the identity, so this checks bucketing."""
     import torch.distributed as dist
 
-    from runtime.grad_sync import allreduce_flat_
+    from runtime.parallel.grad_sync import allreduce_flat_
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:

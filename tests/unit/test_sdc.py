@@ -1,4 +1,4 @@
-"""Silent data corruption detection (Note [replica digests] in runtime/sdc.py), in one process:
+"""Silent data corruption detection (Note [replica digests] in runtime/resilience/sdc.py), in one process:
 every single flipped bit changes the digest, the odd replica is found by majority (and not
 guessed with two replicas), --flip-bit flips exactly one bit and refuses what it cannot do, and
 the check's cost in the cost model."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import faults
-from runtime.sdc import find_mismatches, tensor_digest
+from runtime.resilience import faults
+from runtime.resilience.sdc import find_mismatches, tensor_digest
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])

@@ -1,4 +1,4 @@
-"""The replica check as a plan setting (Note [replica digests] in runtime/sdc.py): ``sdc_every``
+"""The replica check as a plan setting (Note [replica digests] in runtime/resilience/sdc.py): ``sdc_every``
 is priced in the predicted step by ``evaluate`` (Note [cost model]; K = 0 removes the term), and
 travels compile -> plan.json -> the program object the generated program runs; `partitioner
 compile --sdc-every` and the job file set it, `inspect` says it."""
@@ -11,14 +11,14 @@ import pytest
 
 import partitioner
 from partitioner.cli import main
-from partitioner.cluster import ClusterSpec
-from partitioner.models import mlp
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import mlp
 from partitioner.plan import Plan
 from partitioner.solver import problem as sp
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.sdc_cost import DIGEST_BYTES_PER_S, default_every
-from runtime.program import load_program
-from runtime.sdc import DEFAULT_EVERY
+from runtime.program.spec import load_program
+from runtime.resilience.sdc import DEFAULT_EVERY
 
 
 def _problem_dp2():
@@ -72,7 +72,7 @@ def test_sdc_every_travels_from_compile_to_the_program_object(folders):
         body = json.loads((folders[name] / "plan.json").read_text())
         plan = Plan.load(folders[name])
         assert plan.decisions.sdc_every == k and body["program"]["sdc_every"] == k
-        assert load_program(str(folders[name])).sdc_every == k  # what runtime/launch.py runs
+        assert load_program(str(folders[name])).sdc_every == k  # what runtime/launch/rank.py runs
         cost[name] = plan.predicted["sdc_check_s_per_step"]
         assert load_program(str(folders[name])).predicted_step_time_s == plan.predicted["step_time_s"]
     assert cost["off"] == 0.0 and cost["k5"] > 0.0

@@ -1,4 +1,4 @@
-"""Note [no replica check on sharded state] in runtime/sdc.py: with ZeRO-1 the replicas agree even on
+"""Note [no replica check on sharded state] in runtime/resilience/sdc.py: with ZeRO-1 the replicas agree even on
 a corrupted state, so a sharded program runs no replica check, and asking for one is refused with
 the fix instead of running and seeing nothing (issue: dp 3, --shard-optimizer on, --flip-bit 0:5
 was never reported and trained a different model)."""
@@ -9,8 +9,8 @@ import pytest
 
 import partitioner
 from partitioner.cli import main
-from partitioner.cluster import ClusterSpec
-from partitioner.models import mlp
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import mlp
 from partitioner.plan import Plan
 
 

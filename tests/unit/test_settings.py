@@ -1,5 +1,5 @@
 """The user's settings, the request and the compiler's decisions kept apart (Note [settings and
-decisions] in partitioner/settings.py); the precision policy as one typed value."""
+decisions] in partitioner/config/settings.py); the precision policy as one typed value."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import json
 import pytest
 
 from partitioner.cli import main
-from partitioner.job import TRAINING_SCHEMA, check_table
+from partitioner.config.job import TRAINING_SCHEMA, check_table
 from partitioner.plan import Plan
-from partitioner.settings import Decisions, Request, TrainingSettings, split_legacy_training
-from runtime.program import load_program
-from runtime.program_parts import OptimizerSettings, Precision
+from partitioner.config.settings import Decisions, Request, TrainingSettings, split_legacy_training
+from runtime.program.spec import load_program
+from runtime.program.parts import OptimizerSettings, Precision
 
 # the demo's compile (partitioner/cli/demo.py), smaller, with the settings that used to be rewritten
 DEMO = ["compile", "gpt:layers=2,width=32,heads=2,vocab=64,seq=16", "--devices", "4", "--stages", "2",
@@ -46,8 +46,8 @@ def test_the_demo_plans_training_block_reads_back_and_validates(demo):
 
 def test_compile_never_writes_into_the_users_settings():
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import load_workload
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import load_workload
 
     asked = {"optimizer": {"lr": 3e-4}, "memory_tier": "auto"}
     kept = copy.deepcopy(asked)

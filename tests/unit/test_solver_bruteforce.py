@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import (
     Assignment,
     Edge,

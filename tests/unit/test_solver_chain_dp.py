@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import (
     Edge,
     PartitionProblem,

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import AssignmentError, Edge, PartitionProblem, RegionCost, SolverConfig, check_assignment, solve
 
 MIB = 2**20

@@ -2,7 +2,7 @@
 
 import pytest
 
-from partitioner.cluster import CPU_MICROBATCH_OVERHEAD_S, GIB, ClusterSpec
+from partitioner.config.cluster import CPU_MICROBATCH_OVERHEAD_S, GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver import (
     Edge,

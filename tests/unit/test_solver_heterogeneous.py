@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hetero_instances import exhaustive_optimum, het_cluster, random_chain  # noqa: E402
 
 from partitioner.solver import SolverConfig, solve, solve_candidate  # noqa: E402
-from partitioner.cluster import ClusterSpec  # noqa: E402
+from partitioner.config.cluster import ClusterSpec  # noqa: E402
 from partitioner.solver.placements import enumerate_placements, is_launchable  # noqa: E402
 
 M, B = 8, 4

@@ -1,5 +1,5 @@
 """Interleaved 1F1B facts (partitioner/solver/interleaved.py) against torch 2.13's own action
-order (runtime.schedule asks ScheduleInterleaved1F1B for it): the terms Note [interleaved
+order (runtime.execute.schedule asks ScheduleInterleaved1F1B for it): the terms Note [interleaved
 pricing] prices (tests/unit/test_solver_interleaved_plan.py tests the plans)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from partitioner.solver.interleaved import uniform_pipeline_s
-from runtime.pipeline_schedules import Interleaved
-from runtime.schedule import _rank_orders, timed_actions
+from runtime.execute.pipeline_schedules import Interleaved
+from runtime.execute.schedule import _rank_orders, timed_actions
 
 # (pp, v, m) torch accepts: m a multiple of max(1, m // pp)
 GRID = [(pp, v, m) for pp in (2, 3, 4) for v in (2, 3) for m in range(1, 13)

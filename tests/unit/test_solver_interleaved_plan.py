@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import (Edge, PartitionProblem, RegionCost, SolverConfig, check_assignment, evaluate,
                                 solve)
 from partitioner.solver.candidates import enumerate_candidates, validate_options
 from partitioner.solver.problem import Assignment, place_stages
-from runtime.schedule import timed_actions
+from runtime.execute.schedule import timed_actions
 
 GIB = 2**30
 
@@ -101,7 +101,7 @@ def test_optimal_with_data_parallelism_and_a_tie_is_the_exhaustive_optimum():
 
 
 def test_priced_time_is_never_below_torchs_order():
-    """The worst-stage price bounds torch's own timeline (runtime/schedule.py asks
+    """The worst-stage price bounds torch's own timeline (runtime/execute/schedule.py asks
     ScheduleInterleaved1F1B for its order) on the stage times of the solver's own plans and of
     lopsided splits."""
     rng = random.Random(7)

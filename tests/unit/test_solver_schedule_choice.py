@@ -3,7 +3,7 @@ weighs gpipe and 1f1b by the cost model's predicted step time under the memory l
 
 import pytest
 
-from partitioner.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver import SolverConfig, check_assignment, evaluate, solve
 from partitioner.solver.candidates import validate_options

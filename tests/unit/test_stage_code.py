@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
 from _golden import check_golden
 
 TEST_FILE = "tests/unit/test_stage_code.py"
@@ -52,7 +52,7 @@ def test_the_program_object_round_trips_through_its_dataclass(program):
     """plan.json's "program" is Program.to_dict(): reading it back gives the same JSON."""
     import json
 
-    from runtime.program import Program, load_program
+    from runtime.program.spec import Program, load_program
 
     data = json.loads((program / "plan.json").read_text())["program"]
     assert Program.from_dict(data).to_dict() == data
@@ -67,7 +67,7 @@ def test_stage_files_carry_no_fx_noise_and_name_what_crosses(program):
         text = (program / f"stage_{k}.py").read_text()
         assert "; " not in text.split("class Stage")[1]  # no `;  x = None` deletions
         assert "No stacktrace found" not in text and str(REPO) not in text and "site-packages" not in text
-        assert "# blocks.0.attn (partitioner/models.py:" in text or k == 1
+        assert "# blocks.0.attn (partitioner/models/builtin.py:" in text or k == 1
         assert "randomness.dropout(" in text
     stages = json.loads((program / "plan.json").read_text())["program"]["stages"]
     assert [v["name"] for v in stages[0]["outputs"]] == [v["name"] for v in stages[1]["inputs"]] == ["blocks_0_out"]
@@ -114,4 +114,4 @@ def test_same_inputs_give_the_same_bytes_from_two_checkout_paths(tmp_path):
                  and (folders[0] / name).read_bytes() != (folders[1] / name).read_bytes()]
     assert differing == [], differing
     stage_0 = (folders[0] / "stage_0.py").read_text()
-    assert "partitioner/models.py:" in stage_0 and str(tmp_path) not in stage_0
+    assert "partitioner/models/builtin.py:" in stage_0 and str(tmp_path) not in stage_0

@@ -2,8 +2,8 @@
 inside, one rank in this process (world of one, gloo), as `python rank_0.py` runs it.
 
 - clipping off and fp32: no global-norm pass or collective (Note [global gradient norm] in
-  runtime/grad_norm.py), metrics.jsonl without ``grad_norm``, no autocast context entered (Note
-  [mixed precision] in runtime/precision.py);
+  runtime/parallel/grad_norm.py), metrics.jsonl without ``grad_norm``, no autocast context entered (Note
+  [mixed precision] in runtime/execute/precision.py);
 - clipping on under bf16-mixed: the norm's all-reduce every step and autocast around the forward,
   so the counters above are seen to count.
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import runtime.grad_norm as grad_norm
+import runtime.parallel.grad_norm as grad_norm
 from _runtime_folders import mlp_folder, one_thread, read_metrics  # noqa: F401
-from runtime.launch import main
+from runtime.launch.rank import main
 
 STEPS = 2
 
@@ -73,11 +73,11 @@ def test_clipping_under_bf16_makes_the_norm_collective_and_autocasts(tmp_path, c
 def test_the_norm_is_priced_only_where_the_program_computes_it():
     """Note [cost model]'s grad_norm term: the slowest stage's norm pass + the world's all-reduce
     latencies, when clipping (or fp16) makes the program compute it; nothing otherwise."""
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
     from partitioner.solver import problem as sp
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.grad_norm_cost import NORM_BYTES_PER_S, computes_global_norm
-    from runtime.program_parts import Precision
+    from runtime.program.parts import Precision
 
     regions = (sp.RegionCost("a", 1e6, 2e6, 4_000_000, 4_000_000, 8_000_000, 1024, 1024),
                sp.RegionCost("b", 1e6, 2e6, 16_000_000, 16_000_000, 32_000_000, 1024, 1024))
@@ -97,8 +97,8 @@ def test_the_norm_is_priced_only_where_the_program_computes_it():
 
 def test_a_clipping_plan_predicts_its_norm(tmp_path):
     import partitioner
-    from partitioner.cluster import ClusterSpec
-    from partitioner.models import mlp
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import mlp
 
     def plan(**training):
         return partitioner.compile(mlp(), cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8, num_stages=2,

@@ -1,7 +1,7 @@
-"""Tensor parallelism, compile side: the roles and region figures of passes/tensor_parallel.py
+"""Tensor parallelism, compile side: the roles and region figures of passes/tp_roles.py
 (Note [tensor-parallel roles]), the plan's ``tensor_parallel`` field, compile(tensor_parallel=N)
 and its refusals (Note [what tensor parallelism runs with]), and the tensor groups of
-partitioner/solver/tensor_parallel.py (Note [tensor groups])."""
+partitioner/solver/tensor_groups.py (Note [tensor groups])."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import partitioner
-from partitioner import ir
-from partitioner.analysis import annotate, build_problem, trace_keyed
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt, hf_llama
+from passes import ir
+from partitioner.frontend.analysis import annotate, build_problem, trace_keyed
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt, hf_llama
 from partitioner.plan import Plan
 from partitioner.solver import problem as sp
-from partitioner.solver.tensor_parallel import group_cluster, tp_problem
+from partitioner.solver.tensor_groups import group_cluster, tp_problem
 from passes.region_graph import region_table
-from passes.tensor_parallel import check_degree, sharded_parameters
+from passes.tp_roles import check_degree, sharded_parameters
 
 
 def _annotated(workload, granularity="block"):

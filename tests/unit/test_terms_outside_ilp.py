@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from partitioner.cluster import ClusterSpec, LinkSpec
+from partitioner.config.cluster import ClusterSpec, LinkSpec
 from partitioner.solver import SolverConfig, evaluate, solve
 from partitioner.solver.problem import Edge, PartitionProblem, RegionCost
 from partitioner.solver.space import StepTerms
@@ -53,7 +53,7 @@ def test_baselines_split_the_plans_own_tensor_groups_with_its_step_terms():
     """Note [fair baselines] holds: with --tp 2 --stages 1 the one-stage baselines are the plan itself
     (same tensor groups, same gradient norm and replica check), not tp 1 on half the devices."""
     from partitioner import compile
-    from partitioner.models import gpt
+    from partitioner.models.builtin import gpt
 
     plan = compile(gpt(layers=2, width=64, heads=4, vocab=128, seq=16), cluster=ClusterSpec.homogeneous(8, "h100"),
                    global_batch=16, tensor_parallel=2, num_stages=1, dp=4, clip_grad_norm=1.0).plan

@@ -20,12 +20,12 @@ import math
 import pytest
 
 from partitioner import analyze
-from partitioner.analysis import build_problem
+from partitioner.frontend.analysis import build_problem
 from partitioner.calibrate.datasheet import RATES, datasheet_profile, datasheet_profiles
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
 from partitioner.solver.precision_cost import precision_problem
-from partitioner.solver.tensor_parallel import group_cluster, tp_priced_problem
+from partitioner.solver.tensor_groups import group_cluster, tp_priced_problem
 from partitioner.solver.zero_choice import sharded_problem
 
 H, S, A, V = 64, 16, 4, 128

@@ -1,5 +1,5 @@
 """Tensor parallelism's fixed costs in the cost model (Note [tensor-parallel overheads] in
-partitioner/solver/tensor_parallel.py): DTensor's dispatch per op and a fixed cost per
+partitioner/solver/tensor_groups.py): DTensor's dispatch per op and a fixed cost per
 collective on cpu, none on accelerators, a calibrated profile's figures over the preset's, and
 the per-step gradient gathers in the step time (Note [cost model] in evaluate.py)."""
 
@@ -9,10 +9,10 @@ import pytest
 
 from partitioner.calibrate import DeviceProfile, DirectionFit
 from partitioner.calibrate.profiles import apply_profiles
-from partitioner.cluster import DEVICE_PRESETS, ClusterSpec
+from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec
 from partitioner.solver import PartitionProblem, RegionCost, SolverConfig, evaluate, solve
 from partitioner.solver.problem import Assignment, TensorParallelCost, region_times_s
-from partitioner.solver.tensor_parallel import group_cluster, sent_bytes, tp_priced_problem
+from partitioner.solver.tensor_groups import group_cluster, sent_bytes, tp_priced_problem
 
 MIB = 2**20
 
@@ -50,8 +50,8 @@ def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(t
     profile = DeviceProfile("cpu", fit, fit, dtensor_op_s=1e-3, tp_collective_s=5e-3, tp_skew=0.25)
     again = DeviceProfile.load(profile.save(tmp_path / "cpu.profile.json"))
     assert (again.dtensor_op_s, again.tp_collective_s, again.tp_skew) == (1e-3, 5e-3, 0.25)
-    from partitioner.analysis import annotate, build_problem, trace_keyed
-    from partitioner.models import hf_llama
+    from partitioner.frontend.analysis import annotate, build_problem, trace_keyed
+    from partitioner.models.builtin import hf_llama
 
     workload = hf_llama(layers=1, width=32, heads=4, vocab=64, seq=8)
     traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)

@@ -1,5 +1,5 @@
 """Tensor parallelism in the search (Note [one enumeration] in partitioner/solver/space.py, Note
-[tensor-parallel pricing] in partitioner/solver/tensor_parallel.py): the solver picks tp > 1 where
+[tensor-parallel pricing] in partitioner/solver/tensor_groups.py): the solver picks tp > 1 where
 memory forces it, the priced terms match a hand computation, and inspect shows the layout."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import dataclasses
 import pytest
 
 import partitioner
-from partitioner.cluster import GIB, ClusterSpec
+from partitioner.config.cluster import GIB, ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.inspect import inspect_json, table
-from partitioner.models import hf_llama
+from partitioner.models.builtin import hf_llama
 from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, solve
 from partitioner.solver.problem import Assignment, TensorParallelCost, region_times_s
 from partitioner.solver.space import SearchSpace, Variant
-from partitioner.solver.tensor_parallel import degrees_to_search, group_cluster, tp_priced_problem
+from partitioner.solver.tensor_groups import degrees_to_search, group_cluster, tp_priced_problem
 
 MIB = 2**20
 FAST = SolverConfig(time_limit_s=5)
@@ -93,8 +93,8 @@ def test_priced_terms_match_a_hand_computation():
 
 
 def test_the_activations_between_column_and_row_linears_are_the_split_ones():
-    from partitioner.analysis import annotate, build_problem, trace_keyed
-    from partitioner import ir
+    from partitioner.frontend.analysis import annotate, build_problem, trace_keyed
+    from passes import ir
     from passes.tp_activations import split_nodes
 
     workload = hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8)

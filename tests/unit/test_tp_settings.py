@@ -1,5 +1,5 @@
 """What tensor parallelism runs with, compile and run side (Note [what tensor parallelism runs with]
-in partitioner/tensor_parallel.py): ZeRO-1 with tp is a plan the solver weighs and prices
+in partitioner/frontend/tp_support.py): ZeRO-1 with tp is a plan the solver weighs and prices
 (optimizer state / (tp x dp) per member), and the in-memory checkpoint tier is refused at compile
 time and at run time (``partitioner run`` before torchrun, and every worker), naming the fix.
 The runs themselves are in tests/e2e/test_tensor_parallel_e2e.py."""
@@ -12,8 +12,8 @@ import pytest
 
 import partitioner
 from partitioner.cli import main
-from partitioner.cluster import ClusterSpec
-from partitioner.models import gpt, hf_llama
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt, hf_llama
 from partitioner.solver.space import SearchSpace, Variant
 
 
@@ -88,8 +88,8 @@ def test_run_refuses_the_memory_tier_on_a_tp_folder_before_torchrun(capsys, tp_f
 
 def test_a_worker_refuses_the_memory_tier_on_a_tp_program(tp_folder, monkeypatch):
     """train.py run by hand (no `partitioner run`): the worker's own check, before any process group."""
-    from runtime.launch import LaunchError
-    from runtime.launch import main as launch_main
+    from runtime.launch.rank import LaunchError
+    from runtime.launch.rank import main as launch_main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -115,8 +115,8 @@ def test_sharded_tp_state_is_stitched_whole_and_a_missing_piece_is_refused():
     one replica's shard the reader refuses the checkpoint instead of restoring a hole."""
     import torch
 
-    from runtime.checkpoint.state import LoadedCheckpoint
-    from runtime.checkpoint.tp_pieces import stitch_sharded_tp_state
+    from runtime.resilience.checkpoint.state import LoadedCheckpoint
+    from runtime.resilience.checkpoint.tp_pieces import stitch_sharded_tp_state
     from runtime.errors import CheckpointCorruptError
 
     name = "w"

@@ -1,13 +1,13 @@
 """What a tensor group sends, counted in the generated program, against the cost model's figure
-(Note [tensor-parallel traffic] in passes/tensor_parallel.py, ``sent_bytes`` in
-partitioner/solver/tensor_parallel.py).
+(Note [tensor-parallel traffic] in passes/tp_roles.py, ``sent_bytes`` in
+partitioner/solver/tensor_groups.py).
 
 One process plays rank 0 of a tensor group of 2 on torch's fake process group (collectives
 return tensors of the right shapes and move nothing): it builds the program folder's stage as
 the runtime does (``build_stage``, ``shard_stages``: the same DTensors, the same
 ``row_linear`` / ``column_input`` / ``vocab_embedding`` calls), runs one microbatch forward and
 backward and settles the gradients (``settle_gradients``, the step's gathers) under
-runtime/collective_bytes.py's counter. Which collectives DTensor issues depends on placements
+runtime/parallel/collective_bytes.py's counter. Which collectives DTensor issues depends on placements
 and shapes, not on values, so the counts and bytes are the real program's (the 2-rank benchmark,
 benchmarks/tensor_parallel.py, measured the same figures under torchrun). It runs in a child
 process: a process group and DTensor's implicit replication are process-wide.
@@ -23,9 +23,9 @@ import sys
 import pytest
 
 import partitioner
-from partitioner.cluster import ClusterSpec
-from partitioner.models import hf_bert
-from partitioner.solver.tensor_parallel import sent_bytes
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import hf_bert
+from partitioner.solver.tensor_groups import sent_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,11 +36,11 @@ def _count(folder: str) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime.collective_bytes import CollectiveBytes
-    from runtime.program import Program, load_plan
-    from runtime.stage import build_stage
-    from runtime.tensor_parallel import settle_gradients, shard_stages
-    from runtime.user_code import tensor_dtype
+    from runtime.parallel.collective_bytes import CollectiveBytes
+    from runtime.program.spec import Program, load_plan
+    from runtime.execute.stage import build_stage
+    from runtime.parallel.tensor_parallel import settle_gradients, shard_stages
+    from runtime.program.user_code import tensor_dtype
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

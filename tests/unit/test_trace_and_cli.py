@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from partitioner.cli import main
 from partitioner.errors import TraceError
-from partitioner.models import load_workload
-from partitioner.trace import trace
+from partitioner.models.builtin import load_workload
+from partitioner.frontend.trace import trace
 
 
 class ValueDependent(nn.Module):
@@ -39,7 +39,7 @@ def test_inputs_that_do_not_fit_forward_say_what_was_expected():
     with pytest.raises(ValueError, match=r"forward\(x\).*too many positional"):
         trace(ValueDependent(), (torch.randn(2, 4), torch.randn(2, 4)))
     with pytest.raises(ValueError, match="example_args must be a tuple"):
-        from partitioner.workload import Workload
+        from partitioner.frontend.workload import Workload
 
         Workload(model=ValueDependent(), example_args=torch.randn(2, 4), loss_fn=None)
 
@@ -126,7 +126,7 @@ def test_a_custom_autograd_function_is_refused_at_compile_time_with_its_name_and
     """Note [custom autograd Functions] holds: the trace keeps a Function's forward and drops its
     backward, so a straight-through estimator would train with round's zero gradient instead."""
     import partitioner
-    from partitioner.cluster import ClusterSpec
+    from partitioner.config.cluster import ClusterSpec
 
     module = _straight_through()
     with pytest.raises(TraceError) as info:

@@ -1,6 +1,6 @@
 """Where generated programs find make_batch and loss_fn (Note [user code travels] in
-partitioner/user_source.py): derived from the functions, and refused before tracing, with the fix,
-for what no rank can import. Plus keyword-input batches (Note [keyword inputs] in runtime/data.py)."""
+partitioner/frontend/user_source.py): derived from the functions, and refused before tracing, with the fix,
+for what no rank can import. Plus keyword-input batches (Note [keyword inputs] in runtime/data/synthetic.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from partitioner.cluster import ClusterSpec
-from partitioner.user_source import derive_one, derive_sources
-from partitioner.workload import Workload
-from runtime import data
-from runtime.data import batch_inputs
+from partitioner.config.cluster import ClusterSpec
+from partitioner.frontend.user_source import derive_one, derive_sources
+from partitioner.frontend.workload import Workload
+from runtime.data import synthetic as data
+from runtime.data.synthetic import batch_inputs
 
 
 def module_level(step, batch_size):
@@ -33,7 +33,7 @@ def _workload(**overrides) -> Workload:
 
 def test_an_importable_module_is_named_by_module():
     spec, files = derive_one(functools.partial(data.token_batch, vocab=8, seq=4), "make_batch")
-    assert spec == ("runtime.data:token_batch", {"vocab": 8, "seq": 4}) and files == {}
+    assert spec == ("runtime.data.synthetic:token_batch", {"vocab": 8, "seq": 4}) and files == {}
 
 
 def test_a_file_loaded_by_path_travels_into_the_folder(tmp_path):
@@ -92,7 +92,7 @@ def test_the_local_modules_a_file_imports_travel_with_it(tmp_path):
     """Note [local modules travel] holds: statements anywhere in the file (a function body too),
     transitively, packages with their __init__.py and relative imports; installed modules and an
     optional import that exists nowhere stay plain imports."""
-    from partitioner.local_modules import local_modules
+    from partitioner.frontend.local_modules import local_modules
 
     _write(tmp_path, {
         "my_model.py": "import torch\nimport my_blocks\ntry:\n    import apex_not_here\nexcept ImportError:\n    pass\n"
@@ -113,7 +113,7 @@ def test_the_local_modules_a_file_imports_travel_with_it(tmp_path):
 def test_a_compiled_extension_of_the_folder_is_refused_with_the_fix(tmp_path):
     import importlib.machinery
 
-    from partitioner.local_modules import local_modules
+    from partitioner.frontend.local_modules import local_modules
 
     _write(tmp_path, {"my_model.py": "import fastops\n",
                       "fastops" + importlib.machinery.EXTENSION_SUFFIXES[0]: "not really a binary"})
@@ -123,9 +123,9 @@ def test_a_compiled_extension_of_the_folder_is_refused_with_the_fix(tmp_path):
 
 
 def test_a_loaded_file_named_like_an_installed_module_is_refused(tmp_path):
-    """The ranks append DIR/user/ to sys.path (Note [one user root] in runtime/user_code.py): a
+    """The ranks append DIR/user/ to sys.path (Note [one user root] in runtime/program/user_code.py): a
     colorsys.py of the user's that the model loaded would lose to Python's own colorsys there."""
-    from partitioner.models import load_workload
+    from partitioner.models.builtin import load_workload
 
     _write(tmp_path, {"colorsys.py": "SCALE = 2\n", "my_model.py": _model_file("import colorsys", "colorsys.SCALE")})
     assert "colorsys" not in sys.modules or sys.modules.pop("colorsys")
@@ -148,7 +148,7 @@ def _model_file(imports: str, scale: str) -> str:
 def test_two_model_files_each_import_their_own_sibling_of_one_name(tmp_path):
     """A model file runs as `python my_model.py` would: its folder first on sys.path, and its
     local modules imported afresh, so a second model's my_blocks is never the first one's."""
-    from partitioner.models import load_workload
+    from partitioner.models.builtin import load_workload
 
     for name, scale in (("a", 1), ("b", 2)):
         _write(tmp_path / name, {"my_blocks.py": f"SCALE = {scale}\n",
@@ -163,7 +163,7 @@ def test_two_model_files_each_import_their_own_sibling_of_one_name(tmp_path):
 
 
 def test_a_model_file_that_fails_to_run_is_one_line_naming_its_line(tmp_path):
-    from partitioner.models import load_workload
+    from partitioner.models.builtin import load_workload
 
     _write(tmp_path, {"my_model.py": "import torch\nfrom my_missing_blocks import Block\n"})
     with pytest.raises(ValueError) as info:
@@ -174,10 +174,10 @@ def test_a_model_file_that_fails_to_run_is_one_line_naming_its_line(tmp_path):
 
 
 def test_given_source_wins_and_a_missing_loss_says_what_to_write():
-    w = _workload(source={"make_batch": ("runtime.data:regression_batch", {"features": 4})})
+    w = _workload(source={"make_batch": ("runtime.data.synthetic:regression_batch", {"features": 4})})
     sources = derive_sources(w)
-    assert sources.specs["make_batch"] == ("runtime.data:regression_batch", {"features": 4})
-    assert sources.specs["loss_fn"] == ("runtime.data:mse_loss", {})
+    assert sources.specs["make_batch"] == ("runtime.data.synthetic:regression_batch", {"features": 4})
+    assert sources.specs["loss_fn"] == ("runtime.data.synthetic:mse_loss", {})
     with pytest.raises(ValueError, match="no loss_fn.*return output"):
         derive_sources(_workload(loss_fn=None))
 
@@ -251,7 +251,7 @@ def _keyword_batch(step, batch_size):
 
 
 def test_the_oracle_calls_the_users_module_by_keyword():
-    from runtime.reference import train_reference
+    from runtime.execute.reference import train_reference
 
     torch.manual_seed(0)
     model = _KeywordModel()
@@ -266,7 +266,7 @@ def test_the_oracle_calls_the_users_module_by_keyword():
         train_reference(model, _keyword_batch, data.mse_loss, opt, 4, 2, 1, keywords=keywords)
 
 
-# Note [constant inputs] in runtime/data.py: inputs that hold no tensor are baked in by the trace.
+# Note [constant inputs] in runtime/data/synthetic.py: inputs that hold no tensor are baked in by the trace.
 
 def test_batch_inputs_checks_and_drops_constant_inputs():
     from runtime.errors import InputMismatchError
@@ -302,7 +302,7 @@ def test_a_positional_constant_input_is_baked_in_and_the_program_trains_as_the_u
     """forward(x, 0.5): the stage takes x alone; the stage chain (the program's own files) trains
     exactly as the user's module called with 0.5 in place."""
     import partitioner
-    from runtime.reference import train_reference, train_reference_from_folder
+    from runtime.execute.reference import train_reference, train_reference_from_folder
 
     torch.manual_seed(0)
     workload = _workload(model=_Scaled(), example_args=_scaled_batch(0, 2)[0], make_batch=_scaled_batch)

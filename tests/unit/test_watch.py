@@ -1,4 +1,4 @@
-"""What people watch (runtime/watch.py): the plan's FLOPs per step, MFU, peak memory, ETA, and
+"""What people watch (runtime/observe/watch.py): the plan's FLOPs per step, MFU, peak memory, ETA, and
 TensorBoard scalars (tensorboard is in the test extras, so this runs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from runtime.watch import StepWatch, eta_text, plan_step_flops
+from runtime.observe.watch import StepWatch, eta_text, plan_step_flops
 
 
 def _plan(folder, *, stages, m=4, dp=2):

@@ -1,0 +1,11 @@
+"""The front end: what a user hands the compiler, traced and annotated, and what the ranks will need
+to import of the user's code.
+
+workload.py         what a user hands the compiler: model, example inputs, loss, make_batch
+trace.py            the only file that calls torch.export / symbolic_trace
+analysis.py         trace, key random ops, the passes, the PartitionProblem
+tp_support.py       what compile() accepts with a tensor-parallel degree, refused in words
+user_source.py      where the ranks find make_batch, loss_fn and custom ops; a model file run
+local_modules.py    the local modules a travelling file imports, tried as a rank imports them
+rank_imports.py     what a rank can import: its sys.path, the spec it would find a name by
+"""

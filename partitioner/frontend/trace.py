@@ -1,0 +1,212 @@
+"""The only file that calls torch.export or torch.fx.symbolic_trace.
+
+Note [why export first]: ``torch.export.export(strict=False)`` traces Hugging Face transformers
+5.x models (symbolic_trace does not), works on meta and fake tensors, and stamps every
+call_function node with ``nn_module_stack``, which the regions pass groups by. symbolic_trace is
+the fallback for models export rejects but plain FX can follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import linecache
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from partitioner.errors import TraceError
+from runtime.data.synthetic import holds_tensor
+
+
+@dataclass
+class Traced:
+    """A traced model: parameters are ``get_attr`` nodes named by their original parameter names."""
+
+    gm: fx.GraphModule
+    tracer: str  # "export" or "symbolic_trace"
+    example_args: tuple
+    example_kwargs: dict
+
+
+def check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Fail early, in the user's terms, when the example inputs do not fit ``model.forward``."""
+    signature = inspect.signature(model.forward)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {exc} "
+            f"(got {len(args)} positional and {sorted(kwargs) or 'no'} keyword inputs); "
+            f"pass Workload(example_args=...) matching that signature"
+        ) from None
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The deepest frame outside torch and site-packages: where the untraceable construct is."""
+    torch_dir = os.path.dirname(torch.__file__)
+    found = ""
+    while exc is not None:
+        for frame in traceback.extract_tb(exc.__traceback__):
+            if frame.filename.startswith(torch_dir) or "site-packages" in frame.filename:
+                continue
+            if frame.filename.endswith(("partitioner/frontend/trace.py",)):
+                continue
+            line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+            found = f"{frame.filename}:{frame.lineno} `{line}`"
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _clean(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop export's input-guard call: it checks shapes of one example, not of every microbatch;
+    and the inputs that hold no tensor, whose values export baked into the graph and only that
+    guard read (Note [constant inputs] in runtime/data/synthetic.py: the program checks them per batch)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph.eliminate_dead_code()
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and not node.users and not holds_tensor(node.meta.get("val")):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+class _DropTorchRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "torch" or record.name.startswith("torch."))
+
+
+@contextlib.contextmanager
+def _torch_quiet():
+    """Silence torch while tracing: a failed export logs warnings and prints its partial graph to
+    stderr before raising, ahead of our one-line TraceError (which says what matters). Torch's log
+    records are dropped at every handler they could reach, and sys.stderr is captured; both are
+    restored afterwards."""
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger()] + [logger for name, logger in list(manager.loggerDict.items())
+                                       if isinstance(logger, logging.Logger)
+                                       and (name == "torch" or name.startswith("torch."))]
+    handlers = {id(h): h for logger in loggers for h in logger.handlers}.values()
+    drop = _DropTorchRecords()
+    for handler in handlers:
+        handler.addFilter(drop)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)
+
+
+# Note [custom autograd Functions]: a torch.autograd.Function's forward is ordinary Python that
+# the non-strict trace runs op by op, so the graph keeps the forward's aten ops (a straight-through
+# estimator becomes plain `aten.round`) and drops the Function itself: the program would train
+# with autograd's gradient of those ops, not with the user's backward, i.e. a different model (only
+# `verify` would notice). Torch 2.13 keeps no trace of the Function in the graph (no node, no
+# meta), so the trace watches `Function.apply` (the one classmethod every `MyFn.apply(...)` call
+# goes through, functorch's path included) and refuses every Function it saw, naming the class
+# and the user line that applied it. Exempt: the Functions torch makes for an op the graph keeps
+# as one node with its backward attached: a torch.library.custom_op's register_autograd
+# (torch._library.autograd, e.g. transformers' grouped_mm in Qwen2-MoE) and the higher-order ops
+# (torch._higher_order_ops, e.g. torch.cond's CondAutogradOp). torch.utils.checkpoint's reentrant CheckpointFunction is refused
+# too: the trace runs its forward under no_grad (the parameters inside would get no gradient).
+_EXEMPT_FUNCTION_MODULES = ("torch._library.autograd.", "torch._higher_order_ops.")
+
+
+def _caller_line() -> str:
+    """``file:line `code``` of the innermost frame outside torch and this file: where a Function's
+    ``apply`` was called from."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename.startswith((torch_dir, "<")) or frame.filename == __file__:
+            continue  # torch, this file, and generated code (`<string>`, `<eval_with_key>`)
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        return f"{frame.filename}:{frame.lineno} `{line}`"
+    return ""
+
+
+@contextlib.contextmanager
+def _watch_autograd_functions(seen: dict):
+    """Record, in ``seen`` ({"module.qualname": where}), every torch.autograd.Function applied while
+    active (Note [custom autograd Functions]); ``Function.apply`` is restored afterwards."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if not name.startswith(_EXEMPT_FUNCTION_MODULES):
+            seen.setdefault(name, _caller_line())
+        return original.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function.apply = original
+
+
+def _refuse_autograd_functions(model: torch.nn.Module, seen: dict) -> None:
+    name, where = next(iter(seen.items()))
+    others = f" (and {len(seen) - 1} more: {', '.join(list(seen)[1:4])})" if len(seen) > 1 else ""
+    if name == "torch.utils.checkpoint.CheckpointFunction":
+        fix = ("call torch.utils.checkpoint with use_reentrant=False, or drop it: the plan recomputes "
+               "regions itself where memory needs it")
+    elif name == "torch.nn.modules._functions.BackwardHookFunction":
+        fix = ("remove the module's backward hook (register_full_backward_hook / register_full_backward_pre_hook): "
+               "the program runs the traced graph, which calls no hooks")
+    else:
+        fix = ("rewrite it as a torch.library.custom_op with register_autograd, in the model file or a module "
+               "(the files travel with the program: Note [custom ops travel]), or remove it")
+    raise TraceError(
+        f"{type(model).__name__} uses the custom autograd Function {name}"
+        + (f" at {where}" if where else "") + others
+        + ": the traced graph keeps its forward and drops its backward, so the program would train a "
+        f"different model. Fix: {fix}")
+
+
+def trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Traced:
+    example_kwargs = dict(example_kwargs or {})
+    check_signature(model, example_args, example_kwargs)
+    functions: dict = {}
+    with _torch_quiet(), _watch_autograd_functions(functions):
+        traced = _trace(model, example_args, example_kwargs)
+    if functions:
+        _refuse_autograd_functions(model, functions)
+    return traced
+
+
+def _trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict) -> Traced:
+    try:
+        exported = torch.export.export(model, example_args, example_kwargs, strict=False)
+        return Traced(_clean(exported.module()), "export", example_args, example_kwargs)
+    except Exception as export_exc:  # noqa: BLE001 - every failure goes into the TraceError below
+        export_error = export_exc
+    try:
+        if example_kwargs:
+            raise TypeError("symbolic_trace takes no keyword example inputs")
+        gm = fx.symbolic_trace(model)
+        return Traced(gm, "symbolic_trace", example_args, example_kwargs)
+    except Exception as fx_exc:  # noqa: BLE001
+        fx_error = fx_exc
+    where = _user_frame(export_error) or _user_frame(fx_error)
+    raise TraceError(
+        f"cannot trace {type(model).__name__}"
+        + (f": the construct at {where} " if where else " ")
+        + "depends on tensor values (data-dependent Python control flow) or is otherwise untraceable. "
+        f"torch.export said: {_first_line(export_error)} | symbolic_trace said: {_first_line(fx_error)}. "
+        "Fix: replace value-dependent `if`/loops with torch.where or torch.cond, or move them out of forward."
+    )

@@ -1,0 +1,204 @@
+"""`partitioner export TARGET -o DIR`: a checkpoint as one consolidated set of weights by original
+name, in the format ``from_pretrained`` reads.
+
+TARGET: a program folder (its checkpoints/), the run folder beside it (DIR/run), a checkpoint
+folder (step_N directories; the program from --program or the folder above), or one step_N
+directory. A folder exports its newest committed checkpoint; every shard is read through
+runtime/resilience/checkpoint (manifest, size and sha256 checked), so a corrupt checkpoint is refused with
+the reason and a partial one (no manifest) is never exported. A Hugging Face model
+(runtime.execute.pretrained:hf_weights in the program) is written by ``save_pretrained``: config.json
+and model.safetensors (sharded above 5 GB, with its index); buffers the checkpoint does not hold
+(they never change: rotary tables, position ids) are made as the ranks made them. Any other model:
+model.safetensors by original names. DIR is built in a temporary sibling, fsynced and renamed
+into place: it exists whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from partitioner.models.hf import no_progress_bars
+from runtime.execute import pretrained
+from runtime.resilience.checkpoint import MANIFEST, fsync_dir, list_step_dirs, load_for_rank, step_dirname
+from runtime.program.spec import load_plan
+
+HF_WEIGHTS = "runtime.execute.pretrained:hf_weights"
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    output: Path
+    step: int
+    checkpoint: Path
+    num_tensors: int
+    bytes: int
+    files: tuple[str, ...]
+    architecture: str | None
+    skipped: tuple[str, ...] = ()  # newer step directories that are not committed checkpoints
+
+    def text(self) -> str:
+        lines = [f"exported step {self.step} of {self.checkpoint} ({self.num_tensors} tensors, "
+                 f"{self.bytes / 2**20:.1f} MiB) to {self.output}: {', '.join(self.files)}"]
+        lines += [f"  not exported: {why}" for why in self.skipped]
+        if self.architecture:
+            lines.append(f"load it: transformers.{self.architecture}.from_pretrained({str(self.output)!r})")
+        return "\n".join(lines)
+
+
+def _program_folder(path: Path) -> Path | None:
+    return path if (path / "plan.json").is_file() else None
+
+
+def resolve(target: Path, program_dir: Path | None) -> tuple[Path, Path, int | None]:
+    """(checkpoint folder, program folder, one step or None) named by TARGET."""
+    # lazy: loads OR-Tools
+    from partitioner.inspect.checkpoints import is_checkpoint_dir, is_step_dir
+
+    target = Path(target)
+    if target.is_file() and target.name == "manifest.json":
+        target = target.parent
+    if not target.exists():
+        raise ValueError(f"export {target}: no such file or folder; pass a program folder, its checkpoint "
+                         "folder or one step_N in it")
+    step = None
+    if is_step_dir(target):
+        ckpt, step = target.parent, int(target.name.removeprefix("step_"))
+    elif _program_folder(target):
+        ckpt = target / "checkpoints"
+    elif (target / "metrics.jsonl").is_file() and _program_folder(target.parent):  # DIR/run
+        ckpt = target.parent / "checkpoints"
+    elif is_checkpoint_dir(target):
+        ckpt = target
+    else:
+        raise ValueError(f"export {target}: not a program folder, a run folder beside one, a checkpoint folder "
+                         "(step_N directories) or a step_N directory")
+    program = program_dir or _program_folder(ckpt.parent) or (_program_folder(target) if target != ckpt else None)
+    if program is None or not (Path(program) / "plan.json").is_file():
+        raise ValueError(f"export {target}: cannot find the program folder of {ckpt} (it is not beside it): "
+                         "pass --program DIR, the folder `partitioner compile -o DIR` wrote")
+    return ckpt, Path(program), step
+
+
+def choose_step(ckpt: Path, step: int | None) -> tuple[int, tuple[str, ...]]:
+    """The step to export: the one named (refused if it was never committed), or the newest
+    committed one. Newer uncommitted step directories are reported, never exported."""
+    steps = list_step_dirs(str(ckpt))
+    committed = [s for s in steps if (ckpt / step_dirname(s) / MANIFEST).is_file()]
+    if step is not None:
+        if step not in committed:
+            newest = f"the newest committed one is {ckpt / step_dirname(committed[0])}" if committed else \
+                "it holds no committed checkpoint"
+            raise ValueError(f"export: {ckpt / step_dirname(step)} has no {MANIFEST}: a partial checkpoint (a run "
+                             f"stopped while writing it) is not a checkpoint; {newest}")
+        return step, ()
+    if not committed:
+        raise ValueError(f"export: {ckpt} holds no committed checkpoint (no step_N with a {MANIFEST}); "
+                         "`partitioner run DIR --steps N` always leaves one of its last step")
+    skipped = tuple(f"{ckpt / step_dirname(s)} (no {MANIFEST}: partial)" for s in steps if s > committed[0])
+    return committed[0], skipped
+
+
+def read_state(ckpt: Path, step: int, program) -> dict[str, torch.Tensor]:
+    """Every trained parameter and mutable buffer of checkpoint ``step``, verified shard by shard."""
+    names = program.params_of(range(program.num_stages))
+    names += [n for s in program.stages for n in s.mutable_buffers]
+    loaded = load_for_rank(str(ckpt), step, program, -1, names)  # rank -1: no own shard, any holder
+    return {**loaded.params, **loaded.buffers}
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(str(folder))
+
+
+def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> str:
+    kwargs = dict(weights_spec[1])
+    model = pretrained.build_meta(kwargs["config"], kwargs["architecture"])
+    alias = pretrained.aliases(model)
+    unknown = sorted(set(state) - set(alias))
+    if unknown:
+        raise ValueError(f"the checkpoint holds {unknown[:3]}, which {kwargs['architecture']} does not have: "
+                         "export with the program folder that wrote it (--program)")
+    groups = {tuple(names) for names in alias.values()}
+    held = {names: next((state[n] for n in names if n in state), None) for names in groups}
+    made = pretrained.hf_weights([names[0] for names, v in held.items() if v is None], **kwargs, report=False)
+    for names, value in held.items():
+        value = made[names[0]] if value is None else value
+        owner, leaf = pretrained.owner_of(model, names[0])
+        is_param = leaf in owner._parameters
+        tensor = torch.nn.Parameter(value.clone(), requires_grad=True) if is_param else value.clone()
+        for name in names:
+            o, l = pretrained.owner_of(model, name)
+            (o._parameters if is_param else o._buffers)[l] = tensor
+
+    with no_progress_bars():
+        model.save_pretrained(str(tmp))
+    _every_tied_name(tmp / "model.safetensors", groups)
+    return kwargs["architecture"]
+
+
+def _every_tied_name(path: Path, groups) -> None:
+    """save_pretrained stores a tied group under one name (from_pretrained ties the rest again); a
+    user's ``load_state_dict(..., strict=True)`` wants every name, so the file gets the others as
+    copies (equal values: from_pretrained loads them as they are). A sharded save keeps its index."""
+    # lazy: loads safetensors
+    from safetensors.torch import load_file, save_file
+
+    if not path.is_file():
+        return
+    stored = load_file(str(path))
+    added = {}
+    for names in groups:
+        have = next((n for n in names if n in stored), None)
+        if have is not None:
+            added.update({n: stored[have].clone() for n in names if n not in stored})
+    if added:
+        save_file({**stored, **added}, str(path), metadata={"format": "pt"})
+
+
+def export(target, output, *, program_dir=None) -> ExportReport:
+    # lazy: loads OR-Tools
+    from partitioner.inspect.checkpoints import program_of
+    # lazy: loads safetensors
+    from safetensors.torch import save_file
+
+    output = Path(output)
+    if output.exists():
+        raise ValueError(f"export -o {output}: it exists; pass a new folder (export never overwrites)")
+    if not output.parent.is_dir():
+        raise ValueError(f"export -o {output}: its parent folder {output.parent} does not exist")
+    ckpt, folder, step = resolve(Path(target), Path(program_dir) if program_dir else None)
+    program = program_of(folder)
+    step, skipped = choose_step(ckpt, step)
+    state = read_state(ckpt, step, program)
+    weights_spec = (load_plan(str(folder))["program"].get("init") or {}).get("weights")
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        architecture = None
+        if weights_spec and weights_spec[0] == HF_WEIGHTS:
+            architecture = _write_hf(tmp, state, weights_spec)
+        else:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        _fsync_tree(tmp)
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    fsync_dir(str(output.parent))
+    files = tuple(sorted(p.name for p in output.iterdir()))
+    size = sum(v.numel() * v.element_size() for v in state.values())
+    return ExportReport(output, step, ckpt, len(state), size, files, architecture, skipped)

@@ -1,0 +1,24 @@
+"""A stage and its step: the module a rank builds, the schedule it runs, the optimizer step, and the
+one-process oracle that does the same math.
+
+stage.py            ``build_stage(folder, k, device)``: stage_<k>.py + weights -> nn.Module
+materialize.py      initial parameters of a model compiled on meta, made by the rank that holds
+                    them (Note [materialize per rank])
+pretrained.py       a Hugging Face model's weights per rank: own init, or pretrained safetensors
+pipeline_schedules.py  each schedule torch runs, one class: its refusal, in-flight microbatches, action
+                    order (Note [one class per schedule])
+schedule.py         plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
+                    and ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
+train.py            optimizer + LR schedule, randomness context per microbatch, gradient sync,
+                    ``RankTrainer``
+precision.py        precision policies: autocast, master weights, fp16's loss scale (Note [mixed
+                    precision])
+randomness.py       the keyed random ops stage files call (``randomness.dropout(x, p, train, op=,
+                    batch_dim=)``, ``attention`` for SDPA with dropout, ...), the context they read,
+                    and ``capture()`` / ``restored(snapshot)`` for recompute (Note [randomness keyed
+                    by meaning])
+recompute.py        ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
+                    checkpointing with the same random draws (Note [recompute draws the
+                    same randomness])
+reference.py        ``train_reference(...)``: the one-process oracle with the same math
+"""

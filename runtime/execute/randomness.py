@@ -1,0 +1,244 @@
+"""Random ops keyed by meaning: what the generated stage files call instead of torch's dropout.
+
+Note [randomness keyed by meaning]: every random op of the traced graph is rewritten before the
+graph is split (partitioner/codegen/randomness.py, ``lower_randomness``) into a call of this module, named
+by the op's node name in the unpartitioned graph (``op="dropout_3"``). Each call draws from a
+generator seeded by
+
+    (plan seed, step, global sample index, op)      for a tensor with a batch dimension: every
+                                                    sample's rows are drawn by their own generator
+    (plan seed, step, global microbatch index, op)  for a tensor without one
+
+The trainer (runtime/execute/train.py) sets the context (seed, step, first sample of the microbatch,
+microbatch index) before every stage forward of every microbatch, and the one-process oracle
+(runtime/execute/reference.py) sets the same context around the unpartitioned graph. The masks therefore
+depend on neither the stages, nor the data-parallel degree, nor how a replica's rows are cut into
+microbatches (a sample's rows are the same whichever microbatch holds it), nor a resume on another
+partition (step and sample come from the checkpointed step and the data, not from process state).
+
+A tensor without a batch dimension is keyed by the microbatch index, which does depend on the
+microbatch count: such draws (rare: a random table shared by every sample) agree across stages,
+replicas and reshards that keep the microbatch size, not across ones that change it.
+
+Masks are drawn on the tensor's device by that device's generator: CUDA and CPU draw different
+streams, so a CUDA program agrees with an oracle on CUDA, not with one on CPU.
+
+Recompute (torch.utils.checkpoint) replays a forward later, when the context already names a later
+microbatch: ``capture()`` snapshots the context at forward time and ``restored(snapshot)`` makes it
+current again for the replay (runtime/execute/recompute.py runs the checkpointed function under it).
+
+This module imports only torch: generated files may import only torch and runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_MASK64 = (1 << 64) - 1
+# Tags the two kinds of key, so a per-sample key never equals a per-microbatch one.
+_PER_SAMPLE, _PER_MICROBATCH = 0x5A4D, 0x4D42
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a keyed draw reads besides the op: set per stage forward per microbatch."""
+
+    seed: int
+    step: int
+    first_sample: int  # global index (in the step's global batch) of the microbatch's first sample
+    microbatch: int  # global microbatch index: replica * num_microbatches + local index
+
+
+_current: Context | None = None
+
+
+def set_context(*, seed: int, step: int, first_sample: int, microbatch: int) -> None:
+    global _current
+    _current = Context(int(seed), int(step), int(first_sample), int(microbatch))
+
+
+def current() -> Context:
+    if _current is None:
+        raise RuntimeError(
+            "a keyed random op ran with no randomness context: call runtime.execute.randomness.set_context("
+            "seed=, step=, first_sample=, microbatch=) before the forward (the trainer and "
+            "runtime.execute.reference do, before every stage forward of every microbatch)")
+    return _current
+
+
+def capture() -> Context | None:
+    """The current context, opaque to callers: hand it to ``restored`` to replay a forward."""
+    return _current
+
+
+@contextlib.contextmanager
+def restored(snapshot: Context | None):
+    """Make ``snapshot`` (from ``capture()``) the current context inside the block, then put back
+    whatever was current before: a recompute under 1F1B runs between other microbatches' forwards.
+
+    runtime.execute.recompute checkpoints ``_replay(fn, capture(), *args)``, which runs ``fn`` under
+    ``restored(snapshot)`` both times (a no-op the first time), with either form of
+    torch.utils.checkpoint (Note [cheap checkpointing]).
+    """
+    global _current
+    previous, _current = _current, snapshot
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and generators
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_key(op: str) -> int:
+    return int.from_bytes(hashlib.blake2b(op.encode(), digest_size=8).digest(), "little")
+
+
+def key(seed: int, step: int, kind: int, index: int, op: str) -> int:
+    """The generator seed of one draw: a 63-bit hash of its meaning (see the Note)."""
+    h = _op_key(op)
+    for part in (seed, step, kind, index):
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h >> 1
+
+
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    # One generator per device, reseeded per draw: creating one costs more than seeding it.
+    g = _generators.get(device)
+    if g is None:
+        g = _generators[device] = torch.Generator(device=device)
+    return g
+
+
+def _fill(shape, *, op: str, batch_dim: int | None, device, dtype: torch.dtype, normal: bool) -> torch.Tensor:
+    """A tensor of ``shape`` filled with U[0, 1) (or N(0, 1)) keyed draws; rows along ``batch_dim``
+    are samples first_sample, first_sample + 1, ..."""
+    ctx = current()
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    g = _generator(device)
+    shape = tuple(int(s) for s in shape)
+    if batch_dim is None:
+        g.manual_seed(key(ctx.seed, ctx.step, _PER_MICROBATCH, ctx.microbatch, op))
+        out = torch.empty(shape, dtype=dtype, device=device)
+        return out.normal_(generator=g) if normal else out.uniform_(generator=g)
+    batch_dim = batch_dim % len(shape)
+    rows = shape[batch_dim]
+    # Each sample's block is contiguous while drawn, so its values do not depend on how many
+    # samples share the microbatch.
+    out = torch.empty((rows,) + shape[:batch_dim] + shape[batch_dim + 1:], dtype=dtype, device=device)
+    for i in range(rows):
+        g.manual_seed(key(ctx.seed, ctx.step, _PER_SAMPLE, ctx.first_sample + i, op))
+        if normal:
+            out[i].normal_(generator=g)
+        else:
+            out[i].uniform_(generator=g)
+    return out.movedim(0, batch_dim)
+
+
+def _uniform_like(x: torch.Tensor, *, op: str, batch_dim: int | None) -> torch.Tensor:
+    # Drawn in fp32 whatever x's dtype: a bf16 run and an fp32 run then drop the same elements.
+    return _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The keyed ops (one per random aten op the lowering rewrites)
+
+
+def dropout(x: torch.Tensor, p: float, train: bool = True, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``aten.dropout``: zero each element with probability p, scale the rest by 1 / (1 - p)."""
+    if not train or p == 0.0:
+        return x
+    if p >= 1.0:
+        return x * 0.0
+    keep = _uniform_like(x, op=op, batch_dim=batch_dim) >= p
+    # masked_fill saves only the boolean mask for backward (as torch's native_dropout does).
+    return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - p))
+
+
+def native_dropout(x: torch.Tensor, p: float, train: bool | None = True, *, op: str,
+                   batch_dim: int | None = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.native_dropout``: (output, boolean keep mask)."""
+    if not train or p == 0.0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    keep = _uniform_like(x, op=op, batch_dim=batch_dim) >= p
+    scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+    return x.masked_fill(~keep, 0.0) * scale, keep
+
+
+def bernoulli(x: torch.Tensor, p: float | None = None, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``aten.bernoulli``: 1 with probability x (or p where given), in x's dtype."""
+    u = _uniform_like(x, op=op, batch_dim=batch_dim)
+    prob = x.float() if p is None else p
+    return (u < prob).to(x.dtype)
+
+
+def rand(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """``aten.rand``: U[0, 1) of ``size`` (on the default device: stages run under their device)."""
+    out = _fill(size, op=op, batch_dim=batch_dim, device=device, dtype=torch.float32, normal=False)
+    return out.to(dtype or torch.get_default_dtype())
+
+
+def randn(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    out = _fill(size, op=op, batch_dim=batch_dim, device=device, dtype=torch.float32, normal=True)
+    return out.to(dtype or torch.get_default_dtype())
+
+
+def rand_like(x: torch.Tensor, *, op: str, batch_dim: int | None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    out = _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=False)
+    return out.to(dtype or x.dtype)
+
+
+def randn_like(x: torch.Tensor, *, op: str, batch_dim: int | None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    out = _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=True)
+    return out.to(dtype or x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+              enable_gqa: bool = False, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``scaled_dot_product_attention`` whose attention-probability dropout is keyed.
+
+    Without dropout it is torch's fused kernel. With dropout it is the explicit
+    softmax(q kᵀ · scale + mask) · v, the dropout mask drawn on the probabilities
+    (batch, heads, query, key) like every other keyed op: the fused kernels draw their mask from
+    the global generator in an order no other partition can reproduce."""
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    length_q, length_k = q.shape[-2], k.shape[-2]
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scale_factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale_factor
+    if is_causal:
+        causal = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    probs = torch.softmax(scores, dim=-1)
+    probs = dropout(probs, dropout_p, True, op=op, batch_dim=batch_dim)
+    return probs @ v

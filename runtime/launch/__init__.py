@@ -1,0 +1,8 @@
+"""Start-up: a rank's one call, the run flags, and every torchrun launch on this host.
+
+rank.py             ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the
+                    one call of every rank_<r>.py (env, process groups, training, final save)
+run_options.py      the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and
+                    a program's entry file parse the same; Note [one flag table])
+torchrun.py         ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
+"""

@@ -1,0 +1,365 @@
+"""Entry point of every generated rank program: ``runtime.launch.rank.main(folder, rank=r)``.
+
+Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), checks it
+against the plan, checks that rank_<r>.py states what this rank runs (Note [rank file constants]
+in runtime/program/entry_files.py), initializes the process group with the plan's backend and collective
+timeout, creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
+
+Note [no hangs]: every collective and point-to-point operation runs under the plan's
+``collective_timeout_s`` (init_process_group and every new_group get it), so a dead peer surfaces
+as an exception in the survivors. On any error a rank prints the traceback and leaves with
+``os._exit(1)`` instead of unwinding through process-group destructors, which can block on the
+dead peer; torchrun's agent then tears down the remaining workers (and restarts them when
+``--max-restarts`` allows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+from runtime.resilience import faults
+from runtime.program.entry_files import check_rank_file
+from runtime.errors import InputMismatchError
+from runtime.program.spec import Program, load_program
+from runtime.launch.run_options import FlagError, RunOptions
+from runtime.launch.torchrun import command_text, free_port
+from runtime.launch.torchrun import LOOPBACK, loopback_store
+
+
+def _worker_store(rank: int, world: int, timeout: timedelta):
+    """The store init_process_group meets on. On a single host (MASTER_ADDR is loopback) rank 0
+    serves it on 127.0.0.1 only (Note [loopback only] in runtime/launch/torchrun.py); across hosts,
+    None: torch's env:// store, which listens on every interface (README "Trust model")."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if addr not in ("127.0.0.1", "localhost", "::1") or "MASTER_PORT" not in os.environ:
+        return None
+    # lazy: loads torch
+    import torch.distributed as dist
+
+    port = int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return loopback_store(port, world_size=world, timeout_s=timeout.total_seconds())
+    return dist.TCPStore(LOOPBACK, port, world, False, timeout)
+
+
+class LaunchError(ValueError):
+    """The process was started in a way that does not match the program (world size, rank)."""
+
+
+class ResumeBeyondStepsError(LaunchError):
+    """The checkpoint to resume from is past --steps: every rank knows it, rank 0 says it."""
+
+
+# Where this rank is, for the one line a rank prints when a peer dies (Note [a dead peer]).
+_at = {"step": None, "ckpt_dir": None}
+
+# Note [a dead peer]: when a rank dies (killed, out of memory, a fault drill), every peer waiting on
+# it in a collective or a send/receive gets an error from gloo or NCCL ("Connection reset by peer",
+# a timeout, DistBackendError). Its traceback tells nothing the dead rank's own output and
+# torchrun's summary do not, and one per surviving rank buries them; so a survivor prints one
+# line: its rank, the step, and what happens next (torchrun restarts the job from the newest
+# committed checkpoint, or no restarts are left), and exits non-zero so torchrun does so.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
+              "connection refused", "timed out", "gloo/transport", "nccl communicator was aborted",
+              "watchdog caught collective operation timeout")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Is ``exc`` a collective or point-to-point operation failing because a peer is gone?"""
+    try:
+        # lazy: loads torch
+        import torch.distributed as dist
+
+        kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    except Exception:  # noqa: BLE001 - no torch.distributed: not a collective's error
+        kinds = ()
+    if kinds and isinstance(exc, kinds):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(needle in text for needle in _PEER_LOST)
+
+
+def peer_lost_line(rank, exc: BaseException) -> str:
+    """The one line a surviving rank prints (Note [a dead peer])."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "]" in first and first.startswith("["):  # gloo's "[/__w/.../pair.cc:537] Read error ..."
+        first = first.split("]", 1)[1].strip()
+    first = first.split(". This is typically")[0].rstrip(".")
+    step = _at["step"]
+    where = f"at step {step}" if step is not None else "while starting"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts < allowed:
+        resume = "from step 0"
+        if _at["ckpt_dir"]:
+            try:
+                # lazy: loads torch
+                from runtime.resilience.checkpoint.manifest import newest_committed
+
+                newest = newest_committed(_at["ckpt_dir"])
+                resume = f"from the checkpoint of step {newest}" if newest >= 0 else resume
+            except Exception:  # noqa: BLE001 - the line must come out
+                resume = "from the newest committed checkpoint"
+        nxt = f"torchrun restarts the job {resume} (restart {restarts + 1} of {allowed})"
+    else:
+        nxt = (f"no restarts left (--max-restarts {allowed}): the job stops; rerun `partitioner run` "
+               "to resume from the newest checkpoint")
+    what = "stopped answering" if ("timed out" in first.lower() or "timeout" in first.lower()) else "died"
+    return f"[rank {rank}] a peer rank {what} {where} ({first}); {nxt}"
+
+
+def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment, checked against the plan."""
+    want = program.world_size
+    if "WORLD_SIZE" not in os.environ:
+        if want != 1:
+            raise LaunchError(f"this program needs {want} processes and WORLD_SIZE is not set: "
+                              f"launch it with `{command_text(want, os.path.join(folder, 'train.py'))}`")
+        # A one-rank program may run as a plain `python rank_0.py`.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    world = int(os.environ["WORLD_SIZE"])
+    if world != want:
+        raise LaunchError(f"the program was compiled for world_size={want} but WORLD_SIZE={world}: "
+                          f"launch it with `torchrun --nproc-per-node {want} "
+                          f"{os.path.join(folder, 'train.py')}`")
+    env_rank = int(os.environ.get("RANK", "0"))
+    if rank is not None and rank != env_rank:
+        raise LaunchError(f"rank_{rank}.py started as RANK={env_rank}: run train.py under torchrun, "
+                          "which picks rank_<RANK>.py for each worker")
+    return env_rank, world, int(os.environ.get("LOCAL_RANK", str(env_rank)))
+
+
+def parse_args(argv: list[str] | None) -> RunOptions:
+    """The flags `partitioner run` and torchrun pass through train.py to every rank (Note [one flag
+    table] in runtime/launch/run_options.py): an unknown one is a FlagError, never dropped."""
+    return RunOptions.parse(sys.argv[1:] if argv is None else argv, side="rank")
+
+
+def _chain(*hooks):
+    """One hook calling each of ``hooks`` (None ones skipped) in order."""
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def call(*args):
+        for h in hooks:
+            h(*args)
+
+    return call
+
+
+def main(folder: str, rank: int | None = None, *, steps: int | None = None,
+         run_dir: str | None = None, exit_on_error: bool = True,
+         argv: list[str] | None = None) -> list[float] | None:
+    """Train this rank of the program in ``folder``; returns the per-step losses.
+
+    steps: number of steps (default: program "steps", else optimizer total_steps).
+    run_dir: where metrics.jsonl and final/ go (default DIR/run).
+    exit_on_error: on an exception print it and ``os._exit(1)`` (Note [no hangs]); False re-raises.
+    """
+    try:
+        options = parse_args(argv)
+        steps = options.steps if options.steps is not None else steps
+        run_dir = options.run_dir or run_dir
+        losses = _main(folder, rank, steps=steps, run_dir=run_dir, options=options)
+        # The trainer's objects (precision, sharding, their hooks) form reference cycles that keep
+        # the destroyed group's store, and so its listening port, alive until a collection: a
+        # second launch in this process (a notebook, a test driver) could not bind the port.
+        gc.collect()
+        return losses
+    except Exception as exc:
+        if not exit_on_error:
+            raise
+        who = os.environ.get("RANK", "?") if rank is None else rank
+        if isinstance(exc, ResumeBeyondStepsError):  # rank 0 says it; the others leave quietly
+            if str(who) == "0":
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif peer_lost(exc):  # Note [a dead peer]: one line, not a gloo traceback per survivor
+            print(peer_lost_line(who, exc), file=sys.stderr, flush=True)
+        else:
+            # a launch mistake, or a batch the program was not compiled for (Note [constant inputs] in
+            # runtime/data/synthetic.py), needs its message, not a traceback
+            if not isinstance(exc, (LaunchError, InputMismatchError, FlagError)):
+                traceback.print_exc()
+            print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _where(step: int) -> None:
+    _at["step"] = step
+
+
+def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
+          options: RunOptions | None = None):
+    folder = os.path.abspath(folder)
+    options = options or RunOptions()
+    program = load_program(folder)
+    rank, world, local_rank = read_env(program, folder, rank)
+    # Checkpoint and fault settings are checked before anything slow (and before training).
+    from runtime.resilience import checkpoint as ck
+
+    if steps is not None and steps < 1:
+        raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
+    sharded = program.shard_optimizer and program.dp > 1
+    options.check_for(world_size=world, sharded=sharded, steps=steps)  # as `partitioner run` did: hand starts too
+    if options.collective_timeout is not None:
+        program = dataclasses.replace(program, collective_timeout_s=options.collective_timeout)
+    use_ckpt = not options.no_checkpoint
+    ckpt_dir = os.path.abspath(options.checkpoint_dir or os.path.join(folder, "checkpoints"))
+    every, mtbf_s = options.checkpoint_every, options.mtbf_s
+    if every is None and mtbf_s is None:
+        every = program.checkpoint_every or 0
+        mtbf_s = None if every else program.mtbf_s
+    keep = 3 if options.keep_checkpoints is None else options.keep_checkpoints
+    fail_at = [faults.parse_fail_at(t) for t in options.fail_at]
+    fail_persist = faults.parse_fail_persist(options.fail_persist) if options.fail_persist else None
+    from runtime.resilience import sdc  # lazy: loads torch
+    # lazy: loads torch
+    from runtime.resilience.checkpoint.delta import FULL_EVERY, _zstd
+
+    compression = options.checkpoint_compression or "none"
+    full_every = options.checkpoint_full_every or FULL_EVERY
+    if compression == "lossless":
+        _zstd()  # a missing zstandard is a clear error here, not in the first persist
+    sdc_every = options.sdc_every
+    if sdc_every is None:
+        sdc_every = sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every
+    if sharded:  # a plan of an older compile may still name one: it could not see anything
+        sdc_every = 0
+    flips = [faults.parse_flip_bit(t) for t in options.flip_bit]
+    from runtime.resilience import memtier  # lazy: loads torch
+
+    memory_settings = memtier.settings_from(program.memory_tier, options) if use_ckpt else None
+    if memory_settings is not None and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
+        from runtime.parallel.tensor_parallel import memory_tier_refusal
+
+        raise LaunchError(memory_tier_refusal(memory_settings.mode, program.tensor_parallel))
+    if use_ckpt:
+        ck.check_writable(ckpt_dir)
+    # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
+    import torch
+    # lazy: loads torch
+    import torch.distributed as dist
+
+    # lazy: loads torch
+    from runtime.execute.schedule import schedule_text
+    from runtime.parallel.grad_sync import create_groups  # lazy: loads torch
+    from runtime.execute.train import RankTrainer  # lazy: loads torch
+
+    # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
+    # file constants] in runtime/program/entry_files.py).
+    check_rank_file(folder, program, rank)
+
+    steps = program.steps_to_train if steps is None else steps
+    run_dir = run_dir or os.path.join(folder, "run")
+    timeout = timedelta(seconds=float(program.collective_timeout_s))
+    # lazy: loads torch
+    from runtime.execute.train import seed_host_generators
+
+    seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/execute/train.py
+
+    if program.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(program.device)
+    # A caller that already set up the default group (a test driver, a notebook) keeps it.
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(program.backend, rank=rank, world_size=world, timeout=timeout,
+                                store=_worker_store(rank, world, timeout))
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
+        raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
+                          f"{dist.get_world_size()}, the program wants rank {rank} of {world}")
+    # On an error nothing below is unwound politely: main() exits hard (Note [no hangs]).
+    layout = program.layout
+    groups = create_groups(layout, rank, timeout=timeout)
+    trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
+    if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
+        from runtime.resilience.checkpoint.shared import check_shared
+        # lazy: loads torch
+        from runtime.resilience.memtier import hosts_of_ranks
+
+        check_shared(ckpt_dir, rank, hosts_of_ranks(world, options.hosts), device)
+    quiet = options.quiet
+    if rank == 0:
+        print(f"program {program.plan_hash}: {world} ranks, {program.num_stages} "
+              f"stages x dp {program.dp}, {steps} steps\n" + ("" if quiet else schedule_text(program)),
+              end="", flush=True)
+    start_step = 0
+    checkpointer = None
+    if use_ckpt:
+        # lazy: loads torch
+        from runtime.resilience.checkpoint import Checkpointer
+        # lazy: loads torch
+        from runtime.resilience.recovery import recover, recover_any
+
+        memory = None
+        if memory_settings is not None:  # created before the Checkpointer's group, on every rank
+            memory = memtier.MemoryTier(trainer, memory_settings, ckpt_dir=ckpt_dir, timeout=timeout,
+                                        run_dir=run_dir)
+            memory = memory if memory.enabled else None  # no room in shared memory: disk only (warned)
+            start_step = recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
+        else:
+            start_step = recover(trainer, ckpt_dir)
+        if start_step > steps:  # resuming would train nothing and save the resumed state as final
+            if owns_group:  # nothing runs on it any more, every rank refuses alike: leave it clean
+                dist.destroy_process_group()
+            raise ResumeBeyondStepsError(
+                f"--steps {steps}: the checkpoint to resume from in {ckpt_dir} is at step {start_step}, "
+                f"past it; pass --steps {start_step + 1} or more to continue, or another --checkpoint-dir "
+                "to start over")
+        checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
+                                    timeout=timeout, start_step=start_step,
+                                    persist_fault=fail_persist, compression=compression, full_every=full_every,
+                                    stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
+    before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir),
+                         faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir))
+    _at["ckpt_dir"] = ckpt_dir if use_ckpt else None
+    after_step = checkpointer.after_step if checkpointer else None
+    if use_ckpt and memory is not None:
+        before_step = _chain(memory.fault_hook(), before_step)
+        after_step = _chain(memory.after_step, after_step)
+    check = None  # Note [replica digests] in runtime/resilience/sdc.py: before the checkpoint points of a step
+    if sdc_every and program.dp > 1:
+        check = sdc.ReplicaCheck(trainer, sdc_every, run_dir=run_dir, last_step=steps,
+                                 also_at=checkpointer.due if checkpointer else None, start_step=start_step)
+        after_step = _chain(check.after_step, after_step)
+    log_every = (options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
+    from runtime.observe import memory as peak  # lazy: loads torch
+
+    measured = device.type == "cuda" or peak.requested(options.measure_memory)
+    meter = peak.PeakMemory(trainer).start() if measured else None
+    if meter is not None:
+        after_step = meter.unmeasured(after_step)
+    while True:
+        try:
+            losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
+                                 before_step=before_step, after_step=after_step)
+            break
+        except sdc.SilentDataCorruption as exc:  # on every rank alike: roll back together, train on
+            start_step = sdc.roll_back(trainer, exc, ckpt_dir=ckpt_dir if use_ckpt else None,
+                                       checkpointer=checkpointer, memory=memory if use_ckpt else None, check=check)
+    if check is not None:
+        check.finish()
+    if meter is not None:
+        meter.stop()
+        peak.report(meter, folder=folder, rank=rank, run_dir=run_dir)
+    if checkpointer is not None:
+        checkpointer.finish()
+        if memory is not None:
+            memory.finish()  # after the last disk checkpoint is committed: then the memory tier goes
+    trainer.save_final()
+    if owns_group:
+        dist.destroy_process_group()
+    return losses

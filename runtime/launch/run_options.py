@@ -1,0 +1,298 @@
+"""The flags a run takes, as one table (``FLAGS``) and one frozen ``RunOptions``: `partitioner run`
+and every rank's train.py (``runtime.launch.rank.main``) parse the same table, check the same way, and
+refuse a flag they do not know.
+
+Note [one flag table]: a run flag is declared once, here, with the side that takes it: "both"
+(`partitioner run` checks it and passes it on to every rank's train.py), "run" (`partitioner run`
+only: torchrun's) or "rank" (train.py only). ``RunOptions`` checks every value that needs no
+program when it is built (``__post_init__``) and what needs the program's world size, sharding and
+steps in ``check_for``; `partitioner run` calls both before torchrun starts, so a mistake costs no
+worker start-up, and each rank calls them again on the same text (``to_argv`` writes it), so a
+train.py started by hand is held to the same rules. An unknown flag is refused with the nearest
+known one, never dropped: a misspelt ``--chekpoint-every 5`` would otherwise train with the plan's
+cadence and say nothing.
+
+No torch at import: `partitioner run --help` and a usage error answer in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Callable
+from runtime.resilience import faults
+
+
+class FlagError(ValueError):
+    """A run flag the table does not know, or a value it refuses: the message names both and the fix."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str                          # "--checkpoint-every"
+    type: Callable | None              # int, float or str; None: a switch
+    help: str
+    side: str = "both"                 # "both" | "run" | "rank" (Note [one flag table])
+    choices: tuple[str, ...] = ()
+    repeat: bool = False               # may be given several times (a list)
+    exclusive: str | None = None       # flags sharing this name exclude each other
+    short: str | None = None           # "-q"
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+MEMORY_TIER_MODES = ("off", "auto", "none", "copy", "parity")
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--steps", int, "train until this many steps are done (default: the plan's steps)"),
+    Flag("--checkpoint-dir", str, "where checkpoints go (default DIR/checkpoints)"),
+    Flag("--run-dir", str, "where metrics.jsonl and final/ go (default DIR/run)"),
+    Flag("--checkpoint-every", int, "checkpoint every K steps (0: only the last; default: the plan's)",
+         exclusive="cadence"),
+    Flag("--mtbf", str, "mean time between failures (e.g. 6h): the interval by Young/Daly from the measured "
+         "snapshot stall", exclusive="cadence"),
+    Flag("--keep-checkpoints", int, "keep the newest N checkpoints (default 3)"),
+    Flag("--no-checkpoint", None, "neither resume from nor write checkpoints", side="rank"),
+    Flag("--max-restarts", int, "torchrun restarts of the whole job after a rank dies (default 0)", side="run"),
+    Flag("--fail-at", str, "RANK:STEP[:exit|kill|hang] (fault injection, first attempt)", repeat=True),
+    Flag("--fail-persist", str, "RANK:STEP:BYTES: kill RANK after BYTES bytes of its shard of checkpoint STEP "
+         "(fault injection, first attempt)"),
+    Flag("--checkpoint-compression", str, "lossless: each tensor a zstd'd XOR delta against the previous "
+         "checkpoint, a full one every --checkpoint-full-every (8)", choices=("none", "lossless")),
+    Flag("--checkpoint-full-every", int, "with lossless: a full checkpoint every K (default 8)"),
+    Flag("--flip-bit", str, "RANK:STEP[:TENSOR]: flip one bit of a parameter before STEP (silent data "
+         "corruption drill, first attempt)", repeat=True),
+    Flag("--sdc-every", int, "compare the replicas' digests every K steps (0: never; default: the plan's)"),
+    Flag("--collective-timeout", float, "seconds every collective may wait (default: the plan's)"),
+    Flag("--memory-tier", str, "in-memory checkpoints every step in host shared memory, with redundancy across "
+         "hosts: none (own host only), copy (a peer holds a full copy), parity (XOR over a group) "
+         "(default: the plan's choice)", choices=MEMORY_TIER_MODES),
+    Flag("--memory-every", int, "memory snapshot every K steps (default 1)"),
+    Flag("--parity-group", int, "hosts per parity group (default: the plan's)"),
+    Flag("--hosts", str, "host of each rank, e.g. 0,0,1,1 (default $PARTITIONER_HOSTS, else LOCAL_WORLD_SIZE "
+         "ranks a host)"),
+    Flag("--memory-dir", str, "the memory tier's shared-memory folder (default /dev/shm)"),
+    Flag("--fail-host", str, "HOST:STEP: kill every rank of HOST before STEP and wipe its memory tier (fault "
+         "injection, first attempt)", repeat=True),
+    Flag("--measure-memory", None, "measure each rank's peak memory and print it next to the plan's prediction "
+         "(RUN_DIR/memory_rank_<r>.json; always on with CUDA; on CPU also $PARTITIONER_MEASURE_MEMORY=1)"),
+    Flag("--quiet", None, "rank 0 prints every Nth step and the final summary only (no schedule table)",
+         short="-q"),
+    Flag("--log-every", int, "with --quiet: the step lines' interval (default: about 10 lines per run)",
+         metavar="N"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What one run was asked for on its command line (``FLAGS``; None: not given, the plan decides)."""
+
+    steps: int | None = None
+    checkpoint_dir: str | None = None
+    run_dir: str | None = None
+    checkpoint_every: int | None = None
+    mtbf: str | None = None
+    keep_checkpoints: int | None = None
+    no_checkpoint: bool = False
+    max_restarts: int = 0
+    fail_at: tuple[str, ...] = ()
+    fail_persist: str | None = None
+    checkpoint_compression: str | None = None
+    checkpoint_full_every: int | None = None
+    flip_bit: tuple[str, ...] = ()
+    sdc_every: int | None = None
+    collective_timeout: float | None = None
+    memory_tier: str | None = None
+    memory_every: int | None = None
+    parity_group: int | None = None
+    hosts: str | None = None
+    memory_dir: str | None = None
+    fail_host: tuple[str, ...] = ()
+    measure_memory: bool = False
+    quiet: bool = False
+    log_every: int | None = None
+
+    def __post_init__(self):
+        for name in ("fail_at", "flip_bit", "fail_host"):
+            object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+        _check_values(self)
+
+    # -- parsing and writing ---------------------------------------------------------------------
+
+    @staticmethod
+    def parse(argv: list[str], *, side: str = "rank", prog: str = "train.py") -> "RunOptions":
+        """``argv`` read by the table's flags of ``side``; an unknown flag is a FlagError naming it
+        and the nearest known flag."""
+        parser = argparse.ArgumentParser(prog=prog, description="train this program's rank", allow_abbrev=False)
+        add_flags(parser, side)
+        known, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise FlagError(unknown_flag_message(unknown, flag_names(side), prog))
+        return RunOptions.from_namespace(known)
+
+    @staticmethod
+    def from_namespace(namespace) -> "RunOptions":
+        given = {f.dest: getattr(namespace, f.dest) for f in FLAGS if getattr(namespace, f.dest, None) is not None}
+        return RunOptions(**given)
+
+    def to_argv(self) -> list[str]:
+        """These options as train.py's flags: the ones given, of the sides a rank takes."""
+        out: list[str] = []
+        for flag in FLAGS:
+            if flag.side == "run":
+                continue
+            value = getattr(self, flag.dest)
+            if flag.type is None:
+                out += [flag.name] if value else []
+            elif flag.repeat:
+                for each in value:
+                    out += [flag.name, str(each)]
+            elif value is not None:
+                out += [flag.name, str(value)]
+        return out
+
+    def replace(self, **changes) -> "RunOptions":
+        return dataclasses.replace(self, **changes)
+
+    # -- what the options mean -------------------------------------------------------------------
+
+    @property
+    def mtbf_s(self) -> float | None:
+        from runtime.resilience.checkpoint.interval import parse_duration_s  # only when given: keeps --help light
+
+        return None if self.mtbf is None else parse_duration_s(self.mtbf)
+
+    def host_list(self) -> list[int] | None:
+        return None if self.hosts is None else [int(h) for h in self.hosts.split(",")]
+
+    def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None) -> None:
+        """The checks that need the program: every named rank exists, every fault fires, nothing
+        asks a sharded program for the replica check. ``steps``: the steps this run trains, when
+        known (default: --steps)."""
+
+        steps = self.steps if steps is None else steps
+        last = f"0..{world_size - 1}"
+        for text in self.fail_at:
+            fault = faults.parse_fail_at(text)
+            if not 0 <= fault.rank < world_size:  # it would never fire
+                raise FlagError(f"--fail-at {text}: rank {fault.rank} does not exist, the program runs "
+                                f"{world_size} ranks: give a rank in {last}")
+            if fault.step < 0 or (steps is not None and fault.step >= steps):
+                where = f"0..{steps - 1} (--steps {steps})" if steps is not None else ">= 0"
+                raise FlagError(f"--fail-at {text}: step {fault.step} is never reached, so the fault never "
+                                f"fires: give a step in {where}")
+        if sharded and (self.flip_bit or (self.sdc_every or 0) > 0):
+            from runtime.resilience.sdc import sharded_refusal  # Note [no replica check on sharded state]; torch: when asked
+
+            raise FlagError(sharded_refusal(f"--flip-bit {self.flip_bit[0]}" if self.flip_bit
+                                            else f"--sdc-every {self.sdc_every}"))
+        for text in self.flip_bit:
+            flip = faults.parse_flip_bit(text)
+            if flip.rank >= world_size or (steps is not None and flip.step >= steps):
+                raise FlagError(f"--flip-bit {text}: rank {flip.rank} step {flip.step} is never reached (the "
+                                f"program runs {world_size} ranks{f' for {steps} steps' if steps else ''})")
+        if self.hosts is not None:
+            hosts = self.host_list()
+            if len(hosts) != world_size:
+                example = ",".join(str(r * 2 // world_size) for r in range(world_size))
+                raise FlagError(f"--hosts {self.hosts}: give the host of each of the {world_size} ranks, comma-"
+                                f"separated (e.g. {example})")
+
+
+def _check_values(o: RunOptions) -> None:
+    """Each value on its own (no program needed); FlagError naming the flag, the value and the fix."""
+
+    def at_least(name: str, low, fix: str):
+        value = getattr(o, name)
+        if value is not None and not value >= low:
+            raise FlagError(f"--{name.replace('_', '-')} {value}: {fix}")
+
+    at_least("steps", 1, "train at least 1 step (e.g. --steps 20)")
+    at_least("max_restarts", 0, "give 0 (no restarts) or more")
+    at_least("checkpoint_every", 0, "must be a number of steps >= 0 (0: only the last)")
+    at_least("keep_checkpoints", 1, "keep at least 1")
+    at_least("checkpoint_full_every", 1, "give 1 or more (1: every checkpoint full)")
+    at_least("sdc_every", 0, "give a number of steps >= 0 (0: no replica check)")
+    at_least("memory_every", 1, "snapshot every 1 or more steps")
+    at_least("parity_group", 2, "a parity group holds 2 or more hosts")
+    at_least("log_every", 1, "print every 1 or more steps")
+    if o.collective_timeout is not None and not o.collective_timeout > 0:
+        raise FlagError(f"--collective-timeout {o.collective_timeout}: give seconds > 0 "
+                        "(e.g. --collective-timeout 300)")
+    if o.checkpoint_every is not None and o.mtbf is not None:
+        raise FlagError(f"--checkpoint-every {o.checkpoint_every} and --mtbf {o.mtbf}: give one (--mtbf picks "
+                        "the interval)")
+    if o.checkpoint_compression not in (None, "none", "lossless"):
+        raise FlagError(f"--checkpoint-compression {o.checkpoint_compression}: give none or lossless")
+    if o.memory_tier not in (None,) + MEMORY_TIER_MODES:
+        raise FlagError(f"--memory-tier {o.memory_tier}: give one of {', '.join(MEMORY_TIER_MODES)}")
+    if o.log_every is not None and not o.quiet:
+        raise FlagError(f"--log-every {o.log_every} thins the step lines of --quiet: add --quiet")
+    o.mtbf_s  # noqa: B018 - parsed now: a bad duration fails here, not in every worker
+    for text in o.fail_at:
+        faults.parse_fail_at(text)
+    if o.fail_persist is not None:
+        faults.parse_fail_persist(o.fail_persist)
+    for text in o.flip_bit:
+        faults.parse_flip_bit(text)
+    for text in o.fail_host:
+        faults.parse_fail_host(text)
+    if o.hosts is not None:
+        try:
+            hosts = o.host_list()
+        except ValueError:
+            hosts = [-1]
+        if min(hosts) < 0:
+            raise FlagError(f"--hosts {o.hosts}: give the host of each rank as whole numbers >= 0, comma-separated "
+                            "(e.g. 0,0,1,1)")
+
+
+# -- the table as argparse flags ------------------------------------------------------------------
+
+
+def flags_of(side: str) -> tuple[Flag, ...]:
+    """The flags ``side`` ("run": `partitioner run`, "rank": train.py) takes."""
+    return tuple(f for f in FLAGS if f.side in ("both", side))
+
+
+def flag_names(side: str) -> list[str]:
+    return [f.name for f in flags_of(side)] + [f.short for f in flags_of(side) if f.short]
+
+
+def add_flags(parser: argparse.ArgumentParser, side: str) -> None:
+    """Every flag of ``side`` on ``parser``, with no defaults: a flag not given stays None, so the
+    plan's value applies (``RunOptions``'s defaults)."""
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for flag in flags_of(side):
+        target = parser
+        if flag.exclusive:
+            if flag.exclusive not in groups:
+                groups[flag.exclusive] = parser.add_mutually_exclusive_group()
+            target = groups[flag.exclusive]
+        names = [flag.short, flag.name] if flag.short else [flag.name]
+        kwargs: dict = {"help": flag.help, "dest": flag.dest}
+        if flag.type is None:
+            kwargs.update(action="store_true", default=None)
+        else:
+            kwargs.update(type=flag.type, action="append" if flag.repeat else "store")
+            if flag.choices:
+                kwargs["choices"] = list(flag.choices)
+            if flag.metavar:
+                kwargs["metavar"] = flag.metavar
+        target.add_argument(*names, **kwargs)
+
+
+def unknown_flag_message(unknown: list[str], known: list[str], prog: str) -> str:
+    """One line: the first unknown flag (or stray word), the nearest known flag, and where the list is."""
+    flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+    name = flag.split("=", 1)[0]
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if not name.startswith("-"):
+        return f"{prog}: unexpected argument {name!r}: flags take one value each (see {prog} --help)"
+    hint = f"did you mean {near[0]}?" if near else f"see {prog} --help for the flags"
+    return f"{prog}: unknown flag {name}: {hint}"

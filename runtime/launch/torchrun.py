@@ -1,0 +1,246 @@
+"""Launching a program under torchrun on this host: the command line, its environment, a free port.
+
+The one place that builds torchrun commands: `partitioner run`, `partitioner verify`, the tests and
+the benchmarks all launch through here, so a fix to how we launch (docs/design.md §2: the shared
+rendezvous store) lands everywhere at once. Standard library only: generated programs and the
+compiler both import it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (single-host runs bind loopback only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(script: str | Path, nproc: int, *, args: Sequence[str] = (),
+                     max_restarts: int = 0, store_port: int | None = None) -> list[str]:
+    """``torchrun`` of ``script`` (a .py path, or ``-m package.module``) with ``nproc`` workers on
+    this host; everything binds to 127.0.0.1 (docs/design.md §7). ``store_port``: the rendezvous
+    store this process hosts (``hosted_store``), so the agent listens on nothing (Note [loopback
+    only]); without it the agent hosts the store, and torch binds that one on every interface."""
+    target = ["-m", str(script)[3:]] if str(script).startswith("-m ") else [str(script)]
+    port = store_port if store_port is not None else free_port()
+    conf = ["--rdzv-conf", "is_host=false"] if store_port is not None else []
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *conf,
+            "--max-restarts", str(max_restarts), *target, *map(str, args)]
+
+
+def command_text(nproc: int, script: str) -> str:
+    """The torchrun line a person types, for messages and generated files' headers."""
+    return f"torchrun --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 {script}"
+
+
+def run_env(*, pythonpath: str | None = None) -> dict:
+    """The environment for torchrun: this process's, plus what makes restarts work.
+
+    ``pythonpath`` goes first on PYTHONPATH, so workers import the same checkout as the caller
+    (tests and benchmarks pass the repository root)."""
+    env = dict(os.environ)
+    # torchrun restarts with gloo hang on a stale shared store unless this is set (docs/design.md §2).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # Ranks share this host's cores: torch's default of one thread per core oversubscribes them.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Single-host runs: gloo (and tensorpipe) bind the loopback interface, not what the hostname
+    # resolves to (Note [loopback only]).
+    env["GLOO_SOCKET_IFNAME"] = env["TP_SOCKET_IFNAME"] = loopback_interface()
+    # The program folder is not an import root: `python train.py` would put it first on sys.path,
+    # ahead of torch and runtime (docs/design.md §12); train.py and rank files also drop it.
+    env["PYTHONSAFEPATH"] = "1"
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [loopback only]: a single-host run listens on 127.0.0.1 and nothing else. torch's TCPStore
+# server binds every interface (``::``) whatever host it is given, so nobody lets torch create a
+# listening store: the rendezvous store torchrun's agent would host is hosted by the launching
+# process instead (``hosted_store``, the agent joins it with ``--rdzv-conf is_host=false``), and
+# rank 0's store for init_process_group is created by runtime/launch/rank.py from a socket bound to
+# 127.0.0.1 (``loopback_store``, TCPStore's ``master_listen_fd``). gloo binds the interface
+# GLOO_SOCKET_IFNAME names, set to the loopback interface in ``run_env``. Multi-host runs
+# (the command `partitioner run` prints) assume a trusted network: README "Trust model".
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_interface() -> str:
+    """The name of the loopback interface ("lo" on Linux, "lo0" elsewhere)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
+
+
+def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: float = 300):
+    """A TCPStore server listening on 127.0.0.1:``port`` only (Note [loopback only])."""
+    # lazy: loads torch
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    # The store's server takes the descriptor over: detached, the socket object won't close it.
+    return dist.TCPStore(LOOPBACK, port, world_size, True, timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
+
+
+class hosted_store:
+    """``with hosted_store() as port:`` a rendezvous store for torchrun's agent on 127.0.0.1:port,
+    served by this process (pass ``store_port=port`` to ``torchrun_command``)."""
+
+    def __enter__(self) -> int:
+        self.store = loopback_store()
+        return self.store.port
+
+    def __exit__(self, *exc) -> None:
+        del self.store
+
+
+def listening_ports() -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket on this host, from /proc/net/tcp{,6}."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 3 and cols[3] == "0A":  # TCP_LISTEN
+                addr, port = cols[1].split(":")
+                found.append((addr, int(port, 16)))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [process groups]: torchrun runs in its own session, and its workers each in their own
+# (torch.distributed.elastic starts them with start_new_session). `partitioner run` forwards
+# SIGTERM/SIGINT to the agent's group, and the agent stops its workers; on a timeout, or when the
+# agent does not stop them in ``grace_s``, every process below the agent is killed, so no worker
+# keeps training into the folder after the command returns.
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return []
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_tree(proc: subprocess.Popen, *, grace_s: float = 10.0) -> None:
+    """SIGTERM the agent's process group and every process below it; SIGKILL what is left after
+    ``grace_s`` (Note [process groups])."""
+    seen = set(descendants(proc.pid))
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _signal(seen, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        seen |= set(descendants(proc.pid)) if proc.poll() is None else set()
+        if proc.poll() is not None and not any(_alive(p) for p in seen):
+            break
+        time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _signal([p for p in seen if _alive(p)], signal.SIGKILL)
+    proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: float | None = None,
+             capture: bool = False, grace_s: float = 10.0) -> subprocess.CompletedProcess:
+    """Run torchrun in its own session, forwarding SIGTERM/SIGINT to it; on ``timeout_s`` stop the
+    whole tree and raise subprocess.TimeoutExpired (Note [process groups])."""
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(list(command), env=env, stdout=pipe, stderr=pipe, text=True,
+                            start_new_session=True)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_tree(proc, grace_s=grace_s)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(command, timeout_s, output=out, stderr=err) from None
+        if forwarded:  # the agent has stopped; make sure its workers have too
+            stop_tree(proc, grace_s=grace_s)
+    except BaseException:
+        if proc.poll() is None:
+            stop_tree(proc, grace_s=grace_s)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess(list(command), proc.returncode, out, err)

@@ -1,0 +1,103 @@
+"""What each stage of a run measured: its forward, backward and loss seconds per microbatch (Note
+[stage times]).
+
+Note [stage times]
+    The step time alone cannot tell a slow stage from a slow schedule, so every rank also times
+    its stages' ``PipelineStage.forward_one_chunk`` (the stage module's forward) and
+    ``backward_one_chunk`` (its backward from the received gradient or the loss, a recomputed
+    region's rerun included): what the cost model's compute term prices. The schedule waits on
+    its receives before it calls either, so a wait for a neighbour is not in them. The loss
+    (the last stage's ``loss_fn``, outside the graph's regions) is timed apart. Two clock reads
+    a call. At the end of a run each rank writes RUN_DIR/stage_times_rank_<r>.json: per stage
+    it holds, the median over the run's steps after the first (as summary.json's step time, Note
+    [step time summary] in runtime/execute/train.py) of the step's seconds over its microbatches, and
+    the medians of the schedule and optimizer phases. `partitioner calibrate --from-run` refits
+    the machine profile from them (Note [refit from a run] in partitioner/calibrate/refit.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+FORMAT = "partitioner.stage-times/1"
+
+
+class StageTimes:
+    """Per-step sums of a rank's stage calls (Note [stage times])."""
+
+    def __init__(self, pipe_stages: Sequence, stage_ids: Sequence[int], num_microbatches: int):
+        self.stage_ids = tuple(stage_ids)
+        self.num_microbatches = num_microbatches
+        self.current = {s: [0.0, 0.0] for s in self.stage_ids}
+        self.loss_s = 0.0
+        self.steps: list[dict] = []
+        for stage_id, stage in zip(self.stage_ids, pipe_stages):
+            for name, slot in (("forward_one_chunk", 0), ("backward_one_chunk", 1)):
+                setattr(stage, name, self._timed(getattr(stage, name), stage_id, slot))
+
+    def _timed(self, call: Callable, stage_id: int, slot: int) -> Callable:
+        sums = self.current[stage_id]
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                sums[slot] += time.perf_counter() - start
+
+        return timed
+
+    def timed_loss(self, loss_fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                self.loss_s += time.perf_counter() - start
+
+        return timed
+
+    def begin_step(self) -> None:
+        for sums in self.current.values():
+            sums[0] = sums[1] = 0.0
+        self.loss_s = 0.0
+
+    def end_step(self, *, schedule_s: float, optimizer_s: float) -> None:
+        self.steps.append({"stages": {s: tuple(v) for s, v in self.current.items()}, "loss_s": self.loss_s,
+                           "schedule_s": schedule_s, "optimizer_s": optimizer_s})
+
+    def summary(self, *, rank: int, replica: int) -> dict | None:
+        """The run's figures (Note [stage times]), or None before any step."""
+        if not self.steps:
+            return None
+        steps = self.steps[1:] if len(self.steps) > 1 else self.steps  # the first pays for warm-up
+        m = self.num_microbatches
+
+        def median(values):
+            return statistics.median(values)
+
+        return {
+            "format": FORMAT, "rank": rank, "replica": replica, "num_microbatches": m, "timed_steps": len(steps),
+            "stages": [{"stage": s,
+                        "forward_s_per_microbatch": median([st["stages"][s][0] for st in steps]) / m,
+                        "backward_s_per_microbatch": median([st["stages"][s][1] for st in steps]) / m}
+                       for s in self.stage_ids],
+            "loss_s_per_microbatch": median([st["loss_s"] for st in steps]) / m,
+            "schedule_s": median([st["schedule_s"] for st in steps]),
+            "optimizer_s": median([st["optimizer_s"] for st in steps]),
+        }
+
+    def write(self, run_dir: str, *, rank: int, replica: int) -> str | None:
+        body = self.summary(rank=rank, replica=replica)
+        if body is None:
+            return None
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, f"stage_times_rank_{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(body, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+        return path

@@ -1,0 +1,20 @@
+"""Nothing is lost: the disk and memory tiers, start-up recovery, silent-data-corruption checks, and
+the fault points that drill them.
+
+checkpoint/         the disk tier, a package of rooms (its __init__ re-exports the names callers
+                    use): the shard format, state, durable writes, writers, deltas, the manifest,
+                    verified loads, the interval, the persist (Notes [checkpoint format], [crash
+                    consistency], [distributed commit])
+memtier/            the memory tier, a package of rooms: groups (hosts, redundancy, cost: what the
+                    compiler plans with), parity (XOR), slots (shared-memory slots, whole or absent),
+                    tier (``MemoryTier``: background copy, redundancy exchange; ``settings_from``)
+recovery.py         start-up recovery from the fastest tier that survived (``recover_any``): the
+                    memory cascade (own slot, peer copy, parity; Note [memory recovery]) and the
+                    disk's agreement on the newest valid checkpoint (``recover``, Note [recovery
+                    agreement])
+sdc.py              replica digests, the silent-data-corruption check and its rollback (Note
+                    [replica digests])
+faults.py           every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
+                    RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host
+                    HOST:STEP[:ATTEMPT]``, ``--flip-bit RANK:STEP[:TENSOR]``
+"""

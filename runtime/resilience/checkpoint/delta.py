@@ -1,0 +1,145 @@
+"""Lossless incremental checkpoints (``--checkpoint-compression lossless``).
+
+Note [lossless deltas]: between two checkpoints most bytes of the parameters and the Adam state
+change only in their low-order bits. A tensor is stored as the XOR of its bit pattern with the
+same tensor in the previous committed checkpoint (the base; none in a full checkpoint), cut into
+byte planes (every element's byte 0, then every byte 1, ...: the unchanged high bytes become long
+runs of zeros), compressed with zstd. The encoded shard has the same layout as any shard
+(runtime/resilience/checkpoint/shard.py): a uint8 tensor "enc/<key>" per encoded tensor, and its meta's
+"encoding" says the codec, the base step and, per key, dtype, shape, whether it is a delta and the
+sha256 of the original bytes. RNG states are stored as they are.
+
+Reading a delta reads its base first (the same name in the base checkpoint, wherever it is held:
+a reshard reads chains like anything else), XORs, and checks the reconstructed bytes against the
+sha256: a chain whose base is missing or corrupt is a CheckpointCorruptError, so recovery falls
+back as from any corrupt checkpoint. Every ``full_every``-th checkpoint is a full one, so a chain
+is never longer than that; a writer starts with a full one after a start or a rollback (it keeps
+the base in host memory). Retention keeps every base a kept checkpoint needs
+(runtime/resilience/checkpoint/manifest.py, ``prune``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from runtime.resilience.checkpoint.shard import _ST_BY_NAME, _ST_DTYPES, tensor_bytes
+from runtime.resilience.checkpoint.state import Snapshot
+from runtime.errors import CheckpointCorruptError
+
+CODEC = "xor-byteplanes-zstd/1"
+COMPRESSIONS = ("none", "lossless")
+FULL_EVERY = 8  # a full checkpoint every 8 (a chain reads at most 7 bases)
+LEVEL = 1  # zstd's fastest standard level: the planes of a delta are mostly zeros anyway
+
+
+def _zstd():
+    try:
+        # optional dependency: zstandard (the [compression] extra); the except below handles its absence
+        import zstandard
+    except ImportError:
+        raise ValueError("--checkpoint-compression lossless needs the zstandard package: "
+                         "pip install zstandard (or pass --checkpoint-compression none)") from None
+    return zstandard
+
+
+def _planes(raw: torch.Tensor, size: int) -> torch.Tensor:
+    """Byte k of every element, for k = 0..size-1 (numpy's strided slices: ~4x torch's transpose)."""
+    if size == 1:
+        return raw
+    x, n = raw.numpy(), raw.numel() // size
+    out = torch.empty(raw.numel(), dtype=torch.uint8)
+    o = out.numpy()
+    for k in range(size):
+        o[k * n:(k + 1) * n] = x[k::size]
+    return out
+
+
+def _unplanes(planes: torch.Tensor, size: int) -> torch.Tensor:
+    if size == 1:
+        return planes
+    x, n = planes.numpy(), planes.numel() // size
+    out = torch.empty(planes.numel(), dtype=torch.uint8)
+    o = out.numpy()
+    for k in range(size):
+        o[k::size] = x[k * n:(k + 1) * n]
+    return out
+
+
+def encode_tensor(t: torch.Tensor, base: torch.Tensor | None) -> bytes:
+    """zstd(byte planes(t XOR base)); ``base`` of the same shape and dtype, or None."""
+    raw = torch.frombuffer(tensor_bytes(t), dtype=torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    if base is not None:
+        raw = torch.bitwise_xor(raw, torch.frombuffer(tensor_bytes(base), dtype=torch.uint8))
+    planes = _planes(raw, t.element_size())
+    return _zstd().ZstdCompressor(level=LEVEL).compress(memoryview(planes.numpy()))
+
+
+def decode_tensor(blob, dtype: torch.dtype, shape, base: torch.Tensor | None) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = int(torch.Size(shape).numel()) * size
+    if isinstance(blob, torch.Tensor):  # a uint8 view of the shard's bytes
+        blob = tensor_bytes(blob)
+    data = _zstd().ZstdDecompressor().decompress(blob, max_output_size=nbytes)
+    if len(data) != nbytes:
+        raise ValueError(f"decompressed {len(data)} bytes, want {nbytes}")
+    raw = _unplanes(torch.frombuffer(bytearray(data), dtype=torch.uint8), size) if nbytes else \
+        torch.zeros(0, dtype=torch.uint8)
+    if base is not None:
+        raw = torch.bitwise_xor(raw, torch.frombuffer(tensor_bytes(base), dtype=torch.uint8))
+    return raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+def encode_snapshot(snap, base: dict[str, torch.Tensor] | None, base_step: int | None):
+    """The Snapshot ``snap`` with every tensor but the RNG states encoded (Note [lossless
+    deltas]); a delta against ``base`` (the previous committed checkpoint's tensors, by key) where
+    it holds the same key with the same shape and dtype."""
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    for key, t in snap.tensors.items():
+        if key.startswith("rng/"):
+            tensors[key] = t
+            continue
+        b = base.get(key) if base is not None else None
+        delta = b is not None and b.shape == t.shape and b.dtype == t.dtype
+        blob = encode_tensor(t, b if delta else None)
+        tensors["enc/" + key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else \
+            torch.zeros(0, dtype=torch.uint8)
+        entries[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "delta": delta, "sha256": _sha(t)}
+    # the base step even for a shard without deltas: retention reads the chain from the manifest,
+    # which records rank 0's
+    meta = {**snap.meta, "encoding": {"codec": CODEC, "base_step": base_step if base is not None else None,
+                                      "tensors": entries}}
+    return Snapshot(snap.step, snap.rank, tensors, meta, snap.stall_s)
+
+
+def decode_shard(tensors: dict[str, torch.Tensor], meta: dict, base_tensor, where: str) -> dict[str, torch.Tensor]:
+    """The original tensors of an encoded shard; ``base_tensor(key)`` fetches a delta's base
+    (reading the base checkpoint). Every reconstruction is checked against its sha256."""
+    enc = meta.get("encoding")
+    if not enc:
+        return tensors
+    if enc.get("codec") != CODEC:
+        raise CheckpointCorruptError(f"{where} is encoded with {enc.get('codec')!r}, not {CODEC!r}")
+    out = {k: v for k, v in tensors.items() if k.startswith("rng/")}
+    for key, e in enc["tensors"].items():
+        blob = tensors.get("enc/" + key)
+        if blob is None:
+            raise CheckpointCorruptError(f"{where} lacks the encoded tensor {key!r}")
+        dtype, shape = _ST_BY_NAME[e["dtype"]], [int(x) for x in e["shape"]]
+        base = base_tensor(key) if e["delta"] else None
+        if base is not None and (list(base.shape) != shape or base.dtype != dtype):
+            raise CheckpointCorruptError(f"{where}: the base of {key!r} is {tuple(base.shape)} {base.dtype}")
+        try:
+            t = decode_tensor(blob, dtype, shape, base)
+        except Exception as exc:  # noqa: BLE001 - any decode failure is corruption
+            raise CheckpointCorruptError(f"{where}: {key!r} does not decode ({exc})") from None
+        if _sha(t) != e["sha256"]:
+            raise CheckpointCorruptError(f"{where}: {key!r} reconstructed from its base fails its sha256")
+        out[key] = t
+    return out
