@@ -112,7 +112,7 @@ def writer_balance(root: str, steps: int) -> None:
 
 
 def sdc_overhead(root: str, folder: str) -> None:
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
     from partitioner.solver.sdc_cost import replica_check_s_per_step
 
     checks = [json.load(open(f"{root}/run_dp2/sdc_stats_rank_{r}.json")) for r in range(2)]

@@ -292,11 +292,12 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     import partitioner
     from partitioner.calibrate import calibrate
     from partitioner.config.cluster import ClusterSpec
-    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.frontend.analysis import analyze
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.models.builtin import load_workload
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, place_stages
-    from runtime.execute.pipeline_schedules import schedule_named
+    from runtime.program.schedules import schedule_named
     from runtime.execute.stage import build_stage
 
     torch.set_num_threads(1)
@@ -399,7 +400,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     from partitioner.config.cluster import ClusterSpec
     from partitioner.frontend.analysis import analyze
     from partitioner.models.builtin import load_workload
-    from runtime.execute.pipeline_schedules import schedule_named
+    from runtime.program.schedules import schedule_named
     from partitioner.codegen.split import split_graph
     from runtime.execute.stage import build_stage
 

@@ -74,7 +74,8 @@ def llama70b_problems():
     """{precision: (problem, cluster)} of compile_large.py's Llama-70B on 64 H100, as compile() builds them."""
     from compile_large import llama70b
 
-    from partitioner.frontend.analysis import annotate, build_problem, target_bytes_of, trace_keyed
+    from partitioner.frontend.analysis import annotate, target_bytes_of, trace_keyed
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.compiler import _param_elem_bytes
     from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
 

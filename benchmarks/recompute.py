@@ -47,7 +47,8 @@ def configs():
 def predicted(plan, workload, recompute: bool, profiles=()):
     """(step time s, peak bytes per stage) of the plan's assignment with or without its recompute."""
     from partitioner.config.cluster import ClusterSpec
-    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.frontend.analysis import analyze
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, place_stages
 

@@ -90,7 +90,8 @@ def main() -> None:
     import partitioner
     import runtime.execute.recompute as rc
     from benchmarks.recompute import configs
-    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.frontend.analysis import analyze
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec
     from partitioner.solver.problem import region_times_s
 

@@ -85,7 +85,7 @@ OPTIMIZERS: dict[str, str] = {}  # each side's optimizer_text
 
 
 def generated_program(folder: Path, steps: int) -> float:
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
     plan = Plan.load(folder)
     # Fresh run and checkpoint folders each time: the program would otherwise resume from the

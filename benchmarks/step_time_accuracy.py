@@ -70,7 +70,8 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     import partitioner
     from partitioner.calibrate import calibrate
     from partitioner.config.cluster import ClusterSpec
-    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.frontend.analysis import analyze
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.models.builtin import load_workload
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages

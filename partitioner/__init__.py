@@ -24,14 +24,13 @@ models/                   built-in workloads and the MODEL spec, Hugging Face co
 frontend/                 the workload traced and annotated (the passes), the PartitionProblem, what
                           the ranks will import of the user's code
 calibrate/                a fitted per-kind time model; this machine's cpu profile
-solver/                   the partition problem as plain numbers, solved and checked
+solver/                   the partition problem as plain numbers, solved and checked; the frozen Plan
 codegen/                  the back end: lowering passes and the program folder's text
 inspect/                  plans, checkpoints and programs for people; `verify` against the oracle
 cli/                      the `partitioner` command
 
 compiler.py               compile(): the straight list of named steps
 compiled.py               what compile() returns: the plan and what writing its program needs
-plan.py                   the frozen Plan: JSON, content hash
 errors.py                 the domain errors (runtime's re-exported)
 __main__.py               ``python -m partitioner``
 

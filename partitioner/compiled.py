@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from partitioner.inspect import table
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from partitioner.solver.problem import Assignment, PartitionProblem
 from partitioner.frontend.user_source import UserSources
 from partitioner.frontend.workload import Workload

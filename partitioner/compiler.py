@@ -26,14 +26,15 @@ import torch
 import torch.fx as fx
 
 from passes import ir
-from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, build_problem, target_bytes_of, trace_keyed
+from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed
+from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
 from partitioner.calibrate.machine import fill_fixed_costs
 from partitioner.config.cluster import ClusterSpec
 from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
 from partitioner.config.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
-from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
+from partitioner.solver.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.config.settings import Decisions, Request, TrainingSettings
 from partitioner.solver.candidates import validate_options
 from partitioner.solver.evaluate import evaluate
@@ -47,7 +48,7 @@ from partitioner.frontend.tp_support import check_tensor_parallel, grouped
 from partitioner.frontend.workload import Workload
 from passes.region_graph import region_table
 from runtime.execute import randomness
-from runtime.parallel.grad_norm import no_decay_names
+from runtime.execute.grad_norm import no_decay_names
 from runtime.resilience.memtier import memory_cost, plan_redundancy
 from runtime.program.parts import MemoryTierPlan, Precision
 

@@ -44,10 +44,10 @@ The program folder (written by partitioner/codegen/)
     DIR/rank_<r>.py      what rank r runs, as constants (STAGES, PIPELINE_RANKS,
                          DATA_PARALLEL_RANKS, ACTIONS, NUM_MICROBATCHES, MICROBATCH_SIZE, LAUNCH,
                          ...; checked against the program at start-up: Note [rank file constants]
-                         in runtime/program/entry_files.py), then one call: runtime.launch.rank.main(<its
-                         folder>, rank=r) (text: runtime.program.entry_files.rank_file_text(program, r))
+                         in runtime/launch/entry_files.py), then one call: runtime.launch.rank.main(<its
+                         folder>, rank=r) (text: runtime.launch.entry_files.rank_file_text(program, r))
     DIR/train.py         torchrun entry: runs rank_<RANK>.py; without RANK it exits naming the
-                         torchrun line (text: runtime.program.entry_files.train_file_text)
+                         torchrun line (text: runtime.launch.entry_files.train_file_text)
     DIR/run/             written by the run: metrics.jsonl, final/ (below)
     DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/resilience/checkpoint/)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from runtime.program.entry_files import write_entry_files
+from runtime.launch.entry_files import write_entry_files
 from runtime.program.spec import seal_folder
 from runtime.program.spec import Program
 from tests.drivers import RUN_MANY

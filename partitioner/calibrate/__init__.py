@@ -38,6 +38,7 @@ Note [per sample]
     plan with microbatches of 1 pays the per-op overhead once per microbatch, not 1/b of it.
 
 The room (``calibrate`` is measure + fit):
+    priced_problem.py  the annotated graph as the solver's PartitionProblem, priced per device kind
     features.py        a graph's terms of the fitted time model: FLOPs by kind, bytes, ops
     measure.py         every region and every distinct op timed here (Note [measuring a region])
     fitting.py         the non-negative least-squares fit of a profile to measured seconds

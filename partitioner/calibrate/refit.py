@@ -40,7 +40,7 @@ from pathlib import Path
 
 from partitioner.calibrate.machine import KIND, MachineProfile, Refit
 from partitioner.config.cluster import ClusterSpec
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from runtime.observe.stage_times import FORMAT
 
 _PROBE_S = 1e-3  # the overhead's second point of the linear solve

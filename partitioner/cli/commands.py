@@ -20,7 +20,7 @@ import partitioner
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 
 EXIT_USAGE = 2
@@ -335,7 +335,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_verify(args) -> int:
     # lazy: loads torch
-    from partitioner.inspect.verify import verify
+    from partitioner.cli.verify import verify
 
     folder = Path(args.dir)
     if not (folder / "plan.json").is_file():

@@ -5,7 +5,7 @@ DIR/plan.json          the plan, its hash, the "program" the runtime reads, ever
                        the solver's problem and assignment (what `inspect --node` prices moves with)
 DIR/stage_<k>.py       stage k's forward, one statement per op, with the model's source lines as comments
 DIR/rank_<r>.py        rank r: its stages, its pipeline and data-parallel peers, one call into runtime
-DIR/train.py           the torchrun entry: runs rank_<RANK>.py (both: runtime/program/entry_files.py)
+DIR/train.py           the torchrun entry: runs rank_<RANK>.py (both: runtime/launch/entry_files.py)
 DIR/weights/stage_<k>.safetensors   initial parameters keyed by their original names
 DIR/README.md          how to run it here and on N nodes
 ```
@@ -15,7 +15,6 @@ custom ops a stage calls (Note [custom ops travel]).
 
 The lowering passes over the traced graph live here too, in the order they run:
   lower.py        the back end's driver: retrace at the microbatch, split, program object, emit
-  randomness.py   every random op → a keyed draw (on the unpartitioned graph, before the split)
   boundary_dtypes.py  each value's dtype under the program's autocast (Note [boundaries in the autocast dtype])
   split.py        one GraphModule per pipeline stage, boundary tensors named for their module
   recompute.py    recomputed regions → checkpointed methods of the stage

@@ -15,9 +15,9 @@ import torch
 from partitioner.codegen.readme import readme_source
 from partitioner.codegen.split import StageGraph
 from partitioner.codegen.stage_code import stage_source
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from partitioner.solver import serialize
-from runtime.program.entry_files import entry_files
+from runtime.launch.entry_files import entry_files
 from runtime.program.spec import Program, file_digests, seal_plan
 
 

@@ -18,10 +18,11 @@ import torch
 import torch.fx as fx
 
 from passes import ir
-from partitioner.frontend.analysis import annotate, trace_keyed, updating_regions
+from partitioner.frontend.analysis import annotate, trace_keyed
+from partitioner.codegen.split import updating_regions
 from partitioner.codegen.tp_collectives import tensor_parallel_calls
 from partitioner.codegen import write_program
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from partitioner.codegen.boundary_dtypes import autocast_dtypes
 from partitioner.config.settings import program_optimizer
 from partitioner.codegen.recompute import checkpoint_regions
@@ -90,7 +91,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "mtbf_s": settings.mtbf_s,  # --mtbf's default
         "sdc_every": decisions.sdc_every,  # Note [replica digests] (runtime/resilience/sdc.py)
         # Note [mixed precision] (runtime/execute/precision.py), Note [global gradient norm]
-        # (runtime/parallel/grad_norm.py), Note [sharded optimizer state] (runtime/parallel/zero.py)
+        # (runtime/execute/grad_norm.py), Note [sharded optimizer state] (runtime/parallel/zero.py)
         "precision": decisions.precision,
         "clip_grad_norm": settings.clip_grad_norm,
         "shard_optimizer": decisions.shard_optimizer,

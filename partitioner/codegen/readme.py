@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 
 
 def readme_source(plan: Plan, plan_hash: str) -> str:

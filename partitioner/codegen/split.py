@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from passes import ir
+
 # Export's asserts check one example's metadata (device included); they do nothing for training.
 _DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -146,6 +148,18 @@ def mutated_buffers(gm: fx.GraphModule) -> dict[str, list[str]]:
             if attr is not None:
                 out.setdefault(attr.target, []).append(node.name)
     return out
+
+
+def updating_regions(gm: fx.GraphModule) -> set[str]:
+    """Names of the regions holding a node that updates a buffer in place (BatchNorm's running
+    statistics).
+
+    Note [recompute never updates twice]: recomputing such a region in backward would run its
+    update a second time (running statistics counted twice per microbatch). The problem prices
+    its recompute as saving nothing, so the solver, which pays the extra forward, never picks it,
+    and lowering (partitioner/codegen/lower.py) does not checkpoint it even if a hand-made plan asks to."""
+    updaters = {name for names in mutated_buffers(gm).values() for name in names}
+    return {ir.get(n, ir.REGION).name for n in gm.graph.nodes if n.name in updaters}
 
 
 def check_mutable_buffers(gm: fx.GraphModule, node_stage: dict[str, int]) -> None:

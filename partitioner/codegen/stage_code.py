@@ -56,8 +56,8 @@ from passes import ir
 from partitioner.codegen.recompute import MethodRef
 from partitioner.codegen.split import StageGraph
 from partitioner.inspect.units import human_bytes
-from partitioner.plan import Plan
-from runtime.execute.pipeline_schedules import schedule_named
+from partitioner.solver.plan import Plan
+from runtime.program.schedules import schedule_named
 from runtime.execute.recompute import checkpointed
 
 

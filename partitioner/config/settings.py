@@ -134,7 +134,7 @@ TRAINING_SCHEMA = {
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
     "pretrained": _string,
-    # Global gradient-norm clipping (Note [global gradient norm] in runtime/parallel/grad_norm.py); None: off.
+    # Global gradient-norm clipping (Note [global gradient norm] in runtime/execute/grad_norm.py); None: off.
     "clip_grad_norm": _optional(_positive),
     "precision": _choice(tuple(p.value for p in Precision)),  # Note [mixed precision]
     "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
@@ -167,7 +167,7 @@ class TrainingSettings:
     sdc_every: int | None = None        # None: sdc_cost.default_every(dp) (Note [replica digests])
     mtbf_s: float | None = None         # the checkpoint interval by Young/Daly
     memory_tier: MemoryTierPlan | None = None  # the request (mode auto|none|copy|parity); Decisions has the layout
-    clip_grad_norm: float | None = None  # Note [global gradient norm] in runtime/parallel/grad_norm.py; None: off
+    clip_grad_norm: float | None = None  # Note [global gradient norm] in runtime/execute/grad_norm.py; None: off
     precision: Precision | None = None  # None: Precision.default_for the cluster's first device kind
     no_weight_decay: str | tuple[str, ...] = "default"  # "default", "none" or fnmatch patterns (Note [no weight decay])
     model_spec: str | None = None       # how `partitioner verify` rebuilds the model (the CLI sets it)

@@ -7,7 +7,7 @@ index's replicas all-reduce and digest their own pieces), ZeRO-1 (each tensor in
 shard the optimizer state of their local tensors, Note [sharded state with tensor parallelism]
 in runtime/resilience/checkpoint/tp_pieces.py), keyed dropout, tied embeddings and gradient clipping (the
 global norm counts a split gradient's pieces once each and a replicated one on tensor index 0
-only, runtime/parallel/grad_norm.py). Not yet with it, and refused here rather than at the first step: the
+only, runtime/execute/grad_norm.py). Not yet with it, and refused here rather than at the first step: the
 in-memory checkpoint tier (its slots and parity groups copy whole-rank state along replica
 groups that do not know tensor groups; refused at run time too, runtime/launch/rank.py).
 """

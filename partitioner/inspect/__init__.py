@@ -1,5 +1,4 @@
-"""Plans, checkpoints and programs for people: what `partitioner inspect` and `verify` print, one
-module per view.
+"""Plans and checkpoints for people: what `partitioner inspect` prints, one module per view.
 
 Everything here reads plan.json or a checkpoint folder only (plain data, no model, nothing
 executed): a plan copied off a cluster can be inspected anywhere.
@@ -14,8 +13,6 @@ executed): a plan copied off a cluster can be inspected anywhere.
     explain.py      `inspect --node`: where a node sits and what moving it costs, priced by the
                     solver on the problem plan.json stores
     checkpoints.py  `inspect CKPT_DIR` / `--checkpoints`: valid or why not, and what a resume picks
-    verify.py       `verify`: the program trained beside the one-process oracle, compared (this one
-                    runs the program: torch and torchrun)
 """
 
 from partitioner.inspect import checkpoints

@@ -24,7 +24,7 @@ from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 
 COST_MODEL = ("the solver's own cost model on the problem plan.json stores (Note [priced moves] in "

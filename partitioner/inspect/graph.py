@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from partitioner.inspect.units import escape, held, human_bytes, ms, si, stage_colour
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 
 def region_graph_edges(plan: Plan) -> list[tuple[int, int, str]]:

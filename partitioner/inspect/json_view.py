@@ -10,7 +10,7 @@ from partitioner.inspect.layout import layout_json
 from partitioner.inspect.table import balance, samples_per_s
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 
 def inspect_json(plan: Plan) -> dict:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from partitioner.inspect.units import render_columns
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 MAX_ROWS = 16  # a 1,024-rank plan's layout stays a screen; --json has every group
 

@@ -14,7 +14,7 @@ from partitioner.inspect.timeline import svg_timeline, timeline
 from partitioner.inspect.units import escape, held, human_bytes, ms, si, stage_colour
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 
 MEMORY_PARTS = (("weights", "params_bytes", "#4e79a7"), ("gradients", "grads_bytes", "#59a14f"),

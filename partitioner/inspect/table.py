@@ -9,7 +9,7 @@ from partitioner.inspect.layout import layout_lines
 from partitioner.inspect.units import GIB, byte_unit, held, human_bytes, ms, render_columns, si
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 
 def balance(plan: Plan) -> dict:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from partitioner.inspect.units import escape, ms, stage_colour
 
 if TYPE_CHECKING:  # annotations only
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
 
 def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float]]:

@@ -1,5 +1,6 @@
 """The partition solver: plain-number problem in, verified plan out (no torch import here).
 
+    plan.py             the frozen Plan (PlanRegion, PlanTie, ...): JSON round-trip, content hash
     problem.py          RegionCost / Edge / SharedParam / PartitionProblem, Assignment, the time model, links
     evaluate.py         evaluate(): the float cost model (Notes [cost model], [memory model])
     recompute_cost.py   what recomputing a region costs a microbatch (Note [recompute fixed cost])

@@ -49,7 +49,7 @@ class Candidate:
 
     @property
     def pipeline_schedule(self) -> PricedSchedule:
-        """Note [one class per schedule] in runtime/execute/pipeline_schedules.py."""
+        """Note [one class per schedule] in runtime/program/schedules.py."""
         return priced_schedule(self.schedule, self.local_stages)
 
     def assignment(self, stage_of_region, recompute, placement) -> Assignment:

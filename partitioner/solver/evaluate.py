@@ -24,7 +24,7 @@ Note [cost model]
                    or K = 0; partitioner/solver/sdc_cost.py). The ILP leaves it out: its callers
                    pass no sdc_every.
     * grad_norm  = the global gradient norm when the program computes it (clipping or fp16:
-                   Note [global gradient norm] in runtime/parallel/grad_norm.py): the slowest rank's norm
+                   Note [global gradient norm] in runtime/execute/grad_norm.py): the slowest rank's norm
                    pass over its gradient bytes + 2 (world - 1) * latency; 0 otherwise
                    (partitioner/solver/grad_norm_cost.py). Like sdc_check, outside the ILP.
     * step_time  = pipeline + dp_allreduce + sdc_check + grad_norm + sum of tie costs.
@@ -255,7 +255,7 @@ def evaluate(
     bottleneck = max(st.time_s for st in stage_costs)
     total = sum(st.time_s for st in stage_costs)
     pp = a.pipeline_ranks
-    # Note [one class per schedule] in runtime/execute/pipeline_schedules.py
+    # Note [one class per schedule] in runtime/program/schedules.py
     pipeline, dp_allreduce, rank_memory, rank_capacity = priced_schedule(a.schedule, a.local_stages).pipeline_terms(
         problem, a, stage_costs, dp_links, scale)
     state_bytes = [st.params_bytes + st.optimizer_bytes for st in stage_costs]

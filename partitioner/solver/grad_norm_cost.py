@@ -1,5 +1,5 @@
 """What the global gradient norm costs a step, when the program computes it (Note [global gradient
-norm] in runtime/parallel/grad_norm.py): with clipping on, or under fp16 loss scaling (its overflow test).
+norm] in runtime/execute/grad_norm.py): with clipping on, or under fp16 loss scaling (its overflow test).
 Otherwise the program makes no norm pass and no norm collective, and the term is 0.
 
 Every rank takes the 2-norm of each gradient it owns (one foreach kernel: a read of its gradient

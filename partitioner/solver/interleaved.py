@@ -66,7 +66,7 @@ Note [zero-bubble schedules]
 from __future__ import annotations
 
 # torch's rules for this schedule (its refusal, rounds, what a rank holds) live with the schedule
-# the runtime drives: runtime/execute/pipeline_schedules.py ``Interleaved`` (Note [one class per schedule]).
+# the runtime drives: runtime/program/schedules.py ``Interleaved`` (Note [one class per schedule]).
 __all__ = ["LOCAL_STAGE_OPTIONS", "pipeline_slots", "uniform_pipeline_s"]
 
 LOCAL_STAGE_OPTIONS = (2, 3, 4)  # v tried when SolverConfig.local_stages is None

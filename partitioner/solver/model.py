@@ -170,7 +170,7 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         self.problem, self.cluster, self.config = problem, cluster, config
         self.p, self.d, self.m, self.b = num_stages, dp, num_microbatches, microbatch_size
         self.schedule = schedule
-        # Note [one class per schedule] in runtime/execute/pipeline_schedules.py
+        # Note [one class per schedule] in runtime/program/schedules.py
         self.pipeline_schedule = priced_schedule(schedule, config.local_stages)
         self.v = self.pipeline_schedule.local_stages
         self.interleaved = self.v > 1  # several stages per rank: memory per rank (Note [interleaved pricing])

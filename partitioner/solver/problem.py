@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec, LinkSpec
-from runtime.execute.pipeline_schedules import SCHEDULES as RUNTIME_SCHEDULES
+from runtime.program.schedules import SCHEDULES as RUNTIME_SCHEDULES
 
 __all__ = [
     "RegionCost",

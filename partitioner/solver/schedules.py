@@ -1,5 +1,5 @@
 """The schedules as the solver prices them (Note [one class per schedule] in
-runtime/execute/pipeline_schedules.py): each runtime schedule plus its price, the pipeline's time in
+runtime/program/schedules.py): each runtime schedule plus its price, the pipeline's time in
 ``evaluate`` and its lower bound.
 
 GPipe and 1F1B are priced flat ((m - 1) x the slowest stage + the sum of the stages, Note [cost
@@ -15,7 +15,7 @@ from typing import ClassVar
 from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS, pipeline_slots
 from partitioner.solver.problem import (core_sharing_factor, microbatch_overhead_s, place_stages, plan_links,
                                        region_times_s)
-from runtime.execute.pipeline_schedules import GPipe, Interleaved, OneFOneB, PipelineSchedule
+from runtime.program.schedules import GPipe, Interleaved, OneFOneB, PipelineSchedule
 
 __all__ = ["priced_schedule", "PricedSchedule", "SCHEDULE_ORDER"]
 

@@ -44,7 +44,7 @@ def replica_check_s(state_bytes_per_stage: list[float], device_kinds: list[str],
 
 
 def replica_check_s_per_step(plan, every: int, *, latency_s: float = 50e-6) -> float:
-    """The check's cost per step of ``plan`` (a partitioner.plan.Plan) at K = ``every``; 0 without
+    """The check's cost per step of ``plan`` (a partitioner.solver.plan.Plan) at K = ``every``; 0 without
     data parallelism (nothing to compare) or with every = 0."""
     if every <= 0 or plan.dp < 2:
         return 0.0

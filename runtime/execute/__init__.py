@@ -5,8 +5,6 @@ stage.py            ``build_stage(folder, k, device)``: stage_<k>.py + weights -
 materialize.py      initial parameters of a model compiled on meta, made by the rank that holds
                     them (Note [materialize per rank])
 pretrained.py       a Hugging Face model's weights per rank: own init, or pretrained safetensors
-pipeline_schedules.py  each schedule torch runs, one class: its refusal, in-flight microbatches, action
-                    order (Note [one class per schedule])
 schedule.py         plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
                     and ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
 train.py            optimizer + LR schedule, randomness context per microbatch, gradient sync,
@@ -20,5 +18,6 @@ randomness.py       the keyed random ops stage files call (``randomness.dropout(
 recompute.py        ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
                     checkpointing with the same random draws (Note [recompute draws the
                     same randomness])
+grad_norm.py        the global gradient norm, clipping, the no-decay names (Note [global gradient norm])
 reference.py        ``train_reference(...)``: the one-process oracle with the same math
 """

@@ -1,7 +1,7 @@
 """Random ops keyed by meaning: what the generated stage files call instead of torch's dropout.
 
 Note [randomness keyed by meaning]: every random op of the traced graph is rewritten before the
-graph is split (partitioner/codegen/randomness.py, ``lower_randomness``) into a call of this module, named
+graph is split (partitioner/frontend/randomness.py, ``lower_randomness``) into a call of this module, named
 by the op's node name in the unpartitioned graph (``op="dropout_3"``). Each call draws from a
 generator seeded by
 

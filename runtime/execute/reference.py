@@ -20,7 +20,7 @@ import torch
 
 import math
 
-from runtime.parallel import grad_norm as gn
+from runtime.execute import grad_norm as gn
 from runtime.execute import randomness
 from runtime.data.synthetic import batch_inputs, with_constants
 from runtime.execute.precision import LossScaler, Precision, autocast, clip_coefficient, wrap_forward
@@ -66,7 +66,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
     model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
-        ``partitioner.codegen.randomness.keyed_graph``), or the list of stage modules
+        ``partitioner.frontend.randomness.keyed_graph``), or the list of stage modules
         (``runtime.execute.stage.build_stage``), whose same-named parameters are tied. Keyed random ops
         draw the runtime's masks in either; unkeyed ones only in the stage chain (Note
         [randomness per microbatch] in runtime/execute/train.py).
@@ -80,7 +80,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         left them (Note [buffers across replicas]).
     precision: the policy's autocast and fp16 loss scaling (Note [mixed precision] in
         runtime/execute/precision.py); clip_grad_norm: clip the global norm (Note [global gradient norm]
-        in runtime/parallel/grad_norm.py). grad_norms / skipped, when given, get each step's norm and
+        in runtime/execute/grad_norm.py). grad_norms / skipped, when given, get each step's norm and
         whether fp16 loss scaling skipped it.
     losses: per-step mean loss (Python floats of the fp32 values).
     final_state_dict: original name -> tensor, parameters (aliases of a tied parameter all

@@ -17,7 +17,7 @@ import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
-from runtime.execute.pipeline_schedules import Action, schedule_named
+from runtime.program.schedules import Action, schedule_named
 from runtime.program.spec import Program
 from runtime.execute.stage import example_args
 

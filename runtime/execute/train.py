@@ -70,7 +70,7 @@ from runtime.execute.stage import build_stage
 from runtime.observe.stage_times import StageTimes
 from runtime.program.user_code import resolve_callable
 from runtime.observe.watch import StepWatch
-from runtime.parallel.grad_norm import finish_step, param_groups
+from runtime.execute.grad_norm import finish_step, param_groups
 from runtime.execute.precision import LossScaler, autocast, step_context, wrap_forward
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def lr_factor(step: int, cfg: OptimizerSettings | dict) -> float:
 def make_optimizer(params, cfg: OptimizerSettings | dict, names: list[str] | None = None):
     """AdamW over ``params`` and its LambdaLR schedule. ``names`` (one per parameter, original
     names) put the parameters cfg.no_decay lists into a group without weight decay (Note [no
-    weight decay] in runtime/parallel/grad_norm.py); without names every parameter decays alike.
+    weight decay] in runtime/execute/grad_norm.py); without names every parameter decays alike.
     cfg.fused (default: on where torch has the kernel) or cfg.foreach pick the kernel. A dict is
     read as ``OptimizerSettings.from_dict`` (tests and the reference pass plain dicts)."""
     cfg = OptimizerSettings.coerce(cfg)
@@ -314,7 +314,7 @@ class RankTrainer:
         return float(loss_sum / (m * program.dp * program.tensor_parallel))  # every tensor rank holds the loss
 
     def finish_gradients_and_step(self) -> None:
-        """Sync, unscale, the global norm, clip, step or skip (runtime/parallel/grad_norm.py ``finish_step``)."""
+        """Sync, unscale, the global norm, clip, step or skip (runtime/execute/grad_norm.py ``finish_step``)."""
         self.last_grad_norm, self.last_skipped = finish_step(self, sync_gradients)
 
     def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,
@@ -355,7 +355,7 @@ class RankTrainer:
                     rate = program.global_batch / dt
                     record = {"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": rate, "lr": lr,
                               # null when not finite (an fp16 overflow: skipped); absent when the program
-                              # computes no norm (Note [global gradient norm] in runtime/parallel/grad_norm.py)
+                              # computes no norm (Note [global gradient norm] in runtime/execute/grad_norm.py)
                               **({} if self.last_grad_norm is None else {"grad_norm": self.last_grad_norm
                                   if math.isfinite(self.last_grad_norm) else None}),
                               **({"skipped": self.last_skipped, "loss_scale": self.scaler.scale}

@@ -1,5 +1,7 @@
-"""Start-up: a rank's one call, the run flags, and every torchrun launch on this host.
+"""Start-up: the entry files' text, a rank's one call, the run flags, and every torchrun launch on this host.
 
+entry_files.py      the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``),
+                    one emitter for codegen and hand-made test folders
 rank.py             ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the
                     one call of every rank_<r>.py (env, process groups, training, final save)
 run_options.py      the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and

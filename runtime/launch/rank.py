@@ -2,7 +2,7 @@
 
 Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), checks it
 against the plan, checks that rank_<r>.py states what this rank runs (Note [rank file constants]
-in runtime/program/entry_files.py), initializes the process group with the plan's backend and collective
+in runtime/launch/entry_files.py), initializes the process group with the plan's backend and collective
 timeout, creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
 
 Note [no hangs]: every collective and point-to-point operation runs under the plan's
@@ -23,7 +23,7 @@ import traceback
 from datetime import timedelta
 
 from runtime.resilience import faults
-from runtime.program.entry_files import check_rank_file
+from runtime.launch.entry_files import check_rank_file
 from runtime.errors import InputMismatchError
 from runtime.program.spec import Program, load_program
 from runtime.launch.run_options import FlagError, RunOptions
@@ -257,7 +257,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime.execute.train import RankTrainer  # lazy: loads torch
 
     # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
-    # file constants] in runtime/program/entry_files.py).
+    # file constants] in runtime/launch/entry_files.py).
     check_rank_file(folder, program, rank)
 
     steps = program.steps_to_train if steps is None else steps

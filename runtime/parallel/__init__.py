@@ -1,5 +1,4 @@
-"""The parallel axes at run time: tensor groups, data-parallel gradient sync, sharded optimizer state,
-the global gradient norm.
+"""The parallel axes at run time: tensor groups, data-parallel gradient sync, sharded optimizer state.
 
 tensor_parallel.py  a stage run by a tensor group: DTensor parameters, Megatron's collective points
                     (Note [tensor-parallel stages])
@@ -7,5 +6,4 @@ collective_bytes.py what tensor parallelism sends, counted at torch's functional
 grad_sync.py        the process groups every rank creates, tie and data-parallel gradient sync, buffer
                     broadcast
 zero.py             optimizer state sharded over the replicas, ZeRO-1 (Note [sharded optimizer state])
-grad_norm.py        the global gradient norm, clipping, the no-decay names (Note [global gradient norm])
 """

@@ -44,7 +44,7 @@ tp 2: 22 of 24 collectives bf16, 0.55x fp32's bytes). The vocab lookup's all-red
 an embedding is not autocast, and that sum is exact (one rank's row, the others' zeros). gloo
 and NCCL both reduce bf16 and fp16. The stage's outputs leave whole (``full_tensor``) and are then
 cast to the plan's dtypes (the hooks run in that order). fp16's overflow test is the global norm
-(runtime/parallel/grad_norm.py), whose squares count every split gradient's local piece on every tensor
+(runtime/execute/grad_norm.py), whose squares count every split gradient's local piece on every tensor
 rank and a replicated one on tensor index 0, so an inf in any shard reaches every rank.
 """
 

@@ -1,5 +1,5 @@
 """The program object and its folder: what plan.json says, which rank holds what, the user code a
-program names, and the text of the entry files.
+program names, the schedules it may name.
 
 spec.py             plan.json's "program" object as the frozen dataclass ``Program`` (every field
                     documented there), ``load_program``, ``seal_plan``
@@ -7,6 +7,6 @@ parts.py            its parts: stages and the tensors crossing them, ranks, ties
                     memory tier, randomness and init recipes; ``Precision``
 layout.py           which rank holds what; the process groups every rank creates (``Layout``)
 user_code.py        the callables and files a program names, made objects (Note [one user root])
-entry_files.py      the text of rank_<r>.py and train.py (``entry_files``, ``write_entry_files``),
-                    one emitter for codegen and hand-made test folders
+schedules.py        each schedule torch runs, one class: its refusal, in-flight microbatches, action
+                    order (Note [one class per schedule])
 """

@@ -285,7 +285,7 @@ class OptimizerSettings:
     fused: bool | None = None                 # None: the fused kernel where torch has it
     foreach: bool | None = None
     no_decay: tuple[str, ...] = ()            # original names trained with weight_decay 0
-                                              # (Note [no weight decay] in runtime/parallel/grad_norm.py)
+                                              # (Note [no weight decay] in runtime/execute/grad_norm.py)
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from runtime.errors import PlanMismatchError
 from runtime.program.layout import Layout
-from runtime.execute.pipeline_schedules import schedule_named
+from runtime.program.schedules import schedule_named
 from runtime.program.parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
                                    RandomnessSpec, RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
 
@@ -58,7 +58,7 @@ class Program:
     memory_tier: MemoryTierPlan | None = None
     precision: Precision = Precision.FP32     # Note [mixed precision] in runtime/execute/precision.py
     clip_grad_norm: float | None = None       # clip the global gradient norm to this (Note [global
-                                              # gradient norm] in runtime/parallel/grad_norm.py); None: off
+                                              # gradient norm] in runtime/execute/grad_norm.py); None: off
     shard_optimizer: bool = False             # AdamW state sharded over the replicas (ZeRO-1, Note
                                               # [sharded optimizer state] in runtime/parallel/zero.py)
     tensor_parallel: int = 1                  # ranks per tensor group (Note [tensor-parallel stages]

@@ -3,7 +3,7 @@ one-process oracle under the same policy (runtime/execute/reference.py):
 
 - bf16-mixed and fp16-mixed on 2 stages x 2 replicas with sharded AdamW state and clipping
   (a tie across the stages): losses, parameters and the recorded global gradient norm match the
-  oracle within the policy's tolerance (partitioner/inspect/verify.py TOLERANCES), replicas agree exactly;
+  oracle within the policy's tolerance (partitioner/cli/verify.py TOLERANCES), replicas agree exactly;
 - a checkpoint written at dp 2 with sharded state resumes at dp 1 (unsharded) and at dp 4
   (sharded, other slices) on the oracle's losses;
 - a compiled plan that fits only with sharded state (dp 2 asked for, devices too small for
@@ -28,7 +28,7 @@ from partitioner import PartitionInfeasibleError
 from partitioner import compile as compile_plan
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import load_workload
-from partitioner.inspect.verify import GRAD_NORM_TOLERANCE, check_run, TOLERANCES, read_grad_norms, read_program_run
+from partitioner.cli.verify import GRAD_NORM_TOLERANCE, check_run, TOLERANCES, read_grad_norms, read_program_run
 from runtime.execute.reference import train_reference_from_folder
 
 CLIP = 0.5  # below the tiny GPT's gradient norm (about 6): every step is clipped
@@ -164,7 +164,7 @@ def test_a_sharded_runs_final_state_holds_each_ranks_pieces(runs):
 
 
 def test_plan_that_fits_only_sharded_is_chosen_and_runs(runs):
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
 
     plan = Plan.load(runs["fits_sharded"])
     assert plan.dp == 2 and plan.decisions.shard_optimizer is True

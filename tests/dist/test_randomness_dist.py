@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from partitioner.models.builtin import gpt, hf_gpt2, hf_llama
-from partitioner.inspect.verify import read_program_run, train_oracle
+from partitioner.cli.verify import read_program_run, train_oracle
 from runtime.program.spec import Program
 from runtime.execute.reference import train_reference
 from _programs import compile_to

@@ -95,7 +95,7 @@ def restarts_of(job: list[str]) -> tuple[int, list[str]]:
 # once, before the first fork, so no attempt's child imports them again.
 WARM = ("torch.distributed.pipelining", "torch.distributed.tensor", "safetensors.torch", "runtime.execute.train",
         "runtime.resilience.recovery", "runtime.resilience.checkpoint", "runtime.resilience.checkpoint.shared", "runtime.resilience.checkpoint.delta",
-        "runtime.resilience.memtier", "runtime.resilience.sdc", "runtime.program.entry_files", "runtime.execute.schedule", "runtime.observe.memory",
+        "runtime.resilience.memtier", "runtime.resilience.sdc", "runtime.launch.entry_files", "runtime.execute.schedule", "runtime.observe.memory",
         "runtime.execute.stage", "runtime.parallel.tensor_parallel", "runtime.execute.recompute")
 OPTIONAL_WARM = ("torch.utils.tensorboard", "zstandard")  # rank 0's metrics board, lossless checkpoints
 

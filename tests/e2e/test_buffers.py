@@ -31,7 +31,7 @@ from _bn_workload import workload
 from _checkpoint_helpers import FakeTrainer
 from _runtime_folders import REPO, child_env, one_thread  # noqa: F401
 from partitioner.config.cluster import ClusterSpec
-from partitioner.inspect.verify import check_run, read_program_buffers
+from partitioner.cli.verify import check_run, read_program_buffers
 from runtime.resilience import checkpoint as ck
 from runtime.resilience import memtier as mt
 from runtime.program.spec import load_program
@@ -251,7 +251,9 @@ def test_a_held_buffer_costs_memory_not_time():
 
 def test_a_region_that_updates_running_statistics_is_never_priced_as_saving_by_recompute():
     """Note [recompute never updates twice] holds: recomputing it would update the statistics twice."""
-    from partitioner.frontend.analysis import analyze, build_problem, updating_regions
+    from partitioner.frontend.analysis import analyze
+    from partitioner.calibrate.priced_problem import build_problem
+    from partitioner.codegen.split import updating_regions
 
     wl = workload()
     gm, _ = analyze(wl, granularity="node")

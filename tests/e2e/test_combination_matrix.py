@@ -1,7 +1,7 @@
 """The combination matrix (issue 26, "never silently wrong: every feature with every other"): a
 pairwise covering set over the training features, each cell compiled, trained a few steps with a
 rank SIGKILLed and the job resumed from its checkpoint, and verified against the one-process
-oracle (partitioner/inspect/verify.py) and bit for bit against the same cell trained without the kill.
+oracle (partitioner/cli/verify.py) and bit for bit against the same cell trained without the kill.
 The cells the product refuses at compile time are listed below with the refusal they must get.
 
 Factors (FACTORS): pipeline ranks ("stages") 1/2/3, dp 1/2/3, tp 1/2, precision fp32/bf16-mixed/
@@ -53,7 +53,7 @@ from _shared_launch import Job, prepare
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import load_workload
 from partitioner.solver.model import SolverConfig
-from partitioner.inspect.verify import check_run, read_grad_norms
+from partitioner.cli.verify import check_run, read_grad_norms
 from runtime.resilience.checkpoint.shard import step_dirname
 
 FACTORS = {

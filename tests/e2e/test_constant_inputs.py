@@ -18,7 +18,7 @@ import pytest
 from _programs import compile_to
 from _shared_launch import Job, prepare
 from partitioner.models.builtin import load_workload
-from partitioner.inspect.verify import check_run
+from partitioner.cli.verify import check_run
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
 MODEL = f"{OWN / 'constant_kwarg.py'}:build"

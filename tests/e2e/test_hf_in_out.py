@@ -18,7 +18,7 @@ from _shared_launch import Job, prepare
 from partitioner.cli.commands import main as cli
 from partitioner.models.export import export
 from partitioner.models.builtin import load_workload
-from partitioner.inspect.verify import check_run, read_program_run
+from partitioner.cli.verify import check_run, read_program_run
 from runtime.execute import pretrained
 from runtime.resilience.checkpoint import CheckpointCorruptError, list_step_dirs, shard_filename, step_dirname
 from runtime.execute.stage import build_stage

@@ -17,7 +17,7 @@ from _shared_launch import Job, prepare
 from partitioner import compile as compile_plan
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt
-from partitioner.inspect.verify import check_run
+from partitioner.cli.verify import check_run
 
 STEPS, EVERY = 4, 2
 

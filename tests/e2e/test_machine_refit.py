@@ -106,7 +106,7 @@ def test_a_run_faster_than_its_sends_refits_the_latency(trained, tmp_path):
     from partitioner.calibrate.refit import _predicted_step_s, _stage_compute_s
     from partitioner.config.cluster import ClusterSpec
     from partitioner.inspect.explain import load_priced
-    from partitioner.plan import Plan
+    from partitioner.solver.plan import Plan
     from partitioner.solver.problem import core_sharing_factor
     from runtime.observe.stage_times import FORMAT
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from _programs import compile_to
 from _shared_launch import Job, prepare
 from partitioner.codegen.boundary_dtypes import autocast_dtypes
-from partitioner.inspect.verify import check_run, read_program_run, train_oracle
+from partitioner.cli.verify import check_run, read_program_run, train_oracle
 from runtime.program.spec import load_program
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"

@@ -51,7 +51,7 @@ def test_own_model_file_compiles_runs_and_verifies_from_the_cli(user_dir, tmp_pa
 
 
 def test_dict_batch_model_with_a_job_file_runs_and_verifies(user_dir, tmp_path):
-    from partitioner.inspect.verify import check_run
+    from partitioner.cli.verify import check_run
 
     cli("compile", "hf_labels_model.py:build", "-o", "dout", "--job", "job.toml", "--lr", "0.003", "--stages", "2",
         "--global-batch", "8", "-q", cwd=user_dir)

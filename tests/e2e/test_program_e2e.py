@@ -23,7 +23,7 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt, hf_bert, hf_gpt2, hf_llama, hf_qwen2_moe
 from _programs import STEPS, compile_to
 from _shared_launch import Job, prepare
-from partitioner.inspect.verify import read_program_run
+from partitioner.cli.verify import read_program_run
 from partitioner.frontend.workload import Workload
 from runtime.data import synthetic as data
 from runtime.program.spec import Program
@@ -74,7 +74,7 @@ def tiny_gpt():
 
 
 def assert_matches_oracle(folder: Path, workload, steps: int = STEPS):
-    plan = partitioner.plan.Plan.load(folder)
+    plan = partitioner.solver.plan.Plan.load(folder)
     program = Program.from_dict(json.loads((folder / "plan.json").read_text())["program"])
     losses, params, replica_diff = read_program_run(folder / "run")
     ref_losses, ref_state, _ = train_reference(

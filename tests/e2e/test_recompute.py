@@ -20,7 +20,7 @@ from tests.drivers import RUN_MANY
 from runtime.launch.torchrun import run_env, torchrun_command
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt
-from partitioner.inspect.verify import check_run
+from partitioner.cli.verify import check_run
 from runtime.execute.stage import build_stage
 
 STEPS = 3
@@ -119,7 +119,7 @@ def test_stage_file_says_what_it_recomputes_and_why(dropout_pair):
     compile(text, "stage_0.py", "exec")
     imports = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))}
     # `from runtime.execute import randomness`: the model has dropout, drawn keyed (runtime/execute/randomness.py)
-    assert imports == {"torch", "runtime.execute.recompute", "runtime"}
+    assert imports == {"torch", "runtime.execute.recompute", "runtime.execute"}
     # Checkpoints stay keyed by original names: the stage holds the same parameters as the plain one.
     for k in range(plan.num_stages):
         names = lambda folder: [n for n, _ in build_stage(str(folder), k).named_parameters()]  # noqa: E731

@@ -9,7 +9,7 @@ from pathlib import Path
 import partitioner
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import load_workload
-from partitioner.inspect.verify import verify
+from partitioner.cli.verify import verify
 
 MODEL = str(Path(__file__).resolve().parents[1] / "own_model" / "reused_block.py") + ":build"
 

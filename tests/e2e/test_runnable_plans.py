@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import partitioner
 from partitioner.config.cluster import ClusterSpec
-from runtime.execute.pipeline_schedules import schedule_named
+from runtime.program.schedules import schedule_named
 from partitioner.frontend.workload import Workload
 from runtime.data import synthetic as data
 from runtime.program.spec import Program

@@ -3,7 +3,7 @@ verifies against the one-process oracle, or is refused at compile time with the 
 
 Recurrent layers: nn.GRU, nn.LSTM and nn.RNN trace to one fused aten op tagged random for its
 dropout between layers; without that dropout they draw nothing and run as they are (Note
-[recurrent dropout] in partitioner/codegen/randomness.py). The jobs join the session's 2-rank
+[recurrent dropout] in partitioner/frontend/randomness.py). The jobs join the session's 2-rank
 shared launch (Note [shared launches] in tests/_shared_launch.py).
 """
 
@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from partitioner.inspect.verify import check_run
+from partitioner.cli.verify import check_run
 from partitioner.frontend.workload import Workload
 from runtime.data import synthetic as data
 

@@ -22,7 +22,7 @@ import torch
 from _programs import compile_to
 from _shared_launch import Job, prepare
 from partitioner.models.builtin import gpt, hf_gpt2, hf_llama
-from partitioner.inspect.verify import check_run, read_program_run, train_oracle
+from partitioner.cli.verify import check_run, read_program_run, train_oracle
 from runtime.resilience.checkpoint.load import read_shard
 from runtime.resilience.checkpoint.manifest import read_manifest
 from runtime.program.spec import load_program
@@ -190,7 +190,7 @@ def test_tensor_parallel_trains_like_one_process(runs, name, run, workload):
     assert report.oracle == "unpartitioned traced graph (keyed randomness)"
     assert report.ok, report.text()
     if name == "tp2pp2":
-        from partitioner.inspect.verify import read_grad_norms
+        from partitioner.cli.verify import read_grad_norms
 
         assert plans[name].training.clip_grad_norm == 0.05 < min(read_grad_norms(root / run))
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from _shared_launch import Job, prepare
-from partitioner.inspect.verify import check_run
+from partitioner.cli.verify import check_run
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
 # The command a user types (its sys.path holds neither the current directory nor the model's folder);

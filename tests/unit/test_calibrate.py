@@ -60,7 +60,7 @@ def _gpt_graph():
 
 def test_profile_round_trip_changes_region_times(tmp_path):
     from partitioner.config.cluster import ClusterSpec
-    from partitioner.frontend.analysis import build_problem
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.solver.problem import region_times_s
 
     _workload, gm = _gpt_graph()

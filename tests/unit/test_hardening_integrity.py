@@ -292,7 +292,7 @@ def test_verify_timeout_leaves_no_worker_behind(compiled, tmp_path):
     must stop it, not only the agent."""
     import shutil
 
-    from partitioner.inspect.verify import verify
+    from partitioner.cli.verify import verify
 
     for timeout_s in TIMEOUTS_S:
         folder, entered = tmp_path / f"sleepy_{timeout_s}", tmp_path / f"entered_{timeout_s}"

@@ -118,3 +118,61 @@ def test_every_package_folder_is_listed_in_pyproject():
     found = {str(p.parent.relative_to(REPO)).replace("/", ".") for top in PACKAGES
              for p in (REPO / top).rglob("__init__.py")}
     assert found == listed, f"in the tree, not listed: {sorted(found - listed)}; listed, not in the tree: {sorted(listed - found)}"
+
+
+# ---- Rooms ------------------------------------------------------------------------------------
+# Note [rooms in one order]: each package's rooms (its sub-folders; the modules at a package's top
+# are its base, or its top) stand in one order, and a room imports only rooms before it: what a
+# newcomer reads first never needs what comes later. The order is the one data flows in (runtime:
+# a program is described, then executed, then kept safe, then launched; partitioner: what the user
+# asks, the solver's plain numbers, the views of them, the front end, the models, the back end, the
+# measured time model, the command), so a module that wants a later room is in the wrong room.
+ROOM_ORDER = {
+    "runtime": ["data", "program", "observe", "parallel", "execute", "resilience", "launch"],
+    "partitioner": ["config", "solver", "inspect", "frontend", "models", "codegen", "calibrate"],
+    "passes": [],
+}
+# A face stands over the whole compiler and is in no order: the command may import anything.
+FACES = {"partitioner": ["cli"], "runtime": [], "passes": []}
+# Modules at a package's top: the base every room may import, and the top no room may.
+BASE = {"runtime.errors", "runtime.python_version", "partitioner.errors", "passes.ir"}
+TOP = {"partitioner.compiler", "partitioner.compiled", "partitioner.__main__", "partitioner"}
+
+
+def room_of(module: str) -> tuple[str, int] | None:
+    """(package, index in its ROOM_ORDER) of a module in a room; None for a package's top-level module."""
+    package, _, rest = module.partition(".")
+    room = rest.partition(".")[0]
+    order = ROOM_ORDER[package]
+    return (package, order.index(room)) if room in order else None
+
+
+def arrows_up(graph: nx.DiGraph) -> list[str]:
+    """Every import from a room of a later room, or of the package's top."""
+    out = []
+    for a, b in sorted(graph.edges):
+        ra, rb = room_of(a), room_of(b)
+        if ra is None or a.split(".")[1] in FACES[a.split(".")[0]]:
+            continue
+        if b in TOP or (rb is not None and ra[0] == rb[0] and rb[1] > ra[1]):
+            out.append(f"{a} -> {b}")
+    return out
+
+
+def test_every_folder_is_a_room_in_the_order():
+    rooms = {package: sorted(p.name for p in (REPO / package).iterdir() if (p / "__init__.py").is_file())
+             for package in PACKAGES}
+    assert rooms == {package: sorted(order + FACES[package]) for package, order in ROOM_ORDER.items()}, \
+        "a new folder takes its place in ROOM_ORDER (Note [rooms in one order])"
+
+
+def test_no_room_imports_a_later_room_or_the_top():
+    up = arrows_up(import_graph())
+    assert up == [], "imports against the room order (Note [rooms in one order]):\n" + "\n".join(up)
+
+
+def test_the_room_rule_finds_an_arrow_up():
+    graph = nx.DiGraph([("runtime.program.spec", "runtime.execute.stage"), ("runtime.execute.stage", "runtime.program.spec"),
+                        ("partitioner.solver.model", "partitioner.compiler"), ("partitioner.cli.commands", "partitioner.compiler")])
+    assert arrows_up(graph) == ["partitioner.solver.model -> partitioner.compiler",
+                                "runtime.program.spec -> runtime.execute.stage"]

@@ -13,7 +13,7 @@ import partitioner
 from partitioner.cli import main
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 
 
 @pytest.fixture(scope="module")

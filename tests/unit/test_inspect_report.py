@@ -12,7 +12,7 @@ from partitioner.inspect.table import rank_ranges
 
 from partitioner import inspect as report
 from partitioner.config.cluster import ClusterSpec
-from partitioner.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
+from partitioner.solver.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.solver import problem as sp
 from partitioner.solver import serialize
 from partitioner.solver.evaluate import evaluate

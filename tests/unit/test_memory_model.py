@@ -195,7 +195,8 @@ def test_last_stage_carries_the_loss_and_a_real_stage_stays_under_its_prediction
     1F1B with one microbatch in flight, cross entropy, fused AdamW) and measure the live bytes:
     the plan's prediction must not be below it."""
     from partitioner.calibrate import LiveBytes
-    from partitioner.frontend.analysis import annotate, build_problem
+    from partitioner.frontend.analysis import annotate
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.codegen.split import split_graph
     from partitioner.frontend.trace import trace
     from runtime.data.synthetic import causal_lm_loss

@@ -220,7 +220,7 @@ def test_ordering_edges_do_not_change_the_optimum(key, stages):
     optimum with them an upper bound: equal optima prove the edges cost nothing here."""
     import dataclasses
 
-    from partitioner.frontend.analysis import build_problem
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.config.cluster import ClusterSpec
     from partitioner.solver import Edge, SolverConfig, solve
 

@@ -1,4 +1,4 @@
-"""Note [one class per schedule] (runtime/execute/pipeline_schedules.py): each schedule is one object whose
+"""Note [one class per schedule] (runtime/program/schedules.py): each schedule is one object whose
 answers agree with each other and with torch. What a stage holds at its peak (``in_flight``, which
 the solver's memory model prices) is what walking the schedule's own action order (the order
 torch runs, which ``inspect`` draws) holds; the solver's object is the runtime's plus a price."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from partitioner.solver.schedules import SCHEDULE_ORDER, priced_schedule
-from runtime.execute.pipeline_schedules import SCHEDULES, schedule_named
+from runtime.program.schedules import SCHEDULES, schedule_named
 
 
 def _walk_peaks(schedule, pp, num_stages, m):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.errors import CheckpointCorruptError
-from runtime.parallel.grad_norm import no_decay_names, param_groups
+from runtime.execute.grad_norm import no_decay_names, param_groups
 from runtime.execute.precision import LossScaler, Precision, cast_outputs, clip_coefficient, wrap_forward
 from runtime.parallel.zero import layout, piece_state
 

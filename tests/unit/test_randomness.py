@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from partitioner.models.builtin import gpt
-from partitioner.codegen.randomness import keyed_graph, lower_randomness
+from partitioner.frontend.randomness import keyed_graph, lower_randomness
 from partitioner.frontend.trace import trace
 from runtime.execute import randomness
 

@@ -100,7 +100,8 @@ def test_calibration_measures_the_fixed_term_and_the_profile_carries_it(tmp_path
     is the median of (extra - fitted forward) floored at 0; the profile file keeps it and
     ``apply_profiles`` hands it to the problem, where it wins over the preset."""
     import partitioner.calibrate as cal
-    from partitioner.frontend.analysis import analyze, build_problem
+    from partitioner.frontend.analysis import analyze
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.models.builtin import gpt
 
     workload = gpt(layers=1, width=16, heads=2, vocab=32, seq=8, batch=2)

@@ -13,7 +13,7 @@ import partitioner
 from partitioner.cli import main
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import mlp
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from partitioner.solver import problem as sp
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.sdc_cost import DIGEST_BYTES_PER_S, default_every

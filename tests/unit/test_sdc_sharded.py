@@ -11,7 +11,7 @@ import partitioner
 from partitioner.cli import main
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import mlp
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 
 
 def _compile(tmp_path, name, **options):

@@ -10,7 +10,7 @@ import pytest
 
 from partitioner.cli import main
 from partitioner.config.job import TRAINING_SCHEMA, check_table
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from partitioner.config.settings import Decisions, Request, TrainingSettings, split_legacy_training
 from runtime.program.spec import load_program
 from runtime.program.parts import OptimizerSettings, Precision
@@ -68,7 +68,7 @@ def test_a_plan_written_before_the_split_still_loads(demo):
                         "shard_optimizer": chosen["shard_optimizer"], "memory_tier": chosen["memory_tier"],
                         "optimizer": {**body["training"]["optimizer"], "no_decay": chosen["no_decay"]}}
     body.pop("plan_hash")
-    from partitioner.plan import _hash_of
+    from partitioner.solver.plan import _hash_of
 
     body["plan_hash"] = _hash_of(body)
     plan = Plan.from_dict(body)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from partitioner.solver.interleaved import uniform_pipeline_s
-from runtime.execute.pipeline_schedules import Interleaved
+from runtime.program.schedules import Interleaved
 from runtime.execute.schedule import _rank_orders, timed_actions
 
 # (pp, v, m) torch accepts: m a multiple of max(1, m // pp)

@@ -2,7 +2,7 @@
 inside, one rank in this process (world of one, gloo), as `python rank_0.py` runs it.
 
 - clipping off and fp32: no global-norm pass or collective (Note [global gradient norm] in
-  runtime/parallel/grad_norm.py), metrics.jsonl without ``grad_norm``, no autocast context entered (Note
+  runtime/execute/grad_norm.py), metrics.jsonl without ``grad_norm``, no autocast context entered (Note
   [mixed precision] in runtime/execute/precision.py);
 - clipping on under bf16-mixed: the norm's all-reduce every step and autocast around the forward,
   so the counters above are seen to count.
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import runtime.parallel.grad_norm as grad_norm
+import runtime.execute.grad_norm as grad_norm
 from _runtime_folders import mlp_folder, one_thread, read_metrics  # noqa: F401
 from runtime.launch.rank import main
 

@@ -12,10 +12,11 @@ import torch
 
 import partitioner
 from passes import ir
-from partitioner.frontend.analysis import annotate, build_problem, trace_keyed
+from partitioner.frontend.analysis import annotate, trace_keyed
+from partitioner.calibrate.priced_problem import build_problem
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt, hf_llama
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from partitioner.solver import problem as sp
 from partitioner.solver.tensor_groups import group_cluster, tp_problem
 from passes.region_graph import region_table

@@ -20,7 +20,7 @@ import math
 import pytest
 
 from partitioner import analyze
-from partitioner.frontend.analysis import build_problem
+from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate.datasheet import RATES, datasheet_profile, datasheet_profiles
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt

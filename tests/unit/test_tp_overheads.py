@@ -50,7 +50,8 @@ def test_calibrated_overheads_replace_the_presets_and_survive_the_profile_file(t
     profile = DeviceProfile("cpu", fit, fit, dtensor_op_s=1e-3, tp_collective_s=5e-3, tp_skew=0.25)
     again = DeviceProfile.load(profile.save(tmp_path / "cpu.profile.json"))
     assert (again.dtensor_op_s, again.tp_collective_s, again.tp_skew) == (1e-3, 5e-3, 0.25)
-    from partitioner.frontend.analysis import annotate, build_problem, trace_keyed
+    from partitioner.frontend.analysis import annotate, trace_keyed
+    from partitioner.calibrate.priced_problem import build_problem
     from partitioner.models.builtin import hf_llama
 
     workload = hf_llama(layers=1, width=32, heads=4, vocab=64, seq=8)

@@ -93,7 +93,8 @@ def test_priced_terms_match_a_hand_computation():
 
 
 def test_the_activations_between_column_and_row_linears_are_the_split_ones():
-    from partitioner.frontend.analysis import annotate, build_problem, trace_keyed
+    from partitioner.frontend.analysis import annotate, trace_keyed
+    from partitioner.calibrate.priced_problem import build_problem
     from passes import ir
     from passes.tp_activations import split_nodes
 

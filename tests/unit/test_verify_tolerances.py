@@ -1,9 +1,9 @@
-"""Note [tolerances scale with the run] in partitioner/inspect/verify.py: verify's bounds follow the steps
+"""Note [tolerances scale with the run] in partitioner/cli/verify.py: verify's bounds follow the steps
 and the learning rate a run used, and losses are compared relative to their size."""
 
 from __future__ import annotations
 
-from partitioner.inspect.verify import VerifyReport
+from partitioner.cli.verify import VerifyReport
 
 
 def _report(precision, *, steps=3, lr=1e-3, loss_diff=0.0, param_diff=0.0):

@@ -326,7 +326,7 @@ def _unshard_optim(trainer, ckpt: LoadedCheckpoint) -> None:
 def _match_groups(sched, num_groups: int) -> None:
     """A checkpoint written with another number of parameter groups (a reshard moves the
     no-decay parameters between ranks): every group shares one learning rate (Note [no weight
-    decay] in runtime/parallel/grad_norm.py), so the saved per-group lists are stretched or cut."""
+    decay] in runtime/execute/grad_norm.py), so the saved per-group lists are stretched or cut."""
     for key in ("base_lrs", "_last_lr"):
         values = getattr(sched, key, None)
         if isinstance(values, list) and values and len(values) != num_groups:

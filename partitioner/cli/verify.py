@@ -26,7 +26,7 @@ from runtime.program.spec import Program
 from runtime.program.parts import Precision
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 from runtime.program.user_code import resolve_callable
-from partitioner.plan import Plan
+from partitioner.solver.plan import Plan
 from runtime.program.spec import load_plan, load_program
 from partitioner.config.settings import settings_of
 from partitioner.models.builtin import load_workload
@@ -179,7 +179,7 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
     model, oracle = workload.model, "original model"
     if program.randomness is not None and program.randomness.keyed_ops:
         # lazy: loads OR-Tools
-        from partitioner.codegen.randomness import keyed_graph
+        from partitioner.frontend.randomness import keyed_graph
 
         model, _ = keyed_graph(workload, program.global_batch // num_microbatches)
         oracle = "unpartitioned traced graph (keyed randomness)"

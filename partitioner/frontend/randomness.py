@@ -159,7 +159,7 @@ def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
                     f"node {node.name!r} calls {node.target}, a random op whose draws cannot be keyed "
                     f"(supported: dropout, native_dropout, scaled_dot_product_attention, bernoulli, rand, "
                     f"randn, rand_like, randn_like): express it with one of those, or add its lowering "
-                    f"to partitioner/codegen/randomness.py")
+                    f"to partitioner/frontend/randomness.py")
             continue
         try:
             rewritten = lowering(_normalized(node, gm))

@@ -149,7 +149,7 @@ def check_rank_file(folder: str, program: Program, rank: int) -> None:
     path = os.path.join(folder, f"rank_{rank}.py")
     if not os.path.isfile(path):
         raise PlanMismatchError(f"{path} is missing: every rank of a program folder has its rank file; "
-                                "recompile, or write it with runtime.program.entry_files.write_entry_files")
+                                "recompile, or write it with runtime.launch.entry_files.write_entry_files")
     module = import_path(path)
     wrong = []
     for name, want in rank_constants(program, rank).items():
@@ -159,7 +159,7 @@ def check_rank_file(folder: str, program: Program, rank: int) -> None:
     if wrong:
         raise PlanMismatchError(f"{path} does not state the program of rank {rank}: " + "; ".join(wrong)
                                 + "; recompile, or rewrite the rank files with "
-                                "runtime.program.entry_files.write_entry_files")
+                                "runtime.launch.entry_files.write_entry_files")
 
 
 def _plain(value: object) -> object:
