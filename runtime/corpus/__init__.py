@@ -1,0 +1,30 @@
+"""The on-disk token corpus a run trains on: open a source read-only as flat token arrays, cut
+causal-LM windows in a layout-independent order, hand each rank the rows (and only the bytes) it
+needs. Imports torch, numpy and the standard library only (``datasets`` lazily, for hf-disk:);
+never the compiler. partitioner/data_prepare.py writes the prepared folder this package reads.
+
+Rooms
+-----
+spec.py       ``CorpusSpec`` (``parse(text)``, ``to_text()``: ``tokens:DIR``,
+              ``tokens:FILE.bin,dtype=uint16``, ``megatron:PREFIX``, ``hf-disk:DIR``) and
+              ``CorpusError``, the one error of every corpus problem
+formats.py    ``TokenSource`` (splits as memmaps, ``vocab_size``, ``num_tokens``, ``verify()``),
+              ``ReadStats``, ``open_source``; the prepared folder's layout and the flat file
+megatron.py   Megatron-LM's .bin/.idx pair read with numpy (Note [megatron index layout])
+hf_disk.py    a ``datasets.save_to_disk`` folder's ``input_ids`` (Note [hf-disk in memory])
+windows.py    windows of seq + 1 tokens, one seeded permutation per epoch (Notes [global sample
+              order], [permutation per epoch])
+batches.py    ``make_batch`` (the program's interface) and ``rows`` (one rank's rows, inputs or
+              targets or nothing), the per-process source cache ``source_for``
+"""
+
+from runtime.corpus.batches import check_fits, forget_sources, make_batch, rows, source_for
+from runtime.corpus.formats import META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, ReadStats, TokenSource, open_source
+from runtime.corpus.spec import TOKEN_DTYPES, CorpusError, CorpusSpec
+from runtime.corpus.windows import epoch_permutation, num_windows, sample_windows
+
+__all__ = [
+    "META_FILE", "META_FORMAT", "META_VERSION", "SPLIT_FILES", "TOKEN_DTYPES", "CorpusError", "CorpusSpec", "ReadStats",
+    "TokenSource", "check_fits", "epoch_permutation", "forget_sources", "make_batch", "num_windows", "open_source", "rows",
+    "sample_windows", "source_for",
+]
