@@ -43,6 +43,7 @@ codegen/                  the lowering passes and the program folder's text
 inspect/                  plans and checkpoints for people, one module per view
 verify.py                 the program against the one-process oracle
 export.py                 a verified checkpoint as from_pretrained-ready weights
+data_prepare.py           text and JSONL tokenized into a corpus folder runtime/corpus/ reads; decode
 errors.py                 the domain errors (runtime's re-exported)
 cli/                      the `partitioner` command
 __main__.py               ``python -m partitioner``

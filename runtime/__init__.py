@@ -49,6 +49,8 @@ recompute.py        ``checkpointed(fn, *args)``: a region the plan recomputes, u
                     checkpointing with the same random draws (Note [recompute draws the
                     same randomness])
 data.py             deterministic batches and losses of the built-in workloads (Note [constant inputs])
+corpus/             the on-disk token corpus: sources read as memmaps, layout-independent windows,
+                    ``make_batch`` and one rank's ``rows`` (Note [global sample order])
 hf_data.py          the same for the Hugging Face tasks other than causal LM
 
 What a run reports:

@@ -2,6 +2,7 @@
 
   commands.py   partitioner compile | inspect | run | verify: the parser and one function a command
   progress.py   compile's progress lines on stderr
+  data.py       partitioner data prepare | check: the token corpus a run trains on
   demo.py       `make demo` (``python -m partitioner.cli.demo``): the main job end to end
   __main__.py   ``python -m partitioner.cli``
 

@@ -15,16 +15,16 @@ hf_disk.py    a ``datasets.save_to_disk`` folder's ``input_ids`` (Note [hf-disk 
 windows.py    windows of seq + 1 tokens, one seeded permutation per epoch (Notes [global sample
               order], [permutation per epoch])
 batches.py    ``make_batch`` (the program's interface) and ``rows`` (one rank's rows, inputs or
-              targets or nothing), the per-process source cache ``source_for``
+              targets or nothing), the per-process source cache ``source_for``; the one room that
+              imports torch, so it is not re-exported here: import ``runtime.corpus.batches``
+              (the compile side's prepare and ``partitioner data`` stay torch-free)
 """
 
-from runtime.corpus.batches import check_fits, forget_sources, make_batch, rows, source_for
 from runtime.corpus.formats import META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, ReadStats, TokenSource, open_source
 from runtime.corpus.spec import TOKEN_DTYPES, CorpusError, CorpusSpec
 from runtime.corpus.windows import epoch_permutation, num_windows, sample_windows
 
 __all__ = [
     "META_FILE", "META_FORMAT", "META_VERSION", "SPLIT_FILES", "TOKEN_DTYPES", "CorpusError", "CorpusSpec", "ReadStats",
-    "TokenSource", "check_fits", "epoch_permutation", "forget_sources", "make_batch", "num_windows", "open_source", "rows",
-    "sample_windows", "source_for",
+    "TokenSource", "epoch_permutation", "num_windows", "open_source", "sample_windows",
 ]
