@@ -294,7 +294,7 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
 
 
 def _swap_into_place(tmp: str, out: Path) -> None:
-    """Note [atomic corpus folder]: rename the finished folder in; an old one goes only after."""
+    """Rename the finished folder in; an old one goes only after (Note [atomic corpus folder])."""
     old = None
     if out.exists():
         old = tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.resolve().parent)

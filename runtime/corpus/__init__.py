@@ -9,7 +9,8 @@ spec.py       ``CorpusSpec`` (``parse(text)``, ``to_text()``: ``tokens:DIR``,
               ``tokens:FILE.bin,dtype=uint16``, ``megatron:PREFIX``, ``hf-disk:DIR``) and
               ``CorpusError``, the one error of every corpus problem
 formats.py    ``TokenSource`` (splits as memmaps, ``vocab_size``, ``num_tokens``, ``verify()``),
-              ``ReadStats``, ``open_source``; the prepared folder's layout and the flat file
+              ``ReadStats``; the prepared folder's layout and reader, the flat file's
+sources.py    ``open_source(spec)``: the dispatch on the kind
 megatron.py   Megatron-LM's .bin/.idx pair read with numpy (Note [megatron index layout])
 hf_disk.py    a ``datasets.save_to_disk`` folder's ``input_ids`` (Note [hf-disk in memory])
 windows.py    windows of seq + 1 tokens, one seeded permutation per epoch (Notes [global sample
@@ -20,7 +21,8 @@ batches.py    ``make_batch`` (the program's interface) and ``rows`` (one rank's 
               (the compile side's prepare and ``partitioner data`` stay torch-free)
 """
 
-from runtime.corpus.formats import META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, ReadStats, TokenSource, open_source
+from runtime.corpus.formats import META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, ReadStats, TokenSource
+from runtime.corpus.sources import open_source
 from runtime.corpus.spec import TOKEN_DTYPES, CorpusError, CorpusSpec
 from runtime.corpus.windows import epoch_permutation, num_windows, sample_windows
 

@@ -20,7 +20,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from runtime.corpus.formats import TokenSource, open_source
+from runtime.corpus.formats import TokenSource
+from runtime.corpus.sources import open_source
 from runtime.corpus.spec import CorpusError, CorpusSpec
 from runtime.corpus.windows import num_windows, sample_windows
 

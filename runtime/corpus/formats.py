@@ -1,8 +1,7 @@
 """An opened token source: each split a flat read-only 1-D token array (a numpy memmap: nothing is
 read until a window is), its vocabulary size, and the byte counter the batches charge
-(``TokenSource``, ``ReadStats``). ``open_source(spec)`` dispatches on the kind; the prepared
-folder (``tokens:DIR``) and the flat file (``tokens:FILE.bin,dtype=D``) are read here, Megatron's
-pair in megatron.py, a ``datasets`` folder in hf_disk.py.
+(``TokenSource``, ``ReadStats``), and the two ``tokens:`` readers: the prepared folder
+(``open_prepared``) and the flat file (``open_flat``). sources.py dispatches on the kind.
 
 The prepared folder's layout (written by partitioner/data_prepare.py, read here: the format lives
 with its reader so a rank needs no compiler)::
@@ -101,20 +100,6 @@ class TokenSource:
                                   f"{entry['sha256'][:12]}...: the file changed after prepare; prepare the corpus again")
 
 
-def open_source(spec: CorpusSpec) -> TokenSource:
-    if spec.kind == "megatron":
-        from runtime.corpus.megatron import open_megatron  # lazy: keeps the reader's module graph one way
-
-        return open_megatron(spec)
-    if spec.kind == "hf-disk":
-        from runtime.corpus.hf_disk import open_hf_disk  # lazy: may import the optional `datasets`
-
-        return open_hf_disk(spec)
-    if os.path.isdir(spec.path):
-        return _open_prepared(spec)
-    return _open_flat(spec)
-
-
 def token_array(path: str, dtype: str, *, offset_bytes: int = 0, count: int | None = None) -> np.ndarray:
     """``path`` as a read-only memmap of ``dtype`` tokens; refused when its size is no whole number
     of tokens. An empty file is an empty array (mmap cannot map 0 bytes)."""
@@ -132,7 +117,7 @@ def token_array(path: str, dtype: str, *, offset_bytes: int = 0, count: int | No
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=offset_bytes, shape=(count,))
 
 
-def _open_flat(spec: CorpusSpec) -> TokenSource:
+def open_flat(spec: CorpusSpec) -> TokenSource:
     if spec.dtype is None:
         raise CorpusError(f"{spec.path}: a flat tokens file needs its dtype: write tokens:{spec.path},dtype=uint16 "
                           "(or dtype=uint32)")
@@ -166,7 +151,7 @@ def read_meta(folder: str) -> dict:
     return meta
 
 
-def _open_prepared(spec: CorpusSpec) -> TokenSource:
+def open_prepared(spec: CorpusSpec) -> TokenSource:
     meta = read_meta(spec.path)
     dtype = meta["dtype"]
     if spec.dtype is not None and spec.dtype != dtype:
