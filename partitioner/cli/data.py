@@ -7,6 +7,8 @@ import argparse
 import sys
 import time
 
+from runtime.run_options import unknown_flag_message
+
 EXAMPLES = """examples:
   partitioner data prepare notes.txt book.txt -o corpus --tokenizer bytes
   partitioner data prepare docs.jsonl -o corpus --tokenizer ./gpt2-tokenizer --json-key text --append-eod
@@ -56,8 +58,10 @@ def cmd_data_prepare(args) -> int:
     finally:
         progress.close()
     train, val = meta["splits"]["train"], meta["splits"]["val"]
-    print(f"{args.output}: {train['num_tokens']:,} train tokens ({train['num_documents']} documents), "
-          f"{val['num_tokens']:,} val tokens ({val['num_documents']} documents), vocab {meta['vocab_size']}, "
+    docs = (lambda split: "one document split by tokens") if meta["split_by"] == "tokens" else \
+        (lambda split: f"{split['num_documents']} documents")
+    print(f"{args.output}: {train['num_tokens']:,} train tokens ({docs(train)}), "
+          f"{val['num_tokens']:,} val tokens ({docs(val)}), vocab {meta['vocab_size']}, "
           f"{meta['dtype']}, tokenizer {meta['tokenizer']['path'] or 'bytes'}"
           + (f", EOD id {meta['eod_id']}" if meta["eod_id"] is not None else ""))
     print(f"  train on it: --data tokens:{args.output}")
@@ -74,10 +78,23 @@ def cmd_data_check(args) -> int:
     return 0
 
 
+class _ActionParser(argparse.ArgumentParser):
+    """`data prepare` / `data check`: an unknown flag is refused here, naming the nearest of this
+    action's own flags (commands.py's main would only know `data`'s)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            print(f"error: {unknown_flag_message(unknown, list(self._option_string_actions), self.prog)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        return parsed, unknown
+
+
 def add_parser(sub, fmt) -> None:
     d = sub.add_parser("data", help="prepare or check a token corpus to train on", epilog=EXAMPLES,
                        formatter_class=fmt)
-    actions = d.add_subparsers(dest="data_command", required=True)
+    actions = d.add_subparsers(dest="data_command", required=True, parser_class=_ActionParser)
     p = actions.add_parser("prepare", help="tokenize text or .jsonl files into a corpus folder", epilog=EXAMPLES,
                            formatter_class=fmt)
     p.add_argument("files", nargs="+", metavar="FILE", help="text files (one document each) or .jsonl (one per line)")

@@ -118,6 +118,9 @@ def token_array(path: str, dtype: str, *, offset_bytes: int = 0, count: int | No
 
 
 def open_flat(spec: CorpusSpec) -> TokenSource:
+    if not os.path.exists(spec.path):
+        raise CorpusError(f"{spec.path}: no such file or folder: name a prepared corpus folder (tokens:DIR) or a "
+                          "flat file (tokens:FILE.bin,dtype=uint16)")
     if spec.dtype is None:
         raise CorpusError(f"{spec.path}: a flat tokens file needs its dtype: write tokens:{spec.path},dtype=uint16 "
                           "(or dtype=uint32)")

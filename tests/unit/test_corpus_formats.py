@@ -159,3 +159,14 @@ def test_hf_disk_input_ids(tmp_path):
     datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "raw"))
     with pytest.raises(CorpusError, match="has no input_ids column"):
         open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}/raw"))
+
+
+def test_hf_disk_without_datasets_names_the_install(tmp_path):
+    try:
+        import datasets  # noqa: F401  # lazy: the test is of its absence
+    except ImportError:
+        pass
+    else:
+        pytest.skip("datasets is installed: the refusal only shows without it")
+    with pytest.raises(CorpusError, match=f"{tmp_path}: hf-disk: corpora need the datasets package: pip install datasets"):
+        open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}"))

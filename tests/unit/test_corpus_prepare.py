@@ -156,7 +156,9 @@ def test_cli_prepares_then_refuses_in_one_line(tmp_path):
     assert (tmp_path / "corpus" / "meta.json").is_file()
     again = _cli("prepare", "doc0.txt", "-o", "corpus", "--tokenizer", "bytes", cwd=tmp_path)
     missing = _cli("prepare", "nope.txt", "-o", "c2", "--tokenizer", "bytes", cwd=tmp_path)
-    for result, named in ((again, "corpus: already exists"), (missing, "nope.txt: no such file")):
+    misspelt = _cli("prepare", "doc0.txt", "-o", "c2", "--tokenizer", "bytes", "--append-eot", cwd=tmp_path)
+    for result, named in ((again, "corpus: already exists"), (missing, "nope.txt: no such file"),
+                          (misspelt, "unknown flag --append-eot: did you mean --append-eod?")):
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith("error: ") and named in lines[-1], result.stderr
