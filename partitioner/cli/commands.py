@@ -1,4 +1,4 @@
-"""partitioner compile | inspect | run | verify | export | calibrate.
+"""partitioner compile | inspect | run | verify | export | calibrate | data.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
 Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
@@ -17,6 +17,7 @@ from runtime.program.parts import Precision
 from runtime.launch.run_options import add_flags as add_run_flags
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
+from partitioner.cli import data as data_command
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
@@ -59,6 +60,7 @@ EXAMPLES = {
     "export": """examples:
   partitioner export out -o trained          # newest committed checkpoint of out/checkpoints
   partitioner export /scratch/ckpt/step_000000100 --program out -o trained-100""",
+    "data": data_command.EXAMPLES,
 }
 
 
@@ -463,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", required=True, help="folder to write (must not exist)")
     e.add_argument("--program", metavar="DIR", help="the program folder, when the checkpoints are not beside it")
     e.set_defaults(func=cmd_export)
+    data_command.add_parser(sub, fmt)  # partitioner/cli/data.py: prepare | check
     for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
         each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks on errors (compile: and the solver's per-candidate lines)")

@@ -1,0 +1,21 @@
+"""``open_source(spec)``: one parsed spec opened as a ``TokenSource``, by its kind (the readers
+are formats.py's, megatron.py's and hf_disk.py's; hf_disk imports ``datasets`` only when used)."""
+
+from __future__ import annotations
+
+import os
+
+from runtime.data.corpus.formats import TokenSource, open_flat, open_prepared
+from runtime.data.corpus.hf_disk import open_hf_disk
+from runtime.data.corpus.megatron import open_megatron
+from runtime.data.corpus.spec import CorpusSpec
+
+
+def open_source(spec: CorpusSpec) -> TokenSource:
+    if spec.kind == "megatron":
+        return open_megatron(spec)
+    if spec.kind == "hf-disk":
+        return open_hf_disk(spec)
+    if os.path.isdir(spec.path):
+        return open_prepared(spec)
+    return open_flat(spec)
