@@ -44,6 +44,7 @@ from partitioner.solver.solve import solve_with_sharding
 from partitioner.solver.space import StepTerms
 from partitioner.solver.tensor_groups import degrees_to_search
 from partitioner.solver.zero_choice import allgather_s
+from partitioner.frontend.corpus_data import with_corpus
 from partitioner.frontend.tp_support import check_tensor_parallel, grouped
 from partitioner.frontend.workload import Workload
 from passes.region_graph import region_table
@@ -135,6 +136,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                      request.schedule)  # before the trace
     from partitioner.frontend.user_source import derive_sources
 
+    if settings.data is not None:  # Note [a corpus replaces make_batch]
+        workload = with_corpus(workload, settings.data, seed=settings.seed, global_batch=global_batch)
     sources = derive_sources(workload, require=False)  # Note [user code travels]: refused before the trace, not after
     precision = settings.precision or Precision.default_for(cluster.devices[0].kind)
     shard = request.shard_optimizer

@@ -2,6 +2,7 @@
 
   commands.py   partitioner compile | inspect | run | verify: the parser and one function a command
   progress.py   compile's progress lines on stderr
+  examples.py   the examples each subcommand's --help ends with
   data.py       `partitioner data prepare | check`: a corpus folder from text, checked
   verify.py     `verify`: the program trained beside the one-process oracle, compared
   demo.py       `make demo` (``python -m partitioner.cli.demo``): the main job end to end

@@ -18,7 +18,9 @@ from runtime.launch.run_options import add_flags as add_run_flags
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
 from partitioner.cli import data as data_command
+from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
+from runtime.data.corpus.spec import absolute_spec
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
 from partitioner.solver.plan import Plan
@@ -26,42 +28,6 @@ from runtime.launch.run_options import RunOptions
 
 EXIT_USAGE = 2
 
-EXAMPLES = {
-    "compile": """examples:
-  partitioner compile gpt -o out --devices 4
-  partitioner compile gpt:layers=12,width=256 -o out --devices 8 --device h100 --global-batch 64
-  partitioner compile mypkg.models:build -o out --cluster cluster.toml --stages 4 --dp 2
-  partitioner compile my_model.py:build -o out --job job.toml --lr 3e-4
-  partitioner compile gpt -o out --devices 4 --calibrate --profile-out cpu.profile.json
-  partitioner compile gpt:layers=8 -o out8 --devices 4 --profile cpu.profile.json
-  partitioner compile gpt -o out --devices 4 --no-calibrate               # the cpu preset's figures
-  partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
-    "inspect": """examples:
-  partitioner inspect out                     # per-stage table, cut edges, balance, baselines
-  partitioner inspect out/plan.json --json    # docs/design.md §11 fields, for scripts
-  partitioner inspect out --dot | dot -Tsvg > plan.svg
-  partitioner inspect out --html report.html  # one self-contained page: stage graph, timeline, memory
-  partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs
-  partitioner inspect out --checkpoints       # out/checkpoints: valid or why not, and what a resume picks
-  partitioner inspect /scratch/ckpt --json    # any checkpoint folder (or one step_N in it)""",
-    "run": """examples:
-  partitioner run out --steps 20
-  partitioner run out --steps 50 --max-restarts 3 --checkpoint-every 10
-  partitioner run out --steps 50 --mtbf 6h --checkpoint-dir /scratch/ckpt
-  partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill
-  partitioner run out --steps 20 --memory-tier copy --hosts 0,0,1,1 --max-restarts 1 --fail-host 1:5
-  partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
-    "calibrate": """examples:
-  partitioner calibrate                          # this machine's cpu profile (measured once, then cached)
-  partitioner calibrate --machine --refresh      # measure it again (after a hardware or load change)
-  partitioner calibrate --from-run out/demo/run  # refit it to what a finished run measured""",
-    "verify": """examples:
-  partitioner verify out --steps 3""",
-    "export": """examples:
-  partitioner export out -o trained          # newest committed checkpoint of out/checkpoints
-  partitioner export /scratch/ckpt/step_000000100 --program out -o trained-100""",
-    "data": data_command.EXAMPLES,
-}
 
 
 def program_sharded(plan) -> bool:
@@ -99,6 +65,8 @@ def cmd_compile(args) -> int:
             "--clip-grad-norm", args.clip_grad_norm)
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())
+    if args.data:  # Note [a corpus replaces make_batch]; a job file's [data] source is resolved by load_job
+        training["data"] = absolute_spec(args.data)
     if args.precision:  # a setting like the others, not a keyword beside them
         training["precision"] = args.precision
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
@@ -144,7 +112,7 @@ def cmd_compile(args) -> int:
     elif args.profile_out:
         raise ValueError("--profile-out names where --calibrate saves its fit: add --calibrate")
     say(f"model {args.model}")
-    workload = load_workload(args.model, pretrained=settings.pretrained)
+    workload = load_workload(args.model, pretrained=settings.pretrained, data=settings.data)
     started = time.perf_counter()
     plan = partitioner.compile(
         workload, cluster=cluster, global_batch=args.global_batch, num_stages=args.stages, dp=args.dp,
@@ -369,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="built-in name with arguments (gpt:layers=12), module:function, file.py:function, "
                    "or hf:CONFIG_DIR (a Hugging Face config, local files only)")
     c.add_argument("-o", "--output", required=True, help="program folder to write")
+    c.add_argument("--data", metavar="SPEC", help="train on a token corpus: tokens:DIR (partitioner data prepare), "
+                   "tokens:FILE.bin,dtype=uint16, megatron:PREFIX, hf-disk:DIR")
     c.add_argument("--pretrained", metavar="DIR", help="Hugging Face safetensors (model.safetensors or a sharded "
                    "index) an hf: MODEL starts from; each rank reads its own stage's tensors")
     c.add_argument("--devices", type=int, help="number of devices (default 2)")

@@ -199,7 +199,7 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     load_program(str(folder))  # an edited or broken folder is refused before anything starts
     if workload is None and plan.training.model_spec:
 
-        workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained)
+        workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained, data=plan.training.data)
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         run_dir = Path(tmp) / "run"
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
@@ -229,7 +229,7 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     settings = settings_of(load_plan(str(folder)))  # a hand-written folder has no full Plan
     if workload is None and settings.model_spec:
 
-        workload = load_workload(settings.model_spec, pretrained=settings.pretrained)
+        workload = load_workload(settings.model_spec, pretrained=settings.pretrained, data=settings.data)
     losses, params, replica_diff = read_program_run(Path(run_dir))
     buffers = read_program_buffers(Path(run_dir))
     steps = len(losses) if steps is None else steps

@@ -29,7 +29,7 @@ from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
 from partitioner.frontend.local_modules import check_imports
-from partitioner.frontend.user_source import UserSources, derive_sources, op_sources
+from partitioner.frontend.user_source import OPTIONAL_ROLES, UserSources, derive_sources, op_sources
 from partitioner.frontend.workload import Workload
 from runtime.data.synthetic import constant_inputs
 from runtime.execute.materialize import fan_in_bound
@@ -81,7 +81,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "ties": tuple(TieSpec(param=t.param, stages=tuple(t.stages)) for t in plan.ties
                       if t.placement == "replicated"),
         "data": DataSpec(make_batch=tuple(sources.specs["make_batch"]), loss_fn=tuple(sources.specs["loss_fn"]),
-                         keywords=tuple(keywords), constants=tuple(constants or ())),
+                         keywords=tuple(keywords), constants=tuple(constants or ()),
+                         **{role: tuple(sources.specs[role]) for role in OPTIONAL_ROLES if role in sources.specs}),
         # the parts below are typed already: what the user asked and what the compiler decided
         # (Note [settings and decisions] in partitioner/config/settings.py)
         "optimizer": program_optimizer(settings, decisions),

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from partitioner.config.settings import TRAINING_SCHEMA, TrainingSettings, check_table
 from partitioner.config.cluster import ClusterSpec
+from runtime.data.corpus.spec import absolute_spec
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -142,11 +143,17 @@ def load_job(path: str | Path) -> Job:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"job file {path}: not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - {"training", "cluster"})
+    unknown = sorted(set(data) - {"training", "cluster", "data"})
     if unknown:
         raise ValueError(f"job file {path} has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                         "known: [training], [cluster] (or cluster = \"cluster.toml\")")
+                         "known: [training], [data], [cluster] (or cluster = \"cluster.toml\")")
     training = nested_training(data.get("training", {}), f"job file {path} [training]")
+    if "data" in data:  # [data] source = "tokens:DIR": the corpus the program trains on
+        table = data["data"]
+        if not isinstance(table, dict) or set(table) != {"source"} or not isinstance(table["source"], str):
+            raise ValueError(f"job file {path} [data]: write source = \"tokens:DIR\" (or megatron:PREFIX, "
+                             f"hf-disk:DIR, tokens:FILE.bin,dtype=uint16), got {table!r}")
+        training["data"] = absolute_spec(table["source"], path.parent)  # relative to the job file
     cluster = None
     if "cluster" in data:
         spec = data["cluster"]

@@ -25,7 +25,7 @@ from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSetting
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "auto")
 GRANULARITIES = ("block", "sublayer", "op", "node")
-_OPTIONAL = ("sdc_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained")
+_OPTIONAL = ("sdc_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data")
 
 
 # -- value checks: each returns the value (normalized) or raises naming ``where`` -------------------
@@ -134,6 +134,7 @@ TRAINING_SCHEMA = {
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
     "pretrained": _string,
+    "data": _string,  # a corpus spec (runtime/data/corpus/spec.py): the program trains on it
     # Global gradient-norm clipping (Note [global gradient norm] in runtime/execute/grad_norm.py); None: off.
     "clip_grad_norm": _optional(_positive),
     "precision": _choice(tuple(p.value for p in Precision)),  # Note [mixed precision]
@@ -172,6 +173,7 @@ class TrainingSettings:
     no_weight_decay: str | tuple[str, ...] = "default"  # "default", "none" or fnmatch patterns (Note [no weight decay])
     model_spec: str | None = None       # how `partitioner verify` rebuilds the model (the CLI sets it)
     pretrained: str | None = None       # the Hugging Face weights an hf: model starts from (the CLI sets it)
+    data: str | None = None             # "tokens:DIR", "megatron:PREFIX", ...: a corpus replaces make_batch
 
     def __post_init__(self):
         for name in ("collective_timeout_s", "mtbf_s", "clip_grad_norm"):  # one JSON form however given

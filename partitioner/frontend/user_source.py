@@ -46,6 +46,8 @@ from partitioner.frontend.rank_imports import MODEL_ROOTS, found_through, locati
 from runtime.program.user_code import USER_DIR, leave_user_root, user_module_name
 
 ROLES = ("make_batch", "loss_fn")
+# Roles only a source names, never derived from a function (Note [a corpus replaces make_batch]).
+OPTIONAL_ROLES = ("rows", "eval_batch")
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,10 @@ def derive_sources(workload, *, require: bool = True) -> UserSources:
         spec, copied = derive_one(fn, role, workload.name)
         files = _merge(files, copied, workload.name)
         specs[role] = spec
+    for role in OPTIONAL_ROLES:
+        given = workload.source.get(role)
+        if given is not None:
+            specs[role] = (given, {}) if isinstance(given, str) else tuple(given)
     return UserSources(specs, files)
 
 

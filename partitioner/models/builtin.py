@@ -310,9 +310,11 @@ def _parse_value(text: str):
     return text
 
 
-def load_workload(spec: str, *, pretrained: str | None = None) -> Workload:
+def load_workload(spec: str, *, pretrained: str | None = None, data: str | None = None) -> Workload:
     """Resolve a MODEL spec to a Workload, with an error that names the spec and the fix.
-    ``pretrained``: a folder of Hugging Face safetensors for an ``hf:`` spec (partitioner/models/hf.py)."""
+    ``pretrained``: a folder of Hugging Face safetensors for an ``hf:`` spec (partitioner/models/hf.py).
+    ``data``: the corpus the model will train on; a built-in gpt without ``vocab=`` takes its
+    vocabulary (the compile then trains on it: partitioner/frontend/corpus_data.py)."""
     name, _, rest = spec.partition(":")
     if name == "hf":  # a Hugging Face config by folder or cached name (partitioner/models/hf.py)
         from partitioner.models.hf import hf_workload, parse_spec
@@ -332,6 +334,10 @@ def load_workload(spec: str, *, pretrained: str | None = None) -> Workload:
                 raise ValueError(f"MODEL {spec!r}: argument {item!r} is not key=value (e.g. gpt:layers=12,width=256)")
             kwargs[key.strip()] = _parse_value(value.strip())
         _check_builtin_args(spec, name, kwargs)
+        if data is not None and name == "gpt" and "vocab" not in kwargs:
+            from partitioner.frontend.corpus_data import corpus_vocab  # here: golden stage files quote line numbers
+
+            kwargs["vocab"] = corpus_vocab(data)
         try:
             return BUILTINS[name](**kwargs)
         except TypeError as exc:

@@ -236,6 +236,7 @@ class RankTrainer:
                             for s, m in zip(self.stage_ids, self.modules)]
         data = program.data
         self.make_batch: Callable = resolve_callable(data.make_batch, folder)
+        self.read_rows: Callable | None = resolve_callable(data.rows, folder) if data.rows is not None else None
         self.loss_fn: Callable = resolve_callable(data.loss_fn, folder)
 
         for s, m in zip(self.stage_ids, self.modules):  # Note [mixed precision] in runtime/execute/precision.py
@@ -275,22 +276,44 @@ class RankTrainer:
         rows = self.program.global_batch // self.program.dp
         return t.narrow(batch_dim, self.replica * rows, rows).to(self.device)
 
+    # Note [a rank reads its rows]: with a data source that reads rows (``data.rows``, a corpus's:
+    # Note [a corpus replaces make_batch] in partitioner/frontend/corpus_data.py), a rank asks for
+    # its replica's rows of the global batch only, and of them only what its stages take: the first
+    # stage the inputs, the last the targets, a middle stage nothing (it reads no byte of data).
+    # The rows are the ones make_batch's whole batch would give (the source's order is global), so
+    # the step is the same step; without such a source every rank builds the global batch and
+    # slices it.
+    def _feed(self, step: int) -> tuple[list, torch.Tensor | None]:
+        """This rank's stage-0 inputs (its replica's rows; empty off the first stage) and targets
+        (None off the last stage)."""
+        program = self.program
+        specs = program.stages[0].inputs
+        if self.read_rows is None:
+            args, target = self.make_batch(step, program.global_batch)
+        else:
+            want = ("both" if self.is_last else "inputs") if self.is_first else ("targets" if self.is_last else None)
+            rows = program.global_batch // program.dp
+            args, target = self.read_rows(step, program.global_batch, want=want,
+                                          rows=range(self.replica * rows, (self.replica + 1) * rows))
+            if not self.is_first:
+                return [], target.to(self.device) if self.is_last else None
+        # Notes [keyword inputs] and [constant inputs] in runtime/data/synthetic.py: another value of a
+        # constant input than the traced one is refused here, before the step runs
+        args = batch_inputs(args, program.data.keywords, program.data.constants, step=step)
+        if self.read_rows is not None:
+            return [a.to(self.device) for a in args], target.to(self.device) if self.is_last else None
+        feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] if self.is_first else []
+        return feed, self._replica_rows(target, 0) if self.is_last else None
+
     def train_step(self, step: int) -> float:
         """One optimizer step on global batch ``step``; returns the step's mean loss (on every rank)."""
         program = self.program
         m = program.num_microbatches
-        args, target = self.make_batch(step, program.global_batch)
-        # Notes [keyword inputs] and [constant inputs] in runtime/data/synthetic.py: another value of a
-        # constant input than the traced one is refused here, before the step runs
-        args = batch_inputs(args, program.data.keywords, program.data.constants, step=step)
-        specs = program.stages[0].inputs
+        feed, tgt = self._feed(step)
         for hook in self.randomness_hooks:
             hook.start(step, self.replica * m)
         self.stage_times.begin_step()
         losses: list[torch.Tensor] = []
-        feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] \
-            if self.is_first else []
-        tgt = self._replica_rows(target, 0) if self.is_last else None
 
         schedule_start = time.perf_counter()
         with step_context(program.precision, self.device.type):  # Note [mixed precision]
@@ -377,6 +400,11 @@ class RankTrainer:
                 watch.close()
         if log and losses:  # every rank: Note [stage times]
             self.stage_times.write(self.run_dir, rank=self.rank, replica=self.replica)
+            if self.read_rows is not None:  # what this rank read of the corpus (Note [a rank reads its rows])
+                from runtime.data.corpus.batches import reads  # lazy: only a corpus-fed program counts its reads
+
+                with open(os.path.join(self.run_dir, f"data_reads_rank_{self.rank}.json"), "w") as f:
+                    json.dump({"rank": self.rank, "stages": list(self.stage_ids), **reads()}, f)
         if metrics is not None and losses:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "

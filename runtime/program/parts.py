@@ -241,10 +241,20 @@ class DataSpec:
     # The inputs that hold no tensor, by keyword or position, with the values the trace baked into
     # the graph: checked against every batch and dropped (Note [constant inputs] in runtime/data/synthetic.py).
     constants: tuple = ()
+    # rows(step, global_batch, *, rows, want) -> (inputs or None, target or None): the rows of the
+    # global batch a rank's stages use, and only those read (Note [a rank reads its rows] in
+    # runtime/execute/train.py); None: the rank slices make_batch's whole batch.
+    rows: str | tuple | None = None
+    # eval_batch(index, global_batch) -> (inputs, target): the validation split's batches; None:
+    # the program has no validation data (a run's --eval-every is refused).
+    eval_batch: str | tuple | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "make_batch", callable_spec(self.make_batch, "data.make_batch"))
         object.__setattr__(self, "loss_fn", callable_spec(self.loss_fn, "data.loss_fn"))
+        for role in ("rows", "eval_batch"):
+            if getattr(self, role) is not None:
+                object.__setattr__(self, role, callable_spec(getattr(self, role), f"data.{role}"))
         object.__setattr__(self, "keywords", tuple(self.keywords))
         if not all(isinstance(k, str) for k in self.keywords):
             raise ValueError(f"data.keywords must be a list of input names, got {list(self.keywords)}")
@@ -263,6 +273,9 @@ class DataSpec:
             out["keywords"] = list(self.keywords)
         if self.constants:
             out["constants"] = [[k, v] for k, v in self.constants]
+        for role in ("rows", "eval_batch"):
+            if getattr(self, role) is not None:
+                out[role] = jsonable(getattr(self, role))
         return out
 
 

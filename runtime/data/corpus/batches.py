@@ -103,3 +103,10 @@ def make_batch(step: int, global_batch: int, *, source: str | CorpusSpec | Token
     """``((tokens,), targets)`` of the whole global batch: ``rows`` over every row."""
     return rows(step, global_batch, source=source, seq=seq, rows=range(global_batch), want="both", seed=seed,
                 split=split)
+
+
+def reads() -> dict:
+    """What this process's batches read, over every source it opened: bytes of token data and
+    windows (a rank writes it at the end of a run: Note [a rank reads its rows])."""
+    return {"bytes_read": sum(s.stats.bytes_read for s in _sources.values()),
+            "windows_read": sum(s.stats.windows_read for s in _sources.values())}

@@ -4,7 +4,9 @@ error every corpus problem raises."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 KINDS = ("tokens", "megatron", "hf-disk")
 TOKEN_DTYPES = ("uint16", "uint32")  # what a flat tokens file may hold (nanoGPT writes uint16)
@@ -61,3 +63,13 @@ class CorpusSpec:
         options = ([f"dtype={self.dtype}"] if self.dtype else []) + \
             ([f"vocab={self.vocab_size}"] if self.vocab_size is not None else [])
         return ",".join([f"{self.kind}:{self.path}", *options])
+
+
+def absolute_spec(text: str, base: Path | None = None) -> str:
+    """The spec with its path made absolute (relative to ``base``, else the working directory):
+    the ranks run from anywhere."""
+    spec = CorpusSpec.parse(text)
+    path = Path(spec.path).expanduser()
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    return dataclasses.replace(spec, path=str(path.resolve())).to_text()
