@@ -21,7 +21,7 @@ import torch
 
 from partitioner.frontend.workload import Workload
 from runtime.data.corpus import CorpusError, CorpusSpec, open_source
-from runtime.data.corpus.spec import absolute_spec  # noqa: F401 - the CLI's and the job file's too
+from runtime.data.corpus.spec import absolute_spec
 from runtime.data.corpus import batches
 
 MAKE_BATCH = "runtime.data.corpus.batches:make_batch"
@@ -58,6 +58,7 @@ def with_corpus(workload: Workload, text: str, *, seed: int = 0, global_batch: i
         raise ValueError(f"--data {text}: {workload.name!r} computes its own loss from its inputs; a corpus gives "
                          "(tokens, next tokens): give the workload a loss_fn(logits, targets)")
     try:
+        text = absolute_spec(text)  # the ranks run from anywhere
         opened = open_source(CorpusSpec.parse(text))
     except CorpusError as exc:
         raise ValueError(f"--data {text}: {exc}") from None

@@ -305,6 +305,14 @@ class RankTrainer:
         feed = [self._replica_rows(a, (sp.batch_dim or 0)) for a, sp in zip(args, specs)] if self.is_first else []
         return feed, self._replica_rows(target, 0) if self.is_last else None
 
+    def _data_reads(self) -> dict:
+        """What this process has read of the corpus so far (counted by the corpus's source cache)."""
+        if self.read_rows is None:
+            return {}
+        from runtime.data.corpus.batches import reads  # lazy: only a corpus-fed program counts its reads
+
+        return reads()
+
     def train_step(self, step: int) -> float:
         """One optimizer step on global batch ``step``; returns the step's mean loss (on every rank)."""
         program = self.program
@@ -353,6 +361,7 @@ class RankTrainer:
         rest (steps re-run after a restart are written again)."""
         program = self.program
         losses = []
+        reads_before = self._data_reads()
         times: list[float] = []
         metrics = None
         # ETA, FLOP/s, MFU, peak memory per rank, TensorBoard (runtime/observe/watch.py); on every rank
@@ -400,11 +409,10 @@ class RankTrainer:
                 watch.close()
         if log and losses:  # every rank: Note [stage times]
             self.stage_times.write(self.run_dir, rank=self.rank, replica=self.replica)
-            if self.read_rows is not None:  # what this rank read of the corpus (Note [a rank reads its rows])
-                from runtime.data.corpus.batches import reads  # lazy: only a corpus-fed program counts its reads
-
+            if self.read_rows is not None:  # what this run read of the corpus (Note [a rank reads its rows])
+                read = {key: value - reads_before[key] for key, value in self._data_reads().items()}
                 with open(os.path.join(self.run_dir, f"data_reads_rank_{self.rank}.json"), "w") as f:
-                    json.dump({"rank": self.rank, "stages": list(self.stage_ids), **reads()}, f)
+                    json.dump({"rank": self.rank, "stages": list(self.stage_ids), **read}, f)
         if metrics is not None and losses:
             mean = sum(times) / len(times)
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "

@@ -4,4 +4,8 @@ run_many.py         torchrun entry training several folders in the same workers 
 checkpoint_drills.py one-process drills of the checkpoint protocol
 """
 
-RUN_MANY = "-m tests.drivers.run_many"  # the torchrun entry: several folders in the same workers
+import os
+
+# The torchrun entry that trains several folders in the same workers, by path: it imports only
+# runtime (installed), so the workers need no repository root on their path.
+RUN_MANY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_many.py")

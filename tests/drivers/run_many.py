@@ -2,7 +2,7 @@
 with its own train.py flags: tests and benchmarks use it to save the seconds every worker spends
 importing torch.distributed.pipelining::
 
-    torchrun --nproc-per-node N -m tests.drivers.run_many [--job-logs DIR] FOLDER [FLAGS...] [-- FOLDER [FLAGS...]]...
+    torchrun --nproc-per-node N tests/drivers/run_many.py [--job-logs DIR] FOLDER [FLAGS...] [-- FOLDER [FLAGS...]]...
 
 The default process group is created here, so runtime.launch.rank.main reuses it (and leaves it alone).
 Every folder must be compiled for N ranks. ``--job-logs DIR``: what each rank prints while it trains
