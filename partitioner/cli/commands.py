@@ -1,4 +1,4 @@
-"""partitioner compile | inspect | run | verify | export | calibrate | data.
+"""partitioner compile | inspect | run | verify | export | calibrate | data | generate.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
 Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
@@ -17,7 +17,8 @@ from runtime.program.parts import Precision
 from runtime.launch.run_options import add_flags as add_run_flags
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
-from partitioner.cli import data as data_command
+from partitioner.cli import data as data_command, generate as generate_command
+from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
@@ -25,43 +26,6 @@ from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 
 EXIT_USAGE = 2
-
-EXAMPLES = {
-    "compile": """examples:
-  partitioner compile gpt -o out --devices 4
-  partitioner compile gpt:layers=12,width=256 -o out --devices 8 --device h100 --global-batch 64
-  partitioner compile mypkg.models:build -o out --cluster cluster.toml --stages 4 --dp 2
-  partitioner compile my_model.py:build -o out --job job.toml --lr 3e-4
-  partitioner compile gpt -o out --devices 4 --calibrate --profile-out cpu.profile.json
-  partitioner compile gpt:layers=8 -o out8 --devices 4 --profile cpu.profile.json
-  partitioner compile gpt -o out --devices 4 --no-calibrate               # the cpu preset's figures
-  partitioner compile gpt:layers=96,width=4096,heads=32,vocab=50257,seq=2048 -o big --devices 64 --device h100""",
-    "inspect": """examples:
-  partitioner inspect out                     # per-stage table, cut edges, balance, baselines
-  partitioner inspect out/plan.json --json    # docs/design.md §11 fields, for scripts
-  partitioner inspect out --dot | dot -Tsvg > plan.svg
-  partitioner inspect out --html report.html  # one self-contained page: stage graph, timeline, memory
-  partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs
-  partitioner inspect out --checkpoints       # out/checkpoints: valid or why not, and what a resume picks
-  partitioner inspect /scratch/ckpt --json    # any checkpoint folder (or one step_N in it)""",
-    "run": """examples:
-  partitioner run out --steps 20
-  partitioner run out --steps 50 --max-restarts 3 --checkpoint-every 10
-  partitioner run out --steps 50 --mtbf 6h --checkpoint-dir /scratch/ckpt
-  partitioner run out --steps 20 --max-restarts 1 --fail-at 1:7:kill   # recovery drill
-  partitioner run out --steps 20 --memory-tier copy --hosts 0,0,1,1 --max-restarts 1 --fail-host 1:5
-  partitioner run out --steps 1000 --quiet                             # every 100th step and a summary""",
-    "calibrate": """examples:
-  partitioner calibrate                          # this machine's cpu profile (measured once, then cached)
-  partitioner calibrate --machine --refresh      # measure it again (after a hardware or load change)
-  partitioner calibrate --from-run out/demo/run  # refit it to what a finished run measured""",
-    "verify": """examples:
-  partitioner verify out --steps 3""",
-    "export": """examples:
-  partitioner export out -o trained          # newest committed checkpoint of out/checkpoints
-  partitioner export /scratch/ckpt/step_000000100 --program out -o trained-100""",
-    "data": data_command.EXAMPLES,
-}
 
 
 def program_sharded(plan) -> bool:
@@ -466,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--program", metavar="DIR", help="the program folder, when the checkpoints are not beside it")
     e.set_defaults(func=cmd_export)
     data_command.add_parser(sub, fmt)  # partitioner/cli/data.py: prepare | check
+    generate_command.add_parser(sub, fmt)  # partitioner/cli/generate.py
     for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
         each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks on errors (compile: and the solver's per-candidate lines)")
