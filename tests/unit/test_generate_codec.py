@@ -114,3 +114,19 @@ def test_sample_greedy_top_k_crop_and_end_of_document():
 def test_sampling_settings_refuse_negatives(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         SamplingSettings(**kwargs)
+
+
+def test_a_transformers_causal_lm_samples_through_its_logits():
+    """A transformers model answers an output object: its .logits are what is sampled."""
+    # lazy: loads transformers (the [hf] extra)
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = [1, 2, 3]
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(model(torch.tensor([ids[-8:]])).logits[0, -1].argmax()))
+    got = sample(model, [1, 2, 3], SamplingSettings(max_new_tokens=10, temperature=0), seq_len_tokens=8, vocab_size=40)
+    assert got == ids[3:]
