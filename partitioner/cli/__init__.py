@@ -1,9 +1,11 @@
 """The `partitioner` command and its helpers.
 
   commands.py   partitioner compile | inspect | run | verify: the parser and one function a command
+  examples.py   the examples under commands.py's subcommands' --help
   progress.py   compile's progress lines on stderr
   examples.py   the examples each subcommand's --help ends with
   data.py       `partitioner data prepare | check`: a corpus folder from text, checked
+  generate.py   `partitioner generate DIR --prompt TEXT`: a causal LM's checkpoint, sampled
   verify.py     `verify`: the program trained beside the one-process oracle, compared
   demo.py       `make demo` (``python -m partitioner.cli.demo``): the main job end to end
   __main__.py   ``python -m partitioner.cli``

@@ -1,4 +1,4 @@
-"""partitioner compile | inspect | run | verify | export | calibrate | data.
+"""partitioner compile | inspect | run | verify | export | calibrate | data | generate.
 
 Every error path prints one or two lines naming the value and the fix, and exits non-zero.
 Each subcommand imports what it needs when it runs, so `partitioner --help` and usage errors
@@ -17,7 +17,7 @@ from runtime.program.parts import Precision
 from runtime.launch.run_options import add_flags as add_run_flags
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
-from partitioner.cli import data as data_command
+from partitioner.cli import data as data_command, generate as generate_command
 from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from runtime.data.corpus.spec import absolute_spec
@@ -27,7 +27,6 @@ from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 
 EXIT_USAGE = 2
-
 
 
 def program_sharded(plan) -> bool:
@@ -436,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--program", metavar="DIR", help="the program folder, when the checkpoints are not beside it")
     e.set_defaults(func=cmd_export)
     data_command.add_parser(sub, fmt)  # partitioner/cli/data.py: prepare | check
+    generate_command.add_parser(sub, fmt)  # partitioner/cli/generate.py
     for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
         each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks on errors (compile: and the solver's per-candidate lines)")

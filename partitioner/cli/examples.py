@@ -1,6 +1,5 @@
-"""The examples each subcommand's --help ends with: what a person types, one line each."""
-
-from partitioner.cli import data as data_command
+"""The examples each of commands.py's subcommands shows under its --help (data.py and
+generate.py keep their own beside their parsers)."""
 
 EXAMPLES = {
     "compile": """examples:
@@ -36,5 +35,4 @@ EXAMPLES = {
     "export": """examples:
   partitioner export out -o trained          # newest committed checkpoint of out/checkpoints
   partitioner export /scratch/ckpt/step_000000100 --program out -o trained-100""",
-    "data": data_command.EXAMPLES,
 }

@@ -84,11 +84,16 @@ def resolve(target: Path, program_dir: Path | None) -> tuple[Path, Path, int | N
     return ckpt, Path(program), step
 
 
+def committed_steps(ckpt: Path) -> list[int]:
+    """The steps of ``ckpt`` with a manifest (committed checkpoints), newest first; none of a missing folder."""
+    return [s for s in list_step_dirs(str(ckpt)) if (Path(ckpt) / step_dirname(s) / MANIFEST).is_file()]
+
+
 def choose_step(ckpt: Path, step: int | None) -> tuple[int, tuple[str, ...]]:
     """The step to export: the one named (refused if it was never committed), or the newest
     committed one. Newer uncommitted step directories are reported, never exported."""
     steps = list_step_dirs(str(ckpt))
-    committed = [s for s in steps if (ckpt / step_dirname(s) / MANIFEST).is_file()]
+    committed = committed_steps(ckpt)
     if step is not None:
         if step not in committed:
             newest = f"the newest committed one is {ckpt / step_dirname(committed[0])}" if committed else \
@@ -111,18 +116,38 @@ def read_state(ckpt: Path, step: int, program) -> dict[str, torch.Tensor]:
     return {**loaded.params, **loaded.buffers}
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(str(folder))
+@dataclass(frozen=True)
+class TrainedState:
+    """One committed checkpoint of a program folder, consolidated: what export writes and
+    generate samples from (partitioner/models/generate.py)."""
+
+    state: dict[str, torch.Tensor]  # every trained parameter and mutable buffer by original name
+    step: int
+    checkpoint: Path
+    skipped: tuple[str, ...]  # newer step directories that are not committed checkpoints
+    weights_spec: list | None  # plan.json program.init.weights: how the ranks made the model's tensors
 
 
-def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> str:
+def trained_state(ckpt: Path, folder: Path, step: int | None = None) -> TrainedState:
+    """Checkpoint ``step`` of ``ckpt`` (None: the newest committed) of the program in ``folder``,
+    checked against that program and read shard by shard (choose_step, read_state)."""
+    # lazy: loads OR-Tools
+    from partitioner.inspect.checkpoints import program_of
+
+    program = program_of(folder)
+    step, skipped = choose_step(Path(ckpt), step)
+    weights_spec = (load_plan(str(folder))["program"].get("init") or {}).get("weights")
+    return TrainedState(read_state(Path(ckpt), step, program), step, Path(ckpt), skipped, weights_spec)
+
+
+def is_hf(weights_spec) -> bool:
+    return bool(weights_spec) and weights_spec[0] == HF_WEIGHTS
+
+
+def hf_model(state: dict[str, torch.Tensor], weights_spec: list) -> tuple[torch.nn.Module, set]:
+    """The transformers model of ``weights_spec`` holding ``state`` (tied names share one tensor);
+    buffers the checkpoint does not hold are made as the ranks made them. Returns the model and its
+    groups of tied names."""
     kwargs = dict(weights_spec[1])
     model = pretrained.build_meta(kwargs["config"], kwargs["architecture"])
     alias = pretrained.aliases(model)
@@ -141,11 +166,26 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> 
         for name in names:
             o, l = pretrained.owner_of(model, name)
             (o._parameters if is_param else o._buffers)[l] = tensor
+    return model, groups
 
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(str(folder))
+
+
+def _write_hf(tmp: Path, state: dict[str, torch.Tensor], weights_spec: list) -> str:
+    model, groups = hf_model(state, weights_spec)
     with no_progress_bars():
         model.save_pretrained(str(tmp))
     _every_tied_name(tmp / "model.safetensors", groups)
-    return kwargs["architecture"]
+    return weights_spec[1]["architecture"]
 
 
 def _every_tied_name(path: Path, groups) -> None:
@@ -168,8 +208,6 @@ def _every_tied_name(path: Path, groups) -> None:
 
 
 def export(target, output, *, program_dir=None) -> ExportReport:
-    # lazy: loads OR-Tools
-    from partitioner.inspect.checkpoints import program_of
     # lazy: loads safetensors
     from safetensors.torch import save_file
 
@@ -179,16 +217,14 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     if not output.parent.is_dir():
         raise ValueError(f"export -o {output}: its parent folder {output.parent} does not exist")
     ckpt, folder, step = resolve(Path(target), Path(program_dir) if program_dir else None)
-    program = program_of(folder)
-    step, skipped = choose_step(ckpt, step)
-    state = read_state(ckpt, step, program)
-    weights_spec = (load_plan(str(folder))["program"].get("init") or {}).get("weights")
+    trained = trained_state(ckpt, folder, step)
+    state, step, skipped, weights_spec = trained.state, trained.step, trained.skipped, trained.weights_spec
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     try:
         architecture = None
-        if weights_spec and weights_spec[0] == HF_WEIGHTS:
+        if is_hf(weights_spec):
             architecture = _write_hf(tmp, state, weights_spec)
         else:
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
