@@ -153,7 +153,7 @@ def load_trained(folder, *, checkpoint_dir=None, step: int | None = None, device
         model, _ = hf_model(trained.state, weights_spec)
     else:
         spec = settings.model_spec
-        model = _weights_into(load_workload(spec, pretrained=settings.pretrained).model, trained.state, spec)
+        model = _weights_into(load_workload(spec, pretrained=settings.pretrained, data=settings.data).model, trained.state, spec)
     model = model.to(device).eval()
     with torch.no_grad():
         vocab = logits_of(model, torch.zeros(1, 1, dtype=torch.long, device=device)).shape[-1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -112,3 +113,13 @@ def test_a_model_vocabulary_smaller_than_the_corpus_is_refused(runs):
         partitioner.compile(load_workload(MODEL + ",vocab=64"), cluster=ClusterSpec.homogeneous(1, "cpu"),
                             global_batch=GLOBAL_BATCH, training={"data": f"tokens:{runs / 'data'}"},
                             machine_profile="preset")
+
+
+def test_generate_samples_with_the_corpus_tokenizer(runs):
+    """No --tokenizer-from: the program's data names its prepared folder (Note [where the tokenizer
+    comes from]), and a gpt that took the corpus's vocabulary rebuilds at that size."""
+    done = subprocess.run([sys.executable, "-m", "partitioner", "generate", str(runs / "piped"), "--prompt", "def ",
+                           "--max-new-tokens", "12", "--temperature", "0", "--checkpoint-dir", str(runs / "ck_full")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("def ") and len(done.stdout) > len("def "), done.stdout
