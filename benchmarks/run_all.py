@@ -52,6 +52,7 @@ BENCHMARKS = [
     ("recompute", ["benchmarks/recompute.py"], 600),
     ("precision", ["benchmarks/precision.py"], 600),
     ("tensor_parallel", ["benchmarks/tensor_parallel.py"], 600),
+    ("data_loading", ["benchmarks/data_loading.py"], 300),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14
