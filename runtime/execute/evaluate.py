@@ -90,6 +90,9 @@ class Evaluator:
             specs = program.stages[0].inputs
             self._feeds = []
             for i in range(self.batches):
+                if not (t.is_first or t.is_last):  # a middle stage reads no data (Note [a rank reads its rows])
+                    self._feeds.append(([], None))
+                    continue
                 args, target = self.eval_batch(i, program.global_batch)
                 args = batch_inputs(args, program.data.keywords, program.data.constants, step=i)
                 feed = ([t._replica_rows(a, sp.batch_dim or 0) for a, sp in zip(args, specs)]
