@@ -8,6 +8,7 @@ answer without importing torch (seconds on a small machine).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,6 +33,12 @@ EXIT_USAGE = 2
 def program_sharded(plan) -> bool:
     """Whether the plan's program shards the optimizer state over its replicas (ZeRO-1)."""
     return plan.decisions.shard_optimizer and plan.dp > 1
+
+
+def has_eval_data(folder: Path) -> bool:
+    """Whether the program's data has a validation split (data.eval_batch), from plan.json's program."""
+    body = json.loads((folder / "plan.json").read_text())
+    return (body.get("program") or {}).get("data", {}).get("eval_batch") is not None
 
 
 def cmd_compile(args) -> int:
@@ -234,7 +241,7 @@ def cmd_run(args) -> int:
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
     plan = Plan.load(folder)
-    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan))
+    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder))
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
     if options.steps is not None:  # resuming past --steps would train nothing (runtime/launch/rank.py checks again)

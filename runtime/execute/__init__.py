@@ -19,5 +19,7 @@ recompute.py        ``checkpointed(fn, *args)``: a region the plan recomputes, u
                     checkpointing with the same random draws (Note [recompute draws the
                     same randomness])
 grad_norm.py        the global gradient norm, clipping, the no-decay names (Note [global gradient norm])
+evaluate.py         ``Evaluator``: a forward-only pass over the validation split on the training
+                    pipeline, val_loss every --eval-every steps (Note [evaluation on the pipeline])
 reference.py        ``train_reference(...)``: the one-process oracle with the same math
 """

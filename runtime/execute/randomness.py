@@ -27,6 +27,13 @@ Recompute (torch.utils.checkpoint) replays a forward later, when the context alr
 microbatch: ``capture()`` snapshots the context at forward time and ``restored(snapshot)`` makes it
 current again for the replay (runtime/execute/recompute.py runs the checkpointed function under it).
 
+Note [evaluation turns dropout off]: a compiled stage file calls ``dropout(x, p, True, ...)``: the
+model was traced in training mode, so the train flag is a constant of the graph and
+``module.eval()`` cannot reach it. The evaluation pass (runtime/execute/evaluate.py) runs inside
+``dropout_off()`` instead, under which every keyed dropout (``dropout``, ``native_dropout``, the
+attention probabilities' in ``attention``) is the identity, as torch's are in eval mode. Other
+random ops (``rand``, ``bernoulli``) are not dropout and still draw.
+
 This module imports only torch: generated files may import only torch and runtime.
 """
 
@@ -57,6 +64,7 @@ class Context:
 
 
 _current: Context | None = None
+_dropout_off = False  # Note [evaluation turns dropout off]
 
 
 def set_context(*, seed: int, step: int, first_sample: int, microbatch: int) -> None:
@@ -93,6 +101,17 @@ def restored(snapshot: Context | None):
         yield
     finally:
         _current = previous
+
+
+@contextlib.contextmanager
+def dropout_off():
+    """Inside the block every keyed dropout is the identity (Note [evaluation turns dropout off])."""
+    global _dropout_off
+    previous, _dropout_off = _dropout_off, True
+    try:
+        yield
+    finally:
+        _dropout_off = previous
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +185,7 @@ def _uniform_like(x: torch.Tensor, *, op: str, batch_dim: int | None) -> torch.T
 
 def dropout(x: torch.Tensor, p: float, train: bool = True, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
     """``aten.dropout``: zero each element with probability p, scale the rest by 1 / (1 - p)."""
-    if not train or p == 0.0:
+    if not train or p == 0.0 or _dropout_off:
         return x
     if p >= 1.0:
         return x * 0.0
@@ -178,7 +197,7 @@ def dropout(x: torch.Tensor, p: float, train: bool = True, *, op: str, batch_dim
 def native_dropout(x: torch.Tensor, p: float, train: bool | None = True, *, op: str,
                    batch_dim: int | None = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``aten.native_dropout``: (output, boolean keep mask)."""
-    if not train or p == 0.0:
+    if not train or p == 0.0 or _dropout_off:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     keep = _uniform_like(x, op=op, batch_dim=batch_dim) >= p
     scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
@@ -224,7 +243,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     softmax(q kᵀ · scale + mask) · v, the dropout mask drawn on the probabilities
     (batch, heads, query, key) like every other keyed op: the fused kernels draw their mask from
     the global generator in an order no other partition can reproduce."""
-    if dropout_p == 0.0:
+    if dropout_p == 0.0 or _dropout_off:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     length_q, length_k = q.shape[-2], k.shape[-2]

@@ -188,22 +188,30 @@ def keep_metrics_before(path: str, start_step: int) -> None:
 
 
 def step_time_summary(run_dir: str, program: Program, times: list[float], *, start_step: int, steps: int,
-                      folder: str = "") -> str:
-    """Write RUN_DIR/summary.json and return the run's closing line (Note [step time summary])."""
+                      folder: str = "", evaluation: dict | None = None) -> str:
+    """Write RUN_DIR/summary.json and return the run's closing line (Note [step time summary]);
+    ``evaluation``: the evaluator's fields (last_val_loss, predicted_eval_s, ...) when the run evaluated."""
     measured = statistics.median(times[1:] if len(times) > 1 else times)
     predicted = program.predicted_step_time_s
     ratio = measured / predicted if predicted else None
     summary = {"first_step": start_step, "steps": steps, "timed_steps": max(len(times) - 1, 1),
                "measured_step_time_s": measured, "predicted_step_time_s": predicted, "step_time_ratio": ratio,
                # which program ran: `calibrate --from-run` finds its plan.json from any --run-dir
-               "folder": os.path.abspath(folder) if folder else None, "plan_hash": program.plan_hash}
+               "folder": os.path.abspath(folder) if folder else None, "plan_hash": program.plan_hash,
+               **(evaluation or {})}
     path = os.path.join(run_dir, "summary.json")
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
+    evaluated = ""
+    if evaluation and None not in (evaluation.get("predicted_eval_s"), evaluation.get("measured_eval_s")):
+        # Note [evaluation on the pipeline] in runtime/execute/evaluate.py
+        evaluated = (f"; eval predicted ~{evaluation['predicted_eval_s']:.3g} s/pass (forward share), "
+                     f"measured {evaluation['measured_eval_s']:.3g} s/pass")
     if predicted is None:
         return f"predicted - s/step (the plan has none), measured {measured:.4g} s/step"
-    return f"predicted {predicted:.4g} s/step, measured {measured:.4g} s/step (measured/predicted {ratio:.2f})"
+    return (f"predicted {predicted:.4g} s/step, measured {measured:.4g} s/step (measured/predicted {ratio:.2f})"
+            + evaluated)
 
 
 class RankTrainer:
@@ -350,13 +358,15 @@ class RankTrainer:
 
     def run(self, steps: int, *, start_step: int = 0, log: bool = True, log_every: int = 1,
             before_step: Callable[[int], None] | None = None,
-            after_step: Callable[[int, float, float], None] | None = None) -> list[float]:
+            after_step: Callable[[int, float, float], None] | None = None, evaluator=None) -> list[float]:
         """Train steps start_step..steps-1; returns their losses.
 
         before_step(step): called before each step (fault injection). after_step(step, loss,
         step_time_s): called after each step, outside the timed region (checkpoint points).
         log_every: rank 0 prints the step line of every Nth step (and of the first and last), then
-        a one-line summary of the run.
+        a one-line summary of the run. evaluator (runtime/execute/evaluate.py): a forward-only pass
+        over the validation split after the steps it is due, outside the timed step (Note
+        [evaluation on the pipeline]); its val_loss joins the step's record and line.
         Resuming (start_step > 0) keeps the metrics lines of steps before start_step and drops the
         rest (steps re-run after a restart are written again)."""
         program = self.program
@@ -382,6 +392,7 @@ class RankTrainer:
                 loss = self.train_step(step)
                 dt = time.perf_counter() - t0
                 losses.append(loss)
+                val = evaluator() if evaluator is not None and evaluator.due(step, steps - 1) else None
                 watched = watch.measure(step, dt) if watch is not None else {}
                 if metrics is not None:
                     rate = program.global_batch / dt
@@ -392,14 +403,15 @@ class RankTrainer:
                                   if math.isfinite(self.last_grad_norm) else None}),
                               **({"skipped": self.last_skipped, "loss_scale": self.scaler.scale}
                                  if self.scaler.enabled else {}),
+                              **({} if val is None else evaluator.record(val)),
                               "time_unix": time.time(), **watched}
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
                     watch.board_write(record)
                     times.append(dt)
-                    if (step + 1) % log_every == 0 or step in (start_step, steps - 1):
-                        print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step "
-                              f"{rate:.1f} samples/s{watch.line(record)}", flush=True)
+                    if (step + 1) % log_every == 0 or step in (start_step, steps - 1) or val is not None:
+                        print(f"step {step + 1}/{steps} loss {loss:.4f} {dt:.2f} s/step {rate:.1f} samples/s"
+                              f"{'' if val is None else f' val {val:.4f}'}{watch.line(record)}", flush=True)
                 if after_step is not None:
                     after_step(step, loss, dt)
         finally:
@@ -418,7 +430,8 @@ class RankTrainer:
             print(f"trained steps {start_step + 1}..{steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{mean:.3f} s/step, {program.global_batch / mean:.1f} samples/s", flush=True)
             print(step_time_summary(self.run_dir, program, times, start_step=start_step, steps=steps,
-                                    folder=self.folder), flush=True)
+                                    folder=self.folder, evaluation=evaluator.summary() if evaluator else None),
+                  flush=True)
         return losses
 
     # --- state, keyed by original parameter names ---------------------------------------------

@@ -211,7 +211,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if steps is not None and steps < 1:
         raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
     sharded = program.shard_optimizer and program.dp > 1
-    options.check_for(world_size=world, sharded=sharded, steps=steps)  # as `partitioner run` did: hand starts too
+    options.check_for(world_size=world, sharded=sharded, steps=steps,  # as `partitioner run` did: hand starts too
+                      eval_data=program.data.eval_batch is not None)
     if options.collective_timeout is not None:
         program = dataclasses.replace(program, collective_timeout_s=options.collective_timeout)
     use_ckpt = not options.no_checkpoint
@@ -285,6 +286,11 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     layout = program.layout
     groups = create_groups(layout, rank, timeout=timeout)
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
+    evaluator = None
+    if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/evaluate.py
+        from runtime.execute.evaluate import Evaluator  # lazy: only a run that evaluates
+
+        evaluator = Evaluator(trainer, every=options.eval_every, batches=options.eval_batch_count)
     if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
         from runtime.resilience.checkpoint.shared import check_shared
         # lazy: loads torch
@@ -345,7 +351,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     while True:
         try:
             losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
-                                 before_step=before_step, after_step=after_step)
+                                 before_step=before_step, after_step=after_step, evaluator=evaluator)
             break
         except sdc.SilentDataCorruption as exc:  # on every rank alike: roll back together, train on
             start_step = sdc.roll_back(trainer, exc, ckpt_dir=ckpt_dir if use_ckpt else None,

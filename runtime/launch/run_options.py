@@ -47,6 +47,7 @@ class Flag:
 
 
 MEMORY_TIER_MODES = ("off", "auto", "none", "copy", "parity")
+DEFAULT_EVAL_BATCHES = 4  # enough samples for a steady curve, cheap next to the steps between passes
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--steps", int, "train until this many steps are done (default: the plan's steps)"),
@@ -85,6 +86,11 @@ FLAGS: tuple[Flag, ...] = (
          short="-q"),
     Flag("--log-every", int, "with --quiet: the step lines' interval (default: about 10 lines per run)",
          metavar="N"),
+    Flag("--eval-every", int, "every K steps (and after the last) a forward-only pass over the validation split: "
+         "val_loss in metrics.jsonl (default: no evaluation; needs a program compiled with --data tokens:DIR "
+         "whose folder has a val split)", metavar="K"),
+    Flag("--eval-batches", int, "with --eval-every: global batches of the validation split per pass, the same "
+         f"ones each time (default {DEFAULT_EVAL_BATCHES})", metavar="N"),
 )
 
 
@@ -116,6 +122,8 @@ class RunOptions:
     measure_memory: bool = False
     quiet: bool = False
     log_every: int | None = None
+    eval_every: int | None = None  # None: no evaluation (Note [evaluation on the pipeline] in runtime/execute/evaluate.py)
+    eval_batches: int | None = None  # None: DEFAULT_EVAL_BATCHES when eval_every is given
 
     def __post_init__(self):
         for name in ("fail_at", "flip_bit", "fail_host"):
@@ -167,13 +175,20 @@ class RunOptions:
 
         return None if self.mtbf is None else parse_duration_s(self.mtbf)
 
+    @property
+    def eval_batch_count(self) -> int:
+        """Validation batches per evaluation pass (--eval-batches, default DEFAULT_EVAL_BATCHES)."""
+        return DEFAULT_EVAL_BATCHES if self.eval_batches is None else self.eval_batches
+
     def host_list(self) -> list[int] | None:
         return None if self.hosts is None else [int(h) for h in self.hosts.split(",")]
 
-    def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None) -> None:
+    def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None,
+                  eval_data: bool | None = None) -> None:
         """The checks that need the program: every named rank exists, every fault fires, nothing
-        asks a sharded program for the replica check. ``steps``: the steps this run trains, when
-        known (default: --steps)."""
+        asks a sharded program for the replica check, --eval-every finds a validation split.
+        ``steps``: the steps this run trains, when known (default: --steps). ``eval_data``: whether
+        the program's data has an eval_batch (None: not known, not checked)."""
 
         steps = self.steps if steps is None else steps
         last = f"0..{world_size - 1}"
@@ -196,6 +211,10 @@ class RunOptions:
             if flip.rank >= world_size or (steps is not None and flip.step >= steps):
                 raise FlagError(f"--flip-bit {text}: rank {flip.rank} step {flip.step} is never reached (the "
                                 f"program runs {world_size} ranks{f' for {steps} steps' if steps else ''})")
+        if self.eval_every is not None and eval_data is False:
+            raise FlagError(f"--eval-every {self.eval_every}: this program's data has no validation split "
+                            "(data.eval_batch): compile it with --data tokens:DIR whose folder has a val split "
+                            "(partitioner data prepare writes one), or leave out --eval-every")
         if self.hosts is not None:
             hosts = self.host_list()
             if len(hosts) != world_size:
@@ -221,6 +240,11 @@ def _check_values(o: RunOptions) -> None:
     at_least("memory_every", 1, "snapshot every 1 or more steps")
     at_least("parity_group", 2, "a parity group holds 2 or more hosts")
     at_least("log_every", 1, "print every 1 or more steps")
+    at_least("eval_every", 1, "evaluate every 1 or more steps (e.g. --eval-every 100); leave it out for no "
+             "evaluation")
+    at_least("eval_batches", 1, "evaluate on 1 or more validation batches (default 4)")
+    if o.eval_batches is not None and o.eval_every is None:
+        raise FlagError(f"--eval-batches {o.eval_batches} sizes the evaluation of --eval-every: add --eval-every K")
     if o.collective_timeout is not None and not o.collective_timeout > 0:
         raise FlagError(f"--collective-timeout {o.collective_timeout}: give seconds > 0 "
                         "(e.g. --collective-timeout 300)")

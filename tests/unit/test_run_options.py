@@ -83,6 +83,8 @@ def test_train_py_refuses_an_unknown_flag(one_rank):
     (["--fail-at", "1:2"], "--fail-at 1:2: rank 1 does not exist"),
     (["--memory-every", "0"], "--memory-every 0: snapshot every 1 or more steps"),
     (["--log-every", "3"], "--log-every 3 thins the step lines of --quiet: add --quiet"),
+    (["--eval-every", "0"], "--eval-every 0: evaluate every 1 or more steps"),
+    (["--eval-every", "2", "--eval-batches", "0"], "--eval-batches 0: evaluate on 1 or more validation batches"),
 ])
 def test_partitioner_run_and_a_rank_refuse_a_value_alike(one_rank, capsys, flags, needle):
     assert main(["run", str(one_rank), *flags]) == 2
