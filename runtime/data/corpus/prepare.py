@@ -264,8 +264,9 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
     _check_inputs(files, out, overwrite, val_fraction)
     info, encode = load_tokenizer(tokenizer, append_eod=append_eod)
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise CorpusError(f"{out}: its parent folder {parent} does not exist: create it first")
+    if parent.exists() and not parent.is_dir():
+        raise CorpusError(f"{out}: {parent} is a file, not a folder: name an output folder elsewhere")
+    parent.mkdir(parents=True, exist_ok=True)  # like -o anywhere else: the folders on the way are made
     tmp = tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent)
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make a shared corpus readable by its owner only
