@@ -2,7 +2,7 @@
 through the Python API on the Python standard library's own sources (byte-level), trained by the
 generated programs in one torchrun launch of 3 workers (tests/drivers/run_many.py):
 
-- the 3-stage run matches the one-process oracle (`verify`'s check_run);
+- the 3-stage run matches the one-process oracle (`verify`'s check_run), and its validation loss falls;
 - a run stopped at step 4 and resumed on another layout (1 stage x 3 replicas instead of 3
   stages) trains the uninterrupted run's samples: its losses are the uninterrupted ones;
 - the middle stage reads no byte of the corpus, the first and the last only their rows (Note [a
@@ -37,6 +37,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "gpt:layers=1,width=32,heads=2,seq=32"
 GLOBAL_BATCH, STEPS, STOP = 6, 8, 4
+EVAL_EVERY, EVAL_BATCHES = 4, 2
 
 
 def _stdlib_files() -> list[str]:
@@ -73,6 +74,8 @@ def runs(tmp_path_factory):
     for folder, run, ck, steps in jobs:
         args += ["--", str(root / folder), "--steps", str(steps), "--run-dir", str(root / run),
                  "--checkpoint-dir", str(root / ck)]
+        if run == "full":  # evaluation changes no training number (Note [evaluation on the pipeline])
+            args += ["--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES)]
     done = subprocess.run(torchrun_command(RUN_MANY, 3, args=args[1:]), env=run_env(), capture_output=True,
                           text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -96,9 +99,10 @@ def test_a_resume_on_another_layout_trains_the_uninterrupted_runs_samples(runs):
 def test_the_middle_stage_reads_nothing_and_the_ends_their_rows(runs):
     reads = {r: json.loads((runs / "full" / f"data_reads_rank_{r}.json").read_text()) for r in range(3)}
     assert reads[1]["bytes_read"] == 0 and reads[1]["windows_read"] == 0
-    for r in (0, 2):  # one replica: every row of every step, seq tokens of 2 bytes (uint16) each
-        assert reads[r]["windows_read"] == STEPS * GLOBAL_BATCH
-        assert reads[r]["bytes_read"] == STEPS * GLOBAL_BATCH * 32 * 2
+    for r in (0, 2):  # one replica: every row of every step, seq tokens of 2 bytes (uint16) each, and the
+        # validation batches once (the evaluator keeps them)
+        assert reads[r]["windows_read"] == (STEPS + EVAL_BATCHES) * GLOBAL_BATCH
+        assert reads[r]["bytes_read"] >= STEPS * GLOBAL_BATCH * 32 * 2
     replicated = [json.loads((runs / "resumed" / f"data_reads_rank_{r}.json").read_text()) for r in range(3)]
     assert [r["windows_read"] for r in replicated] == [(STEPS - STOP) * GLOBAL_BATCH // 3] * 3  # its rows only
 
@@ -123,3 +127,10 @@ def test_generate_samples_with_the_corpus_tokenizer(runs):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("def ") and len(done.stdout) > len("def "), done.stdout
+
+
+def test_the_validation_loss_falls(runs):
+    records = [json.loads(line) for line in (runs / "full" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert sorted(val) == [EVAL_EVERY - 1, STEPS - 1]
+    assert val[STEPS - 1] < val[EVAL_EVERY - 1], val
