@@ -17,6 +17,9 @@ observe/            what a run reports: peak memory, stage times, the step line 
 
 errors.py           the runtime's errors (partitioner.errors re-exports them)
 python_version.py   the Python >= 3.11 check run on import of partitioner and runtime
+file_trust.py       reading files of folders others may have prepared: no links followed, regular
+                    files only, bounded reads, folders others cannot write in (Note [files are not
+                    trusted])
 
 The test drivers (several folders in the same workers, the checkpoint drills) live in
 tests/drivers/: they are never part of a program.

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from runtime.program.parts import Precision
+from runtime.program.spec import load_plan
 from runtime.launch.run_options import add_flags as add_run_flags
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
@@ -37,7 +38,7 @@ def program_sharded(plan) -> bool:
 
 def has_eval_data(folder: Path) -> bool:
     """Whether the program's data has a validation split (data.eval_batch), from plan.json's program."""
-    body = json.loads((folder / "plan.json").read_text())
+    body = load_plan(str(folder))  # bounded (Note [files are not trusted])
     return (body.get("program") or {}).get("data", {}).get("eval_batch") is not None
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from partitioner.inspect.units import human_bytes, render_columns
+from runtime.file_trust import open_regular
 from runtime.resilience import checkpoint as ck
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program.spec import Program, load_plan
@@ -62,7 +63,7 @@ def _files(where: str) -> list[tuple[str, int]]:
 def _shard_header_meta(path: str) -> dict:
     """The "meta" JSON of a safetensors shard, from its header only (no tensor data)."""
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO or link would hang or mislead (Note [files are not trusted])
             n = int.from_bytes(fh.read(8), "little")
             if not 0 < n < 1 << 26:
                 return {}
@@ -95,7 +96,7 @@ def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
     except OSError as exc:
         return {**info, "status": "unreadable", "reason": f"{ck.MANIFEST}: {exc.strerror or exc}"}
     except CheckpointCorruptError as exc:
-        if ck.MANIFEST in names:
+        if os.path.lexists(os.path.join(where, ck.MANIFEST)):  # there but refused (a FIFO, a link, too big)
             return {**info, "status": "corrupt", "reason": _short(str(exc), where)}
         shards = sorted(n for n in names if n.startswith("shard_rank_") and n.endswith(".safetensors"))
         temps = sorted(n for n in names if n.endswith(".tmp"))

@@ -22,6 +22,7 @@ from partitioner.solver.check import structural_violations
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
+from runtime.file_trust import read_bounded
 
 if TYPE_CHECKING:  # annotations only
     from partitioner.solver.plan import Plan
@@ -36,7 +37,7 @@ def load_priced(path: str | Path) -> tuple[PartitionProblem, Assignment]:
     path = Path(path)
     if path.is_dir():
         path = path / "plan.json"
-    body = json.loads(path.read_text())
+    body = json.loads(read_bounded(str(path), follow=True))  # Note [files are not trusted]
     missing = [key for key in ("problem", "assignment") if key not in body]
     if missing:
         raise ValueError(f"{path} has no {' or '.join(missing)}: it was written before plans kept the solver's "

@@ -15,6 +15,7 @@ from typing import Any
 
 from partitioner.config.settings import Decisions, TrainingSettings, split_legacy_training
 from partitioner.errors import PlanMismatchError
+from runtime.file_trust import UntrustedFile, read_bounded
 
 PLAN_VERSION = 1
 
@@ -223,8 +224,10 @@ class Plan:
             path = path / "plan.json"
         if not path.is_file():
             raise ValueError(f"no plan at {path}: pass a program folder or its plan.json")
-        try:
-            body = json.loads(path.read_text())
+        try:  # a FIFO, a device or a huge file is refused unread (Note [files are not trusted])
+            body = json.loads(read_bounded(str(path), follow=True).decode())
+        except UntrustedFile as exc:
+            raise ValueError(str(exc)) from None
         except UnicodeDecodeError:
             raise ValueError(f"{path} is not text (binary bytes): recompile the plan with "
                              "`partitioner compile`") from None
@@ -239,7 +242,8 @@ class Plan:
             raise PlanFieldError(f"{path}: {exc}") from None
         stats = path.parent / "compile_stats.json"
         if stats.is_file():
-            plan.solver.update({k: v for k, v in json.loads(stats.read_text()).items() if k in TIMING_KEYS})
+            plan.solver.update({k: v for k, v in json.loads(read_bounded(str(stats), follow=True)).items()
+                                if k in TIMING_KEYS})
         plan.solver.setdefault("solve_time_s", 0.0)
         return plan
 

@@ -30,13 +30,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from runtime.file_trust import read_bounded
+
 
 def plan_step_flops(folder: str) -> tuple[float | None, float | None]:
     """(model FLOPs of one step, peak FLOP/s of the ranks' devices) from plan.json, Nones when
     the plan lacks them (hand-written folders)."""
     try:
-        with open(os.path.join(folder, "plan.json")) as f:
-            plan = json.load(f)
+        plan = json.loads(read_bounded(os.path.join(folder, "plan.json"), follow=True))  # Note [files are not trusted]
         stages = plan["stages"]
         m, dp = int(plan["num_microbatches"]), int(plan["dp"])
         flops = sum(float(s["flops_fwd"]) + float(s["flops_bwd"]) for s in stages) * m * dp

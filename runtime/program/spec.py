@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from runtime.errors import PlanMismatchError
+from runtime.file_trust import read_bounded
 from runtime.program.layout import Layout
 from runtime.program.schedules import schedule_named
 from runtime.program.parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
@@ -203,11 +204,10 @@ def _validate(program: Program) -> None:
 
 def load_plan(folder: str) -> dict:
     path = os.path.join(folder, "plan.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} not found: is {folder!r} a program folder written by "
                                 "`partitioner compile -o DIR`?")
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(read_bounded(path, follow=True))  # a FIFO or a huge file is refused (Note [files are not trusted])
 
 
 # Note [folder integrity]: plan_hash covers the plan (stages, cuts, memory); the runtime executes

@@ -11,14 +11,17 @@ import queue
 import sys
 import threading
 
+from runtime.file_trust import UntrustedFile, check_folder, is_real_dir
 from runtime.resilience.faults import FaultPoint, armed
 
 CHUNK_BYTES = 1 << 22  # per os.write: large enough that a syscall costs nothing, small enough to hash in step
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def fsync_dir(path: str, fault: FaultPoint | None = None) -> None:
     armed(fault).op(f"fsync dir {path}")
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     finally:
@@ -28,7 +31,13 @@ def fsync_dir(path: str, fault: FaultPoint | None = None) -> None:
 def makedirs_durable(path: str, fault: FaultPoint | None = None) -> None:
     """mkdir -p, fsync'ing each parent whose entries changed."""
     path = os.path.abspath(path)
-    if os.path.isdir(path):
+    if is_real_dir(path):
+        return
+    if os.path.islink(path) and os.path.basename(path).startswith("step_"):
+        # a planted link in place of a step folder would be written through (Note [files are not trusted])
+        raise UntrustedFile(f"{path} is a symbolic link, not a step folder: refusing to write through it "
+                            "(remove it)")
+    if os.path.isdir(path):  # a folder above the checkpoint folder reached through a link: the user's
         return
     parent = os.path.dirname(path)
     makedirs_durable(parent, fault)
@@ -59,10 +68,9 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
     tmp = path + ".tmp"
     hasher = _Hasher() if digest else None
     f.op(f"open {tmp}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner only
+    fd = _create_new(tmp)
     done, total = False, 0
     try:
-        os.fchmod(fd, 0o600)  # a stale .tmp keeps its old mode through O_TRUNC
         for piece in pieces:
             view = memoryview(piece).cast("B")
             offset = 0
@@ -86,6 +94,18 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path), fault)
     return total, sha
+
+
+def _create_new(tmp: str) -> int:
+    """A new owner-only file at ``tmp``: O_EXCL | O_NOFOLLOW, so a planted file or link there is
+    never written through (Note [files are not trusted]); a stale one (a crash's, or a planted
+    link) is unlinked first: unlinking a link removes the link, never its target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+    try:
+        return os.open(tmp, flags, 0o600)
+    except FileExistsError:
+        os.unlink(tmp)
+        return os.open(tmp, flags, 0o600)
 
 
 class _Hasher:
@@ -122,8 +142,16 @@ def check_writable(ckpt_dir: str) -> None:
     raises ValueError naming the directory and the fix."""
     try:
         os.makedirs(ckpt_dir, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"checkpoint directory {ckpt_dir} is not writable ({exc.strerror or exc}): "
+                         "pass --checkpoint-dir with a writable folder") from None
+    try:
+        check_folder(ckpt_dir, "checkpoint directory", "pass --checkpoint-dir with a folder of your own")
+    except UntrustedFile as exc:
+        raise ValueError(str(exc)) from None
+    try:
         probe = os.path.join(ckpt_dir, f".write_probe_{os.getpid()}")
-        with open(probe, "wb") as fh:
+        with os.fdopen(_create_new(probe), "wb") as fh:
             fh.write(b"ok")
             fh.flush()
             os.fsync(fh.fileno())

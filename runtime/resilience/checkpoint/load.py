@@ -17,6 +17,7 @@ from runtime.resilience.checkpoint.manifest import _bare_name, check_model, list
 from runtime.resilience.checkpoint.shard import parse_shard, step_dirname
 from runtime.resilience.checkpoint.state import LoadedCheckpoint, pieces_complete, take_pieces, take_state
 from runtime.errors import CheckpointCorruptError
+from runtime.file_trust import UntrustedFile, lexists_as_link, open_regular
 from runtime.program.spec import Program
 
 READS = {"shards": 0}  # shard files read by this process (a recovery reports how many it read)
@@ -42,12 +43,19 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
         raise CheckpointCorruptError(f"shard file {name!r} of step {manifest.get('step')} is not a bare file name")
     path = os.path.join(ckpt_dir, step_dirname(manifest["step"]), name)
     READS["shards"] += 1
-    try:
-        with open(path, "rb") as fh:
-            data = bytearray(os.fstat(fh.fileno()).st_size)
+    if lexists_as_link(os.path.dirname(path)):
+        raise CheckpointCorruptError(f"{os.path.dirname(path)} is a symbolic link, not a step folder: not read")
+    try:  # a regular file of the size the manifest says, never a link (Note [files are not trusted])
+        with os.fdopen(open_regular(path), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size != entry["bytes"]:  # before allocating: a huge file is refused unread
+                raise CheckpointCorruptError(f"{path} has {size} bytes, the manifest says {entry['bytes']}")
+            data = bytearray(size)
             data = data[:fh.readinto(data)]
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path} is missing") from None
+    except UntrustedFile as exc:
+        raise CheckpointCorruptError(str(exc)) from None
     if len(data) != entry["bytes"]:
         raise CheckpointCorruptError(f"{path} has {len(data)} bytes, the manifest says {entry['bytes']}")
     digest = hashlib.sha256(data).hexdigest()

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from runtime.resilience.checkpoint.durable import fsync_dir, makedirs_durable, write_file_atomic, write_pieces_atomic
 from runtime.resilience.checkpoint.shard import FORMAT, READABLE_FORMATS, shard_filename, shard_pieces, step_dirname
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
+from runtime.file_trust import JSON_CAP, UntrustedFile, is_real_dir, lexists_as_link, open_regular, read_bounded
 from runtime.resilience.faults import FaultPoint, armed
 from runtime.program.spec import Program
 
@@ -105,9 +106,11 @@ def write_manifest(ckpt_dir: str, manifest: dict, fault: FaultPoint | None = Non
 def remove_checkpoint(ckpt_dir: str, step: int, fault: FaultPoint | None = None) -> None:
     """Decommit (manifest first, durably), then delete the rest."""
     step_dir = os.path.join(ckpt_dir, step_dirname(step))
+    if not is_real_dir(step_dir):  # a planted link: never delete through it (Note [files are not trusted])
+        return
     f = armed(fault)
     manifest = os.path.join(step_dir, MANIFEST)
-    if os.path.exists(manifest):
+    if os.path.lexists(manifest):
         f.op(f"unlink {manifest}")
         os.unlink(manifest)
         fsync_dir(step_dir, fault)
@@ -128,21 +131,22 @@ def verifies(ckpt_dir: str, step: int) -> bool:
     step_dir = os.path.join(ckpt_dir, step_dirname(step))
     for entry in manifest["shards"]:
         path = os.path.join(step_dir, entry["file"])
-        try:
-            st = os.stat(path)
+        try:  # a link, a FIFO or a device is no shard (Note [files are not trusted])
+            fh = os.fdopen(open_regular(path), "rb")
         except OSError:
             return False
-        key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
-        digest = _HASHED.get(key)
-        if digest is None:
-            h = hashlib.sha256()
-            try:
-                with open(path, "rb") as fh:
+        with fh:
+            st = os.fstat(fh.fileno())
+            key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+            digest = _HASHED.get(key)
+            if digest is None and st.st_size == entry["bytes"]:
+                h = hashlib.sha256()
+                try:
                     while chunk := fh.read(1 << 24):
                         h.update(chunk)
-            except OSError:
-                return False
-            digest = _HASHED[key] = h.hexdigest()
+                except OSError:
+                    return False
+                digest = _HASHED[key] = h.hexdigest()
         if st.st_size != entry["bytes"] or digest != entry["sha256"]:
             return False
     return True
@@ -216,7 +220,7 @@ def clean_debris(ckpt_dir: str, fault: FaultPoint | None = None, *, up_to: int |
             removed.append(path)
         elif name.endswith(".tmp") and up_to is None:
             _unlink(path, removed)
-        elif m and os.path.isdir(path) and (up_to is None or int(m.group(1)) <= up_to):
+        elif m and is_real_dir(path) and (up_to is None or int(m.group(1)) <= up_to):  # never through a link
             try:
                 inner = os.listdir(path)
             except OSError:
@@ -262,19 +266,24 @@ def list_step_dirs(ckpt_dir: str) -> list[int]:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
         return []
+    # a link named like a step folder is not one (Note [files are not trusted]): never read, written or pruned
     steps = [int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))
-             and os.path.isdir(os.path.join(ckpt_dir, n))]
+             and is_real_dir(os.path.join(ckpt_dir, n))]
     return sorted(steps, reverse=True)
 
 
 def read_manifest(ckpt_dir: str, step: int) -> dict:
     """The manifest of step ``step``; CheckpointCorruptError if absent, unparsable or tampered."""
     path = os.path.join(ckpt_dir, step_dirname(step), MANIFEST)
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
+    if lexists_as_link(os.path.dirname(path)):
+        raise CheckpointCorruptError(f"{os.path.dirname(path)} is a symbolic link, not a step folder: not read "
+                                     "(remove it)")
+    try:  # bounded, regular files only (Note [files are not trusted]): a FIFO or /dev/zero is refused
+        raw = read_bounded(path, cap=JSON_CAP)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{os.path.dirname(path)} has no {MANIFEST} (never committed)") from None
+    except UntrustedFile as exc:
+        raise CheckpointCorruptError(str(exc)) from None
     try:
         manifest = json.loads(raw)
         want = manifest.pop("manifest_sha256")

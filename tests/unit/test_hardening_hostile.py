@@ -1,0 +1,187 @@
+"""Issue 29, hostile folders: the disk tier never follows a planted link (writing, reading or
+pruning), refuses a checkpoint folder others can write in, and every read of a manifest, plan.json
+or shard is bounded by type and size, a lossless delta's decompression by its declared size
+(Note [files are not trusted] in runtime/file_trust.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from _checkpoint_helpers import two_stage_mlp_folder
+from _runtime_folders import one_thread  # noqa: F401
+from partitioner.inspect import checkpoints as listing
+from runtime.errors import CheckpointCorruptError
+from runtime.file_trust import UntrustedFile, read_bounded
+from runtime.program.spec import load_plan, load_program
+from runtime.resilience import checkpoint as ck
+from tests.drivers.checkpoint_drills import trainers_at
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2")),
+                                model_fingerprint="mlp-8-32-32-32-4", plan_hash="plan-two-stages")
+
+
+def _commit(folder: str, ckpt: str, steps: int, keep: int = 3) -> None:
+    program = load_program(folder)
+    trainers = trainers_at(folder, 1)
+    for i in range(steps):
+        if i:
+            for t in trainers:
+                t.fake_step(i)
+        ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program, keep=keep)
+
+
+def _victim(tmp_path) -> tuple[str, bytes]:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_bytes(b"the user's own file\n")
+    return str(victim), victim.read_bytes()
+
+
+# ---- 1. links in the checkpoint folder --------------------------------------------------------
+
+def test_a_planted_tmp_link_is_not_written_through(two_rank, tmp_path):
+    victim, before = _victim(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    step_dir = os.path.join(ckpt, ck.step_dirname(1))
+    os.makedirs(step_dir, mode=0o700)
+    os.symlink(victim, os.path.join(step_dir, ck.shard_filename(0) + ".tmp"))
+    os.symlink(victim, os.path.join(step_dir, ck.MANIFEST + ".tmp"))
+    _commit(two_rank, ckpt, 1)
+    assert open(victim, "rb").read() == before
+    assert ck.verifies(ckpt, 1)
+
+
+def test_a_planted_step_folder_link_is_never_pruned_through(two_rank, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / ck.MANIFEST).write_text('{"precious": true}')
+    (outside / "data.tmp").write_text("precious too")
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt, mode=0o700)
+    os.symlink(str(outside), os.path.join(ckpt, ck.step_dirname(0)))
+    _commit(two_rank, ckpt, 2, keep=1)
+    assert (outside / ck.MANIFEST).read_text() == '{"precious": true}'
+    assert (outside / "data.tmp").read_text() == "precious too"
+    assert ck.list_step_dirs(ckpt) == [2]  # the link is no step folder
+
+
+def test_a_step_folder_link_is_refused_when_writing(two_rank, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt, mode=0o700)
+    os.symlink(str(outside), os.path.join(ckpt, ck.step_dirname(1)))
+    with pytest.raises(OSError, match="symbolic link, not a step folder"):
+        _commit(two_rank, ckpt, 1)
+    assert os.listdir(outside) == []
+
+
+def test_a_linked_shard_is_not_read(two_rank, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _commit(two_rank, ckpt, 1)
+    step_dir = os.path.join(ckpt, ck.step_dirname(1))
+    real = os.path.join(step_dir, ck.shard_filename(0))
+    moved = str(tmp_path / "moved.safetensors")
+    os.rename(real, moved)
+    os.symlink(moved, real)
+    assert not ck.verifies(ckpt, 1)
+    manifest = ck.read_manifest(ckpt, 1)
+    with pytest.raises(CheckpointCorruptError, match="symbolic link"):
+        ck.read_shard(ckpt, manifest, manifest["shards"][0])
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o757])
+def test_a_world_writable_checkpoint_folder_is_refused(tmp_path, mode):
+    ckpt = tmp_path / "open"
+    ckpt.mkdir()
+    os.chmod(ckpt, mode)
+    with pytest.raises(ValueError) as err:
+        ck.check_writable(str(ckpt))
+    assert "others can write in it" in str(err.value) and str(ckpt) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_sticky_world_writable_folder_of_ones_own_is_accepted(tmp_path):
+    ckpt = tmp_path / "sticky"
+    ckpt.mkdir()
+    os.chmod(ckpt, 0o1777)
+    ck.check_writable(str(ckpt))
+
+
+def test_a_folder_of_another_user_is_refused():
+    if os.getuid() == 0 or os.stat("/").st_uid == os.getuid():
+        pytest.skip("needs a folder owned by someone else")
+    with pytest.raises(ValueError, match="not to you"):
+        ck.check_writable("/")
+
+
+# ---- 3. bounded reads ---------------------------------------------------------------------------
+
+def _in_thread(fn, timeout=10.0):
+    """fn()'s exception (or None), failing the test instead of hanging on a FIFO."""
+    out = {}
+
+    def run():
+        try:
+            fn()
+            out["exc"] = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "hung"
+    return out["exc"]
+
+
+def test_a_fifo_manifest_neither_hangs_a_read_nor_inspect(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    step_dir = ckpt / ck.step_dirname(3)
+    step_dir.mkdir(parents=True)
+    os.mkfifo(step_dir / ck.MANIFEST)
+    exc = _in_thread(lambda: ck.read_manifest(str(ckpt), 3))
+    assert isinstance(exc, CheckpointCorruptError) and "a FIFO" in str(exc)
+    got = {}
+    assert _in_thread(lambda: got.update(listing.scan(str(ckpt)))) is None
+    assert got["checkpoints"][0]["status"] == "corrupt" and "FIFO" in got["checkpoints"][0]["reason"]
+    assert ck.newest_committed(str(ckpt)) == -1
+
+
+def test_a_manifest_linked_to_dev_zero_is_refused(tmp_path):
+    step_dir = tmp_path / "ckpt" / ck.step_dirname(3)
+    step_dir.mkdir(parents=True)
+    os.symlink("/dev/zero", step_dir / ck.MANIFEST)
+    exc = _in_thread(lambda: ck.read_manifest(str(tmp_path / "ckpt"), 3))
+    assert isinstance(exc, CheckpointCorruptError) and "symbolic link" in str(exc)
+
+
+def test_a_dev_zero_plan_and_a_fifo_plan_are_refused(tmp_path):
+    os.symlink("/dev/zero", tmp_path / "plan.json")
+    exc = _in_thread(lambda: load_plan(str(tmp_path)))
+    assert isinstance(exc, UntrustedFile) and "character device" in str(exc)
+    fifo = tmp_path / "f"
+    fifo.mkdir()
+    os.mkfifo(fifo / "plan.json")
+    exc = _in_thread(lambda: load_plan(str(fifo)))
+    assert isinstance(exc, UntrustedFile) and "FIFO" in str(exc)
+
+
+def test_an_oversized_json_is_refused_unread(tmp_path):
+    big = tmp_path / "plan.json"
+    with open(big, "wb") as fh:
+        fh.truncate(65 << 20)  # sparse: no disk, no memory
+    with pytest.raises(UntrustedFile, match="more than the 64 MiB"):
+        read_bounded(str(big))
+    with pytest.raises(UntrustedFile, match="more than the 64 MiB"):
+        load_plan(str(tmp_path))
