@@ -68,8 +68,16 @@ def load_config(name: str, *, attn: str = "sdpa"):
     transformers = require_transformers()
 
     try:
-        return transformers.AutoConfig.from_pretrained(name, local_files_only=True, attn_implementation=attn)
+        # Note [no remote code]: a folder's own Python (auto_map's configuration_*.py, modeling_*.py)
+        # never runs: trust_remote_code is always False, so transformers neither runs it nor asks on
+        # stdin (where a piped "y" would say yes), and a model that needs it is refused.
+        return transformers.AutoConfig.from_pretrained(name, local_files_only=True, attn_implementation=attn,
+                                                       trust_remote_code=False)
     except (OSError, ValueError) as exc:
+        if "trust_remote_code" in str(exc) or "custom code" in str(exc):
+            raise ValueError(f"MODEL 'hf:{name}': its config needs code of its own (auto_map in config.json), "
+                             "and the partitioner never runs a model folder's code: use a model transformers "
+                             "ships (a config.json without auto_map)") from None
         if os.path.isdir(name):
             raise ValueError(f"MODEL 'hf:{name}': {name} is a folder but holds no readable config.json ({exc}); "
                              "write one with config.save_pretrained(DIR)") from None
@@ -232,7 +240,8 @@ def _materialized(model, config, architecture: str, seed: int, pretrained: str |
         return model
     with no_progress_bars():
         loaded, info = getattr(transformers, architecture).from_pretrained(
-            pretrained, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+            pretrained, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True,
+            trust_remote_code=False)  # Note [no remote code]
     missing = [n for n in info.get("missing_keys", ()) if n in names]
     if missing:
         own = weights.initial_weights(weights.build_meta(weights.config_dict(config),

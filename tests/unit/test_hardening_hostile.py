@@ -5,6 +5,7 @@ or shard is bounded by type and size, a lossless delta's decompression by its de
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
@@ -185,3 +186,28 @@ def test_an_oversized_json_is_refused_unread(tmp_path):
         read_bounded(str(big))
     with pytest.raises(UntrustedFile, match="more than the 64 MiB"):
         load_plan(str(tmp_path))
+
+
+# ---- 2. a model folder's own code never runs -------------------------------------------------
+
+def test_an_hf_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("transformers")
+    from partitioner.cli import main
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    marker = tmp_path / "MARKER"
+    (evil / "config.json").write_text(json.dumps({
+        "model_type": "evil", "architectures": ["EvilForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                     "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}}))
+    (evil / "configuration_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\n\n\nclass EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 8))  # `echo y | partitioner compile hf:evil`
+    code = main(["compile", f"hf:{evil}", "-o", str(tmp_path / "out"), "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "needs code of its own" in err[0] and "never runs" in err[0] and str(evil) in err[0]
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
