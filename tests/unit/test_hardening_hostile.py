@@ -5,6 +5,7 @@ or shard is bounded by type and size, a lossless delta's decompression by its de
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -211,3 +212,32 @@ def test_an_hf_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs
     assert "needs code of its own" in err[0] and "never runs" in err[0] and str(evil) in err[0]
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_a_zstd_bomb_is_refused_before_it_is_decompressed():
+    zstandard = pytest.importorskip("zstandard")
+    import tracemalloc
+
+    from runtime.resilience.checkpoint.delta import decode_shard, encode_tensor
+
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(256 << 20))  # declares 256 MiB in its header
+    assert len(bomb) < 64 << 10
+    t = torch.arange(4, dtype=torch.float32)
+    good = encode_tensor(t, None)
+    meta = {"encoding": {"codec": "xor-byteplanes-zstd/1", "base_step": None, "tensors": {
+        "param/w": {"dtype": "F32", "shape": [4], "delta": False, "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}}}}
+
+    def decode(blob):
+        return decode_shard({"enc/param/w": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}, meta,
+                            lambda key: None, "shard_rank_00000.safetensors")
+
+    assert torch.equal(decode(good)["param/w"], t)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptError) as err:
+            decode(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "declares 268435456 bytes, the tensor is 16" in str(err.value) and "\n" not in str(err.value)
+    assert peak < 16 << 20, f"{peak} bytes allocated for a 16-byte tensor"

@@ -81,7 +81,14 @@ def decode_tensor(blob, dtype: torch.dtype, shape, base: torch.Tensor | None) ->
     nbytes = int(torch.Size(shape).numel()) * size
     if isinstance(blob, torch.Tensor):  # a uint8 view of the shard's bytes
         blob = tensor_bytes(blob)
-    data = _zstd().ZstdDecompressor().decompress(blob, max_output_size=nbytes)
+    zstd = _zstd()
+    # Note [bounded decompression]: zstd sizes its output by the frame's own header, not by
+    # max_output_size (which bounds only a frame that declares no size), so a 138 KiB frame that
+    # declares gigabytes allocates them: the declared size is checked against the tensor's first.
+    declared = zstd.frame_content_size(blob) if len(blob) else 0
+    if declared not in (-1, nbytes) and len(blob):
+        raise ValueError(f"its zstd frame declares {declared} bytes, the tensor is {nbytes}")
+    data = zstd.ZstdDecompressor().decompress(blob, max_output_size=nbytes)
     if len(data) != nbytes:
         raise ValueError(f"decompressed {len(data)} bytes, want {nbytes}")
     raw = _unplanes(torch.frombuffer(bytearray(data), dtype=torch.uint8), size) if nbytes else \
