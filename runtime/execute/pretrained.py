@@ -282,6 +282,26 @@ def locate(model: torch.nn.Module, names, folder: str) -> dict[str, tuple[str, s
     return found
 
 
+# Note [a stored dtype of the right kind]: a tensor is converted to the model's dtype (an F16 file
+# into an F32 model is fine), but a float tensor whose header says I32 converts its bit patterns
+# into integers of a billion, silently: the header's dtype must be of the parameter's kind
+# (floating, integer, bool), else the tensor is refused by name.
+def _kind(dtype) -> str:
+    """"floating", "integer" or "bool", of a torch dtype or a safetensors dtype name ("F32", "I64")."""
+    if isinstance(dtype, str):
+        return "bool" if dtype == "BOOL" else "integer" if dtype[:1] in ("I", "U") else "floating"
+    if dtype == torch.bool:
+        return "bool"
+    return "floating" if dtype.is_floating_point or dtype.is_complex else "integer"
+
+
+def _check_kind(folder: str, file: str, stored: str, stored_dtype, name: str, want_dtype) -> None:
+    if _kind(stored_dtype) != _kind(want_dtype):
+        raise ValueError(f"--pretrained {folder}: {stored} is {stored_dtype} in {os.path.basename(file)}, but the "
+                         f"model's {name} is {want_dtype} ({_kind(want_dtype)}): the file's dtype is wrong; "
+                         "re-save the weights with save_pretrained")
+
+
 def check_shapes(model: torch.nn.Module, folder: str) -> int:
     """Every tensor of a meta-built ``model`` that ``folder`` holds has the model's shape (read
     from the files' headers only); returns how many it holds. The compiler calls this, so that a
@@ -296,8 +316,11 @@ def check_shapes(model: torch.nn.Module, folder: str) -> int:
     for file, ours in by_file.items():
         with safe_open(file, framework="pt") as fh:
             for name in ours:
-                shape = tuple(fh.get_slice(found[name][1]).get_shape())
-                want = tuple(getattr(*owner_of(model, name)).shape)
+                piece = fh.get_slice(found[name][1])
+                shape = tuple(piece.get_shape())
+                param = getattr(*owner_of(model, name))
+                want = tuple(param.shape)
+                _check_kind(folder, file, found[name][1], piece.get_dtype(), name, param.dtype)
                 if shape != want:
                     raise ValueError(f"--pretrained {folder}: {found[name][1]} is {shape} in {os.path.basename(file)}, "
                                      f"the model's {name} is {want}: the weights are of another configuration; "
@@ -329,10 +352,11 @@ def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
         with safe_open(file, framework="pt") as fh:
             for name in ours:
                 stored = plan[name][1]
-                tensor = fh.get_tensor(stored)
-                OPENED.setdefault(file, []).append(stored)
                 owner, leaf = owner_of(model, name)
                 want = getattr(owner, leaf)
+                _check_kind(folder, file, stored, fh.get_slice(stored).get_dtype(), name, want.dtype)  # before reading
+                tensor = fh.get_tensor(stored)
+                OPENED.setdefault(file, []).append(stored)
                 if tuple(tensor.shape) != tuple(want.shape):
                     raise ValueError(f"--pretrained {folder}: {stored} is {tuple(tensor.shape)} in "
                                      f"{os.path.basename(file)}, the model's {name} is {tuple(want.shape)}: "

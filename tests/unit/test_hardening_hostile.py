@@ -241,3 +241,34 @@ def test_a_zstd_bomb_is_refused_before_it_is_decompressed():
         tracemalloc.stop()
     assert "declares 268435456 bytes, the tensor is 16" in str(err.value) and "\n" not in str(err.value)
     assert peak < 16 << 20, f"{peak} bytes allocated for a 16-byte tensor"
+
+
+# ---- 4. a lying dtype in pretrained weights ---------------------------------------------------
+
+def test_pretrained_weights_with_a_relabelled_dtype_are_refused_by_name(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from partitioner.models.builtin import load_workload
+    from runtime.execute import pretrained
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "w")
+    path = tmp_path / "w" / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    stored = next(k for k in header if k.endswith("wte.weight"))
+    assert header[stored]["dtype"] == "F32"
+    header[stored]["dtype"] = "I32"  # the same element size: the offsets still hold
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw[8:8 + n] = text + b" " * (n - len(text))
+    path.write_bytes(bytes(raw))
+    model = pretrained.build_meta(config.to_dict(), "GPT2LMHeadModel")
+    with pytest.raises(ValueError) as err:
+        pretrained.pretrained_weights(model, ["transformer.wte.weight"], str(tmp_path / "w"), 0)
+    assert f"{stored} is I32" in str(err.value) and "torch.float32" in str(err.value) and "\n" not in str(err.value)
+    config.save_pretrained(tmp_path / "cfg")
+    with pytest.raises(ValueError, match=f"{stored} is I32"):  # at compile time
+        load_workload(f"hf:{tmp_path / 'cfg'}", pretrained=str(tmp_path / "w"))
