@@ -272,3 +272,17 @@ def test_pretrained_weights_with_a_relabelled_dtype_are_refused_by_name(tmp_path
     config.save_pretrained(tmp_path / "cfg")
     with pytest.raises(ValueError, match=f"{stored} is I32"):  # at compile time
         load_workload(f"hf:{tmp_path / 'cfg'}", pretrained=str(tmp_path / "w"))
+
+
+def test_a_planted_discarded_link_is_removed_itself_never_followed(tmp_path):
+    from runtime.resilience.recovery import _discard_newer
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("precious")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / ck.step_dirname(5)).mkdir(parents=True)
+    os.symlink(outside, ckpt / ("discarded_" + ck.step_dirname(5)))
+    _discard_newer(str(ckpt), 1, 0)
+    assert (outside / "keep.txt").read_text() == "precious"
+    assert stat.S_ISDIR(os.lstat(ckpt / ("discarded_" + ck.step_dirname(5))).st_mode)  # the step moved there
