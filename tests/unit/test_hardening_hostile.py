@@ -1,7 +1,9 @@
 """Issue 29, hostile folders: the disk tier never follows a planted link (writing, reading or
 pruning), refuses a checkpoint folder others can write in, and every read of a manifest, plan.json
 or shard is bounded by type and size, a lossless delta's decompression by its declared size
-(Note [files are not trusted] in runtime/file_trust.py)."""
+(Note [files are not trusted] in runtime/file_trust.py); an hf: folder's own code never runs (Note
+[no remote code]); pretrained weights of the wrong dtype kind are refused (Note [a stored dtype of
+the right kind])."""
 
 from __future__ import annotations
 
@@ -11,17 +13,23 @@ import json
 import os
 import stat
 import threading
+import tracemalloc
 
 import pytest
 import torch
 
 from _checkpoint_helpers import two_stage_mlp_folder
 from _runtime_folders import one_thread  # noqa: F401
+from partitioner.cli import main
 from partitioner.inspect import checkpoints as listing
+from partitioner.models.builtin import load_workload
 from runtime.errors import CheckpointCorruptError
+from runtime.execute import pretrained
 from runtime.file_trust import UntrustedFile, read_bounded
 from runtime.program.spec import load_plan, load_program
 from runtime.resilience import checkpoint as ck
+from runtime.resilience.checkpoint.delta import decode_shard, encode_tensor
+from runtime.resilience.recovery import _discard_newer
 from tests.drivers.checkpoint_drills import trainers_at
 
 
@@ -193,8 +201,6 @@ def test_an_oversized_json_is_refused_unread(tmp_path):
 
 def test_an_hf_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs(capsys, monkeypatch, tmp_path):
     pytest.importorskip("transformers")
-    from partitioner.cli import main
-
     evil = tmp_path / "evil"
     evil.mkdir()
     marker = tmp_path / "MARKER"
@@ -216,10 +222,6 @@ def test_an_hf_folder_that_needs_its_own_code_is_refused_and_its_code_never_runs
 
 def test_a_zstd_bomb_is_refused_before_it_is_decompressed():
     zstandard = pytest.importorskip("zstandard")
-    import tracemalloc
-
-    from runtime.resilience.checkpoint.delta import decode_shard, encode_tensor
-
     bomb = zstandard.ZstdCompressor(level=1).compress(bytes(256 << 20))  # declares 256 MiB in its header
     assert len(bomb) < 64 << 10
     t = torch.arange(4, dtype=torch.float32)
@@ -247,9 +249,6 @@ def test_a_zstd_bomb_is_refused_before_it_is_decompressed():
 
 def test_pretrained_weights_with_a_relabelled_dtype_are_refused_by_name(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from partitioner.models.builtin import load_workload
-    from runtime.execute import pretrained
-
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
                                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
@@ -275,8 +274,6 @@ def test_pretrained_weights_with_a_relabelled_dtype_are_refused_by_name(tmp_path
 
 
 def test_a_planted_discarded_link_is_removed_itself_never_followed(tmp_path):
-    from runtime.resilience.recovery import _discard_newer
-
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (outside / "keep.txt").write_text("precious")
@@ -286,3 +283,11 @@ def test_a_planted_discarded_link_is_removed_itself_never_followed(tmp_path):
     _discard_newer(str(ckpt), 1, 0)
     assert (outside / "keep.txt").read_text() == "precious"
     assert stat.S_ISDIR(os.lstat(ckpt / ("discarded_" + ck.step_dirname(5))).st_mode)  # the step moved there
+
+
+def test_inspect_of_a_huge_plan_is_one_line_unread(capsys, tmp_path):
+    with open(tmp_path / "plan.json", "wb") as fh:
+        fh.truncate(65 << 20)  # sparse
+    code = main(["inspect", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "more than the 64 MiB" in err[0] and "plan.json" in err[0], err
