@@ -16,7 +16,8 @@ from runtime.resilience.checkpoint.delta import decode_shard
 from runtime.resilience.checkpoint.manifest import _bare_name, check_model, list_step_dirs, read_manifest
 from runtime.resilience.checkpoint.shard import parse_shard, step_dirname
 from runtime.resilience.checkpoint.state import LoadedCheckpoint, pieces_complete, take_pieces, take_state
-from runtime.errors import CheckpointCorruptError
+from runtime.resilience.checkpoint.validate import check_meta
+from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program.spec import Program
 
 READS = {"shards": 0}  # shard files read by this process (a recovery reports how many it read)
@@ -44,7 +45,10 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
     READS["shards"] += 1
     try:
         with open(path, "rb") as fh:
-            data = bytearray(os.fstat(fh.fileno()).st_size)
+            size = os.fstat(fh.fileno()).st_size
+            if size != entry["bytes"]:  # before the buffer: a huge (sparse) file is never allocated
+                raise CheckpointCorruptError(f"{path} has {size} bytes, the manifest says {entry['bytes']}")
+            data = bytearray(size)
             data = data[:fh.readinto(data)]
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path} is missing") from None
@@ -55,7 +59,8 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
         raise CheckpointCorruptError(f"{path} fails its sha256 (manifest {entry['sha256'][:12]}..., "
                                      f"file {digest[:12]}...)")
     tensors, meta = parse_verified(data, path)
-    if isinstance(meta, dict) and meta.get("encoding"):
+    check_meta(meta, path)  # Note [valid means restorable]
+    if meta.get("encoding"):
         tensors = _decoded(ckpt_dir, manifest, tensors, meta, path, {} if cache is None else cache, entry.get("rank"))
     return tensors, meta
 
@@ -142,7 +147,20 @@ def _rng_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed: list[str],
                   manifest: dict | None = None) -> LoadedCheckpoint:
-    """Verify and read what ``rank`` of ``program`` needs from checkpoint ``step``."""
+    """Verify and read what ``rank`` of ``program`` needs from checkpoint ``step``. A field that
+    passed ``check_meta`` and still breaks the stitching (a piece's span that contradicts the
+    tensors) is CheckpointCorruptError too (Note [valid means restorable])."""
+    try:
+        return _load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
+    except (CheckpointCorruptError, PlanMismatchError):
+        raise
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, RuntimeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {os.path.join(ckpt_dir, step_dirname(step))} is malformed "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed: list[str],
+                   manifest: dict | None) -> LoadedCheckpoint:
     manifest = manifest or read_manifest(ckpt_dir, step)
     check_model(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
     choice = choose_shards(manifest, program, rank, needed)
@@ -198,11 +216,12 @@ def read_missing_pieces(ckpt_dir: str, manifest: dict, loaded: LoadedCheckpoint,
 
 
 def find_valid(ckpt_dir: str, program: Program, rank: int, needed: list[str], *, warn=None,
-               limit: int = RESUME_CANDIDATES) -> tuple[list[int], LoadedCheckpoint | None]:
-    """Steps of the checkpoints valid for ``rank`` (manifest and the shards it reads verify),
-    newest first, and the newest one loaded. ``warn(message)`` hears of every one skipped (a
-    partial or corrupt checkpoint, named); a checkpoint of another model raises
-    PlanMismatchError (``check_model``)."""
+               limit: int = RESUME_CANDIDATES, check=None) -> tuple[list[int], LoadedCheckpoint | None]:
+    """Steps of the checkpoints valid for ``rank`` (manifest and the shards it reads verify and
+    parse, ``check(loaded)`` raises no CheckpointCorruptError: Note [valid means restorable] in
+    runtime/resilience/checkpoint/validate.py), newest first, and the newest one loaded.
+    ``warn(message)`` hears of every one skipped (a partial or corrupt checkpoint, named); a
+    checkpoint of another model raises PlanMismatchError (``check_model``)."""
     valid: list[int] = []
     newest = None
     for step in list_step_dirs(ckpt_dir)[:limit]:
@@ -216,6 +235,8 @@ def find_valid(ckpt_dir: str, program: Program, rank: int, needed: list[str], *,
         check_model(manifest, program, where)
         try:
             loaded = load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
+            if check is not None:
+                check(loaded)
         except CheckpointCorruptError as exc:
             if warn:
                 warn(f"skipping checkpoint {where}: {exc}")
@@ -231,6 +252,7 @@ def loaded_from_bytes(data, *, step: int, program: Program, rank: int, needed: l
     """A verified own shard (the memory tier's bytes: a slot, a peer's copy, a reconstruction) as
     a LoadedCheckpoint, by the same reader as a disk shard."""
     tensors, meta = parse_verified(data, where)
+    check_meta(meta, where)  # Note [valid means restorable]
     if meta.get("step") != step or meta.get("rank") != rank or meta.get("plan_hash") != program.plan_hash:
         raise CheckpointCorruptError(f"{where} is step {meta.get('step')} of rank {meta.get('rank')} "
                                      f"(plan {meta.get('plan_hash')}), wanted step {step} of rank {rank}")
