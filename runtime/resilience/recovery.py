@@ -60,8 +60,7 @@ def recover(trainer, ckpt_dir: str, *, group=None, not_after: int | None = None)
     ``not_after``: only checkpoints of that step or older (a rollback, runtime/resilience/sdc.py)."""
     program, rank = trainer.program, trainer.rank
     needed = ck.needed_names(trainer)
-    valid, newest = ck.find_valid(ckpt_dir, program, rank, needed, limit=ck.RESUME_CANDIDATES,
-                                  warn=lambda msg: say(rank, "warning: " + msg))
+    valid, newest = valid_for(trainer, ckpt_dir, warn=lambda msg: say(rank, "warning: " + msg))
     if not_after is not None:
         valid = [s for s in valid if s <= not_after]
     mine = torch.full((ck.RESUME_CANDIDATES,), -1, dtype=torch.int64)
@@ -87,6 +86,14 @@ def recover(trainer, ckpt_dir: str, *, group=None, not_after: int | None = None)
                    f"at step {chosen} ({how})")
     _discard_newer(ckpt_dir, chosen, rank)
     return chosen
+
+
+def valid_for(trainer, ckpt_dir: str, *, warn=None) -> tuple[list[int], ck.LoadedCheckpoint | None]:
+    """The checkpoints this rank could restore, newest first, and the newest loaded: verified,
+    parsed and checked against the live trainer before the ranks agree (Note [valid means
+    restorable] in runtime/resilience/checkpoint/validate.py)."""
+    return ck.find_valid(ckpt_dir, trainer.program, trainer.rank, ck.needed_names(trainer), warn=warn,
+                         limit=ck.RESUME_CANDIDATES, check=lambda loaded: ck.check_restorable(trainer, loaded))
 
 
 def agree_newest(valid_per_rank: list[list[int]]) -> int | None:
@@ -339,6 +346,7 @@ def _fetch(tier: MemoryTier, step: int, tiers: dict[int, str], own: list[dict], 
             loaded = ck.loaded_from_bytes(mine, step=step, program=tier.trainer.program, rank=me,
                                           needed=ck.needed_names(tier.trainer),
                                           where=f"memory tier ({tiers[me]}) step {step} of rank {me}")
+            ck.check_restorable(tier.trainer, loaded)  # Note [valid means restorable]
         except Exception as exc:  # noqa: BLE001 - any malformed shard is a failed tier, decided before agreeing
             say(me, f"warning: memory tier ({tiers[me]}) step {step} of rank {me} is unusable: {exc}")
             bad.add(me)

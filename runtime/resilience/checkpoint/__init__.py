@@ -21,6 +21,9 @@ delta.py      lossless incremental shards: XOR against the last commit, byte pla
 manifest.py   the commit record (``manifest_for``, ``write_manifest``, ``read_manifest`` with its
               schema check), the step directories, pruning to N that verify, debris,
               ``commit_local`` (Notes [crash consistency], [manifest schema])
+validate.py   is a verified checkpoint restorable? its shard meta field by field, its tensors
+              and RNG states against the live trainer, before the ranks agree (Note [valid
+              means restorable])
 load.py       verified, possibly resharded loads of what one rank needs (``load_for_rank``,
               ``find_valid``, ``loaded_from_bytes`` for the memory tier's bytes)
 interval.py   Young/Daly (``young_daly_interval``), ``parse_duration_s``
@@ -45,6 +48,7 @@ from runtime.resilience.checkpoint.manifest import (MANIFEST, ShardInfo, check_m
 from runtime.resilience.checkpoint.persist import Checkpointer
 from runtime.resilience.checkpoint.shard import (FORMAT, READABLE_FORMATS, ShardLayout, parse_shard, serialize, shard_filename,
                                       shard_pieces, step_dirname)
+from runtime.resilience.checkpoint.validate import check_meta, check_restorable, meta_problem
 from runtime.resilience.checkpoint.state import (LoadedCheckpoint, Snapshot, capture_rng, needed_names, restore, restore_rng,
                                       snapshot, state_entries, state_names, take_state)
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
@@ -53,9 +57,9 @@ from runtime.resilience.faults import FaultPoint, SimulatedCrash
 __all__ = [
     "CHUNK_BYTES", "FORMAT", "MANIFEST", "READABLE_FORMATS", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
     "FaultPoint", "LoadedCheckpoint", "PlanMismatchError", "ShardChoice", "ShardInfo", "ShardLayout",
-    "SimulatedCrash", "Snapshot", "capture_rng", "check_model", "check_writable", "choose_shards", "clean_debris",
+    "SimulatedCrash", "Snapshot", "capture_rng", "check_meta", "check_model", "check_restorable", "check_writable", "choose_shards", "clean_debris",
     "commit_local", "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes",
-    "makedirs_durable", "manifest_for", "needed_names", "newest_committed", "parse_duration_s", "parse_shard",
+    "makedirs_durable", "manifest_for", "meta_problem", "needed_names", "newest_committed", "parse_duration_s", "parse_shard",
     "parse_verified", "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore",
     "restore_rng", "schema_problem", "serialize", "shard_filename", "shard_pieces", "snapshot", "state_entries", "state_names",
     "step_dirname", "take_state", "verifies", "write_file_atomic", "write_manifest", "write_pieces_atomic", "young_daly_interval",

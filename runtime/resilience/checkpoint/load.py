@@ -16,7 +16,8 @@ from runtime.resilience.checkpoint.delta import decode_shard
 from runtime.resilience.checkpoint.manifest import _bare_name, check_model, list_step_dirs, read_manifest
 from runtime.resilience.checkpoint.shard import parse_shard, step_dirname
 from runtime.resilience.checkpoint.state import LoadedCheckpoint, pieces_complete, take_pieces, take_state
-from runtime.errors import CheckpointCorruptError
+from runtime.resilience.checkpoint.validate import check_meta
+from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.file_trust import UntrustedFile, lexists_as_link, open_regular
 from runtime.program.spec import Program
 
@@ -63,7 +64,8 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
         raise CheckpointCorruptError(f"{path} fails its sha256 (manifest {entry['sha256'][:12]}..., "
                                      f"file {digest[:12]}...)")
     tensors, meta = parse_verified(data, path)
-    if isinstance(meta, dict) and meta.get("encoding"):
+    check_meta(meta, path)  # Note [valid means restorable]
+    if meta.get("encoding"):
         tensors = _decoded(ckpt_dir, manifest, tensors, meta, path, {} if cache is None else cache, entry.get("rank"))
     return tensors, meta
 
@@ -150,7 +152,20 @@ def _rng_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed: list[str],
                   manifest: dict | None = None) -> LoadedCheckpoint:
-    """Verify and read what ``rank`` of ``program`` needs from checkpoint ``step``."""
+    """Verify and read what ``rank`` of ``program`` needs from checkpoint ``step``. A field that
+    passed ``check_meta`` and still breaks the stitching (a piece's span that contradicts the
+    tensors) is CheckpointCorruptError too (Note [valid means restorable])."""
+    try:
+        return _load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
+    except (CheckpointCorruptError, PlanMismatchError):
+        raise
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, RuntimeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {os.path.join(ckpt_dir, step_dirname(step))} is malformed "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed: list[str],
+                   manifest: dict | None) -> LoadedCheckpoint:
     manifest = manifest or read_manifest(ckpt_dir, step)
     check_model(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
     choice = choose_shards(manifest, program, rank, needed)
@@ -206,11 +221,12 @@ def read_missing_pieces(ckpt_dir: str, manifest: dict, loaded: LoadedCheckpoint,
 
 
 def find_valid(ckpt_dir: str, program: Program, rank: int, needed: list[str], *, warn=None,
-               limit: int = RESUME_CANDIDATES) -> tuple[list[int], LoadedCheckpoint | None]:
-    """Steps of the checkpoints valid for ``rank`` (manifest and the shards it reads verify),
-    newest first, and the newest one loaded. ``warn(message)`` hears of every one skipped (a
-    partial or corrupt checkpoint, named); a checkpoint of another model raises
-    PlanMismatchError (``check_model``)."""
+               limit: int = RESUME_CANDIDATES, check=None) -> tuple[list[int], LoadedCheckpoint | None]:
+    """Steps of the checkpoints valid for ``rank`` (manifest and the shards it reads verify and
+    parse, ``check(loaded)`` raises no CheckpointCorruptError: Note [valid means restorable] in
+    runtime/resilience/checkpoint/validate.py), newest first, and the newest one loaded.
+    ``warn(message)`` hears of every one skipped (a partial or corrupt checkpoint, named); a
+    checkpoint of another model raises PlanMismatchError (``check_model``)."""
     valid: list[int] = []
     newest = None
     for step in list_step_dirs(ckpt_dir)[:limit]:
@@ -224,6 +240,8 @@ def find_valid(ckpt_dir: str, program: Program, rank: int, needed: list[str], *,
         check_model(manifest, program, where)
         try:
             loaded = load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
+            if check is not None:
+                check(loaded)
         except CheckpointCorruptError as exc:
             if warn:
                 warn(f"skipping checkpoint {where}: {exc}")
@@ -239,6 +257,7 @@ def loaded_from_bytes(data, *, step: int, program: Program, rank: int, needed: l
     """A verified own shard (the memory tier's bytes: a slot, a peer's copy, a reconstruction) as
     a LoadedCheckpoint, by the same reader as a disk shard."""
     tensors, meta = parse_verified(data, where)
+    check_meta(meta, where)  # Note [valid means restorable]
     if meta.get("step") != step or meta.get("rank") != rank or meta.get("plan_hash") != program.plan_hash:
         raise CheckpointCorruptError(f"{where} is step {meta.get('step')} of rank {meta.get('rank')} "
                                      f"(plan {meta.get('plan_hash')}), wanted step {step} of rank {rank}")

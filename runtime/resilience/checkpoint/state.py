@@ -301,13 +301,8 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
     scaler = getattr(trainer, "scaler", None)
     if scaler is not None:
         scaler.load(ckpt.loss_scale)
-    sched = trainer.lr_scheduler
     if ckpt.lr_scheduler:
-        sched.__dict__.update({k: (list(v) if isinstance(v, list) else v)
-                               for k, v in ckpt.lr_scheduler.items()})
-        _match_groups(sched, len(trainer.optimizer.param_groups))
-        for group, lr in zip(trainer.optimizer.param_groups, sched.get_last_lr()):
-            group["lr"] = lr
+        restore_schedule(trainer.lr_scheduler, trainer.optimizer, ckpt.lr_scheduler)
     if ckpt.rng_tensors is not None:
         restore_rng(ckpt.rng_tensors, ckpt.rng_meta or {})
     trainer.steps_done = ckpt.step
@@ -323,11 +318,17 @@ def _unshard_optim(trainer, ckpt: LoadedCheckpoint) -> None:
                 ckpt.optim[name] = st
 
 
-def _match_groups(sched, num_groups: int) -> None:
-    """A checkpoint written with another number of parameter groups (a reshard moves the
-    no-decay parameters between ranks): every group shares one learning rate (Note [no weight
-    decay] in runtime/execute/grad_norm.py), so the saved per-group lists are stretched or cut."""
-    for key in ("base_lrs", "_last_lr"):
-        values = getattr(sched, key, None)
-        if isinstance(values, list) and values and len(values) != num_groups:
-            setattr(sched, key, [values[0]] * num_groups)
+def restore_schedule(sched, optimizer, saved: dict) -> None:
+    """Note [the plan's learning rate]: a checkpoint restores the schedule's position (its step
+    counters), never its learning rates: the live scheduler was built from the plan's optimizer
+    settings (base learning rate, warm-up, decay), so a program recompiled with another --lr trains
+    at that lr, and a shard's lr lists (whatever they say) are not read. The lr is recomputed as
+    LambdaLR.step computes it (base * lambda(step)): the same floats as an uninterrupted run. Every
+    parameter group has its own lambda and base, so a reshard that changes the number of groups
+    (Note [no weight decay] in runtime/execute/grad_norm.py) needs nothing more."""
+    sched.last_epoch = int(saved["last_epoch"])
+    sched._step_count = int(saved.get("_step_count", sched.last_epoch + 1))
+    lrs = [base * lmbda(sched.last_epoch) for lmbda, base in zip(sched.lr_lambdas, sched.base_lrs)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs
