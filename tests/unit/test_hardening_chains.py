@@ -6,6 +6,8 @@ runtime/resilience/checkpoint/manifest.py)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -97,18 +99,19 @@ def test_a_prune_of_a_long_chain_keeps_every_base_and_reads_each_manifest_once(l
 
 
 def test_retention_keeps_the_newest_k_and_exactly_their_bases_in_one_linear_prune(one, tmp_path, monkeypatch):
-    """300 checkpoints, a full one every 8 (1, 9, ..., 297): keep 2 keeps 300 and 299 and the
-    bases they read (298, 297 the full one) and nothing else, reading each manifest once."""
+    """100 checkpoints, a full one every 8 (1, 9, ..., 97): keep 2 keeps 100 and 99 and the bases
+    they read (98, and 97 the full one) and nothing else, reading each manifest once (it was
+    ~1,500 reads: the needed bases again for each of the 96 candidates)."""
     ckpt = str(tmp_path / "ck")
-    program, trainer = _written(one, ckpt, STEPS, 8)
+    program, trainer = _written(one, ckpt, 100, 8)
     reads = _counting_reads(monkeypatch)
-    removed = ck.prune(ckpt, keep=2, newest=STEPS)
-    assert reads[0] <= STEPS, reads[0]
-    assert ck.list_step_dirs(ckpt) == [300, 299, 298, 297]
-    assert removed == list(range(1, 297))
-    loaded = ck.load_for_rank(ckpt, STEPS, program, 0, ck.state_names(program, (0,)))
+    removed = ck.prune(ckpt, keep=2, newest=100)
+    assert reads[0] <= 100, reads[0]
+    assert ck.list_step_dirs(ckpt) == [100, 99, 98, 97]
+    assert removed == list(range(1, 97))
+    loaded = ck.load_for_rank(ckpt, 100, program, 0, ck.state_names(program, (0,)))
     assert same_state(loaded, ck.snapshot(trainer))
-    assert ck.prune(ckpt, keep=2, newest=STEPS) == []  # what stays is exactly what is needed
+    assert ck.prune(ckpt, keep=2, newest=100) == []  # what stays is exactly what is needed
 
 
 @pytest.mark.parametrize("value", [65, 1000])
@@ -126,3 +129,21 @@ def test_the_bound_is_the_same_on_both_sides():
     from runtime.launch import run_options
 
     assert run_options.MAX_FULL_EVERY == delta.MAX_FULL_EVERY
+
+
+def test_a_long_chain_left_on_disk_goes_once_a_full_checkpoint_is_kept(one, long_chain, tmp_path):
+    """A folder holding a 300-long chain (written before the bound): a resumed writer starts with a
+    full checkpoint, and once the newest K no longer read the old chain, one prune removes all of
+    it, keep 2 leaving 2 folders."""
+    ckpt = str(tmp_path / "ck")
+    shutil.copytree(long_chain[0], ckpt)
+    program = load_program(one)
+    trainers = trainers_at(one, 1)
+    writes = drill_writes(trainers, program)
+    for step in (STEPS + 1, STEPS + 2):
+        for t in trainers:
+            t.steps_done = step
+        base = None if step == STEPS + 1 else {t.rank: ck.snapshot(t, writes[t.rank]).tensors for t in trainers}
+        ck.commit_local(ckpt, lossless_snaps(trainers, writes, base, None if base is None else STEPS + 1),
+                        program, keep=2, writes=writes)
+    assert ck.list_step_dirs(ckpt) == [STEPS + 2, STEPS + 1]
