@@ -47,20 +47,15 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
     if not (isinstance(meta, dict) and meta.get("encoding")):
         return tensors, meta
     writer = entry.get("rank")
-    links = [(manifest, tensors, meta, path)]  # the chain, newest first, up to a link already decoded
-    while (base := _base_of(ckpt_dir, *links[-1], cache, writer)) is not None:
+    links = [(manifest, entry, tensors, meta, path)]  # the chain, newest first, to a link already decoded
+    while (base := _base_of(ckpt_dir, links[-1][0], links[-1][3], links[-1][4], cache, writer)) is not None:
         base_manifest, holder = base
         if ("shard", base_manifest["step"], holder["file"]) in cache:
             break
-        b_tensors, b_meta, b_path = _read_verified(ckpt_dir, base_manifest, holder)
-        links.append((base_manifest, b_tensors, b_meta, b_path))
-    for i in range(len(links) - 1, 0, -1):  # the bases, oldest first: each one's base is decoded by now
-        m, t, mt, where = links[i]
-        if isinstance(mt, dict) and mt.get("encoding"):
-            t = _decoded(manifest=m, tensors=t, meta=mt, where=where, cache=cache, writer=writer)
-        holder = next(e for e in m["shards"] if e["rank"] == writer)
-        cache[("shard", m["step"], holder["file"])] = (t, mt)
-    return _decoded(manifest=manifest, tensors=tensors, meta=meta, where=path, cache=cache, writer=writer), meta
+        links.append((base_manifest, holder, *_read_verified(ckpt_dir, base_manifest, holder)))
+    for m, e, t, mt, where in reversed(links[1:]):  # the bases, oldest first: each one's base is decoded by now
+        cache[("shard", m["step"], e["file"])] = (_decoded(t, mt, where, cache, writer), mt)
+    return _decoded(tensors, meta, path, cache, writer), meta
 
 
 def _read_verified(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, torch.Tensor], dict, str]:
@@ -93,7 +88,7 @@ def _name_of(key: str) -> str:
     return rest.rsplit("/", 1)[0] if kind == "optim" else rest
 
 
-def _base_of(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cache: dict, writer):
+def _base_of(ckpt_dir: str, manifest: dict, meta: dict, where: str, cache: dict, writer):
     """(base manifest, the writer's shard entry in it) that an encoded shard's deltas read, or None
     when it holds no delta.
 
@@ -121,10 +116,10 @@ def _base_of(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cac
     return base, holder
 
 
-def _decoded(*, manifest: dict, tensors, meta: dict, where: str, cache: dict, writer):
+def _decoded(tensors, meta: dict, where: str, cache: dict, writer):
     """The original tensors of an encoded shard whose base (``_base_of``) is decoded in ``cache``
     already (Note [chains resolve iteratively])."""
-    if not meta.get("encoding"):
+    if not (isinstance(meta, dict) and meta.get("encoding")):
         return tensors
     base_step = meta["encoding"].get("base_step") if isinstance(meta["encoding"], dict) else None
 
