@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from typing import Callable
 from runtime.resilience import faults
 
+# = runtime.resilience.checkpoint.delta.MAX_FULL_EVERY, repeated: that module loads torch
+# (tests/unit/test_hardening_chains.py checks they agree)
+MAX_FULL_EVERY = 64
+
 
 class FlagError(ValueError):
     """A run flag the table does not know, or a value it refuses: the message names both and the fix."""
@@ -65,7 +69,7 @@ FLAGS: tuple[Flag, ...] = (
          "(fault injection, first attempt)"),
     Flag("--checkpoint-compression", str, "lossless: each tensor a zstd'd XOR delta against the previous "
          "checkpoint, a full one every --checkpoint-full-every (8)", choices=("none", "lossless")),
-    Flag("--checkpoint-full-every", int, "with lossless: a full checkpoint every K (default 8)"),
+    Flag("--checkpoint-full-every", int, "with lossless: a full checkpoint every K (default 8, at most 64)"),
     Flag("--flip-bit", str, "RANK:STEP[:TENSOR]: flip one bit of a parameter before STEP (silent data "
          "corruption drill, first attempt)", repeat=True),
     Flag("--sdc-every", int, "compare the replicas' digests every K steps (0: never; default: the plan's)"),
@@ -236,6 +240,10 @@ def _check_values(o: RunOptions) -> None:
     at_least("checkpoint_every", 0, "must be a number of steps >= 0 (0: only the last)")
     at_least("keep_checkpoints", 1, "keep at least 1")
     at_least("checkpoint_full_every", 1, "give 1 or more (1: every checkpoint full)")
+    if o.checkpoint_full_every is not None and o.checkpoint_full_every > MAX_FULL_EVERY:
+        raise FlagError(f"--checkpoint-full-every {o.checkpoint_full_every}: at most {MAX_FULL_EVERY} (every "
+                        "resume reads the whole delta chain and retention keeps all of it); give 1.."
+                        f"{MAX_FULL_EVERY} (default 8)")
     at_least("sdc_every", 0, "give a number of steps >= 0 (0: no replica check)")
     at_least("memory_every", 1, "snapshot every 1 or more steps")
     at_least("parity_group", 2, "a parity group holds 2 or more hosts")

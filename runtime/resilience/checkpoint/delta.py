@@ -13,7 +13,8 @@ Reading a delta reads its base first (the same name in the base checkpoint, wher
 a reshard reads chains like anything else), XORs, and checks the reconstructed bytes against the
 sha256: a chain whose base is missing or corrupt is a CheckpointCorruptError, so recovery falls
 back as from any corrupt checkpoint. Every ``full_every``-th checkpoint is a full one, so a chain
-is never longer than that; a writer starts with a full one after a start or a rollback (it keeps
+is never longer than that (at most ``MAX_FULL_EVERY``: every resume reads the whole chain and
+retention keeps all of it, Note [retention under deltas]); a writer starts with a full one after a start or a rollback (it keeps
 the base in host memory). Retention keeps every base a kept checkpoint needs
 (runtime/resilience/checkpoint/manifest.py, ``prune``).
 """
@@ -31,6 +32,9 @@ from runtime.errors import CheckpointCorruptError
 CODEC = "xor-byteplanes-zstd/1"
 COMPRESSIONS = ("none", "lossless")
 FULL_EVERY = 8  # a full checkpoint every 8 (a chain reads at most 7 bases)
+# the most --checkpoint-full-every may say: a resume reads at most 63 bases, retention keeps at
+# most --keep-checkpoints + 63 folders (runtime/launch/run_options.py repeats it: no torch there)
+MAX_FULL_EVERY = 64
 LEVEL = 1  # zstd's fastest standard level: the planes of a delta are mostly zeros anyway
 
 

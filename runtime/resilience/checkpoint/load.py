@@ -38,7 +38,31 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
                cache: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of one shard listed in ``manifest``, after checking size and sha256; an
     encoded shard is decoded, reading the bases its deltas need (Note [lossless deltas] in
-    runtime/resilience/checkpoint/delta.py; ``cache``: shards and manifests already read in this load)."""
+    runtime/resilience/checkpoint/delta.py; ``cache``: shards and manifests already read in this load).
+
+    Note [chains resolve iteratively]: a delta's base may itself be a delta, and a chain written
+    before --checkpoint-full-every had a bound can be hundreds long, so the chain is walked in a
+    loop (newest to oldest, reading and verifying each link) and decoded oldest first, never by
+    recursion (which ran out of stack past ~250 links and made every checkpoint unreadable)."""
+    cache = {} if cache is None else cache
+    tensors, meta, path = _read_verified(ckpt_dir, manifest, entry)
+    if not (isinstance(meta, dict) and meta.get("encoding")):
+        return tensors, meta
+    writer = entry.get("rank")
+    links = [(manifest, entry, tensors, meta, path)]  # the chain, newest first, to a link already decoded
+    while (base := _base_of(ckpt_dir, links[-1][0], links[-1][3], links[-1][4], cache, writer)) is not None:
+        base_manifest, holder = base
+        if ("shard", base_manifest["step"], holder["file"]) in cache:
+            break
+        links.append((base_manifest, holder, *_read_verified(ckpt_dir, base_manifest, holder)))
+    for m, e, t, mt, where in reversed(links[1:]):  # the bases, oldest first: each one's base is decoded by now
+        cache[("shard", m["step"], e["file"])] = (_decoded(t, mt, where, cache, writer), mt)
+    return _decoded(tensors, meta, path, cache, writer), meta
+
+
+def _read_verified(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """(tensors, meta, path) of one shard as stored (an encoded one still encoded), after checking
+    its name, size and sha256 against ``manifest``."""
     name = entry.get("file") if isinstance(entry, dict) else None
     if not isinstance(name, str) or not _bare_name(name):  # read_manifest checked; a hand-built one may not be
         raise CheckpointCorruptError(f"shard file {name!r} of step {manifest.get('step')} is not a bare file name")
@@ -65,9 +89,7 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
                                      f"file {digest[:12]}...)")
     tensors, meta = parse_verified(data, path)
     check_meta(meta, path)  # Note [valid means restorable]
-    if meta.get("encoding"):
-        tensors = _decoded(ckpt_dir, manifest, tensors, meta, path, {} if cache is None else cache, entry.get("rank"))
-    return tensors, meta
+    return tensors, meta, path
 
 
 def _name_of(key: str) -> str:
@@ -76,32 +98,47 @@ def _name_of(key: str) -> str:
     return rest.rsplit("/", 1)[0] if kind == "optim" else rest
 
 
-def _decoded(ckpt_dir: str, manifest: dict, tensors, meta: dict, where: str, cache: dict, writer=None):
-    """Note [a delta's base is its writer's]: a writer encodes against its own previous shard (the
+def _base_of(ckpt_dir: str, manifest: dict, meta: dict, where: str, cache: dict, writer):
+    """(base manifest, the writer's shard entry in it) that an encoded shard's deltas read, or None
+    when it holds no delta.
+
+    Note [a delta's base is its writer's]: a writer encodes against its own previous shard (the
     Checkpointer keeps it in host memory), and other shards may hold the same name with other
     bytes (each rank of a tensor group writes its piece under the parameter's name), so the base
     is the shard the same rank (``writer``) wrote at the base step."""
-    enc = meta["encoding"]
-    base_step = enc.get("base_step") if isinstance(enc, dict) else None
+    enc = meta.get("encoding") if isinstance(meta, dict) else None
+    entries = enc.get("tensors") if isinstance(enc, dict) else None
+    deltas = [k for k, e in entries.items() if isinstance(e, dict) and e.get("delta")] if isinstance(entries, dict) else []
+    if not deltas:
+        return None
+    base_step = enc.get("base_step")
+    if not isinstance(base_step, int) or not 0 < base_step < manifest["step"]:
+        raise CheckpointCorruptError(f"{where}: {deltas[0]!r} is a delta with no valid base step ({base_step!r})")
+    try:
+        base = cache.get(("manifest", base_step)) or read_manifest(ckpt_dir, base_step)
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"{where} is a delta against step {base_step}, which is not a "
+                                     f"checkpoint any more ({exc})") from None
+    cache[("manifest", base_step)] = base
+    holder = next((e for e in base["shards"] if e["rank"] == writer), None)
+    if holder is None:
+        raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {deltas[0]!r}")
+    return base, holder
+
+
+def _decoded(tensors, meta: dict, where: str, cache: dict, writer):
+    """The original tensors of an encoded shard whose base (``_base_of``) is decoded in ``cache``
+    already (Note [chains resolve iteratively])."""
+    if not (isinstance(meta, dict) and meta.get("encoding")):
+        return tensors
+    base_step = meta["encoding"].get("base_step") if isinstance(meta["encoding"], dict) else None
 
     def base_tensor(key: str) -> torch.Tensor:
-        if not isinstance(base_step, int) or not 0 < base_step < manifest["step"]:
-            raise CheckpointCorruptError(f"{where}: {key!r} is a delta with no valid base step ({base_step!r})")
-        try:
-            base = cache.get(("manifest", base_step)) or read_manifest(ckpt_dir, base_step)
-        except CheckpointCorruptError as exc:
-            raise CheckpointCorruptError(f"{where} is a delta against step {base_step}, which is not a "
-                                         f"checkpoint any more ({exc})") from None
-        cache[("manifest", base_step)] = base
+        base = cache[("manifest", base_step)]  # _base_of read it before any delta is decoded
         holder = next((e for e in base["shards"] if e["rank"] == writer and _holds(e, _name_of(key))), None)
-        if holder is None:
+        if holder is None or key not in cache[("shard", base_step, holder["file"])][0]:
             raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {key!r}")
-        ident = ("shard", base_step, holder["file"])
-        if ident not in cache:
-            cache[ident] = read_shard(ckpt_dir, base, holder, cache)
-        if key not in cache[ident][0]:
-            raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {key!r}")
-        return cache[ident][0][key]
+        return cache[("shard", base_step, holder["file"])][0][key]
 
     return decode_shard(tensors, meta, base_tensor, where)
 

@@ -24,7 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from runtime.resilience.checkpoint.delta import FULL_EVERY, encode_snapshot
+from runtime.resilience.checkpoint.delta import FULL_EVERY, MAX_FULL_EVERY, encode_snapshot
 from runtime.resilience.checkpoint.interval import young_daly_interval
 from runtime.resilience.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
 from runtime.resilience.checkpoint.shard import shard_filename
@@ -45,6 +45,8 @@ class Checkpointer:
                  mtbf_s: float | None = None, timeout=None, start_step: int = 0,
                  persist_fault: PersistFault | None = None, stats_path: str | None = None,
                  compression: str = "none", full_every: int = FULL_EVERY):
+        if not 1 <= int(full_every) <= MAX_FULL_EVERY:  # Note [lossless deltas]: chains stay short
+            raise ValueError(f"full_every {full_every}: give 1..{MAX_FULL_EVERY} (--checkpoint-full-every)")
         self.trainer, self.ckpt_dir, self.keep = trainer, ckpt_dir, keep
         self.every, self.mtbf_s = int(every or 0), mtbf_s
         self.rank = trainer.rank
@@ -61,7 +63,7 @@ class Checkpointer:
         self.persist_fault = persist_fault if (persist_fault and persist_fault.rank == self.rank
                                                and first_attempt()) else None
         self.stats_path = stats_path
-        self.compression, self.full_every = compression, max(1, int(full_every))
+        self.compression, self.full_every = compression, int(full_every)
         self.base: tuple[int, dict] | None = None  # (step, tensors) of the last commit (Note [lossless deltas])
         self.chain = 0  # deltas since the last full checkpoint
         self.last_step = start_step  # newest step that has (or is getting) a checkpoint
