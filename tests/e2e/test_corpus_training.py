@@ -7,8 +7,8 @@ generated programs in one torchrun launch of 3 workers (tests/drivers/run_many.p
   stages) trains the uninterrupted run's samples: its losses are the uninterrupted ones;
 - the middle stage reads no byte of the corpus, the first and the last only their rows (Note [a
   rank reads its rows]);
-- a Megatron indexed dataset (.bin/.idx written here in Megatron's layout) trains too, and its loss
-  falls;
+- a Megatron indexed dataset (.bin/.idx written here in Megatron's layout, a PREFIX_val pair its
+  validation dataset) trains too, and its training and validation losses fall;
 - a model vocabulary smaller than the corpus's is refused at compile time, naming both.
 """
 
@@ -64,6 +64,7 @@ def runs(tmp_path_factory):
     prepare(_stdlib_files(), root / "data", tokenizer="bytes")
     tokens = open_source(CorpusSpec.parse(f"tokens:{root / 'data'}")).split("train")
     write_megatron(root / "mega", [tokens[i:i + 5000].tolist() for i in range(0, 40000, 5000)])
+    write_megatron(root / "mega_val", [tokens[40000:42000].tolist()])  # Megatron's validation dataset
     data = f"tokens:{root / 'data'}"
     _compile(root / "piped", data, num_stages=3)
     _compile(root / "replicated", data, num_stages=1, dp=3)
@@ -74,7 +75,7 @@ def runs(tmp_path_factory):
     for folder, run, ck, steps in jobs:
         args += ["--", str(root / folder), "--steps", str(steps), "--run-dir", str(root / run),
                  "--checkpoint-dir", str(root / ck)]
-        if run == "full":  # evaluation changes no training number (Note [evaluation on the pipeline])
+        if run in ("full", "mega_run"):  # evaluation changes no training number (Note [evaluation on the pipeline])
             args += ["--eval-every", str(EVAL_EVERY), "--eval-batches", str(EVAL_BATCHES)]
     done = subprocess.run(torchrun_command(RUN_MANY, 3, args=args[1:]), env=run_env(), capture_output=True,
                           text=True, timeout=400)
@@ -107,9 +108,12 @@ def test_the_middle_stage_reads_nothing_and_the_ends_their_rows(runs):
     assert [r["windows_read"] for r in replicated] == [(STEPS - STOP) * GLOBAL_BATCH // 3] * 3  # its rows only
 
 
-def test_a_megatron_indexed_dataset_trains(runs):
+def test_a_megatron_indexed_dataset_trains_and_its_validation_loss_falls(runs):
     losses = _losses(runs / "mega_run")
     assert sorted(losses) == list(range(STEPS)) and losses[STEPS - 1] < losses[0] - 0.1, losses
+    records = [json.loads(line) for line in (runs / "mega_run" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}  # PREFIX_val.bin/.idx
+    assert sorted(val) == [EVAL_EVERY - 1, STEPS - 1] and val[STEPS - 1] < val[EVAL_EVERY - 1], val
 
 
 def test_a_model_vocabulary_smaller_than_the_corpus_is_refused(runs):

@@ -71,7 +71,19 @@ def read_index(idx_path: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def open_megatron(spec: CorpusSpec) -> TokenSource:
+    """PREFIX.bin + PREFIX.idx as the train split; a PREFIX_val.bin + PREFIX_val.idx pair beside
+    them, when both exist, as the validation split (Megatron keeps validation in its own dataset,
+    its --valid-data-path)."""
     prefix = prefix_of(spec.path)
+    tokens, bin_path = _read_pair(prefix, spec)
+    splits, files = {"train": tokens}, {"train": bin_path}
+    if os.path.isfile(prefix + "_val.bin") and os.path.isfile(prefix + "_val.idx"):
+        splits["val"], files["val"] = _read_pair(prefix + "_val", spec)
+    return TokenSource(spec, splits, files, known_vocab_size=spec.vocab_size)
+
+
+def _read_pair(prefix: str, spec: CorpusSpec):
+    """(tokens as one memmapped stream, the .bin's path) of one .bin/.idx pair, checked."""
     bin_path, idx_path = prefix + ".bin", prefix + ".idx"
     if not os.path.isfile(bin_path):
         raise CorpusError(f"{bin_path}: no such file: megatron:PREFIX reads PREFIX.bin and PREFIX.idx")
@@ -90,5 +102,4 @@ def open_megatron(spec: CorpusSpec) -> TokenSource:
     if size_bytes != end_bytes:
         raise CorpusError(f"{bin_path}: {size_bytes} bytes, but {idx_path}'s sequences end at byte {end_bytes}: "
                           "the .bin is truncated or belongs to another index; write the pair again")
-    tokens = token_array(bin_path, dtype, count=end_bytes // itemsize)
-    return TokenSource(spec, {"train": tokens}, {"train": bin_path}, known_vocab_size=spec.vocab_size)
+    return token_array(bin_path, dtype, count=end_bytes // itemsize), bin_path
