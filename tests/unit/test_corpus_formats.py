@@ -5,6 +5,7 @@ pair (written here byte for byte as Megatron's builder does), a prepared folder'
 from __future__ import annotations
 
 import json
+import sys
 import struct
 
 import numpy as np
@@ -161,12 +162,7 @@ def test_hf_disk_input_ids(tmp_path):
         open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}/raw"))
 
 
-def test_hf_disk_without_datasets_names_the_install(tmp_path):
-    try:
-        import datasets  # noqa: F401  # lazy: the test is of its absence
-    except ImportError:
-        pass
-    else:
-        pytest.skip("datasets is installed: the refusal only shows without it")
+def test_hf_disk_without_datasets_names_the_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # absent, whether or not it is installed here
     with pytest.raises(CorpusError, match=f"{tmp_path}: hf-disk: corpora need the datasets package: pip install datasets"):
         open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}"))

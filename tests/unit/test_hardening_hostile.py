@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+from pathlib import Path
 import stat
 import threading
 import tracemalloc
@@ -128,11 +129,16 @@ def test_a_sticky_world_writable_folder_of_ones_own_is_accepted(tmp_path):
     ck.check_writable(str(ckpt))
 
 
-def test_a_folder_of_another_user_is_refused():
-    if os.getuid() == 0 or os.stat("/").st_uid == os.getuid():
-        pytest.skip("needs a folder owned by someone else")
+def test_a_folder_of_another_user_is_refused(tmp_path):
+    if os.geteuid() == 0:  # root can give a folder away: make one of another user's
+        folder = tmp_path / "theirs"
+        folder.mkdir()
+        os.chown(folder, 65534, 65534)  # nobody
+    else:  # anyone else: a folder of root's, which every machine has
+        folder = Path("/")
+        assert folder.stat().st_uid != os.geteuid()
     with pytest.raises(ValueError, match="not to you"):
-        ck.check_writable("/")
+        ck.check_writable(str(folder))
 
 
 # ---- 3. bounded reads ---------------------------------------------------------------------------
