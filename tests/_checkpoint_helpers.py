@@ -7,7 +7,11 @@ import os
 
 import torch
 
-from tests.drivers.checkpoint_drills import FakeTrainer
+import pytest
+
+from tests.drivers.checkpoint_drills import FakeTrainer, trainers_at
+from runtime.program.spec import load_program
+from runtime.resilience import checkpoint as ck
 
 
 def assert_trains_identically(trainer: FakeTrainer, fresh: FakeTrainer, step: int) -> None:
@@ -43,3 +47,21 @@ def two_stage_mlp_folder(folder: str, *, model_fingerprint: str, plan_hash: str)
     mlp_folder(folder, splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
     set_plan_fields(folder, model_fingerprint=model_fingerprint, plan_hash=plan_hash)
     return folder
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    """A two-stage MLP program folder, one per test module (the hardening tests' common ground)."""
+    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2")),
+                                model_fingerprint="mlp-8-32-32-32-4", plan_hash="plan-two-stages")
+
+
+def two_checkpoints(folder: str, ckpt: str):
+    """Checkpoints at steps 1 and 2 (keeping both); returns the program and the trainers at step 2."""
+    program = load_program(folder)
+    trainers = trainers_at(folder, 1)
+    ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
+    for t in trainers:
+        t.fake_step(1)
+    ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
+    return program, trainers

@@ -13,30 +13,13 @@ import shutil
 import pytest
 import torch
 
-from _checkpoint_helpers import assert_trains_identically, two_stage_mlp_folder
+from _checkpoint_helpers import assert_trains_identically, two_checkpoints, two_rank  # noqa: F401 - two_rank is a fixture
 from _runtime_folders import one_thread  # noqa: F401
 from runtime.program.spec import load_program, seal_folder
 from runtime.resilience.checkpoint.delta import CODEC
 from runtime.resilience import checkpoint as ck
 from runtime.resilience.recovery import agree_newest, valid_for
 from tests.drivers.checkpoint_drills import FakeTrainer, trainers_at
-
-
-@pytest.fixture(scope="module")
-def two_rank(tmp_path_factory):
-    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2")),
-                                model_fingerprint="mlp-8-32-32-32-4", plan_hash="plan-two-stages")
-
-
-def _two_checkpoints(folder: str, ckpt: str):
-    """Checkpoints at steps 1 and 2, and the trainers at step 2."""
-    program = load_program(folder)
-    trainers = trainers_at(folder, 1)
-    ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
-    for t in trainers:
-        t.fake_step(1)
-    ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
-    return program, trainers
 
 
 def _rehash_manifest(ckpt: str, step: int, edit) -> None:
@@ -137,7 +120,7 @@ def _resume_views(folder: str, program, ckpt: str):
 @pytest.mark.parametrize("case", sorted(LIES))
 def test_a_lying_newest_checkpoint_falls_back_to_the_older_valid_one(two_rank, tmp_path, case):
     ckpt = str(tmp_path / "ckpt")
-    program, _ = _two_checkpoints(two_rank, ckpt)
+    program, _ = two_checkpoints(two_rank, ckpt)
     _lie(ckpt, 2, 0, LIES[case])
     assert ck.verifies(ckpt, 2)  # the bytes check out
     views, warnings, fresh = _resume_views(two_rank, program, ckpt)
@@ -156,7 +139,7 @@ def test_a_lying_newest_checkpoint_falls_back_to_the_older_valid_one(two_rank, t
 
 def test_a_huge_sparse_shard_is_refused_before_it_is_allocated(two_rank, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    program, _ = _two_checkpoints(two_rank, ckpt)
+    program, _ = two_checkpoints(two_rank, ckpt)
     path = os.path.join(ckpt, ck.step_dirname(2), ck.shard_filename(0))
     os.truncate(path, 64 << 30)  # 64 GiB, sparse: nothing on disk
     views, warnings, _ = _resume_views(two_rank, program, ckpt)
@@ -167,7 +150,7 @@ def test_a_huge_sparse_shard_is_refused_before_it_is_allocated(two_rank, tmp_pat
 def test_the_memory_tiers_check_refuses_a_lying_slot_before_agreeing(two_rank, tmp_path):
     """The memory tier's bytes go through the same checks (``_fetch`` counts them as a failed tier)."""
     ckpt = str(tmp_path / "ckpt")
-    program, trainers = _two_checkpoints(two_rank, ckpt)
+    program, trainers = two_checkpoints(two_rank, ckpt)
     _lie(ckpt, 2, 0, _shape)
     data = bytearray(open(os.path.join(ckpt, ck.step_dirname(2), ck.shard_filename(0)), "rb").read())
     fresh = FakeTrainer(two_rank, 0, program)
@@ -193,7 +176,7 @@ def _lrs(trainer) -> list[float]:
 
 def test_a_shards_learning_rate_never_reaches_the_optimizer(two_rank, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    program, trainers = _two_checkpoints(two_rank, ckpt)
+    program, trainers = two_checkpoints(two_rank, ckpt)
 
     def huge(header, meta):
         meta["lr_scheduler"].update(base_lrs=[1e6], _last_lr=[1e6])
@@ -209,7 +192,7 @@ def test_a_shards_learning_rate_never_reaches_the_optimizer(two_rank, tmp_path):
 
 def test_a_recompiled_learning_rate_wins_over_the_checkpoints(two_rank, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    program, _ = _two_checkpoints(two_rank, ckpt)
+    program, _ = two_checkpoints(two_rank, ckpt)
     folder = str(tmp_path / "lr05")
     shutil.copytree(two_rank, folder)
     with open(os.path.join(folder, "plan.json")) as fh:

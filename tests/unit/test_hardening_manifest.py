@@ -14,7 +14,7 @@ import stat
 import pytest
 import torch
 
-from _checkpoint_helpers import two_stage_mlp_folder
+from _checkpoint_helpers import two_checkpoints, two_rank  # noqa: F401 - two_rank is a fixture
 from _runtime_folders import one_thread  # noqa: F401
 from partitioner.inspect import checkpoints as listing
 from runtime.resilience import checkpoint as ck
@@ -22,23 +22,6 @@ from tests.drivers.checkpoint_drills import FakeTrainer, newest_for_all, trainer
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program.spec import load_program
 from runtime.resilience.recovery import agree_newest
-
-
-@pytest.fixture(scope="module")
-def two_rank(tmp_path_factory):
-    return two_stage_mlp_folder(str(tmp_path_factory.mktemp("mlp2")),
-                                model_fingerprint="mlp-8-32-32-32-4", plan_hash="plan-two-stages")
-
-
-def _two_checkpoints(folder: str, ckpt: str):
-    """Checkpoints at steps 1 and 2 (keeping both); returns the program."""
-    program = load_program(folder)
-    trainers = trainers_at(folder, 1)
-    ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
-    for t in trainers:
-        t.fake_step(1)
-    ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
-    return program
 
 
 def _rewrite_manifest(ckpt: str, step: int, edit) -> None:
@@ -81,7 +64,7 @@ MALFORMED = {
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_manifest_is_skipped_like_a_corrupt_one(two_rank, tmp_path, case):
     ckpt = str(tmp_path / "ckpt")
-    program = _two_checkpoints(two_rank, ckpt)
+    program = two_checkpoints(two_rank, ckpt)[0]
     _rewrite_manifest(ckpt, 2, MALFORMED[case] or (lambda m: _outside_copy(ckpt, m)))
     views, warnings = [], []
     for rank in range(2):
@@ -104,7 +87,7 @@ def test_a_malformed_manifest_is_skipped_like_a_corrupt_one(two_rank, tmp_path, 
 
 def test_restore_checks_shape_and_dtype_naming_the_tensor(two_rank, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    program = _two_checkpoints(two_rank, ckpt)
+    program = two_checkpoints(two_rank, ckpt)[0]
     fresh = FakeTrainer(two_rank, 0, program)
     names = list(fresh.named_parameters())
     before = {n: p.detach().clone() for n, p in fresh.named_parameters().items()}
@@ -192,7 +175,7 @@ def test_debris_is_cleaned_at_start_up_before_the_first_persist(two_rank, tmp_pa
     from runtime.resilience.checkpoint.persist import Checkpointer
 
     ckpt = str(tmp_path / "ckpt")
-    _two_checkpoints(two_rank, ckpt)
+    two_checkpoints(two_rank, ckpt)
     left = _debris(ckpt)
     trainer = trainers_at(two_rank, 2)[0]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
@@ -253,7 +236,7 @@ def test_checkpoint_files_are_owner_only(two_rank, tmp_path):
     old = os.umask(0o022)
     try:
         ckpt = str(tmp_path / "ckpt")
-        _two_checkpoints(two_rank, ckpt)
+        two_checkpoints(two_rank, ckpt)[0]
     finally:
         os.umask(old)
     step_dir = os.path.join(ckpt, ck.step_dirname(2))
