@@ -251,7 +251,10 @@ def test_measuring_this_machine(cache):
     got = machine.machine_profile(refresh=True)
     m = got.profile.measured
     assert got.how == "measured" and machine.load_cached(got.profile.key) == (got.profile, None)
-    assert m.matmul_flops_per_s and m.forward.op_overhead_s > 0 and m.backward.op_overhead_s > 0
+    assert m.matmul_flops_per_s
+    for fit in (m.forward, m.backward):  # under load the non-negative fit may put the whole fixed cost
+        assert fit.op_overhead_s >= 0 and fit.call_overhead_s >= 0  # on calls (op 0) or on ops: one holds it
+        assert fit.op_overhead_s + fit.call_overhead_s > 0, fit
     assert m.microbatch_overhead_s is not None and m.microbatch_overhead_s > 0, "the gloo processes ran"
     assert m.link_bandwidth_bytes_per_s > 0 and got.profile.link() is not None
     assert m.threads == 1 and m.measure_s > 0 and m.optimizer_s_per_param_byte > 0
