@@ -68,7 +68,7 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
     tmp = path + ".tmp"
     hasher = _Hasher() if digest else None
     f.op(f"open {tmp}")
-    fd = _create_new(tmp)
+    fd = create_new(tmp)
     done, total = False, 0
     try:
         for piece in pieces:
@@ -96,7 +96,7 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
     return total, sha
 
 
-def _create_new(tmp: str) -> int:
+def create_new(tmp: str) -> int:
     """A new owner-only file at ``tmp``: O_EXCL | O_NOFOLLOW, so a planted file or link there is
     never written through (Note [files are not trusted]); a stale one (a crash's, or a planted
     link) is unlinked first: unlinking a link removes the link, never its target."""
@@ -151,7 +151,7 @@ def check_writable(ckpt_dir: str) -> None:
         raise ValueError(str(exc)) from None
     try:
         probe = os.path.join(ckpt_dir, f".write_probe_{os.getpid()}")
-        with os.fdopen(_create_new(probe), "wb") as fh:
+        with os.fdopen(create_new(probe), "wb") as fh:
             fh.write(b"ok")
             fh.flush()
             os.fsync(fh.fileno())
