@@ -77,6 +77,9 @@ def resolve(target: Path, program_dir: Path | None) -> tuple[Path, Path, int | N
     else:
         raise ValueError(f"export {target}: not a program folder, a run folder beside one, a checkpoint folder "
                          "(step_N directories) or a step_N directory")
+    if program_dir is not None and not (Path(program_dir) / "plan.json").is_file():
+        raise ValueError(f"export --program {program_dir}: no plan.json there; pass the folder `partitioner compile "
+                         "-o DIR` wrote")
     program = program_dir or _program_folder(ckpt.parent) or (_program_folder(target) if target != ckpt else None)
     if program is None or not (Path(program) / "plan.json").is_file():
         raise ValueError(f"export {target}: cannot find the program folder of {ckpt} (it is not beside it): "

@@ -11,6 +11,7 @@ import queue
 import sys
 import threading
 
+from runtime.errors import DiskFullError, is_no_space
 from runtime.file_trust import UntrustedFile, check_folder, is_real_dir
 from runtime.resilience.faults import FaultPoint, armed
 
@@ -85,6 +86,11 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
         f.op(f"fsync {tmp}")
         os.fsync(fd)
         done = True
+    except OSError as exc:
+        if is_no_space(exc):  # one line naming the folder, not a traceback per rank
+            raise DiskFullError(f"no space left on device writing {tmp} ({total} bytes written): free space on the "
+                                f"disk of {os.path.dirname(path)}, or pass --checkpoint-dir on a disk with room") from exc
+        raise
     finally:
         os.close(fd)
         sha = hasher.finish() if hasher is not None else None
