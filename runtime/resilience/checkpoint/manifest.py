@@ -308,9 +308,14 @@ def read_manifest(ckpt_dir: str, step: int) -> dict:
         raise CheckpointCorruptError(str(exc)) from None
     try:
         manifest = json.loads(raw)
-        want = manifest.pop("manifest_sha256")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointCorruptError(f"{path} is not a valid manifest ({exc})") from None
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise CheckpointCorruptError(f"{path} is not a valid manifest (not JSON: {exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("manifest_sha256"), str):
+        what = "an empty object" if manifest == {} else f"a JSON {type(manifest).__name__}" \
+            if not isinstance(manifest, dict) else "an object without a manifest_sha256"
+        raise CheckpointCorruptError(f"{path} is not a valid manifest (it is {what}, not the manifest a commit "
+                                     "writes): not restorable")
+    want = manifest.pop("manifest_sha256")
     got = hashlib.sha256(_canonical(manifest)).hexdigest()
     if got != want or manifest.get("format") not in READABLE_FORMATS or manifest.get("step") != step:
         raise CheckpointCorruptError(f"{path} fails its checksum or names another step")
