@@ -289,3 +289,28 @@ def test_the_shared_folder_marker_is_never_written_or_read_through_a_link(tmp_pa
     victim.write_text("abc")
     os.symlink(victim, marker)
     assert not sees_marker(str(marker), "abc")  # a link holding the token is not the marker
+
+
+# ---- declared sizes ------------------------------------------------------------------------------
+
+def test_a_manifest_declaring_a_huge_shard_is_not_read(program_dir, tmp_path):
+    """Note [declared sizes are bounded]: the shard and its manifest agree on 1 GiB (sparse: nothing
+    on disk), far more than the plan's stage memory allows; the resume falls back without reading it."""
+    ckpt = str(tmp_path / "ckpt")
+    program, _ = two_checkpoints(program_dir, ckpt)
+    assert program.shard_bytes_bound is not None and program.shard_bytes_bound < 1 << 30
+    path = os.path.join(ckpt, ck.step_dirname(2), ck.shard_filename(0))
+    os.truncate(path, 1 << 30)
+
+    def declare(manifest):
+        next(e for e in manifest["shards"] if e["rank"] == 0)["bytes"] = 1 << 30
+    rehash_manifest(ckpt, 2, declare)
+    reads = ck.READS["shards"]
+    warnings = []
+    views = [valid_for(FakeTrainer(program_dir, rank, program), ckpt, warn=warnings.append)[0]
+             for rank in range(program.world_size)]
+    assert agree_newest(views) == 1 and views == [[1], [1]], views
+    assert all("more than the" in w and str(1 << 30) in w for w in warnings), warnings
+    assert ck.READS["shards"] - reads == program.world_size  # step 1's shard each rank needs; none of step 2
+    entry = listing.scan(ckpt, program=program)["checkpoints"][0]
+    assert entry["status"] == "corrupt" and "more than the" in entry["reason"]
