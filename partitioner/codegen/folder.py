@@ -99,7 +99,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
 def _unwritable(folder: Path, exc: OSError) -> OSError:
     """One line naming the program folder and the fix (docs/design.md §8), not an errno."""
     if is_no_space(exc):
-        return DiskFullError(f"no space left on device writing the program folder {folder}: free space on the disk "
+        return DiskFullError(f"No space left on device writing the program folder {folder}: free space on the disk "
                              f"of {folder.parent}, or pass -o DIR on a disk with room (nothing was left behind)")
     return ValueError(f"-o {folder}: cannot write a folder in {folder.parent} ({exc.strerror or exc}): pass -o DIR "
                       "in a folder you can write")

@@ -219,7 +219,7 @@ def test_a_full_disk_while_writing_the_program_folder_is_one_line(tmp_path, caps
     rc, err = _run(["compile", "mlp", "-o", str(out), "-q"], capsys)
     monkeypatch.undo()
     line = _one_error_line(err)
-    assert rc != 0 and str(out) in line and "no space left" in line and "-o DIR" in line, line
+    assert rc != 0 and str(out) in line and "No space left" in line and "-o DIR" in line, line
     assert list(tmp_path.iterdir()) == []  # nothing half-written left
 
 
@@ -294,8 +294,8 @@ def test_the_shared_folder_marker_is_never_written_or_read_through_a_link(tmp_pa
 # ---- declared sizes ------------------------------------------------------------------------------
 
 def test_a_manifest_declaring_a_huge_shard_is_not_read(program_dir, tmp_path):
-    """Note [declared sizes are bounded]: the shard and its manifest agree on 1 GiB (sparse: nothing
-    on disk), far more than the plan's stage memory allows; the resume falls back without reading it."""
+    """The shard and its manifest agree on 1 GiB (sparse: nothing on disk), far more than the plan's
+    stage memory allows (Note [declared sizes are bounded]); the resume falls back without reading it."""
     ckpt = str(tmp_path / "ckpt")
     program, _ = two_checkpoints(program_dir, ckpt)
     assert program.shard_bytes_bound is not None and program.shard_bytes_bound < 1 << 30

@@ -88,7 +88,7 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
         done = True
     except OSError as exc:
         if is_no_space(exc):  # one line naming the folder, not a traceback per rank
-            raise DiskFullError(f"no space left on device writing {tmp} ({total} bytes written): free space on the "
+            raise DiskFullError(f"No space left on device writing {tmp} ({total} bytes written): free space on the "
                                 f"disk of {os.path.dirname(path)}, or pass --checkpoint-dir on a disk with room") from exc
         raise
     finally:
