@@ -96,7 +96,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
     return folder
 
 
-def _unwritable(folder: Path, exc: OSError) -> OSError:
+def _unwritable(folder: Path, exc: OSError) -> Exception:
     """One line naming the program folder and the fix (docs/design.md §8), not an errno."""
     if is_no_space(exc):
         return DiskFullError(f"No space left on device writing the program folder {folder}: free space on the disk "
