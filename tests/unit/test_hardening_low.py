@@ -225,7 +225,7 @@ def test_a_full_disk_while_writing_the_program_folder_is_one_line(tmp_path, caps
 
 # ---- bad values of the newer flags ---------------------------------------------------------------
 
-BAD_FLAGS = [  # (argv after the command; "P": the compiled program, "D": a scratch folder), what the line says
+BAD_FLAGS = [  # (argv; "P": the compiled program, "D": a scratch folder; run: 2 steps, were one let through), the line
     (["compile", "mlp", "-o", "D/o", "--data", ""], "has no kind"),
     (["compile", "mlp", "-o", "D/o", "--data", "bogus:x"], "is not one of"),
     (["compile", "mlp", "-o", "D/o", "--data", "tokens:x.bin,dtype=float99"], "not a token dtype"),
@@ -237,19 +237,19 @@ BAD_FLAGS = [  # (argv after the command; "P": the compiled program, "D": a scra
     (["compile", "mlp", "-o", "D/o", "--mtbf", "0s"], "more than 0"),
     (["compile", "mlp", "-o", "D/o", "--mtbf", "1.2.3h"], "not a duration"),
     (["compile", "mlp", "-o", "/proc/partitioner-test/o"], "cannot write a folder in /proc"),
-    (["run", "P", "--eval-every", "5"], "no validation split"),
-    (["run", "P", "--eval-every", "-1"], "--eval-every -1"),
-    (["run", "P", "--eval-batches", "0"], "--eval-batches 0"),
-    (["run", "P", "--eval-batches", "3"], "add --eval-every"),
-    (["run", "P", "--checkpoint-full-every", "0"], "--checkpoint-full-every 0"),
-    (["run", "P", "--checkpoint-full-every", "1000"], "at most 64"),
-    (["run", "P", "--keep-checkpoints", "0"], "keep at least 1"),
-    (["run", "P", "--collective-timeout", "nan"], "seconds > 0"),
-    (["run", "P", "--mtbf", "0s"], "more than 0"),
-    (["run", "P", "--run-dir", "/proc/partitioner-test"], "--run-dir /proc/partitioner-test"),
-    (["run", "P", "--flip-bit", "0:1:no.such.tensor"], "holds no parameter"),
-    (["run", "P", "--fail-host", "9:1"], "no rank runs on host 9"),
-    (["run", "P", "--hosts", "0"], "each of the 2 ranks"),
+    (["run", "P", "--steps", "2", "--eval-every", "5"], "no validation split"),
+    (["run", "P", "--steps", "2", "--eval-every", "-1"], "--eval-every -1"),
+    (["run", "P", "--steps", "2", "--eval-batches", "0"], "--eval-batches 0"),
+    (["run", "P", "--steps", "2", "--eval-batches", "3"], "add --eval-every"),
+    (["run", "P", "--steps", "2", "--checkpoint-full-every", "0"], "--checkpoint-full-every 0"),
+    (["run", "P", "--steps", "2", "--checkpoint-full-every", "1000"], "at most 64"),
+    (["run", "P", "--steps", "2", "--keep-checkpoints", "0"], "keep at least 1"),
+    (["run", "P", "--steps", "2", "--collective-timeout", "nan"], "seconds > 0"),
+    (["run", "P", "--steps", "2", "--mtbf", "0s"], "more than 0"),
+    (["run", "P", "--steps", "2", "--run-dir", "/proc/partitioner-test"], "--run-dir /proc/partitioner-test"),
+    (["run", "P", "--steps", "2", "--flip-bit", "0:1:no.such.tensor"], "holds no parameter"),
+    (["run", "P", "--steps", "2", "--fail-host", "9:1"], "no rank runs on host 9"),
+    (["run", "P", "--steps", "2", "--hosts", "0"], "each of the 2 ranks"),
     (["inspect", "P", "--html", "D"], "is a folder"),
     (["inspect", "P", "--html", "/proc/partitioner-test.html"], "cannot write in /proc"),
     (["export", "P", "-o", "D/e", "--program", "D/nowhere"], "--program D/nowhere: no plan.json"),
@@ -260,7 +260,8 @@ BAD_FLAGS = [  # (argv after the command; "P": the compiled program, "D": a scra
 ]
 
 
-@pytest.mark.parametrize("argv,says", BAD_FLAGS, ids=[" ".join(a[:1] + a[2:])[:60] for a, _ in BAD_FLAGS])
+@pytest.mark.parametrize("argv,says", BAD_FLAGS, ids=[" ".join(a[:1] + a[2:]).replace("--steps 2 ", "")[:60]
+                                                      for a, _ in BAD_FLAGS])
 def test_a_bad_flag_value_is_one_clear_line(program_dir, tmp_path, capsys, argv, says):
     (tmp_path / "corpus.txt").write_text("hello world " * 20)
     argv = [program_dir if a == "P" else str(tmp_path) if a == "D" else a.replace("D/", f"{tmp_path}/")
