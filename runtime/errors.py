@@ -1,8 +1,11 @@
 """Errors the runtime raises; partitioner.errors re-exports them (runtime never imports partitioner).
 
-All derive from ValueError: they are the user's to fix (a folder edited by hand, a bad
-checkpoint), and the CLI prints them as one line and exits non-zero.
+All derive from ValueError (DiskFullError: from OSError): they are the user's to fix (a folder
+edited by hand, a bad checkpoint, a full disk), and the CLI prints them as one line and exits
+non-zero.
 """
+
+import errno
 
 
 class PlanMismatchError(ValueError):
@@ -16,3 +19,35 @@ class CheckpointCorruptError(ValueError):
 class InputMismatchError(ValueError):
     """make_batch returned inputs the program was not compiled for (Notes [keyword inputs] and
     [constant inputs] in runtime/data/synthetic.py)."""
+
+
+class DiskFullError(OSError):
+    """A write ran out of room (ENOSPC, EDQUOT): one line naming the folder and the fix, never a
+    traceback (the CLI and each rank print it as it is)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "no space left on device"
+
+
+NO_SPACE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(errno, name))
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that ran out of room (a full disk or quota)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
+class CommitRefused(RuntimeError):
+    """Rank 0 did not commit a checkpoint because other ranks failed to write their shards (each
+    of them says why): a consequence, printed as one line."""
+
+
+def one_line_error(exc: BaseException) -> "DiskFullError | CommitRefused | None":
+    """The DiskFullError or CommitRefused in ``exc`` or in the exceptions it was raised from, if
+    any: what a rank prints as its one line instead of a traceback."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, (DiskFullError, CommitRefused)):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -65,3 +66,37 @@ def two_checkpoints(folder: str, ckpt: str):
         t.fake_step(1)
     ck.commit_local(ckpt, [ck.snapshot(t) for t in trainers], program)
     return program, trainers
+
+
+def rehash_manifest(ckpt: str, step: int, edit) -> None:
+    path = os.path.join(ckpt, ck.step_dirname(step), ck.MANIFEST)
+    manifest = json.load(open(path))
+    manifest.pop("manifest_sha256")
+    edit(manifest)
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    with open(path, "w") as fh:
+        json.dump(manifest, fh)
+
+
+def lie(ckpt: str, step: int, rank: int, edit) -> None:
+    """Rewrite rank's shard of ``step`` with ``edit(header, meta)`` applied to its safetensors
+    header (tensor entries) and meta, then give the manifest the new size and sha256: the bytes
+    verify, only what they say is wrong."""
+    path = os.path.join(ckpt, ck.step_dirname(step), ck.shard_filename(rank))
+    data = open(path, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    meta = json.loads(header["__metadata__"]["meta"])
+    meta = edit(header, meta) or meta
+    header["__metadata__"]["meta"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 64)  # keep the data aligned
+    new = len(raw).to_bytes(8, "little") + raw + data[8 + n:]
+    with open(path, "wb") as fh:
+        fh.write(new)
+
+    def entry(manifest):
+        e = next(e for e in manifest["shards"] if e["rank"] == rank)
+        e.update(bytes=len(new), sha256=hashlib.sha256(new).hexdigest())
+    rehash_manifest(ckpt, step, entry)

@@ -8,9 +8,9 @@ answer without importing torch (seconds on a small machine).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,7 +72,9 @@ def cmd_compile(args) -> int:
             "--clip-grad-norm", args.clip_grad_norm)
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())
-    if args.data:  # Note [a corpus replaces make_batch]; a job file's [data] source is resolved by load_job
+    # Note [a corpus replaces make_batch]; a job file's [data] source is resolved by load_job; an
+    # empty --data "" is refused by absolute_spec, not dropped
+    if args.data is not None:
         training["data"] = absolute_spec(args.data)
     if args.precision:  # a setting like the others, not a keyword beside them
         training["precision"] = args.precision
@@ -242,9 +244,14 @@ def cmd_run(args) -> int:
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
     plan = Plan.load(folder)
-    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder))
+    program = (load_plan(str(folder)).get("program") or {})
+    rank_params = {r["rank"]: [n for k in r["stages"] for n in program["stages"][k]["params"]]
+                   for r in program.get("ranks", ())}
+    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
+                      rank_params=rank_params)
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
+    _check_run_dir(Path(options.run_dir) if options.run_dir else folder / "run")
     if options.steps is not None:  # resuming past --steps would train nothing (runtime/launch/rank.py checks again)
         from runtime.resilience.checkpoint.manifest import newest_committed
 
@@ -277,6 +284,18 @@ def cmd_run(args) -> int:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
         return run_tree(command, env=run_env()).returncode
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """--run-dir (default DIR/run) is made and written once here, before any worker starts: a
+    folder the ranks cannot write fails every one of them at its end, with a traceback each."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write_probe_"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc}): pass --run-dir with a "
+                         "folder you can write") from None
 
 
 def cmd_calibrate(args) -> int:

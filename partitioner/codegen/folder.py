@@ -17,6 +17,7 @@ from partitioner.codegen.split import StageGraph
 from partitioner.codegen.stage_code import stage_source
 from partitioner.solver.plan import Plan
 from partitioner.solver import serialize
+from runtime.errors import DiskFullError, is_no_space
 from runtime.launch.entry_files import entry_files
 from runtime.program.spec import Program, file_digests, seal_plan
 
@@ -35,9 +36,12 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
     (Note [local modules travel]); ``op_imports``: the module each custom op's stage file imports
     (Note [custom ops travel] in partitioner/codegen/stage_code.py)."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as exc:
+        raise _unwritable(folder, exc) from None
     plan_hash = plan.content_hash()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         files: dict[str, str] = {}
         for stage in stages:
@@ -84,7 +88,18 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
             shutil.rmtree(folder)
         os.replace(tmp, folder)
         os.chmod(folder, 0o755)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and is_no_space(exc):
+            raise _unwritable(folder, exc) from exc
         raise
     return folder
+
+
+def _unwritable(folder: Path, exc: OSError) -> Exception:
+    """One line naming the program folder and the fix (docs/design.md §8), not an errno."""
+    if is_no_space(exc):
+        return DiskFullError(f"No space left on device writing the program folder {folder}: free space on the disk "
+                             f"of {folder.parent}, or pass -o DIR on a disk with room (nothing was left behind)")
+    return ValueError(f"-o {folder}: cannot write a folder in {folder.parent} ({exc.strerror or exc}): pass -o DIR "
+                      "in a folder you can write")

@@ -50,6 +50,7 @@ __all__ = [
     "resolve_kind",
 ]
 
+from runtime.file_trust import JSON_CAP, read_bounded
 from partitioner.config.device_presets import (  # noqa: F401 - the presets are part of this module's interface
     CPU_DTENSOR_OP_S, CPU_MICROBATCH_OVERHEAD_S, CPU_RECOMPUTE_FIXED_S, CPU_TP_COLLECTIVE_S, CPU_TP_SKEW,
     DEVICE_PRESETS, FLOPS_PER_S_BY_DTYPE, GIB, _KIND_ALIASES, DevicePreset, default_cores, resolve_kind,
@@ -231,13 +232,12 @@ class ClusterSpec:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "ClusterSpec":
-        """Read a cluster file (see ``from_dict`` for its keys)."""
-        with open(path, "rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"cluster file {path}: not valid TOML: {e}") from e
-        return cls.from_dict(data)
+        """Read a cluster file (see ``from_dict`` for its keys); every error names the file."""
+        data = read_toml(path, "cluster file")
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"cluster file {path}: {exc}") from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ClusterSpec":
@@ -479,3 +479,19 @@ def _link_from_dict(data: Any, default: LinkSpec, where: str) -> LinkSpec:
         bandwidth = default.bandwidth_bytes_per_s
     latency = float(data.get("latency_s", default.latency_s))
     return LinkSpec(bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+
+
+def read_toml(path: str | Path, what: str) -> dict:
+    """The table of TOML file ``path`` (a cluster or job file): ValueError naming ``what`` and the
+    file when it is no regular file, too large, not UTF-8 text (a binary file) or not TOML."""
+    try:
+        raw = read_bounded(str(path), cap=JSON_CAP, follow=True)  # a FIFO or /dev/zero is refused
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path} is not text (byte {exc.start} is not UTF-8: a binary file?): "
+                         f"pass the TOML file (README \"{what.capitalize()}\")") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None

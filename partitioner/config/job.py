@@ -36,11 +36,10 @@ A job file (TOML, README "Job file")::
 from __future__ import annotations
 
 import copy
-import tomllib
 from pathlib import Path
 
 from partitioner.config.settings import TRAINING_SCHEMA, TrainingSettings, check_table
-from partitioner.config.cluster import ClusterSpec
+from partitioner.config.cluster import ClusterSpec, read_toml
 from runtime.data.corpus.spec import absolute_spec
 
 
@@ -139,10 +138,7 @@ def load_job(path: str | Path) -> Job:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--job {path}: no such file; write a job TOML with [training] (README \"Job file\")")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"job file {path}: not valid TOML: {exc}") from None
+    data = read_toml(path, "job file")
     unknown = sorted(set(data) - {"training", "cluster", "data"})
     if unknown:
         raise ValueError(f"job file {path} has unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "

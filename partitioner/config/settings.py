@@ -17,6 +17,7 @@ decisions inside "training", still loads (``split_legacy_training``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from typing import Any
@@ -34,6 +35,8 @@ _OPTIONAL = ("sdc_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained"
 def _number(value, where: str, *, low: float | None = None, low_open: bool = False, high: float | None = None):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where} = {value!r} must be a number")
+    if not math.isfinite(value):  # nan passes every comparison below; inf trains to inf
+        raise ValueError(f"{where} = {value!r} must be a finite number")
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{where} = {value!r} must be {'>' if low_open else '>='} {low}")
     if high is not None and value >= high:

@@ -112,7 +112,14 @@ def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
                                                "num_stages", "dp", "created_unix")})
     info["shards"] = len(manifest.get("shards", []))
     status = "valid"
-    for entry in manifest.get("shards", []):
+    try:  # before any shard is read (Note [declared sizes are bounded])
+        if program is not None:
+            ck.check_declared_sizes(manifest, program, where)
+        entries = manifest.get("shards", [])
+    except CheckpointCorruptError as exc:
+        status, entries = "corrupt", []
+        info["problems"].append(_short(str(exc), where))
+    for entry in entries:
         try:
             ck.read_shard(ckpt_dir, manifest, entry)
         except OSError as exc:

@@ -42,7 +42,15 @@ def load_priced(path: str | Path) -> tuple[PartitionProblem, Assignment]:
     if missing:
         raise ValueError(f"{path} has no {' or '.join(missing)}: it was written before plans kept the solver's "
                          "problem, so --node cannot price moves; recompile it with `partitioner compile`")
-    return problem_from_dict(body["problem"]), assignment_from_dict(body["assignment"])
+    if not isinstance(body["problem"], dict) or not isinstance(body["assignment"], dict):
+        raise ValueError(f"{path}: its problem and assignment must be JSON objects, they are "
+                         f"{type(body['problem']).__name__} and {type(body['assignment']).__name__}: the file was "
+                         "edited or damaged; recompile it with `partitioner compile`")
+    try:
+        return problem_from_dict(body["problem"]), assignment_from_dict(body["assignment"])
+    except (AttributeError, TypeError, KeyError, IndexError) as exc:  # a field of the wrong shape deep inside
+        raise ValueError(f"{path}: its problem or assignment is malformed ({type(exc).__name__}: {exc}): the file "
+                         "was edited or damaged; recompile it with `partitioner compile`") from None
 
 
 def _node_index(plan: Plan) -> dict[str, int]:

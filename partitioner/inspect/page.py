@@ -150,8 +150,13 @@ def write_html(plan: Plan, path: str | Path) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"--html {path}: folder {folder} does not exist; create it or write elsewhere")
+    if path.is_dir() and not path.is_symlink():
+        raise ValueError(f"--html {path} is a folder: give the page a file name (e.g. --html {path / 'plan.html'})")
     text = html_page(plan)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise ValueError(f"--html {path}: cannot write in {folder} ({exc.strerror or exc}); write it elsewhere") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

@@ -77,6 +77,9 @@ def resolve(target: Path, program_dir: Path | None) -> tuple[Path, Path, int | N
     else:
         raise ValueError(f"export {target}: not a program folder, a run folder beside one, a checkpoint folder "
                          "(step_N directories) or a step_N directory")
+    if program_dir is not None and not (Path(program_dir) / "plan.json").is_file():
+        raise ValueError(f"export --program {program_dir}: no plan.json there; pass the folder `partitioner compile "
+                         "-o DIR` wrote")
     program = program_dir or _program_folder(ckpt.parent) or (_program_folder(target) if target != ckpt else None)
     if program is None or not (Path(program) / "plan.json").is_file():
         raise ValueError(f"export {target}: cannot find the program folder of {ckpt} (it is not beside it): "
@@ -137,7 +140,47 @@ def trained_state(ckpt: Path, folder: Path, step: int | None = None) -> TrainedS
     program = program_of(folder)
     step, skipped = choose_step(Path(ckpt), step)
     weights_spec = (load_plan(str(folder))["program"].get("init") or {}).get("weights")
-    return TrainedState(read_state(Path(ckpt), step, program), step, Path(ckpt), skipped, weights_spec)
+    state = read_state(Path(ckpt), step, program)
+    check_model_shapes(state, model_shapes(Path(folder), program, weights_spec), Path(ckpt) / step_dirname(step))
+    return TrainedState(state, step, Path(ckpt), skipped, weights_spec)
+
+
+def model_shapes(folder: Path, program, weights_spec) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the model the program trains, from headers alone (nothing is
+    materialised): the meta-built Hugging Face model, else the program's weights/ headers and its
+    init recipes (a model compiled on meta)."""
+    if is_hf(weights_spec):
+        kwargs = weights_spec[1]
+        model = pretrained.build_meta(kwargs["config"], kwargs["architecture"])
+        return {n: tuple(getattr(*pretrained.owner_of(model, n)).shape) for n in pretrained.aliases(model)}
+    # lazy: loads safetensors
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {n: tuple(r.shape) for n, r in (program.init.params.items() if program.init else ())}
+    for k in range(program.num_stages):
+        path = folder / "weights" / f"stage_{k}.safetensors"
+        if not path.is_file():
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                shapes.update({n: tuple(fh.get_slice(n).get_shape()) for n in fh.keys()})
+        except SafetensorError as exc:
+            raise ValueError(f"export: {path} is not a safetensors file ({exc}): recompile the program "
+                             "(`partitioner compile ... -o DIR`)") from None
+    return shapes
+
+
+def check_model_shapes(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """A checkpoint tensor of another shape than the model's is refused by name, both shapes
+    given: its header lies (the sha256 was made to match) or it is another configuration's, and
+    written out it would load into nothing (from_pretrained refuses it, or worse, broadcasts)."""
+    for name, tensor in sorted(state.items()):
+        want = shapes.get(name)
+        if want is not None and tuple(tensor.shape) != want:
+            raise ValueError(f"export: checkpoint {where} holds {name} of shape {list(tensor.shape)}, but the "
+                             f"model's {name} is {list(want)}: the checkpoint does not fit this program's model; "
+                             "export a checkpoint this program wrote (an older step_N), or pass --program with "
+                             "the program that wrote it")
 
 
 def is_hf(weights_spec) -> bool:
@@ -212,6 +255,9 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     from safetensors.torch import save_file
 
     output = Path(output)
+    if output.is_symlink():  # a dangling one too: the rename below would write through it
+        raise ValueError(f"export -o {output}: it is a symbolic link (to {os.readlink(output)}); pass a new "
+                         "folder (export never writes through a link)")
     if output.exists():
         raise ValueError(f"export -o {output}: it exists; pass a new folder (export never overwrites)")
     if not output.parent.is_dir():
@@ -220,6 +266,8 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     trained = trained_state(ckpt, folder, step)
     state, step, skipped, weights_spec = trained.state, trained.step, trained.skipped, trained.weights_spec
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    if tmp.is_symlink():  # a planted link: removed, never followed
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     try:

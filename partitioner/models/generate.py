@@ -43,10 +43,14 @@ class SamplingSettings:
     def __post_init__(self):
         if self.max_new_tokens < 0:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be 0 or more (e.g. 64)")
-        if not self.temperature >= 0:
+        if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"--temperature {self.temperature}: must be 0 (greedy) or more (e.g. 0.8)")
         if self.top_k < 0:
             raise ValueError(f"--top-k {self.top_k}: must be 0 (off) or more (e.g. 50)")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, ValueError):  # torch's message lists every backend and names no flag
+            raise ValueError(f"--device {self.device}: not a torch device; give cpu, cuda or cuda:N") from None
 
 
 @dataclass(frozen=True)

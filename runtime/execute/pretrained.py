@@ -27,6 +27,7 @@ from the model's own initialisation, the latter named in a warning, as ``from_pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,6 +35,8 @@ import zlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from runtime.file_trust import JSON_CAP, open_regular, read_bounded
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -234,23 +237,84 @@ def initial_weights(model: torch.nn.Module, names, seed: int) -> dict[str, torch
 # -- pretrained safetensors --------------------------------------------------------------------
 
 
+# Note [weights files are checked first]: safetensors' own errors name no file ("header too large"),
+# and an index is whatever JSON the folder holds. So before safe_open sees a file it must be a
+# regular one (no FIFO: Note [files are not trusted]) whose 8-byte header length fits in the file
+# and under HEADER_CAP (safetensors' own limit), its header a JSON object; an index must map names
+# to bare file names of the folder (no path out of it); anything safe_open still raises becomes a
+# ValueError naming the file and the fix. A compile refuses such a folder in one line, before any
+# rank starts.
+HEADER_CAP = 100 << 20  # bytes: the largest header safetensors itself reads
+
+
+def _not_weights(folder: str, file: str, why: str) -> ValueError:
+    return ValueError(f"--pretrained {folder}: {os.path.basename(file)} is not a safetensors file ({why}): "
+                      "re-save the weights with model.save_pretrained(DIR)")
+
+
+def _check_header(folder: str, file: str) -> None:
+    try:
+        fd = open_regular(file, follow=True)
+    except FileNotFoundError:
+        listed = f" ({INDEX} lists it)" if os.path.lexists(os.path.join(folder, INDEX)) else ""
+        raise ValueError(f"--pretrained {folder}: {os.path.basename(file)} is missing{listed}: copy the whole "
+                         "folder save_pretrained wrote") from None
+    except OSError as exc:
+        raise ValueError(f"--pretrained {folder}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(9)
+    if len(head) < 9:
+        raise _not_weights(folder, file, f"{size} bytes: too short to hold a header")
+    n = int.from_bytes(head[:8], "little")
+    if n > HEADER_CAP:
+        raise _not_weights(folder, file, f"its header claims {n} bytes, more than the {HEADER_CAP >> 20} MiB "
+                           "safetensors allows")
+    if n > size - 8:
+        raise _not_weights(folder, file, f"its header claims {n} bytes, the file has {size}")
+    if head[8:9] != b"{":
+        raise _not_weights(folder, file, "its header is no JSON object")
+
+
+@contextlib.contextmanager
+def open_weights(folder: str, file: str):
+    """safe_open(file) after ``_check_header``; safetensors' errors named (Note [weights files are
+    checked first])."""
+    # lazy: loads safetensors
+    from safetensors import SafetensorError, safe_open
+
+    _check_header(folder, file)
+    try:
+        with safe_open(file, framework="pt") as fh:
+            yield fh
+    except SafetensorError as exc:
+        raise _not_weights(folder, file, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+def _bare(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name \
+        and "\\" not in name and "\0" not in name
+
+
 def weight_files(folder: str) -> dict[str, str]:
     """Tensor name -> file in ``folder`` (model.safetensors or the shards its index lists)."""
-    # lazy: loads safetensors
-    from safetensors import safe_open
-
     index = os.path.join(folder, INDEX)
-    if os.path.isfile(index):
+    if os.path.lexists(index):
         try:
-            with open(index) as fh:
-                weight_map = json.load(fh)["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
+            body = json.loads(read_bounded(index, cap=JSON_CAP, follow=True))
+        except (OSError, ValueError) as exc:
             raise ValueError(f"{index} is not a safetensors index ({exc}): re-save the model with "
                              "save_pretrained") from None
+        weight_map = body.get("weight_map") if isinstance(body, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and _bare(v) for k, v in weight_map.items()):
+            shown = repr(weight_map if isinstance(body, dict) else body)
+            raise ValueError(f"{index} is not a safetensors index: its weight_map must map tensor names to file "
+                             f"names in {folder}, it is {shown[:60]}{'...' * (len(shown) > 60)}; re-save the model "
+                             "with save_pretrained")
         return {name: os.path.join(folder, file) for name, file in weight_map.items()}
     single = os.path.join(folder, SINGLE)
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as fh:
+    if os.path.lexists(single):
+        with open_weights(folder, single) as fh:
             return {name: single for name in fh.keys()}
     found = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     raise ValueError(f"--pretrained {folder}: no {SINGLE} or {INDEX} there (found {found[:6]}); save the "
@@ -306,15 +370,12 @@ def check_shapes(model: torch.nn.Module, folder: str) -> int:
     """Every tensor of a meta-built ``model`` that ``folder`` holds has the model's shape (read
     from the files' headers only); returns how many it holds. The compiler calls this, so that a
     mismatch is one error at compile time, not one per rank."""
-    # lazy: loads safetensors
-    from safetensors import safe_open
-
     found = locate(model, list(aliases(model)), folder)
     by_file: dict[str, list[str]] = {}
     for name, (file, _) in found.items():
         by_file.setdefault(file, []).append(name)
     for file, ours in by_file.items():
-        with safe_open(file, framework="pt") as fh:
+        with open_weights(folder, file) as fh:
             for name in ours:
                 piece = fh.get_slice(found[name][1])
                 shape = tuple(piece.get_shape())
@@ -332,9 +393,6 @@ def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
                        say=None) -> dict[str, torch.Tensor]:
     """``names`` read from ``folder``'s safetensors (Note [pretrained per rank]); what the files lack
     is made by the model's own initialisation."""
-    # lazy: loads safetensors
-    from safetensors import safe_open
-
     plan = locate(model, names, folder)
     missing = [n for n in names if n not in plan]
     out = initial_weights(model, missing, seed) if missing else {}
@@ -347,9 +405,7 @@ def pretrained_weights(model: torch.nn.Module, names, folder: str, seed: int, *,
     for name, (file, _) in plan.items():
         by_file.setdefault(file, []).append(name)
     for file, ours in by_file.items():
-        if not os.path.isfile(file):
-            raise ValueError(f"--pretrained {folder}: {os.path.basename(file)} is listed in {INDEX} but missing")
-        with safe_open(file, framework="pt") as fh:
+        with open_weights(folder, file) as fh:
             for name in ours:
                 stored = plan[name][1]
                 owner, leaf = owner_of(model, name)

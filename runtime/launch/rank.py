@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from runtime.resilience import faults
 from runtime.launch.entry_files import check_rank_file
-from runtime.errors import InputMismatchError
+from runtime.errors import InputMismatchError, one_line_error
 from runtime.program.spec import Program, load_program
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import command_text, free_port
@@ -183,6 +183,8 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         if isinstance(exc, ResumeBeyondStepsError):  # rank 0 says it; the others leave quietly
             if str(who) == "0":
                 print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif (full := one_line_error(exc)) is not None:  # a full disk: where, and what to do
+            print(f"[rank {who}] error: {full}", file=sys.stderr, flush=True)
         elif peer_lost(exc):  # Note [a dead peer]: one line, not a gloo traceback per survivor
             print(peer_lost_line(who, exc), file=sys.stderr, flush=True)
         else:

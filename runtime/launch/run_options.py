@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass
 from typing import Callable
 from runtime.resilience import faults
@@ -188,11 +189,12 @@ class RunOptions:
         return None if self.hosts is None else [int(h) for h in self.hosts.split(",")]
 
     def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None,
-                  eval_data: bool | None = None) -> None:
+                  eval_data: bool | None = None, rank_params: dict[int, list[str]] | None = None) -> None:
         """The checks that need the program: every named rank exists, every fault fires, nothing
         asks a sharded program for the replica check, --eval-every finds a validation split.
         ``steps``: the steps this run trains, when known (default: --steps). ``eval_data``: whether
-        the program's data has an eval_batch (None: not known, not checked)."""
+        the program's data has an eval_batch (None: not known, not checked). ``rank_params``: each
+        rank's parameter names, so a --flip-bit TENSOR no rank holds is refused before any starts."""
 
         steps = self.steps if steps is None else steps
         last = f"0..{world_size - 1}"
@@ -215,16 +217,29 @@ class RunOptions:
             if flip.rank >= world_size or (steps is not None and flip.step >= steps):
                 raise FlagError(f"--flip-bit {text}: rank {flip.rank} step {flip.step} is never reached (the "
                                 f"program runs {world_size} ranks{f' for {steps} steps' if steps else ''})")
+            held = (rank_params or {}).get(flip.rank)
+            if flip.tensor is not None and held is not None and flip.tensor not in held:
+                raise FlagError(f"--flip-bit {text}: rank {flip.rank} holds no parameter {flip.tensor!r}; it holds "
+                                f"{sorted(held)[:4]}{' ...' if len(held) > 4 else ''}")
         if self.eval_every is not None and eval_data is False:
             raise FlagError(f"--eval-every {self.eval_every}: this program's data has no validation split "
                             "(data.eval_batch): compile it with --data tokens:DIR whose folder has a val split "
                             "(partitioner data prepare writes one), or leave out --eval-every")
+        # as memtier.groups.hosts_of_ranks places them (torch-free here): LOCAL_WORLD_SIZE to a node
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size))
+        hosts = [r // local for r in range(world_size)]
         if self.hosts is not None:
             hosts = self.host_list()
             if len(hosts) != world_size:
                 example = ",".join(str(r * 2 // world_size) for r in range(world_size))
                 raise FlagError(f"--hosts {self.hosts}: give the host of each of the {world_size} ranks, comma-"
                                 f"separated (e.g. {example})")
+        placed_by_env = self.hosts is None and os.environ.get("PARTITIONER_HOSTS")  # the workers' own layout
+        for text in () if placed_by_env else self.fail_host:  # a host no rank runs on is never lost
+            host = faults.parse_fail_host(text)[0]
+            if host not in hosts:
+                raise FlagError(f"--fail-host {text}: no rank runs on host {host} (hosts "
+                                f"{', '.join(map(str, sorted(set(hosts))))}{'' if self.hosts else ': pass --hosts'})")
 
 
 def _check_values(o: RunOptions) -> None:

@@ -31,9 +31,9 @@ class Program:
     """Everything the runtime reads from plan.json: which rank runs which stage, how the batch is
     cut, the schedule, the data, the optimizer. Validated when built; see the module docstring.
 
-    Fields are listed in the order plan.json writes them. plan_hash, model_fingerprint and workload
-    are not in plan.json's "program" object: ``load_program`` copies them from the plan's top level
-    (checkpoints record and check them).
+    Fields are listed in the order plan.json writes them. plan_hash, model_fingerprint, workload
+    and shard_bytes_bound are not in plan.json's "program" object: ``load_program`` takes them from
+    the plan's top level (checkpoints record and check them).
     """
 
     world_size: int            # processes, = dp * ranks per pipeline
@@ -71,6 +71,7 @@ class Program:
     plan_hash: str | None = None              # from plan.json's top level
     model_fingerprint: str | None = None      # from plan.json's top level
     workload: str | None = None               # from plan.json's top level
+    shard_bytes_bound: int | None = None      # from the plan's stage memory: Note [declared sizes are bounded]
     mtbf_s: float | None = None               # --mtbf's default (a plan.json of an older compile: its "training")
 
     def __post_init__(self):
@@ -306,6 +307,32 @@ def verify_files(folder: str, plan: dict) -> None:
         )
 
 
+# Note [declared sizes are bounded]: a manifest may declare any size for a shard, and a sparse file
+# of that size costs nothing on disk: a declared 64 GiB shard was read (allocated, hashed) before
+# anything found it absurd. A shard holds at most what one rank's stages keep, parameters, AdamW
+# state and buffers, which the plan's stage memory states (plan.json's stages[].memory). So the
+# bound is twice their sum over every stage (a shard holds at most one copy of each; twice: lossless
+# frames and dtype widening) plus 64 MiB for headers, meta and RNG states, and a checkpoint whose
+# manifest declares more is not valid, decided from the manifest alone
+# (runtime/resilience/checkpoint/load.py ``check_declared_sizes``). A plan without stage memory (a
+# hand-written folder) has no bound.
+SHARD_SLACK_BYTES = 64 << 20
+
+
+def shard_bytes_bound(plan: dict) -> int | None:
+    """The most bytes one checkpoint shard of ``plan`` can hold (Note [declared sizes are bounded])."""
+    total = 0
+    for stage in plan.get("stages") or ():
+        memory = stage.get("memory") if isinstance(stage, dict) else None
+        if not isinstance(memory, dict):
+            return None
+        parts = [memory.get(k, 0) for k in ("params_bytes", "optimizer_bytes", "buffers_bytes")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in parts):
+            return None
+        total += sum(parts)
+    return 2 * total + SHARD_SLACK_BYTES if total else None
+
+
 def load_program(folder: str) -> Program:
     """plan.json's "program" object as a validated Program, after checking every file's hash;
     the plan's top-level plan_hash, model_fingerprint and workload included."""
@@ -318,6 +345,7 @@ def load_program(folder: str) -> Program:
     # What checkpoints record and check (runtime/resilience/checkpoint/manifest.py), from the plan's top level.
     data.setdefault("model_fingerprint", plan.get("model_fingerprint"))
     data.setdefault("workload", plan.get("workload"))
+    data.setdefault("shard_bytes_bound", shard_bytes_bound(plan))
     older = plan.get("training") or {}  # an older compile kept mtbf_s in the user's settings only
     if "mtbf_s" not in data and older.get("mtbf_s") is not None:
         data["mtbf_s"] = older["mtbf_s"]

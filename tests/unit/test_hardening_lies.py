@@ -5,7 +5,6 @@ learning rate, never the checkpoint's (Note [the plan's learning rate])."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,47 +12,13 @@ import shutil
 import pytest
 import torch
 
-from _checkpoint_helpers import assert_trains_identically, two_checkpoints, two_rank  # noqa: F401 - two_rank is a fixture
+from _checkpoint_helpers import assert_trains_identically, lie, two_checkpoints, two_rank  # noqa: F401 - two_rank is a fixture
 from _runtime_folders import one_thread  # noqa: F401
 from runtime.program.spec import load_program, seal_folder
 from runtime.resilience.checkpoint.delta import CODEC
 from runtime.resilience import checkpoint as ck
 from runtime.resilience.recovery import agree_newest, valid_for
 from tests.drivers.checkpoint_drills import FakeTrainer, trainers_at
-
-
-def _rehash_manifest(ckpt: str, step: int, edit) -> None:
-    path = os.path.join(ckpt, ck.step_dirname(step), ck.MANIFEST)
-    manifest = json.load(open(path))
-    manifest.pop("manifest_sha256")
-    edit(manifest)
-    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
-    with open(path, "w") as fh:
-        json.dump(manifest, fh)
-
-
-def _lie(ckpt: str, step: int, rank: int, edit) -> None:
-    """Rewrite rank's shard of ``step`` with ``edit(header, meta)`` applied to its safetensors
-    header (tensor entries) and meta, then give the manifest the new size and sha256: the bytes
-    verify, only what they say is wrong."""
-    path = os.path.join(ckpt, ck.step_dirname(step), ck.shard_filename(rank))
-    data = open(path, "rb").read()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    meta = json.loads(header["__metadata__"]["meta"])
-    meta = edit(header, meta) or meta
-    header["__metadata__"]["meta"] = json.dumps(meta)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-(8 + len(raw)) % 64)  # keep the data aligned
-    new = len(raw).to_bytes(8, "little") + raw + data[8 + n:]
-    with open(path, "wb") as fh:
-        fh.write(new)
-
-    def entry(manifest):
-        e = next(e for e in manifest["shards"] if e["rank"] == rank)
-        e.update(bytes=len(new), sha256=hashlib.sha256(new).hexdigest())
-    _rehash_manifest(ckpt, step, entry)
 
 
 def _a_2d_param(header) -> str:
@@ -121,7 +86,7 @@ def _resume_views(folder: str, program, ckpt: str):
 def test_a_lying_newest_checkpoint_falls_back_to_the_older_valid_one(two_rank, tmp_path, case):
     ckpt = str(tmp_path / "ckpt")
     program, _ = two_checkpoints(two_rank, ckpt)
-    _lie(ckpt, 2, 0, LIES[case])
+    lie(ckpt, 2, 0, LIES[case])
     assert ck.verifies(ckpt, 2)  # the bytes check out
     views, warnings, fresh = _resume_views(two_rank, program, ckpt)
     assert views[0] == [1] and views[1] == [2, 1], views
@@ -151,7 +116,7 @@ def test_the_memory_tiers_check_refuses_a_lying_slot_before_agreeing(two_rank, t
     """The memory tier's bytes go through the same checks (``_fetch`` counts them as a failed tier)."""
     ckpt = str(tmp_path / "ckpt")
     program, trainers = two_checkpoints(two_rank, ckpt)
-    _lie(ckpt, 2, 0, _shape)
+    lie(ckpt, 2, 0, _shape)
     data = bytearray(open(os.path.join(ckpt, ck.step_dirname(2), ck.shard_filename(0)), "rb").read())
     fresh = FakeTrainer(two_rank, 0, program)
     loaded = ck.loaded_from_bytes(data, step=2, program=program, rank=0, needed=ck.needed_names(fresh),
@@ -180,7 +145,7 @@ def test_a_shards_learning_rate_never_reaches_the_optimizer(two_rank, tmp_path):
 
     def huge(header, meta):
         meta["lr_scheduler"].update(base_lrs=[1e6], _last_lr=[1e6])
-    _lie(ckpt, 2, 0, huge)
+    lie(ckpt, 2, 0, huge)
     views, _, fresh = _resume_views(two_rank, program, ckpt)
     assert agree_newest(views) == 2  # a number where a number belongs: valid, but not obeyed
     ck.restore(fresh[0], ck.load_for_rank(ckpt, 2, program, 0, ck.needed_names(fresh[0])))

@@ -266,8 +266,12 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
     parent = out.resolve().parent
     if parent.exists() and not parent.is_dir():
         raise CorpusError(f"{out}: {parent} is a file, not a folder: name an output folder elsewhere")
-    parent.mkdir(parents=True, exist_ok=True)  # like -o anywhere else: the folders on the way are made
-    tmp = tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)  # like -o anywhere else: the folders on the way are made
+        tmp = tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent)
+    except OSError as exc:
+        raise CorpusError(f"-o {out}: cannot write a folder in {parent} ({exc.strerror or exc}): pass -o DATA_DIR "
+                          "in a folder you can write") from None
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make a shared corpus readable by its owner only
         splits, sources, split_by = _write_splits(tmp, files, info, encode, json_key=json_key,

@@ -40,7 +40,8 @@ is runtime/resilience/memtier/.
 from runtime.resilience.checkpoint.durable import (CHUNK_BYTES, check_writable, fsync_dir, makedirs_durable, write_file_atomic,
                                         write_pieces_atomic)
 from runtime.resilience.checkpoint.interval import parse_duration_s, young_daly_interval
-from runtime.resilience.checkpoint.load import (READS, RESUME_CANDIDATES, ShardChoice, choose_shards, find_valid, load_for_rank,
+from runtime.resilience.checkpoint.load import (READS, RESUME_CANDIDATES, ShardChoice, check_declared_sizes, choose_shards,
+                                     find_valid, load_for_rank,
                                      loaded_from_bytes, parse_verified, read_shard)
 from runtime.resilience.checkpoint.manifest import (MANIFEST, ShardInfo, check_model, clean_debris, commit_local, list_step_dirs,
                                          manifest_for, newest_committed, persist_shard, prune, read_manifest,
@@ -57,7 +58,7 @@ from runtime.resilience.faults import FaultPoint, SimulatedCrash
 __all__ = [
     "CHUNK_BYTES", "FORMAT", "MANIFEST", "READABLE_FORMATS", "READS", "RESUME_CANDIDATES", "CheckpointCorruptError", "Checkpointer",
     "FaultPoint", "LoadedCheckpoint", "PlanMismatchError", "ShardChoice", "ShardInfo", "ShardLayout",
-    "SimulatedCrash", "Snapshot", "capture_rng", "check_meta", "check_model", "check_restorable", "check_writable", "choose_shards", "clean_debris",
+    "SimulatedCrash", "Snapshot", "capture_rng", "check_declared_sizes", "check_meta", "check_model", "check_restorable", "check_writable", "choose_shards", "clean_debris",
     "commit_local", "find_valid", "fsync_dir", "list_step_dirs", "load_for_rank", "loaded_from_bytes",
     "makedirs_durable", "manifest_for", "meta_problem", "needed_names", "newest_committed", "parse_duration_s", "parse_shard",
     "parse_verified", "persist_shard", "prune", "read_manifest", "read_shard", "remove_checkpoint", "restore",

@@ -11,6 +11,7 @@ import queue
 import sys
 import threading
 
+from runtime.errors import DiskFullError, is_no_space
 from runtime.file_trust import UntrustedFile, check_folder, is_real_dir
 from runtime.resilience.faults import FaultPoint, armed
 
@@ -68,7 +69,7 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
     tmp = path + ".tmp"
     hasher = _Hasher() if digest else None
     f.op(f"open {tmp}")
-    fd = _create_new(tmp)
+    fd = create_new(tmp)
     done, total = False, 0
     try:
         for piece in pieces:
@@ -85,6 +86,11 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
         f.op(f"fsync {tmp}")
         os.fsync(fd)
         done = True
+    except OSError as exc:
+        if is_no_space(exc):  # one line naming the folder, not a traceback per rank
+            raise DiskFullError(f"No space left on device writing {tmp} ({total} bytes written): free space on the "
+                                f"disk of {os.path.dirname(path)}, or pass --checkpoint-dir on a disk with room") from exc
+        raise
     finally:
         os.close(fd)
         sha = hasher.finish() if hasher is not None else None
@@ -96,7 +102,7 @@ def write_pieces_atomic(path: str, pieces, fault: FaultPoint | None = None, *,
     return total, sha
 
 
-def _create_new(tmp: str) -> int:
+def create_new(tmp: str) -> int:
     """A new owner-only file at ``tmp``: O_EXCL | O_NOFOLLOW, so a planted file or link there is
     never written through (Note [files are not trusted]); a stale one (a crash's, or a planted
     link) is unlinked first: unlinking a link removes the link, never its target."""
@@ -151,7 +157,7 @@ def check_writable(ckpt_dir: str) -> None:
         raise ValueError(str(exc)) from None
     try:
         probe = os.path.join(ckpt_dir, f".write_probe_{os.getpid()}")
-        with os.fdopen(_create_new(probe), "wb") as fh:
+        with os.fdopen(create_new(probe), "wb") as fh:
             fh.write(b"ok")
             fh.flush()
             os.fsync(fh.fileno())

@@ -23,4 +23,10 @@ def parse_duration_s(text: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([smhd]?)\s*", str(text))
     if not match:
         raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    try:
+        value = float(match.group(1))
+    except ValueError:  # "1.2.3"
+        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d") from None
+    if value <= 0:  # a failure every 0 s would checkpoint after every step and still be a lie
+        raise ValueError(f"--mtbf {text!r}: the mean time between failures must be more than 0 (e.g. 6h)")
+    return value * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]

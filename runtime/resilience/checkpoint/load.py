@@ -60,6 +60,17 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
     return _decoded(tensors, meta, path, cache, writer), meta
 
 
+def check_declared_sizes(manifest: dict, program: Program, where: str) -> None:
+    """CheckpointCorruptError when the manifest declares a shard larger than any shard of this
+    plan can be, before one byte of it is read (Note [declared sizes are bounded] in
+    runtime/program/spec.py)."""
+    bound = program.shard_bytes_bound
+    for entry in manifest["shards"] if bound is not None else ():
+        if entry["bytes"] > bound:
+            raise CheckpointCorruptError(f"{where}: its manifest declares {entry['file']} of {entry['bytes']} bytes, "
+                                         f"more than the {bound} a shard of this plan can hold: not read")
+
+
 def _read_verified(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str, torch.Tensor], dict, str]:
     """(tensors, meta, path) of one shard as stored (an encoded one still encoded), after checking
     its name, size and sha256 against ``manifest``."""
@@ -205,6 +216,7 @@ def _load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed
                    manifest: dict | None) -> LoadedCheckpoint:
     manifest = manifest or read_manifest(ckpt_dir, step)
     check_model(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
+    check_declared_sizes(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
     choice = choose_shards(manifest, program, rank, needed)
     cache: dict = {}
     read = {e["rank"]: read_shard(ckpt_dir, manifest, e, cache) for e in choice.entries}

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 
@@ -307,9 +308,14 @@ def read_manifest(ckpt_dir: str, step: int) -> dict:
         raise CheckpointCorruptError(str(exc)) from None
     try:
         manifest = json.loads(raw)
-        want = manifest.pop("manifest_sha256")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointCorruptError(f"{path} is not a valid manifest ({exc})") from None
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise CheckpointCorruptError(f"{path} is not a valid manifest (not JSON: {exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("manifest_sha256"), str):
+        what = "an empty object" if manifest == {} else f"a JSON {type(manifest).__name__}" \
+            if not isinstance(manifest, dict) else "an object without a manifest_sha256"
+        raise CheckpointCorruptError(f"{path} is not a valid manifest (it is {what}, not the manifest a commit "
+                                     "writes): not restorable")
+    want = manifest.pop("manifest_sha256")
     got = hashlib.sha256(_canonical(manifest)).hexdigest()
     if got != want or manifest.get("format") not in READABLE_FORMATS or manifest.get("step") != step:
         raise CheckpointCorruptError(f"{path} fails its checksum or names another step")
@@ -386,14 +392,35 @@ def schema_problem(manifest) -> str | None:
 
 
 def newest_committed(ckpt_dir: str) -> int:
-    """The newest step with a valid manifest (manifests only, no shard read); -1 when none."""
+    """The newest step with a valid manifest whose shards are all there at their declared sizes
+    (``complete``: no shard read); -1 when none."""
     for step in list_step_dirs(ckpt_dir):
         try:
-            read_manifest(ckpt_dir, step)
-            return step
+            manifest = read_manifest(ckpt_dir, step)
         except CheckpointCorruptError:
             continue
+        if complete(ckpt_dir, manifest):
+            return step
     return -1
+
+
+# Note [a manifest alone is no checkpoint]: a step folder holding a valid manifest and none (or not
+# all) of its shards restores nothing, so nothing that asks for the newest checkpoint (`partitioner
+# run`'s --steps check, the memory tier's comparison with the disk, the restart line) may count it:
+# they agree with the resume, which skips it (``verifies`` fails), and with `inspect --checkpoints`,
+# which calls it corrupt and names each missing shard.
+def complete(ckpt_dir: str, manifest: dict) -> bool:
+    """Whether every shard ``manifest`` lists is a regular file of its declared size, by lstat
+    alone (Note [a manifest alone is no checkpoint])."""
+    step_dir = os.path.join(ckpt_dir, step_dirname(manifest["step"]))
+    for entry in manifest["shards"]:
+        try:
+            st = os.lstat(os.path.join(step_dir, entry["file"]))
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry["bytes"]:
+            return False
+    return True
 
 
 def check_model(manifest: dict, program: Program, where: str) -> None:

@@ -24,6 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from runtime.errors import CommitRefused, one_line_error
 from runtime.resilience.checkpoint.delta import FULL_EVERY, MAX_FULL_EVERY, encode_snapshot
 from runtime.resilience.checkpoint.interval import young_daly_interval
 from runtime.resilience.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
@@ -205,8 +206,8 @@ class Checkpointer:
             if self.rank == 0:
                 bad = [r for r, t in enumerate(rows) if int(t[2]) != 1 or int(t[0]) != snap.step]
                 if bad:
-                    raise RuntimeError(f"ranks {bad} did not persist their shard of step {snap.step}; "
-                                       "the checkpoint is not committed")
+                    raise CommitRefused(f"ranks {bad} did not persist their shard of step {snap.step} (each "
+                                        "says why); the checkpoint is not committed")
                 infos = [ShardInfo(shard_filename(r), r, int(t[1]),
                                       bytes(int(x) for x in t[3:].tolist()).hex())
                          for r, t in enumerate(rows)]
@@ -221,7 +222,8 @@ class Checkpointer:
                 self.base = (snap.step, snap.tensors)
             self.stats.append(stat)
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next _join
-            traceback.print_exc()
+            if one_line_error(exc) is None:  # a full disk says where in one line (the rank prints it)
+                traceback.print_exc()
             self.error = exc
             if self.rank == 0 and not isinstance(exc, SimulatedCrash):
                 try:  # every rank is past its write of this step (the gather): free what it left

@@ -18,7 +18,28 @@ import os
 import torch
 import torch.distributed as dist
 
+from runtime.file_trust import read_bounded
+from runtime.resilience.checkpoint.durable import create_new
+
 MARKER = ".shared-check-"
+
+
+def write_marker(path: str, text: str) -> None:
+    """Rank 0's marker, created new (O_EXCL | O_NOFOLLOW, owner only): a file or link planted at its
+    name is removed, never written through (Note [files are not trusted])."""
+    with os.fdopen(create_new(path), "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sees_marker(path: str, text: str) -> bool:
+    """Whether ``path`` is a regular file holding ``text``: a link, a FIFO or a larger file is not
+    the marker (read without following a link, bounded)."""
+    try:
+        return read_bounded(path, cap=len(text)) == text.encode()
+    except OSError:
+        return False
 
 
 def unshared_hosts(sees: list[bool], hosts: list[int] | tuple[int, ...]) -> list[int]:
@@ -46,19 +67,11 @@ def check_shared(ckpt_dir: str, rank: int, hosts, device) -> list[int]:
     text = None
     if rank == 0:
         text = bytes(token.cpu().tolist()).hex()
-        path = os.path.join(ckpt_dir, MARKER + text)
-        with open(path, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write_marker(os.path.join(ckpt_dir, MARKER + text), text)
     dist.broadcast(token, src=0)
     text = bytes(token.cpu().tolist()).hex()
     path = os.path.join(ckpt_dir, MARKER + text)
-    try:
-        with open(path) as f:
-            seen = f.read() == text
-    except OSError:
-        seen = False
+    seen = sees_marker(path, text)
     flags = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(flags, torch.tensor([int(seen)], dtype=torch.uint8, device=device))
     missing = unshared_hosts([bool(int(f.item())) for f in flags], list(hosts))
