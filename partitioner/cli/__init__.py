@@ -1,6 +1,7 @@
 """The `partitioner` command and its helpers.
 
   commands.py   partitioner compile | inspect | run | verify: the parser and one function a command
+  run.py        `run`: the folder and flags checked on this host, then torchrun
   examples.py   the examples under commands.py's subcommands' --help
   progress.py   compile's progress lines on stderr
   examples.py   the examples each subcommand's --help ends with

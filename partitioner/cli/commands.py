@@ -10,36 +10,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from runtime.program.parts import Precision
-from runtime.program.spec import load_plan
 from runtime.launch.run_options import add_flags as add_run_flags
-from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 import partitioner
 from partitioner.cli import data as data_command, generate as generate_command
+from partitioner.cli.run import cmd_run
 from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from runtime.data.corpus.spec import absolute_spec
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
 from partitioner.solver.plan import Plan
-from runtime.launch.run_options import RunOptions
 
 EXIT_USAGE = 2
-
-
-def program_sharded(plan) -> bool:
-    """Whether the plan's program shards the optimizer state over its replicas (ZeRO-1)."""
-    return plan.decisions.shard_optimizer and plan.dp > 1
-
-
-def has_eval_data(folder: Path) -> bool:
-    """Whether the program's data has a validation split (data.eval_batch), from plan.json's program."""
-    body = load_plan(str(folder))  # bounded (Note [files are not trusted])
-    return (body.get("program") or {}).get("data", {}).get("eval_batch") is not None
 
 
 def cmd_compile(args) -> int:
@@ -233,69 +219,6 @@ def cmd_inspect(args) -> int:
     except BrokenPipeError:  # `inspect ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
-
-
-def cmd_run(args) -> int:
-    """torchrun the program folder on this host. Checkpoints go to --checkpoint-dir (default
-    DIR/checkpoints), checked writable here, before any worker starts; a run resumes from the
-    newest valid checkpoint there and always leaves a committed checkpoint of its last step."""
-    from runtime.resilience.checkpoint import check_writable  # lazy: loads torch (the CLI's parser stays torch-free)
-
-    folder = Path(args.dir)
-    options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
-    plan = Plan.load(folder)
-    program = (load_plan(str(folder)).get("program") or {})
-    rank_params = {r["rank"]: [n for k in r["stages"] for n in program["stages"][k]["params"]]
-                   for r in program.get("ranks", ())}
-    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
-                      rank_params=rank_params)
-    ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
-    check_writable(str(ckpt_dir))
-    _check_run_dir(Path(options.run_dir) if options.run_dir else folder / "run")
-    if options.steps is not None:  # resuming past --steps would train nothing (runtime/launch/rank.py checks again)
-        from runtime.resilience.checkpoint.manifest import newest_committed
-
-        newest = newest_committed(str(ckpt_dir))
-        if newest > options.steps:
-            raise ValueError(f"--steps {options.steps}: the newest checkpoint in {ckpt_dir} is at step {newest}, "
-                             f"past it; pass --steps {newest + 1} or more to continue, or another "
-                             "--checkpoint-dir to start over")
-    if options.memory_tier not in (None, "off") and plan.tensor_parallel > 1:
-        from runtime.parallel.tensor_parallel import memory_tier_refusal  # lazy: loads torch
-
-        raise ValueError(memory_tier_refusal(options.memory_tier, plan.tensor_parallel))
-    # the workers start elsewhere: every path they are given is absolute
-    options = options.replace(checkpoint_dir=str(ckpt_dir.resolve()), **{
-        name: str(Path(getattr(options, name)).resolve()) for name in ("run_dir", "memory_dir")
-        if getattr(options, name) is not None})
-    if not options.quiet:
-        world = plan.world_size
-        nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly
-        print(f"[run] {world} ranks on this host (torchrun --nproc-per-node {world} {folder / 'train.py'}); "
-              + (f"on {nodes} nodes run on each: torchrun --nnodes {nodes} --nproc-per-node {world // nodes} "
-                 f"--node-rank $NODE_RANK --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
-                 f"{folder / 'train.py'} with --checkpoint-dir on a filesystem every node shares (MASTER_PORT: a "
-                 "free port on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")"
-                 if nodes > 1 else "README \"Multi-node\" says how to run it across nodes"),
-              file=sys.stderr, flush=True)
-    # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
-    # in runtime/launch/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
-    with hosted_store() as port:
-        command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
-                                   max_restarts=options.max_restarts, store_port=port)
-        return run_tree(command, env=run_env()).returncode
-
-
-def _check_run_dir(run_dir: Path) -> None:
-    """--run-dir (default DIR/run) is made and written once here, before any worker starts: a
-    folder the ranks cannot write fails every one of them at its end, with a traceback each."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write_probe_"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--run-dir {run_dir}: cannot write there ({exc.strerror or exc}): pass --run-dir with a "
-                         "folder you can write") from None
 
 
 def cmd_calibrate(args) -> int:

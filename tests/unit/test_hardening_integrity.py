@@ -74,9 +74,9 @@ def test_torchrun_joins_a_store_hosted_by_the_launcher():
 def test_the_printed_multi_node_command_has_no_fixed_port():
     import inspect
 
-    from partitioner.cli import commands
+    from partitioner.cli import run
 
-    source = inspect.getsource(commands.cmd_run)
+    source = inspect.getsource(run.cmd_run)
     assert ":29500" not in source and "$MASTER_PORT" in source
 
 

@@ -74,12 +74,12 @@ def tp_folder(tmp_path_factory):
 
 
 def test_run_refuses_the_memory_tier_on_a_tp_folder_before_torchrun(capsys, tp_folder, monkeypatch):
-    import partitioner.cli.commands as commands
+    import partitioner.cli.run as run_command
 
     def no_torchrun(*_a, **_k):
         raise AssertionError("torchrun started")
 
-    monkeypatch.setattr(commands, "run_tree", no_torchrun)
+    monkeypatch.setattr(run_command, "run_tree", no_torchrun)
     code = main(["run", str(tp_folder), "--steps", "1", "--memory-tier", "copy"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
