@@ -16,6 +16,7 @@ dead peer; torchrun's agent then tears down the remaining workers (and restarts 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import os
 import sys
@@ -166,6 +167,11 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     run_dir: where metrics.jsonl and final/ go (default DIR/run).
     exit_on_error: on an exception print it and ``os._exit(1)`` (Note [no hangs]); False re-raises.
     """
+    # A fatal signal in native code (a segfault, glibc's heap checks aborting) would end the rank
+    # with one line and no place: every thread's Python stack goes to stderr instead (the persist,
+    # hashing and memory-tier threads run beside the training loop).
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     try:
         options = parse_args(argv)
         steps = options.steps if options.steps is not None else steps
