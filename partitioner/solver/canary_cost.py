@@ -10,7 +10,8 @@ share of its time, by flops, plus its send), while stage 0 still works, and the 
 all-reduce over the world waits for stage 0 anyway: that bubble takes the re-run of stage s for
 free up to its length. What does not fit is extra:
 
-    rerun_s   = compute_s + record bytes / link bandwidth + link latency
+    rerun_s   = (T_s - comm_s) + record bytes / link bandwidth + 2 link latencies
+                (T_s - comm_s: the stage's per-microbatch compute and fixed overhead; two messages)
     bubble_s  = sum_{j < s} b_j                                 (stage 0: none)
     extra_s   = max(0, rerun_s - bubble_s)
     canary_s  = max_s extra_s + (world - 1) * latency           (the verdicts' all_gather)
@@ -28,8 +29,8 @@ from __future__ import annotations
 def canary_seconds(stages, *, every: int, world_size: int, record_bytes: list[float] | None = None,
                    bandwidth_bytes_per_s: float = 1e9, latency_s: float = 50e-6) -> tuple[float, float]:
     """(seconds per step, bubble seconds used per canary) of canaries every ``every`` steps over
-    ``stages`` (the plan's StagePlans, in order: compute_time_s and comm_time_s per microbatch,
-    fwd_flops and bwd_flops); (0, 0) when ``every`` is 0."""
+    ``stages`` (the plan's StagePlans, in order: predicted_time_s, compute_time_s and comm_time_s
+    per microbatch, fwd_flops and bwd_flops); (0, 0) when ``every`` is 0."""
     if every <= 0 or not stages:
         return 0.0, 0.0
     record_bytes = record_bytes or [0.0] * len(stages)
@@ -40,7 +41,8 @@ def canary_seconds(stages, *, every: int, world_size: int, record_bytes: list[fl
         backward.append(st.compute_time_s * share + st.comm_time_s)
     extra, used, bubble = 0.0, 0.0, 0.0
     for s, st in enumerate(stages):
-        rerun = st.compute_time_s + record_bytes[s] / bandwidth_bytes_per_s + latency_s
+        own = max(st.compute_time_s, getattr(st, "predicted_time_s", st.compute_time_s) - st.comm_time_s)
+        rerun = own + record_bytes[s] / bandwidth_bytes_per_s + 2 * latency_s
         extra = max(extra, rerun - bubble)
         used += min(rerun, bubble)
         bubble += backward[s]
