@@ -12,6 +12,7 @@ from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 from runtime.program.spec import load_plan
+from runtime.resilience.canary_rules import program_refusal
 
 
 def program_sharded(plan) -> bool:
@@ -39,6 +40,8 @@ def cmd_run(args) -> int:
                    for r in program.get("ranks", ())}
     options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
                       rank_params=rank_params)
+    if options.sdc_canary_every and (why := program_refusal(program, options.sdc_canary_every)):
+        raise ValueError(why)  # Note [compute canaries]: before any worker starts
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
     _check_run_dir(Path(options.run_dir) if options.run_dir else folder / "run")

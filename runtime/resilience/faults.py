@@ -192,7 +192,7 @@ def _matmul_mode(fault_state: dict):
     """A TorchFunctionMode perturbing the first matmul of each forward it wraps (lazy: torch)."""
     # lazy: loads torch
     import torch
-    from torch.overrides import TorchFunctionMode
+    from torch.overrides import TorchFunctionMode  # lazy: torch, as above
 
     matmuls = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
                torch.Tensor.matmul, torch.Tensor.__matmul__}
