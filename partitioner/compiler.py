@@ -322,8 +322,13 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
         decisions = dataclasses.replace(decisions, memory_tier=memory_tier_choice(
             settings.memory_tier, stages, cluster, assignment))
     # Note [canary price] in partitioner/solver/canary_cost.py: what does not fit in the bubbles
+    dp_links = [link for s in range(assignment.num_stages)
+                if (link := cluster.slowest_link(assignment.device_of_stage_replica[s])) is not None]
     canary_s, canary_bubble_s = canary_seconds(stages, every=decisions.sdc_canary_every,
                                                world_size=assignment.pipeline_ranks * assignment.dp * tp,
+                                               latency_s=max((k.latency_s for k in dp_links), default=0.0),
+                                               bandwidth_bytes_per_s=min((k.bandwidth_bytes_per_s for k in dp_links),
+                                                                         default=1e9),
                                                record_bytes=[float((stages[s - 1].send_bytes if s else 0)
                                                                    + st.send_bytes) for s, st in enumerate(stages)])
     step = cost.step_time_s + extra_s + canary_s

@@ -17,6 +17,7 @@ free up to its length. What does not fit is extra:
     canary_s  = max_s extra_s + (world - 1) * latency           (the verdicts' all_gather)
     per_step  = canary_s / K
 
+Latency and bandwidth are the slowest data-parallel link's (the cluster's, as every pricer's).
 plan.json keeps ``predicted.sdc_canary_s_per_step`` (in step_time_s) and
 ``predicted.sdc_canary_bubble_s`` (the re-run seconds the bubbles absorb, per canary);
 benchmarks/sdc_canary_cost.py measures both sides. Like the replica check it stays out of the
