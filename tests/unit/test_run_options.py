@@ -100,7 +100,7 @@ def test_partitioner_run_and_a_rank_refuse_a_value_alike(one_rank, capsys, flags
 
 
 def test_partitioner_run_refuses_canaries_without_a_second_replica(one_rank, capsys):
-    # Note [compute canaries]: the one-rank program has no replica to re-run a stage on
+    # the one-rank program has no replica to re-run a stage on (Note [compute canaries])
     assert main(["run", str(one_rank), "--sdc-canary-every", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--sdc-canary-every 3: the program has dp 1" in err and len(err.splitlines()) == 1, err
