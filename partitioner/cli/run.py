@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 from runtime.program.spec import load_plan
-from runtime.resilience.canary_rules import program_refusal
+from runtime.resilience.canary_rules import exit_code_after, program_refusal
 
 
 def program_sharded(plan) -> bool:
@@ -76,7 +77,10 @@ def cmd_run(args) -> int:
     with hosted_store() as port:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
-        return run_tree(command, env=run_env()).returncode
+        started = time.time()
+        code = run_tree(command, env=run_env()).returncode
+        # a canary's exclusion (Note [compute canaries]) is exit 4, not torchrun's 1
+        return exit_code_after(options.run_dir or str((folder / "run").resolve()), code, started)
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -342,7 +342,10 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
     from runtime.resilience import canary as canaries  # lazy: loads torch; Note [compute canaries]
 
-    canary = canaries.attach(trainer, canary_every or 0, run_dir=run_dir, start_step=start_step)
+    from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
+
+    canary = canaries.attach(trainer, canary_every or 0, run_dir=run_dir, start_step=start_step,
+                             hosts=hosts_of_ranks(world, options.hosts))
     before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir),
                          faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir),
                          faults.matmul_hook([faults.parse_fault_matmul(t) for t in options.fault_matmul], rank,

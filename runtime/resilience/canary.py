@@ -72,6 +72,13 @@ def _as_tuple(output):
 class CanaryMismatch(SilentDataCorruption):
     """Raised on every rank when a canary's digests differ (Note [compute canaries])."""
 
+    def __str__(self) -> str:  # one line for all pairs, the blame once
+        pairs = "; ".join(f"rank {v.verifier} re-ran microbatch 0 of stage {v.stage} of rank {v.owner}: "
+                          f"{', '.join(v.parts)} differ" for v in self.findings)
+        blamed = sorted({r for v in self.findings for r in v.blamed})
+        return (f"compute canary at step {self.step}: {pairs}; blamed rank{'s' if len(blamed) > 1 else ''} "
+                f"{', '.join(map(str, blamed))}; rolling back to a checkpoint at or before step {self.last_agreed}")
+
 
 class Verdict:
     """One failing pair, as every rank reads it from the all_gather: a Finding for ``SilentDataCorruption``."""
@@ -89,8 +96,9 @@ class ComputeCanary:
     """The canary of one rank (Note [compute canaries]); ``install`` wraps the trainer's stage,
     schedule and gradient step, ``before_step`` is a RankTrainer.run hook."""
 
-    def __init__(self, trainer, every: int, *, run_dir: str, start_step: int = 0):
+    def __init__(self, trainer, every: int, *, run_dir: str, start_step: int = 0, hosts: list[int] | None = None):
         self.trainer, self.every, self.run_dir = trainer, int(every), run_dir
+        self.hosts = hosts  # host of each rank, for exclude.json
         self.layout = trainer.layout
         self.group = next(g for g in self.layout.dp_groups if trainer.rank in g)
         self.index = self.group.index(trainer.rank)
@@ -230,7 +238,7 @@ class ComputeCanary:
         nxt, prev = self.group[(self.index + 1) % n], self.group[(self.index - 1) % n]
         buf = io.BytesIO()
         torch.save(rec, buf)
-        device = self.trainer.device if self.trainer.program.backend == "nccl" else torch.device("cpu")
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else self.trainer.device  # nccl: on the device
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
         size, their_size = torch.tensor([payload.numel()], dtype=torch.int64, device=device), \
             torch.zeros(1, dtype=torch.int64, device=device)
@@ -262,7 +270,7 @@ class ComputeCanary:
         again = sorted(set(blamed) & self.blamed_before)
         self.blamed_before.update(blamed)
         if self.trainer.rank == 0:
-            say(0, str(exc))
+            say(0, str(exc) if not again else f"{exc} (again)")
             self._log({"step": step, "pairs": [{"owner": v.owner, "verifier": v.verifier, "parts": v.parts,
                                                 "stage": v.stage} for v in verdicts],
                        "blamed_ranks": blamed, "last_agreed_step": self.last_agreed, "repeat": bool(again)})
@@ -290,10 +298,11 @@ class ComputeCanary:
 
     def exclude(self, ranks: list[int], step: int) -> None:
         """A rank blamed again after a rollback: RUN_DIR/exclude.json, then exit EXIT_EXCLUDE on every rank."""
-        hosts = os.environ.get("PARTITIONER_HOSTS")
         if self.trainer.rank == 0:
             body = {"exclude_ranks": ranks, "step": step, "reason": "compute canary mismatch after a rollback",
-                    "certain": len(self.group) >= 3, "hosts": hosts, "time_unix": time.time()}
+                    "certain": len(self.group) >= 3,  # with 2 replicas both are named
+                    "hosts_of_ranks": None if self.hosts is None else sorted({self.hosts[r] for r in ranks}),
+                    "time_unix": time.time()}
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, "exclude.json.tmp"), "w") as fh:
                 json.dump(body, fh, indent=1)
@@ -329,8 +338,8 @@ class CanaryExclude(Exception):
         super().__init__(f"compute canary: exclude ranks {ranks} (RUN_DIR/exclude.json)")
 
 
-def attach(trainer, every: int, *, run_dir: str, start_step: int):
+def attach(trainer, every: int, *, run_dir: str, start_step: int, hosts: list[int] | None = None):
     """The rank's installed canary, or None when ``every`` is 0 (Note [compute canaries])."""
     if not every:
         return None
-    return ComputeCanary(trainer, every, run_dir=run_dir, start_step=start_step).install()
+    return ComputeCanary(trainer, every, run_dir=run_dir, start_step=start_step, hosts=hosts).install()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 EXIT_EXCLUDE = 4  # a rank blamed twice: the job stops for a re-plan without it (RUN_DIR/exclude.json)
 
 
@@ -38,3 +41,19 @@ def program_refusal(program: dict, every: int, what: str | None = None) -> str |
     ranks_per_pipeline = max(1, world // max(1, dp * tp))
     return refusal(every, dp=dp, tensor_parallel=tp, local_stages=max(1, stages // ranks_per_pipeline),
                    sharded=bool(program.get("shard_optimizer")) and dp > 1, what=what)
+
+
+def exit_code_after(run_dir: str, returncode: int, started_unix: float) -> int:
+    """`partitioner run`'s exit code after torchrun returned ``returncode``: EXIT_EXCLUDE, said in one
+    line, when the job stopped because a canary wrote RUN_DIR/exclude.json during this run (torchrun
+    itself exits 1 whatever its workers' codes); else ``returncode``."""
+    path = os.path.join(run_dir, "exclude.json")
+    try:
+        fresh = returncode != 0 and os.stat(path).st_mtime >= started_unix
+    except OSError:
+        fresh = False
+    if not fresh:
+        return returncode
+    print(f"[run] stopped for a re-plan: {path} names the rank(s) a compute canary caught twice "
+          f"(exit {EXIT_EXCLUDE})", file=sys.stderr, flush=True)
+    return EXIT_EXCLUDE

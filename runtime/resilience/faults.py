@@ -188,7 +188,17 @@ def parse_fault_matmul(text: str) -> MatmulFault:
 MATMUL_DELTA = 1e-2
 
 
-def _matmul_mode(fault_state: dict):
+@dataclass
+class _MatmulState:
+    """What one rank's --fault-matmul is doing (Note [a faulty matmul])."""
+
+    armed: bool = False
+    cleared: bool = False   # a transient fault after a rollback
+    last_step: int = -1
+    fired: int = 0          # products perturbed so far
+
+
+def _matmul_mode(fault_state: _MatmulState):
     """A TorchFunctionMode perturbing the first matmul of each forward it wraps (lazy: torch)."""
     # lazy: loads torch
     import torch
@@ -206,7 +216,7 @@ def _matmul_mode(fault_state: dict):
             out = func(*args, **(kwargs or {}))
             if not self.done and func in matmuls and isinstance(out, torch.Tensor) and out.is_floating_point():
                 self.done = True
-                fault_state["fired"] += 1
+                fault_state.fired += 1
                 bump = torch.zeros_like(out)
                 bump.view(-1)[-1:] = MATMUL_DELTA  # the last element: element 0 can be a causal query no output reads
                 out = out + bump
@@ -222,12 +232,12 @@ def matmul_hook(fault_list: list[MatmulFault], rank: int, modules: list, run_dir
     if not mine or not first_attempt():
         return None
     fault = min(mine, key=lambda f: f.step)
-    state = {"armed": False, "fired": 0, "last_step": -1, "cleared": False}
+    state = _MatmulState()
     mode = _matmul_mode(state)
 
     def wrap(forward):
         def faulty(*args, **kwargs):
-            if not state["armed"]:
+            if not state.armed:
                 return forward(*args, **kwargs)
             with mode():
                 return forward(*args, **kwargs)
@@ -238,12 +248,12 @@ def matmul_hook(fault_list: list[MatmulFault], rank: int, modules: list, run_dir
         m.forward = wrap(m.forward)
 
     def before_step(step: int) -> None:
-        if step <= state["last_step"] and not fault.permanent:
-            state["cleared"] = True  # a rollback: the transient fault is gone
-        state["last_step"] = step
-        was = state["armed"]
-        state["armed"] = step >= fault.step and not state["cleared"]
-        if state["armed"] and not was:
+        if step <= state.last_step and not fault.permanent:
+            state.cleared = True  # a rollback: the transient fault is gone
+        state.last_step = step
+        was = state.armed
+        state.armed = step >= fault.step and not state.cleared
+        if state.armed and not was:
             kind = "permanent" if fault.permanent else "transient"
             record(run_dir, rank, step, f"fault-matmul {kind}")
             say(rank, f"fault injection: a faulty matmul ({kind}) from step {step} on")
