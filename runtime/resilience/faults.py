@@ -178,14 +178,15 @@ def parse_fault_matmul(text: str) -> MatmulFault:
 
 # Note [a faulty matmul]: the silent corruption a replica digest cannot see is a wrong product in a
 # forward or backward matmul: it is averaged into every replica's gradient by the all-reduce, and
-# the replicas stay equal. The drill makes one: while armed, the first matmul-family call
-# (F.linear, matmul, mm, bmm, addmm, ``@``) of each forward of the rank's stage modules returns
-# its product plus DELTA in its last element (a bad multiplier lane), under a TorchFunctionMode around the
+# the replicas stay equal. The drill makes one: while armed, the first matmul-family call (F.linear,
+# matmul, mm, bmm, addmm, ``@``, or their aten overloads) of each forward of the rank's stage
+# modules returns its product scaled by 1 + DELTA (a multiplier off by a part in a thousand; one element alone
+# can be cut by a relu or be a causal query no output reads), under a TorchFunctionMode around the
 # module's forward, so the corruption flows on through autograd like a real one (and also hits a
 # canary re-run on that rank: a bad device is bad for every computation it makes). Armed from step
 # STEP on; transient: disarmed when the job goes back to an earlier step (a rollback: the device
 # recovered, the re-run steps are clean); permanent: never disarmed (a rollback meets it again).
-MATMUL_DELTA = 1e-2
+MATMUL_DELTA = 1e-3
 
 
 @dataclass
@@ -204,8 +205,10 @@ def _matmul_mode(fault_state: _MatmulState):
     import torch
     from torch.overrides import TorchFunctionMode  # lazy: torch, as above
 
+    aten = torch.ops.aten  # compiled stage files call the aten overloads (Note [stage code])
     matmuls = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
-               torch.Tensor.matmul, torch.Tensor.__matmul__}
+               torch.Tensor.matmul, torch.Tensor.__matmul__, aten.linear.default, aten.mm.default,
+               aten.addmm.default, aten.bmm.default, aten.matmul.default}
 
     class FirstMatmulOff(TorchFunctionMode):
         def __init__(self):
@@ -217,9 +220,7 @@ def _matmul_mode(fault_state: _MatmulState):
             if not self.done and func in matmuls and isinstance(out, torch.Tensor) and out.is_floating_point():
                 self.done = True
                 fault_state.fired += 1
-                bump = torch.zeros_like(out)
-                bump.view(-1)[-1:] = MATMUL_DELTA  # the last element: element 0 can be a causal query no output reads
-                out = out + bump
+                out = out * (1.0 + MATMUL_DELTA)  # every element: one could be cut by a relu or a causal mask
             return out
 
     return FirstMatmulOff
