@@ -322,10 +322,20 @@ class ComputeCanary:
             fh.write(json.dumps({**row, "time_unix": time.time()}) + "\n")
 
     def finish(self) -> None:
-        """RUN_DIR/canary_stats_rank_<r>.json: how many canaries, their seconds (the benchmark's)."""
+        """RUN_DIR/canary_stats_rank_<r>.json: how many canaries, their seconds (the benchmark's); rank 0
+        closes with this rank's measured cost per step beside the plan's (Note [canary price])."""
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, f"canary_stats_rank_{self.trainer.rank}.json"), "w") as fh:
             json.dump({"every": self.every, "canaries": len(self.seconds), "seconds": self.seconds}, fh)
+        if self.trainer.rank != 0 or not self.seconds:
+            return
+        from runtime.program.spec import load_plan  # lazy: read once, at the end
+
+        predicted = (load_plan(self.trainer.folder).get("predicted") or {}).get("sdc_canary_s_per_step")
+        mean = sum(self.seconds) / len(self.seconds)
+        said = "" if predicted is None else f", predicted {predicted * 1e3:.3g} ms/step"
+        say(0, f"compute canaries: {len(self.seconds)} run every {self.every} steps, {mean * 1e3:.3g} ms each on "
+               f"rank 0 ({mean / self.every * 1e3:.3g} ms/step{said})")
 
 
 class CanaryExclude(Exception):
