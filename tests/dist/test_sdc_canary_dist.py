@@ -1,6 +1,7 @@
 """Compute-fault canaries in real gloo jobs (Note [compute canaries] in runtime/resilience/canary.py):
 a 2-stage pipeline x dp 2 (TinyGPT, dropout on, tied embedding) and 1 stage x dp 3 (an MLP). Clean
-runs with canaries find nothing and train exactly as without them; a faulty matmul on one rank
+runs with canaries find nothing and train exactly as without them (the MLP with the replica check
+on as well); a faulty matmul on one rank
 (--fault-matmul, transient: gone after the rollback) is caught within K steps, named (by majority
 with 3 replicas, the pair with 2), rolled back to the newest checkpoint before it, and the run ends
 with the clean run's losses and parameters bit for bit. A permanent fault is caught again after
@@ -47,7 +48,9 @@ def _canary_jobs(root: Path):
     canary = ["--sdc-canary-every", str(K)]
     jobs = [job(4, gpt, "gpt_plain"), job(4, gpt, "gpt_clean", *canary),
             job(4, gpt, "gpt_fault", *canary, "--fault-matmul", GPT_FAULT),
-            job(3, mlp, "mlp_clean", *canary), job(3, mlp, "mlp_fault", *canary, "--fault-matmul", MLP_FAULT)]
+            # with the replica check on too (its last agreeing check is not what a canary rolls back to)
+            job(3, mlp, "mlp_clean", *canary, "--sdc-every", "3"),
+            job(3, mlp, "mlp_fault", *canary, "--sdc-every", "3", "--fault-matmul", MLP_FAULT)]
     return str(root), jobs
 
 
