@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 from runtime.program.spec import load_plan
+from runtime.resilience.canary_rules import exit_code_after, program_refusal
 
 
 def program_sharded(plan) -> bool:
@@ -39,6 +41,8 @@ def cmd_run(args) -> int:
                    for r in program.get("ranks", ())}
     options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
                       rank_params=rank_params)
+    if options.sdc_canary_every and (why := program_refusal(program, options.sdc_canary_every)):
+        raise ValueError(why)  # Note [compute canaries]: before any worker starts
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
     _check_run_dir(Path(options.run_dir) if options.run_dir else folder / "run")
@@ -73,7 +77,10 @@ def cmd_run(args) -> int:
     with hosted_store() as port:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
-        return run_tree(command, env=run_env()).returncode
+        started = time.time()
+        code = run_tree(command, env=run_env()).returncode
+        # a canary's exclusion (Note [compute canaries]) is exit 4, not torchrun's 1
+        return exit_code_after(options.run_dir or str((folder / "run").resolve()), code, started)
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -91,6 +91,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "checkpoint_every": settings.checkpoint_every,
         "mtbf_s": settings.mtbf_s,  # --mtbf's default
         "sdc_every": decisions.sdc_every,  # Note [replica digests] (runtime/resilience/sdc.py)
+        "sdc_canary_every": decisions.sdc_canary_every or None,  # Note [compute canaries]: left out when off
         # Note [mixed precision] (runtime/execute/precision.py), Note [global gradient norm]
         # (runtime/execute/grad_norm.py), Note [sharded optimizer state] (runtime/parallel/zero.py)
         "precision": decisions.precision,

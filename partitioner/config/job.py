@@ -25,6 +25,7 @@ A job file (TOML, README "Job file")::
     clip_grad_norm = 1.0        # global gradient-norm clipping; leave out for none
     checkpoint_every = 200      # or mtbf = "6h"
     sdc_every = 20              # compare the replicas' digests every K steps (0: off; Note [replica digests])
+    sdc_canary_every = 0        # a compute canary every K steps (0: off; Note [compute canaries])
     seed = 0
 
     [cluster]                   # the cluster file's format, inline; or: cluster = "cluster.toml"
@@ -85,6 +86,7 @@ JOB_TRAINING_KEYS = {
     "precision": ("precision",),
     "checkpoint_every": ("checkpoint_every",),
     "sdc_every": ("sdc_every",),
+    "sdc_canary_every": ("sdc_canary_every",),
     "mtbf": ("mtbf_s",),
     "seed": ("seed",),
     "collective_timeout_s": ("collective_timeout_s",),

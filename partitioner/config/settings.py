@@ -26,7 +26,7 @@ from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSetting
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "auto")
 GRANULARITIES = ("block", "sublayer", "op", "node")
-_OPTIONAL = ("sdc_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data")
+_OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data")
 
 
 # -- value checks: each returns the value (normalized) or raises naming ``where`` -------------------
@@ -133,6 +133,8 @@ TRAINING_SCHEMA = {
     "checkpoint_every": lambda v, w: _integer(v, w, low=0),
     # Note [replica digests] (runtime/resilience/sdc.py); 0: off; left out: sdc_cost.default_every(dp)
     "sdc_every": lambda v, w: _integer(v, w, low=0),
+    # Note [compute canaries] (runtime/resilience/canary.py); 0 or left out: none
+    "sdc_canary_every": lambda v, w: _integer(v, w, low=0),
     "mtbf_s": _positive,
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
@@ -169,6 +171,7 @@ class TrainingSettings:
     collective_timeout_s: float = 60.0
     checkpoint_every: int = 0           # 0: see mtbf_s, else only the last step
     sdc_every: int | None = None        # None: sdc_cost.default_every(dp) (Note [replica digests])
+    sdc_canary_every: int | None = None  # a compute canary every K steps; None or 0: none (Note [compute canaries])
     mtbf_s: float | None = None         # the checkpoint interval by Young/Daly
     memory_tier: MemoryTierPlan | None = None  # the request (mode auto|none|copy|parity); Decisions has the layout
     clip_grad_norm: float | None = None  # Note [global gradient norm] in runtime/execute/grad_norm.py; None: off
@@ -252,6 +255,7 @@ class Decisions:
     precision: Precision = Precision.FP32
     shard_optimizer: bool = False       # AdamW state sharded over the replicas (ZeRO-1): the plan has dp > 1
     sdc_every: int = 0                  # the replica check's interval (0: none)
+    sdc_canary_every: int = 0           # the compute canaries' interval (0: none; Note [compute canaries])
     no_decay: tuple[str, ...] = ()      # original names trained without weight decay (Note [no weight decay])
     memory_tier: dict | None = None     # compiler.memory_tier_choice: mode, requested, every, group_size,
                                         # hosts, groups and the host-memory figures; None: no tier
@@ -272,6 +276,8 @@ class Decisions:
     def to_dict(self) -> dict:
         out = {"precision": self.precision.value, "shard_optimizer": self.shard_optimizer,
                "sdc_every": self.sdc_every, "no_decay": list(self.no_decay)}
+        if self.sdc_canary_every:  # written only when on: a plan compiled before canaries round-trips unchanged
+            out["sdc_canary_every"] = self.sdc_canary_every
         if self.memory_tier is not None:
             out["memory_tier"] = self.memory_tier
         return out

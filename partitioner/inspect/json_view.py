@@ -35,6 +35,9 @@ def inspect_json(plan: Plan) -> dict:
     predicted["samples_per_s"] = samples_per_s(plan)
     if "sdc_check_s_per_step" in plan.predicted:  # Note [replica digests]: part of step_time_s
         predicted["sdc_check_s_per_step"] = plan.predicted["sdc_check_s_per_step"]
+    for key in ("sdc_canary_s_per_step", "sdc_canary_bubble_s"):  # Note [canary price]: the first in step_time_s
+        if key in plan.predicted:
+            predicted[key] = plan.predicted[key]
     if "grad_norm_s_per_step" in plan.predicted:  # Note [global gradient norm]: part of step_time_s
         predicted["grad_norm_s_per_step"] = plan.predicted["grad_norm_s_per_step"]
     if "cpu_time_model" in plan.predicted:  # Note [machine profile]: what priced the cpu devices

@@ -7,6 +7,8 @@
     precision_cost.py   the precision policy as a transformed problem and cluster
     grad_norm_cost.py   what the global gradient norm costs a step, where the program computes it
     sdc_cost.py         what the replica digest check (runtime/resilience/sdc.py) costs a step, beside the plan
+    canary_cost.py      what the compute canaries (runtime/resilience/canary.py) cost a step: bubble used, else
+                        extra (Note [canary price])
     tensor_groups.py    a tensor group planned as one device (Notes [tensor groups], [tensor-parallel pricing])
     interleaved.py      the facts of torch's interleaved 1F1B the cost model prices (Note [interleaved pricing])
     schedules.py        each schedule with its price: pipeline time, lower bound (Note [one class per schedule])

@@ -326,7 +326,8 @@ def _check_fields(cls, item: Any, where: str) -> None:
 _FIGURES = {
     "predicted": {"step_time_s": ("float", True), "bubble_fraction": ("float", True),
                   "lower_bound_step_time_s": ("float", True), "samples_per_s": ("float", False),
-                  "sdc_check_s_per_step": ("float", False), "grad_norm_s_per_step": ("float", False)},
+                  "sdc_check_s_per_step": ("float", False), "grad_norm_s_per_step": ("float", False),
+                  "sdc_canary_s_per_step": ("float", False), "sdc_canary_bubble_s": ("float", False)},
     "solver": {"status": ("str", True), "objective": ("float | None", False), "bound": ("float | None", False),
                "gap": ("float | None", False), "solve_time_s": ("float", False),
                "optimal_over": ("str", False)},

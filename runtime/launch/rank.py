@@ -185,6 +185,9 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     except Exception as exc:
         if not exit_on_error:
             raise
+        if getattr(exc, "exit_code", None) is not None:  # Note [compute canaries]: said already, leave with its code
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
         who = os.environ.get("RANK", "?") if rank is None else rank
         if isinstance(exc, ResumeBeyondStepsError):  # rank 0 says it; the others leave quietly
             if str(who) == "0":
@@ -246,6 +249,12 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if sharded:  # a plan of an older compile may still name one: it could not see anything
         sdc_every = 0
     flips = [faults.parse_flip_bit(t) for t in options.flip_bit]
+    from runtime.resilience.canary_rules import refusal as canary_refusal  # Note [compute canaries]
+
+    canary_every = program.sdc_canary_every if options.sdc_canary_every is None else options.sdc_canary_every
+    if (why := canary_refusal(canary_every or 0, dp=program.dp, tensor_parallel=program.tensor_parallel,
+                              local_stages=len(program.layout.stages_of_rank[rank]), sharded=sharded)):
+        raise LaunchError(why)
     from runtime.resilience import memtier  # lazy: loads torch
 
     memory_settings = memtier.settings_from(program.memory_tier, options) if use_ckpt else None
@@ -337,8 +346,16 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                     timeout=timeout, start_step=start_step,
                                     persist_fault=fail_persist, compression=compression, full_every=full_every,
                                     stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
+    from runtime.resilience import canary as canaries  # lazy: loads torch; Note [compute canaries]
+
+    from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
+
+    canary = canaries.attach(trainer, canary_every or 0, run_dir=run_dir, start_step=start_step,
+                             hosts=hosts_of_ranks(world, options.hosts))
     before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir),
-                         faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir))
+                         faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir),
+                         faults.matmul_hook([faults.parse_fault_matmul(t) for t in options.fault_matmul], rank,
+                                            trainer.modules, run_dir), canary and canary.before_step)
     _at["ckpt_dir"] = ckpt_dir if use_ckpt else None
     after_step = checkpointer.after_step if checkpointer else None
     if use_ckpt and memory is not None:
@@ -363,9 +380,13 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             break
         except sdc.SilentDataCorruption as exc:  # on every rank alike: roll back together, train on
             start_step = sdc.roll_back(trainer, exc, ckpt_dir=ckpt_dir if use_ckpt else None,
-                                       checkpointer=checkpointer, memory=memory if use_ckpt else None, check=check)
-    if check is not None:
-        check.finish()
+                                       checkpointer=checkpointer, memory=memory if use_ckpt else None,
+                                       check=check or canary)
+            if canary is not None:
+                canary.rolled_back(start_step)
+    for done in (check, canary):
+        if done is not None:
+            done.finish()
     if meter is not None:
         meter.stop()
         peak.report(meter, folder=folder, rank=rank, run_dir=run_dir)

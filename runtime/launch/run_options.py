@@ -74,6 +74,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--flip-bit", str, "RANK:STEP[:TENSOR]: flip one bit of a parameter before STEP (silent data "
          "corruption drill, first attempt)", repeat=True),
     Flag("--sdc-every", int, "compare the replicas' digests every K steps (0: never; default: the plan's)"),
+    Flag("--sdc-canary-every", int, "every K steps a second replica re-runs microbatch 0 of each stage and compares "
+         "digests before the all-reduce (0: never; default: the plan's)"),
+    Flag("--fault-matmul", str, "RANK:STEP[:permanent]: a faulty matmul on RANK from STEP on (compute-fault drill, "
+         "first attempt; transient: gone after a rollback)", repeat=True),
     Flag("--collective-timeout", float, "seconds every collective may wait (default: the plan's)"),
     Flag("--memory-tier", str, "in-memory checkpoints every step in host shared memory, with redundancy across "
          "hosts: none (own host only), copy (a peer holds a full copy), parity (XOR over a group) "
@@ -117,6 +121,8 @@ class RunOptions:
     checkpoint_full_every: int | None = None
     flip_bit: tuple[str, ...] = ()
     sdc_every: int | None = None
+    sdc_canary_every: int | None = None  # Note [compute canaries] in runtime/resilience/canary.py
+    fault_matmul: tuple[str, ...] = ()
     collective_timeout: float | None = None
     memory_tier: str | None = None
     memory_every: int | None = None
@@ -131,7 +137,7 @@ class RunOptions:
     eval_batches: int | None = None  # None: DEFAULT_EVAL_BATCHES when eval_every is given
 
     def __post_init__(self):
-        for name in ("fail_at", "flip_bit", "fail_host"):
+        for name in ("fail_at", "flip_bit", "fail_host", "fault_matmul"):
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
         _check_values(self)
 
@@ -221,6 +227,11 @@ class RunOptions:
             if flip.tensor is not None and held is not None and flip.tensor not in held:
                 raise FlagError(f"--flip-bit {text}: rank {flip.rank} holds no parameter {flip.tensor!r}; it holds "
                                 f"{sorted(held)[:4]}{' ...' if len(held) > 4 else ''}")
+        for text in self.fault_matmul:
+            fault = faults.parse_fault_matmul(text)
+            if fault.rank >= world_size or (steps is not None and fault.step >= steps):
+                raise FlagError(f"--fault-matmul {text}: rank {fault.rank} step {fault.step} is never reached (the "
+                                f"program runs {world_size} ranks{f' for {steps} steps' if steps else ''})")
         if self.eval_every is not None and eval_data is False:
             raise FlagError(f"--eval-every {self.eval_every}: this program's data has no validation split "
                             "(data.eval_batch): compile it with --data tokens:DIR whose folder has a val split "
@@ -260,6 +271,7 @@ def _check_values(o: RunOptions) -> None:
                         "resume reads the whole delta chain and retention keeps all of it); give 1.."
                         f"{MAX_FULL_EVERY} (default 8)")
     at_least("sdc_every", 0, "give a number of steps >= 0 (0: no replica check)")
+    at_least("sdc_canary_every", 0, "give a number of steps >= 0 (0: no compute canaries)")
     at_least("memory_every", 1, "snapshot every 1 or more steps")
     at_least("parity_group", 2, "a parity group holds 2 or more hosts")
     at_least("log_every", 1, "print every 1 or more steps")
@@ -289,6 +301,8 @@ def _check_values(o: RunOptions) -> None:
         faults.parse_flip_bit(text)
     for text in o.fail_host:
         faults.parse_fail_host(text)
+    for text in o.fault_matmul:
+        faults.parse_fault_matmul(text)
     if o.hosts is not None:
         try:
             hosts = o.host_list()

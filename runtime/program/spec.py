@@ -54,6 +54,7 @@ class Program:
     checkpoint_every: int = 0          # checkpoint every K steps (0: see mtbf_s, else only the last)
     sdc_every: int | None = None       # compare replica digests every K steps (0: never; None: runtime/resilience/sdc.py's
                                        # DEFAULT_EVERY); Note [replica digests]
+    sdc_canary_every: int | None = None  # a compute canary every K steps (0 or None: never); Note [compute canaries]
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
     memory_tier: MemoryTierPlan | None = None
@@ -141,6 +142,9 @@ def _validate(program: Program) -> None:
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
+    if program.sdc_canary_every is not None and (not isinstance(program.sdc_canary_every, int)
+                                                 or program.sdc_canary_every < 0):
+        raise ValueError(f"sdc_canary_every={program.sdc_canary_every!r}: give a number of steps >= 0 (0: no canaries)")
     if program.clip_grad_norm is not None and (isinstance(program.clip_grad_norm, bool)
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):

@@ -14,7 +14,12 @@ recovery.py         start-up recovery from the fastest tier that survived (``rec
                     agreement])
 sdc.py              replica digests, the silent-data-corruption check and its rollback (Note
                     [replica digests])
+canary.py           compute-fault canaries: a second replica re-runs one microbatch of a stage and
+                    compares digests before the all-reduce; rollback, blame, exclusion (Note
+                    [compute canaries])
+canary_rules.py     what a canary runs with, torch-free (``refusal``), and its exit code
 faults.py           every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
                     RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host
-                    HOST:STEP[:ATTEMPT]``, ``--flip-bit RANK:STEP[:TENSOR]``
+                    HOST:STEP[:ATTEMPT]``, ``--flip-bit RANK:STEP[:TENSOR]``,
+                    ``--fault-matmul RANK:STEP[:permanent]`` (Note [a faulty matmul])
 """

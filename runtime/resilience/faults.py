@@ -15,6 +15,9 @@ fire these import this one).
   flips one bit of element 0 of parameter TENSOR (original name; default its first parameter; a
   tensor-parallel one: of its local piece, Note [a flip without a collective]):
   the silent data corruption runtime/resilience/sdc.py must find. Fires once per process, first attempt only.
+- ``--fault-matmul RANK:STEP[:permanent]`` (``MatmulFault``, ``matmul_hook``): from step STEP on,
+  rank RANK adds a small delta to the output of the first matmul of each stage forward (Note [a
+  faulty matmul]): the compute fault runtime/resilience/canary.py must catch. First attempt only.
 - ``FaultPoint``: die after a number of bytes written or before a numbered file operation of a
   checkpoint persist (Note [crash consistency] in runtime/resilience/checkpoint/manifest.py); action "raise"
   is the in-process stand-in (``SimulatedCrash``) for the one-process drills.
@@ -149,6 +152,112 @@ def flip_hook(flips: list[BitFlip], rank: int, params: dict, run_dir: str | None
             record(run_dir, rank, step, f"flip-bit {name}")
             piece = " (this rank's local piece)" if _stored(params[name]) is not params[name] else ""
             say(rank, f"fault injection: flipped bit {bit} of {name}[0]{piece} before step {step}")
+
+    return before_step
+
+
+@dataclass(frozen=True)
+class MatmulFault:
+    rank: int
+    step: int
+    permanent: bool = False
+
+
+def parse_fault_matmul(text: str) -> MatmulFault:
+    parts = str(text).split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "permanent"):
+            raise ValueError
+        fault = MatmulFault(int(parts[0]), int(parts[1]), len(parts) == 3)
+        if fault.rank < 0 or fault.step < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--fault-matmul {text!r}: write RANK:STEP[:permanent], e.g. 1:5 or 1:5:permanent") from None
+    return fault
+
+
+# Note [a faulty matmul]: the silent corruption a replica digest cannot see is a wrong product in a
+# forward or backward matmul: it is averaged into every replica's gradient by the all-reduce, and
+# the replicas stay equal. The drill makes one: while armed, the first matmul-family call (F.linear,
+# matmul, mm, bmm, addmm, ``@``, or their aten overloads) of each forward of the rank's stage
+# modules returns its product scaled by 1 + DELTA (a multiplier off by a part in a thousand; one element alone
+# can be cut by a relu or be a causal query no output reads), under a TorchFunctionMode around the
+# module's forward, so the corruption flows on through autograd like a real one (and also hits a
+# canary re-run on that rank: a bad device is bad for every computation it makes). Armed from step
+# STEP on; transient: disarmed when the job goes back to an earlier step (a rollback: the device
+# recovered, the re-run steps are clean); permanent: never disarmed (a rollback meets it again).
+MATMUL_DELTA = 1e-3
+
+
+@dataclass
+class _MatmulState:
+    """What one rank's --fault-matmul is doing (Note [a faulty matmul])."""
+
+    armed: bool = False
+    cleared: bool = False   # a transient fault after a rollback
+    last_step: int = -1
+    fired: int = 0          # products perturbed so far
+
+
+def _matmul_mode(fault_state: _MatmulState):
+    """A TorchFunctionMode perturbing the first matmul of each forward it wraps (lazy: torch)."""
+    # lazy: loads torch
+    import torch
+    from torch.overrides import TorchFunctionMode  # lazy: torch, as above
+
+    aten = torch.ops.aten  # compiled stage files call the aten overloads (Note [stage code])
+    matmuls = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
+               torch.Tensor.matmul, torch.Tensor.__matmul__, aten.linear.default, aten.mm.default,
+               aten.addmm.default, aten.bmm.default, aten.matmul.default}
+
+    class FirstMatmulOff(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.done = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not self.done and func in matmuls and isinstance(out, torch.Tensor) and out.is_floating_point():
+                self.done = True
+                fault_state.fired += 1
+                out = out * (1.0 + MATMUL_DELTA)  # every element: one could be cut by a relu or a causal mask
+            return out
+
+    return FirstMatmulOff
+
+
+def matmul_hook(fault_list: list[MatmulFault], rank: int, modules: list, run_dir: str | None = None):
+    """A ``before_step(step)`` callable arming --fault-matmul on ``rank`` (Note [a faulty matmul]),
+    or None when none names it (or in a later attempt). Wraps each of ``modules``' forward."""
+    mine = [f for f in fault_list if f.rank == rank]
+    if not mine or not first_attempt():
+        return None
+    fault = min(mine, key=lambda f: f.step)
+    state = _MatmulState()
+    mode = _matmul_mode(state)
+
+    def wrap(forward):
+        def faulty(*args, **kwargs):
+            if not state.armed:
+                return forward(*args, **kwargs)
+            with mode():
+                return forward(*args, **kwargs)
+
+        return faulty
+
+    for m in modules:
+        m.forward = wrap(m.forward)
+
+    def before_step(step: int) -> None:
+        if step <= state.last_step and not fault.permanent:
+            state.cleared = True  # a rollback: the transient fault is gone
+        state.last_step = step
+        was = state.armed
+        state.armed = step >= fault.step and not state.cleared
+        if state.armed and not was:
+            kind = "permanent" if fault.permanent else "transient"
+            record(run_dir, rank, step, f"fault-matmul {kind}")
+            say(rank, f"fault injection: a faulty matmul ({kind}) from step {step} on")
 
     return before_step
 

@@ -85,6 +85,8 @@ def test_train_py_refuses_an_unknown_flag(one_rank):
     (["--log-every", "3"], "--log-every 3 thins the step lines of --quiet: add --quiet"),
     (["--eval-every", "0"], "--eval-every 0: evaluate every 1 or more steps"),
     (["--eval-every", "2", "--eval-batches", "0"], "--eval-batches 0: evaluate on 1 or more validation batches"),
+    (["--sdc-canary-every", "-1"], "--sdc-canary-every -1: give a number of steps >= 0"),
+    (["--fault-matmul", "1:2"], "--fault-matmul 1:2: rank 1 step 2 is never reached"),
 ])
 def test_partitioner_run_and_a_rank_refuse_a_value_alike(one_rank, capsys, flags, needle):
     assert main(["run", str(one_rank), *flags]) == 2
@@ -95,3 +97,11 @@ def test_partitioner_run_and_a_rank_refuse_a_value_alike(one_rank, capsys, flags
         options = RunOptions.parse(flags)
         options.check_for(world_size=1, sharded=False)
     assert needle in str(refused.value)
+
+
+def test_partitioner_run_refuses_canaries_without_a_second_replica(one_rank, capsys):
+    # the one-rank program has no replica to re-run a stage on (Note [compute canaries])
+    assert main(["run", str(one_rank), "--sdc-canary-every", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--sdc-canary-every 3: the program has dp 1" in err and len(err.splitlines()) == 1, err
+    assert not (one_rank / "run").exists()
