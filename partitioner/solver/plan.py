@@ -179,6 +179,9 @@ class Plan:
     @classmethod
     def from_dict(cls, body: dict) -> "Plan":
         body = dict(body)
+        if not isinstance(body.get("solver"), dict):  # a hand-written folder: one line, not a KeyError
+            raise PlanFieldError(f"its field 'solver' is {'missing' if 'solver' not in body else 'not an object'}: "
+                                 "recompile the plan with `partitioner compile`")
         body["solver"] = dict(body["solver"])
         stated = body.pop("plan_hash", None)
         body.pop("program", None)

@@ -315,3 +315,20 @@ def test_a_manifest_declaring_a_huge_shard_is_not_read(program_dir, tmp_path):
     assert ck.READS["shards"] - reads == program.world_size  # step 1's shard each rank needs; none of step 2
     entry = listing.scan(ckpt, program=program)["checkpoints"][0]
     assert entry["status"] == "corrupt" and "more than the" in entry["reason"]
+
+
+@pytest.mark.parametrize("solver", [None, "a string"])
+def test_run_on_a_plan_without_its_solver_record_is_one_line(program_dir, tmp_path, capsys, solver):
+    """A hand-written plan.json without (or with a malformed) "solver" object: `run` says so in one
+    line before torchrun (it was a KeyError traceback from Plan.load)."""
+    folder = tmp_path / "hand"
+    shutil.copytree(program_dir, folder)
+    body = json.loads((folder / "plan.json").read_text())
+    if solver is None:
+        del body["solver"]
+    else:
+        body["solver"] = solver
+    (folder / "plan.json").write_text(json.dumps(body))
+    rc, err = _run(["run", str(folder), "--steps", "1"], capsys)
+    assert rc != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "'solver'" in err and "partitioner compile" in err
