@@ -70,6 +70,10 @@ def cmd_run(args) -> int:
               file=sys.stderr, flush=True)
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
     # in runtime/launch/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
+    if options.elastic:  # Note [elastic run]: one agent per host (partitioner/cli/elastic.py)
+        from partitioner.cli.elastic import run_elastic
+
+        return run_elastic(folder, options, plan)
     with hosted_store() as port:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
