@@ -364,6 +364,13 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if use_ckpt and memory is not None:
         before_step = _chain(memory.fault_hook(), before_step)
         after_step = _chain(memory.after_step, after_step)
+    elif options.fail_host:  # no memory tier to wipe: the host's ranks die all the same (a drill of the disk tier)
+        from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
+
+        host = hosts_of_ranks(world, options.hosts)[rank]
+        before_step = _chain(faults.host_hook([faults.parse_fail_host(t) for t in options.fail_host], host=host,
+                                              rank=rank, marker=os.path.join(run_dir, f".lost_host_{host}"),
+                                              run_dir=run_dir), before_step)
     check = None  # Note [replica digests] in runtime/resilience/sdc.py: before the checkpoint points of a step
     if sdc_every and program.dp > 1:
         check = sdc.ReplicaCheck(trainer, sdc_every, run_dir=run_dir, last_step=steps,
