@@ -221,7 +221,11 @@ def recover_switched(trainer, ckpt_dir: str, options: RunOptions, run_dir: str) 
         step = recover(trainer, got.folder)
         memory_reads = ck.READS["shards"] - reads0
         source = "memory"
-    else:
+    if got.folder is not None and step != got.step:  # a slot failed its sha256 on some rank: the disk serves
+        say(trainer.rank, f"warning: the memory handover of step {got.step} did not verify: recovering from disk")
+        step = recover(trainer, ckpt_dir)
+        source = "disk" if step > 0 else "none"
+    elif got.folder is None:
         step = recover(trainer, ckpt_dir)
         source = "disk" if step > 0 else "none"
     dist.barrier()
