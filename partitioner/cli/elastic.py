@@ -68,18 +68,22 @@ def check_elastic(folder: Path, options: RunOptions, plan) -> None:
 
 
 def run_elastic(folder: Path, options: RunOptions, plan) -> int:
-    """One torchrun elastic agent per host on the rendezvous store served here (Note [elastic run])."""
-    from runtime.launch.elastic import run_agents  # lazy: only an elastic run
+    """One torchrun elastic agent per host on the rendezvous store served here (Note [elastic run]);
+    cmd_run has called ``check_elastic``."""
+    from runtime.launch.elastic import closing_note, run_agents  # lazy: only an elastic run
     from runtime.launch.torchrun import hosted_store  # lazy: as above
 
-    check_elastic(folder, options, plan)
     if not options.quiet:
         print(f"[run] --elastic: {len(set(options.host_list()))} torchrun agents (--nnodes 1:{len(set(options.host_list()))}),"
               f" hosts {options.hosts}; a host gone for {options.host_timeout or 5:g} s is replaced by a re-plan",
               file=sys.stderr, flush=True)
     prepare_replans(folder, options.host_list())
     with hosted_store() as port:
-        return run_agents(str(folder / "train.py"), options, store_port=port)
+        code = run_agents(str(folder / "train.py"), options, store_port=port)
+    note = closing_note(options.run_dir or str(folder / "run"))
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return code
 
 
 def prepare_replans(folder: Path, hosts: list[int]) -> None:

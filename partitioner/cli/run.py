@@ -39,6 +39,10 @@ def cmd_run(args) -> int:
                    for r in program.get("ranks", ())}
     options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
                       rank_params=rank_params)
+    if options.elastic:  # before any folder is made (Note [elastic run])
+        from partitioner.cli.elastic import check_elastic
+
+        check_elastic(folder, options, plan)
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
     _check_run_dir(Path(options.run_dir) if options.run_dir else folder / "run")
@@ -58,6 +62,10 @@ def cmd_run(args) -> int:
     options = options.replace(checkpoint_dir=str(ckpt_dir.resolve()), **{
         name: str(Path(getattr(options, name)).resolve()) for name in ("run_dir", "memory_dir")
         if getattr(options, name) is not None})
+    if options.elastic:  # Note [elastic run]: one agent per host (partitioner/cli/elastic.py)
+        from partitioner.cli.elastic import run_elastic
+
+        return run_elastic(folder, options, plan)
     if not options.quiet:
         world = plan.world_size
         nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly
@@ -70,10 +78,6 @@ def cmd_run(args) -> int:
               file=sys.stderr, flush=True)
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
     # in runtime/launch/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
-    if options.elastic:  # Note [elastic run]: one agent per host (partitioner/cli/elastic.py)
-        from partitioner.cli.elastic import run_elastic
-
-        return run_elastic(folder, options, plan)
     with hosted_store() as port:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)

@@ -16,9 +16,10 @@ it; a refusal stops every rank with its one line); every rank runs that folder, 
 recovers from the old layout's memory tier (Note [memory handover] in
 runtime/resilience/memtier/handover.py), else the disk, resharded. RUN_DIR/recovery.jsonl gets an
 "elastic" row: the hosts lost, the new plan, the source of the state, and the seconds from the
-loss (the fault's record, or the first failed worker) to the restored state. When the host comes
-back, the next round has the program's world size again and the workers run DIR itself, from the
-disk (growing back). torchrun always starts DIR/train.py: the choice of folder is the worker's.
+loss (the fault's drill record) to the restored state. When the host comes back (an agent on it
+joins the rendezvous), the next round has the program's world size again and the workers run DIR
+itself, resharding the newest disk checkpoint (growing back; no test drives it yet). torchrun always
+starts DIR/train.py: the choice of folder is the worker's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from runtime.launch.rank import LaunchError
 from runtime.launch.run_options import RunOptions
 from runtime.launch.torchrun import run_env, stop_tree
 from runtime.resilience.faults import say
@@ -39,8 +41,9 @@ DEFAULT_HOST_TIMEOUT_S = 5.0
 DEFAULT_RESTARTS = 3
 
 
-class ElasticRefusalError(ValueError):
-    """The survivors cannot run the program (partitioner.replan.ElasticRefusal's line)."""
+class ElasticRefusalError(LaunchError):
+    """The survivors cannot run the program (partitioner.replan.ElasticRefusal's line): each rank
+    prints the line, no traceback."""
 
 
 def hosts_and_counts(hosts: list[int]) -> dict[int, int]:
@@ -255,6 +258,31 @@ def recover_switched(trainer, ckpt_dir: str, options: RunOptions, run_dir: str) 
         with open(os.path.join(run_dir, sw.done_marker), "w") as fh:
             fh.write(f"{step}\n")
     return step
+
+
+def closing_note(run_dir: str) -> str | None:
+    """The launcher's last line after a re-plan: what was lost, the new plan, where the state came
+    from and how long the recovery took (RUN_DIR/recovery.jsonl's elastic rows, metrics.jsonl)."""
+    def rows(name):
+        try:
+            with open(os.path.join(run_dir, name)) as fh:
+                return [json.loads(line) for line in fh if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    elastic = [r for r in rows("recovery.jsonl") if r.get("kind") == "elastic"]
+    if not elastic:
+        return None
+    last = max(elastic, key=lambda r: r["time_unix"])
+    p = last["plan"]
+    since = max((r["since_loss_s"] or 0.0) for r in elastic if r["new_plan"] == last["new_plan"])
+    after = [r for r in rows("metrics.jsonl") if r.get("time_unix", 0) > last["time_unix"]]
+    first = (f", first new step done {since + after[0]['time_unix'] - last['time_unix']:.1f} s after the loss"
+             if after and since else "")
+    return (f"[run] elastic: host(s) {','.join(map(str, last['lost_hosts']))} lost for good; re-planned to "
+            f"{p['num_stages']} stages x dp {p['dp']}, {p['num_microbatches']} microbatches, {p['schedule']} on "
+            f"{p['world_size']} ranks ({last['folder']}); state of step {last['step']} from {last['tier']}"
+            f"{f', recovered {since:.1f} s after the loss' if since else ''}{first}")
 
 
 def _by_tier(tiers: dict[int, str]) -> str:

@@ -70,6 +70,8 @@ def test_finishes_on_the_survivors_with_a_replanned_plan_from_memory(elastic_run
         assert r["step"] > 3  # newer than the disk's newest checkpoint (step 3)
         assert r["since_loss_s"] is not None and r["since_loss_s"] > 0
     assert "elastic: recovered step" in elastic_run["out"]
+    closing = [ln for ln in elastic_run["out"].splitlines() if ln.startswith("[run] elastic: host(s) 1 lost for good")]
+    assert closing and "from memory, recovered" in closing[-1] and "s after the loss" in closing[-1], closing
 
 
 def test_losses_match_the_one_process_oracle(elastic_run):

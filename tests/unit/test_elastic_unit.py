@@ -119,6 +119,7 @@ def test_run_elastic_refuses_before_any_agent_starts(p22, capsys, flags, needle)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and needle in err[-1], err
     assert not (p22.parent / "p22.elastic-h0").exists()  # nothing prepared, nothing started
+    assert not (p22 / "run").exists() and not (p22 / "checkpoints").exists()
 
 
 def test_fail_host_permanent_parses():
