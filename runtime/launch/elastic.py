@@ -31,8 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from runtime.launch.rank import LaunchError
-from runtime.launch.run_options import RunOptions
+from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import run_env, stop_tree
 from runtime.resilience.faults import say
 
@@ -41,9 +40,9 @@ DEFAULT_HOST_TIMEOUT_S = 5.0
 DEFAULT_RESTARTS = 3
 
 
-class ElasticRefusalError(LaunchError):
-    """The survivors cannot run the program (partitioner.replan.ElasticRefusal's line): each rank
-    prints the line, no traceback."""
+class ElasticRefusalError(FlagError):
+    """The survivors cannot run the program with this run's hosts (partitioner.replan.ElasticRefusal's
+    line): each rank prints the line, no traceback (rank.py's handler, as for a refused flag)."""
 
 
 def hosts_and_counts(hosts: list[int]) -> dict[int, int]:
