@@ -11,11 +11,11 @@ so the run consumes the same samples: microbatches = global batch / (dp x microb
 schedule (gpipe or 1f1b; 1f1b needs microbatches >= stages, Note [only runnable plans]). Every
 candidate is priced by the one cost model (``solver.evaluate.evaluate``) on the survivors' devices,
 the ones that fit memory compared, the fastest kept (the old schedule, then the larger dp, on a
-tie). The stage files are the old ones with the new plan hash in their header; the weights, the
-user files and train.py are copied; the rank files, README and plan.json are written new. What
-cannot be re-planned this way is refused with one line naming the value and the fix
-(``ElasticRefusal``): fewer survivors than stages, a tensor-parallel or interleaved plan, no
-candidate that fits memory. The new folder records where it came from in elastic.json.
+tie). The stage files are the old ones with the new plan hash in their header; the weights are
+hard-linked (copied across filesystems), the user files and train.py copied; the rank files,
+README and plan.json are written new. What cannot be re-planned this way is refused with one line
+naming the value and the fix (``ElasticRefusal``): fewer survivors than stages, a tensor-parallel
+or interleaved plan, no candidate that fits memory. The new folder records where it came from in elastic.json.
 """
 
 from __future__ import annotations
@@ -244,6 +244,8 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
             dst.parent.mkdir(parents=True, exist_ok=True)
             if name.startswith("stage_") and name.endswith(".py"):
                 dst.write_text(src.read_text().replace(replanned.old_plan_hash, new_hash))
+            elif name.startswith("weights/"):
+                _link_or_copy(src, dst)  # a large model's weights: no second copy on the same disk
             else:
                 shutil.copyfile(src, dst)
         files = dict(entry_files(program, new_hash))
@@ -275,3 +277,10 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed there
+        shutil.copyfile(src, dst)

@@ -149,7 +149,7 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     t0 = time.perf_counter()
     message = [None]
     if rank == 0:
-        message[0] = _replan(folder, survivors, out, alive)
+        message[0] = _replan(folder, survivors, out, program.plan_hash)
     dist.broadcast_object_list(message, src=0)
     if message[0]:
         raise ElasticRefusalError(message[0])
@@ -166,13 +166,14 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     return out, new
 
 
-def _replan(folder: str, survivors, out: str, alive) -> str | None:
-    """Rank 0: `partitioner replan` into ``out`` (reused when it was made for these survivors);
-    None, or the refusal's line."""
+def _replan(folder: str, survivors, out: str, plan_hash: str | None) -> str | None:
+    """Rank 0: `partitioner replan` into ``out`` (reused when it was made from this plan for these
+    survivors); None, or the refusal's line."""
     try:
         with open(os.path.join(out, "elastic.json")) as fh:
-            if json.load(fh).get("survivors") == list(survivors):
-                return None
+            made = json.load(fh)
+        if made.get("survivors") == list(survivors) and made.get("old_plan_hash") == plan_hash:
+            return None
     except (OSError, ValueError):
         pass
     cmd = [sys.executable, "-m", "partitioner", "replan", folder, "--ranks", ",".join(map(str, survivors)),
