@@ -7,7 +7,8 @@ batch), take the state from the old layout's memory tier (their own slots and th
 1's ranks they held: no disk shard read) and finish on the new folder. Losses of all steps are
 held to the one-process oracle (runtime.execute.reference), the same samples and keyed dropout
 masks; steps 0..4 ran at dp 2, the rest at dp 1, whose sums of microbatch gradients differ only in
-order (the measured difference is printed).
+order (the measured difference is printed). A second run of the same program without a memory tier
+recovers from the disk's step 3, resharded into the new plan, and is held to the same oracle.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from runtime.execute.reference import train_reference_from_folder
 STEPS, EVERY = 8, 3  # disk at step 3 and 6; host 1 goes before step 5: memory holds step 4 or 5, newer
 
 
-@pytest.fixture(scope="module")
-def elastic_run(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("elastic"))
+def _elastic(root: str, *extra: str) -> dict:
     folder = os.path.join(root, "p22")
     model = gpt(layers=4, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
     plan = compile_plan(model, cluster=ClusterSpec.homogeneous(4, "cpu", devices_per_node=2), global_batch=8,
@@ -41,13 +40,18 @@ def elastic_run(tmp_path_factory):
     shm = f"/dev/shm/partitioner-test-{uuid.uuid4().hex[:8]}" if os.path.isdir("/dev/shm") else f"{root}/shm"
     cmd = [sys.executable, "-m", "partitioner", "run", folder, "--elastic", "--hosts", "0,0,1,1", "--steps",
            str(STEPS), "--checkpoint-every", str(EVERY), "--fail-host", "1:5:permanent", "--memory-dir", shm,
-           "--host-timeout", "3", "--quiet"]
+           "--host-timeout", "3", "--quiet", *extra]
     try:
         result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=420)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}"
     return {"folder": folder, "out": result.stdout + result.stderr}
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory):
+    return _elastic(str(tmp_path_factory.mktemp("elastic")))
 
 
 def _rows(path):
@@ -75,7 +79,19 @@ def test_finishes_on_the_survivors_with_a_replanned_plan_from_memory(elastic_run
 
 
 def test_losses_match_the_one_process_oracle(elastic_run):
-    folder = elastic_run["folder"]
+    _held_to_the_oracle(elastic_run["folder"])
+
+
+def test_without_a_memory_tier_the_disk_serves_resharded(tmp_path_factory):
+    run = _elastic(str(tmp_path_factory.mktemp("elastic_disk")), "--memory-tier", "off")
+    rows = [r for r in _rows(os.path.join(run["folder"], "run", "recovery.jsonl")) if r.get("kind") == "elastic"]
+    assert sorted(r["rank"] for r in rows) == [0, 1], rows
+    assert all(r["tier"] == "disk" and r["step"] == 3 and r["disk_shards_read"] > 0 for r in rows), rows
+    assert "resharded from plan" in run["out"]
+    _held_to_the_oracle(run["folder"])
+
+
+def _held_to_the_oracle(folder):
     by_step = {}
     for row in _rows(os.path.join(folder, "run", "metrics.jsonl")):
         by_step[row["step"]] = row["loss"]  # a step re-trained after the loss: its last value
