@@ -7,6 +7,7 @@
   examples.py   the examples each subcommand's --help ends with
   data.py       `partitioner data prepare | check`: a corpus folder from text, checked
   generate.py   `partitioner generate DIR --prompt TEXT`: a causal LM's checkpoint, sampled
+  elastic.py    `partitioner replan DIR --ranks R,..` and `run --elastic`'s checks and launch
   verify.py     `verify`: the program trained beside the one-process oracle, compared
   demo.py       `make demo` (``python -m partitioner.cli.demo``): the main job end to end
   __main__.py   ``python -m partitioner.cli``

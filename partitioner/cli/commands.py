@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.program.parts import Precision
 from runtime.launch.run_options import add_flags as add_run_flags
 import partitioner
-from partitioner.cli import data as data_command, generate as generate_command
+from partitioner.cli import data as data_command, elastic as elastic_command, generate as generate_command
 from partitioner.cli.run import cmd_run
 from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
@@ -390,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
     data_command.add_parser(sub, fmt)  # partitioner/cli/data.py: prepare | check
     generate_command.add_parser(sub, fmt)  # partitioner/cli/generate.py
+    elastic_command.add_parser(sub, fmt)  # partitioner/cli/elastic.py: replan
     for each in sub.choices.values():  # `partitioner compile ... -v` too; SUPPRESS keeps `partitioner -v compile`
         each.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                           help="show tracebacks on errors (compile: and the solver's per-candidate lines)")

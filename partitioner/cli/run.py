@@ -43,6 +43,10 @@ def cmd_run(args) -> int:
                       rank_params=rank_params)
     if options.sdc_canary_every and (why := program_refusal(program, options.sdc_canary_every)):
         raise ValueError(why)  # Note [compute canaries]: before any worker starts
+    if options.elastic:  # before any folder is made (Note [elastic run])
+        from partitioner.cli.elastic import check_elastic
+
+        check_elastic(folder, options, plan)
     ckpt_dir = Path(options.checkpoint_dir) if options.checkpoint_dir else folder / "checkpoints"
     check_writable(str(ckpt_dir))
     _check_run_dir(Path(options.run_dir) if options.run_dir else folder / "run")
@@ -62,6 +66,12 @@ def cmd_run(args) -> int:
     options = options.replace(checkpoint_dir=str(ckpt_dir.resolve()), **{
         name: str(Path(getattr(options, name)).resolve()) for name in ("run_dir", "memory_dir")
         if getattr(options, name) is not None})
+    if options.elastic:  # Note [elastic run]: one agent per host (partitioner/cli/elastic.py)
+        from partitioner.cli.elastic import run_elastic
+
+        started = time.time()
+        return exit_code_after(options.run_dir or str((folder / "run").resolve()), run_elastic(folder, options, plan),
+                               started)
     if not options.quiet:
         world = plan.world_size
         nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly

@@ -174,6 +174,10 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         faulthandler.enable(all_threads=True)
     try:
         options = parse_args(argv)
+        if options.elastic:  # Note [elastic run]: another world than the program's runs the re-planned folder
+            from runtime.launch import elastic  # lazy: only an elastic run
+
+            folder, options = elastic.resolve(folder, options, _init_world)
         steps = options.steps if options.steps is not None else steps
         run_dir = options.run_dir or run_dir
         losses = _main(folder, rank, steps=steps, run_dir=run_dir, options=options)
@@ -206,8 +210,25 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         os._exit(1)
 
 
+def _init_world(rank: int, world: int, timeout_s: float, backend: str) -> None:
+    """The default process group, before the program is chosen (runtime/launch/elastic.py)."""
+    import torch.distributed as dist  # lazy: loads torch
+
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                            store=_worker_store(rank, world, timeout))
+
+
 def _where(step: int) -> None:
     _at["step"] = step
+
+
+def _first_replanned_start(folder: str, run_dir: str) -> bool:
+    """A worker moved to a re-planned folder whose state has not been handed over yet."""
+    from runtime.launch.elastic import switched  # lazy: only an elastic run
+
+    sw = switched()
+    return sw is not None and sw.folder == folder and not os.path.exists(os.path.join(run_dir, sw.done_marker))
 
 
 def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
@@ -332,6 +353,11 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             memory = memtier.MemoryTier(trainer, memory_settings, ckpt_dir=ckpt_dir, timeout=timeout,
                                         run_dir=run_dir)
             memory = memory if memory.enabled else None  # no room in shared memory: disk only (warned)
+        if options.elastic and _first_replanned_start(folder, run_dir):  # Note [memory handover]
+            from runtime.launch.elastic import recover_switched  # lazy: only a re-planned start
+
+            start_step = recover_switched(trainer, ckpt_dir, options, run_dir)
+        elif memory_settings is not None:
             start_step = recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
         else:
             start_step = recover(trainer, ckpt_dir)
@@ -361,6 +387,13 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if use_ckpt and memory is not None:
         before_step = _chain(memory.fault_hook(), before_step)
         after_step = _chain(memory.after_step, after_step)
+    elif options.fail_host:  # no memory tier to wipe: the host's ranks die all the same (a drill of the disk tier)
+        from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
+
+        host = hosts_of_ranks(world, options.hosts)[rank]
+        before_step = _chain(faults.host_hook([faults.parse_fail_host(t) for t in options.fail_host], host=host,
+                                              rank=rank, marker=os.path.join(run_dir, f".lost_host_{host}"),
+                                              run_dir=run_dir), before_step)
     check = None  # Note [replica digests] in runtime/resilience/sdc.py: before the checkpoint points of a step
     if sdc_every and program.dp > 1:
         check = sdc.ReplicaCheck(trainer, sdc_every, run_dir=run_dir, last_step=steps,

@@ -87,8 +87,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--hosts", str, "host of each rank, e.g. 0,0,1,1 (default $PARTITIONER_HOSTS, else LOCAL_WORLD_SIZE "
          "ranks a host)"),
     Flag("--memory-dir", str, "the memory tier's shared-memory folder (default /dev/shm)"),
-    Flag("--fail-host", str, "HOST:STEP: kill every rank of HOST before STEP and wipe its memory tier (fault "
-         "injection, first attempt)", repeat=True),
+    Flag("--fail-host", str, "HOST:STEP[:ATTEMPT|:permanent]: kill every rank of HOST before STEP and wipe its memory "
+         "tier (fault injection, first attempt); permanent (with --elastic): the host never comes back", repeat=True),
+    Flag("--elastic", None, "one torchrun elastic agent per host (--hosts): when a host is gone for good, the survivors "
+         "re-plan for themselves and go on from the newest state the tiers hold (Note [elastic run] in "
+         "runtime/launch/elastic.py)"),
+    Flag("--host-timeout", float, "with --elastic: seconds a lost host may take to come back before the survivors "
+         "re-plan without it (default 5)", side="run"),
     Flag("--measure-memory", None, "measure each rank's peak memory and print it next to the plan's prediction "
          "(RUN_DIR/memory_rank_<r>.json; always on with CUDA; on CPU also $PARTITIONER_MEASURE_MEMORY=1)"),
     Flag("--quiet", None, "rank 0 prints every Nth step and the final summary only (no schedule table)",
@@ -130,6 +135,8 @@ class RunOptions:
     hosts: str | None = None
     memory_dir: str | None = None
     fail_host: tuple[str, ...] = ()
+    elastic: bool = False
+    host_timeout: float | None = None
     measure_memory: bool = False
     quiet: bool = False
     log_every: int | None = None
@@ -300,7 +307,12 @@ def _check_values(o: RunOptions) -> None:
     for text in o.flip_bit:
         faults.parse_flip_bit(text)
     for text in o.fail_host:
-        faults.parse_fail_host(text)
+        if faults.parse_fail_host(text)[2] == faults.PERMANENT and not o.elastic:
+            raise FlagError(f"--fail-host {text}: a host lost for good needs --elastic (the survivors re-plan); add "
+                            "--elastic, or give HOST:STEP[:ATTEMPT] for a host that comes back")
+    if o.host_timeout is not None and not (o.elastic and o.host_timeout > 0):
+        raise FlagError(f"--host-timeout {o.host_timeout}: give seconds > 0 with --elastic (e.g. --elastic "
+                        "--host-timeout 5)")
     for text in o.fault_matmul:
         faults.parse_fault_matmul(text)
     if o.hosts is not None:

@@ -11,6 +11,8 @@ fire these import this one).
 - ``--fail-host HOST:STEP[:ATTEMPT]`` (``parse_fail_host``, ``host_hook``): every rank of HOST
   marks the host lost (the memory tier wipes a lost host's shared memory at the restart) and
   SIGKILLs itself before step STEP, in that attempt of the torchrun job (default the first).
+  ``HOST:STEP:permanent`` (needs --elastic, runtime/launch/elastic.py): the host never comes back,
+  its torchrun agent is killed with it, so the survivors re-plan (Note [elastic run]).
 - ``--flip-bit RANK:STEP[:TENSOR]`` (``BitFlip``, ``flip_hook``): just before step STEP, rank RANK
   flips one bit of element 0 of parameter TENSOR (original name; default its first parameter; a
   tensor-parallel one: of its local piece, Note [a flip without a collective]):
@@ -262,14 +264,21 @@ def matmul_hook(fault_list: list[MatmulFault], rank: int, modules: list, run_dir
     return before_step
 
 
+PERMANENT = -1  # the attempt of a --fail-host HOST:STEP:permanent: it fires in the first attempt, for good
+
+
 def parse_fail_host(text: str) -> tuple[int, int, int]:
-    """"HOST:STEP[:ATTEMPT]" -> (host, step, attempt); attempt defaults to 0 (the first)."""
+    """"HOST:STEP[:ATTEMPT|:permanent]" -> (host, step, attempt); attempt defaults to 0 (the
+    first); "permanent" is PERMANENT (the first attempt, and the host's agent dies too)."""
     try:
-        parts = [int(x) for x in text.split(":")]
-        if len(parts) not in (2, 3):
+        words = text.split(":")
+        if len(words) == 3 and words[2] == "permanent":
+            words[2] = str(PERMANENT)
+        parts = [int(x) for x in words]
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < PERMANENT):
             raise ValueError
     except ValueError:
-        raise ValueError(f"--fail-host {text!r}: write HOST:STEP[:ATTEMPT], e.g. 1:3") from None
+        raise ValueError(f"--fail-host {text!r}: write HOST:STEP[:ATTEMPT] or HOST:STEP:permanent, e.g. 1:3") from None
     return parts[0], parts[1], parts[2] if len(parts) == 3 else 0
 
 
@@ -330,7 +339,8 @@ def host_hook(fail_hosts, *, host: int, rank: int, marker: str, run_dir: str | N
     triples), or None when nothing can fire on ``rank`` of ``host`` in this attempt: before a
     chosen step it writes ``marker`` (the memory tier's lost-host file), records the fault and
     SIGKILLs itself."""
-    mine = {s for h, s, a in fail_hosts if h == host and a == attempt()}
+    mine = {s for h, s, a in fail_hosts if h == host and (a == attempt() or (a == PERMANENT and attempt() == 0))}
+    permanent = {s for h, s, a in fail_hosts if h == host and a == PERMANENT}
     if not mine:
         return None
 
@@ -339,8 +349,13 @@ def host_hook(fail_hosts, *, host: int, rank: int, marker: str, run_dir: str | N
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             with open(marker, "w") as fh:
                 fh.write(f"{step}\n")
-            record(run_dir, rank, step, "host")
-            say(rank, f"fault injection: host {host} lost before step {step}")
+            record(run_dir, rank, step, "host-permanent" if step in permanent else "host")
+            say(rank, f"fault injection: host {host} lost{' for good' if step in permanent else ''} before step {step}")
+            if step in permanent:  # the whole host goes: its torchrun agent (our parent) with it
+                try:
+                    os.kill(os.getppid(), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             _sigkill_self()
 
     return before_step

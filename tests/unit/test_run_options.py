@@ -39,12 +39,15 @@ def test_the_table_and_the_options_name_the_same_settings():
 def test_what_partitioner_run_passes_on_is_what_a_rank_reads_back():
     given = ["--steps", "7", "--checkpoint-every", "3", "--keep-checkpoints", "2", "--fail-at", "0:2:kill",
              "--fail-at", "1:4", "--sdc-every", "0", "--collective-timeout", "30.5", "--memory-tier", "copy",
-             "--hosts", "0,1", "--measure-memory", "--quiet", "--log-every", "2"]
+             "--hosts", "0,1", "--measure-memory", "--quiet", "--log-every", "2", "--elastic",
+             "--fail-host", "1:3:permanent"]
     options = RunOptions.parse(given, side="run")
     assert options.fail_at == ("0:2:kill", "1:4") and options.collective_timeout == 30.5
     assert RunOptions.parse(options.to_argv(), side="rank") == options
     with_restarts = RunOptions.parse(["--max-restarts", "2"], side="run")
     assert with_restarts.max_restarts == 2 and with_restarts.to_argv() == []  # torchrun's, no rank's
+    timed = RunOptions.parse(["--elastic", "--host-timeout", "3"], side="run")
+    assert timed.host_timeout == 3.0 and timed.to_argv() == ["--elastic"]  # the agents' setting, no rank's
     with pytest.raises(FlagError, match="unknown flag --max-restarts"):
         RunOptions.parse(["--max-restarts", "2"], side="rank")
 
@@ -87,6 +90,7 @@ def test_train_py_refuses_an_unknown_flag(one_rank):
     (["--eval-every", "2", "--eval-batches", "0"], "--eval-batches 0: evaluate on 1 or more validation batches"),
     (["--sdc-canary-every", "-1"], "--sdc-canary-every -1: give a number of steps >= 0"),
     (["--fault-matmul", "1:2"], "--fault-matmul 1:2: rank 1 step 2 is never reached"),
+    (["--fail-host", "0:2:permanent"], "--fail-host 0:2:permanent: a host lost for good needs --elastic"),
 ])
 def test_partitioner_run_and_a_rank_refuse_a_value_alike(one_rank, capsys, flags, needle):
     assert main(["run", str(one_rank), *flags]) == 2

@@ -12,6 +12,8 @@ slots.py   shared-memory slots, whole or absent, and one rank's set of them (``L
            (Note [memory tier layout])
 tier.py    ``MemoryTier`` (snapshots copied in the background, the redundancy exchange, clean-up)
            and ``settings_from`` (Note [memory snapshot])
+handover.py  the survivors' slots of a lost layout as its checkpoint, for a re-planned program
+           (Note [memory handover])
 
 A slot holds a shard in the disk format, written by runtime.resilience.checkpoint.ShardLayout and read by
 runtime.resilience.checkpoint.parse_shard. Recovery from the tier (own slot, peer copy, parity, else disk)

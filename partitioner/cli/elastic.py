@@ -1,0 +1,104 @@
+"""`partitioner replan DIR --ranks R,..` and `partitioner run DIR --elastic`: a program re-planned for
+the ranks left (partitioner/replan.py, Note [re-plan on the same cuts]), and the run that re-plans
+by itself when a host is gone for good (runtime/launch/elastic.py, Note [elastic run]).
+Registered by commands.py's parser; torch and OR-Tools load only when a command runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from runtime.launch.run_options import FlagError, RunOptions
+
+
+def add_parser(sub, fmt) -> None:
+    r = sub.add_parser("replan", help="re-plan a program folder for the ranks left (no re-trace), beside it",
+                       formatter_class=fmt, description="Re-plan the program in DIR for some of its ranks: the same "
+                       "stage cuts, recompute and microbatch size; dp, microbatches and schedule chosen again by the "
+                       "cost model. Writes the new program folder OUT (default DIR.replanned).")
+    r.add_argument("dir", help="program folder (`partitioner compile -o DIR`)")
+    r.add_argument("--ranks", required=True, help="the old ranks that are left, comma-separated (e.g. 0,1)")
+    r.add_argument("-o", "--out", default=None, help="the new program folder (default DIR.replanned)")
+    r.set_defaults(func=cmd_replan)
+
+
+def cmd_replan(args) -> int:
+    from partitioner.replan import ElasticRefusal, replan, write_replanned  # lazy: loads the solver
+
+    try:
+        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    except ValueError:
+        raise FlagError(f"--ranks {args.ranks}: give the old ranks that are left as whole numbers, e.g. 0,1") from None
+    folder = Path(args.dir)
+    out = Path(args.out) if args.out else folder.with_name(folder.name + ".replanned")
+    try:
+        result = replan(folder, ranks)
+    except ElasticRefusal as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    write_replanned(folder, result, out)
+    print(f"{result.summary()}: {out}")
+    return 0
+
+
+def check_elastic(folder: Path, options: RunOptions, plan) -> None:
+    """What `run --elastic` refuses before any agent starts (one line each, exit 2)."""
+    from partitioner.replan import refusal_for  # lazy: loads the solver
+    from runtime.launch.elastic import hosts_and_counts  # lazy: with the solver above, only when asked
+    from runtime.resilience import faults  # lazy: as above
+
+    if options.hosts is None:
+        raise FlagError("--elastic runs one torchrun agent per host: give --hosts (e.g. --hosts 0,0,1,1)")
+    hosts = options.host_list()
+    try:
+        hosts_and_counts(hosts)
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
+    if len(set(hosts)) < 2:
+        raise FlagError(f"--elastic --hosts {options.hosts}: one host cannot lose a host and go on; give 2 or more")
+    for text in options.fail_host:
+        host = faults.parse_fail_host(text)[0]
+        left = [r for r, h in enumerate(hosts) if h != host]
+        why = refusal_for(plan, left)
+        if why:
+            raise FlagError(f"--fail-host {text}: the survivors could not go on: {why}")
+    why = refusal_for(plan, list(range(plan.world_size)))
+    if why:
+        raise FlagError(f"--elastic: {why}")
+
+
+def run_elastic(folder: Path, options: RunOptions, plan) -> int:
+    """One torchrun elastic agent per host on the rendezvous store served here (Note [elastic run]);
+    cmd_run has called ``check_elastic``."""
+    from runtime.launch.elastic import closing_note, run_agents  # lazy: only an elastic run
+    from runtime.launch.torchrun import hosted_store  # lazy: as above
+
+    if not options.quiet:
+        print(f"[run] --elastic: {len(set(options.host_list()))} torchrun agents (--nnodes 1:{len(set(options.host_list()))}),"
+              f" hosts {options.hosts}; a host gone for {options.host_timeout or 5:g} s is replaced by a re-plan",
+              file=sys.stderr, flush=True)
+    prepare_replans(folder, options.host_list())
+    with hosted_store() as port:
+        code = run_agents(str(folder / "train.py"), options, store_port=port)
+    note = closing_note(options.run_dir or str(folder / "run"))
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return code
+
+
+def prepare_replans(folder: Path, hosts: list[int]) -> None:
+    """The re-planned folder for the loss of each one host, written before the agents start (a
+    re-plan costs milliseconds here, a worker's `partitioner replan` seconds of imports): a worker
+    of the survivors finds it ready (runtime/launch/elastic.py reuses a folder made for its
+    survivors). A loss no plan survives is left to the worker, which refuses it then."""
+    from partitioner.replan import ElasticRefusal, replan, write_replanned  # lazy: loads the solver
+
+    for host in sorted(set(hosts)):
+        alive = sorted(set(hosts) - {host})
+        left = [r for r, h in enumerate(hosts) if h != host]
+        try:
+            result = replan(folder, left)
+        except ElasticRefusal:
+            continue
+        out = folder.resolve().with_name(f"{folder.resolve().name}.elastic-h{'_'.join(map(str, alive))}")
+        write_replanned(folder, result, out, reason={"lost_hosts": [host]})

@@ -1,0 +1,293 @@
+"""`partitioner run DIR --elastic`: one torchrun elastic agent per host, and what a worker does when
+the agents' rendezvous hands it another world size than its program's.
+
+Note [elastic run]: the launcher starts one torchrun agent per host of --hosts (simulated hosts on
+one machine: each agent runs its host's ranks), all with ``--nnodes 1:HOSTS`` and the c10d
+rendezvous on the store `partitioner run` already serves (Note [loopback only] in
+runtime/launch/torchrun.py), ``last_call_timeout`` = --host-timeout (default 5 s). When a host is
+lost, the survivors' workers fail on the dead peer (Note [a dead peer] in runtime/launch/rank.py),
+their agents restart them and meet again; a host that does not rejoin within --host-timeout is gone
+for good, and the round closes with the survivors: WORLD_SIZE is now smaller than the program's.
+Every worker then (``resolve``): joins the new world, all-gathers the host it stands for (its
+agent's ``PARTITIONER_ELASTIC_HOST``), so all agree on the survivors; rank 0 re-plans the program
+for the survivors' old ranks with the compiler (`partitioner replan`, a subprocess: runtime imports
+no compiler) into DIR.elastic-h<hosts> beside DIR (kept: a later restart on the same survivors reuses
+it; a refusal stops every rank with its one line); every rank runs that folder, and its start-up
+recovers from the old layout's memory tier (Note [memory handover] in
+runtime/resilience/memtier/handover.py), else the disk, resharded. RUN_DIR/recovery.jsonl gets an
+"elastic" row: the hosts lost, the new plan, the source of the state, and the seconds from the
+loss (the fault's drill record) to the restored state. When the host comes back (an agent on it
+joins the rendezvous), the next round has the program's world size again and the workers run DIR
+itself, resharding the newest disk checkpoint (growing back; no test drives it yet). torchrun always
+starts DIR/train.py: the choice of folder is the worker's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from runtime.launch.run_options import FlagError, RunOptions
+from runtime.launch.torchrun import run_env, stop_tree
+from runtime.resilience.faults import say
+
+HOST_ENV = "PARTITIONER_ELASTIC_HOST"   # the host an agent's workers stand for
+DEFAULT_HOST_TIMEOUT_S = 5.0
+DEFAULT_RESTARTS = 3
+
+
+class ElasticRefusalError(FlagError):
+    """The survivors cannot run the program with this run's hosts (partitioner.replan.ElasticRefusal's
+    line): each rank prints the line, no traceback (rank.py's handler, as for a refused flag)."""
+
+
+def hosts_and_counts(hosts: list[int]) -> dict[int, int]:
+    """{host: its ranks}: each host's ranks consecutive (torchrun numbers an agent's workers so)."""
+    order = list(dict.fromkeys(hosts))
+    if hosts != sorted(hosts) or order != list(range(len(order))):
+        raise ValueError(f"--hosts {','.join(map(str, hosts))}: with --elastic give each host's ranks together, "
+                         "hosts numbered 0, 1, ... in rank order (e.g. 0,0,1,1)")
+    return {h: hosts.count(h) for h in order}
+
+
+def agent_command(train_py: str, nproc: int, num_hosts: int, *, store_port: int, host_timeout_s: float,
+                  max_restarts: int, args: list[str]) -> list[str]:
+    """One host's torchrun elastic agent (Note [elastic run])."""
+    keep = max(2, int(host_timeout_s + 0.999))  # heartbeats a second apart: a silent host is dropped after the timeout
+    conf = f"is_host=false,last_call_timeout={max(1, round(host_timeout_s))},keep_alive_interval=1,keep_alive_max_attempt={keep}"
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"1:{num_hosts}", "--nproc-per-node",
+            str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}", "--rdzv-conf", conf,
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", train_py, *args]
+
+
+def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpath: str | None = None,
+               timeout_s: float | None = None) -> int:
+    """Every host's agent, host 0's first (the rendezvous orders nodes by start); 0 when the job
+    finished on the hosts that were not lost for good."""
+    hosts = options.host_list()
+    counts = hosts_and_counts(hosts)
+    timeout = options.host_timeout or DEFAULT_HOST_TIMEOUT_S
+    restarts = options.max_restarts or DEFAULT_RESTARTS
+    args = options.to_argv()
+    procs = []
+    try:
+        for h, n in counts.items():
+            env = {**run_env(pythonpath=pythonpath), HOST_ENV: str(h)}
+            procs.append(subprocess.Popen(agent_command(train_py, n, len(counts), store_port=store_port,
+                                                        host_timeout_s=timeout, max_restarts=restarts, args=args),
+                                          env=env, start_new_session=True))
+            time.sleep(0.2)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for p in procs:
+            p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                stop_tree(p)
+        raise
+    codes = [p.returncode for p in procs]
+    # a host lost for good ends killed (SIGKILL); the job is done when a surviving agent finished
+    return 0 if 0 in codes and all(c in (0, -9) for c in codes) else next(c for c in codes if c not in (0, -9))
+
+
+# -- in the worker ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A worker's move to the re-planned folder (``resolve``), for its start-up recovery."""
+    original: str
+    folder: str
+    survivors: tuple[int, ...]   # the old ranks left, new rank i = survivors[i]
+    hosts: tuple[int, ...]       # the old layout's host of each old rank
+    alive: tuple[int, ...]
+    replan_s: float
+    lost_unix: float | None
+
+    @property
+    def done_marker(self) -> str:
+        """RUN_DIR's file saying this folder's start-up recovery has run (later restarts recover as usual)."""
+        return f".elastic_{os.path.basename(self.folder)}.done"
+
+
+_switched: list[Switch] = []
+
+
+def switched() -> Switch | None:
+    return _switched[-1] if _switched else None
+
+
+def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptions]:
+    """The folder this worker runs and its options (Note [elastic run]).
+    ``init_group(rank, world, timeout_s, backend)`` makes the default process group (rank.py's)."""
+    from runtime.program.spec import load_program  # lazy: loads torch via the program's parts
+
+    host = os.environ.get(HOST_ENV)
+    program = load_program(folder)
+    world = int(os.environ.get("WORLD_SIZE", program.world_size))
+    if host is None or world == program.world_size:
+        return folder, options
+    import torch.distributed as dist  # lazy: loads torch
+
+    from runtime.resilience.memtier.groups import hosts_of_ranks  # lazy: loads torch
+
+    rank = int(os.environ["RANK"])
+    init_group(rank, world, float(program.collective_timeout_s), program.backend)
+    hosts = list(hosts_of_ranks(program.world_size, options.hosts))
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, int(host))
+    alive = tuple(sorted(set(gathered)))
+    survivors = tuple(r for r in range(program.world_size) if hosts[r] in alive)
+    if len(survivors) != world:
+        raise ElasticRefusalError(f"the hosts left ({alive}) hold {len(survivors)} ranks of --hosts "
+                                  f"{options.hosts}, but {world} workers met: give every agent its host's ranks")
+    out = f"{os.path.abspath(folder)}.elastic-h{'_'.join(map(str, alive))}"
+    t0 = time.perf_counter()
+    message = [None]
+    if rank == 0:
+        message[0] = _replan(folder, survivors, out, program.plan_hash)
+    dist.broadcast_object_list(message, src=0)
+    if message[0]:
+        raise ElasticRefusalError(message[0])
+    if rank == 0:
+        lost = sorted(set(hosts) - set(alive))
+        say(0, f"elastic: host(s) {','.join(map(str, lost))} gone for good; {world} ranks on host(s) "
+               f"{','.join(map(str, alive))} continue on {out}")
+    new_hosts = ",".join(str(hosts[r]) for r in survivors)
+    new = options.replace(hosts=new_hosts, run_dir=options.run_dir or os.path.join(os.path.abspath(folder), "run"),
+                          checkpoint_dir=options.checkpoint_dir or os.path.join(os.path.abspath(folder), "checkpoints"), fail_host=tuple(t for t in options.fail_host if int(t.split(":")[0]) in alive),
+                          fail_at=(), flip_bit=(), fail_persist=None)
+    _switched.append(Switch(os.path.abspath(folder), out, survivors, tuple(hosts), alive,
+                            time.perf_counter() - t0, _lost_unix(new.run_dir or os.path.join(folder, "run"))))
+    return out, new
+
+
+def _replan(folder: str, survivors, out: str, plan_hash: str | None) -> str | None:
+    """Rank 0: `partitioner replan` into ``out`` (reused when it was made from this plan for these
+    survivors); None, or the refusal's line."""
+    try:
+        with open(os.path.join(out, "elastic.json")) as fh:
+            made = json.load(fh)
+        if made.get("survivors") == list(survivors) and made.get("old_plan_hash") == plan_hash:
+            return None
+    except (OSError, ValueError):
+        pass
+    cmd = [sys.executable, "-m", "partitioner", "replan", folder, "--ranks", ",".join(map(str, survivors)),
+           "-o", out]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    sys.stderr.write(done.stdout + done.stderr)
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr or done.stdout).strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else f"partitioner replan exited {done.returncode}"
+    return None
+
+
+def _lost_unix(run_dir: str) -> float | None:
+    """When the host was lost: the newest host fault's record (faults.jsonl), when a drill made it."""
+    try:
+        with open(os.path.join(run_dir, "faults.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    except (OSError, ValueError):
+        return None
+    times = [r["time_unix"] for r in rows if str(r.get("mode", "")).startswith("host")]
+    return max(times) if times else None
+
+
+def recover_switched(trainer, ckpt_dir: str, options: RunOptions, run_dir: str) -> int:
+    """Start-up recovery of a re-planned worker: the old layout's memory tier handed over, else the
+    disk, resharded into this plan (Note [memory handover]); writes the "elastic" row."""
+    import torch.distributed as dist  # lazy: loads torch
+
+    from runtime.program.spec import load_program  # lazy: loads torch
+    from runtime.resilience import checkpoint as ck  # lazy: loads torch
+    from runtime.resilience.memtier import handover  # lazy: loads torch
+    from runtime.resilience.recovery import recover  # lazy: loads torch
+
+    sw = switched()
+    old = load_program(sw.original)
+    plan_tier = old.memory_tier
+    memory_mode = options.memory_tier or (plan_tier.mode if plan_tier else None)
+    group_size = options.parity_group or (plan_tier.group_size if plan_tier else None)
+    t0 = time.perf_counter()
+    reads0 = ck.READS["shards"]
+    got = handover.Handover(None, -1, {}, "", "no memory tier")
+    if memory_mode not in (None, "off", "none"):
+        got = handover.hand_over(old, old_rank=sw.survivors[trainer.rank], hosts=list(sw.hosts), alive=set(sw.alive),
+                                 mode=memory_mode, group_size=group_size, ckpt_dir=ckpt_dir,
+                                 memory_dir=options.memory_dir)
+    memory_reads = 0
+    if got.folder is not None:
+        step = recover(trainer, got.folder)
+        memory_reads = ck.READS["shards"] - reads0
+        source = "memory"
+    if got.folder is not None and step != got.step:  # a slot failed its sha256 on some rank: the disk serves
+        say(trainer.rank, f"warning: the memory handover of step {got.step} did not verify: recovering from disk")
+        step = recover(trainer, ckpt_dir)
+        source = "disk" if step > 0 else "none"
+    elif got.folder is None:
+        step = recover(trainer, ckpt_dir)
+        source = "disk" if step > 0 else "none"
+    dist.barrier()
+    if trainer.rank == 0 and got.old_root:
+        handover.remove(got)
+    seconds = time.perf_counter() - t0
+    since = time.time() - sw.lost_unix if sw.lost_unix else None
+    p = trainer.program
+    say(trainer.rank, f"elastic: recovered step {step} from {source}"
+                      + (f" (old ranks by tier: {_by_tier(got.tiers)})" if got.tiers else f" ({got.why})")
+                      + f" in {seconds * 1e3:.0f} ms; new plan {p.num_stages} stages x dp {p.dp}, "
+                      f"{p.num_microbatches} microbatches, {p.schedule}"
+                      + (f"; {since:.1f} s since the host was lost" if since is not None else ""))
+    os.makedirs(run_dir, exist_ok=True)
+    row = {"kind": "elastic", "rank": trainer.rank, "step": step, "tier": source,
+           "lost_hosts": sorted(set(sw.hosts) - set(sw.alive)), "survivors": list(sw.survivors),
+           "old_plan": old.plan_hash, "new_plan": p.plan_hash, "folder": sw.folder,
+           "plan": {"num_stages": p.num_stages, "dp": p.dp, "num_microbatches": p.num_microbatches,
+                    "schedule": p.schedule, "world_size": p.world_size},
+           "tiers": {str(r): t for r, t in got.tiers.items()}, "memory_shards_read": memory_reads,
+           "disk_shards_read": ck.READS["shards"] - reads0 - memory_reads, "replan_s": sw.replan_s,
+           "restore_s": seconds, "since_loss_s": since, "time_unix": time.time()}
+    with open(os.path.join(run_dir, "recovery.jsonl"), "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    dist.barrier()
+    if trainer.rank == 0:
+        with open(os.path.join(run_dir, sw.done_marker), "w") as fh:
+            fh.write(f"{step}\n")
+    return step
+
+
+def closing_note(run_dir: str) -> str | None:
+    """The launcher's last line after a re-plan: what was lost, the new plan, where the state came
+    from and how long the recovery took (RUN_DIR/recovery.jsonl's elastic rows, metrics.jsonl)."""
+    def rows(name):
+        try:
+            with open(os.path.join(run_dir, name)) as fh:
+                return [json.loads(line) for line in fh if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    elastic = [r for r in rows("recovery.jsonl") if r.get("kind") == "elastic"]
+    if not elastic:
+        return None
+    last = max(elastic, key=lambda r: r["time_unix"])
+    p = last["plan"]
+    since = max((r["since_loss_s"] or 0.0) for r in elastic if r["new_plan"] == last["new_plan"])
+    after = [r for r in rows("metrics.jsonl") if r.get("time_unix", 0) > last["time_unix"]]
+    first = (f", first new step done {since + after[0]['time_unix'] - last['time_unix']:.1f} s after the loss"
+             if after and since else "")
+    return (f"[run] elastic: host(s) {','.join(map(str, last['lost_hosts']))} lost for good; re-planned to "
+            f"{p['num_stages']} stages x dp {p['dp']}, {p['num_microbatches']} microbatches, {p['schedule']} on "
+            f"{p['world_size']} ranks ({last['folder']}); state of step {last['step']} from {last['tier']}"
+            f"{f', recovered {since:.1f} s after the loss' if since else ''}{first}")
+
+
+def _by_tier(tiers: dict[int, str]) -> str:
+    by: dict[str, list[int]] = {}
+    for r, t in sorted(tiers.items()):
+        by.setdefault(t, []).append(r)
+    return ", ".join(f"{t} {','.join(map(str, rs))}" for t, rs in by.items())
+
