@@ -15,6 +15,7 @@ from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
 from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages
+from runtime.program.schedules import REFUSED
 from partitioner.solver.candidate import Candidate
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.solution import Solution
@@ -43,7 +44,8 @@ def solve_candidate(
     p, d, m, b = c.p, c.d, c.m, c.b
     single_node = len({device.node for device in cluster.devices}) == 1
     if cluster.is_homogeneous:
-        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=c.local_stages)], c,
+        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=c.local_stages,
+                                                                 position_of=c.pipeline_schedule.position_of)], c,
                                   config=config, time_limit_s=time_limit_s, incumbent_s=incumbent_s)
     else:
         # Note [exact placements]; on one node every link is the same and class choice is exact.
@@ -123,6 +125,8 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     validate_request again with the traced problem."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
+    if schedule in REFUSED:  # Note [DualPipeV refused]
+        raise ValueError(REFUSED[schedule])
     if schedule not in SCHEDULES and schedule != "auto":  # auto: Note [schedule choice]
         raise ValueError(f"schedule={schedule!r} is not supported by the solver; use one of "
                          f"{SCHEDULES} or auto (--schedule 1f1b)")

@@ -382,7 +382,8 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     tightest = None
     for r in sorted(failed, key=rough_memory)[:4]:
         problem, cluster = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)
-        placement = place_stages(cluster, r.num_stages, r.dp, local_stages=local) if cluster.is_homogeneous else None
+        placement = place_stages(cluster, r.num_stages, r.dp, local_stages=local,
+                                 position_of=priced.position_of) if cluster.is_homogeneous else None
         model = CandidateModel(problem, cluster, num_stages=r.num_stages, dp=r.dp, num_microbatches=r.num_microbatches,
                                microbatch_size=r.microbatch_size, schedule=schedule, config=config,
                                placement=placement, minimize_memory=True)
