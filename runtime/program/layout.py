@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runtime.program.schedules import schedule_named
+
 if TYPE_CHECKING:  # annotations only: the program builds its layout from here
     from runtime.program.spec import Program
 
@@ -41,8 +43,6 @@ class Layout:
 
     @staticmethod
     def from_program(program: Program) -> "Layout":
-        from runtime.program.schedules import schedule_named
-
         world, p, dp, tp = program.world_size, program.num_stages, program.dp, program.tensor_parallel
         stages_of = [()] * world
         replica_of = [0] * world

@@ -190,6 +190,7 @@ def torch_order(schedule_class: str, pipeline_ranks: int, local_stages: int,
                 num_microbatches: int) -> dict[int, list]:
     """torch's own ``pipeline_order`` of a zero-bubble schedule (position -> its actions, None for a
     planned wait), computed without stages or process groups (torch: only to print or simulate)."""
+    # torch: only to print or simulate the order (plan validation imports no torch)
     from torch.distributed.pipelining import schedules as torch_schedules
 
     sched = object.__new__(getattr(torch_schedules, schedule_class))
