@@ -136,10 +136,10 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     if priced.one_device_class and not cluster.is_homogeneous:  # Note [interleaved pricing]
         raise ValueError(f"schedule {schedule} is priced on one device class only, and this cluster has "
                          f"{len({d.device_class for d in cluster.devices})}: use --schedule 1f1b, gpipe or auto")
-    _validate_counts(cluster, global_batch, num_stages, dp, microbatches, priced.local_stage_options)
+    _validate_counts(cluster, global_batch, num_stages, dp, microbatches, priced.local_stage_options, schedule)
 
 
-def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_stage_options):
+def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_stage_options, schedule="interleaved"):
     """The request's counts against the devices and the batch; ``local_stage_options``: the
     stages per rank the schedule may put on a rank (stage counts are checked per rank then)."""
     for name, value in (("num_stages", num_stages), ("dp", dp), ("microbatches", microbatches)):
@@ -148,13 +148,13 @@ def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_
     devices = cluster.num_devices
     several = local_stage_options != (1,)  # several stages per rank
     if several and devices < 2:  # no stage count can help: say what does
-        raise ValueError(f"schedule interleaved needs at least 2 pipeline ranks and the cluster has {devices} "
+        raise ValueError(f"schedule {schedule} needs at least 2 pipeline ranks and the cluster has {devices} "
                          "device: use --schedule 1f1b or gpipe, or more devices (--devices 2)")
     if several and num_stages is not None:
         ok = [v for v in local_stage_options if num_stages % v == 0 and 2 <= num_stages // v <= devices]
         if not ok:
             good = sorted({v * r for v in local_stage_options for r in range(2, devices + 1)})
-            raise ValueError(f"num_stages={num_stages} (--stages) cannot run interleaved on {devices} devices: it "
+            raise ValueError(f"num_stages={num_stages} (--stages) cannot run {schedule} on {devices} devices: it "
                              f"puts {'/'.join(map(str, local_stage_options))} stages on each of at least 2 ranks "
                              f"(at most {devices}); use --stages {' or '.join(map(str, good[:4]))}")
     if several:  # stage counts were checked per rank above
