@@ -85,7 +85,7 @@ class Layout:
                 if stages_of[r] != want:
                     raise ValueError(
                         f"rank {r} (position {pos} of pipeline {list(pl)}) holds stages {list(stages_of[r])}, "
-                        f"but {schedule.words()} places stages {list(want)} there: give it those")
+                        f"but {schedule.words()} places stages {list(want)} there: give it stages {list(want)}")
         position_of_stage = tuple(schedule.position_of(s, pp) for s in range(p))
         dp_groups = tuple(tuple(pipelines[rep * tp + t][pos] for rep in range(dp))
                           for pos in range(pp) for t in range(tp))
