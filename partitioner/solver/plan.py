@@ -159,6 +159,9 @@ class Plan:
         body["regions"] = [_renamed(r, _JSON_KEYS) for r in body["regions"]]
         if body.get("tensor_parallel") == 1:
             del body["tensor_parallel"]
+        for item in body["stages"] + body["regions"]:  # as tensor_parallel: a folder from before it keeps its hash
+            if item.get("flops_bwd_weight") == 0:
+                del item["flops_bwd_weight"]
         return body
 
     def stable_dict(self) -> dict:

@@ -60,6 +60,8 @@ def solve_any_local_stages(solve, problem, cluster, global_batch, *, schedule, c
     chosen, results, errors, chosen_name = _best_of(runs, order, f"schedule {schedule} has no plan at any "
                                                     "number of stages per rank")
     others = _others(results, errors, chosen_name)
+    if len(options) == 1:  # zbv: one number of stages per rank, nothing to choose between
+        return chosen
     scope = chosen.optimal_over.replace(
         f"at {chosen.local_stages} stages per rank",
         f"at {', '.join(str(v) for v in options)} stages per rank (chose {chosen.local_stages}; {others})")

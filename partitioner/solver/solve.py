@@ -327,7 +327,8 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         "recompute per region" if config.allow_recompute else "no recompute",
     ]
     if cluster.is_homogeneous and best.local_stages > 1:
-        parts.append("rank = (stage % pipeline ranks) * dp + replica on the devices in cluster order")
+        parts.append(f"rank = {priced_schedule(schedule, best.local_stages).position_words()} * dp + replica "
+                     "on the devices in cluster order")
     elif cluster.is_homogeneous:
         parts.append("rank = stage * dp + replica on the devices in cluster order")
     elif len({d.node for d in cluster.devices}) == 1:

@@ -43,6 +43,10 @@ class PipelineSchedule:
         placement for every schedule but the V ones."""
         return stage % pipeline_ranks
 
+    def position_words(self) -> str:
+        """``position_of`` in words, for what OPTIMAL covers."""
+        return "(stage % pipeline ranks)"
+
     def stages_at(self, position: int, pipeline_ranks: int, num_stages: int) -> tuple[int, ...]:
         """The stages the rank at ``position`` holds, ascending."""
         return tuple(s for s in range(num_stages) if self.position_of(s, pipeline_ranks) == position)
@@ -277,6 +281,9 @@ class ZeroBubbleV(ZeroBubble):
 
     def position_of(self, stage, pipeline_ranks):
         return stage if stage < pipeline_ranks else 2 * pipeline_ranks - 1 - stage
+
+    def position_words(self) -> str:
+        return "(stage, or 2 pp - 1 - stage: a V)"
 
     def words(self) -> str:
         return "the zbv (V-shaped zero-bubble) schedule at 2 stages per rank"
