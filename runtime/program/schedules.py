@@ -257,7 +257,7 @@ class ZeroBubble(Interleaved):
         return list(_split_order(self.torch_class, position, pipeline_ranks, self.local_stages, num_microbatches))
 
     def words(self) -> str:
-        return f"the zb (interleaved zero-bubble) schedule at {self.local_stages} stages per rank"
+        return f"the zb schedule (interleaved zero-bubble) at {self.local_stages} stages per rank"
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ class ZeroBubbleV(ZeroBubble):
         return "(stage, or 2 pp - 1 - stage: a V)"
 
     def words(self) -> str:
-        return "the zbv (V-shaped zero-bubble) schedule at 2 stages per rank"
+        return "the zbv schedule (V-shaped zero-bubble) at 2 stages per rank"
 
 
 def peak_held(order: list[Action]) -> int:

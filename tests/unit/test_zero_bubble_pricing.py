@@ -6,6 +6,8 @@ the V placement and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 import subprocess
 import sys
@@ -13,9 +15,12 @@ import sys
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from partitioner.config.cluster import ClusterSpec
+from partitioner.solver import SolverConfig, check_assignment, evaluate, solve
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.zero_bubble import path_forms, simulate_s, worst_stage_s
 from runtime.program.schedules import schedule_named, torch_order
+from tests.unit.test_solver_hand import chain, region
 
 
 def _torch_lowered_s(schedule, pp: int, m: int, seconds) -> float:
@@ -119,3 +124,43 @@ def test_dualpipev_is_refused_in_one_line_with_its_reason(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "dualpipev" in lines[0] and "OVERLAP_F_B" in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _weighted_chain(seed: int, n: int = 8):
+    """A chain of regions of random forward work whose backward is two thirds weight gradients' at
+    most (Note [weight-gradient flops]: a matmul's dW costs its forward)."""
+    rng = random.Random(seed)
+    regions = []
+    for i in range(n):
+        fwd = rng.uniform(0.5e9, 2e9)
+        regions.append(region(f"r{i}", fwd=fwd, bwd_weight_flops_per_sample=fwd * rng.uniform(0.3, 1.0)))
+    return chain(regions)
+
+
+@pytest.mark.parametrize("name", ["zb", "zbv"])
+def test_the_ilp_prices_zero_bubble_as_evaluate_does_and_is_optimal_over_every_split(name):
+    """The ILP's objective (path forms over three worst-stage variables) is evaluate's step, the
+    checker agrees, and no split of the chain into 4 stages is cheaper (brute force)."""
+    problem = _weighted_chain(3)
+    cluster = ClusterSpec.homogeneous(2, cores=2)
+    sol = solve(problem, cluster, 8, num_stages=4, dp=1, microbatches=4, schedule=name, config=SolverConfig(time_limit_s=10))
+    assert sol.schedule == name and sol.status == "OPTIMAL"
+    check_assignment(problem, cluster, sol)
+    a = sol.assignment
+    assert sol.step_time_s == pytest.approx(evaluate(problem, cluster, a).step_time_s, rel=1e-6)
+    rows = [row[0] for row in a.device_of_stage_replica]
+    assert rows == ([0, 1, 1, 0] if name == "zbv" else [0, 1, 0, 1])
+    best = min(evaluate(problem, cluster, dataclasses.replace(
+        a, stage_of_region=tuple(sum(r >= c for c in cuts) for r in range(8)), recompute=(False,) * 8)).step_time_s
+        for cuts in itertools.combinations(range(1, 8), 3))
+    assert sol.step_time_s <= best * (1 + 1e-6)
+
+
+def test_auto_weighs_the_zero_bubble_schedules():
+    """Eight equal regions on 2 ranks, 4 microbatches: every schedule's plan is priced and the
+    fastest kept; at F = B = W (no links to speak of) a zero-bubble schedule is it."""
+    problem = chain([region(f"r{i}", fwd=1e9, bwd_weight_flops_per_sample=1e9) for i in range(8)], edge_bytes=0)
+    cluster = ClusterSpec.homogeneous(2, cores=2)
+    auto = solve(problem, cluster, 8, dp=1, microbatches=4, schedule="auto", config=SolverConfig(time_limit_s=10))
+    assert "zb" in auto.optimal_over and "zbv" in auto.optimal_over
+    assert auto.schedule in ("zb", "zbv"), auto.optimal_over
