@@ -465,19 +465,25 @@ def place_stages(
     return tuple(placement)
 
 
+SAME_DEVICE = LinkSpec(bandwidth_bytes_per_s=1e30, latency_s=0.0)  # a boundary within one rank: no transfer
+
+
 def plan_links(
     cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]
 ) -> tuple[list[LinkSpec], list[LinkSpec | None], LinkSpec | None]:
     """(boundary links, data-parallel link per stage, tie link) of a placement (Note [cost model] in evaluate.py).
 
-    Boundary k joins stage k and k + 1: the slowest link between them over the replicas.
+    Boundary k joins stage k and k + 1: the slowest link between them over the replicas; none
+    (``SAME_DEVICE``) where both stages are on one device (zbv's turn of the V: torch hands the
+    output over in memory, no send).
     Stage s's all-reduce: the slowest link among its replicas (None when dp = 1). Ties: the
     slowest link within one replica's pipeline, worst over replicas (None for one stage).
     """
     num_stages, dp = len(placement), len(placement[0])
     boundary = [
         max(
-            (cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
+            (SAME_DEVICE if placement[k][r] == placement[k + 1][r]
+             else cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
             key=lambda link: (1.0 / link.bandwidth_bytes_per_s, link.latency_s),
         )
         for k in range(num_stages - 1)
