@@ -129,3 +129,23 @@ def test_a_zbv_checkpoint_reshards_onto_1f1b(zero_bubble):
     assert "resharded from plan" in done.stderr
     losses = _losses(root / "part2") + _losses(root / "onef_resumed", EVERY)
     torch.testing.assert_close(losses, _losses(root / "full"), rtol=1e-5, atol=1e-6)
+
+
+def test_the_run_times_weight_gradients_and_the_timeline_draws_them(zero_bubble, capsys):
+    from partitioner.cli import main
+    from partitioner.inspect.timeline import svg_timeline, timeline
+
+    root, plans, _done = zero_bubble
+    times = json.loads((root / "full" / "stage_times_rank_0.json").read_text())
+    assert [s["stage"] for s in times["stages"]] == [0, 3]
+    assert all(0 < s["weight_backward_s_per_microbatch"] < s["backward_s_per_microbatch"] for s in times["stages"])
+    plan = plans["zbv"].plan
+    assert all(s.bwd_weight_flops > 0 for s in plan.stages)
+    tl = timeline(plan)
+    kinds = {(b["kind"], b["stage"]) for b in tl["bars"]}
+    assert {k for k, _ in kinds} == {"F", "B", "W"} and ("W", 3) in kinds
+    assert [b["rank_position"] for b in tl["bars"] if b["stage"] == 3][:1] == [0]  # stage 3 on rank 0: the V
+    assert 'class="wgt"' in svg_timeline(plan, tl)
+    assert main(["inspect", str(root / "zbv")]) == 0
+    out = capsys.readouterr().out
+    assert "rank position 0 (stages 0, 3; ranks 0)" in out and "zbv schedule" in out
