@@ -9,8 +9,11 @@ Here: the demo GPT (4 layers, width 128, seq 64) on 2 CPU ranks, global batch 16
 with this machine's profile (what `partitioner compile` prices with) and trained under torchrun
 (one thread per rank, no checkpoints) for --steps steps; the run's summary.json gives the median
 step after the first; the fastest of --rounds rounds counts (other work on a shared machine only
-adds time). Printed per schedule: predicted step, measured step, their ratio, and the predicted
-pipeline bubble.
+adds time). Printed per schedule: predicted step, measured step, their ratio, the predicted
+pipeline bubble, and "order": the pipeline alone (no all-reduce or other step terms) as torch's own
+action order runs over each stage's own F, B and W time (the HTML timeline's makespan,
+``partitioner.inspect.timeline``), where the price raises every stage to the worst stage's (Note
+[zero-bubble pricing]).
 
 --scale: Megatron-LM's 76.1B row (arXiv 2104.04473 Table 1: 1,024 A100s, tp 8 x pp 4 x dp 32,
 global batch 1792; benchmarks/published_runs.py) compiled at the paper's tp and dp under 1f1b (4
@@ -42,6 +45,7 @@ PLANS = [("1f1b", 2), ("zb", 4), ("zbv", 4)]
 def compile_here(root: Path) -> list[dict]:
     from partitioner import compile as compile_plan
     from partitioner.config.cluster import ClusterSpec
+    from partitioner.inspect.timeline import timeline
     from partitioner.models.builtin import gpt
 
     workload = gpt(layers=4, width=128, heads=4, vocab=512, seq=64)
@@ -53,7 +57,7 @@ def compile_here(root: Path) -> list[dict]:
         plan.save(folder)
         out.append({"schedule": schedule, "stages": stages, "folder": str(folder),
                     "predicted_s": plan.predicted["step_time_s"], "bubble": plan.predicted["bubble_fraction"],
-                    "measured_s": []})
+                    "order_s": timeline(plan.plan)["makespan_s"], "measured_s": []})
         print(f"  compiled {schedule}: {stages} stages, predicted {plan.predicted['step_time_s'] * 1e3:.1f} ms", flush=True)
     return out
 
@@ -75,6 +79,7 @@ def scale_rows(time_limit_s: float) -> list[dict]:
     from published_runs import ROWS, cluster_of, workload_of
 
     from partitioner import compile as compile_plan
+    from partitioner.inspect.timeline import timeline
     from partitioner.solver import SolverConfig
 
     row = next(r for r in ROWS if r[0] == "76.1B")
@@ -86,7 +91,8 @@ def scale_rows(time_limit_s: float) -> list[dict]:
                                 solver_config=SolverConfig(time_limit_s=time_limit_s))
         p = compiled.plan.predicted
         out.append({"schedule": schedule, "stages": stages, "microbatches": compiled.plan.num_microbatches,
-                    "step_s": p["step_time_s"], "bubble": p["bubble_fraction"]})
+                    "step_s": p["step_time_s"], "bubble": p["bubble_fraction"],
+                    "order_s": timeline(compiled.plan)["makespan_s"]})
         print(f"  compiled {name} {schedule}", flush=True)
     return out
 
@@ -105,18 +111,19 @@ def main(argv=None) -> int:
             measure(plans, steps=args.steps, rounds=args.rounds)
         print(f"\nthis machine: demo GPT on {RANKS} CPU ranks, global batch {GLOBAL_BATCH}, {MICROBATCHES} microbatches "
               f"(fastest of {args.rounds} rounds of {args.steps} steps)")
-        print(f"{'schedule':>8} {'stages':>6} {'predicted':>10} {'measured':>10} {'ratio':>6} {'bubble':>7}")
+        print(f"{'schedule':>8} {'stages':>6} {'predicted':>10} {'measured':>10} {'ratio':>6} {'bubble':>7} {'order':>9}")
         for e in plans:
             measured = min(e["measured_s"])
             print(f"{e['schedule']:>8} {e['stages']:>6} {e['predicted_s'] * 1e3:8.1f}ms {measured * 1e3:8.1f}ms "
-                  f"{e['predicted_s'] / measured:6.2f} {e['bubble'] * 100:6.1f}%")
+                  f"{e['predicted_s'] / measured:6.2f} {e['bubble'] * 100:6.1f}% {e['order_s'] * 1e3:7.1f}ms")
     if args.scale or args.scale_only:
         rows = scale_rows(args.time_limit)
         print("\nat scale: Megatron-LM 76.1B (Table 1), 1,024 a100-80gb, tp 8 x 4 pipeline ranks x dp 32, "
               "global batch 1792, fp16-mixed (predicted)")
-        print(f"{'schedule':>8} {'stages':>6} {'microbatches':>12} {'step':>9} {'bubble':>7}")
+        print(f"{'schedule':>8} {'stages':>6} {'microbatches':>12} {'step':>9} {'bubble':>7} {'order':>8}")
         for r in rows:
-            print(f"{r['schedule']:>8} {r['stages']:>6} {r['microbatches']:>12} {r['step_s']:8.3f}s {r['bubble'] * 100:6.1f}%")
+            print(f"{r['schedule']:>8} {r['stages']:>6} {r['microbatches']:>12} {r['step_s']:8.3f}s "
+                  f"{r['bubble'] * 100:6.1f}% {r['order_s']:7.3f}s")
     return 0
 
 
