@@ -1,6 +1,7 @@
 """Compiled zero-bubble programs (Note [zero-bubble schedules] in partitioner/solver/zero_bubble.py)
 under torchrun (gloo), against the one-process oracle: zbv on 2 ranks (4 stages in a V) with
-dropout, resumed bit for bit after a checkpoint and resharded onto a 1f1b program; zb on
+dropout, resumed bit for bit after a checkpoint and after a rank is killed, and resharded onto a
+1f1b program; zb on
 pp 2 x dp 2 (4 ranks) with dropout, GPT-2's tied embedding across stages and recomputed regions
 (Note [recompute under a split backward]); zbv on 4 ranks (8 stages). Every job in the session's
 shared launches (tests/_shared_launch.py)."""
@@ -69,6 +70,9 @@ def _zero_bubble_programs(root: Path):
                     "--checkpoint-dir", root / "ck"]),
             Job(2, [root / "onef", "--steps", str(STEPS), *every, "--run-dir", root / "onef_resumed",
                     "--checkpoint-dir", root / "ck_reshard"]),
+            # rank 1 SIGKILLed before step 3, the job restarted (Note [restarts in a fork])
+            Job(2, [root / "zbv", "--steps", str(STEPS), *every, "--fail-at", "1:3:kill", "--run-dir", root / "killed",
+                    "--checkpoint-dir", root / "ck_killed"], restarts=1),
             Job(4, [root / "zb22", "--steps", "3", "--run-dir", root / "zb22_run"]),
             Job(4, [root / "zbv8", "--steps", "3", "--run-dir", root / "zbv8_run"])]
     return (root, plans), jobs
@@ -119,6 +123,21 @@ def test_zbv_resumes_bit_exact(zero_bubble):
         for name in (f"rank_{rank}.safetensors", f"optim_rank_{rank}.safetensors"):
             got, want = load_file(root / "resumed" / "final" / name), load_file(root / "full" / "final" / name)
             assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[k], want[k]) for k in want), (rank, name)
+
+
+def test_a_killed_zbv_rank_resumes_bit_exact(zero_bubble):
+    root, _plans, done = zero_bubble
+    text = done.stdout + done.stderr
+    assert "fault injection: kill before step 3" in text and "restarting it" in text
+    by_step = {}
+    for line in (root / "killed" / "metrics.jsonl").open():  # a step re-run after the kill overwrites the lost one
+        row = json.loads(line)
+        by_step[row["step"]] = row["loss"]
+    assert [by_step[k] for k in sorted(by_step)] == _losses(root / "full")
+    for rank in range(2):
+        for name in (f"rank_{rank}.safetensors", f"optim_rank_{rank}.safetensors"):
+            got, want = load_file(root / "killed" / "final" / name), load_file(root / "full" / "final" / name)
             assert all(torch.equal(got[k], want[k]) for k in want), (rank, name)
 
 
