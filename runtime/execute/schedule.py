@@ -150,8 +150,10 @@ def schedule_text(program: Program) -> str:
     lw = max(len(s) for s in labels) + 2
     n = len(timeline[0])
     busy = sum(1 for row in timeline for a in row if a is not None)
+    split = any(a is not None and a[0] == "W" for row in timeline for a in row)
+    kinds = "F, B (input gradient) or W (weight gradient)" if split else "F or B"
     lines = [f"{name}: {p} stages on {pp} ranks per pipeline, {m} microbatches, dp={dp} "
-             f"(replicas run the same timeline); one slot = one stage's F or B of one microbatch",
+             f"(replicas run the same timeline); one slot = one stage's {kinds} of one microbatch",
              ("slot".ljust(lw) + "".join(str(i).ljust(width) for i in range(n))).rstrip()]
     for label, row in zip(labels, cells):
         lines.append(label.ljust(lw) + "".join((c or ".").ljust(width) for c in row).rstrip())

@@ -164,3 +164,16 @@ def test_auto_weighs_the_zero_bubble_schedules():
     auto = solve(problem, cluster, 8, dp=1, microbatches=4, schedule="auto", config=SolverConfig(time_limit_s=10))
     assert "zb" in auto.optimal_over and "zbv" in auto.optimal_over
     assert auto.schedule in ("zb", "zbv"), auto.optimal_over
+
+
+def test_a_stage_holds_activations_until_its_w_and_kept_gradients_between_b_and_w():
+    """Note [zero-bubble memory]: along torch's order of one stage, F adds a microbatch, B adds its
+    kept gradients, W releases both; the peak is never below 1F1B's for the same stage."""
+    from runtime.program.schedules import peak_held
+
+    assert peak_held([("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("W", 0, 0), ("B", 0, 1), ("W", 0, 1)]) == 3
+    zbv = schedule_named("zbv")
+    onef = schedule_named("1f1b")
+    for pp, m in ((2, 4), (4, 8)):
+        held = [zbv.in_flight(s, 2 * pp, m) for s in range(2 * pp)]
+        assert all(k >= 1 for k in held) and held[0] >= onef.in_flight(0, pp, m)
