@@ -167,8 +167,8 @@ def test_auto_weighs_the_zero_bubble_schedules():
 
 
 def test_a_stage_holds_activations_until_its_w_and_kept_gradients_between_b_and_w():
-    """Note [zero-bubble memory]: along torch's order of one stage, F adds a microbatch, B adds its
-    kept gradients, W releases both; the peak is never below 1F1B's for the same stage."""
+    """Along torch's order of one stage, F adds a microbatch, B adds its kept gradients, W releases
+    both (as Note [zero-bubble memory] prices it); the peak is never below 1F1B's for the same stage."""
     from runtime.program.schedules import peak_held
 
     assert peak_held([("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("W", 0, 0), ("B", 0, 1), ("W", 0, 1)]) == 3
