@@ -55,6 +55,7 @@ BENCHMARKS = [
     ("tensor_parallel", ["benchmarks/tensor_parallel.py"], 600),
     ("data_loading", ["benchmarks/data_loading.py"], 300),
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
+    ("zero_bubble", ["benchmarks/zero_bubble.py", "--scale", "--time-limit", "30"], 1200),  # 1f1b vs zb vs zbv
 ]
 TAIL_LINES = 14
 WHOLE_OUTPUT = ("published_runs",)  # tables read as a whole: printed entire in the summary

@@ -300,6 +300,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
             memory_capacity_bytes=int(sc.capacity_bytes / tp),
             send_bytes=int(sc.send_bytes),
             nodes=tuple(cluster.devices[i].node for i in assignment.device_of_stage_replica[s]),
+            bwd_weight_flops=float(sum(problem.regions[r].bwd_weight_flops_per_sample for r in regs) * b),
         ))
     regions = tuple(
         PlanRegion(id=r, name=problem.regions[r].name, stage=stage_of[r], recompute=assignment.recompute[r],
@@ -308,7 +309,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
                bwd_flops=problem.regions[r].bwd_flops_per_sample,
                param_bytes=problem.regions[r].param_bytes,
                activation_bytes=problem.regions[r].activation_bytes_per_sample,
-               transient_bytes=problem.regions[r].transient_bytes_per_sample)
+               transient_bytes=problem.regions[r].transient_bytes_per_sample,
+               bwd_weight_flops=problem.regions[r].bwd_weight_flops_per_sample)
         for r in range(problem.num_regions)
     )
     cut_edges = tuple(_cut_edges(gm, stage_of, b, workload.example_batch_size))

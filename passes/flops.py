@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import bmm_flop, sdpa_flop_count
 
 from passes import ir
-from passes._fake_run import NodeRun, is_sdpa, run_nodes_on_fake
+from passes._fake_run import NodeRun, is_sdpa, run_nodes_on_fake, state_requires_grad
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -61,6 +61,14 @@ def sdpa_flops(node: fx.Node, sims: dict[fx.Node, NodeRun]) -> ir.FlopsMeta:
     return ir.FlopsMeta(fwd_flops=int(fwd), bwd_flops=int(bwd))
 
 
+def _weight_flops(gm: fx.GraphModule, node: fx.Node, fwd: int, bwd: int) -> int:
+    """The gradient product into a parameter the node reads directly costs its forward product
+    (Note [weight-gradient flops] in partitioner/solver/zero_bubble.py); 0 for every other node."""
+    reads_param = any(isinstance(a, fx.Node) and a.op == "get_attr" and state_requires_grad(gm, a)
+                      for a in (*node.args, *node.kwargs.values()))
+    return min(fwd, bwd) if reads_param else 0
+
+
 @ir.graph_pass(reads=(), writes=(ir.FLOPS,))  # runs each node on fake inputs (``val``)
 def annotate_flops(gm: fx.GraphModule) -> fx.GraphModule:
     sims = run_nodes_on_fake(gm, count_flops=True, record_saved=False)
@@ -71,6 +79,7 @@ def annotate_flops(gm: fx.GraphModule) -> fx.GraphModule:
                 meta = ir.FlopsMeta(fwd_flops=meta.fwd_flops, bwd_flops=0)
         else:
             sim = sims[node]
-            meta = ir.FlopsMeta(fwd_flops=int(sim.fwd_flops), bwd_flops=int(sim.bwd_flops))
+            meta = ir.FlopsMeta(fwd_flops=int(sim.fwd_flops), bwd_flops=int(sim.bwd_flops),
+                                bwd_weight_flops=_weight_flops(gm, node, int(sim.fwd_flops), int(sim.bwd_flops)))
         ir.put(node, ir.FLOPS, meta)
     return gm

@@ -48,6 +48,9 @@ class FlopsMeta:
 
     fwd_flops: int
     bwd_flops: int
+    # the part of bwd_flops that produces parameter gradients (Note [weight-gradient flops] in
+    # partitioner/solver/zero_bubble.py)
+    bwd_weight_flops: int = 0
 
 
 @dataclass(frozen=True)

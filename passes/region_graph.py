@@ -57,6 +57,7 @@ class RegionRow:
     tp_step_gather_bytes: int = 0
     tp_lookup_bytes: int = 0  # of tp_comm_bytes, the vocab lookups' (not autocast: the model's dtype)
     tp_collectives: tuple[int, int, int] = (0, 0, 0)  # (forward, backward, per step)
+    bwd_weight_flops: int = 0  # of bwd_flops, the parameter gradients' (Note [weight-gradient flops])
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ def region_table(gm: fx.GraphModule) -> list[RegionRow]:
             node_names=tuple(n.name for n in nodes),
             fwd_flops=sum(f.fwd_flops for f in flops),
             bwd_flops=sum(f.bwd_flops for f in flops),
+            bwd_weight_flops=sum(f.bwd_weight_flops for f in flops),
             param_bytes=sum(m.param_bytes for m in memory),
             grad_bytes=sum(m.grad_bytes for m in memory),
             optimizer_bytes=sum(m.optimizer_bytes for m in memory),

@@ -40,6 +40,7 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
             name=r.name,
             fwd_flops_per_sample=r.fwd_flops / batch_size,
             bwd_flops_per_sample=r.bwd_flops / batch_size,
+            bwd_weight_flops_per_sample=r.bwd_weight_flops / batch_size,
             param_bytes=int(r.param_bytes),
             grad_bytes=int(r.grad_bytes),
             optimizer_bytes=int(r.optimizer_bytes),

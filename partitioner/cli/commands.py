@@ -308,9 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=int)
     c.add_argument("--tp", type=int, help="tensor-parallel degree: ranks per tensor group, each stage's linear "
                    "layers sharded across them (default: the solver chooses among the degrees the program runs)")
-    c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "auto"],
-                   help="interleaved: 2-4 stages per rank, priced by its worst stage (one device class); "
-                        "auto: the solver weighs gpipe, 1f1b and interleaved by predicted step time")
+    c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev",
+                                                          "auto"],
+                   help="interleaved: 2-4 stages per rank, priced by its worst stage (one device class); zb, zbv: "
+                        "zero-bubble (backward split into input and weight gradients; zbv: 2 stages per rank in a V); "
+                        "auto: the solver weighs them all by predicted step time")
     c.add_argument("--granularity", default="block", choices=["block", "sublayer", "op", "node"])
     c.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per candidate, seconds")
     group = c.add_mutually_exclusive_group()

@@ -80,7 +80,8 @@ def html_page(plan: Plan) -> str:
     try:
         tl = timeline(plan)
         timeline_svg = svg_timeline(plan, tl)
-        timeline_note = (f"one step of one replica, forward solid, backward light; the schedule's makespan "
+        weights = " (input gradient), weight gradient (W) dashed" if any(b["kind"] == "W" for b in tl["bars"]) else ""
+        timeline_note = (f"one step of one replica, forward solid, backward light{weights}; the schedule's makespan "
                          f"{ms(tl['makespan_s'])} ms (the cost model's step {ms(p['step_time_s'])} ms adds "
                          "the data-parallel all-reduce and tie synchronisation)")
     except Exception as exc:  # noqa: BLE001 - a page without a timeline beats no page

@@ -217,14 +217,16 @@ def _pct(value) -> str:
 
 
 def _rank_peaks(plan) -> list[str]:
-    """Interleaved: each rank's peak, its stages together (what the solver bounds; Note
+    """Interleaved, zb, zbv: each rank's peak, its stages together (what the solver bounds; Note
     [interleaved pricing] in partitioner/solver/interleaved.py)."""
     peaks = plan.predicted.get("rank_peak_memory_bytes")
     if not peaks:
         return []
     out = []
     for pos, peak in enumerate(peaks):
-        stages = [s for s in plan.stages if s.index % len(peaks) == pos]
+        # stage pos sits on position pos under every schedule (s % pp, or zbv's V: stages pos and
+        # 2 pp - 1 - pos), so its ranks name the position's stages
+        stages = [s for s in plan.stages if s.ranks == plan.stages[pos].ranks]
         capacity = stages[0].memory_capacity_bytes
         out.append(f"rank position {pos} (stages {', '.join(str(s.index) for s in stages)}; ranks "
                    f"{', '.join(str(r) for r in stages[0].ranks)}): peak {human_bytes(peak)} of "

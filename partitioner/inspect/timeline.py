@@ -13,23 +13,29 @@ if TYPE_CHECKING:  # annotations only
     from partitioner.solver.plan import Plan
 
 
-def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float]]:
-    """Per stage, (forward, backward) seconds of one microbatch: the stage's predicted time (compute
-    + communication, what the cost model sums) split in the ratio of its forward and backward
-    FLOPs, a recomputed region's forward counted again in backward."""
+def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float, float]]:
+    """Per stage, (forward, input-gradient backward, weight-gradient backward) seconds of one
+    microbatch: the stage's predicted time (compute + communication, what the cost model sums)
+    split in the ratio of its forward, backward and weight-gradient FLOPs, a recomputed region's
+    forward counted again in backward; the weight part is 0 unless the schedule splits the
+    backward (zb, zbv: Note [weight-gradient flops])."""
+    from runtime.program.schedules import SCHEDULES  # beside timed_actions below: only the page draws
+
+    split = SCHEDULES[plan.schedule].split_backward if plan.schedule in SCHEDULES else False
     b = plan.microbatch_size
     out = []
     for s in plan.stages:
         recomputed = sum(r.fwd_flops for r in plan.regions if r.stage == s.index and r.recompute) * b
         total = s.fwd_flops + s.bwd_flops + recomputed
         share = s.fwd_flops / total if total > 0 else 1 / 3
-        out.append((s.predicted_time_s * share, s.predicted_time_s * (1 - share)))
+        weight = (s.bwd_weight_flops / total if total > 0 else 0.0) if split else 0.0
+        out.append((s.predicted_time_s * share, s.predicted_time_s * (1 - share - weight), s.predicted_time_s * weight))
     return out
 
 
 def timeline(plan: Plan) -> dict:
     """One step of one data-parallel replica: for every rank of the pipeline, its forward (F) and
-    backward (B) of every microbatch as [start, end) seconds (``runtime.execute.schedule.timed_actions``:
+    backward (B; under zb and zbv the input gradient, and W the weight gradient) of every microbatch as [start, end) seconds (``runtime.execute.schedule.timed_actions``:
     torch.distributed.pipelining's order; F of stage s waits for F of stage s-1, B of stage s for
     its own F and B of stage s+1)."""
     # Here, not at the top: runtime.execute.schedule imports torch.distributed.pipelining (seconds), and
@@ -43,7 +49,7 @@ def timeline(plan: Plan) -> dict:
     rank_of_stage = [ranks.index(s.ranks[0]) for s in plan.stages]
     durations = stage_fwd_bwd_s(plan)
     actions = timed_actions(plan.schedule, len(ranks), plan.num_stages, plan.num_microbatches,
-                            lambda kind, stage: durations[stage][0 if kind == "F" else 1])
+                            lambda kind, stage: durations[stage]["FBW".index(kind)])
     bars = [{"rank_position": pos, "rank": ranks[pos], "kind": kind, "stage": stage, "microbatch": mb,
              "start_s": start, "end_s": finish} for pos, (kind, stage, mb), start, finish in actions]
     assert all(rank_of_stage[b["stage"]] == b["rank_position"] for b in bars)
@@ -71,9 +77,12 @@ def svg_timeline(plan: Plan, tl: dict) -> str:
         y = 10 + bar["rank_position"] * row_h
         colour = stage_colour(bar["stage"])
         forward = bar["kind"] == "F"
-        style = f'fill="{colour}"' if forward else f'fill="{colour}" fill-opacity="0.55" stroke="{colour}"'
+        weight = bar["kind"] == "W"
+        style = (f'fill="{colour}"' if forward else f'fill="{colour}" fill-opacity="0.25" stroke="{colour}" '
+                 'stroke-dasharray="3,2"' if weight else f'fill="{colour}" fill-opacity="0.55" stroke="{colour}"')
         text = f'{bar["kind"]}{bar["microbatch"]}'
-        parts.append(f'<g class="{"fwd" if forward else "bwd"}"><title>{"forward" if forward else "backward"} of '
+        what = "forward" if forward else "weight-gradient backward" if weight else "backward"
+        parts.append(f'<g class="{"fwd" if forward else "wgt" if weight else "bwd"}"><title>{what} of '
                      f'microbatch {bar["microbatch"]}, stage {bar["stage"]}: {ms(bar["start_s"])}-'
                      f'{ms(bar["end_s"])} ms</title>'
                      f'<rect x="{x:.2f}" y="{y}" width="{max(w - 1, 0.5):.2f}" height="{row_h - 4}" {style}/>')

@@ -11,6 +11,7 @@
                         extra (Note [canary price])
     tensor_groups.py    a tensor group planned as one device (Notes [tensor groups], [tensor-parallel pricing])
     interleaved.py      the facts of torch's interleaved 1F1B the cost model prices (Note [interleaved pricing])
+    zero_bubble.py      zb and zbv: torch's order simulated over F, B and W, its path forms (Note [zero-bubble pricing])
     schedules.py        each schedule with its price: pipeline time, lower bound (Note [one class per schedule])
     bounds.py           lower bounds on the step time, for pruning and for the report
     check.py            check_assignment(): the independent verifier

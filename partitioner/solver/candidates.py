@@ -15,6 +15,7 @@ from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
 from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages
+from runtime.program.schedules import REFUSED
 from partitioner.solver.candidate import Candidate
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.solution import Solution
@@ -43,7 +44,8 @@ def solve_candidate(
     p, d, m, b = c.p, c.d, c.m, c.b
     single_node = len({device.node for device in cluster.devices}) == 1
     if cluster.is_homogeneous:
-        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=c.local_stages)], c,
+        result = solve_placements(problem, cluster, [place_stages(cluster, p, d, local_stages=c.local_stages,
+                                                                 position_of=c.pipeline_schedule.position_of)], c,
                                   config=config, time_limit_s=time_limit_s, incumbent_s=incumbent_s)
     else:
         # Note [exact placements]; on one node every link is the same and class choice is exact.
@@ -123,6 +125,8 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     validate_request again with the traced problem."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
+    if schedule in REFUSED:  # Note [DualPipeV refused]
+        raise ValueError(REFUSED[schedule])
     if schedule not in SCHEDULES and schedule != "auto":  # auto: Note [schedule choice]
         raise ValueError(f"schedule={schedule!r} is not supported by the solver; use one of "
                          f"{SCHEDULES} or auto (--schedule 1f1b)")
@@ -132,10 +136,10 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     if priced.one_device_class and not cluster.is_homogeneous:  # Note [interleaved pricing]
         raise ValueError(f"schedule {schedule} is priced on one device class only, and this cluster has "
                          f"{len({d.device_class for d in cluster.devices})}: use --schedule 1f1b, gpipe or auto")
-    _validate_counts(cluster, global_batch, num_stages, dp, microbatches, priced.local_stage_options)
+    _validate_counts(cluster, global_batch, num_stages, dp, microbatches, priced.local_stage_options, schedule)
 
 
-def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_stage_options):
+def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_stage_options, schedule="interleaved"):
     """The request's counts against the devices and the batch; ``local_stage_options``: the
     stages per rank the schedule may put on a rank (stage counts are checked per rank then)."""
     for name, value in (("num_stages", num_stages), ("dp", dp), ("microbatches", microbatches)):
@@ -144,13 +148,13 @@ def _validate_counts(cluster, global_batch, num_stages, dp, microbatches, local_
     devices = cluster.num_devices
     several = local_stage_options != (1,)  # several stages per rank
     if several and devices < 2:  # no stage count can help: say what does
-        raise ValueError(f"schedule interleaved needs at least 2 pipeline ranks and the cluster has {devices} "
+        raise ValueError(f"schedule {schedule} needs at least 2 pipeline ranks and the cluster has {devices} "
                          "device: use --schedule 1f1b or gpipe, or more devices (--devices 2)")
     if several and num_stages is not None:
         ok = [v for v in local_stage_options if num_stages % v == 0 and 2 <= num_stages // v <= devices]
         if not ok:
             good = sorted({v * r for v in local_stage_options for r in range(2, devices + 1)})
-            raise ValueError(f"num_stages={num_stages} (--stages) cannot run interleaved on {devices} devices: it "
+            raise ValueError(f"num_stages={num_stages} (--stages) cannot run {schedule} on {devices} devices: it "
                              f"puts {'/'.join(map(str, local_stage_options))} stages on each of at least 2 ranks "
                              f"(at most {devices}); use --stages {' or '.join(map(str, good[:4]))}")
     if several:  # stage counts were checked per rank above

@@ -67,11 +67,11 @@ def structural_violations(
                    f"{[len(row) for row in a.device_of_stage_replica]}")
         return out
     rows = a.device_of_stage_replica
-    if a.local_stages > 1:  # stage s on the devices of pipeline position s % pp
+    if a.local_stages > 1:  # stage s on the devices of its pipeline position (s % pp, or a V)
         pp = a.pipeline_ranks
-        moved = [s for s in range(p) if rows[s] != rows[s % pp]]
+        moved = [s for s in range(p) if rows[s] != rows[a.position_of(s)]]
         if moved:
-            out.append(f"interleaved stages {moved} are not on the devices of position s % {pp}")
+            out.append(f"{a.schedule} stages {moved} are not on the devices of their pipeline positions")
         rows = rows[:pp]
     flat = [i for row in rows for i in row]
     outside = [i for i in flat if not 0 <= i < cluster.num_devices]

@@ -117,6 +117,7 @@ class StageCost:
     overhead_s: float = 0.0  # per microbatch, besides regions and sends (Note [whole-step terms])
     forward_s: float = 0.0  # per microbatch, the part of time_s before the backward: f_s of Note [interleaved pricing]
     step_s: float = 0.0  # per step, the part of dp_allreduce_s that is not the data-parallel all-reduce
+    weight_s: float = 0.0  # per microbatch, the weight-gradient part of the backward (Note [weight-gradient flops])
 
     @property
     def memory_bytes(self) -> float:
@@ -203,6 +204,7 @@ def evaluate(
 
     stage_costs = []
     fwd_part = [0.0] * p  # f_s of Note [interleaved pricing], unscaled
+    wgt_part = [0.0] * p  # w_s of Note [zero-bubble pricing], unscaled
     for s in range(p):
         stage_devices = a.device_of_stage_replica[s]
         device = devices[stage_devices[0]]
@@ -213,6 +215,7 @@ def evaluate(
             fwd, bwd = region_times_s(region, device, b)
             compute += fwd + bwd + (recompute_s(problem, region, device, b) if a.recompute[r] else 0.0)
             fwd_part[s] += fwd
+            wgt_part[s] += bwd * region.weight_fraction
             params += region.param_bytes
             grads += region.grad_bytes
             optimizer += region.optimizer_bytes
@@ -250,6 +253,7 @@ def evaluate(
                 step_buffers_bytes=memory["step"],
                 forward_s=scale * fwd_part[s],
                 step_s=scale * step_s,
+                weight_s=scale * wgt_part[s],
             )
         )
     bottleneck = max(st.time_s for st in stage_costs)
@@ -259,7 +263,7 @@ def evaluate(
     pipeline, dp_allreduce, rank_memory, rank_capacity = priced_schedule(a.schedule, a.local_stages).pipeline_terms(
         problem, a, stage_costs, dp_links, scale)
     state_bytes = [st.params_bytes + st.optimizer_bytes for st in stage_costs]
-    state_bytes = [sum(state_bytes[pos::pp]) for pos in range(pp)]  # per rank: its stages
+    state_bytes = [sum(state_bytes[s] for s in a.stages_at(pos)) for pos in range(pp)]  # per rank: its stages
     sdc_check = 0.0
     if sdc_every > 0 and d > 1:
         sdc_check = scale * replica_check_s(
@@ -269,7 +273,7 @@ def evaluate(
     if global_norm:  # per rank: an interleaved rank's pass reads all its stages' gradients
         latency = max((link.latency_s for link in (*boundary_link, *dp_links) if link is not None), default=0.0)
         grad_norm = scale * global_norm_s(
-            [sum(stage_costs[s].grads_bytes for s in range(pos, p, pp)) for pos in range(pp)],
+            [sum(stage_costs[s].grads_bytes for s in a.stages_at(pos)) for pos in range(pp)],
             [devices[a.device_of_stage_replica[pos][0]].kind for pos in range(pp)],
             world_size=pp * d, latency_s=latency)
     step = pipeline + dp_allreduce + sdc_check + grad_norm + sum(t.cost_s for t in tie_costs)

@@ -23,17 +23,18 @@ from partitioner.solver.baselines import BaselineCost, param_balanced_split, uni
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.placements import is_launchable
 from partitioner.solver.problem import Assignment, PartitionProblem, place_stages, region_times_s
+from partitioner.solver.schedules import priced_schedule
 
 __all__ = ["best_baselines", "hand_placement", "hand_placements"]
 
 
 def hand_placements(cluster: ClusterSpec, num_stages: int, dp: int, *,
-                    local_stages: int = 1) -> list[tuple[tuple[int, ...], ...]]:
+                    local_stages: int = 1, position_of=None) -> list[tuple[tuple[int, ...], ...]]:
     """Devices a person picks (Note [fair baselines]): cluster order on one class; on mixed
     classes the fastest stage slots, fastest class first and, as the other natural try, last
     (the head then lands on a fast device); [] when the classes cannot host p x d."""
     if cluster.is_homogeneous:
-        return [place_stages(cluster, num_stages, dp, local_stages=local_stages)]
+        return [place_stages(cluster, num_stages, dp, local_stages=local_stages, position_of=position_of)]
     counts: dict[tuple, int] = {}
     for device in cluster.devices:
         counts[device.device_class] = counts.get(device.device_class, 0) + 1
@@ -76,7 +77,8 @@ def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, 
         fitting = [key[1] for key, _ in best.values() if key[0] == 0]
         if len(fitting) == 2 and bound_of.get((p, d, m), 0.0) >= max(fitting):
             break  # sorted by bound: every later candidate is bounded at or above both
-        for placement in hand_placements(cluster, p, d, local_stages=local_stages):
+        for placement in hand_placements(cluster, p, d, local_stages=local_stages,
+                                         position_of=priced_schedule(schedule, local_stages).position_of):
             _price(problem, cluster, placement, p, d, m, global_batch // (d * m), schedule, recompute_options,
                    speed_of, best, splits, step_terms)
     return {name: value for name, (_, value) in sorted(best.items())}

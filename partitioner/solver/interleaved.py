@@ -41,26 +41,8 @@ Note [interleaved pricing]
       (SolverConfig.local_stages). The chain DP and the placement search are 1F1B/GPipe-only, so
       an interleaved candidate's strong bound is its cheap one (``PricedInterleaved.lower_bound_s`` in schedules.py).
 
-Note [zero-bubble schedules]
-    torch 2.13 ships three schedules that split each backward into an input-gradient action (I)
-    and a weight-gradient action (W) run later to fill the bubble. None is offered:
-    * ``ScheduleInterleavedZeroBubble`` (ZB1P, stage s on position s % pp like interleaved):
-      the runtime can drive it; with its class swapped in for ScheduleInterleaved1F1B a compiled
-      4-stage, 2-rank GPT with dropout trained 3 steps equal to the one-process oracle (loss
-      difference 0). What is missing is its price. (1) Time: RegionCost has one backward figure
-      per region; nothing splits it into I and W, so the only safe price is I = W = B, which is
-      never below interleaved 1F1B's (a schedule the solver would never choose). The flops pass
-      would have to count each matmul's input-gradient and weight-gradient products apart.
-      (2) Memory: between I and W, torch's ``stage_backward_input`` keeps the autograd graph
-      (retain_graph) and the gradients of the intermediate outputs that feed weights, for every
-      microbatch whose W is pending; Note [memory model] has no term for them, and a plan without
-      that term could overflow a device.
-    * ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` place stages in a V
-      (``generate_stage_to_rank_mapping(style="v")``: stages s and 2 pp - 1 - s on rank s), which
-      runtime/program/layout.py refuses (it requires stage s on position s % pp), so the runtime cannot
-      drive them; both also need exactly 2 stages per rank, DualPipeV at least as many
-      microbatches as stages, and DualPipeV's overlapped F+B actions (OVERLAP_F_B) have no
-      time in the cost model. Besides the layout they need everything ZB1P needs above.
+The zero-bubble schedules (zb: the same placement, backward split into B and W; zbv: a V) are
+priced from torch's own order instead (see Note [zero-bubble pricing] in zero_bubble.py).
 """
 
 from __future__ import annotations

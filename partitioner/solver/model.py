@@ -237,6 +237,8 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         # What recomputing costs (Note [recompute fixed cost]): one rounded term, like fwd_u.
         self.rec_u = {c: [round(recompute_s(problem, r, self.class_device[c], b) / unit) for r in problem.regions]
                       for c in used_classes}
+        self.wgt_u = {c: [round(w * region.weight_fraction / unit) for (_, w), region in zip(self.region_s[c], problem.regions)]
+                      for c in used_classes}  # Note [weight-gradient flops]
         self.work_min_u = [min(self.work_u[c][r] for c in used_classes) for r in range(n)]
 
         # ---- variables ------------------------------------------------------------------------
@@ -267,6 +269,9 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         if self.interleaved:
             self.fwd_max = model.new_int_var(0, 2**40, "fwd_max")
             self.bwd_max = model.new_int_var(0, 2**40, "bwd_max")
+            self.split = self.pipeline_schedule.split_backward  # Note [zero-bubble pricing]
+            self.wgt_max = model.new_int_var(0, 2**40, "wgt_max") if self.split else None
+            self.pipe = model.new_int_var(0, 2**50, "pipeline") if self.split else None
             self.peak = [model.new_int_var(0, 2**50, f"peak[s{s}]") for s in range(p)] \
                 if self.memory_constrained else []
 

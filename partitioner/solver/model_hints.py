@@ -42,7 +42,12 @@ class SearchHelp:
         if self.interleaved:  # Note [interleaved pricing]
             values[self.fwd_max.index] = max(e.value(values) for e in self.fwd_part_exprs)
             values[self.bwd_max.index] = max(values[self.stage_time[s].index] - self.fwd_part_exprs[s].value(values)
-                                             for s in range(p))
+                                             - self.wgt_part_exprs[s].value(values) for s in range(p))
+            if self.split:  # Note [zero-bubble pricing]
+                values[self.wgt_max.index] = max(e.value(values) for e in self.wgt_part_exprs)
+                values[self.pipe.index] = max(
+                    nf * values[self.fwd_max.index] + nb * values[self.bwd_max.index] + nw * values[self.wgt_max.index]
+                    for nf, nb, nw in self.pipeline_schedule.time_forms(self.pp, self.m))
             if self.memory_constrained:
                 self._interleaved_peak_values(values)
         return values
@@ -75,6 +80,8 @@ class SearchHelp:
             from partitioner.solver.interleaved import pipeline_slots
 
             slots = pipeline_slots(self.pp, self.v, m)
+            if self.split:  # each form's nF + nB + nW actions of <= 2 stage terms (Note [zero-bubble pricing])
+                slots = max(sum(form) for form in self.pipeline_schedule.time_forms(self.pp, m))
             return (0.5 * (2 * slots * terms + terms + 1 + len(pr.ties) * (p + 1)) + 1) * self.time_unit_s
         return (0.5 * ((m - 1) * terms + p * terms + terms + 1 + len(pr.ties) * (p + 1)) + 1) * self.time_unit_s
 
@@ -98,6 +105,9 @@ class SearchHelp:
         if self.interleaved:
             yield self.fwd_max
             yield self.bwd_max
+            if self.split:
+                yield self.wgt_max
+                yield self.pipe
             yield from self.peak
 
     def _fix_by_bottleneck_cap(self, objective_cap: int) -> None:

@@ -29,18 +29,31 @@ class InterleavedConstraints:
                     expr.add(sign * coef, var)
         return expr
 
+    def _wgt_part_expr(self, s: int) -> Terms:
+        """w_s: the stage's weight-gradient work (Note [weight-gradient flops]), in time units."""
+        expr = Terms()
+        if self.split:
+            for r in range(self.problem.num_regions):
+                expr.add(self.wgt_u[self.classes[s]][r], self.in_stage[r][s])
+        return expr
+
     def _add_worst_stage(self) -> None:
-        """fwd_max >= f_s and bwd_max >= stage_time[s] - f_s for every stage s (b_s: the rest of
-        T_s: backward, recompute, the gradient send, the overhead)."""
+        """fwd_max >= f_s and bwd_max >= stage_time[s] - f_s - w_s for every stage s (b_s: the rest
+        of T_s: backward, recompute, the gradient send, the overhead); under a split backward also
+        wgt_max >= w_s (w_s = 0 otherwise: Note [zero-bubble pricing])."""
         self.fwd_part_exprs = [self._fwd_part_expr(s) for s in range(self.p)]
+        self.wgt_part_exprs = [self._wgt_part_expr(s) for s in range(self.p)]
         for s, expr in enumerate(self.fwd_part_exprs):
+            wgt = self.wgt_part_exprs[s]
             self.model.add(self.fwd_max >= expr.expr())
-            self.model.add(self.bwd_max >= self.stage_time[s] - expr.expr())
+            self.model.add(self.bwd_max >= self.stage_time[s] - expr.expr() - wgt.expr())
+            if self.split:
+                self.model.add(self.wgt_max >= wgt.expr())
 
     def _rank_allreduce_expr(self, pos: int) -> Terms:
         """2 (d-1)/d · (gradients of the rank's stages) / bw + 2 (d-1) · latency (one flat all-reduce)."""
         expr = Terms()
-        for s in range(pos, self.p, self.pp):
+        for s in self.pipeline_schedule.stages_at(pos, self.pp, self.p):
             part = self._dp_allreduce_expr(s)
             expr.vars += part.vars
             expr.coefs += part.coefs
@@ -52,8 +65,16 @@ class InterleavedConstraints:
         self._add_dp_allreduce([self._rank_allreduce_expr(pos) for pos in range(self.pp)])
 
     def _interleaved_objective_expr(self) -> Terms:
-        """(max(m v + pp, pp v + m) - 1)·(fwd_max + bwd_max) + dp_allreduce + tie costs."""
+        """(max(m v + pp, pp v + m) - 1)·(fwd_max + bwd_max) + dp_allreduce + tie costs; under a
+        split backward pipeline + dp_allreduce + tie costs, pipeline >= nF·fwd_max + nB·bwd_max +
+        nW·wgt_max for every path form of torch's order (Note [zero-bubble pricing])."""
         expr = self._tie_cost_expr()
+        if self.split:
+            for nf, nb, nw in self.pipeline_schedule.time_forms(self.pp, self.m):
+                self.model.add(self.pipe >= nf * self.fwd_max + nb * self.bwd_max + nw * self.wgt_max)
+            expr.add(1, self.pipe)
+            expr.add(1, self.dp_allreduce)
+            return expr
         slots = pipeline_slots(self.pp, self.v, self.m)
         expr.add(slots, self.fwd_max)
         expr.add(slots, self.bwd_max)
@@ -92,7 +113,7 @@ class InterleavedConstraints:
         self._add_transient()
         for pos in range(self.pp):
             rank = Terms(-(self.v - 1) * self._batch_units())
-            for s in range(pos, self.p, self.pp):
+            for s in self.pipeline_schedule.stages_at(pos, self.pp, self.p):
                 held = self.memory_exprs[s]
                 rank.vars += held.vars
                 rank.coefs += held.coefs
@@ -114,7 +135,7 @@ class InterleavedConstraints:
     def _interleaved_memory_fits(self, values: dict[int, int]) -> bool:
         capacity = self.class_capacity[self.classes[0]] // self.mem_unit
         for pos in range(self.pp):
-            stages = range(pos, self.p, self.pp)
+            stages = self.pipeline_schedule.stages_at(pos, self.pp, self.p)
             rank = sum(self.memory_exprs[s].value(values) + values[self.peak[s].index] for s in stages)
             if rank - (self.v - 1) * self._batch_units() > capacity:
                 return False
@@ -134,5 +155,12 @@ class InterleavedConstraints:
             fwd[k] += crossing
             bwd[k + 1] += crossing
         allreduce_terms = self.problem.num_regions + 2 * len(self.problem.ties) + 1
+        if self.split:  # b_s - w_s has the terms of b_s and of w_s; w_s one per region
+            wgt = [0] * p
+            for s in stage_of_region:
+                wgt[s] += 1
+            worst = max(nf * max(fwd) + nb * max(b + w for b, w in zip(bwd, wgt)) + nw * max(wgt)
+                        for nf, nb, nw in self.pipeline_schedule.time_forms(self.pp, self.m))
+            return worst + allreduce_terms + len(self.problem.ties) * p
         slots = pipeline_slots(self.pp, self.v, self.m)
         return slots * (max(fwd) + max(bwd)) + allreduce_terms + len(self.problem.ties) * p

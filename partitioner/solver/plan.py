@@ -29,7 +29,7 @@ TIMING_KEYS = ("solve_time_s",)
 # solver do); plan.json and `inspect --json` keep the keys users and scripts read (docs/design.md §11:
 # "flops_fwd", "flops_bwd"). ``to_dict`` and ``from_dict`` map one to the other, so the plan's
 # bytes and hash do not depend on the Python names.
-_JSON_KEYS = {"fwd_flops": "flops_fwd", "bwd_flops": "flops_bwd"}
+_JSON_KEYS = {"fwd_flops": "flops_fwd", "bwd_flops": "flops_bwd", "bwd_weight_flops": "flops_bwd_weight"}
 _FIELD_NAMES = {v: k for k, v in _JSON_KEYS.items()}
 
 
@@ -74,6 +74,7 @@ class StagePlan:
     memory_capacity_bytes: int
     send_bytes: int                  # activation bytes sent to the next stage per microbatch
     nodes: tuple[int, ...] = ()      # the cluster node of each replica's device (Note [exact placements])
+    bwd_weight_flops: float = 0.0    # of bwd_flops, the weight gradients' (Note [weight-gradient flops])
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class PlanRegion:
     param_bytes: int
     activation_bytes: int            # per sample
     transient_bytes: int = 0         # per sample, backward transient when not recomputed
+    bwd_weight_flops: float = 0.0    # per sample, of bwd_flops the weight gradients' (Note [weight-gradient flops])
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,9 @@ class Plan:
         body["regions"] = [_renamed(r, _JSON_KEYS) for r in body["regions"]]
         if body.get("tensor_parallel") == 1:
             del body["tensor_parallel"]
+        for item in body["stages"] + body["regions"]:  # as tensor_parallel: a folder from before it keeps its hash
+            if item.get("flops_bwd_weight") == 0:
+                del item["flops_bwd_weight"]
         return body
 
     def stable_dict(self) -> dict:

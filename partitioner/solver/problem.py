@@ -154,10 +154,13 @@ class RegionCost:
     # what a tensor group's DTensors dispatch one by one (Note [tensor-parallel overheads]).
     fwd_ops: int = 0
     bwd_ops: int = 0
+    # the part of bwd_flops_per_sample that produces parameter gradients (Note [weight-gradient
+    # flops] in partitioner/solver/zero_bubble.py): the zero-bubble schedules' W actions
+    bwd_weight_flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"RegionCost({self.name!r})"
-        for name in ("fwd_flops_per_sample", "bwd_flops_per_sample"):
+        for name in ("fwd_flops_per_sample", "bwd_flops_per_sample", "bwd_weight_flops_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=False)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes_per_sample",
                      "recompute_activation_bytes_per_sample", "transient_bytes_per_sample",
@@ -179,6 +182,13 @@ class RegionCost:
             return self.tp_param_share
         total = self.fwd_flops_per_sample + self.bwd_flops_per_sample
         return min(1.0, self.tp.sharded_flops_per_sample / total) if total else 0.0
+
+    @property
+    def weight_fraction(self) -> float:
+        """The share of the backward that is weight gradients (Note [weight-gradient flops])."""
+        if self.bwd_flops_per_sample <= 0:
+            return 0.0
+        return min(1.0, self.bwd_weight_flops_per_sample / self.bwd_flops_per_sample)
 
     @property
     def static_bytes(self) -> int:
@@ -395,8 +405,19 @@ class Assignment:
         return self.num_stages // self.local_stages
 
     def rank_of(self, stage: int, replica: int) -> int:
-        """Interleaved: stage s runs on pipeline position s % pp (runtime/program/layout.py)."""
-        return (stage % self.pipeline_ranks) * self.dp + replica
+        """Stage s runs on its schedule's pipeline position: s % pp, or the V schedules'
+        (runtime/program/layout.py, Note [one class per schedule])."""
+        return self.position_of(stage) * self.dp + replica
+
+    def position_of(self, stage: int) -> int:
+        kind = RUNTIME_SCHEDULES.get(self.schedule)
+        if kind is None or not kind.several_per_rank:
+            return stage % self.pipeline_ranks
+        return kind(self.local_stages).position_of(stage, self.pipeline_ranks)
+
+    def stages_at(self, position: int) -> tuple[int, ...]:
+        """The stages the rank at pipeline ``position`` holds."""
+        return tuple(s for s in range(self.num_stages) if self.position_of(s) == position)
 
     def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.dp)
@@ -404,7 +425,7 @@ class Assignment:
 
 def place_stages(
     cluster: ClusterSpec, num_stages: int, dp: int, stage_classes: "list[tuple] | None" = None, *,
-    local_stages: int = 1,
+    local_stages: int = 1, position_of=None,
 ) -> tuple[tuple[int, ...], ...]:
     """Devices for every (stage, replica) (Note [rank layout] in Assignment).
 
@@ -413,7 +434,8 @@ def place_stages(
     stage s; each class's devices are handed out in (node, index) order, stage by stage, so a
     stage's replicas share a node whenever the class has dp devices on one node. Interleaved
     (``local_stages`` v > 1, one device class): stage s runs on the devices of pipeline position
-    s % (p / v), so the rows repeat every p / v stages.
+    s % (p / v), so the rows repeat every p / v stages; ``position_of(stage, ranks)`` overrides
+    that position (the V schedules: runtime/program/schedules.py).
     """
     if local_stages > 1:
         if stage_classes is not None:
@@ -421,7 +443,8 @@ def place_stages(
         ranks = num_stages // local_stages
         if ranks * dp > cluster.num_devices:
             raise ValueError(f"{ranks} pipeline ranks * dp {dp} exceeds the cluster's {cluster.num_devices} devices")
-        return tuple(tuple((s % ranks) * dp + r for r in range(dp)) for s in range(num_stages))
+        position = position_of or (lambda s, pp: s % pp)
+        return tuple(tuple(position(s, ranks) * dp + r for r in range(dp)) for s in range(num_stages))
     if num_stages * dp > cluster.num_devices:
         raise ValueError(
             f"num_stages * dp = {num_stages} * {dp} = {num_stages * dp} exceeds the cluster's "
@@ -442,19 +465,25 @@ def place_stages(
     return tuple(placement)
 
 
+SAME_DEVICE = LinkSpec(bandwidth_bytes_per_s=1e30, latency_s=0.0)  # a boundary within one rank: no transfer
+
+
 def plan_links(
     cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]
 ) -> tuple[list[LinkSpec], list[LinkSpec | None], LinkSpec | None]:
     """(boundary links, data-parallel link per stage, tie link) of a placement (Note [cost model] in evaluate.py).
 
-    Boundary k joins stage k and k + 1: the slowest link between them over the replicas.
+    Boundary k joins stage k and k + 1: the slowest link between them over the replicas; none
+    (``SAME_DEVICE``) where both stages are on one device (zbv's turn of the V: torch hands the
+    output over in memory, no send).
     Stage s's all-reduce: the slowest link among its replicas (None when dp = 1). Ties: the
     slowest link within one replica's pipeline, worst over replicas (None for one stage).
     """
     num_stages, dp = len(placement), len(placement[0])
     boundary = [
         max(
-            (cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
+            (SAME_DEVICE if placement[k][r] == placement[k + 1][r]
+             else cluster.link_between(placement[k][r], placement[k + 1][r]) for r in range(dp)),
             key=lambda link: (1.0 / link.bandwidth_bytes_per_s, link.latency_s),
         )
         for k in range(num_stages - 1)

@@ -1,7 +1,7 @@
 """``--schedule auto``: the pipeline schedule as a decision of the solver.
 
 Note [schedule choice]
-    Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b, interleaved) is solved over
+    Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b, interleaved, zb, zbv) is solved over
     the whole allowed (stages, dp, microbatches) space by ``solve`` (interleaved at every v of
     LOCAL_STAGE_OPTIONS, ``solve_any_local_stages``), and the plan with the smallest predicted
     step time under the memory limit wins (the whole step: the terms beside the ILP, Note [terms
@@ -60,6 +60,8 @@ def solve_any_local_stages(solve, problem, cluster, global_batch, *, schedule, c
     chosen, results, errors, chosen_name = _best_of(runs, order, f"schedule {schedule} has no plan at any "
                                                     "number of stages per rank")
     others = _others(results, errors, chosen_name)
+    if len(options) == 1:  # zbv: one number of stages per rank, nothing to choose between
+        return chosen
     scope = chosen.optimal_over.replace(
         f"at {chosen.local_stages} stages per rank",
         f"at {', '.join(str(v) for v in options)} stages per rank (chose {chosen.local_stages}; {others})")

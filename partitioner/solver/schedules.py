@@ -4,7 +4,8 @@ runtime/program/schedules.py): each runtime schedule plus its price, the pipelin
 
 GPipe and 1F1B are priced flat ((m - 1) x the slowest stage + the sum of the stages, Note [cost
 model] in evaluate.py; the chain DP and the placement search bound them); interleaved by its worst
-stage (Note [interleaved pricing] in interleaved.py; its strong bound is its cheap one).
+stage (Note [interleaved pricing] in interleaved.py; its strong bound is its cheap one); zb and zbv
+by torch's own order at the worst stage's F, B and W (Note [zero-bubble pricing] in zero_bubble.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import ClassVar
 from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS, pipeline_slots
 from partitioner.solver.problem import (core_sharing_factor, microbatch_overhead_s, place_stages, plan_links,
                                        region_times_s)
-from runtime.program.schedules import GPipe, Interleaved, OneFOneB, PipelineSchedule
+from partitioner.solver.zero_bubble import path_forms, worst_stage_s
+from runtime.program.schedules import GPipe, Interleaved, OneFOneB, PipelineSchedule, ZeroBubble, ZeroBubbleV
 
 __all__ = ["priced_schedule", "PricedSchedule", "SCHEDULE_ORDER"]
 
@@ -64,19 +66,31 @@ class PricedInterleaved(PricedSchedule, Interleaved):
     one_device_class: ClassVar[bool] = True
     local_stage_options: ClassVar[tuple[int, ...]] = LOCAL_STAGE_OPTIONS
 
+    def time_forms(self, pipeline_ranks: int, num_microbatches: int) -> tuple[tuple[int, int, int], ...]:
+        """(nF, nB, nW) forms whose largest, at the worst stage's forward F, backward B (the input
+        gradient where split) and weight gradient W, is the pipeline: one form here (B is the whole
+        backward, W unused), torch's paths for the split schedules."""
+        slots = pipeline_slots(pipeline_ranks, self.local_stages, num_microbatches)
+        return ((slots, slots, 0),)
+
+    def worst_stage_pipeline_s(self, a, stage_costs) -> float:
+        """The pipeline at every stage raised to the worst stage's F, B and W."""
+        fwd_max = max(st.forward_s for st in stage_costs)
+        wgt_max = max(st.weight_s for st in stage_costs) if self.split_backward else 0.0
+        bwd_max = max(st.time_s - st.forward_s - (st.weight_s if self.split_backward else 0.0) for st in stage_costs)
+        return worst_stage_s(self.time_forms(a.pipeline_ranks, a.num_microbatches), fwd_max, bwd_max, wgt_max)
+
     def pipeline_terms(self, problem, a, stage_costs, dp_links, scale):
         """The worst-stage bound on torch's timeline, the all-reduce of each rank's stages'
         gradients at once, and each rank's peak as the sum of its stages' less the v - 1 extra
         copies of the global batch (Note [interleaved pricing])."""
         pp, v, d, m, b = a.pipeline_ranks, a.local_stages, a.dp, a.num_microbatches, a.microbatch_size
-        fwd_max = max(st.forward_s for st in stage_costs)
-        bwd_max = max(st.time_s - st.forward_s for st in stage_costs)
-        pipeline = pipeline_slots(pp, v, m) * (fwd_max + bwd_max)
+        pipeline = self.worst_stage_pipeline_s(a, stage_costs)
         allreduce = 0.0
         batch = d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
         rank_memory, rank_capacity = [], []
         for pos in range(pp):
-            mine = stage_costs[pos::pp]
+            mine = [stage_costs[s] for s in a.stages_at(pos)]
             link = dp_links[pos]
             step_s = sum(st.step_s for st in mine)
             if link is not None:
@@ -96,7 +110,7 @@ class PricedInterleaved(PricedSchedule, Interleaved):
         inf: memory is left to CP-SAT."""
         p, d, m, b, v = num_stages, dp, num_microbatches, microbatch_size, self.local_stages
         pp = p // v
-        placement = place_stages(cluster, p, d, local_stages=v)
+        placement = place_stages(cluster, p, d, local_stages=v, position_of=self.position_of)
         device = cluster.devices[0]
         boundary, dp_links, _ = plan_links(cluster, placement)
         works = [sum(region_times_s(r, device, b)) for r in problem.regions]
@@ -114,7 +128,45 @@ class PricedInterleaved(PricedSchedule, Interleaved):
         return PricedOneFOneB()  # the 1F1B split of the same stages (the model checks memory per rank)
 
 
-_PRICED = {cls.name: cls for cls in (PricedGPipe, PricedOneFOneB, PricedInterleaved)}
+@dataclass(frozen=True)
+class PricedZeroBubble(PricedInterleaved, ZeroBubble):
+    """zb: torch's order over F, B and W at the worst stage (Note [zero-bubble pricing])."""
+
+    def time_forms(self, pipeline_ranks, num_microbatches):
+        return path_forms(ZeroBubble(self.local_stages), pipeline_ranks, num_microbatches)
+
+    def lower_bound_s(self, problem, cluster, *, num_stages, dp, num_microbatches, microbatch_size,
+                      allow_recompute):
+        """Every plan of (p, d, m, b): some rank runs at least 1/pp of every microbatch's work
+        (m · the work / pp) and the all-reduce of 1/pp of the gradients; times the core-sharing
+        factor. Interleaved's bound with m · work / pp for its slots."""
+        p, d, m, b, v = num_stages, dp, num_microbatches, microbatch_size, self.local_stages
+        pp = p // v
+        placement = place_stages(cluster, p, d, local_stages=v, position_of=self.position_of)
+        device = cluster.devices[0]
+        _, dp_links, _ = plan_links(cluster, placement)
+        pipeline = m * sum(sum(region_times_s(r, device, b)) for r in problem.regions) / pp
+        allreduce = 0.0
+        links = [link for link in dp_links if link is not None]
+        if d > 1 and links:
+            grads = sum(r.grad_bytes for r in problem.regions)
+            bandwidth = max(link.bandwidth_bytes_per_s for link in links)
+            allreduce = 2 * (d - 1) * (grads / (pp * d * bandwidth) + min(link.latency_s for link in links))
+        return (pipeline + allreduce) * core_sharing_factor(cluster, placement)
+
+
+@dataclass(frozen=True)
+class PricedZeroBubbleV(PricedZeroBubble, ZeroBubbleV):
+    """zbv: two stages per rank in a V, priced as zb (Note [zero-bubble pricing])."""
+
+    local_stage_options: ClassVar[tuple[int, ...]] = (2,)
+
+    def time_forms(self, pipeline_ranks, num_microbatches):
+        return path_forms(ZeroBubbleV(2), pipeline_ranks, num_microbatches)
+
+
+_PRICED = {cls.name: cls for cls in (PricedGPipe, PricedOneFOneB, PricedInterleaved, PricedZeroBubble,
+                                     PricedZeroBubbleV)}
 # --schedule auto's order, its tie-break: fewer activations first, then fewer stages
 SCHEDULE_ORDER = tuple(sorted(_PRICED, key=lambda name: _PRICED[name].preference))
 
@@ -126,4 +178,6 @@ def priced_schedule(name: str, local_stages: int | None = 1) -> PricedSchedule:
         raise ValueError(f"schedule={name!r} is not one of {tuple(_PRICED)}: use --schedule "
                          f"{', '.join(_PRICED)} or auto")
     cls = _PRICED[name]
+    if issubclass(cls, ZeroBubbleV):
+        return cls(2)
     return cls(local_stages or 0) if issubclass(cls, Interleaved) else cls()

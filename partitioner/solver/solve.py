@@ -327,7 +327,8 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         "recompute per region" if config.allow_recompute else "no recompute",
     ]
     if cluster.is_homogeneous and best.local_stages > 1:
-        parts.append("rank = (stage % pipeline ranks) * dp + replica on the devices in cluster order")
+        parts.append(f"rank = {priced_schedule(schedule, best.local_stages).position_words()} * dp + replica "
+                     "on the devices in cluster order")
     elif cluster.is_homogeneous:
         parts.append("rank = stage * dp + replica on the devices in cluster order")
     elif len({d.node for d in cluster.devices}) == 1:
@@ -382,7 +383,8 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     tightest = None
     for r in sorted(failed, key=rough_memory)[:4]:
         problem, cluster = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)
-        placement = place_stages(cluster, r.num_stages, r.dp, local_stages=local) if cluster.is_homogeneous else None
+        placement = place_stages(cluster, r.num_stages, r.dp, local_stages=local,
+                                 position_of=priced.position_of) if cluster.is_homogeneous else None
         model = CandidateModel(problem, cluster, num_stages=r.num_stages, dp=r.dp, num_microbatches=r.num_microbatches,
                                microbatch_size=r.microbatch_size, schedule=schedule, config=config,
                                placement=placement, minimize_memory=True)

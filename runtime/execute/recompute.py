@@ -35,6 +35,22 @@ from torch.utils.checkpoint import checkpoint
 
 from runtime.execute import randomness
 
+# Note [recompute under a split backward]: the zero-bubble schedules (zb, zbv) run a stage's
+# backward as torch's ``stage_backward_input`` (``torch.autograd.grad`` with ``inputs=`` the stage's
+# inputs, the graph retained) and later ``stage_backward_weight`` (gradients into the parameters
+# from the retained graph). The reentrant checkpoint refuses ``inputs=`` (it runs its own nested
+# backward to every leaf), so under a split backward every recomputed region takes the
+# non-reentrant form: its pack/unpack hooks rerun the region's forward when the input-gradient
+# pass first needs a saved tensor, and the rerun's graph serves the weight pass. The randomness is
+# replayed as in Note [recompute draws the same randomness]. The rank sets this once, before its
+# first step (``set_split_backward``); a process runs one schedule.
+_SPLIT_BACKWARD = [False]
+
+
+def set_split_backward(split: bool) -> None:
+    """Whether this process's schedule splits backward into input- and weight-gradient passes."""
+    _SPLIT_BACKWARD[0] = bool(split)
+
 
 def _replay(fn, context, *args):
     """``fn(*args)`` under the randomness context its first forward ran under."""
@@ -52,6 +68,6 @@ def checkpointed(fn, *args):
     if not torch.is_grad_enabled():
         return fn(*args)  # nothing is saved without autograd: nothing to recompute
     context = randomness.capture()
-    if _needs_grad(args):
+    if _needs_grad(args) and not _SPLIT_BACKWARD[0]:
         return checkpoint(_replay, fn, context, *args, use_reentrant=True, preserve_rng_state=False)
     return checkpoint(_replay, fn, context, *args, use_reentrant=False, preserve_rng_state=False)

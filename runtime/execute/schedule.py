@@ -19,6 +19,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from runtime.program.schedules import Action, schedule_named
 from runtime.program.spec import Program
+from runtime.execute.recompute import set_split_backward
 from runtime.execute.stage import example_args
 
 
@@ -47,6 +48,7 @@ def _unwrap_single(loss_fn: Callable) -> Callable:
 
 def build_schedule(stages: Sequence[PipelineStage], program: Program, loss_fn: Callable):
     schedule = schedule_named(program.schedule, program.num_stages // program.layout.pp_size)
+    set_split_backward(schedule.split_backward)  # Note [recompute under a split backward]
     first = program.stages[0]
     # Stage 0's inputs are chunked into microbatches along their batch_dim (targets along dim 0).
     chunk_spec = tuple(TensorChunkSpec(a.batch_dim or 0) for a in first.inputs)
@@ -85,8 +87,10 @@ def timed_actions(name: str, pp: int, num_stages: int, m: int,
     """Every compute action of one step as (pipeline position, action, start, end): each rank runs
     its actions in torch.distributed.pipelining's order, each as soon as its inputs are ready (F
     needs the previous stage's F of that microbatch; B needs its own F and the next stage's B).
-    ``seconds(kind, stage)`` is an action's duration (default 1: time counts slots). Listed in the
-    order they are resolved, which a drawing may rely on to be stable."""
+    Under a split backward B is the input gradient (it needs the next stage's B) and W the weight
+    gradient (it needs its own B). ``seconds(kind, stage)`` is an action's duration (default 1:
+    time counts slots). Listed in the order they are resolved, which a drawing may rely on to be
+    stable."""
     orders = _rank_orders(name, pp, num_stages, m)
     duration = seconds or (lambda kind, stage: 1.0)
     end: dict[Action, float] = {}
@@ -103,6 +107,8 @@ def timed_actions(name: str, pp: int, num_stages: int, m: int,
                 deps = [("F", stage - 1, mb)] if kind == "F" and stage > 0 else []
                 if kind == "B":
                     deps = [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < num_stages - 1 else [])
+                elif kind == "W":
+                    deps = [("B", stage, mb)]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[pos]] + [end[d] for d in deps])
@@ -144,8 +150,10 @@ def schedule_text(program: Program) -> str:
     lw = max(len(s) for s in labels) + 2
     n = len(timeline[0])
     busy = sum(1 for row in timeline for a in row if a is not None)
+    split = any(a is not None and a[0] == "W" for row in timeline for a in row)
+    kinds = "F, B (input gradient) or W (weight gradient)" if split else "F or B"
     lines = [f"{name}: {p} stages on {pp} ranks per pipeline, {m} microbatches, dp={dp} "
-             f"(replicas run the same timeline); one slot = one stage's F or B of one microbatch",
+             f"(replicas run the same timeline); one slot = one stage's {kinds} of one microbatch",
              ("slot".ljust(lw) + "".join(str(i).ljust(width) for i in range(n))).rstrip()]
     for label, row in zip(labels, cells):
         lines.append(label.ljust(lw) + "".join((c or ".").ljust(width) for c in row).rstrip())

@@ -11,7 +11,9 @@ Note [stage times]
     a call. At the end of a run each rank writes RUN_DIR/stage_times_rank_<r>.json: per stage
     it holds, the median over the run's steps after the first (as summary.json's step time, Note
     [step time summary] in runtime/execute/train.py) of the step's seconds over its microbatches, and
-    the medians of the schedule and optimizer phases. `partitioner calibrate --from-run` refits
+    the medians of the schedule and optimizer phases. Under a split backward (zb, zbv) the
+    weight-gradient call ``backward_weight_one_chunk`` is timed too: counted in the backward and
+    recorded apart as ``weight_backward_s_per_microbatch``. `partitioner calibrate --from-run` refits
     the machine profile from them (Note [refit from a run] in partitioner/calibrate/refit.py).
 """
 
@@ -32,11 +34,12 @@ class StageTimes:
     def __init__(self, pipe_stages: Sequence, stage_ids: Sequence[int], num_microbatches: int):
         self.stage_ids = tuple(stage_ids)
         self.num_microbatches = num_microbatches
-        self.current = {s: [0.0, 0.0] for s in self.stage_ids}
+        self.current = {s: [0.0, 0.0, 0.0] for s in self.stage_ids}  # forward, backward, weight backward
         self.loss_s = 0.0
         self.steps: list[dict] = []
         for stage_id, stage in zip(self.stage_ids, pipe_stages):
-            for name, slot in (("forward_one_chunk", 0), ("backward_one_chunk", 1)):
+            for name, slot in (("forward_one_chunk", 0), ("backward_one_chunk", 1),
+                               ("backward_weight_one_chunk", 2)):
                 setattr(stage, name, self._timed(getattr(stage, name), stage_id, slot))
 
     def _timed(self, call: Callable, stage_id: int, slot: int) -> Callable:
@@ -63,7 +66,7 @@ class StageTimes:
 
     def begin_step(self) -> None:
         for sums in self.current.values():
-            sums[0] = sums[1] = 0.0
+            sums[0] = sums[1] = sums[2] = 0.0
         self.loss_s = 0.0
 
     def end_step(self, *, schedule_s: float, optimizer_s: float) -> None:
@@ -84,7 +87,9 @@ class StageTimes:
             "format": FORMAT, "rank": rank, "replica": replica, "num_microbatches": m, "timed_steps": len(steps),
             "stages": [{"stage": s,
                         "forward_s_per_microbatch": median([st["stages"][s][0] for st in steps]) / m,
-                        "backward_s_per_microbatch": median([st["stages"][s][1] for st in steps]) / m}
+                        "backward_s_per_microbatch": median([st["stages"][s][1] + st["stages"][s][2]
+                                                             for st in steps]) / m,
+                        "weight_backward_s_per_microbatch": median([st["stages"][s][2] for st in steps]) / m}
                        for s in self.stage_ids],
             "loss_s_per_microbatch": median([st["loss_s"] for st in steps]) / m,
             "schedule_s": median([st["schedule_s"] for st in steps]),

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runtime.program.schedules import schedule_named
+
 if TYPE_CHECKING:  # annotations only: the program builds its layout from here
     from runtime.program.spec import Program
 
@@ -37,6 +39,7 @@ class Layout:
     tensor_parallel: int = 1
     tp_index_of_rank: tuple[int, ...] = ()
     tensor_groups: tuple[tuple[int, ...], ...] = ()  # the ranks of one stage replica (tp > 1 only)
+    position_of_stage: tuple[int, ...] = ()  # stage -> pipeline position (s % pp, or the V schedules')
 
     @staticmethod
     def from_program(program: Program) -> "Layout":
@@ -67,20 +70,23 @@ class Layout:
                 if held != list(range(p)):
                     raise ValueError(f"replica {rep} (ranks {list(ranks)}) holds stages {held}; "
                                      f"each replica must hold every stage 0..{p - 1} exactly once")
-                # torch.distributed.pipelining places stage s on pipeline-group rank s % group size
-                # (group ranks follow ascending global rank): the plan must agree.
-                for pos, r in enumerate(ranks):
-                    want = tuple(range(pos, p, len(ranks)))
-                    if stages_of[r] != want:
-                        raise ValueError(
-                            f"rank {r} (position {pos} of replica {rep}'s pipeline {list(ranks)}) holds "
-                            f"stages {list(stages_of[r])}, but pipelining needs stage s on position "
-                            f"s % {len(ranks)}: give it stages {list(want)}")
                 pipelines.append(ranks)
         sizes = {len(pl) for pl in pipelines}
         if len(sizes) != 1:
             raise ValueError(f"replicas have pipelines of different lengths: {pipelines}")
         pp = sizes.pop()
+        # torch.distributed.pipelining places stage s on pipeline-group rank s % group size, or in
+        # a V for the V schedules (group ranks follow ascending global rank): the plan must agree
+        # (Note [one class per schedule]).
+        schedule = schedule_named(program.schedule, p // pp)
+        for rep, pl in enumerate(pipelines):
+            for pos, r in enumerate(pl):
+                want = schedule.stages_at(pos, pp, p)
+                if stages_of[r] != want:
+                    raise ValueError(
+                        f"rank {r} (position {pos} of pipeline {list(pl)}) holds stages {list(stages_of[r])}, "
+                        f"but {schedule.words()} places stages {list(want)} there: give it stages {list(want)}")
+        position_of_stage = tuple(schedule.position_of(s, pp) for s in range(p))
         dp_groups = tuple(tuple(pipelines[rep * tp + t][pos] for rep in range(dp))
                           for pos in range(pp) for t in range(tp))
         tie_groups = []
@@ -91,7 +97,7 @@ class Layout:
             tie_groups.append(tuple(per_pipeline))
         tensor_groups = tuple(tuple(range(g, g + tp)) for g in range(0, world, tp)) if tp > 1 else ()
         return Layout(world, p, dp, tuple(stages_of), tuple(replica_of), tuple(pipelines),
-                      dp_groups, tuple(tie_groups), tp, tuple(tp_of), tensor_groups)
+                      dp_groups, tuple(tie_groups), tp, tuple(tp_of), tensor_groups, position_of_stage)
 
     @property
     def pp_size(self) -> int:
@@ -105,7 +111,11 @@ class Layout:
     def pipeline_ranks(self, rank: int) -> list[int]:
         """The rank holding each stage of ``rank``'s replica's pipeline, by stage."""
         pipeline = self.pipelines[self.pipeline_index(rank)]
-        return [pipeline[k % self.pp_size] for k in range(self.num_stages)]
+        return [pipeline[self.position(k)] for k in range(self.num_stages)]
+
+    def position(self, stage: int) -> int:
+        """The pipeline position that runs ``stage``."""
+        return self.position_of_stage[stage] if self.position_of_stage else stage % self.pp_size
 
     def data_parallel_ranks(self, rank: int) -> list[int]:
         """The ranks holding the same stage(s) as ``rank``, one per replica (itself included)."""
@@ -113,4 +123,4 @@ class Layout:
         return sorted({self.stage_rank(k, rep, t) for k in self.stages_of_rank[rank] for rep in range(self.dp)})
 
     def stage_rank(self, stage: int, replica: int, tp_index: int = 0) -> int:
-        return self.pipelines[replica * self.tensor_parallel + tp_index][stage % self.pp_size]
+        return self.pipelines[replica * self.tensor_parallel + tp_index][self.position(stage)]

@@ -14,9 +14,10 @@ tests/unit/test_solver_interleaved.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
-Action = tuple[str, int, int]  # (kind "F"/"B", stage, microbatch)
+Action = tuple[str, int, int]  # (kind "F"/"B"/"W", stage, microbatch)
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,26 @@ class PipelineSchedule:
     torch_class: ClassVar[str] = ""
     # the order of ``schedule_named``'s tie-break under --schedule auto: fewer activations first
     preference: ClassVar[int] = 0
-    several_per_rank: ClassVar[bool] = False  # stage s on pipeline position s % ranks
+    several_per_rank: ClassVar[bool] = False  # stage s on pipeline position s % ranks (``position_of``)
+    # backward runs as an input-gradient action "B" and a later weight-gradient action "W"
+    # (Note [zero-bubble schedules] in partitioner/solver/zero_bubble.py)
+    split_backward: ClassVar[bool] = False
 
     def pipeline_ranks(self, num_stages: int) -> int:
         return num_stages // self.local_stages
+
+    def position_of(self, stage: int, pipeline_ranks: int) -> int:
+        """The pipeline position (rank of the pipeline group) that runs ``stage``: s % pp, torch's
+        placement for every schedule but the V ones."""
+        return stage % pipeline_ranks
+
+    def position_words(self) -> str:
+        """``position_of`` in words, for what OPTIMAL covers."""
+        return "(stage % pipeline ranks)"
+
+    def stages_at(self, position: int, pipeline_ranks: int, num_stages: int) -> tuple[int, ...]:
+        """The stages the rank at ``position`` holds, ascending."""
+        return tuple(s for s in range(num_stages) if self.position_of(s, pipeline_ranks) == position)
 
     def refusal(self, num_stages: int, num_microbatches: int) -> str | None:
         """Why torch's schedule would refuse (stages, microbatches), or None."""
@@ -173,14 +190,137 @@ class Interleaved(PipelineSchedule):
         return f"the interleaved schedule at {self.local_stages} stages per rank"
 
 
-SCHEDULES: dict[str, type[PipelineSchedule]] = {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved)}
+def torch_order(schedule_class: str, pipeline_ranks: int, local_stages: int,
+                num_microbatches: int) -> dict[int, list]:
+    """torch's own ``pipeline_order`` of a zero-bubble schedule (position -> its actions, None for a
+    planned wait), computed without stages or process groups (torch: only to print or simulate)."""
+    # torch: only to print or simulate the order (plan validation imports no torch)
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    sched = object.__new__(getattr(torch_schedules, schedule_class))
+    sched.pp_group_size, sched.n_local_stages = pipeline_ranks, local_stages
+    sched.num_stages = sched._num_stages = pipeline_ranks * local_stages
+    sched._n_microbatches = num_microbatches
+    sched.number_of_rounds = rounds(pipeline_ranks, num_microbatches)
+    sched.microbatches_per_round = num_microbatches // sched.number_of_rounds
+    sched.pipeline_order = {r: sched._calculate_single_rank_operations(r) for r in range(pipeline_ranks)}
+    if hasattr(sched, "_add_bubbles_to_actions"):  # ZB1P adds its waits as torch's __init__ does
+        sched.pipeline_order = sched._add_bubbles_to_actions(pipeline_ranks * local_stages)
+    return sched.pipeline_order
+
+
+_KINDS = {"F": "F", "I": "B", "W": "W", "B": "B"}  # torch's I (input gradient) is our B
+
+
+@lru_cache(maxsize=1024)
+def _split_order(schedule_class: str, position: int, pipeline_ranks: int, local_stages: int,
+                 num_microbatches: int) -> tuple[Action, ...]:
+    acts = []
+    for a in torch_order(schedule_class, pipeline_ranks, local_stages, num_microbatches)[position]:
+        if a is None:
+            continue
+        kind = getattr(a.computation_type, "value", str(a.computation_type))
+        acts.append((_KINDS[kind], a.stage_index, a.microbatch_index))
+    return tuple(acts)
+
+
+@dataclass(frozen=True)
+class ZeroBubble(Interleaved):
+    """torch's ScheduleInterleavedZeroBubble (ZB1P): interleaved placement (stage s on position
+    s % pp), backward split into B (input gradient) and W (weight gradient) actions, W filling the
+    bubble (Note [zero-bubble schedules] in partitioner/solver/zero_bubble.py)."""
+
+    name: ClassVar[str] = "zb"
+    torch_class: ClassVar[str] = "ScheduleInterleavedZeroBubble"
+    preference: ClassVar[int] = 3
+    split_backward: ClassVar[bool] = True
+
+    def refusal(self, num_stages, num_microbatches):
+        why = super().refusal(num_stages, num_microbatches)
+        return why and why.replace("schedule interleaved", "schedule zb").replace(
+            "ScheduleInterleaved1F1B", self.torch_class)
+
+    def rank_in_flight(self, position, pipeline_ranks, num_microbatches):
+        """Microbatch-stages whose forward activations the rank holds at its peak (an F not yet
+        followed by its W), read from torch's order."""
+        return peak_held(self.rank_order(position, pipeline_ranks, pipeline_ranks * self.local_stages,
+                                         num_microbatches))
+
+    def in_flight(self, stage, num_stages, num_microbatches):
+        """Microbatches whose activations ``stage`` holds at its peak: from its F until its W
+        (Note [zero-bubble memory] in partitioner/solver/zero_bubble.py)."""
+        pp = self.pipeline_ranks(num_stages)
+        order = self.rank_order(self.position_of(stage, pp), pp, num_stages, num_microbatches)
+        return peak_held([a for a in order if a[1] == stage])
+
+    def rank_order(self, position, pipeline_ranks, num_stages, num_microbatches):
+        return list(_split_order(self.torch_class, position, pipeline_ranks, self.local_stages, num_microbatches))
+
+    def words(self) -> str:
+        return f"the zb schedule (interleaved zero-bubble) at {self.local_stages} stages per rank"
+
+
+@dataclass(frozen=True)
+class ZeroBubbleV(ZeroBubble):
+    """torch's ScheduleZBVZeroBubble: two stages per rank in a V (rank r holds stages r and
+    2 pp - 1 - r, torch's ``generate_stage_to_rank_mapping(style="v")``), backward split as zb."""
+
+    local_stages: int = 2
+    name: ClassVar[str] = "zbv"
+    torch_class: ClassVar[str] = "ScheduleZBVZeroBubble"
+    preference: ClassVar[int] = 4
+
+    def refusal(self, num_stages, num_microbatches):
+        if self.local_stages != 2 or num_stages != 2 * (num_stages // 2) or num_stages < 4:
+            return (f"schedule zbv needs exactly 2 stages on each of at least 2 pipeline ranks "
+                    f"(torch's ScheduleZBVZeroBubble), got {num_stages} stages at {self.local_stages} per rank")
+        return None
+
+    def fix(self, num_stages):
+        return "an even number of stages (2 per pipeline rank), or --schedule zb"
+
+    def position_of(self, stage, pipeline_ranks):
+        return stage if stage < pipeline_ranks else 2 * pipeline_ranks - 1 - stage
+
+    def position_words(self) -> str:
+        return "(stage, or 2 pp - 1 - stage: a V)"
+
+    def words(self) -> str:
+        return "the zbv schedule (V-shaped zero-bubble) at 2 stages per rank"
+
+
+def peak_held(order: list[Action]) -> int:
+    """The peak, along ``order``, of microbatch-stages holding activations: from F until W, and a
+    microbatch between its B and its W counted twice (its kept gradients; Note [zero-bubble
+    memory] in partitioner/solver/zero_bubble.py)."""
+    held = peak = 0
+    for kind, _stage, _mb in order:
+        held += {"F": 1, "B": 1, "W": -2}[kind]
+        peak = max(peak, held)
+    return peak
+
+
+# Note [DualPipeV refused]: torch 2.13's ScheduleDualPipeV overlaps one microbatch's forward with
+# another's backward in one action (OVERLAP_F_B), which our generated stages cannot run as one
+# and the cost model has no time for; its order also needs microbatches >= stages. So it is named
+# and refused rather than run as something else.
+REFUSED = {"dualpipev": "schedule dualpipev (torch's ScheduleDualPipeV) is not offered: its overlapped "
+                        "forward+backward actions (OVERLAP_F_B) have no price in the cost model and it "
+                        "needs microbatches >= stages; use --schedule zbv (the same V placement)"}
+
+SCHEDULES: dict[str, type[PipelineSchedule]] = {
+    cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, ZeroBubble, ZeroBubbleV)}
 
 
 def schedule_named(name: str, local_stages: int = 1) -> PipelineSchedule:
     """The schedule object of a plan's schedule name; ``local_stages``: stages per rank (interleaved)."""
+    if name in REFUSED:
+        raise ValueError(REFUSED[name])
     try:
         cls = SCHEDULES[name]
     except KeyError:
         raise ValueError(f"schedule={name!r} is not one of {tuple(SCHEDULES)}: use --schedule "
                          f"{' | '.join(SCHEDULES)}") from None
-    return cls(local_stages) if cls is Interleaved else cls()
+    if cls is ZeroBubbleV:
+        return cls(2) if local_stages in (1, 2) else cls(local_stages)
+    return cls(local_stages) if cls.several_per_rank else cls()

@@ -40,7 +40,7 @@ def test_small_batch_deep_pipeline_chooses_gpipe():
     assert times["gpipe"] < times["1f1b"]
     assert auto.step_time_s == pytest.approx(min(times.values()))
     assert auto.step_time_s == pytest.approx(_predicted(problem, cluster, auto))
-    assert auto.status == "OPTIMAL" and "schedules 1f1b and gpipe and interleaved (chose gpipe" in auto.optimal_over
+    assert auto.status == "OPTIMAL" and "schedules 1f1b and gpipe and interleaved and zb and zbv (chose gpipe" in auto.optimal_over
     check_assignment(problem, cluster, auto)
 
 
@@ -74,8 +74,11 @@ def test_auto_and_interleaved_are_accepted_and_others_refused_with_the_fix():
     cluster = ClusterSpec.homogeneous(2)
     validate_options(cluster, 8, 2, 1, 4, "auto")
     validate_options(cluster, 8, 4, 1, 4, "interleaved")
-    with pytest.raises(ValueError, match="zbv.*--schedule 1f1b"):
+    validate_options(cluster, 8, 4, 1, 4, "zbv")
+    with pytest.raises(ValueError, match="cannot run zbv on 2 devices.*--stages 4"):
         validate_options(cluster, 8, 2, 1, 4, "zbv")
+    with pytest.raises(ValueError, match="dualpipev.*OVERLAP_F_B.*--schedule zbv"):
+        validate_options(cluster, 8, 4, 1, 4, "dualpipev")
 
 
 def test_cli_auto_compiles_where_1f1b_cannot_and_inspect_names_the_schedule(tmp_path, capsys):
