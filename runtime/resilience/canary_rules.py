@@ -10,7 +10,7 @@ EXIT_EXCLUDE = 4  # a rank blamed twice: the job stops for a re-plan without it 
 
 
 def refusal(every: int, *, dp: int, tensor_parallel: int = 1, local_stages: int = 1, sharded: bool = False,
-            what: str | None = None) -> str | None:
+            schedule: str = "", what: str | None = None) -> str | None:
     """Why a program cannot run a canary every ``every`` steps exactly, naming the value and the fix;
     None when it can (or ``every`` is 0). ``what``: how the value was given (default the run flag)."""
     if not every:
@@ -24,8 +24,11 @@ def refusal(every: int, *, dp: int, tensor_parallel: int = 1, local_stages: int 
     if tensor_parallel > 1:
         return (f"{what}: a canary re-runs a whole stage on one rank, and this program splits each stage over "
                 f"tensor groups of {tensor_parallel}: recompile with --tensor-parallel 1, or drop it")
+    if schedule in ("zb", "zbv"):  # Note [zero-bubble schedules]: B and W are separate actions
+        return (f"{what}: a canary records a stage's backward as one piece, and schedule {schedule} splits it into "
+                "input- and weight-gradient actions: recompile with --schedule 1f1b or gpipe, or drop it")
     if local_stages > 1:
-        return (f"{what}: a canary re-runs the one stage of a rank, and the interleaved schedule puts "
+        return (f"{what}: a canary re-runs the one stage of a rank, and the {schedule or 'interleaved'} schedule puts "
                 f"{local_stages} on each: recompile with --schedule 1f1b or gpipe, or drop it")
     if sharded:
         return (f"{what}: with sharded optimizer state (ZeRO-1) a canary's rollback is not built: recompile with "
@@ -40,7 +43,8 @@ def program_refusal(program: dict, every: int, what: str | None = None) -> str |
     tp = int(program.get("tensor_parallel", 1) or 1)
     ranks_per_pipeline = max(1, world // max(1, dp * tp))
     return refusal(every, dp=dp, tensor_parallel=tp, local_stages=max(1, stages // ranks_per_pipeline),
-                   sharded=bool(program.get("shard_optimizer")) and dp > 1, what=what)
+                   sharded=bool(program.get("shard_optimizer")) and dp > 1, schedule=str(program.get("schedule", "")),
+                   what=what)
 
 
 def exit_code_after(run_dir: str, returncode: int, started_unix: float) -> int:

@@ -48,6 +48,9 @@ def test_refusals_name_the_value_and_the_fix():
     assert "--shard-optimizer off" in refusal(3, dp=2, sharded=True)
     program = {"dp": 2, "num_stages": 4, "world_size": 4, "tensor_parallel": 1}  # 2 ranks a pipeline: interleaved
     assert "interleaved" in program_refusal(program, 2)
+    for schedule in ("zb", "zbv"):  # a split backward: B and W are separate actions (Note [zero-bubble schedules])
+        assert "--schedule 1f1b" in refusal(3, dp=2, schedule=schedule)
+        assert f"schedule {schedule} splits it" in program_refusal({**program, "num_stages": 2, "schedule": schedule}, 2)
     with pytest.raises(FlagError, match="--sdc-canary-every -1"):
         RunOptions(sdc_canary_every=-1)
     with pytest.raises(FlagError, match="--fault-matmul 5:1"):
