@@ -64,6 +64,8 @@ class Program:
                                               # [sharded optimizer state] in runtime/parallel/zero.py)
     tensor_parallel: int = 1                  # ranks per tensor group (Note [tensor-parallel stages]
                                               # in runtime/parallel/tensor_parallel.py)
+    compile_stages: bool = False              # torch.compile each stage's forward (Note [compiled
+                                              # stages] in runtime/execute/compiled.py)
     tp_sharded: dict | None = None            # parameter -> the dim its tensor group splits (tp > 1)
     randomness: RandomnessSpec | None = None  # present only when the compiler keyed random ops
     init: InitSpec | None = None              # present only for a model compiled on the meta device
@@ -103,7 +105,7 @@ class Program:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
         # The precision and sharding fields are written only when not the default, so a program
         # compiled before them round-trips unchanged.
-        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1}
+        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1, "compile_stages": False}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None
                 and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
