@@ -36,6 +36,7 @@ import time
 import torch
 
 from runtime.execute import recompute
+from runtime.execute.precision import step_context
 from runtime.execute.stage import example_args
 
 
@@ -69,8 +70,6 @@ def warm_up(trainer) -> float:
     """Run each of ``trainer``'s stages forward and backward once so every graph is compiled
     before step 1; returns the seconds it took. Leaves parameters, gradients, mutable buffers and
     the generators as they were (Note [compiled stages])."""
-    from runtime.execute.precision import step_context
-
     program = trainer.program
     start = time.perf_counter()
     cpu_rng = torch.get_rng_state()
