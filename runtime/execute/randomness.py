@@ -183,20 +183,22 @@ def _draw(shape, *, op: str, batch_dim: int | None, device: torch.device, normal
 # reruns it there (in backward the context names another microbatch). The result is made
 # contiguous so its strides are those the fake implementation promises.
 @torch.library.custom_op("partitioner_keyed::fill", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _keyed_fill(shape: list[int], op: str, batch_dim: int | None, normal: bool, device: torch.device) -> torch.Tensor:
-    return _draw(shape, op=op, batch_dim=batch_dim, device=device, normal=normal)
+def _keyed_fill(shape: list[int], op: str, batch_dim: int | None, normal: bool,
+                device: torch.device | None) -> torch.Tensor:
+    # device None: the default device, resolved here (dynamo cannot trace get_default_device)
+    return _draw(shape, op=op, batch_dim=batch_dim, device=device or torch.get_default_device(), normal=normal)
 
 
 @_keyed_fill.register_fake
 def _keyed_fill_fake(shape, op, batch_dim, normal, device):
-    return torch.empty([int(s) for s in shape], dtype=torch.float32, device=device)
+    return torch.empty([int(s) for s in shape], dtype=torch.float32, device=device or torch.get_default_device())
 
 
 def _fill(shape, *, op: str, batch_dim: int | None, device, dtype: torch.dtype, normal: bool) -> torch.Tensor:
     """A tensor of ``shape`` filled with keyed draws (Note [masks outside the compiled graph]),
     drawn in fp32 and cast to ``dtype``."""
-    device = torch.device(device) if device is not None else torch.get_default_device()
-    out = _keyed_fill([int(s) for s in shape], op, batch_dim, normal, device)
+    device = torch.device(device) if device is not None else None
+    out = torch.ops.partitioner_keyed.fill([int(s) for s in shape], op, batch_dim, normal, device)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
