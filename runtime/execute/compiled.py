@@ -30,7 +30,6 @@ The evaluation pass (no_grad, dropout off) compiles its own variant when it firs
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
@@ -50,9 +49,11 @@ def compile_stage(module: torch.nn.Module) -> torch.nn.Module:
     """``module``'s forward and its recomputed regions' methods compiled (Note [compiled stages])."""
     # One compile thread per rank: ranks share the machine's cores as they do for training.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    source = sys.modules.get(type(module).__module__)
-    if source is not None and getattr(source, "checkpointed", None) is recompute.checkpointed:
-        source.checkpointed = _compiled_checkpointed()  # the stage file's own name for it: a graph break
+    # the stage file's own name for it (its namespace: stage files are imported by path, not by
+    # module name) becomes a graph break
+    names = type(module).forward.__globals__
+    if names.get("checkpointed") is recompute.checkpointed:
+        names["checkpointed"] = _compiled_checkpointed()
     for name in dir(type(module)):
         if name.startswith("recompute_") and callable(getattr(type(module), name)):
             setattr(module, name, torch.compile(getattr(module, name), dynamic=False))

@@ -1,0 +1,90 @@
+"""Compiled stages against eager ones: the median step of the same plan run both ways, side by side
+in one run, with the compile's seconds apart (Note [compiled stages] in runtime/execute/compiled.py).
+
+    .venv/bin/python benchmarks/compiled_stages.py [--steps 6] [--json out.json]
+
+Four plans on 2 CPU ranks, global batch 8 in 2 microbatches: the demo's GPT (`make demo`:
+layers 4, width 128, 4 heads, seq 64, vocab 256) and hf-llama (2 layers, width 128, 4 heads, vocab
+512, seq 64), each as 2 pipeline stages and as tp 2 (one stage). Each plan is compiled twice, the
+second with compile_stages; all eight folders train in one torchrun launch (tests/drivers/run_many.py,
+one thread per rank, no checkpoints beyond the last). The step is each run's median after its first
+(RUN_DIR/summary.json); compile_s is the warm-up before step 1 (rank 0's stage_times). The ratio
+is eager / compiled: above 1 compiled is faster, below 1 it is a slowdown, printed as such. The
+machine is 2 CPU cores shared with other jobs (the load average is printed): on a GPU the
+per-op launch overhead that compilation removes is a different size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _torchrun import DRIVER, torchrun  # noqa: E402
+
+GLOBAL_BATCH, MICROBATCHES = 8, 2
+MODELS = {"demo gpt": ("gpt", dict(layers=4, width=128, heads=4, seq=64, vocab=256)),
+          "hf-llama": ("hf_llama", dict(layers=2, width=128, heads=4, vocab=512, seq=64, batch=2))}
+LAYOUTS = {"2 stages": dict(num_stages=2), "tp 2": dict(num_stages=1, tensor_parallel=2)}
+
+
+def compile_folders(root: Path) -> dict:
+    """(case, "eager" | "compiled") -> folder."""
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models import builtin
+
+    folders = {}
+    for model, (builder, spec) in MODELS.items():
+        for layout, options in LAYOUTS.items():
+            for mode in ("eager", "compiled"):
+                plan = partitioner.compile(getattr(builtin, builder)(**spec), cluster=ClusterSpec.homogeneous(2, "cpu"),
+                                           global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
+                                           machine_profile="preset", training={"compile_stages": mode == "compiled"},
+                                           **options)
+                folder = root / f"{model}-{layout}-{mode}".replace(" ", "_")
+                plan.save(folder)
+                folders[(f"{model}, {layout}", mode)] = folder
+    return folders
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="compiled-bench-") as tmp:
+        folders = compile_folders(Path(tmp))
+        jobs = [a for folder in folders.values() for a in ("--", str(folder), "--steps", str(args.steps))]
+        torchrun(2, [DRIVER, *jobs[1:]], timeout=1800)
+        load = os.getloadavg()[0]
+        rows = []
+        for case in dict.fromkeys(case for case, _ in folders):
+            eager, compiled = (json.loads((folders[(case, m)] / "run" / "summary.json").read_text())
+                               for m in ("eager", "compiled"))
+            times = json.loads((folders[(case, "compiled")] / "run" / "stage_times_rank_0.json").read_text())
+            rows.append({"case": case, "eager_step_s": eager["measured_step_time_s"],
+                         "compiled_step_s": compiled["measured_step_time_s"], "compile_s": times.get("compile_s")})
+    print(f"{'plan (2 CPU ranks, batch 8, 2 microbatches)':<44} {'eager ms':>9} {'compiled ms':>12} "
+          f"{'eager/compiled':>15} {'compile s':>10}")
+    for r in rows:
+        ratio = r["eager_step_s"] / r["compiled_step_s"]
+        verdict = f"{ratio:.2f}x" + ("" if ratio >= 1 else " (slowdown)")
+        print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f} {r['compiled_step_s'] * 1e3:>12.1f} "
+              f"{verdict:>15} {r['compile_s'] or 0:>10.1f}")
+    print(f"load average {load:.1f} on {os.cpu_count()} cores; {args.steps} steps per run, median after the first")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
