@@ -36,23 +36,27 @@ LAYOUTS = {"2 stages": dict(num_stages=2), "tp 2": dict(num_stages=1, tensor_par
 
 
 def compile_folders(root: Path) -> dict:
-    """(case, "eager" | "compiled") -> folder."""
+    """((case, "eager" | "compiled") -> folder, case -> why the compiled plan was refused)."""
     import partitioner
     from partitioner.config.cluster import ClusterSpec
     from partitioner.models import builtin
 
-    folders = {}
+    folders, refusals = {}, {}
     for model, (builder, spec) in MODELS.items():
         for layout, options in LAYOUTS.items():
             for mode in ("eager", "compiled"):
-                plan = partitioner.compile(getattr(builtin, builder)(**spec), cluster=ClusterSpec.homogeneous(2, "cpu"),
-                                           global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
-                                           machine_profile="preset", training={"compile_stages": mode == "compiled"},
-                                           **options)
+                try:
+                    plan = partitioner.compile(getattr(builtin, builder)(**spec), cluster=ClusterSpec.homogeneous(2, "cpu"),
+                                               global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
+                                               machine_profile="preset",
+                                               training={"compile_stages": mode == "compiled"}, **options)
+                except ValueError as refused:  # tp 2 compiled (Note [what tensor parallelism runs with])
+                    refusals[f"{model}, {layout}"] = str(refused).split(" (Note")[0]
+                    continue
                 folder = root / f"{model}-{layout}-{mode}".replace(" ", "_")
                 plan.save(folder)
                 folders[(f"{model}, {layout}", mode)] = folder
-    return folders
+    return folders, refusals
 
 
 def main(argv=None) -> list[dict]:
@@ -62,20 +66,26 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="compiled-bench-") as tmp:
-        folders = compile_folders(Path(tmp))
+        folders, refusals = compile_folders(Path(tmp))
         jobs = [a for folder in folders.values() for a in ("--", str(folder), "--steps", str(args.steps))]
         torchrun(2, [DRIVER, *jobs[1:]], timeout=1800)
         load = os.getloadavg()[0]
         rows = []
         for case in dict.fromkeys(case for case, _ in folders):
-            eager, compiled = (json.loads((folders[(case, m)] / "run" / "summary.json").read_text())
-                               for m in ("eager", "compiled"))
-            times = json.loads((folders[(case, "compiled")] / "run" / "stage_times_rank_0.json").read_text())
-            rows.append({"case": case, "eager_step_s": eager["measured_step_time_s"],
-                         "compiled_step_s": compiled["measured_step_time_s"], "compile_s": times.get("compile_s")})
+            eager = json.loads((folders[(case, "eager")] / "run" / "summary.json").read_text())
+            row = {"case": case, "eager_step_s": eager["measured_step_time_s"], "compiled_step_s": None,
+                   "compile_s": None, "refused": refusals.get(case)}
+            if (case, "compiled") in folders:
+                run = folders[(case, "compiled")] / "run"
+                row["compiled_step_s"] = json.loads((run / "summary.json").read_text())["measured_step_time_s"]
+                row["compile_s"] = json.loads((run / "stage_times_rank_0.json").read_text()).get("compile_s")
+            rows.append(row)
     print(f"{'plan (2 CPU ranks, batch 8, 2 microbatches)':<44} {'eager ms':>9} {'compiled ms':>12} "
           f"{'eager/compiled':>15} {'compile s':>10}")
     for r in rows:
+        if r["compiled_step_s"] is None:
+            print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f}   compiled refused: {r['refused']}")
+            continue
         ratio = r["eager_step_s"] / r["compiled_step_s"]
         verdict = f"{ratio:.2f}x" + ("" if ratio >= 1 else " (slowdown)")
         print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f} {r['compiled_step_s'] * 1e3:>12.1f} "

@@ -194,7 +194,9 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     problem = precision_problem(problem, precision, _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, precision)
     tp_degrees = (tp,)
-    if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
+    # Note [one enumeration] in solver/space.py: each runnable degree weighed (compiled stages: tp 1,
+    # Note [what tensor parallelism runs with])
+    if request.tensor_parallel is None and not settings.compile_stages:
         tp_degrees = degrees_to_search(cluster, tp_runs)
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tp_roles import check_degree

@@ -6,8 +6,8 @@ replaced by ``torch.compile(forward, dynamic=False)`` and each recomputed region
 (``recompute_<region>``) compiled on its own. What stays outside the compiled graphs, and why:
 
 - the module's hooks: ``module(*args)`` runs the forward pre-hooks (the randomness context of the
-  microbatch, Note [randomness per microbatch]; autocast's entry, Note [mixed precision]; a tensor
-  group's Replicate inputs, Note [tensor-parallel stages]) and then the compiled forward. dynamo
+  microbatch, Note [randomness per microbatch]; autocast's entry, Note [mixed precision]) and then
+  the compiled forward. dynamo
   guards on the ambient grad mode and autocast state, so the policy's autocast applies inside;
 - the keyed draws: one opaque custom op that reads the context when it runs (Note [masks outside
   the compiled graph] in runtime/execute/randomness.py), so the masks are bit-identical to eager
@@ -25,6 +25,11 @@ stage's forward and backward once on zero inputs of the microbatch's shapes befo
 the mutable buffers, gradients and generator states put back after, and its seconds are the run's
 ``compile_s`` (a log line, and stage_times_rank_<r>.json's ``compile_s``), never a step's time.
 The evaluation pass (no_grad, dropout off) compiles its own variant when it first runs.
+
+Not with tensor parallelism (refused: Note [what tensor parallelism runs with] in
+partitioner/frontend/tp_support.py): inductor fails on the DTensor stage and dynamo silently runs
+the forward eagerly, and a graph served from the FX cache names the process group of the launch
+that compiled it ("Could not resolve the process group registered under the name 6").
 """
 
 from __future__ import annotations

@@ -147,6 +147,9 @@ def _validate(program: Program) -> None:
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm {program.clip_grad_norm!r} must be a positive number or null (off)")
+    if program.compile_stages and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
+        raise ValueError(f"compile_stages with tensor_parallel={program.tensor_parallel} does not run yet (inductor "
+                         "falls back to eager on a DTensor stage): recompile without --compile-stages, or with --tp 1")
     if program.device not in ("cpu", "cuda"):
         raise ValueError(f"device {program.device!r} is not 'cpu' or 'cuda'")
     world, p, dp, m = program.world_size, program.num_stages, program.dp, program.num_microbatches

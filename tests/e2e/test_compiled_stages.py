@@ -1,7 +1,7 @@
 """Compiled stages end to end (Note [compiled stages] in runtime/execute/compiled.py): programs
 compiled with compile_stages train under torchrun against the one-process eager oracle (verify's
 tolerances, Note [compiled stages verify] in partitioner/cli/verify.py), and a killed rank resumes
-bit-exact. Inductor compiles slowly here, so every program trains in one torchrun launch
+bit-exact. (Tensor parallelism is refused with compiled stages: tests/unit/test_compiled_stages_unit.py.) Inductor compiles slowly here, so every program trains in one torchrun launch
 (tests/drivers/run_many.py) and the FX graph cache serves the repeated graphs."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _programs import compile_to
 from tests.drivers import RUN_MANY
 from partitioner.cli.verify import check_run
 from partitioner.config.cluster import ClusterSpec
-from partitioner.models.builtin import hf_gpt2, hf_llama
+from partitioner.models.builtin import hf_gpt2
 import partitioner
 from runtime.launch.torchrun import run_env, torchrun_command
 
@@ -31,24 +30,17 @@ def gpt2():
     return hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
 
 
-def llama():
-    return hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     small = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2, "memory_bytes": 600_000}]})
     plans = {"gpt2": partitioner.compile(gpt2(), cluster=small, global_batch=8, num_stages=2, microbatches=4,
-                                         training=COMPILED),
-             "tp2": compile_to(root / "tp2", llama(), devices=2, num_stages=1, tensor_parallel=2, global_batch=4,
-                               microbatches=2, training=COMPILED)}
+                                         training=COMPILED)}
     plans["gpt2"].save(root / "gpt2")
-    gpt2_dir, tp2_dir = root / "gpt2", root / "tp2"
+    gpt2_dir = root / "gpt2"
     jobs = [["--restarts", "1", gpt2_dir, "--steps", STEPS, "--checkpoint-every", 2, "--fail-at", "1:3:kill",
              "--checkpoint-dir", root / "ck_killed", "--run-dir", root / "killed"],
-            [gpt2_dir, "--steps", STEPS, "--checkpoint-dir", root / "ck_full", "--run-dir", root / "full"],
-            [tp2_dir, "--steps", 3]]
+            [gpt2_dir, "--steps", STEPS, "--checkpoint-dir", root / "ck_full", "--run-dir", root / "full"]]
     args = [str(a) for job in jobs for a in ["--", *job]][1:]
     done = subprocess.run(torchrun_command(RUN_MANY, 2, args=args), env=run_env(), capture_output=True, text=True,
                           timeout=900)
@@ -66,12 +58,6 @@ def test_two_compiled_stages_with_dropout_a_tie_and_recompute_pass_verify(runs):
     times = json.loads((root / "full" / "stage_times_rank_0.json").read_text())
     assert times["compile_s"] > 0  # reported apart from the steps
     report = check_run(root / "gpt2", root / "full", steps=STEPS, workload=gpt2())
-    assert report.ok, report.text()
-
-
-def test_compiled_tensor_parallel_two_passes_verify(runs):
-    root, _, _ = runs
-    report = check_run(root / "tp2", root / "tp2" / "run", steps=3, workload=llama())
     assert report.ok, report.text()
 
 

@@ -80,3 +80,29 @@ def test_the_setting_travels_from_job_file_to_the_program_and_is_checked():
     args = build_parser().parse_args(["compile", "gpt", "-o", "out", "--compile-stages"])
     assert args.compile_stages is True
     assert build_parser().parse_args(["compile", "gpt", "-o", "out"]).compile_stages is False
+
+
+def test_tensor_parallelism_with_compiled_stages_is_refused_and_an_open_degree_plans_tp_1(tmp_path):
+    """Inductor falls back to eager on a DTensor stage (Note [what tensor parallelism runs with]):
+    refused at compile time, and at run time for a plan.json that says both."""
+    import dataclasses
+
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import hf_llama
+    from runtime.program.spec import load_program
+
+    def plan(**options):
+        return partitioner.compile(hf_llama(layers=1, width=32, heads=4, vocab=64, seq=8), global_batch=4,
+                                   cluster=ClusterSpec.homogeneous(2, "cpu"), machine_profile="preset",
+                                   training={"compile_stages": True}, **options)
+
+    with pytest.raises(ValueError, match="tensor_parallel=2 does not run with compiled stages yet.*--compile-stages"):
+        plan(tensor_parallel=2)
+    chosen = plan()
+    assert chosen.tensor_parallel == 1
+    chosen.save(tmp_path / "out")
+    program = load_program(str(tmp_path / "out"))
+    assert program.compile_stages is True
+    with pytest.raises(ValueError, match="compile_stages with tensor_parallel=2 does not run yet"):
+        dataclasses.replace(program, tensor_parallel=2)
