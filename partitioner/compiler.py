@@ -30,6 +30,7 @@ from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_b
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
 from partitioner.calibrate.machine import fill_fixed_costs
+from partitioner.calibrate.profiles import compiled_profile_refusal
 from partitioner.config.cluster import ClusterSpec
 from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
@@ -163,6 +164,9 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
             raise ValueError(f"the {p.kind} profile was fitted under precision {fitted}, but this plan trains in "
                              f"{precision}: recalibrate with --calibrate --precision {precision}, "
                              f"or compile with --precision {fitted}")
+        refused = compiled_profile_refusal(p, bool(settings.compile_stages))
+        if refused:
+            raise ValueError(refused)
 
     def tp_runs(t: int) -> bool:
         return _tp_runs(gm, t, cluster, settings)
@@ -174,7 +178,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
             t > 1 and (request.num_stages is None or request.num_stages * t <= cluster.num_devices)
             for t in degrees_to_search(cluster, tp_runs)))
         with randomness.restored(COSTING_RANDOMNESS):  # Note [tensor-parallel overheads]: measured if weighed
-            measured = calibrate.run(workload, gm, progress=progress, precision=precision, tensor_parallel=weighs_tp)
+            measured = calibrate.run(workload, gm, progress=progress, precision=precision, tensor_parallel=weighs_tp,
+                                     compiled=bool(settings.compile_stages))
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     # (Note [machine profile]) its reference fit prices cpu regions under fp32 unless this model's
     # own profile does; its fixed costs fill in whatever no profile measured

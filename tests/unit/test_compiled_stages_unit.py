@@ -106,3 +106,32 @@ def test_tensor_parallelism_with_compiled_stages_is_refused_and_an_open_degree_p
     assert program.compile_stages is True
     with pytest.raises(ValueError, match="compile_stages with tensor_parallel=2 does not run yet"):
         dataclasses.replace(program, tensor_parallel=2)
+
+
+def test_calibration_measures_compiled_regions_and_a_profile_measured_the_other_way_is_refused():
+    """Note [compiled regions priced] in partitioner/calibrate/measure.py."""
+    import partitioner
+    from partitioner.calibrate import DeviceProfile, DirectionFit, calibrate
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.analysis import annotate, trace_keyed
+    from partitioner.models.builtin import mlp
+
+    workload = mlp()
+    traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    gm = annotate(traced, granularity="block", loss_outside_graph=True)
+    profile = calibrate(workload, gm, warmup=1, repeats=2, compiled=True)
+    assert profile.meta["compiled"] is True
+    assert {row["kind"] for row in profile.measurements} == {"region"}  # no single ops: each a compile of its own
+    assert all(row["fwd_s"] > 0 for row in profile.measurements)
+
+    fit = DirectionFit(0.0, 0.0, 0.0, 0.0)
+    eager = DeviceProfile("cpu", fit, fit, meta={"precision": "fp32"})
+    cluster = ClusterSpec.homogeneous(2, "cpu")
+    with pytest.raises(ValueError, match="measured eager, but this plan compiles its stages: recalibrate with "
+                                         "--calibrate --compile-stages"):
+        partitioner.compile(mlp(), cluster=cluster, global_batch=4, profiles=[eager], training={"compile_stages": True})
+    with pytest.raises(ValueError, match="measured with compiled regions, but this plan runs eager stages"):
+        partitioner.compile(mlp(), cluster=cluster, global_batch=4, profiles=[profile])
+    plan = partitioner.compile(mlp(), cluster=cluster, global_batch=4, profiles=[profile],
+                               training={"compile_stages": True})
+    assert plan.num_stages >= 1
