@@ -53,6 +53,7 @@ BENCHMARKS = [
     ("precision", ["benchmarks/precision.py"], 600),
     ("tensor_parallel", ["benchmarks/tensor_parallel.py"], 600),
     ("data_loading", ["benchmarks/data_loading.py"], 300),
+    ("compiled_stages", ["benchmarks/compiled_stages.py"], 1500),  # inductor compiles: minutes here
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
 ]
 TAIL_LINES = 14
