@@ -77,6 +77,9 @@ def test_the_setting_travels_from_job_file_to_the_program_and_is_checked():
     assert "compile_stages" not in TrainingSettings().to_dict()  # left out: off, and plan.json unchanged
     with pytest.raises(ValueError, match="compile_stages = 'yes' must be true or false"):
         TrainingSettings.from_dict({"compile_stages": "yes"})
+    from partitioner.config.job import nested_training
+
+    assert nested_training({"compile_stages": True}, "[training]") == {"compile_stages": True}  # the job file's key
     args = build_parser().parse_args(["compile", "gpt", "-o", "out", "--compile-stages"])
     assert args.compile_stages is True
     assert build_parser().parse_args(["compile", "gpt", "-o", "out"]).compile_stages is False
