@@ -54,6 +54,7 @@ BENCHMARKS = [
     ("precision", ["benchmarks/precision.py"], 600),
     ("tensor_parallel", ["benchmarks/tensor_parallel.py"], 600),
     ("data_loading", ["benchmarks/data_loading.py"], 300),
+    ("compiled_stages", ["benchmarks/compiled_stages.py"], 1500),  # inductor compiles: minutes here
     ("screenshot_report", ["benchmarks/screenshot_report.py"], 120),
     ("zero_bubble", ["benchmarks/zero_bubble.py", "--scale", "--time-limit", "30"], 1200),  # 1f1b vs zb vs zbv
 ]

@@ -30,6 +30,7 @@ from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_b
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
 from partitioner.calibrate.machine import fill_fixed_costs
+from partitioner.calibrate.profiles import compiled_profile_refusal
 from partitioner.config.cluster import ClusterSpec
 from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
@@ -167,6 +168,9 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
             raise ValueError(f"the {p.kind} profile was fitted under precision {fitted}, but this plan trains in "
                              f"{precision}: recalibrate with --calibrate --precision {precision}, "
                              f"or compile with --precision {fitted}")
+        refused = compiled_profile_refusal(p, bool(settings.compile_stages))
+        if refused:
+            raise ValueError(refused)
 
     def tp_runs(t: int) -> bool:
         return _tp_runs(gm, t, cluster, settings)
@@ -178,7 +182,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
             t > 1 and (request.num_stages is None or request.num_stages * t <= cluster.num_devices)
             for t in degrees_to_search(cluster, tp_runs)))
         with randomness.restored(COSTING_RANDOMNESS):  # Note [tensor-parallel overheads]: measured if weighed
-            measured = calibrate.run(workload, gm, progress=progress, precision=precision, tensor_parallel=weighs_tp)
+            measured = calibrate.run(workload, gm, progress=progress, precision=precision, tensor_parallel=weighs_tp,
+                                     compiled=bool(settings.compile_stages))
         profiles = [p for p in profiles if p.kind != measured.kind] + [measured]
     # (Note [machine profile]) its reference fit prices cpu regions under fp32 unless this model's
     # own profile does; its fixed costs fill in whatever no profile measured
@@ -198,7 +203,9 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     problem = precision_problem(problem, precision, _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, precision)
     tp_degrees = (tp,)
-    if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
+    # Note [one enumeration] in solver/space.py: each runnable degree weighed (compiled stages: tp 1,
+    # Note [what tensor parallelism runs with])
+    if request.tensor_parallel is None and not settings.compile_stages:
         tp_degrees = degrees_to_search(cluster, tp_runs)
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tp_roles import check_degree

@@ -77,21 +77,23 @@ __all__ = ["CalibrationConfig", "DeviceProfile", "DirectionFit", "Features", "Li
 
 def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: int = 3, repeats: int = 10,
               threads: int | None = 1, progress: Callable[[str], None] | None = None,
-              precision: Precision = Precision.FP32, tp_overheads: bool = False) -> DeviceProfile:
+              precision: Precision = Precision.FP32, tp_overheads: bool = False, compiled: bool = False) -> DeviceProfile:
     """Measure ``gm``'s regions and ops here and fit a profile for this device kind, under the
     precision policy the program will train in (its meta records it: a profile fits one policy).
     ``tp_overheads``: measure tensor parallelism's fixed costs too (cpu only; Note
-    [tensor-parallel overheads], partitioner/calibrate/tp_overheads.py)."""
+    [tensor-parallel overheads], partitioner/calibrate/tp_overheads.py). ``compiled``: the regions
+    through torch.compile (Note [compiled regions priced] in partitioner/calibrate/measure.py)."""
     kind = kind or local_device_kind()
     precision = Precision.of(precision)
     rows = measure(workload, gm, warmup=warmup, repeats=repeats, threads=threads, progress=progress,
-                   precision=precision)
+                   precision=precision, compiled=compiled)
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         profile = fit_profile(rows, kind=kind, meta={"workload": workload.name, "warmup": warmup, "repeats": repeats,
-                                                     "threads": threads or old, "precision": precision.value})
+                                                     "threads": threads or old, "precision": precision.value,
+                                                     "compiled": compiled})
         profile = replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
         if tp_overheads and kind == "cpu":
             profile = replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
@@ -120,10 +122,11 @@ class CalibrationConfig:
             raise ValueError(f"calibration repeats={self.repeats} must be >= 1 and warmup={self.warmup} >= 0")
 
     def run(self, workload, gm: fx.GraphModule, *, progress: Callable[[str], None] | None = None,
-            precision: Precision = Precision.FP32, tensor_parallel: bool = False) -> DeviceProfile:
+            precision: Precision = Precision.FP32, tensor_parallel: bool = False,
+            compiled: bool = False) -> DeviceProfile:
         profile = calibrate(workload, gm, kind=self.kind, warmup=self.warmup, repeats=self.repeats,
                             threads=self.threads, progress=progress, precision=precision,
-                            tp_overheads=self.tp_overheads and tensor_parallel)
+                            tp_overheads=self.tp_overheads and tensor_parallel, compiled=compiled)
         if self.profile_out:
             profile.save(self.profile_out)
             if progress:

@@ -3,6 +3,7 @@ region] in partitioner/calibrate/__init__.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import statistics
 import time
@@ -119,13 +120,16 @@ def local_device_kind() -> str:
 
 def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10, single_ops: bool = True,
             threads: int | None = 1, device: str | None = None,
-            progress: Callable[[str], None] | None = None, precision: Precision = Precision.FP32) -> list[dict]:
+            progress: Callable[[str], None] | None = None, precision: Precision = Precision.FP32,
+            compiled: bool = False) -> list[dict]:
     """Measure every region of the annotated ``gm`` (and every distinct op alone) on this machine.
 
     Returns one dict per measured group: name, kind ("region" or "op"), fwd_s, bwd_s,
     peak_live_bytes and the (forward, backward) features (Note [measuring a region]).
     ``precision``: forwards run under that policy's autocast, as the program runs them (Note
-    [mixed precision] in runtime/execute/precision.py), so the fit is the policy's."""
+    [mixed precision] in runtime/execute/precision.py), so the fit is the policy's.
+    ``compiled``: each region runs through torch.compile, as a compiled stage runs it (Note
+    [compiled regions priced])."""
     if any(p.device.type == "meta" for p in gm.parameters()):
         raise ValueError(f"--calibrate runs the model, but {workload.name} lives on the meta device: calibrate "
                          "on a smaller configuration of the same model (same kinds of ops) and pass the "
@@ -135,8 +139,8 @@ def measure(workload, gm: fx.GraphModule, *, warmup: int = 3, repeats: int = 10,
     if threads and device == "cpu":
         torch.set_num_threads(threads)
     try:
-        return _measure(workload, gm, warmup=warmup, repeats=repeats, single_ops=single_ops, device=device,
-                        progress=progress, precision=precision)
+        return _measure(workload, gm, warmup=warmup, repeats=repeats, single_ops=single_ops and not compiled,
+                        device=device, progress=progress, precision=precision, compiled=compiled)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -153,7 +157,16 @@ def _example_inputs(workload) -> tuple:
     return batch_inputs(args, workload.keywords, workload.constants)
 
 
-def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision=Precision.FP32) -> list[dict]:
+# Note [compiled regions priced]: a program with compiled stages (Note [compiled stages] in
+# runtime/execute/compiled.py) runs fused kernels, so `--calibrate` with `--compile-stages`
+# measures each region through torch.compile (dynamic=False, as the stages; at least one warm-up
+# call, which compiles and is never timed) and fits the time model to those seconds. Single ops are
+# not measured then: each would be a compile of its own (seconds to a minute here), and an op
+# alone compiles to nothing like its place in a fused region; the fit is of the regions alone.
+# The profile's meta says "compiled", and compile refuses a profile measured the other way
+# (an eager fit prices a compiled plan's per-op overhead that fusion removed, and vice versa).
+def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision=Precision.FP32,
+             compiled: bool = False) -> list[dict]:
     gm = gm.to(device)
     params = list(gm.parameters())
     needs = requires_grad_nodes(gm)
@@ -193,8 +206,9 @@ def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, pre
     results = []
     for kind, name, nodes in groups:
         run = _build_group(gm, nodes, values, needs, name)
-        fwd_s, bwd_s, peak = _time_group(run, warmup=warmup, repeats=repeats, params=params,
-                                         precision=precision, device=device)
+        timed = dataclasses.replace(run, module=torch.compile(run.module, dynamic=False)) if compiled else run
+        fwd_s, bwd_s, peak = _time_group(timed, warmup=max(warmup, 1) if compiled else warmup, repeats=repeats,
+                                         params=params, precision=precision, device=device)
         fwd_f, bwd_f = group_features(nodes, needs)
         results.append({"kind": kind, "name": name, "fwd_s": fwd_s, "bwd_s": bwd_s, "peak_live_bytes": peak,
                         "fwd_features": asdict(fwd_f), "bwd_features": asdict(bwd_f)})
@@ -205,6 +219,7 @@ def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, pre
             results[-1].update(time_checkpointed(run.module, fresh, warmup=warmup, repeats=repeats, params=params,
                                                  precision=precision, device=device))
     if progress:
-        progress(f"calibrate: measured {sum(r['kind'] == 'region' for r in results)} regions and "
+        progress(f"calibrate: measured {sum(r['kind'] == 'region' for r in results)} regions"
+                 f"{' compiled' if compiled else ''} and "
                  f"{sum(r['kind'] == 'op' for r in results)} distinct ops, {repeats} repeats each")
     return results

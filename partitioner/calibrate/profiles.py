@@ -179,3 +179,17 @@ def apply_profiles(problem, gm: fx.GraphModule, batch_size: int, profiles: Seque
                 by_kind[profile.kind] = getattr(profile, name)
         measured[field_name] = by_kind or None
     return replace(problem, regions=tuple(regions), **measured)
+
+
+def compiled_profile_refusal(profile: DeviceProfile, compile_stages: bool) -> str | None:
+    """Why ``profile`` cannot price a plan with (or without) compiled stages, or None (Note
+    [compiled regions priced] in partitioner/calibrate/measure.py). A profile without the key
+    (fitted before it existed, or by `calibrate --machine`) was measured eager."""
+    fitted = bool(profile.meta.get("compiled", False))
+    if fitted == compile_stages:
+        return None
+    if compile_stages:
+        return (f"the {profile.kind} profile was measured eager, but this plan compiles its stages: recalibrate "
+                "with --calibrate --compile-stages, or compile without --compile-stages")
+    return (f"the {profile.kind} profile was measured with compiled regions, but this plan runs eager stages: "
+            "recalibrate with --calibrate, or compile with --compile-stages")

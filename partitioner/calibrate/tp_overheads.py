@@ -61,7 +61,7 @@ def measure_dtensor_op_s(gm: fx.GraphModule, args, *, repeats: int = 10, warmup:
     # the compute the solver keeps per member: each region's FLOPs x (sharded share / 2 + the rest)
     flops = kept = 0.0
     for r in region_table(gm):
-        share = min(1.0, r.tp.sharded_param_bytes / r.param_bytes) if r.param_bytes else 0.0
+        share = min(1.0, r.tp_sharded_param_bytes / r.param_bytes) if r.param_bytes else 0.0
         flops += r.fwd_flops + r.bwd_flops
         kept += (r.fwd_flops + r.bwd_flops) * (share / 2 + 1 - share)
     fraction = kept / flops if flops else 1.0

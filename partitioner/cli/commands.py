@@ -56,6 +56,8 @@ def cmd_compile(args) -> int:
     if args.clip_grad_norm is not None:
         training["clip_grad_norm"] = None if args.clip_grad_norm.lower() == "none" else _float_flag(
             "--clip-grad-norm", args.clip_grad_norm)
+    if args.compile_stages:  # Note [compiled stages] in runtime/execute/compiled.py
+        training["compile_stages"] = True
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())
     # Note [a corpus replaces make_batch]; a job file's [data] source is resolved by load_job; an
@@ -302,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 1000)")
     c.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2)")
     c.add_argument("--clip-grad-norm", metavar="NORM", help="clip the global gradient norm to NORM (none: off)")
+    c.add_argument("--compile-stages", action="store_true", help="torch.compile (inductor) each stage's forward, "
+                   "warmed before step 1 (default off)")
     c.add_argument("--global-batch", type=int, default=8)
     c.add_argument("--microbatches", type=int)
     c.add_argument("--stages", type=int)

@@ -27,6 +27,7 @@ A job file (TOML, README "Job file")::
     sdc_every = 20              # compare the replicas' digests every K steps (0: off; Note [replica digests])
     sdc_canary_every = 0        # a compute canary every K steps (0: off; Note [compute canaries])
     seed = 0
+    compile_stages = true       # torch.compile each stage (Note [compiled stages]); default off
 
     [cluster]                   # the cluster file's format, inline; or: cluster = "cluster.toml"
     [[cluster.group]]
@@ -91,6 +92,7 @@ JOB_TRAINING_KEYS = {
     "seed": ("seed",),
     "collective_timeout_s": ("collective_timeout_s",),
     "memory_tier": ("memory_tier",),
+    "compile_stages": ("compile_stages",),  # Note [compiled stages] in runtime/execute/compiled.py
 }
 
 

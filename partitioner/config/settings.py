@@ -26,7 +26,8 @@ from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSetting
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "auto")
 GRANULARITIES = ("block", "sublayer", "op", "node")
-_OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data")
+_OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data",
+             "compile_stages")
 
 
 # -- value checks: each returns the value (normalized) or raises naming ``where`` -------------------
@@ -144,6 +145,8 @@ TRAINING_SCHEMA = {
     "clip_grad_norm": _optional(_positive),
     "precision": _choice(tuple(p.value for p in Precision)),  # Note [mixed precision]
     "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
+    # torch.compile each stage's forward (Note [compiled stages] in runtime/execute/compiled.py); left out: off
+    "compile_stages": _boolean_or_none,
 }
 
 
@@ -180,6 +183,7 @@ class TrainingSettings:
     model_spec: str | None = None       # how `partitioner verify` rebuilds the model (the CLI sets it)
     pretrained: str | None = None       # the Hugging Face weights an hf: model starts from (the CLI sets it)
     data: str | None = None             # "tokens:DIR", "megatron:PREFIX", ...: a corpus replaces make_batch
+    compile_stages: bool | None = None  # torch.compile the stages (Note [compiled stages]); None: off
 
     def __post_init__(self):
         for name in ("collective_timeout_s", "mtbf_s", "clip_grad_norm"):  # one JSON form however given

@@ -149,29 +149,57 @@ def _generator(device: torch.device) -> torch.Generator:
     return g
 
 
-def _fill(shape, *, op: str, batch_dim: int | None, device, dtype: torch.dtype, normal: bool) -> torch.Tensor:
-    """A tensor of ``shape`` filled with U[0, 1) (or N(0, 1)) keyed draws; rows along ``batch_dim``
-    are samples first_sample, first_sample + 1, ..."""
+def _draw(shape, *, op: str, batch_dim: int | None, device: torch.device, normal: bool) -> torch.Tensor:
+    """fp32 U[0, 1) (or N(0, 1)) keyed draws of ``shape``; rows along ``batch_dim`` are samples
+    first_sample, first_sample + 1, ..."""
     ctx = current()
-    device = torch.device(device) if device is not None else torch.get_default_device()
     g = _generator(device)
     shape = tuple(int(s) for s in shape)
     if batch_dim is None:
         g.manual_seed(key(ctx.seed, ctx.step, _PER_MICROBATCH, ctx.microbatch, op))
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = torch.empty(shape, dtype=torch.float32, device=device)
         return out.normal_(generator=g) if normal else out.uniform_(generator=g)
     batch_dim = batch_dim % len(shape)
     rows = shape[batch_dim]
     # Each sample's block is contiguous while drawn, so its values do not depend on how many
     # samples share the microbatch.
-    out = torch.empty((rows,) + shape[:batch_dim] + shape[batch_dim + 1:], dtype=dtype, device=device)
+    out = torch.empty((rows,) + shape[:batch_dim] + shape[batch_dim + 1:], dtype=torch.float32, device=device)
     for i in range(rows):
         g.manual_seed(key(ctx.seed, ctx.step, _PER_SAMPLE, ctx.first_sample + i, op))
         if normal:
             out[i].normal_(generator=g)
         else:
             out[i].uniform_(generator=g)
-    return out.movedim(0, batch_dim)
+    return out.movedim(0, batch_dim).contiguous()
+
+
+# Note [masks outside the compiled graph]: the draws are one custom op, ``partitioner_keyed::fill``,
+# in eager and compiled stages alike. torch.compile cannot look inside it, so it reads the
+# randomness context when the op runs, not when the graph was traced: a compiled stage draws the
+# masks of the step and microbatch it runs (were the context read by traced Python, dynamo would
+# guard on its integers and recompile for every microbatch), the same bits as eager (the op is the
+# same code), and a recompute rerun under ``restored`` draws the first run's masks. Tagged
+# nondeterministic_seeded, so AOTAutograd's partitioner saves its output for backward and never
+# reruns it there (in backward the context names another microbatch). The result is made
+# contiguous so its strides are those the fake implementation promises.
+@torch.library.custom_op("partitioner_keyed::fill", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _keyed_fill(shape: list[int], op: str, batch_dim: int | None, normal: bool,
+                device: torch.device | None) -> torch.Tensor:
+    # device None: the default device, resolved here (dynamo cannot trace get_default_device)
+    return _draw(shape, op=op, batch_dim=batch_dim, device=device or torch.get_default_device(), normal=normal)
+
+
+@_keyed_fill.register_fake
+def _keyed_fill_fake(shape, op, batch_dim, normal, device):
+    return torch.empty([int(s) for s in shape], dtype=torch.float32, device=device or torch.get_default_device())
+
+
+def _fill(shape, *, op: str, batch_dim: int | None, device, dtype: torch.dtype, normal: bool) -> torch.Tensor:
+    """A tensor of ``shape`` filled with keyed draws (Note [masks outside the compiled graph]),
+    drawn in fp32 and cast to ``dtype``."""
+    device = torch.device(device) if device is not None else None
+    out = torch.ops.partitioner_keyed.fill([int(s) for s in shape], op, batch_dim, normal, device)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _uniform_like(x: torch.Tensor, *, op: str, batch_dim: int | None) -> torch.Tensor:

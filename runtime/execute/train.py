@@ -279,6 +279,11 @@ class RankTrainer:
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
         self.steps_done = 0
+        self.compile_s = None  # Note [compiled stages] in runtime/execute/compiled.py: before step 1, timed apart
+        if program.compile_stages:
+            from runtime.execute.compiled import compile_rank  # lazy: only a compiled program loads dynamo
+
+            self.compile_s = compile_rank(self)
 
     def _replica_rows(self, t: torch.Tensor, batch_dim: int) -> torch.Tensor:
         rows = self.program.global_batch // self.program.dp

@@ -65,6 +65,8 @@ class Program:
                                               # [sharded optimizer state] in runtime/parallel/zero.py)
     tensor_parallel: int = 1                  # ranks per tensor group (Note [tensor-parallel stages]
                                               # in runtime/parallel/tensor_parallel.py)
+    compile_stages: bool = False              # torch.compile each stage's forward (Note [compiled
+                                              # stages] in runtime/execute/compiled.py)
     tp_sharded: dict | None = None            # parameter -> the dim its tensor group splits (tp > 1)
     randomness: RandomnessSpec | None = None  # present only when the compiler keyed random ops
     init: InitSpec | None = None              # present only for a model compiled on the meta device
@@ -104,7 +106,7 @@ class Program:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
         # The precision and sharding fields are written only when not the default, so a program
         # compiled before them round-trips unchanged.
-        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1}
+        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1, "compile_stages": False}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None
                 and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
@@ -149,6 +151,13 @@ def _validate(program: Program) -> None:
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm {program.clip_grad_norm!r} must be a positive number or null (off)")
+    if program.compile_stages and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
+        raise ValueError(f"compile_stages with tensor_parallel={program.tensor_parallel} does not run yet (inductor "
+                         "falls back to eager on a DTensor stage): recompile without --compile-stages, or with --tp 1")
+    if program.compile_stages and program.schedule in ("zb", "zbv"):  # Note [zero-bubble schedules]: B, W apart
+        raise ValueError(f"compile_stages with schedule {program.schedule} does not run yet (a compiled stage's backward "
+                         "is one graph, not split into input- and weight-gradient actions): recompile with --schedule "
+                         "1f1b, gpipe or interleaved, or without --compile-stages")
     if program.device not in ("cpu", "cuda"):
         raise ValueError(f"device {program.device!r} is not 'cpu' or 'cuda'")
     world, p, dp, m = program.world_size, program.num_stages, program.dp, program.num_microbatches

@@ -98,3 +98,17 @@ def test_the_per_step_gradient_gathers_are_in_the_step_time_of_evaluate_and_the_
 
     assert solution.objective is not None
     check_assignment(tp_priced_problem(gathered, cluster, 2), group, solution)
+
+
+def test_measuring_dtensor_op_cost_reads_the_regions_sharded_bytes():
+    """`--calibrate` without `--stages` measures DTensor's per-op cost on the whole model; it read
+    ``r.tp`` on a RegionRow (which has ``tp_sharded_param_bytes``) and crashed with AttributeError."""
+    from partitioner.calibrate.tp_overheads import measure_dtensor_op_s
+    from partitioner.frontend.analysis import annotate, trace_keyed
+    from partitioner.models.builtin import hf_llama
+
+    workload = hf_llama(layers=1, width=32, heads=4, vocab=64, seq=8)
+    traced, _ = trace_keyed(workload, workload.example_args, batch_size=workload.example_batch_size)
+    gm = annotate(traced, granularity="block", loss_outside_graph=True)
+    seconds = measure_dtensor_op_s(gm, workload.example_args, repeats=1, warmup=0)
+    assert seconds is not None and seconds >= 0.0

@@ -1,0 +1,112 @@
+"""Compiled stages against eager ones: the median step of the same plan run both ways, side by side
+in one run, with the compile's seconds apart (Note [compiled stages] in runtime/execute/compiled.py).
+
+    .venv/bin/python benchmarks/compiled_stages.py [--steps 6] [--json out.json]
+
+Four plans on 2 CPU ranks, global batch 8 in 2 microbatches: the demo's GPT (`make demo`:
+layers 4, width 128, 4 heads, seq 64, vocab 256) and hf-llama (2 layers, width 128, 4 heads, vocab
+512, seq 64), each as 2 pipeline stages and as tp 2 (one stage). Each plan is compiled twice, the
+second with compile_stages (tp 2 compiled is refused: the row says why); all folders train in one
+torchrun launch (tests/drivers/run_many.py, one thread per rank, no checkpoints beyond the last),
+each twice with the modes alternating. The step is the lower of its two runs' medians after the
+first step (RUN_DIR/summary.json); compile_s is the first run's warm-up before step 1 (rank 0's
+stage_times): 60-130 s per program with a cold inductor cache here, a few seconds once
+~/.cache or /tmp/torchinductor_$USER holds the graphs. The ratio
+is eager / compiled: above 1 compiled is faster, below 1 it is a slowdown, printed as such. The
+machine is 2 CPU cores shared with other jobs (the load average is printed): on a GPU the
+per-op launch overhead that compilation removes is a different size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _torchrun import DRIVER, torchrun  # noqa: E402
+
+GLOBAL_BATCH, MICROBATCHES = 8, 2
+MODELS = {"demo gpt": ("gpt", dict(layers=4, width=128, heads=4, seq=64, vocab=256)),
+          "hf-llama": ("hf_llama", dict(layers=2, width=128, heads=4, vocab=512, seq=64, batch=2))}
+LAYOUTS = {"2 stages": dict(num_stages=2), "tp 2": dict(num_stages=1, tensor_parallel=2)}
+
+
+def compile_folders(root: Path) -> dict:
+    """((case, "eager" | "compiled") -> folder, case -> why the compiled plan was refused)."""
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models import builtin
+
+    folders, refusals = {}, {}
+    for model, (builder, spec) in MODELS.items():
+        for layout, options in LAYOUTS.items():
+            for mode in ("eager", "compiled"):
+                try:
+                    plan = partitioner.compile(getattr(builtin, builder)(**spec), cluster=ClusterSpec.homogeneous(2, "cpu"),
+                                               global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
+                                               machine_profile="preset",
+                                               training={"compile_stages": mode == "compiled"}, **options)
+                except ValueError as refused:  # tp 2 compiled (Note [what tensor parallelism runs with])
+                    refusals[f"{model}, {layout}"] = str(refused).split(" (Note")[0]
+                    continue
+                folder = root / f"{model}-{layout}-{mode}".replace(" ", "_")
+                plan.save(folder)
+                folders[(f"{model}, {layout}", mode)] = folder
+    return folders, refusals
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="compiled-bench-") as tmp:
+        folders, refusals = compile_folders(Path(tmp))
+        # each folder trains twice, the two modes alternating, and keeps its quieter run: the two
+        # cores are shared, and a neighbour's burst during one run would decide the ratio
+        jobs = [a for repeat in (1, 2) for folder in folders.values()
+                for a in ("--", str(folder), "--steps", str(args.steps), "--run-dir", str(folder / f"run{repeat}"),
+                          "--checkpoint-dir", str(folder / f"checkpoints{repeat}"))]
+        torchrun(2, [DRIVER, *jobs[1:]], timeout=1800)
+        load = os.getloadavg()[0]
+        rows = []
+        def step_s(folder: Path) -> float:
+            return min(json.loads((folder / f"run{r}" / "summary.json").read_text())["measured_step_time_s"]
+                       for r in (1, 2))
+
+        for case in dict.fromkeys(case for case, _ in folders):
+            row = {"case": case, "eager_step_s": step_s(folders[(case, "eager")]), "compiled_step_s": None,
+                   "compile_s": None, "refused": refusals.get(case)}
+            if (case, "compiled") in folders:
+                compiled = folders[(case, "compiled")]
+                row["compiled_step_s"] = step_s(compiled)
+                # the first run's warm-up: a cold inductor cache compiles, a warm one mostly loads
+                row["compile_s"] = json.loads((compiled / "run1" / "stage_times_rank_0.json").read_text()).get("compile_s")
+            rows.append(row)
+    print(f"{'plan (2 CPU ranks, batch 8, 2 microbatches)':<44} {'eager ms':>9} {'compiled ms':>12} "
+          f"{'eager/compiled':>15} {'compile s':>10}")
+    for r in rows:
+        if r["compiled_step_s"] is None:
+            print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f}   compiled refused: {r['refused']}")
+            continue
+        ratio = r["eager_step_s"] / r["compiled_step_s"]
+        verdict = f"{ratio:.2f}x" + ("" if ratio >= 1 else " (slowdown)")
+        print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f} {r['compiled_step_s'] * 1e3:>12.1f} "
+              f"{verdict:>15} {r['compile_s'] or 0:>10.1f}")
+    print(f"load average {load:.1f} on {os.cpu_count()} cores; {args.steps} steps per run, two runs each: the lower "
+          "median after the first step")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Compiled stages end to end (Note [compiled stages] in runtime/execute/compiled.py): programs
+compiled with compile_stages train under torchrun against the one-process eager oracle (verify's
+tolerances, Note [compiled stages verify] in partitioner/cli/verify.py), and a killed rank resumes
+bit-exact. (Tensor parallelism is refused with compiled stages: tests/unit/test_compiled_stages_unit.py.) Inductor compiles slowly here, so every program trains in one torchrun launch
+(tests/drivers/run_many.py) and the FX graph cache serves the repeated graphs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.drivers import RUN_MANY
+from partitioner.cli.verify import check_run
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import hf_gpt2
+import partitioner
+from runtime.launch.torchrun import run_env, torchrun_command
+
+STEPS = 4
+COMPILED = {"compile_stages": True}
+
+
+def gpt2():
+    """A tie (embedding and head on both stages), dropout, and, on 600 kB devices, a recomputed block."""
+    return hf_gpt2(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    small = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2, "memory_bytes": 600_000}]})
+    plans = {"gpt2": partitioner.compile(gpt2(), cluster=small, global_batch=8, num_stages=2, microbatches=4,
+                                         training=COMPILED)}
+    plans["gpt2"].save(root / "gpt2")
+    gpt2_dir = root / "gpt2"
+    jobs = [["--restarts", "1", gpt2_dir, "--steps", STEPS, "--checkpoint-every", 2, "--fail-at", "1:3:kill",
+             "--checkpoint-dir", root / "ck_killed", "--run-dir", root / "killed"],
+            [gpt2_dir, "--steps", STEPS, "--checkpoint-dir", root / "ck_full", "--run-dir", root / "full"]]
+    args = [str(a) for job in jobs for a in ["--", *job]][1:]
+    done = subprocess.run(torchrun_command(RUN_MANY, 2, args=args), env=run_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return root, plans, done.stdout + done.stderr
+
+
+def test_two_compiled_stages_with_dropout_a_tie_and_recompute_pass_verify(runs):
+    root, plans, out = runs
+    plan = plans["gpt2"]
+    assert any(r.recompute for r in plan.regions) and plan.ties, "the case needs a recomputed region and a tie"
+    assert json.loads((root / "gpt2" / "plan.json").read_text())["program"]["compile_stages"] is True
+    assert "checkpointed(self.recompute_" in "".join(p.read_text() for p in (root / "gpt2").glob("stage_*.py"))
+    assert "compiled stages [0]" in out and "before step 1" in out
+    times = json.loads((root / "full" / "stage_times_rank_0.json").read_text())
+    assert times["compile_s"] > 0  # reported apart from the steps
+    report = check_run(root / "gpt2", root / "full", steps=STEPS, workload=gpt2())
+    assert report.ok, report.text()
+
+
+def test_a_killed_compiled_rank_resumes_bit_exact(runs):
+    root, _, out = runs
+    assert "fault injection: kill before step 3" in out
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses("killed") == losses("full")  # exact fp32 values, every step
+    for rank in (0, 1):
+        for part in (f"rank_{rank}", f"optim_rank_{rank}"):
+            got = load_file(root / "killed" / "final" / f"{part}.safetensors")
+            want = load_file(root / "full" / "final" / f"{part}.safetensors")
+            assert sorted(got) == sorted(want)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (part, name)
