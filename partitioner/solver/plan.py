@@ -185,7 +185,7 @@ class Plan:
     def from_dict(cls, body: dict) -> "Plan":
         body = dict(body)
         if not isinstance(body.get("solver"), dict):  # a hand-written folder: one line, not a KeyError
-            raise PlanFieldError(f"its field 'solver' is {'missing' if 'solver' not in body else 'not an object'}: "
+            raise PlanFieldError(f"is not a plan (its field 'solver' is {'missing' if 'solver' not in body else 'not an object'}): "
                                  "recompile the plan with `partitioner compile`")
         body["solver"] = dict(body["solver"])
         stated = body.pop("plan_hash", None)

@@ -41,7 +41,8 @@ class StageTimes:
         for stage_id, stage in zip(self.stage_ids, pipe_stages):
             for name, slot in (("forward_one_chunk", 0), ("backward_one_chunk", 1),
                                ("backward_weight_one_chunk", 2)):
-                setattr(stage, name, self._timed(getattr(stage, name), stage_id, slot))
+                if hasattr(stage, name):  # a stage without a split backward has no weight action to time
+                    setattr(stage, name, self._timed(getattr(stage, name), stage_id, slot))
 
     def _timed(self, call: Callable, stage_id: int, slot: int) -> Callable:
         sums = self.current[stage_id]

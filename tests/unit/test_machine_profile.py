@@ -291,6 +291,7 @@ def test_stage_times_sum_each_steps_calls_and_take_medians(tmp_path, monkeypatch
     path = timer.write(str(tmp_path / "run"), rank=1, replica=0)
     body = json.loads(open(path).read())
     assert path.endswith("stage_times_rank_1.json") and body["format"] == stage_times.FORMAT
-    assert body["stages"] == [{"stage": 3, "forward_s_per_microbatch": 1.0, "backward_s_per_microbatch": 1.0}]
+    assert body["stages"] == [{"stage": 3, "forward_s_per_microbatch": 1.0, "backward_s_per_microbatch": 1.0,
+                               "weight_backward_s_per_microbatch": 0.0}]  # no split backward: no W time
     assert body["loss_s_per_microbatch"] == 1.0 and body["timed_steps"] == 2 and body["optimizer_s"] == 0.5
     assert stage_times.StageTimes([], [], 1).write(str(tmp_path / "none"), rank=0, replica=0) is None
