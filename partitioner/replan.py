@@ -40,7 +40,6 @@ from partitioner.solver.problem import Assignment
 from runtime.launch.entry_files import entry_files
 from runtime.program.parts import MemoryTierPlan, RankSpec
 from runtime.program.spec import Program, file_digests, load_plan, seal_plan
-from runtime.resilience.memtier import memory_cost, plan_redundancy
 
 ELASTIC_FILE = "elastic.json"  # in a re-planned folder: what it was re-planned from, and why
 RUNNABLE_SCHEDULES = ("1f1b", "gpipe")
@@ -195,23 +194,15 @@ def _plan_of(plan: Plan, cluster: ClusterSpec, a: Assignment, cost) -> Plan:
 
 
 def _memory_tier(old: dict, stages, cluster: ClusterSpec, a: Assignment) -> dict:
-    """The memory tier's redundancy for the new layout (as compiler.memory_tier_choice decides it)."""
-    world = a.num_stages * a.dp
-    hosts, keys, shard = [0] * world, [((), 0)] * world, [0] * world
-    for s, stage in enumerate(stages):
-        for rep in range(a.dp):
-            rank = a.rank_of(s, rep)
-            hosts[rank] = cluster.devices[a.device_of_stage_replica[s][rep]].node
-            keys[rank] = (keys[rank][0] + (s,), rep)
-            shard[rank] += stage.memory.params_bytes + stage.memory.optimizer_bytes
+    """The memory tier's redundancy for the new layout, decided as compile decides it (the old
+    plan's request and interval kept)."""
+    # lazy: the compiler's module loads the tracing passes; only a plan with a memory tier needs it
+    from partitioner.compiler import memory_tier_choice
+
     requested = old.get("requested", old.get("mode", "auto"))
-    red = plan_redundancy(hosts, keys, mode=requested if requested in ("auto", "none") else "auto",
-                          group_size=old.get("group_size"))
-    cost = memory_cost(red, shard)
-    return {**old, "mode": red.mode, "group_size": red.to_dict()["group_size"] if red.mode == "parity" else None,
-            "hosts": hosts, "groups": [list(g) for g in red.groups], "shard_bytes": shard,
-            "own_bytes": cost["own_bytes"], "redundancy_bytes": cost["redundancy_bytes"],
-            "per_host_bytes": cost["per_host_bytes"]}
+    choice = memory_tier_choice({"mode": requested if requested in ("auto", "none") else "auto",
+                                 "group_size": old.get("group_size"), "every": old.get("every", 1)}, stages, cluster, a)
+    return {**old, **{k: v for k, v in choice.items() if k not in ("requested", "every")}}
 
 
 def _program_of(body: dict, plan: Plan) -> Program:

@@ -50,6 +50,17 @@ class PricedSchedule:
         return self
 
 
+def _allreduce_bound_s(problem, dp_links, pipeline_ranks: int, dp: int) -> float:
+    """The ring all-reduce of 1/pipeline_ranks of the gradients over the fastest dp link (0 at dp 1):
+    what some rank must spend in every plan of these degrees (the lower bounds below)."""
+    links = [link for link in dp_links if link is not None]
+    if dp <= 1 or not links:
+        return 0.0
+    grads = sum(r.grad_bytes for r in problem.regions)
+    bandwidth = max(link.bandwidth_bytes_per_s for link in links)
+    return 2 * (dp - 1) * (grads / (pipeline_ranks * dp * bandwidth) + min(link.latency_s for link in links))
+
+
 @dataclass(frozen=True)
 class PricedGPipe(PricedSchedule, GPipe):
     pass
@@ -116,13 +127,7 @@ class PricedInterleaved(PricedSchedule, Interleaved):
         works = [sum(region_times_s(r, device, b)) for r in problem.regions]
         total = sum(works) + 2 * sum(link.latency_s for link in boundary) + p * microbatch_overhead_s(problem, device)
         pipeline = pipeline_slots(pp, v, m) * max(total / p, max(works))
-        allreduce = 0.0
-        links = [link for link in dp_links if link is not None]
-        if d > 1 and links:
-            grads = sum(r.grad_bytes for r in problem.regions)
-            bandwidth = max(link.bandwidth_bytes_per_s for link in links)
-            allreduce = 2 * (d - 1) * (grads / (pp * d * bandwidth) + min(link.latency_s for link in links))
-        return (pipeline + allreduce) * core_sharing_factor(cluster, placement)
+        return (pipeline + _allreduce_bound_s(problem, dp_links, pp, d)) * core_sharing_factor(cluster, placement)
 
     def chain_hint(self):
         return PricedOneFOneB()  # the 1F1B split of the same stages (the model checks memory per rank)
@@ -146,13 +151,7 @@ class PricedZeroBubble(PricedInterleaved, ZeroBubble):
         device = cluster.devices[0]
         _, dp_links, _ = plan_links(cluster, placement)
         pipeline = m * sum(sum(region_times_s(r, device, b)) for r in problem.regions) / pp
-        allreduce = 0.0
-        links = [link for link in dp_links if link is not None]
-        if d > 1 and links:
-            grads = sum(r.grad_bytes for r in problem.regions)
-            bandwidth = max(link.bandwidth_bytes_per_s for link in links)
-            allreduce = 2 * (d - 1) * (grads / (pp * d * bandwidth) + min(link.latency_s for link in links))
-        return (pipeline + allreduce) * core_sharing_factor(cluster, placement)
+        return (pipeline + _allreduce_bound_s(problem, dp_links, pp, d)) * core_sharing_factor(cluster, placement)
 
 
 @dataclass(frozen=True)
