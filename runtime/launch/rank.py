@@ -417,6 +417,12 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                        check=check or canary)
             if canary is not None:
                 canary.rolled_back(start_step)
+        except canaries.CanaryExclude as exc:  # Note [excluding a host]: nothing after the fault stays restorable
+            if use_ckpt:
+                from runtime.resilience.exclusion import set_aside  # lazy: only on an exclusion
+
+                set_aside(ckpt_dir, exc.good_step, rank, run_dir, checkpointer, memory)
+            raise
     for done in (check, canary):
         if done is not None:
             done.finish()

@@ -1,0 +1,108 @@
+"""A canary's exclusion re-plans the job without the bad host (Note [excluding a host] in
+runtime/resilience/exclusion.py): a compiled 1-stage GPT (dropout on) at dp 4 on 4 ranks as two
+simulated hosts (--elastic --hosts 0,0,1,1: host 1 holds replicas 2 and 3), canaries every 2 steps
+(at steps 1, 3, 5, 7), a checkpoint every step, the memory tier on, and a permanent faulty matmul on
+rank 3 from step 3. The canary of step 3 blames rank 3 alone (two failing pairs of 4 replicas),
+the job rolls back to step 2, rank 3 is caught again at step 3, and host 1 is excluded: its agent
+is not started again, host 0's 2 ranks re-plan (1 stage x dp 2, 4 microbatches: the same global
+batch) and resume from the disk at step 2 (the last agreeing canary), never from a checkpoint or a
+memory slot written after it. The losses of all 8 steps and the final parameters are held to the
+one-process oracle within the tolerance tests/dist/test_elastic_dist.py holds a change of dp to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _runtime_folders import child_env
+from partitioner import compile as compile_plan
+from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt
+from runtime.execute.reference import train_reference_from_folder
+
+STEPS, K, FAULT = 8, 2, "3:3:permanent"   # canaries at steps 1, 3, 5, 7; good state: step 2
+
+
+@pytest.fixture(scope="module")
+def excluded_run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("exclude"))
+    folder = os.path.join(root, "dp4")
+    model = gpt(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
+    compile_plan(model, cluster=ClusterSpec.homogeneous(4, "cpu", devices_per_node=2), global_batch=8,
+                 num_stages=1, dp=4, microbatches=2,
+                 training={"memory_tier": "auto", "sdc_every": 0, "sdc_canary_every": K}).save(folder)
+    shm = f"/dev/shm/partitioner-test-{uuid.uuid4().hex[:8]}" if os.path.isdir("/dev/shm") else f"{root}/shm"
+    cmd = [sys.executable, "-m", "partitioner", "run", folder, "--elastic", "--hosts", "0,0,1,1", "--steps",
+           str(STEPS), "--checkpoint-every", "1", "--fault-matmul", FAULT, "--memory-dir", shm,
+           "--host-timeout", "3", "--quiet"]
+    try:
+        result = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=420)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return {"folder": folder, "code": result.returncode, "out": result.stdout + result.stderr}
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_the_excluded_host_is_left_out_and_the_job_finishes_on_the_survivors(excluded_run):
+    out, folder = excluded_run["out"], excluded_run["folder"]
+    assert excluded_run["code"] == 0, out[-8000:]
+    run = os.path.join(folder, "run")
+    canary = _rows(os.path.join(run, "canary.jsonl"))
+    assert [(r["step"], r["blamed_ranks"], r["repeat"]) for r in canary] == [(3, [3], False), (3, [3], True)]
+    handled = json.load(open(os.path.join(run, "exclude.handled.json")))
+    assert handled["exclude_ranks"] == [3] and handled["certain"] and handled["hosts_of_ranks"] == [1]
+    assert handled["good_step"] == 2 and handled["set_aside"]
+    assert not os.path.exists(os.path.join(run, "exclude.json"))
+    said = [ln for ln in out.splitlines() if ln.startswith("[run] elastic: host(s) 1 excluded")]
+    assert len(said) == 1 and "rank(s) 3" in said[0] and "step 2" in said[0], out[-4000:]
+    rows = _rows(os.path.join(run, "recovery.jsonl"))
+    excl = [r for r in rows if r.get("kind") == "exclusion"]
+    assert len(excl) == 1 and excl[0]["excluded_hosts"] == [1] and excl[0]["survivors"] == [0, 1], excl
+    with open(folder + ".elastic-h0/plan.json") as f:
+        plan = json.load(f)
+    assert (plan["world_size"], plan["dp"], plan["num_stages"], plan["num_microbatches"]) == (2, 2, 1, 4)
+    elastic = [r for r in rows if r.get("kind") == "elastic"]
+    assert sorted(r["rank"] for r in elastic) == [0, 1], elastic
+    for r in elastic:  # the disk at the last agreeing canary, nothing later; no memory slot read
+        assert (r["tier"], r["step"], r["good_step"], r["memory_shards_read"]) == ("disk", 2, 2, 0), r
+        assert r["lost_hosts"] == [1] and r["disk_shards_read"] > 0, r
+    assert "excluded by a compute canary" in out and "the last agreeing canary, was used" in out
+    # what was written after the fault began was set aside, not resumed (checkpoint 3: after step 2 re-ran)
+    assert os.path.isdir(os.path.join(folder, "checkpoints", "discarded_step_000000003")) or "moved" in out
+
+
+def test_losses_and_final_parameters_match_the_one_process_oracle(excluded_run):
+    assert excluded_run["code"] == 0, excluded_run["out"][-4000:]
+    folder = excluded_run["folder"]
+    by_step = {}
+    for row in _rows(os.path.join(folder, "run", "metrics.jsonl")):
+        by_step[row["step"]] = row["loss"]  # a step re-trained after the rollback or the re-plan: its last value
+    assert sorted(by_step) == list(range(STEPS))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks compute (one thread each)
+    try:
+        ref, final, _ = train_reference_from_folder(folder, STEPS)
+    finally:
+        torch.set_num_threads(threads)
+    worst = max(abs(by_step[s] - ref[s]) for s in range(STEPS))
+    got = load_file(os.path.join(folder, "run", "final", "rank_0.safetensors"))
+    common = sorted(set(got) & set(final))
+    assert common and len(common) == len(got), (sorted(got)[:5], sorted(final)[:5])
+    worst_param = max(float((got[n] - final[n].detach().cpu()).abs().max()) for n in common)
+    print(f"excluded run vs one-process oracle: max |loss difference| {worst:.3g} over {STEPS} steps, "
+          f"max |parameter difference| {worst_param:.3g}")
+    assert worst < 1e-5, (by_step, ref)
+    assert worst_param < 1e-5
