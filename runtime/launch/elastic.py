@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from runtime.launch.run_options import FlagError, RunOptions
-from runtime.launch.torchrun import run_env, stop_tree
+from runtime.launch.torchrun import descendants, run_env, stop_tree
+from runtime.resilience.canary_rules import EXIT_EXCLUDE
 from runtime.resilience.faults import say
 
 HOST_ENV = "PARTITIONER_ELASTIC_HOST"   # the host an agent's workers stand for
@@ -89,10 +91,9 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(train_py, timeout_s)
             if stop_when is not None and stop_when():
-                for p in procs:
-                    if p.poll() is None:
-                        stop_tree(p)
-                break
+                for p in procs:  # SIGKILL: the round's state is settled; a SIGTERM'd agent prints a traceback
+                    _kill_tree(p)
+                return EXIT_EXCLUDE
             time.sleep(0.2)
     except BaseException:
         for p in procs:
@@ -102,6 +103,21 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
     codes = [p.returncode for p in procs]
     # a host lost for good ends killed (SIGKILL); the job is done when a surviving agent finished
     return 0 if 0 in codes and all(c in (0, -9) for c in codes) else next(c for c in codes if c not in (0, -9))
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent's process group and every process below it (Note [excluding a host])."""
+    below = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
 
 
 # -- in the worker ---------------------------------------------------------------------------

@@ -6,8 +6,12 @@ rank 3 from step 3. The canary of step 3 blames rank 3 alone (two failing pairs 
 the job rolls back to step 2, rank 3 is caught again at step 3, and host 1 is excluded: its agent
 is not started again, host 0's 2 ranks re-plan (1 stage x dp 2, 4 microbatches: the same global
 batch) and resume from the disk at step 2 (the last agreeing canary), never from a checkpoint or a
-memory slot written after it. The losses of all 8 steps and the final parameters are held to the
-one-process oracle within the tolerance tests/dist/test_elastic_dist.py holds a change of dp to.
+memory slot written after it. The losses of all 8 steps are held to the one-process oracle within
+the tolerance tests/dist/test_elastic_dist.py holds a change of dp to (the parameters differ from
+the oracle's by AdamW's amplification of the sum's order, printed), and the losses and final
+parameters and optimizer state are bit for bit those of the clean run re-planned at step 2 (the
+same program without the fault: 2 steps on 4 ranks, then the re-planned folder resumed from that
+checkpoint).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def test_the_excluded_host_is_left_out_and_the_job_finishes_on_the_survivors(exc
     assert handled["exclude_ranks"] == [3] and handled["certain"] and handled["hosts_of_ranks"] == [1]
     assert handled["good_step"] == 2 and handled["set_aside"]
     assert not os.path.exists(os.path.join(run, "exclude.json"))
-    said = [ln for ln in out.splitlines() if ln.startswith("[run] elastic: host(s) 1 excluded")]
+    said = [ln for ln in out.splitlines() if ln.startswith("[run] elastic: host(s) 1 excluded:")]
     assert len(said) == 1 and "rank(s) 3" in said[0] and "step 2" in said[0], out[-4000:]
     rows = _rows(os.path.join(run, "recovery.jsonl"))
     excl = [r for r in rows if r.get("kind") == "exclusion"]
@@ -80,11 +84,43 @@ def test_the_excluded_host_is_left_out_and_the_job_finishes_on_the_survivors(exc
         assert (r["tier"], r["step"], r["good_step"], r["memory_shards_read"]) == ("disk", 2, 2, 0), r
         assert r["lost_hosts"] == [1] and r["disk_shards_read"] > 0, r
     assert "excluded by a compute canary" in out and "the last agreeing canary, was used" in out
+    assert "Traceback" not in out, out[-4000:]
     # what was written after the fault began was set aside, not resumed (checkpoint 3: after step 2 re-ran)
     assert os.path.isdir(os.path.join(folder, "checkpoints", "discarded_step_000000003")) or "moved" in out
 
 
-def test_losses_and_final_parameters_match_the_one_process_oracle(excluded_run):
+def _run(folder, *args):
+    cmd = [sys.executable, "-m", "partitioner", "run", folder, "--checkpoint-every", "1", "--memory-tier", "off",
+           "--quiet", *args]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def clean_replanned(excluded_run, tmp_path_factory):
+    """The same program without the fault: 2 steps on the 4 ranks, then the re-planned folder resumed
+    from that checkpoint of step 2 (resharded) to the end, as the exclusion should have done."""
+    assert excluded_run["code"] == 0, excluded_run["out"][-4000:]
+    root, folder = str(tmp_path_factory.mktemp("clean")), excluded_run["folder"]
+    _run(folder, "--steps", "2", "--run-dir", f"{root}/run4", "--checkpoint-dir", f"{root}/ck")
+    _run(folder + ".elastic-h0", "--steps", str(STEPS), "--run-dir", f"{root}/run2", "--checkpoint-dir", f"{root}/ck")
+    return f"{root}/run2"
+
+
+def test_the_survivors_end_as_the_clean_run_replanned_at_the_good_step(excluded_run, clean_replanned):
+    run = os.path.join(excluded_run["folder"], "run")
+    last = {r["step"]: r["loss"] for r in _rows(os.path.join(run, "metrics.jsonl"))}
+    clean = {r["step"]: r["loss"] for r in _rows(os.path.join(clean_replanned, "metrics.jsonl"))}
+    assert sorted(clean) == list(range(2, STEPS)) and all(last[s] == clean[s] for s in clean), (last, clean)
+    for r in (0, 1):
+        for name in ("rank", "optim_rank"):
+            got = load_file(os.path.join(run, "final", f"{name}_{r}.safetensors"))
+            want = load_file(os.path.join(clean_replanned, "final", f"{name}_{r}.safetensors"))
+            assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[k], want[k]) for k in want), (r, name)
+
+
+def test_losses_match_the_one_process_oracle(excluded_run):
     assert excluded_run["code"] == 0, excluded_run["out"][-4000:]
     folder = excluded_run["folder"]
     by_step = {}
@@ -104,5 +140,4 @@ def test_losses_and_final_parameters_match_the_one_process_oracle(excluded_run):
     worst_param = max(float((got[n] - final[n].detach().cpu()).abs().max()) for n in common)
     print(f"excluded run vs one-process oracle: max |loss difference| {worst:.3g} over {STEPS} steps, "
           f"max |parameter difference| {worst_param:.3g}")
-    assert worst < 1e-5, (by_step, ref)
-    assert worst_param < 1e-5
+    assert worst < 1e-5, (by_step, ref)  # the parameters: bit for bit the clean re-planned run's (above)
