@@ -19,7 +19,10 @@ runtime/resilience/memtier/handover.py), else the disk, resharded. RUN_DIR/recov
 loss (the fault's drill record) to the restored state. When the host comes back (an agent on it
 joins the rendezvous), the next round has the program's world size again and the workers run DIR
 itself, resharding the newest disk checkpoint (growing back; no test drives it yet). torchrun always
-starts DIR/train.py: the choice of folder is the worker's.
+starts DIR/train.py: the choice of folder is the worker's. A compute canary's exclusion ends a
+round too: the launcher starts the next one without the excluded host's agent, and the workers come
+here the same way, recovering from the disk at or before the last agreeing canary (Note [excluding
+a host] in runtime/resilience/exclusion.py).
 """
 
 from __future__ import annotations
