@@ -5,12 +5,15 @@ Note [excluding a host]: a rank blamed twice by the canaries is a persistent com
 whole host goes: `run --elastic` (partitioner/cli/elastic.py ``run_elastic``) starts the agents
 again for the other hosts only, and their workers re-plan through the path a lost host takes
 (``resolve`` in runtime/launch/elastic.py, Note [elastic run]). Three decisions:
-- Only a certain blame excludes. With 3 or more replicas the faulty rank fails two pairs and is
-  named alone ("certain": true); with 2 replicas both ranks of the failing pair are named and
-  either may be the faulty one. Dropping both hosts would drop a healthy one on a guess, so an
-  uncertain exclusion stops the job with exit 4 as before and one line says which ranks and hosts
-  are suspect and what to do (rerun with dp 3 or more, or without the host one believes bad).
-  So is one whose excluded hosts leave no host, or leave ranks no re-plan can use.
+- Only a certain host is excluded. With 3 or more replicas the faulty rank fails two pairs and is
+  named alone ("certain": true). With 2 replicas both ranks of the failing pair are named and
+  either may be the faulty one: when both sit on one host (a layout that puts a stage's replicas
+  on one host, as the compiler's rank order does for 2 stages x dp 2 on hosts 0,0,1,1) that host
+  holds the faulty device whichever rank it is, and it goes; when they sit on two hosts, dropping
+  both would drop a healthy one on a guess, so the job stops with exit 4 as before and one line
+  says which ranks and hosts are suspect and what to do (recompile with dp 3 or more, or rerun
+  --hosts without the host one believes bad). So does an exclusion whose hosts leave no host, or
+  leave ranks no re-plan can use (fewer than the stages).
 - The state resumed is the newest checkpoint at or before the last agreeing canary ("good_step"
   in exclude.json): the fault reaches every replica through the data-parallel all-reduce, so any
   checkpoint or memory-tier slot written after the last agreeing canary may hold its effect (a
@@ -83,7 +86,7 @@ def hosts_to_drop(exc: Exclusion, hosts: list[int], gone: set[int]) -> tuple[lis
     exclusion cannot be acted on (Note [excluding a host])."""
     ranks = ", ".join(map(str, exc.ranks))
     where = ", ".join(map(str, exc.hosts)) or "?"
-    if not exc.certain:
+    if not exc.certain and len(exc.hosts) > 1:  # both ranks of a pair, on two hosts
         return None, (f"[run] elastic: the compute canary named ranks {ranks} (hosts {where}) at step {exc.step}, "
                       "but with 2 replicas either may be the faulty one: no host is excluded on a guess; the job "
                       f"stops (exit {EXIT_EXCLUDE}); recompile with dp 3 or more for a certain blame, or rerun "
@@ -95,8 +98,9 @@ def hosts_to_drop(exc: Exclusion, hosts: list[int], gone: set[int]) -> tuple[lis
     if not left:
         return None, (f"[run] elastic: the compute canary excluded ranks {ranks} on host(s) {where}, and no "
                       f"other host is left; the job stops (exit {EXIT_EXCLUDE})")
-    return list(exc.hosts), (f"[run] elastic: host(s) {where} excluded: the compute canary caught rank(s) {ranks} "
-                             f"computing wrongly again after a rollback (step {exc.step}); re-planning onto "
+    which = "" if exc.certain else " (one of them: both on this host)"
+    return list(exc.hosts), (f"[run] elastic: host(s) {where} excluded: the compute canary caught rank(s) {ranks}"
+                             f"{which} computing wrongly again after a rollback (step {exc.step}); re-planning onto "
                              f"host(s) {','.join(map(str, left))} from the checkpoint at or before step "
                              f"{exc.good_step} (the last agreeing canary)")
 

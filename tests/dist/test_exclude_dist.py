@@ -11,7 +11,10 @@ the tolerance tests/dist/test_elastic_dist.py holds a change of dp to (the param
 the oracle's by AdamW's amplification of the sum's order, printed), and the losses and final
 parameters and optimizer state are bit for bit those of the clean run re-planned at step 2 (the
 same program without the fault: 2 steps on 4 ranks, then the re-planned folder resumed from that
-checkpoint).
+checkpoint). Two more layouts decide the 2-replica case: 2 stages x dp 2 on hosts 0,0,1,1 (the
+failing pair, stage 1's replicas, both on host 1: host 1 goes, the survivors finish as 2 stages x
+dp 1, held to the oracle) and 1 stage x dp 2 on hosts 0,1 (the pair on two hosts: exit 4, no host
+dropped on a guess).
 """
 
 from __future__ import annotations
@@ -120,24 +123,77 @@ def test_the_survivors_end_as_the_clean_run_replanned_at_the_good_step(excluded_
             assert all(torch.equal(got[k], want[k]) for k in want), (r, name)
 
 
-def test_losses_match_the_one_process_oracle(excluded_run):
-    assert excluded_run["code"] == 0, excluded_run["out"][-4000:]
-    folder = excluded_run["folder"]
+def _worst_against_the_oracle(folder, steps, final_out=None):
     by_step = {}
     for row in _rows(os.path.join(folder, "run", "metrics.jsonl")):
         by_step[row["step"]] = row["loss"]  # a step re-trained after the rollback or the re-plan: its last value
-    assert sorted(by_step) == list(range(STEPS))
+    assert sorted(by_step) == list(range(steps))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks compute (one thread each)
     try:
-        ref, final, _ = train_reference_from_folder(folder, STEPS)
+        ref, final, _ = train_reference_from_folder(folder, steps)
     finally:
         torch.set_num_threads(threads)
-    worst = max(abs(by_step[s] - ref[s]) for s in range(STEPS))
+    if final_out is not None:
+        final_out.update(final)
+    return max(abs(by_step[s] - ref[s]) for s in range(steps))
+
+
+def test_losses_match_the_one_process_oracle(excluded_run):
+    assert excluded_run["code"] == 0, excluded_run["out"][-4000:]
+    folder, final = excluded_run["folder"], {}
+    worst = _worst_against_the_oracle(folder, STEPS, final)
     got = load_file(os.path.join(folder, "run", "final", "rank_0.safetensors"))
     common = sorted(set(got) & set(final))
     assert common and len(common) == len(got), (sorted(got)[:5], sorted(final)[:5])
     worst_param = max(float((got[n] - final[n].detach().cpu()).abs().max()) for n in common)
     print(f"excluded run vs one-process oracle: max |loss difference| {worst:.3g} over {STEPS} steps, "
           f"max |parameter difference| {worst_param:.3g}")
-    assert worst < 1e-5, (by_step, ref)  # the parameters: bit for bit the clean re-planned run's (above)
+    assert worst < 1e-5  # the parameters: bit for bit the clean re-planned run's (above)
+
+
+def _elastic_run(folder, hosts, *extra):
+    return subprocess.run([sys.executable, "-m", "partitioner", "run", folder, "--elastic", "--hosts", hosts,
+                           "--checkpoint-every", "1", "--memory-tier", "off", "--host-timeout", "3", "--quiet",
+                           *extra], env=child_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_a_pair_on_one_host_excludes_that_host_2x2(tmp_path):
+    """2 stages x dp 2 on hosts 0,0,1,1: the compiler puts stage 1's two replicas (ranks 2, 3) on host
+    1; the failing pair names both, either may be faulty, both are on host 1: host 1 goes, and
+    host 0's ranks re-plan as 2 stages x dp 1 (no second replica: canaries off, said) and finish."""
+    folder = str(tmp_path / "p22")
+    compile_plan(gpt(layers=2, width=32, heads=2, vocab=64, seq=16), cluster=ClusterSpec.homogeneous(
+        4, "cpu", devices_per_node=2), global_batch=8, num_stages=2, dp=2, microbatches=2,
+        training={"sdc_every": 0, "sdc_canary_every": K}).save(folder)
+    done = _elastic_run(folder, "0,0,1,1", "--steps", "6", "--fault-matmul", FAULT)
+    assert done.returncode == 0, done.stderr[-6000:]
+    run = os.path.join(folder, "run")
+    handled = json.load(open(os.path.join(run, "exclude.handled.json")))
+    assert handled["exclude_ranks"] == [2, 3] and not handled["certain"] and handled["hosts_of_ranks"] == [1]
+    assert "host(s) 1 excluded: the compute canary caught rank(s) 2, 3 (one of them: both on this host)" in done.stderr
+    assert "no compute canaries from here on" in done.stderr
+    elastic = [r for r in _rows(os.path.join(run, "recovery.jsonl")) if r.get("kind") == "elastic"]
+    assert sorted(r["rank"] for r in elastic) == [0, 1] and all(r["step"] == 2 for r in elastic), elastic
+    assert all(r["plan"]["num_stages"] == 2 and r["plan"]["dp"] == 1 for r in elastic), elastic
+    assert _worst_against_the_oracle(folder, 6) < 1e-5
+
+
+def test_a_pair_on_two_hosts_stops_with_exit_4_and_drops_no_host(tmp_path):
+    """1 stage x dp 2 on hosts 0,1: the failing pair spans both hosts and either may be the faulty
+    one; the job stops with exit 4 and says so, and no re-plan runs."""
+    folder = str(tmp_path / "dp2")
+    compile_plan(gpt(layers=2, width=32, heads=2, vocab=64, seq=16), cluster=ClusterSpec.homogeneous(
+        2, "cpu", devices_per_node=1), global_batch=8, num_stages=1, dp=2, microbatches=2,
+        training={"sdc_every": 0, "sdc_canary_every": K}).save(folder)
+    done = _elastic_run(folder, "0,1", "--steps", "6", "--fault-matmul", "1:3:permanent")
+    assert done.returncode == 4, done.stderr[-4000:]
+    assert "either may be the faulty one: no host is excluded on a guess" in done.stderr, done.stderr[-4000:]
+    run = os.path.join(folder, "run")
+    exclude = json.load(open(os.path.join(run, "exclude.json")))
+    assert exclude["exclude_ranks"] == [0, 1] and not exclude["certain"] and exclude["good_step"] == 2
+    assert exclude["hosts_of_ranks"] == [0, 1] and exclude["set_aside"]
+    rows = _rows(os.path.join(run, "recovery.jsonl")) if os.path.exists(os.path.join(run, "recovery.jsonl")) else []
+    assert not [r for r in rows if r.get("kind") in ("exclusion", "elastic")], rows
+    assert not os.path.exists(os.path.join(folder, "checkpoints", "step_000000003"))  # set aside all the same
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]

@@ -37,6 +37,12 @@ def test_a_certain_blame_drops_the_whole_host(tmp_path):
     assert line.startswith("[run] elastic: host(s) 1 excluded:") and "rank(s) 3" in line and "step 4" in line
 
 
+def test_an_uncertain_pair_on_one_host_drops_that_host(tmp_path):
+    exc = _write(str(tmp_path), exclude_ranks=[2, 3], hosts_of_ranks=[1], certain=False)
+    drop, line = exclusion.hosts_to_drop(exc, [0, 0, 1, 1], set())
+    assert drop == [1] and "rank(s) 2, 3 (one of them: both on this host)" in line, line
+
+
 @pytest.mark.parametrize("body,gone,needle", [
     ({"certain": False, "exclude_ranks": [1, 3], "hosts_of_ranks": [0, 1]}, set(), "no host is excluded on a guess"),
     ({"hosts_of_ranks": None}, set(), "not their hosts"),
