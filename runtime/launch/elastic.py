@@ -159,7 +159,6 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     from runtime.resilience import exclusion  # lazy: torch-free, only an elastic run
 
     host = os.environ.get(HOST_ENV)
-    exclusion.stop_if_excluded(options.run_dir or os.path.join(os.path.abspath(folder), "run"))
     program = load_program(folder)
     world = int(os.environ.get("WORLD_SIZE", program.world_size))
     if host is None or world == program.world_size:

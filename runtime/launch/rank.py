@@ -174,6 +174,9 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         faulthandler.enable(all_threads=True)
     try:
         options = parse_args(argv)
+        from runtime.resilience.exclusion import stop_if_excluded  # torch-free; Note [excluding a host]
+
+        stop_if_excluded(options.run_dir or run_dir or os.path.join(os.path.abspath(folder), "run"))
         if options.elastic:  # Note [elastic run]: another world than the program's runs the re-planned folder
             from runtime.launch import elastic  # lazy: only an elastic run
 

@@ -24,11 +24,13 @@ again for the other hosts only, and their workers re-plan through the path a los
   at good_step (``recover(not_after=...)``), and never through the memory handover: the excluded
   host's slots are suspect as a whole, and the disk checkpoint of good_step is verified by sha256
   on every rank. This costs a disk read once per exclusion, which is rare.
-- A worker restarted by its torchrun agent after the exclusion (the agent restarts failed workers,
-  and a drill's fault is armed only in the first attempt) would train on with the same hosts. A
-  worker of an elastic round whose RUN_DIR/exclude.json is newer than the round's start
-  (``ROUND_ENV``) leaves at once with exit 4 (``stop_if_excluded``), and the launcher stops the
-  agents once rank 0 has recorded the set-aside, so no restarted round trains past the exclusion.
+- A worker restarted by its torchrun agent after the exclusion (an elastic agent restarts failed
+  workers, as does torchrun with --max-restarts, and a drill's fault is armed only in the first
+  attempt) would train on with the same hosts. A worker started by `partitioner run` whose
+  RUN_DIR/exclude.json is newer than the launch's (or the elastic round's) start (``ROUND_ENV``)
+  leaves at once with exit 4 (``stop_if_excluded``, in runtime/launch/rank.py's main), and the
+  elastic launcher stops the agents once rank 0 has recorded the set-aside, so no restarted round
+  trains past the exclusion.
 """
 
 from __future__ import annotations
