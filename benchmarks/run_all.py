@@ -50,6 +50,7 @@ BENCHMARKS = [
     ("crash_consistency", ["benchmarks/crash_consistency.py"], 300),
     ("memory_tier", ["benchmarks/memory_tier.py"], 600),
     ("elastic_recovery", ["benchmarks/elastic_recovery.py"], 900),
+    ("canary_exclusion", ["benchmarks/canary_exclusion.py"], 900),
     ("recompute", ["benchmarks/recompute.py"], 600),
     ("precision", ["benchmarks/precision.py"], 600),
     ("tensor_parallel", ["benchmarks/tensor_parallel.py"], 600),

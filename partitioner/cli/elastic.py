@@ -6,9 +6,11 @@ Registered by commands.py's parser; torch and OR-Tools load only when a command 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from runtime.launch.run_options import FlagError, RunOptions
+from runtime.resilience import exclusion
 
 
 def add_parser(sub, fmt) -> None:
@@ -78,12 +80,53 @@ def run_elastic(folder: Path, options: RunOptions, plan) -> int:
               f" hosts {options.hosts}; a host gone for {options.host_timeout or 5:g} s is replaced by a re-plan",
               file=sys.stderr, flush=True)
     prepare_replans(folder, options.host_list())
-    with hosted_store() as port:
-        code = run_agents(str(folder / "train.py"), options, store_port=port)
-    note = closing_note(options.run_dir or str(folder / "run"))
+    run_dir = options.run_dir or str((folder / "run").resolve())
+    gone: frozenset[int] = frozenset()
+    env: dict[str, str] = {}
+    while True:  # a round of agents; another, without the excluded host, after a canary's exclusion
+        started = time.time()
+        env[exclusion.ROUND_ENV] = repr(started)
+
+        def set_aside(since=started):  # the round is over once rank 0 set aside what the fault touched
+            got = exclusion.fresh(run_dir, since)
+            return got is not None and got.set_aside
+
+        with hosted_store() as port:
+            code = run_agents(str(folder / "train.py"), options, store_port=port, skip_hosts=gone, env=env,
+                              stop_when=set_aside)
+        got = exclusion.fresh(run_dir, started)
+        if got is None:
+            break
+        gone, env = _exclude(folder, options, plan, got, gone, run_dir, env)
+        if exclusion.EXCLUSION_ENV not in env:
+            break
+    note = closing_note(run_dir)
     if note:
         print(note, file=sys.stderr, flush=True)
     return code
+
+
+def _exclude(folder: Path, options: RunOptions, plan, got, gone: frozenset[int], run_dir: str,
+             env: dict[str, str]) -> tuple[frozenset[int], dict[str, str]]:
+    """After a round a canary's exclusion ended: the hosts left out of the next round and its
+    environment (with EXCLUSION_ENV), or the environment without it when the job stops there
+    (Note [excluding a host] in runtime/resilience/exclusion.py; the line says why)."""
+    from partitioner.replan import refusal_for  # lazy: loads the solver
+
+    hosts = options.host_list()
+    drop, line = exclusion.hosts_to_drop(got, hosts, set(gone))
+    print(line, file=sys.stderr, flush=True)
+    env = {k: v for k, v in env.items() if k != exclusion.EXCLUSION_ENV}
+    if drop is None:
+        return gone, env
+    left = [r for r, h in enumerate(hosts) if h not in gone and h not in drop]
+    why = refusal_for(plan, left)
+    if why:
+        print(f"[run] elastic: the ranks left ({','.join(map(str, left))}) cannot go on: {why}; the job stops "
+              f"(exit {exclusion.EXIT_EXCLUDE})", file=sys.stderr, flush=True)
+        return gone, env
+    kept = exclusion.mark_handled(run_dir, got, drop, left)
+    return gone | set(drop), {**env, exclusion.EXCLUSION_ENV: kept}
 
 
 def prepare_replans(folder: Path, hosts: list[int]) -> None:

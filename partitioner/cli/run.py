@@ -14,6 +14,7 @@ from runtime.launch.run_options import RunOptions
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 from runtime.program.spec import load_plan
 from runtime.resilience.canary_rules import exit_code_after, program_refusal
+from runtime.resilience.exclusion import ROUND_ENV
 
 
 def program_sharded(plan) -> bool:
@@ -88,7 +89,7 @@ def cmd_run(args) -> int:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
         started = time.time()
-        code = run_tree(command, env=run_env()).returncode
+        code = run_tree(command, env={**run_env(), ROUND_ENV: repr(started)}).returncode  # Note [excluding a host]
         # a canary's exclusion (Note [compute canaries]) is exit 4, not torchrun's 1
         return exit_code_after(options.run_dir or str((folder / "run").resolve()), code, started)
 

@@ -19,20 +19,25 @@ runtime/resilience/memtier/handover.py), else the disk, resharded. RUN_DIR/recov
 loss (the fault's drill record) to the restored state. When the host comes back (an agent on it
 joins the rendezvous), the next round has the program's world size again and the workers run DIR
 itself, resharding the newest disk checkpoint (growing back; no test drives it yet). torchrun always
-starts DIR/train.py: the choice of folder is the worker's.
+starts DIR/train.py: the choice of folder is the worker's. A compute canary's exclusion ends a
+round too: the launcher starts the next one without the excluded host's agent, and the workers come
+here the same way, recovering from the disk at or before the last agreeing canary (Note [excluding
+a host] in runtime/resilience/exclusion.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from runtime.launch.run_options import FlagError, RunOptions
-from runtime.launch.torchrun import run_env, stop_tree
+from runtime.launch.torchrun import descendants, run_env, stop_tree
+from runtime.resilience.canary_rules import EXIT_EXCLUDE
 from runtime.resilience.faults import say
 
 HOST_ENV = "PARTITIONER_ELASTIC_HOST"   # the host an agent's workers stand for
@@ -65,25 +70,34 @@ def agent_command(train_py: str, nproc: int, num_hosts: int, *, store_port: int,
 
 
 def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpath: str | None = None,
-               timeout_s: float | None = None) -> int:
-    """Every host's agent, host 0's first (the rendezvous orders nodes by start); 0 when the job
-    finished on the hosts that were not lost for good."""
+               timeout_s: float | None = None, skip_hosts: frozenset[int] = frozenset(),
+               env: dict[str, str] | None = None, stop_when=None) -> int:
+    """Every host's agent but ``skip_hosts``' (excluded: Note [excluding a host] in
+    runtime/resilience/exclusion.py), host 0's first (the rendezvous orders nodes by start); 0 when
+    the job finished on the hosts that were not lost for good. ``stop_when()`` true: the round is
+    over, its agents are stopped."""
     hosts = options.host_list()
-    counts = hosts_and_counts(hosts)
+    counts = {h: n for h, n in hosts_and_counts(hosts).items() if h not in skip_hosts}
     timeout = options.host_timeout or DEFAULT_HOST_TIMEOUT_S
     restarts = options.max_restarts or DEFAULT_RESTARTS
     args = options.to_argv()
     procs = []
     try:
         for h, n in counts.items():
-            env = {**run_env(pythonpath=pythonpath), HOST_ENV: str(h)}
+            env = {**run_env(pythonpath=pythonpath), **(env or {}), HOST_ENV: str(h)}
             procs.append(subprocess.Popen(agent_command(train_py, n, len(counts), store_port=store_port,
                                                         host_timeout_s=timeout, max_restarts=restarts, args=args),
                                           env=env, start_new_session=True))
             time.sleep(0.2)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for p in procs:
-            p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+        while any(p.poll() is None for p in procs):
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(train_py, timeout_s)
+            if stop_when is not None and stop_when():
+                for p in procs:  # SIGKILL: the round's state is settled; a SIGTERM'd agent prints a traceback
+                    _kill_tree(p)
+                return EXIT_EXCLUDE
+            time.sleep(0.2)
     except BaseException:
         for p in procs:
             if p.poll() is None:
@@ -92,6 +106,21 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
     codes = [p.returncode for p in procs]
     # a host lost for good ends killed (SIGKILL); the job is done when a surviving agent finished
     return 0 if 0 in codes and all(c in (0, -9) for c in codes) else next(c for c in codes if c not in (0, -9))
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent's process group and every process below it (Note [excluding a host])."""
+    below = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
 
 
 # -- in the worker ---------------------------------------------------------------------------
@@ -107,6 +136,7 @@ class Switch:
     alive: tuple[int, ...]
     replan_s: float
     lost_unix: float | None
+    good_step: int | None = None  # an exclusion's last agreeing canary: the disk, at most this step, serves
 
     @property
     def done_marker(self) -> str:
@@ -125,6 +155,8 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     """The folder this worker runs and its options (Note [elastic run]).
     ``init_group(rank, world, timeout_s, backend)`` makes the default process group (rank.py's)."""
     from runtime.program.spec import load_program  # lazy: loads torch via the program's parts
+
+    from runtime.resilience import exclusion  # lazy: torch-free, only an elastic run
 
     host = os.environ.get(HOST_ENV)
     program = load_program(folder)
@@ -160,10 +192,40 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     new_hosts = ",".join(str(hosts[r]) for r in survivors)
     new = options.replace(hosts=new_hosts, run_dir=options.run_dir or os.path.join(os.path.abspath(folder), "run"),
                           checkpoint_dir=options.checkpoint_dir or os.path.join(os.path.abspath(folder), "checkpoints"), fail_host=tuple(t for t in options.fail_host if int(t.split(":")[0]) in alive),
-                          fail_at=(), flip_bit=(), fail_persist=None)
+                          fail_at=(), flip_bit=(), fail_persist=None,
+                          fault_matmul=renumbered_faults(options.fault_matmul, survivors),
+                          sdc_canary_every=_canary_every(out, options, rank))
+    excluded = exclusion.load(os.environ[exclusion.EXCLUSION_ENV]) if os.environ.get(exclusion.EXCLUSION_ENV) else None
+    lost_unix = excluded.time_unix if excluded else _lost_unix(new.run_dir or os.path.join(folder, "run"))
     _switched.append(Switch(os.path.abspath(folder), out, survivors, tuple(hosts), alive,
-                            time.perf_counter() - t0, _lost_unix(new.run_dir or os.path.join(folder, "run"))))
+                            time.perf_counter() - t0, lost_unix, excluded.good_step if excluded else None))
     return out, new
+
+
+def renumbered_faults(texts: tuple[str, ...], survivors: tuple[int, ...]) -> tuple[str, ...]:
+    """--fault-matmul drills name old ranks: a survivor's under its new rank, a lost rank's dropped."""
+    out = []
+    for text in texts:
+        rank, rest = text.split(":", 1)
+        if int(rank) in survivors:
+            out.append(f"{survivors.index(int(rank))}:{rest}")
+    return tuple(out)
+
+
+def _canary_every(out: str, options: RunOptions, rank: int) -> int | None:
+    """The canary interval on the re-planned folder: off, said once, where its plan cannot run one
+    (dp 1 after the loss: no second replica; runtime/resilience/canary_rules.py)."""
+    from runtime.program.spec import load_plan  # lazy: loads the program's parts
+    from runtime.resilience.canary_rules import program_refusal  # lazy: as above
+
+    program = load_plan(out).get("program") or {}
+    every = options.sdc_canary_every if options.sdc_canary_every is not None else program.get("sdc_canary_every")
+    if every and program_refusal(program, int(every)):
+        if rank == 0:
+            say(0, f"elastic: the re-planned program has dp {program.get('dp')}: no compute canaries from here on "
+                   "(a canary needs a second replica)")
+        return 0
+    return options.sdc_canary_every
 
 
 def _replan(folder: str, survivors, out: str, plan_hash: str | None) -> str | None:
@@ -215,7 +277,9 @@ def recover_switched(trainer, ckpt_dir: str, options: RunOptions, run_dir: str) 
     t0 = time.perf_counter()
     reads0 = ck.READS["shards"]
     got = handover.Handover(None, -1, {}, "", "no memory tier")
-    if memory_mode not in (None, "off", "none"):
+    if sw.good_step is not None:  # Note [excluding a host]: the disk, at most the last agreeing canary's step
+        got = handover.Handover(None, -1, {}, "", f"an exclusion: the disk at or before step {sw.good_step}")
+    elif memory_mode not in (None, "off", "none"):
         got = handover.hand_over(old, old_rank=sw.survivors[trainer.rank], hosts=list(sw.hosts), alive=set(sw.alive),
                                  mode=memory_mode, group_size=group_size, ckpt_dir=ckpt_dir,
                                  memory_dir=options.memory_dir)
@@ -229,7 +293,7 @@ def recover_switched(trainer, ckpt_dir: str, options: RunOptions, run_dir: str) 
         step = recover(trainer, ckpt_dir)
         source = "disk" if step > 0 else "none"
     elif got.folder is None:
-        step = recover(trainer, ckpt_dir)
+        step = recover(trainer, ckpt_dir, not_after=sw.good_step)
         source = "disk" if step > 0 else "none"
     dist.barrier()
     if trainer.rank == 0 and got.old_root:
@@ -250,7 +314,7 @@ def recover_switched(trainer, ckpt_dir: str, options: RunOptions, run_dir: str) 
                     "schedule": p.schedule, "world_size": p.world_size},
            "tiers": {str(r): t for r, t in got.tiers.items()}, "memory_shards_read": memory_reads,
            "disk_shards_read": ck.READS["shards"] - reads0 - memory_reads, "replan_s": sw.replan_s,
-           "restore_s": seconds, "since_loss_s": since, "time_unix": time.time()}
+           "restore_s": seconds, "since_loss_s": since, "good_step": sw.good_step, "time_unix": time.time()}
     with open(os.path.join(run_dir, "recovery.jsonl"), "a") as fh:
         fh.write(json.dumps(row) + "\n")
     dist.barrier()
@@ -279,10 +343,13 @@ def closing_note(run_dir: str) -> str | None:
     after = [r for r in rows("metrics.jsonl") if r.get("time_unix", 0) > last["time_unix"]]
     first = (f", first new step done {since + after[0]['time_unix'] - last['time_unix']:.1f} s after the loss"
              if after and since else "")
-    return (f"[run] elastic: host(s) {','.join(map(str, last['lost_hosts']))} lost for good; re-planned to "
+    why = ("excluded by a compute canary" if last.get("good_step") is not None else "lost for good")
+    return (f"[run] elastic: host(s) {','.join(map(str, last['lost_hosts']))} {why}; re-planned to "
             f"{p['num_stages']} stages x dp {p['dp']}, {p['num_microbatches']} microbatches, {p['schedule']} on "
             f"{p['world_size']} ranks ({last['folder']}); state of step {last['step']} from {last['tier']}"
-            f"{f', recovered {since:.1f} s after the loss' if since else ''}{first}")
+            f"{f', recovered {since:.1f} s after the loss' if since else ''}{first}"
+            + (f" (no state after step {last['good_step']}, the last agreeing canary, was used)"
+               if last.get("good_step") is not None else ""))
 
 
 def _by_tier(tiers: dict[int, str]) -> str:

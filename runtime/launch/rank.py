@@ -174,6 +174,9 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         faulthandler.enable(all_threads=True)
     try:
         options = parse_args(argv)
+        from runtime.resilience.exclusion import stop_if_excluded  # torch-free; Note [excluding a host]
+
+        stop_if_excluded(options.run_dir or run_dir or os.path.join(os.path.abspath(folder), "run"))
         if options.elastic:  # Note [elastic run]: another world than the program's runs the re-planned folder
             from runtime.launch import elastic  # lazy: only an elastic run
 
@@ -418,6 +421,12 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                        check=check or canary)
             if canary is not None:
                 canary.rolled_back(start_step)
+        except canaries.CanaryExclude as exc:  # Note [excluding a host]: nothing after the fault stays restorable
+            if use_ckpt:
+                from runtime.resilience.exclusion import set_aside  # lazy: only on an exclusion
+
+                set_aside(ckpt_dir, exc.good_step, rank, run_dir, checkpointer, memory)
+            raise
     for done in (check, canary):
         if done is not None:
             done.finish()

@@ -18,6 +18,9 @@ canary.py           compute-fault canaries: a second replica re-runs one microba
                     compares digests before the all-reduce; rollback, blame, exclusion (Note
                     [compute canaries])
 canary_rules.py     what a canary runs with, torch-free (``refusal``), and its exit code
+exclusion.py        a canary's exclusion acted on: which host `run --elastic` leaves out (certain
+                    blame only), nothing newer than the last agreeing canary kept restorable
+                    (``set_aside``), no restarted round trains on (Note [excluding a host])
 faults.py           every fault point: ``--fail-at RANK:STEP[:exit|kill|hang]``, ``--fail-persist
                     RANK:STEP:BYTES`` (a ``FaultPoint`` in the persist), ``--fail-host
                     HOST:STEP[:ATTEMPT]``, ``--flip-bit RANK:STEP[:TENSOR]``,

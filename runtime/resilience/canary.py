@@ -25,7 +25,9 @@ every rank drops the step's gradients and raises ``CanaryMismatch`` (a ``SilentD
 and runtime/launch/rank.py rolls back as for a replica check (``sdc.roll_back``: the newest
 checkpoint at or before the last agreeing canary) and trains on. A rank blamed again after a
 rollback is a persistent fault: rank 0 writes RUN_DIR/exclude.json naming it and every rank exits
-with EXIT_EXCLUDE (4); re-planning without it is the elastic re-plan's (not built here). Runs one
+with EXIT_EXCLUDE (4), after setting aside every checkpoint and memory slot newer than the last
+agreeing canary; under `run --elastic` the launcher then re-plans without the rank's host (Note
+[excluding a host] in runtime/resilience/exclusion.py). Runs one
 stage per rank, without tensor parallelism or sharded optimizer state (``refusal`` in
 runtime/resilience/canary_rules.py).
 Findings go to the log and RUN_DIR/canary.jsonl.
@@ -299,7 +301,8 @@ class ComputeCanary:
     def exclude(self, ranks: list[int], step: int) -> None:
         """A rank blamed again after a rollback: RUN_DIR/exclude.json, then exit EXIT_EXCLUDE on every rank."""
         if self.trainer.rank == 0:
-            body = {"exclude_ranks": ranks, "step": step, "reason": "compute canary mismatch after a rollback",
+            body = {"exclude_ranks": ranks, "step": step, "good_step": self.last_agreed,
+                    "reason": "compute canary mismatch after a rollback",
                     "certain": len(self.group) >= 3,  # with 2 replicas both are named
                     "hosts_of_ranks": None if self.hosts is None else sorted({self.hosts[r] for r in ranks}),
                     "time_unix": time.time()}
@@ -311,7 +314,7 @@ class ComputeCanary:
                    f"{os.path.join(self.run_dir, 'exclude.json')}; the job stops (exit {EXIT_EXCLUDE}) for a "
                    "re-plan without them")
         dist.barrier()  # exclude.json is written before anyone leaves
-        raise CanaryExclude(ranks)
+        raise CanaryExclude(ranks, self.last_agreed)
 
     def rolled_back(self, step: int) -> None:
         self.last_agreed = step
@@ -343,8 +346,8 @@ class CanaryExclude(Exception):
 
     exit_code = EXIT_EXCLUDE  # runtime/launch/rank.py's main leaves with it
 
-    def __init__(self, ranks: list[int]):
-        self.ranks = ranks
+    def __init__(self, ranks: list[int], good_step: int):
+        self.ranks, self.good_step = ranks, good_step  # good_step: the last agreeing canary's
         super().__init__(f"compute canary: exclude ranks {ranks} (RUN_DIR/exclude.json)")
 
 

@@ -102,6 +102,12 @@ def agree_newest(valid_per_rank: list[list[int]]) -> int | None:
     return max(common) if common else None
 
 
+def set_aside_newer(ckpt_dir: str, step: int, rank: int) -> None:
+    """Rank 0: move every checkpoint newer than ``step`` to discarded_step_N (an exclusion's,
+    Note [excluding a host] in runtime/resilience/exclusion.py)."""
+    _discard_newer(ckpt_dir, step, rank)
+
+
 def _discard_newer(ckpt_dir: str, chosen: int, rank: int) -> None:
     if rank != 0:
         return

@@ -1,0 +1,161 @@
+"""A compute canary's exclusion (RUN_DIR/exclude.json, Note [compute canaries] in
+runtime/resilience/canary.py) turned into a re-plan without the bad host under `run --elastic`.
+
+Note [excluding a host]: a rank blamed twice by the canaries is a persistent compute fault. Its
+whole host goes: `run --elastic` (partitioner/cli/elastic.py ``run_elastic``) starts the agents
+again for the other hosts only, and their workers re-plan through the path a lost host takes
+(``resolve`` in runtime/launch/elastic.py, Note [elastic run]). Three decisions:
+- Only a certain host is excluded. With 3 or more replicas the faulty rank fails two pairs and is
+  named alone ("certain": true). With 2 replicas both ranks of the failing pair are named and
+  either may be the faulty one: when both sit on one host (a layout that puts a stage's replicas
+  on one host, as the compiler's rank order does for 2 stages x dp 2 on hosts 0,0,1,1) that host
+  holds the faulty device whichever rank it is, and it goes; when they sit on two hosts, dropping
+  both would drop a healthy one on a guess, so the job stops with exit 4 as before and one line
+  says which ranks and hosts are suspect and what to do (recompile with dp 3 or more, or rerun
+  --hosts without the host one believes bad). So does an exclusion whose hosts leave no host, or
+  leave ranks no re-plan can use (fewer than the stages).
+- The state resumed is the newest checkpoint at or before the last agreeing canary ("good_step"
+  in exclude.json): the fault reaches every replica through the data-parallel all-reduce, so any
+  checkpoint or memory-tier slot written after the last agreeing canary may hold its effect (a
+  step between two canaries is not checked before it is saved). Before the ranks leave (``set_aside``),
+  every rank settles its persists and memory copies, rank 0 moves every checkpoint newer than
+  good_step to discarded_step_N (as a rollback does, runtime/resilience/recovery.py) and every rank
+  invalidates its memory slots newer than it. The relaunch then recovers from the disk, at most
+  at good_step (``recover(not_after=...)``), and never through the memory handover: the excluded
+  host's slots are suspect as a whole, and the disk checkpoint of good_step is verified by sha256
+  on every rank. This costs a disk read once per exclusion, which is rare.
+- A worker restarted by its torchrun agent after the exclusion (an elastic agent restarts failed
+  workers, as does torchrun with --max-restarts, and a drill's fault is armed only in the first
+  attempt) would train on with the same hosts. A worker started by `partitioner run` whose
+  RUN_DIR/exclude.json is newer than the launch's (or the elastic round's) start (``ROUND_ENV``)
+  leaves at once with exit 4 (``stop_if_excluded``, in runtime/launch/rank.py's main), and the
+  elastic launcher stops the agents once rank 0 has recorded the set-aside, so no restarted round
+  trains past the exclusion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from runtime.resilience.canary_rules import EXIT_EXCLUDE
+
+EXCLUDE_FILE = "exclude.json"
+HANDLED_FILE = "exclude.handled.json"   # what the launcher acted on (a re-plan), kept as the record
+ROUND_ENV = "PARTITIONER_ELASTIC_ROUND_UNIX"     # when the launcher started this round of agents
+EXCLUSION_ENV = "PARTITIONER_ELASTIC_EXCLUSION"  # the handled exclusion a relaunch recovers by
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """RUN_DIR/exclude.json as the launcher and the relaunched workers read it."""
+    ranks: tuple[int, ...]
+    hosts: tuple[int, ...]
+    certain: bool
+    step: int
+    good_step: int          # the last agreeing canary's step: nothing newer is resumed
+    set_aside: bool         # rank 0 moved what is newer aside (``set_aside``)
+    time_unix: float
+
+
+def load(path: str) -> Exclusion | None:
+    try:
+        with open(path) as fh:
+            body = json.load(fh)
+        return Exclusion(tuple(int(r) for r in body["exclude_ranks"]),
+                         tuple(int(h) for h in body.get("hosts_of_ranks") or ()), bool(body.get("certain")),
+                         int(body["step"]), int(body.get("good_step", 0)), bool(body.get("set_aside")),
+                         float(body.get("time_unix", 0.0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def fresh(run_dir: str, since_unix: float) -> Exclusion | None:
+    """RUN_DIR/exclude.json when written at or after ``since_unix``."""
+    path = os.path.join(run_dir, EXCLUDE_FILE)
+    try:
+        if os.stat(path).st_mtime < since_unix:
+            return None
+    except OSError:
+        return None
+    return load(path)
+
+
+def hosts_to_drop(exc: Exclusion, hosts: list[int], gone: set[int]) -> tuple[list[int] | None, str]:
+    """The hosts to leave out of the next round, and the line saying so; (None, why) when the
+    exclusion cannot be acted on (Note [excluding a host])."""
+    ranks = ", ".join(map(str, exc.ranks))
+    where = ", ".join(map(str, exc.hosts)) or "?"
+    if not exc.certain and len(exc.hosts) > 1:  # both ranks of a pair, on two hosts
+        return None, (f"[run] elastic: the compute canary named ranks {ranks} (hosts {where}) at step {exc.step}, "
+                      "but with 2 replicas either may be the faulty one: no host is excluded on a guess; the job "
+                      f"stops (exit {EXIT_EXCLUDE}); recompile with dp 3 or more for a certain blame, or rerun "
+                      "--hosts without the host you believe bad")
+    if not exc.hosts:
+        return None, (f"[run] elastic: {EXCLUDE_FILE} names ranks {ranks} but not their hosts: nothing to leave "
+                      f"out; the job stops (exit {EXIT_EXCLUDE})")
+    left = sorted(set(hosts) - gone - set(exc.hosts))
+    if not left:
+        return None, (f"[run] elastic: the compute canary excluded ranks {ranks} on host(s) {where}, and no "
+                      f"other host is left; the job stops (exit {EXIT_EXCLUDE})")
+    which = "" if exc.certain else " (one of them: both on this host)"
+    return list(exc.hosts), (f"[run] elastic: host(s) {where} excluded: the compute canary caught rank(s) {ranks}"
+                             f"{which} computing wrongly again after a rollback (step {exc.step}); re-planning onto "
+                             f"host(s) {','.join(map(str, left))} from the checkpoint at or before step "
+                             f"{exc.good_step} (the last agreeing canary)")
+
+
+def mark_handled(run_dir: str, exc: Exclusion, dropped: list[int], survivors: list[int]) -> str:
+    """Keep exclude.json as exclude.handled.json (a fresh exclude.json is the next round's) and
+    append the "exclusion" row to RUN_DIR/recovery.jsonl; returns the kept file's path."""
+    kept = os.path.join(run_dir, HANDLED_FILE)
+    os.replace(os.path.join(run_dir, EXCLUDE_FILE), kept)
+    row = {"kind": "exclusion", "excluded_ranks": list(exc.ranks), "excluded_hosts": dropped,
+           "survivors": survivors, "detected_step": exc.step, "good_step": exc.good_step,
+           "reason": "compute canary mismatch after a rollback", "time_unix": time.time()}
+    with open(os.path.join(run_dir, "recovery.jsonl"), "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    return kept
+
+
+class ExcludedRound(Exception):
+    """A restarted worker of a round an exclusion ended: it leaves with exit 4, quietly."""
+
+    exit_code = EXIT_EXCLUDE  # runtime/launch/rank.py's main leaves with it
+
+
+def stop_if_excluded(run_dir: str) -> None:
+    """In an elastic worker: refuse to train on a round an exclusion has ended (Note [excluding a host])."""
+    since = os.environ.get(ROUND_ENV)
+    if since and fresh(run_dir, float(since)) is not None:
+        if os.environ.get("RANK") == "0":
+            print(f"[rank 0] {os.path.join(run_dir, EXCLUDE_FILE)} ended this round: not training on with the "
+                  "same hosts (the launcher re-plans)", flush=True)
+        raise ExcludedRound(run_dir)
+
+
+def set_aside(ckpt_dir: str, good_step: int, rank: int, run_dir: str, checkpointer, memory) -> None:
+    """Every rank, after a canary's exclusion: nothing newer than ``good_step`` stays restorable
+    (Note [excluding a host]). Collective."""
+    import torch.distributed as dist  # lazy: loads torch
+
+    from runtime.resilience.recovery import set_aside_newer  # lazy: loads torch
+
+    if checkpointer is not None:
+        checkpointer.settle()
+    if memory is not None:
+        memory.settle()
+        memory.store.invalidate_newer(good_step)
+    dist.barrier()  # every rank's persist ended before rank 0 moves the step folders
+    if rank == 0:
+        set_aside_newer(ckpt_dir, good_step, rank)
+        path = os.path.join(run_dir, EXCLUDE_FILE)
+        with open(path) as fh:
+            body = json.load(fh)
+        body["set_aside"] = True
+        with open(path + ".tmp", "w") as fh:
+            json.dump(body, fh, indent=1)
+        os.replace(path + ".tmp", path)
+    dist.barrier()
