@@ -98,7 +98,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from partitioner.calibrate.machine_measure import fit_gloo, measure_machine, reference_workload  # noqa: F401 - callers' names
+from partitioner.calibrate.machine_measure import _other_runnable, fit_gloo, measure_machine, reference_workload  # noqa: F401 - callers' names
 from partitioner.calibrate.machine_profile import (FORMAT, KIND, MachineKey, MachineMeasurements,  # noqa: F401
                                                    MachineProfile, Refit, fill_fixed_costs)
 from partitioner.config.cluster import ClusterSpec
@@ -182,11 +182,38 @@ def machine_profile(*, refresh: bool = False, progress: Callable[[str], None] | 
     if not refresh:
         cached, why = load_cached(key)
         if cached is not None:
-            return Resolved(cached, path, "cached")
+            why = quieter_now(cached)
+            if why is None:
+                return Resolved(cached, path, "cached")
     profile = measure_machine(progress)
     save(profile, path)
     how = "measured" if why in ("none cached", "refresh") else f"measured again ({why})"
     return Resolved(profile, path, how)
+
+
+def quieter_now(profile: MachineProfile) -> str | None:
+    """Why ``profile`` (the cached one) should be measured again now, or None to keep it.
+
+    Note [a busy measurement is provisional]: a profile measured while other work held the cores
+    (more other runnable threads than half the cores) prices every later plan with that work's
+    contention: one measured at load 34.8 on 2 cores kept a 34 ms link latency, and every
+    prediction after it was 3-7x the measured step. Such a profile is kept only while the machine
+    is still busy; the first compile that finds it quiet (at most half the cores taken, and under
+    half the threads seen then) measures again, once: the new profile is a quiet one. A profile a
+    run refit (``refits``) is the user's and is kept."""
+    then = profile.measured.other_runnable
+    cores = profile.key.cores
+    if then <= 0.5 * cores or profile.refits:
+        return None
+    now = other_runnable_now()
+    if now > 0.5 * cores or now >= then / 2:
+        return None
+    return f"the cached one was measured with {then:.1f} other threads running, {now:.1f} now"
+
+
+def other_runnable_now() -> float:
+    """Other threads running or waiting for a core now (a fifth of a second's average)."""
+    return _other_runnable(os.getloadavg()[0], seconds=0.2)
 
 
 def calibration_disabled() -> bool:

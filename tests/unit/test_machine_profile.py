@@ -295,3 +295,26 @@ def test_stage_times_sum_each_steps_calls_and_take_medians(tmp_path, monkeypatch
                                "weight_backward_s_per_microbatch": 0.0}]  # no split backward: no W time
     assert body["loss_s_per_microbatch"] == 1.0 and body["timed_steps"] == 2 and body["optimizer_s"] == 0.5
     assert stage_times.StageTimes([], [], 1).write(str(tmp_path / "none"), rank=0, replica=0) is None
+
+
+@pytest.mark.parametrize("then, now, refit, kept", [(7.4, 0.0, False, False), (7.4, 3.0, False, True),
+                                                     (7.4, 0.0, True, True), (0.5, 0.0, False, True)])
+def test_a_profile_measured_busy_is_measured_again_once_the_machine_is_quiet(cache, measured, monkeypatch,
+                                                                               then, now, refit, kept):
+    """A profile measured with more other threads than half the cores is kept while the machine is
+    still busy and measured again (once) when it is quiet; a profile a run refit is kept whatever
+    the load (Note [a busy measurement is provisional])."""
+    import dataclasses
+
+    busy = fake_profile(other_runnable=then)
+    if refit:
+        busy = dataclasses.replace(busy, refits=(machine.Refit(
+            run_dir="r", plan_hash="0" * 16, measured_step_s=0.1, predicted_before_s=0.2, predicted_after_s=0.1,
+            forward_scale=1.1, backward_scale=1.2, microbatch_overhead_s=1e-3, time_unix=1.7e9),))
+    machine.save(busy)
+    monkeypatch.setattr(machine, "other_runnable_now", lambda: now)
+    first = machine.machine_profile()
+    assert (first.how == "cached") is kept and len(measured) == (0 if kept else 1), first.how
+    if not kept:
+        assert "measured again (the cached one was measured with 7.4 other threads running, 0.0 now)" == first.how
+        assert machine.machine_profile().how == "cached" and len(measured) == 1  # the quiet one stays
