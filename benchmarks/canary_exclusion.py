@@ -23,48 +23,27 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
-import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _rows(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
+from _elastic_job import run_elastic  # noqa: E402 - after the path above
+from _torchrun import rows  # noqa: E402
 
 
 def _run(folder: str, root: str, name: str, *, steps: int, fault: str | None) -> dict:
-    from runtime.launch.torchrun import run_env
-
     run_dir, ckpt = os.path.join(root, f"run_{name}"), os.path.join(root, f"ck_{name}")
-    shm = f"/dev/shm/partitioner-bench-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "partitioner", "run", folder, "--elastic", "--hosts", "0,0,1,1", "--steps",
-           str(steps), "--checkpoint-every", "1", "--run-dir", run_dir, "--checkpoint-dir", ckpt, "--memory-dir",
-           shm, "--host-timeout", "3", "--quiet", *(["--fault-matmul", fault] if fault else [])]
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, env=run_env(pythonpath=REPO), capture_output=True, text=True, timeout=900)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    wall_s = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
-    metrics = _rows(os.path.join(run_dir, "metrics.jsonl"))
+    wall_s = run_elastic(folder, run_dir, ckpt, steps=steps, name=name,
+                         flags=["--checkpoint-every", "1", "--host-timeout", "3",
+                                *(["--fault-matmul", fault] if fault else [])])
+    metrics = rows(os.path.join(run_dir, "metrics.jsonl"))
     losses = {}
     for r in metrics:
         losses[r["step"]] = r["loss"]
-    out = {"wall_s": wall_s, "findings": len(_rows(os.path.join(run_dir, "canary.jsonl"))),
+    out = {"wall_s": wall_s, "findings": len(rows(os.path.join(run_dir, "canary.jsonl"))),
            "losses": [losses[s] for s in range(steps)],
            "resumed": "-", "restored_s": "-", "first_new_step_s": "-"}
-    excl = [r for r in _rows(os.path.join(run_dir, "recovery.jsonl")) if r.get("kind") == "elastic"]
+    excl = [r for r in rows(os.path.join(run_dir, "recovery.jsonl")) if r.get("kind") == "elastic"]
     if excl:
         at = json.load(open(os.path.join(run_dir, "exclude.handled.json")))["time_unix"]
         first = min((r for r in metrics if r["time_unix"] > at), key=lambda r: r["time_unix"])

@@ -22,49 +22,29 @@ against the one-process oracle.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _elastic_job import run_elastic  # noqa: E402 - after the path above
+from _torchrun import rows  # noqa: E402
 FAIL_BEFORE = 5
 
 
-def _rows(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
-
-
 def _run(folder: str, root: str, name: str, *, steps: int, memory: bool, host_timeout: float) -> dict:
-    from runtime.launch.torchrun import run_env
-
     run_dir, ckpt = os.path.join(root, f"run_{name}"), os.path.join(root, f"ck_{name}")
-    shm = f"/dev/shm/partitioner-bench-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "partitioner", "run", folder, "--elastic", "--hosts", "0,0,1,1", "--steps",
-           str(steps), "--checkpoint-every", "3", "--fail-host", f"1:{FAIL_BEFORE}:permanent", "--run-dir", run_dir,
-           "--checkpoint-dir", ckpt, "--memory-dir", shm, "--host-timeout", str(host_timeout), "--quiet",
-           *([] if memory else ["--memory-tier", "off"])]
-    try:
-        done = subprocess.run(cmd, env=run_env(pythonpath=REPO), capture_output=True, text=True, timeout=900)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
-    fired = _rows(os.path.join(run_dir, "faults.jsonl"))
+    run_elastic(folder, run_dir, ckpt, steps=steps, name=name,
+                flags=["--checkpoint-every", "3", "--fail-host", f"1:{FAIL_BEFORE}:permanent", "--host-timeout",
+                       str(host_timeout), *([] if memory else ["--memory-tier", "off"])])
+    fired = rows(os.path.join(run_dir, "faults.jsonl"))
     if not fired:
-        raise SystemExit(f"{name}: the host fault did not fire\n{done.stderr[-4000:]}")
+        raise SystemExit(f"{name}: the host fault did not fire (see {run_dir})")
     lost = max(r["time_unix"] for r in fired)
-    elastic = [r for r in _rows(os.path.join(run_dir, "recovery.jsonl")) if r.get("kind") == "elastic"]
-    metrics = _rows(os.path.join(run_dir, "metrics.jsonl"))
+    elastic = [r for r in rows(os.path.join(run_dir, "recovery.jsonl")) if r.get("kind") == "elastic"]
+    metrics = rows(os.path.join(run_dir, "metrics.jsonl"))
     first = min((r for r in metrics if r["time_unix"] > lost), key=lambda r: r["time_unix"])
     losses = {}
     for r in metrics:
