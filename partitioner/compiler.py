@@ -199,13 +199,13 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
         problem = fill_fixed_costs(problem, machine.profile)
+    if settings.compile_stages:  # Note [compiled regions priced]: no DTensor dispatch inside a compiled graph
+        problem = dataclasses.replace(problem, dtensor_op_s_by_kind={d.kind: 0.0 for d in cluster.devices})
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
     problem = precision_problem(problem, precision, _param_elem_bytes(workload.model))
     cluster = cluster_for_precision(cluster, precision)
     tp_degrees = (tp,)
-    # Note [one enumeration] in solver/space.py: each runnable degree weighed (compiled stages: tp 1,
-    # Note [what tensor parallelism runs with])
-    if request.tensor_parallel is None and not settings.compile_stages:
+    if request.tensor_parallel is None:  # Note [one enumeration] in solver/space.py: each runnable degree weighed
         tp_degrees = degrees_to_search(cluster, tp_runs)
     elif tp > 1:  # Note [tensor groups]: plan tensor groups as devices
         from passes.tp_roles import check_degree

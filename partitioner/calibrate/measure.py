@@ -165,6 +165,10 @@ def _example_inputs(workload) -> tuple:
 # alone compiles to nothing like its place in a fused region; the fit is of the regions alone.
 # The profile's meta says "compiled", and compile refuses a profile measured the other way
 # (an eager fit prices a compiled plan's per-op overhead that fusion removed, and vice versa).
+# A compiled tensor-parallel stage pays no DTensor dispatch per op (dynamo traced through it once:
+# the graph holds the local ops and the collectives), so compile prices ``dtensor_op_s`` at 0 for
+# every kind when the stages are compiled, whatever a profile measured eager; the collectives'
+# fixed cost and the members' skew stay (benchmarks/compiled_stages.py's tp 2 rows measure it).
 def _measure(workload, gm, *, warmup, repeats, single_ops, device, progress, precision=Precision.FP32,
              compiled: bool = False) -> list[dict]:
     gm = gm.to(device)

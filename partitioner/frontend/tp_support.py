@@ -42,8 +42,6 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, settings) -> in
 
     if settings.memory_tier is not None:  # any mode, "none" too: a tier without redundancy
         refuse("the in-memory checkpoint tier", "leave --memory-tier out (disk checkpoints still run)")
-    if settings.compile_stages:
-        refuse("compiled stages", "drop --compile-stages (compile_stages in the job file)")
     return tp
 
 

@@ -26,10 +26,23 @@ the mutable buffers, gradients and generator states put back after, and its seco
 ``compile_s`` (a log line, and stage_times_rank_<r>.json's ``compile_s``), never a step's time.
 The evaluation pass (no_grad, dropout off) compiles its own variant when it first runs.
 
-Not with tensor parallelism (refused: Note [what tensor parallelism runs with] in
-partitioner/frontend/tp_support.py): inductor fails on the DTensor stage and dynamo silently runs
-the forward eagerly, and a graph served from the FX cache names the process group of the launch
-that compiled it ("Could not resolve the process group registered under the name 6").
+With tensor parallelism the compiled forward takes the stage's DTensor parameters (the hooks
+that make its inputs Replicate DTensors and its outputs whole stay outside): dynamo traces
+through DTensor's dispatch once, so the graph holds the local ops and the collectives DTensor
+inserts (``_c10d_functional.all_reduce_`` on the tensor group, run by inductor as a fallback
+kernel), and no step pays DTensor's per-op Python dispatch (Note [compiled regions priced] in
+partitioner/calibrate/measure.py prices that). Attention runs on each rank's heads as local
+tensors, keyed dropout included (``tensor_parallel.keyed_attention``): on DTensors, the explicit
+attention's backward needs a strided head split made whole, which inductor in torch 2.13 cannot
+trace (``aten._local_scalar_dense``), and dynamo then runs the whole forward eagerly.
+
+Note [graph breaks are said]: dynamo falls back to eager silently where it cannot compile
+(a graph break, or a backend failure it turns into one): the program still trains correctly,
+only slower than its plan assumed. So the warm-up counts the graphs it compiled and the breaks
+(torch._dynamo's counters, before and after), prints both on the ``compiled stages`` line, the
+three commonest reasons as warnings, and writes ``compiled_graphs`` and ``graph_breaks`` into
+stage_times_rank_<r>.json; tests assert zero breaks for the plans they compile. The break at each
+``checkpointed`` call is the recompute's own (above) and is counted apart, not warned of.
 """
 
 from __future__ import annotations
@@ -105,12 +118,38 @@ def warm_up(trainer) -> float:
     return time.perf_counter() - start
 
 
+def _dynamo_counts() -> tuple[int, dict[str, int]]:
+    """(graphs dynamo has compiled in this process, graph-break reason -> count) so far."""
+    from torch._dynamo.utils import counters  # lazy: loads torch._dynamo
+
+    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+def _at_a_checkpoint(reason: str) -> bool:
+    """A break at ``checkpointed`` (``torch.compiler.disable``): the recompute's, by design."""
+    return "compiler.disable" in reason and "function checkpointed" in reason
+
+
 def compile_rank(trainer) -> float:
-    """Compile every stage of ``trainer``'s rank and warm them; the seconds, also in its stage times."""
+    """Compile every stage of ``trainer``'s rank and warm them; the seconds, also in its stage times,
+    with the graphs compiled and the graph breaks (Note [graph breaks are said])."""
     for module in trainer.modules:
         compile_stage(module)
+    graphs_before, breaks_before = _dynamo_counts()
     compile_s = warm_up(trainer)
-    trainer.stage_times.compile_s = compile_s
-    print(f"rank {trainer.rank}: compiled stages {list(trainer.stage_ids)} in {compile_s:.1f} s (before step 1, "
-          "not in any step's time)", flush=True)
+    graphs_after, breaks_after = _dynamo_counts()
+    breaks = {reason: n - breaks_before.get(reason, 0) for reason, n in breaks_after.items()
+              if n > breaks_before.get(reason, 0)}
+    planned = sum(n for reason, n in breaks.items() if _at_a_checkpoint(reason))
+    breaks = {reason: n for reason, n in breaks.items() if not _at_a_checkpoint(reason)}
+    times = trainer.stage_times
+    times.compile_s = compile_s
+    times.compiled_graphs, times.graph_breaks = graphs_after - graphs_before, sum(breaks.values())
+    print(f"rank {trainer.rank}: compiled stages {list(trainer.stage_ids)} in {compile_s:.1f} s, "
+          f"{times.compiled_graphs} graphs, {times.graph_breaks} graph breaks"
+          f"{f' (and {planned} at recomputed regions, by design)' if planned else ''} (before step 1, not in "
+          "any step's time)", flush=True)
+    for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:3]:
+        print(f"rank {trainer.rank}: warning: {n} graph break(s), the code after each runs eagerly: "
+              f"{' '.join(reason.split())[:300]}", flush=True)
     return compile_s

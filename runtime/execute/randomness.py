@@ -264,13 +264,17 @@ def randn_like(x: torch.Tensor, *, op: str, batch_dim: int | None,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
-              enable_gqa: bool = False, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+              enable_gqa: bool = False, op: str, batch_dim: int | None = 0,
+              heads: tuple[int, int] | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention`` whose attention-probability dropout is keyed.
 
     Without dropout it is torch's fused kernel. With dropout it is the explicit
     softmax(q kᵀ · scale + mask) · v, the dropout mask drawn on the probabilities
     (batch, heads, query, key) like every other keyed op: the fused kernels draw their mask from
-    the global generator in an order no other partition can reproduce."""
+    the global generator in an order no other partition can reproduce. ``heads`` = (index, count):
+    q, k, v hold the index-th of count equal slices of the heads (a tensor group's rank,
+    runtime/parallel/tensor_parallel.py ``keyed_attention``): the mask is drawn for all the heads,
+    as unsliced, and this slice's rows kept, so each head drops what it drops in the whole model."""
     if dropout_p == 0.0 or _dropout_off:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
@@ -287,5 +291,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
     probs = torch.softmax(scores, dim=-1)
-    probs = dropout(probs, dropout_p, True, op=op, batch_dim=batch_dim)
+    if heads is None:
+        probs = dropout(probs, dropout_p, True, op=op, batch_dim=batch_dim)
+    elif dropout_p >= 1.0:
+        probs = probs * 0.0
+    else:
+        index, count = heads
+        whole = [*probs.shape[:-3], probs.shape[-3] * count, *probs.shape[-2:]]
+        u = _fill(whole, op=op, batch_dim=batch_dim, device=probs.device, dtype=torch.float32, normal=False)
+        keep = u.chunk(count, -3)[index] >= dropout_p
+        probs = probs.masked_fill(~keep, 0.0) * (1.0 / (1.0 - dropout_p))
     return probs @ v

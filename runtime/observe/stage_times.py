@@ -37,6 +37,8 @@ class StageTimes:
         self.current = {s: [0.0, 0.0, 0.0] for s in self.stage_ids}  # forward, backward, weight backward
         self.loss_s = 0.0
         self.compile_s: float | None = None  # a compiled program's warm-up (Note [compiled stages])
+        self.compiled_graphs: int | None = None  # its graphs and graph breaks (Note [graph breaks are said])
+        self.graph_breaks: int | None = None
         self.steps: list[dict] = []
         for stage_id, stage in zip(self.stage_ids, pipe_stages):
             for name, slot in (("forward_one_chunk", 0), ("backward_one_chunk", 1),
@@ -96,7 +98,8 @@ class StageTimes:
             "loss_s_per_microbatch": median([st["loss_s"] for st in steps]) / m,
             "schedule_s": median([st["schedule_s"] for st in steps]),
             "optimizer_s": median([st["optimizer_s"] for st in steps]),
-            **({} if self.compile_s is None else {"compile_s": self.compile_s}),
+            **({} if self.compile_s is None else {"compile_s": self.compile_s, "compiled_graphs": self.compiled_graphs,
+                                                   "graph_breaks": self.graph_breaks}),
         }
 
     def write(self, run_dir: str, *, rank: int, replica: int) -> str | None:

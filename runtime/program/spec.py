@@ -151,9 +151,6 @@ def _validate(program: Program) -> None:
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm {program.clip_grad_norm!r} must be a positive number or null (off)")
-    if program.compile_stages and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
-        raise ValueError(f"compile_stages with tensor_parallel={program.tensor_parallel} does not run yet (inductor "
-                         "falls back to eager on a DTensor stage): recompile without --compile-stages, or with --tp 1")
     if program.compile_stages and program.schedule in ("zb", "zbv"):  # Note [zero-bubble schedules]: B, W apart
         raise ValueError(f"compile_stages with schedule {program.schedule} does not run yet (a compiled stage's backward "
                          "is one graph, not split into input- and weight-gradient actions): recompile with --schedule "

@@ -85,33 +85,51 @@ def test_the_setting_travels_from_job_file_to_the_program_and_is_checked():
     assert build_parser().parse_args(["compile", "gpt", "-o", "out"]).compile_stages is False
 
 
-def test_tensor_parallelism_with_compiled_stages_is_refused_and_an_open_degree_plans_tp_1(tmp_path):
-    """Inductor falls back to eager on a DTensor stage (Note [what tensor parallelism runs with]):
-    refused at compile time, and at run time for a plan.json that says both."""
+def test_tensor_parallel_compiled_stages_compile_and_only_zero_bubble_is_refused(tmp_path):
+    """tp 2 with compiled stages compiles (Note [compiled stages]); its stage file runs keyed attention
+    on each rank's heads; a DTensor stage pays no per-op dispatch in the price (Note [compiled
+    regions priced]); zb/zbv are still refused (Note [zero-bubble schedules])."""
     import dataclasses
 
     import partitioner
     from partitioner.config.cluster import ClusterSpec
     from partitioner.models.builtin import hf_llama
+    from partitioner.solver.tensor_groups import dtensor_op_s
     from runtime.program.spec import load_program
 
-    def plan(**options):
-        return partitioner.compile(hf_llama(layers=1, width=32, heads=4, vocab=64, seq=8), global_batch=4,
+    def plan(compiled, **options):
+        return partitioner.compile(hf_llama(layers=1, width=32, heads=4, vocab=64, seq=8, dropout=0.1), global_batch=4,
                                    cluster=ClusterSpec.homogeneous(2, "cpu"), machine_profile="preset",
-                                   training={"compile_stages": True}, **options)
+                                   training={"compile_stages": compiled}, **options)
 
-    with pytest.raises(ValueError, match="tensor_parallel=2 does not run with compiled stages yet.*--compile-stages"):
-        plan(tensor_parallel=2)
-    chosen = plan()
-    assert chosen.tensor_parallel == 1
-    chosen.save(tmp_path / "out")
+    compiled, eager = plan(True, tensor_parallel=2), plan(False, tensor_parallel=2)
+    assert compiled.tensor_parallel == 2
+    assert dtensor_op_s(compiled.problem, "cpu") == 0.0 < dtensor_op_s(eager.problem, "cpu")
+    assert compiled.predicted["step_time_s"] < eager.predicted["step_time_s"]
+    compiled.save(tmp_path / "out")
+    assert "tensor_parallel.keyed_attention(" in (tmp_path / "out" / "stage_0.py").read_text()
     program = load_program(str(tmp_path / "out"))
-    assert program.compile_stages is True
-    with pytest.raises(ValueError, match="compile_stages with tensor_parallel=2 does not run yet"):
-        dataclasses.replace(program, tensor_parallel=2)
+    assert program.compile_stages is True and program.tensor_parallel == 2
     for schedule in ("zb", "zbv"):  # a split backward is not one compiled graph (Note [zero-bubble schedules])
         with pytest.raises(ValueError, match=f"compile_stages with schedule {schedule} does not run yet.*--schedule 1f1b"):
             dataclasses.replace(program, schedule=schedule)
+
+
+def test_keyed_attention_on_a_slice_of_the_heads_is_that_slice_of_the_whole():
+    """A tensor-parallel rank runs keyed attention on its heads (tensor_parallel.keyed_attention): the
+    mask is drawn for every head and sliced, so each slice drops what the whole model drops."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6)
+    randomness.set_context(seed=3, step=1, first_sample=2, microbatch=1)
+    whole = randomness.attention(q, k, v, mask, 0.3, False, op="sdpa_3", batch_dim=0)
+    pieces = [randomness.attention(q.chunk(2, 1)[i], k.chunk(2, 1)[i], v.chunk(2, 1)[i], mask, 0.3, False,
+                                   op="sdpa_3", batch_dim=0, heads=(i, 2)) for i in range(2)]
+    torch.testing.assert_close(torch.cat(pieces, 1), whole, rtol=0, atol=1e-6)
+    # and the mask is the keyed one: another op name drops other elements
+    other = randomness.attention(q.chunk(2, 1)[0], k.chunk(2, 1)[0], v.chunk(2, 1)[0], mask, 0.3, False,
+                                 op="sdpa_4", batch_dim=0, heads=(0, 2))
+    assert not torch.allclose(other, pieces[0])
 
 
 def test_calibration_measures_compiled_regions_and_a_profile_measured_the_other_way_is_refused():
