@@ -6,7 +6,7 @@ in one run, with the compile's seconds apart (Note [compiled stages] in runtime/
 Four plans on 2 CPU ranks, global batch 8 in 2 microbatches: the demo's GPT (`make demo`:
 layers 4, width 128, 4 heads, seq 64, vocab 256) and hf-llama (2 layers, width 128, 4 heads, vocab
 512, seq 64), each as 2 pipeline stages and as tp 2 (one stage). Each plan is compiled twice, the
-second with compile_stages (tp 2 compiled is refused: the row says why); all folders train in one
+second with compile_stages (a refused plan's row says why); all folders train in one
 torchrun launch (tests/drivers/run_many.py, one thread per rank, no checkpoints beyond the last),
 each twice with the modes alternating. The step is the lower of its two runs' medians after the
 first step (RUN_DIR/summary.json); compile_s is the first run's warm-up before step 1 (rank 0's
@@ -53,7 +53,7 @@ def compile_folders(root: Path) -> dict:
                                                global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
                                                machine_profile="preset",
                                                training={"compile_stages": mode == "compiled"}, **options)
-                except ValueError as refused:  # tp 2 compiled (Note [what tensor parallelism runs with])
+                except ValueError as refused:  # a combination compiled stages refuse: its row says why
                     refusals[f"{model}, {layout}"] = str(refused).split(" (Note")[0]
                     continue
                 folder = root / f"{model}-{layout}-{mode}".replace(" ", "_")
@@ -82,17 +82,22 @@ def main(argv=None) -> list[dict]:
             return min(json.loads((folder / f"run{r}" / "summary.json").read_text())["measured_step_time_s"]
                        for r in (1, 2))
 
+        def predicted_s(folder: Path) -> float:  # the plan's price (Note [compiled regions priced])
+            return json.loads((folder / "run1" / "summary.json").read_text())["predicted_step_time_s"]
+
         for case in dict.fromkeys(case for case, _ in folders):
             row = {"case": case, "eager_step_s": step_s(folders[(case, "eager")]), "compiled_step_s": None,
-                   "compile_s": None, "refused": refusals.get(case)}
+                   "eager_predicted_s": predicted_s(folders[(case, "eager")]), "compiled_predicted_s": None,
+                   "compile_s": None, "graph_breaks": None, "refused": refusals.get(case)}
             if (case, "compiled") in folders:
                 compiled = folders[(case, "compiled")]
-                row["compiled_step_s"] = step_s(compiled)
+                row["compiled_step_s"], row["compiled_predicted_s"] = step_s(compiled), predicted_s(compiled)
                 # the first run's warm-up: a cold inductor cache compiles, a warm one mostly loads
-                row["compile_s"] = json.loads((compiled / "run1" / "stage_times_rank_0.json").read_text()).get("compile_s")
+                times = json.loads((compiled / "run1" / "stage_times_rank_0.json").read_text())
+                row["compile_s"], row["graph_breaks"] = times.get("compile_s"), times.get("graph_breaks")
             rows.append(row)
     print(f"{'plan (2 CPU ranks, batch 8, 2 microbatches)':<44} {'eager ms':>9} {'compiled ms':>12} "
-          f"{'eager/compiled':>15} {'compile s':>10}")
+          f"{'eager/compiled':>15} {'compile s':>10} {'graph breaks':>13}")
     for r in rows:
         if r["compiled_step_s"] is None:
             print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f}   compiled refused: {r['refused']}")
@@ -100,9 +105,14 @@ def main(argv=None) -> list[dict]:
         ratio = r["eager_step_s"] / r["compiled_step_s"]
         verdict = f"{ratio:.2f}x" + ("" if ratio >= 1 else " (slowdown)")
         print(f"{r['case']:<44} {r['eager_step_s'] * 1e3:>9.1f} {r['compiled_step_s'] * 1e3:>12.1f} "
-              f"{verdict:>15} {r['compile_s'] or 0:>10.1f}")
+              f"{verdict:>15} {r['compile_s'] or 0:>10.1f} {r['graph_breaks']!s:>13}")
     print(f"load average {load:.1f} on {os.cpu_count()} cores; {args.steps} steps per run, two runs each: the lower "
           "median after the first step")
+    print("predicted (the plan's price) against measured, ms:")
+    for r in rows:
+        if r["compiled_step_s"] is not None:
+            print(f"  {r['case']:<42} eager {r['eager_predicted_s'] * 1e3:.1f} -> {r['eager_step_s'] * 1e3:.1f}, "
+                  f"compiled {r['compiled_predicted_s'] * 1e3:.1f} -> {r['compiled_step_s'] * 1e3:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows

@@ -67,7 +67,8 @@ PARAM_TOLERANCE = 1e-4
 # tests/e2e/test_compiled_stages.py): the loss agrees to the printed fp32 digits on every step;
 # parameters differ by 1.5e-6 (hf GPT-2, 2 stages, dropout, a tie, a recomputed block, 4 steps),
 # 3.2e-5 (the built-in GPT the same way, 3 steps: an attention bias whose true gradient is zero,
-# the Adam-amplified noise above). Both inside 1e-4; a mask drawn under the wrong context or a missed autocast moves the loss by
+# the Adam-amplified noise above), 4.4e-7 (hf-llama tp 2 with attention dropout, every region
+# recomputed, 3 steps). All inside 1e-4; a mask drawn under the wrong context or a missed autocast moves the loss by
 # 1e-2 or more, which the bounds still catch. Mixed policies keep their bounds for the same reason.
 TOLERANCES = {Precision.FP32: (LOSS_TOLERANCE, PARAM_TOLERANCE), Precision.BF16_MIXED: (1e-3, 2e-3),
               Precision.FP16_MIXED: (2e-4, 2e-3)}

@@ -9,11 +9,8 @@ in runtime/resilience/checkpoint/tp_pieces.py), keyed dropout, tied embeddings a
 global norm counts a split gradient's pieces once each and a replicated one on tensor index 0
 only, runtime/execute/grad_norm.py). Not yet with it, and refused here rather than at the first step: the
 in-memory checkpoint tier (its slots and parity groups copy whole-rank state along replica
-groups that do not know tensor groups; refused at run time too, runtime/launch/rank.py), and
-compiled stages: inductor in torch 2.13 fails on a DTensor stage here (``aten._local_scalar_dense``)
-and dynamo falls back to eager for the whole forward, and its graph caches keep the process
-group's name, which another launch does not have (Note [compiled stages] in
-runtime/execute/compiled.py); without a tp pinned, compiled stages plan with tp 1.
+groups that do not know tensor groups; refused at run time too, runtime/launch/rank.py). Compiled
+stages run with it (Note [compiled stages] in runtime/execute/compiled.py).
 """
 
 from __future__ import annotations
