@@ -96,7 +96,8 @@ def calibrate(workload, gm: fx.GraphModule, *, kind: str | None = None, warmup: 
                                                      "compiled": compiled})
         profile = replace(profile, recompute_fixed_s=fit_recompute_fixed_s(rows, profile.forward))
         if tp_overheads and kind == "cpu":
-            profile = replace(profile, dtensor_op_s=measure_dtensor_op_s(gm, _example_inputs(workload)),
+            # a compiled stage has no DTensor dispatch per op (Note [compiled regions priced])
+            profile = replace(profile, dtensor_op_s=0.0 if compiled else measure_dtensor_op_s(gm, _example_inputs(workload)),
                               **(measure_collectives() or {}))
             if progress:
                 progress(f"calibrate: tensor parallelism's overheads: DTensor {profile.dtensor_op_s} s/op, "

@@ -50,6 +50,8 @@ rank and a replicated one on tensor index 0, so an inf in any shard reaches ever
 
 from __future__ import annotations
 
+import atexit
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -164,6 +166,9 @@ def replicate_plain_tensors() -> None:
 
         _implicit = implicit_replication()
         _implicit.__enter__()
+        # left open, the generator is closed at interpreter teardown, after DTensor's module state
+        # is gone, and prints an ignored AttributeError at the end of every tensor-parallel run
+        atexit.register(_implicit.__exit__, None, None, None)
 
 
 def shard_stages(modules, program, group, device: torch.device) -> None:
