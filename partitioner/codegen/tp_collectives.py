@@ -18,7 +18,7 @@ def tensor_parallel_calls(gm: fx.GraphModule, tp_sharded: dict) -> None:
     ``tensor_parallel.row_linear`` (its partial sums all-reduced at once), the input of a
     sublayer's column-parallel linears (and of a vocab-split head) passes ``tensor_parallel.column_input`` (their input
     gradients all-reduced once in backward), attention ``tensor_parallel.attention`` (torch's kernel
-    on each rank's heads), keyed attention dropout ``tensor_parallel.keyed_attention`` (the same, each
+    on each rank's heads), keyed attention dropout ``randomness.tensor_parallel_attention`` (the same, each
     rank's slice of the keyed mask)."""
     def role(node, index):
         arg = node.args[index] if len(node.args) > index else None
@@ -45,5 +45,5 @@ def tensor_parallel_calls(gm: fx.GraphModule, tp_sharded: dict) -> None:
         elif node.target is torch.ops.aten.scaled_dot_product_attention.default:
             node.target = tensor_parallel.attention
         elif node.target is randomness.attention:  # keyed attention dropout (Note [randomness keyed by meaning])
-            node.target = tensor_parallel.keyed_attention
+            node.target = randomness.tensor_parallel_attention
     gm.recompile()

@@ -32,7 +32,7 @@ through DTensor's dispatch once, so the graph holds the local ops and the collec
 inserts (``_c10d_functional.all_reduce_`` on the tensor group, run by inductor as a fallback
 kernel), and no step pays DTensor's per-op Python dispatch (Note [compiled regions priced] in
 partitioner/calibrate/measure.py prices that). Attention runs on each rank's heads as local
-tensors, keyed dropout included (``tensor_parallel.keyed_attention``): on DTensors, the explicit
+tensors, keyed dropout included (``randomness.tensor_parallel_attention``): on DTensors, the explicit
 attention's backward needs a strided head split made whole, which inductor in torch 2.13 cannot
 trace (``aten._local_scalar_dense``), and dynamo then runs the whole forward eagerly.
 

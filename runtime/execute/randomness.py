@@ -34,7 +34,8 @@ model was traced in training mode, so the train flag is a constant of the graph 
 attention probabilities' in ``attention``) is the identity, as torch's are in eval mode. Other
 random ops (``rand``, ``bernoulli``) are not dropout and still draw.
 
-This module imports only torch: generated files may import only torch and runtime.
+This module imports only torch (``tensor_parallel_attention``, on a tensor-parallel stage only, loads
+runtime/parallel/tensor_parallel.py when it runs): generated files may import only torch and runtime.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     (batch, heads, query, key) like every other keyed op: the fused kernels draw their mask from
     the global generator in an order no other partition can reproduce. ``heads`` = (index, count):
     q, k, v hold the index-th of count equal slices of the heads (a tensor group's rank,
-    runtime/parallel/tensor_parallel.py ``keyed_attention``): the mask is drawn for all the heads,
+    ``tensor_parallel_attention``): the mask is drawn for all the heads,
     as unsliced, and this slice's rows kept, so each head drops what it drops in the whole model."""
     if dropout_p == 0.0 or _dropout_off:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
@@ -302,3 +303,38 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         keep = u.chunk(count, -3)[index] >= dropout_p
         probs = probs.masked_fill(~keep, 0.0) * (1.0 / (1.0 - dropout_p))
     return probs @ v
+
+
+def tensor_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                              dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                              enable_gqa: bool = False, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``attention`` on a tensor-parallel stage (partitioner/codegen/tp_collectives.py writes it there):
+    on each rank's heads, as ``tensor_parallel.attention`` runs torch's kernel. q, k, v split on the
+    head dim go in as local tensors, and the keyed mask is drawn for every head and sliced to this
+    rank's (``heads``), so each head drops the elements it drops in the one-process model. Run on
+    DTensors op by op instead, the explicit softmax-dropout-matmul is slow to dispatch, and its
+    backward turns a head split into a strided one that inductor in torch 2.13 cannot make whole
+    (``aten._local_scalar_dense`` while tracing the backward: the compiled forward fell back to
+    eager)."""
+    # lazy: loads torch.distributed.tensor, which only a tensor-parallel stage needs
+    from runtime.parallel.tensor_parallel import DTensor, Replicate, Shard, is_dtensor
+
+    if not is_dtensor(q):
+        return attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa, op=op,
+                         batch_dim=batch_dim)
+    mesh = q.device_mesh
+    n, i = mesh.size(), mesh.get_local_rank()
+    split = [Shard(1)]
+    if not all(is_dtensor(t) and list(t.placements) == split for t in (q, k, v)):
+        q, k, v = (t.redistribute(mesh, [Replicate()]) if is_dtensor(t) else
+                   DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (q, k, v))
+        split = [Replicate()]
+    mask = attn_mask
+    if mask is not None:
+        if is_dtensor(mask):
+            mask = mask.full_tensor()
+        if split != [Replicate()] and mask.dim() == 4 and mask.shape[1] > 1:  # one mask per head
+            mask = mask.chunk(n, 1)[i]
+    out = attention(q.to_local(), k.to_local(), v.to_local(), mask, dropout_p, is_causal, scale=scale,
+                    enable_gqa=enable_gqa, op=op, batch_dim=batch_dim, heads=(i, n) if split != [Replicate()] else None)
+    return DTensor.from_local(out, mesh, split, run_check=False)

@@ -279,40 +279,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     return DTensor.from_local(out, mesh, heads, run_check=False)
 
 
-def keyed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                    dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
-                    enable_gqa: bool = False, op: str, batch_dim: int | None = 0) -> torch.Tensor:
-    """``runtime.execute.randomness.attention`` (keyed attention dropout) on each rank's heads, as
-    ``attention`` runs torch's kernel: q, k, v split on the head dim go in as local tensors, and
-    the keyed mask is drawn for every head and sliced to this rank's (the heads argument), so each
-    head drops the elements it drops in the one-process model. Run on DTensors op by op instead,
-    the explicit softmax-dropout-matmul is slow to dispatch, and its backward turns a head split
-    into a strided one that inductor in torch 2.13 cannot make whole (``aten._local_scalar_dense``
-    while tracing the backward: the compiled forward fell back to eager)."""
-    from runtime.execute import randomness  # lazy: generated files import this module first
-
-    if not is_dtensor(q):
-        return randomness.attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
-                                    op=op, batch_dim=batch_dim)
-    mesh = q.device_mesh
-    n, i = mesh.size(), mesh.get_local_rank()
-    split = [Shard(1)]
-    if not all(is_dtensor(t) and list(t.placements) == split for t in (q, k, v)):
-        q, k, v = (t.redistribute(mesh, [Replicate()]) if is_dtensor(t) else
-                   DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (q, k, v))
-        split = [Replicate()]
-    mask = attn_mask
-    if mask is not None:
-        if is_dtensor(mask):
-            mask = mask.full_tensor()
-        if split != [Replicate()] and mask.dim() == 4 and mask.shape[1] > 1:  # one mask per head
-            mask = mask.chunk(n, 1)[i]
-    out = randomness.attention(q.to_local(), k.to_local(), v.to_local(), mask, dropout_p, is_causal, scale=scale,
-                               enable_gqa=enable_gqa, op=op, batch_dim=batch_dim,
-                               heads=(i, n) if split != [Replicate()] else None)
-    return DTensor.from_local(out, mesh, split, run_check=False)
-
-
 def settle_gradients(params) -> None:
     """Give every gradient its parameter's layout. DTensor leaves a gradient that arrives as a sum
     of per-rank parts (a norm's weight behind a row-parallel linear) as ``Partial``: the all-reduce

@@ -78,7 +78,7 @@ def test_tensor_parallel_compiled_stages_with_dropout_and_recompute_pass_verify_
     root, plans, out = runs
     plan = plans["tp2"]
     assert plan.tensor_parallel == 2 and all(r.recompute for r in plan.regions)
-    assert "tensor_parallel.keyed_attention(" in (root / "tp2" / "stage_0.py").read_text()
+    assert "randomness.tensor_parallel_attention(" in (root / "tp2" / "stage_0.py").read_text()
     for rank in (0, 1):
         times = json.loads((root / "tp2_run" / f"stage_times_rank_{rank}.json").read_text())
         assert times["compiled_graphs"] > 0 and times["graph_breaks"] == 0, times

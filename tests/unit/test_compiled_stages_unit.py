@@ -107,7 +107,7 @@ def test_tensor_parallel_compiled_stages_compile_and_only_zero_bubble_is_refused
     assert dtensor_op_s(compiled.problem, "cpu") == 0.0 < dtensor_op_s(eager.problem, "cpu")
     assert compiled.predicted["step_time_s"] < eager.predicted["step_time_s"]
     compiled.save(tmp_path / "out")
-    assert "tensor_parallel.keyed_attention(" in (tmp_path / "out" / "stage_0.py").read_text()
+    assert "randomness.tensor_parallel_attention(" in (tmp_path / "out" / "stage_0.py").read_text()
     program = load_program(str(tmp_path / "out"))
     assert program.compile_stages is True and program.tensor_parallel == 2
     for schedule in ("zb", "zbv"):  # a split backward is not one compiled graph (Note [zero-bubble schedules])
@@ -116,7 +116,7 @@ def test_tensor_parallel_compiled_stages_compile_and_only_zero_bubble_is_refused
 
 
 def test_keyed_attention_on_a_slice_of_the_heads_is_that_slice_of_the_whole():
-    """A tensor-parallel rank runs keyed attention on its heads (tensor_parallel.keyed_attention): the
+    """A tensor-parallel rank runs keyed attention on its heads (randomness.tensor_parallel_attention): the
     mask is drawn for every head and sliced, so each slice drops what the whole model drops."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
