@@ -2,7 +2,8 @@
 
 Note [what tensor parallelism runs with]: the generated program shards each stage over its
 tensor group with DTensor (runtime/parallel/tensor_parallel.py). It runs fp32, bf16-mixed and fp16-mixed
-training (Note [tensor parallelism under autocast]) with pipelining, data parallelism (each tensor
+training (Note [tensor parallelism under autocast]) with pipelining under every schedule (zb and zbv
+included: Note [a stage output is no view] in runtime/parallel/tensor_parallel.py), data parallelism (each tensor
 index's replicas all-reduce and digest their own pieces), ZeRO-1 (each tensor index's replicas
 shard the optimizer state of their local tensors, Note [sharded state with tensor parallelism]
 in runtime/resilience/checkpoint/tp_pieces.py), keyed dropout, tied embeddings and gradient clipping (the

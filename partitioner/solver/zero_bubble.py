@@ -15,7 +15,13 @@ Note [zero-bubble schedules]
     ``stage_backward_weight`` on our stage modules); recomputed regions take the non-reentrant
     checkpoint (Note [recompute under a split backward] in runtime/execute/recompute.py); the
     data-parallel and tied-gradient sync run after ``schedule.step``, so after every stage's last W;
-    randomness is keyed by (seed, step, sample, op) as for every schedule.
+    randomness is keyed by (seed, step, sample, op) as for every schedule. With the other features
+    (tests/e2e/test_zero_bubble_combinations.py, against the oracle): tensor parallelism (a tp
+    stage's output is no view: torch detaches it in place after B, Note [a stage output is no view]
+    in runtime/parallel/tensor_parallel.py), bf16- and fp16-mixed (every W runs inside
+    ``schedule.step``, so an overflow skips their update with the optimizer step), ZeRO-1, the
+    replica check, the memory tier and lossless checkpoints (kill and resume bit for bit). Compiled
+    stages and SDC canaries are refused (runtime/program/spec.py, runtime/resilience/canary_rules.py).
 
 Note [weight-gradient flops]
     The flops pass counts, per node, the part of its backward that produces parameter gradients

@@ -144,7 +144,14 @@ def _wrap_forward(module: torch.nn.Module, mesh) -> None:
             and not isinstance(t, DTensor) else t
 
     def leave(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
+        if not isinstance(t, DTensor):
+            return t
+        whole = t.full_tensor()
+        # Note [a stage output is no view]: a Replicate DTensor's local tensor comes out as a view,
+        # and torch's split backward (zb, zbv) detaches each stage output in place after its
+        # input-gradient action, which autograd refuses on a view; a copy of the boundary tensor
+        # is the same values and gradient, and frees the view's base instead of holding it.
+        return whole.clone() if whole._is_view() else whole
 
     module.register_forward_pre_hook(lambda module, args: tree_map(enter, args))
     module.register_forward_hook(lambda module, args, output: tree_map(leave, output))
