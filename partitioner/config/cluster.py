@@ -48,10 +48,13 @@ __all__ = [
     "DEFAULT_LINKS",
     "GIB",
     "resolve_kind",
+    # the cpu kind's fixed costs, re-exported: the presets are part of this module's interface
+    "CPU_DTENSOR_OP_S", "CPU_MICROBATCH_OVERHEAD_S", "CPU_RECOMPUTE_FIXED_S", "CPU_TP_COLLECTIVE_S", "CPU_TP_SKEW",
+    "FLOPS_PER_S_BY_DTYPE",
 ]
 
 from runtime.file_trust import JSON_CAP, read_bounded
-from partitioner.config.device_presets import (  # noqa: F401 - the presets are part of this module's interface
+from partitioner.config.device_presets import (
     CPU_DTENSOR_OP_S, CPU_MICROBATCH_OVERHEAD_S, CPU_RECOMPUTE_FIXED_S, CPU_TP_COLLECTIVE_S, CPU_TP_SKEW,
     DEVICE_PRESETS, FLOPS_PER_S_BY_DTYPE, GIB, _KIND_ALIASES, DevicePreset, default_cores, resolve_kind,
 )

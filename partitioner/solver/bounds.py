@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 from partitioner.config.cluster import ClusterSpec, LinkSpec
-from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,

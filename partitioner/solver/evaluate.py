@@ -91,7 +91,6 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 from partitioner.solver.grad_norm_cost import global_norm_s
-from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.sdc_cost import replica_check_s
 
