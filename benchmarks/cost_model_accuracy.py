@@ -296,7 +296,8 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     from partitioner.calibrate.priced_problem import build_problem
     from partitioner.models.builtin import load_workload
     from partitioner.solver.evaluate import evaluate
-    from partitioner.solver.problem import Assignment, place_stages
+    from partitioner.solver.problem import Assignment
+    from partitioner.solver.device_layout import place_stages
     from runtime.program.schedules import schedule_named
     from runtime.execute.stage import build_stage
 

@@ -50,7 +50,8 @@ def predicted(plan, workload, recompute: bool, profiles=()):
     from partitioner.frontend.analysis import analyze
     from partitioner.calibrate.priced_problem import build_problem
     from partitioner.solver.evaluate import evaluate
-    from partitioner.solver.problem import Assignment, place_stages
+    from partitioner.solver.problem import Assignment
+    from partitioner.solver.device_layout import place_stages
 
     gm, _ = analyze(workload, granularity=plan.granularity)
     problem = build_problem(gm, workload.example_batch_size, profiles=profiles)

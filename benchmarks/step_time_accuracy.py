@@ -74,7 +74,8 @@ def compile_plans(tmp: str, calibrate_repeats: int, models) -> list[dict]:
     from partitioner.calibrate.priced_problem import build_problem
     from partitioner.models.builtin import load_workload
     from partitioner.solver.evaluate import evaluate
-    from partitioner.solver.problem import Assignment, core_sharing_factor, place_stages
+    from partitioner.solver.problem import Assignment, core_sharing_factor
+    from partitioner.solver.device_layout import place_stages
     from partitioner.calibrate.machine import fill_fixed_costs, machine_profile
 
     here = machine_profile()  # Note [machine profile]: cached, or measured now

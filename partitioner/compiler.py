@@ -34,7 +34,7 @@ from partitioner.calibrate.profiles import compiled_profile_refusal
 from partitioner.config.cluster import ClusterSpec
 from partitioner.codegen.split import boundary_names, check_mutable_buffers
 from partitioner.compiled import Compiled
-from partitioner.config.job import DEFAULT_TRAINING, training_settings  # noqa: F401 - DEFAULT_TRAINING: re-exported
+from partitioner.config.job import training_settings
 from partitioner.solver.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.config.settings import Decisions, Request, TrainingSettings
 from partitioner.solver.candidates import validate_options

@@ -16,6 +16,12 @@ class CheckpointCorruptError(ValueError):
     """A checkpoint shard is missing, truncated or fails its checksum."""
 
 
+class FlagError(ValueError):
+    """A run flag the table does not know, or a value it refuses: the message names both and the fix
+    (Note [one flag table] in runtime/launch/run_options.py). Here, not there, so that the parsers of
+    the values (runtime/resilience/faults.py, the --mtbf duration) raise it from their own rooms."""
+
+
 class InputMismatchError(ValueError):
     """make_batch returned inputs the program was not compiled for (Notes [keyword inputs] and
     [constant inputs] in runtime/data/synthetic.py)."""

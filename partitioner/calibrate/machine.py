@@ -98,10 +98,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from partitioner.calibrate.machine_measure import _other_runnable, fit_gloo, measure_machine, reference_workload  # noqa: F401 - callers' names
-from partitioner.calibrate.machine_profile import (FORMAT, KIND, MachineKey, MachineMeasurements,  # noqa: F401
-                                                   MachineProfile, Refit, fill_fixed_costs)
+from partitioner.calibrate.machine_measure import _other_runnable, fit_gloo, measure_machine, reference_workload
+from partitioner.calibrate.machine_profile import (FORMAT, KIND, MachineKey, MachineMeasurements, MachineProfile, Refit,
+                                                   fill_fixed_costs)
 from partitioner.config.cluster import ClusterSpec
+
+# its own names and those of machine_profile.py and machine_measure.py it re-exports (callers take them from here)
+__all__ = ["CACHE_ENV", "FORMAT", "KIND", "NO_CALIBRATE_ENV", "MachineKey", "MachineMeasurements", "MachineProfile",
+           "Refit", "Resolved", "cache_dir", "cache_path", "calibration_disabled", "fill_fixed_costs", "fit_gloo",
+           "load_cached", "machine_profile", "measure_machine", "other_runnable_now", "quieter_now",
+           "reference_workload", "resolve", "save"]
 
 NO_CALIBRATE_ENV = "PARTITIONER_NO_CALIBRATE"
 CACHE_ENV = "XDG_CACHE_HOME"

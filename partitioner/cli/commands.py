@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from runtime.program.parts import Precision
-from runtime.launch.run_options import add_flags as add_run_flags
+from runtime.launch.run_options import add_flags as add_run_flags, dash_values_joined
 import partitioner
 from partitioner.cli import data as data_command, elastic as elastic_command, generate as generate_command
 from partitioner.cli.run import cmd_run
@@ -405,12 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps no public map of them
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((w for w in argv if w in commands), None)
+    if command is not None:  # `--mtbf -5h`: the value to its own check, not argparse's "expected one argument"
+        argv = dash_values_joined(argv, commands[command])
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused, never dropped: a misspelt flag would run with the default and say nothing
         from runtime.launch.run_options import unknown_flag_message
 
-        sub = parser._subparsers._group_actions[0].choices[args.command]
-        known = list(sub._option_string_actions)
+        known = list(commands[args.command]._option_string_actions)
         print(f"error: {unknown_flag_message(unknown, known, f'partitioner {args.command}')}", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -41,7 +41,8 @@ def cmd_run(args) -> int:
     rank_params = {r["rank"]: [n for k in r["stages"] for n in program["stages"][k]["params"]]
                    for r in program.get("ranks", ())}
     options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
-                      rank_params=rank_params)
+                      rank_params=rank_params,
+                      plan_memory_tier=(program.get("memory_tier") or {}).get("mode") or "off")
     if options.sdc_canary_every and (why := program_refusal(program, options.sdc_canary_every)):
         raise ValueError(why)  # Note [compute canaries]: before any worker starts
     if options.elastic:  # before any folder is made (Note [elastic run])
@@ -72,7 +73,7 @@ def cmd_run(args) -> int:
 
         started = time.time()
         return exit_code_after(options.run_dir or str((folder / "run").resolve()), run_elastic(folder, options, plan),
-                               started)
+                               started, said=True)
     if not options.quiet:
         world = plan.world_size
         nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly

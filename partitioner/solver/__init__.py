@@ -1,7 +1,8 @@
 """The partition solver: plain-number problem in, verified plan out (no torch import here).
 
     plan.py             the frozen Plan (PlanRegion, PlanTie, ...): JSON round-trip, content hash
-    problem.py          RegionCost / Edge / SharedParam / PartitionProblem, Assignment, the time model, links
+    problem.py          RegionCost / Edge / SharedParam / PartitionProblem, Assignment, the time model
+    device_layout.py    the device of each (stage, replica) and the links a placement's transfers cross
     evaluate.py         evaluate(): the float cost model (Notes [cost model], [memory model])
     recompute_cost.py   what recomputing a region costs a microbatch (Note [recompute fixed cost])
     precision_cost.py   the precision policy as a transformed problem and cluster
@@ -51,9 +52,9 @@ from partitioner.solver.problem import (
     RegionCost,
     SharedParam,
     TensorParallelCost,
-    place_stages,
     region_times_s,
 )
+from partitioner.solver.device_layout import place_stages
 from partitioner.solver.solve import CandidateRecord, Solution, solve, solve_candidate
 
 __all__ = [

@@ -7,15 +7,13 @@ from __future__ import annotations
 import math
 
 from partitioner.config.cluster import ClusterSpec, LinkSpec
-from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
     microbatch_overhead_s,
-    place_stages,
-    plan_links,
     region_times_s,
 )
+from partitioner.solver.device_layout import place_stages, plan_links
 from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.schedules import priced_schedule
 

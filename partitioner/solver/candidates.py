@@ -14,7 +14,8 @@ from partitioner.solver.check import check_assignment
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
-from partitioner.solver.problem import SCHEDULES, PartitionProblem, place_stages
+from partitioner.solver.problem import SCHEDULES, PartitionProblem
+from partitioner.solver.device_layout import place_stages
 from runtime.program.schedules import REFUSED
 from partitioner.solver.candidate import Candidate
 from partitioner.solver.schedules import priced_schedule

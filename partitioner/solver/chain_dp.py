@@ -27,9 +27,9 @@ from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
     microbatch_overhead_s,
-    plan_links,
     region_times_s,
 )
+from partitioner.solver.device_layout import plan_links
 from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.schedules import priced_schedule
 

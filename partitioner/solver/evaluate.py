@@ -86,12 +86,11 @@ from partitioner.solver.problem import (
     PartitionProblem,
     core_sharing_factor,
     microbatch_overhead_s,
-    plan_links,
     region_step_s,
     region_times_s,
 )
+from partitioner.solver.device_layout import plan_links
 from partitioner.solver.grad_norm_cost import global_norm_s
-from partitioner.solver.interleaved import pipeline_slots
 from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.sdc_cost import replica_check_s
 

@@ -22,7 +22,8 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.baselines import BaselineCost, param_balanced_split, uniform_split
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.placements import is_launchable
-from partitioner.solver.problem import Assignment, PartitionProblem, place_stages, region_times_s
+from partitioner.solver.problem import Assignment, PartitionProblem, region_times_s
+from partitioner.solver.device_layout import place_stages
 from partitioner.solver.schedules import priced_schedule
 
 __all__ = ["best_baselines", "hand_placement", "hand_placements"]

@@ -75,9 +75,9 @@ from partitioner.solver.problem import (
     SCHEDULES,
     PartitionProblem,
     core_sharing_factor,
-    plan_links,
     region_times_s,
 )
+from partitioner.solver.device_layout import plan_links
 from partitioner.solver.recompute_cost import recompute_s
 from partitioner.solver.schedules import priced_schedule
 

@@ -24,9 +24,9 @@ from partitioner.solver.problem import (
     Assignment,
     PartitionProblem,
     core_sharing_factor,
-    place_stages,
     region_times_s,
 )
+from partitioner.solver.device_layout import place_stages
 
 __all__ = ["PlacedResult", "common_time_unit_s", "solve_placements", "solve_relaxed"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS, pipeline_slots
-from partitioner.solver.problem import (core_sharing_factor, microbatch_overhead_s, place_stages, plan_links,
-                                       region_times_s)
+from partitioner.solver.device_layout import place_stages, plan_links
+from partitioner.solver.problem import core_sharing_factor, microbatch_overhead_s, region_times_s
 from partitioner.solver.zero_bubble import path_forms, worst_stage_s
 from runtime.program.schedules import GPipe, Interleaved, OneFOneB, PipelineSchedule, ZeroBubble, ZeroBubbleV
 

@@ -48,7 +48,8 @@ from partitioner.solver.chain_dp import chain_lower_bound_s, has_chain_backbone
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
-from partitioner.solver.problem import Assignment, PartitionProblem, place_stages
+from partitioner.solver.problem import Assignment, PartitionProblem
+from partitioner.solver.device_layout import place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress

@@ -28,7 +28,8 @@ import dataclasses
 import math
 
 from partitioner.solver.evaluate import evaluate
-from partitioner.solver.problem import core_sharing_factor, plan_links
+from partitioner.solver.problem import core_sharing_factor
+from partitioner.solver.device_layout import plan_links
 
 SHARD_CHOICES = ("auto", "on", "off")
 

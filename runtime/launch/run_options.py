@@ -23,15 +23,13 @@ import difflib
 import os
 from dataclasses import dataclass
 from typing import Callable
+
+from runtime.errors import FlagError
 from runtime.resilience import faults
 
 # = runtime.resilience.checkpoint.delta.MAX_FULL_EVERY, repeated: that module loads torch
 # (tests/unit/test_hardening_chains.py checks they agree)
 MAX_FULL_EVERY = 64
-
-
-class FlagError(ValueError):
-    """A run flag the table does not know, or a value it refuses: the message names both and the fix."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,7 @@ class RunOptions:
         and the nearest known flag."""
         parser = argparse.ArgumentParser(prog=prog, description="train this program's rank", allow_abbrev=False)
         add_flags(parser, side)
-        known, unknown = parser.parse_known_args(argv)
+        known, unknown = parser.parse_known_args(dash_values_joined(argv, parser))
         if unknown:
             raise FlagError(unknown_flag_message(unknown, flag_names(side), prog))
         return RunOptions.from_namespace(known)
@@ -202,12 +200,15 @@ class RunOptions:
         return None if self.hosts is None else [int(h) for h in self.hosts.split(",")]
 
     def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None,
-                  eval_data: bool | None = None, rank_params: dict[int, list[str]] | None = None) -> None:
+                  eval_data: bool | None = None, rank_params: dict[int, list[str]] | None = None,
+                  plan_memory_tier: str | None = None) -> None:
         """The checks that need the program: every named rank exists, every fault fires, nothing
         asks a sharded program for the replica check, --eval-every finds a validation split.
         ``steps``: the steps this run trains, when known (default: --steps). ``eval_data``: whether
         the program's data has an eval_batch (None: not known, not checked). ``rank_params``: each
-        rank's parameter names, so a --flip-bit TENSOR no rank holds is refused before any starts."""
+        rank's parameter names, so a --flip-bit TENSOR no rank holds is refused before any starts.
+        ``plan_memory_tier``: the plan's memory-tier mode ("off" when it has none; None: not
+        checked), so a --memory-dir no tier would use is refused, not ignored."""
 
         steps = self.steps if steps is None else steps
         last = f"0..{world_size - 1}"
@@ -239,6 +240,12 @@ class RunOptions:
             if fault.rank >= world_size or (steps is not None and fault.step >= steps):
                 raise FlagError(f"--fault-matmul {text}: rank {fault.rank} step {fault.step} is never reached (the "
                                 f"program runs {world_size} ranks{f' for {steps} steps' if steps else ''})")
+        if self.memory_dir is not None and plan_memory_tier is not None \
+                and (self.memory_tier or plan_memory_tier) == "off":
+            why = ("--memory-tier off" if self.memory_tier == "off"
+                   else "the plan has no memory tier and no --memory-tier asks for one")
+            raise FlagError(f"--memory-dir {self.memory_dir}: no memory tier would use it ({why}): leave out "
+                            "--memory-dir, or pass --memory-tier auto to keep snapshots there")
         if self.eval_every is not None and eval_data is False:
             raise FlagError(f"--eval-every {self.eval_every}: this program's data has no validation split "
                             "(data.eval_batch): compile it with --data tokens:DIR whose folder has a val split "
@@ -358,6 +365,30 @@ def add_flags(parser: argparse.ArgumentParser, side: str) -> None:
             if flag.metavar:
                 kwargs["metavar"] = flag.metavar
         target.add_argument(*names, **kwargs)
+
+
+def dash_values_joined(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with each value that starts with "-" and names no flag written ``--flag=VALUE``.
+    argparse reads ``--mtbf -5h`` as a flag missing its value ("expected one argument"), and
+    ``--fail-at -1:3`` likewise: joined, the value reaches its own check, which names it and the fix
+    (``--mtbf '-5h': the mean time between failures must be more than 0``)."""
+    takes = {s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings}
+    known = set(parser._option_string_actions)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":  # what follows is positional
+            return out + list(argv[i:])
+        after = argv[i + 1] if i + 1 < len(argv) else None
+        if (word in takes and after is not None and after.startswith("-") and after != "--"
+                and after.split("=", 1)[0] not in known):
+            out.append(f"{word}={after}")
+            i += 2
+        else:
+            out.append(word)
+            i += 1
+    return out
 
 
 def unknown_flag_message(unknown: list[str], known: list[str], prog: str) -> str:

@@ -133,8 +133,7 @@ class StepWatch:
 def _tensorboard(run_dir: str):
     """A SummaryWriter on RUN_DIR/tensorboard when the tensorboard package is installed, else None."""
     try:
-        import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
     except ImportError:
         return None
     return SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))

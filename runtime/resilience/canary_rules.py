@@ -47,10 +47,11 @@ def program_refusal(program: dict, every: int, what: str | None = None) -> str |
                    what=what)
 
 
-def exit_code_after(run_dir: str, returncode: int, started_unix: float) -> int:
+def exit_code_after(run_dir: str, returncode: int, started_unix: float, said: bool = False) -> int:
     """`partitioner run`'s exit code after torchrun returned ``returncode``: EXIT_EXCLUDE, said in one
     line, when the job stopped because a canary wrote RUN_DIR/exclude.json during this run (torchrun
-    itself exits 1 whatever its workers' codes); else ``returncode``."""
+    itself exits 1 whatever its workers' codes); else ``returncode``. ``said``: the elastic launcher
+    already said why it stopped (an exclusion it could not act on: no re-plan follows), so no line."""
     path = os.path.join(run_dir, "exclude.json")
     try:
         fresh = returncode != 0 and os.stat(path).st_mtime >= started_unix
@@ -58,6 +59,8 @@ def exit_code_after(run_dir: str, returncode: int, started_unix: float) -> int:
         fresh = False
     if not fresh:
         return returncode
+    if said:
+        return EXIT_EXCLUDE
     print(f"[run] stopped for a re-plan: {path} names the rank(s) a compute canary caught twice "
           f"(exit {EXIT_EXCLUDE})", file=sys.stderr, flush=True)
     return EXIT_EXCLUDE

@@ -1,6 +1,7 @@
 """Fault injection, every kind in one room: where a test or a benchmark makes a rank, a host or a
-persist die, and nothing else. No process group, no other runtime module imported (the rooms that
-fire these import this one).
+persist die, and nothing else. No process group, no other runtime module imported but runtime.errors
+(the rooms that fire these import this one). A spec that does not parse is a FlagError naming it and
+its form, raised when `partitioner run` and each rank read their flags, before any worker starts.
 
 - ``--fail-at RANK:STEP[:exit|kill|hang]`` (``Fault``, ``step_hook``): rank RANK, just before it
   starts step STEP (0-based, = make_batch's step): "exit" leaves with os._exit(3), "kill" sends
@@ -40,6 +41,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from runtime.errors import FlagError
+
 MODES = ("exit", "kill", "hang")
 
 
@@ -69,17 +72,20 @@ def parse_fail_at(text: str) -> Fault:
         mode = parts[2] if len(parts) == 3 else "kill"
         fault = Fault(int(parts[0]), int(parts[1]), mode)
     except ValueError:
-        raise ValueError(f"--fail-at {text!r}: write RANK:STEP[:MODE], e.g. 1:5:kill") from None
+        raise FlagError(f"--fail-at {text!r}: write RANK:STEP[:MODE], e.g. 1:5:kill") from None
     if mode not in MODES:
-        raise ValueError(f"--fail-at {text!r}: mode {mode!r} is not one of {MODES}")
+        raise FlagError(f"--fail-at {text!r}: mode {mode!r} is not one of {', '.join(MODES)}: write RANK:STEP[:MODE], "
+                        "e.g. 1:5:kill")
     return fault
 
 
 def parse_fail_persist(text: str) -> PersistFault:
     try:
         rank, step, nbytes = (int(x) for x in text.split(":"))
+        if min(rank, step, nbytes) < 0:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"--fail-persist {text!r}: write RANK:STEP:BYTES, e.g. 0:4:1000") from None
+        raise FlagError(f"--fail-persist {text!r}: write RANK:STEP:BYTES, e.g. 0:4:1000") from None
     return PersistFault(rank, step, nbytes)
 
 
@@ -97,7 +103,7 @@ def parse_flip_bit(text: str) -> BitFlip:
             raise ValueError
         flip = BitFlip(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 and parts[2] else None)
     except ValueError:
-        raise ValueError(f"--flip-bit {text!r}: write RANK:STEP[:TENSOR], e.g. 1:5 or 1:5:layers.0.weight") from None
+        raise FlagError(f"--flip-bit {text!r}: write RANK:STEP[:TENSOR], e.g. 1:5 or 1:5:layers.0.weight") from None
     return flip
 
 
@@ -135,14 +141,14 @@ def flip_bit(tensor) -> int:
 def flip_hook(flips: list[BitFlip], rank: int, params: dict, run_dir: str | None = None):
     """A ``before_step(step)`` callable for --flip-bit on ``rank`` (``params``: original name ->
     parameter), or None when none can fire. Each flip fires once (a rollback re-runs the step
-    clean). An unknown TENSOR is a ValueError naming the rank's parameters."""
+    clean). An unknown TENSOR is a FlagError naming the rank's parameters."""
     mine = {f.step: f for f in flips if f.rank == rank}
     if not mine or not first_attempt():
         return None
     for f in mine.values():
         if f.tensor is not None and f.tensor not in params:
-            raise ValueError(f"--flip-bit {f.rank}:{f.step}:{f.tensor}: rank {rank} holds no parameter "
-                             f"{f.tensor!r}; it holds {sorted(params)[:8]}{' ...' if len(params) > 8 else ''}")
+            raise FlagError(f"--flip-bit {f.rank}:{f.step}:{f.tensor}: rank {rank} holds no parameter "
+                            f"{f.tensor!r}; it holds {sorted(params)[:8]}{' ...' if len(params) > 8 else ''}")
     fired: set[int] = set()
 
     def before_step(step: int) -> None:
@@ -174,7 +180,7 @@ def parse_fault_matmul(text: str) -> MatmulFault:
         if fault.rank < 0 or fault.step < 0:
             raise ValueError
     except ValueError:
-        raise ValueError(f"--fault-matmul {text!r}: write RANK:STEP[:permanent], e.g. 1:5 or 1:5:permanent") from None
+        raise FlagError(f"--fault-matmul {text!r}: write RANK:STEP[:permanent], e.g. 1:5 or 1:5:permanent") from None
     return fault
 
 
@@ -278,7 +284,7 @@ def parse_fail_host(text: str) -> tuple[int, int, int]:
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < PERMANENT):
             raise ValueError
     except ValueError:
-        raise ValueError(f"--fail-host {text!r}: write HOST:STEP[:ATTEMPT] or HOST:STEP:permanent, e.g. 1:3") from None
+        raise FlagError(f"--fail-host {text!r}: write HOST:STEP[:ATTEMPT] or HOST:STEP:permanent, e.g. 1:3") from None
     return parts[0], parts[1], parts[2] if len(parts) == 3 else 0
 
 

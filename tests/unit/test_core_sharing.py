@@ -5,7 +5,8 @@ import pytest
 
 from partitioner.config.cluster import CPU_MICROBATCH_OVERHEAD_S, ClusterSpec
 from partitioner.solver import Edge, PartitionProblem, RegionCost, SolverConfig, evaluate, solve, solve_chain_dp
-from partitioner.solver.problem import core_sharing_factor, place_stages
+from partitioner.solver.problem import core_sharing_factor
+from partitioner.solver.device_layout import place_stages
 
 FAST = SolverConfig(time_limit_s=5)
 

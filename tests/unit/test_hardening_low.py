@@ -246,6 +246,15 @@ BAD_FLAGS = [  # (argv; "P": the compiled program, "D": a scratch folder; run: 2
     (["run", "P", "--steps", "2", "--keep-checkpoints", "0"], "keep at least 1"),
     (["run", "P", "--steps", "2", "--collective-timeout", "nan"], "seconds > 0"),
     (["run", "P", "--steps", "2", "--mtbf", "0s"], "more than 0"),
+    (["run", "P", "--steps", "2", "--mtbf", "-5h"], "--mtbf '-5h': the mean time between failures must be more than 0"),
+    (["compile", "mlp", "-o", "D/o", "--mtbf", "-5h"], "more than 0"),
+    (["run", "P", "--steps", "2", "--fail-at", "-1:3"], "--fail-at -1:3: rank -1 does not exist"),
+    (["run", "P", "--steps", "2", "--fail-at", "one:3"], "--fail-at 'one:3': write RANK:STEP[:MODE]"),
+    (["run", "P", "--steps", "2", "--fail-at", "0:1:boom"], "is not one of exit, kill, hang"),
+    (["run", "P", "--steps", "2", "--fault-matmul", "x"], "--fault-matmul 'x': write RANK:STEP[:permanent]"),
+    (["run", "P", "--steps", "2", "--fail-persist", "0:-1:5"], "--fail-persist '0:-1:5': write RANK:STEP:BYTES"),
+    (["run", "P", "--steps", "2", "--memory-dir", "D"], "no memory tier would use it (the plan has no memory tier"),
+    (["run", "P", "--steps", "2", "--memory-dir", "D", "--memory-tier", "off"], "(--memory-tier off)"),
     (["run", "P", "--steps", "2", "--run-dir", "/proc/partitioner-test"], "--run-dir /proc/partitioner-test"),
     (["run", "P", "--steps", "2", "--flip-bit", "0:1:no.such.tensor"], "holds no parameter"),
     (["run", "P", "--steps", "2", "--fail-host", "9:1"], "no rank runs on host 9"),
@@ -332,3 +341,20 @@ def test_run_on_a_plan_without_its_solver_record_is_one_line(program_dir, tmp_pa
     rc, err = _run(["run", str(folder), "--steps", "1"], capsys)
     assert rc != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "'solver'" in err and "partitioner compile" in err
+
+
+# ---- the launcher's last line after a canary's exclusion -----------------------------------------
+
+def test_an_exclusion_the_elastic_launcher_said_is_not_called_a_re_plan(tmp_path, capsys):
+    # an uncertain blame stops an elastic run with no re-plan: _exclude said so; no second, false line
+    import time
+
+    from runtime.resilience.canary_rules import EXIT_EXCLUDE, exit_code_after
+
+    started = time.time() - 1
+    (tmp_path / "exclude.json").write_text("{}")
+    assert exit_code_after(str(tmp_path), 1, started, said=True) == EXIT_EXCLUDE
+    assert capsys.readouterr().err == ""
+    assert exit_code_after(str(tmp_path), 1, started) == EXIT_EXCLUDE  # torchrun's plain run: the line is true
+    assert "stopped for a re-plan" in capsys.readouterr().err
+    assert exit_code_after(str(tmp_path), 0, started) == 0  # the job finished: no exclusion stopped it

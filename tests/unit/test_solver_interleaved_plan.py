@@ -14,7 +14,8 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import (Edge, PartitionProblem, RegionCost, SolverConfig, check_assignment, evaluate,
                                 solve)
 from partitioner.solver.candidates import enumerate_candidates, validate_options
-from partitioner.solver.problem import Assignment, place_stages
+from partitioner.solver.problem import Assignment
+from partitioner.solver.device_layout import place_stages
 from runtime.execute.schedule import timed_actions
 
 GIB = 2**30

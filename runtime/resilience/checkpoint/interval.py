@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 
+from runtime.errors import FlagError
+
 
 def young_daly_interval(stall_s: float, mtbf_s: float, step_time_s: float) -> tuple[int, dict]:
     """Checkpoint every K steps with K * step_time ~ sqrt(2 * stall * MTBF) (Young/Daly).
@@ -20,13 +22,17 @@ def young_daly_interval(stall_s: float, mtbf_s: float, step_time_s: float) -> tu
 
 
 def parse_duration_s(text: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([smhd]?)\s*", str(text))
+    """Seconds of an --mtbf duration: a number > 0 with an optional unit s, m, h or d ("6h");
+    anything else a FlagError naming the text and the form."""
+    match = re.fullmatch(r"\s*(-?)\s*([0-9.]+)\s*([smhd]?)\s*", str(text))
     if not match:
-        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d")
+        raise FlagError(f"--mtbf {text!r} is not a duration: write a number and a unit s, m, h or d, e.g. 90m, "
+                        "6h or 2d")
     try:
-        value = float(match.group(1))
+        value = float(match.group(2))
     except ValueError:  # "1.2.3"
-        raise ValueError(f"--mtbf {text!r} is not a duration: write e.g. 90m, 6h or 2d") from None
-    if value <= 0:  # a failure every 0 s would checkpoint after every step and still be a lie
-        raise ValueError(f"--mtbf {text!r}: the mean time between failures must be more than 0 (e.g. 6h)")
-    return value * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+        raise FlagError(f"--mtbf {text!r} is not a duration: write a number and a unit s, m, h or d, e.g. 90m, "
+                        "6h or 2d") from None
+    if match.group(1) or value <= 0:  # a failure every 0 s would checkpoint after every step and still be a lie
+        raise FlagError(f"--mtbf {text!r}: the mean time between failures must be more than 0: write e.g. 6h")
+    return value * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(3)]
