@@ -253,6 +253,23 @@ def _forget_local_modules(root: str) -> None:
     importlib.invalidate_caches()
 
 
+def _known_by_its_name(module: types.ModuleType, path: Path) -> None:
+    """``module`` (the file ``path`` just run) as sys.modules[its name] when that name finds this file.
+
+    Note [a model file runs once]: what this process imports by the file's name later (make_batch's
+    "user/my_model.py" in verify's oracle, a stage file's `import my_model`) is then this module,
+    not a second run of the file. A second run re-registers the file's torch.library custom ops,
+    and torch then drops the first run's registration: the model built from the first run calls an
+    op whose handle is gone (an internal assert in torch's dispatcher, or worse), as verify's
+    oracle once did at random under the whole suite."""
+    try:
+        found = importlib.util.find_spec(path.stem)
+    except (ImportError, ValueError):
+        return
+    if found is not None and found.origin and Path(found.origin).resolve() == path:
+        sys.modules[path.stem] = module
+
+
 def load_model_file(path: str | Path, spec: str) -> types.ModuleType:
     """Run a MODEL file as `python my_model.py` would (its folder first on sys.path, its local
     modules imported afresh), then leave its folder at the end of sys.path, where the ranks have
@@ -271,6 +288,7 @@ def load_model_file(path: str | Path, spec: str) -> types.ModuleType:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+        _known_by_its_name(module, path)
     except Exception as exc:  # noqa: BLE001 - the user's file; reported in their terms
         where = _user_frame(exc, root)
         text = str(exc).strip().splitlines()

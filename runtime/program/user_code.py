@@ -116,7 +116,11 @@ def _user_module(folder: str, rel: str):
     if origin is not None and origin != path and not filecmp.cmp(origin, path, shallow=False):
         return None  # another file of that name (an earlier model's folder on sys.path): not ours to run
     module = import_user_module(folder, name)
-    return module if os.path.realpath(getattr(module, "__file__", "") or "") == path else None
+    file = os.path.realpath(getattr(module, "__file__", "") or "")
+    # the model file the compiler's process ran, identical to its copy: that module, not a second run
+    # of the file (Note [a model file runs once] in partitioner/frontend/user_source.py)
+    same = file == path or (os.path.isfile(file) and filecmp.cmp(file, path, shallow=False))
+    return module if same else None
 
 
 _FILE_MODULES: dict = {}

@@ -333,3 +333,32 @@ def test_make_batch_and_the_example_must_agree_on_a_constant_input():
     with pytest.raises(ValueError, match=r"make_batch\(0, 4\) returns input 1=0.25 but the example inputs have "
                                          r"input 1=0.5"):
         workload.example_args_at(4)
+
+
+def test_a_model_file_runs_once_in_the_process_that_loaded_it(tmp_path):
+    """Note [a model file runs once]: verify's oracle loads the model file and then resolves the
+    program's make_batch ("user/my_model.py", the folder's identical copy) by its name: the module
+    that built the model, not a second run of the file (which would re-register a custom op it
+    defines and leave the model calling a dropped one)."""
+    import shutil
+
+    from partitioner.models.builtin import load_workload
+    from runtime.program.user_code import leave_user_root, resolve_callable
+
+    runs = "import builtins\nbuiltins.__dict__.setdefault('_partitioner_model_runs', []).append(__file__)\n"
+    home, program = tmp_path / "home", tmp_path / "program"
+    _write(home, {"my_model.py": runs + _model_file("", "1")})
+    (program / "user").mkdir(parents=True)
+    shutil.copy(home / "my_model.py", program / "user" / "my_model.py")
+    import builtins
+
+    builtins.__dict__["_partitioner_model_runs"] = []
+    try:
+        workload = load_workload(f"{home / 'my_model.py'}:build")
+        make_batch = resolve_callable("user/my_model.py:make_batch", str(program))
+        assert builtins._partitioner_model_runs == [str(home / "my_model.py")]
+        assert make_batch.__globals__ is workload.make_batch.__globals__  # one module
+    finally:
+        leave_user_root()
+        sys.modules.pop("my_model", None)
+        del builtins.__dict__["_partitioner_model_runs"]
