@@ -14,7 +14,9 @@ stage_times): 60-130 s per program with a cold inductor cache here, a few second
 ~/.cache or /tmp/torchinductor_$USER holds the graphs. The ratio
 is eager / compiled: above 1 compiled is faster, below 1 it is a slowdown, printed as such. The
 machine is 2 CPU cores shared with other jobs (the load average is printed): on a GPU the
-per-op launch overhead that compilation removes is a different size.
+per-op launch overhead that compilation removes is a different size. The plans are priced by this
+machine's profile (``--priced-by machine``, the default: eager plans by its eager fit, compiled ones
+by its compiled fit, Note [compiled machine fit]) or by the cpu preset (``--priced-by preset``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ MODELS = {"demo gpt": ("gpt", dict(layers=4, width=128, heads=4, seq=64, vocab=2
 LAYOUTS = {"2 stages": dict(num_stages=2), "tp 2": dict(num_stages=1, tensor_parallel=2)}
 
 
-def compile_folders(root: Path) -> dict:
+def compile_folders(root: Path, priced_by: str = "machine") -> dict:
     """((case, "eager" | "compiled") -> folder, case -> why the compiled plan was refused)."""
     import partitioner
     from partitioner.config.cluster import ClusterSpec
@@ -51,7 +53,7 @@ def compile_folders(root: Path) -> dict:
                 try:
                     plan = partitioner.compile(getattr(builtin, builder)(**spec), cluster=ClusterSpec.homogeneous(2, "cpu"),
                                                global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
-                                               machine_profile="preset",
+                                               machine_profile="auto" if priced_by == "machine" else "preset",
                                                training={"compile_stages": mode == "compiled"}, **options)
                 except ValueError as refused:  # a combination compiled stages refuse: its row says why
                     refusals[f"{model}, {layout}"] = str(refused).split(" (Note")[0]
@@ -66,10 +68,15 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--priced-by", choices=("machine", "preset"), default="machine",
+                        help="what prices the plans: this machine's profile (the compiled plans by its compiled fit, "
+                             "Note [compiled machine fit]; measured the first time) or the cpu preset")
     args = parser.parse_args(argv)
+    if args.priced_by == "machine":
+        os.environ.pop("PARTITIONER_NO_CALIBRATE", None)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="compiled-bench-") as tmp:
-        folders, refusals = compile_folders(Path(tmp))
+        folders, refusals = compile_folders(Path(tmp), args.priced_by)
         # each folder trains twice, the two modes alternating, and keeps its quieter run: the two
         # cores are shared, and a neighbour's burst during one run would decide the ratio
         jobs = [a for repeat in (1, 2) for folder in folders.values()
@@ -108,7 +115,8 @@ def main(argv=None) -> list[dict]:
               f"{verdict:>15} {r['compile_s'] or 0:>10.1f} {r['graph_breaks']!s:>13}")
     print(f"load average {load:.1f} on {os.cpu_count()} cores; {args.steps} steps per run, two runs each: the lower "
           "median after the first step")
-    print("predicted (the plan's price) against measured, ms:")
+    print(f"predicted (the plan's price, by the {'machine profile' if args.priced_by == 'machine' else 'cpu preset'}"
+          ") against measured, ms:")
     for r in rows:
         if r["compiled_step_s"] is not None:
             print(f"  {r['case']:<42} eager {r['eager_predicted_s'] * 1e3:.1f} -> {r['eager_step_s'] * 1e3:.1f}, "

@@ -29,7 +29,7 @@ from passes import ir
 from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
-from partitioner.calibrate.machine import fill_fixed_costs
+from partitioner.calibrate.machine import fill_fixed_costs, with_compiled_fit
 from partitioner.calibrate.profiles import compiled_profile_refusal
 from partitioner.config.cluster import ClusterSpec
 from partitioner.codegen.split import boundary_names, check_mutable_buffers
@@ -189,8 +189,11 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     # own profile does; its fixed costs fill in whatever no profile measured
     machine_regions = (machine is not None and not precision.is_mixed
                        and not any(p.kind == machine.profile.device_profile().kind for p in profiles))
+    if machine_regions and settings.compile_stages:  # Note [compiled machine fit]
+        machine = with_compiled_fit(machine, progress)
+    machine_compiled = bool(machine_regions and settings.compile_stages and machine.profile.compiled)
     if machine_regions:
-        profiles.append(machine.profile.device_profile())
+        profiles.append(machine.profile.device_profile(compiled=machine_compiled))
     # a GPU kind nothing was measured on is priced from published rates (Note [accelerator roofline])
     from partitioner.calibrate.datasheet import datasheet_profiles
 
@@ -251,7 +254,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
-        plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path)
+        plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path,
+                                                                         compiled=machine_compiled)
     return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources)
 
 

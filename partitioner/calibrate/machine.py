@@ -51,7 +51,23 @@ Note [machine profile]
     be (``device_profile``: region seconds from the reference fit, the measured overheads) and by
     replacing the preset's figures in the cluster (``cluster_for``: flops_per_s, the measured
     matmul rate; the intra-node link), never a figure the user gave (a cluster file's
-    ``flops_per_s`` or ``[links.intra_node]`` wins: Note [what the machine profile replaces]).
+    ``flops_per_s`` or ``[links.intra_node]`` wins: Note [compiled machine fit]
+    Compiled stages (Note [compiled stages] in runtime/execute/compiled.py) run fused kernels: on
+    this machine a compiled region pays about a quarter of an eager op's fixed cost per op (14 against
+    55 us forward, measured), so the eager fit prices a compiled plan too slow and steers the solver
+    by a cost that will not be paid. The first compile with compile_stages on a machine whose cached
+    profile has no compiled fit measures the reference model's regions through torch.compile
+    (``measure_compiled_fit``: about a minute, most of it inductor; said as it starts) and adds the
+    fit to the cached profile (``compiled``; the rest of the profile, its measurement id included,
+    is unchanged). Such plans price cpu regions with it, ``dtensor_op_s`` 0 (Note [compiled regions
+    priced]), the contention as measured and none of a refit's region scales (those are the eager
+    fit's); plan.json's ``cpu_time_model.regions`` says "machine compiled", and a refit from such a
+    run refits the per-microbatch overhead only. A compile whose measurement fails (no C compiler
+    for inductor, say) says so and prices with the eager fit. The fit's per-call term (a compiled
+    graph's guards and call, ~0.3 ms a region here) is the harness's and is not priced per region: a
+    compiled stage is one call, not one per region.
+
+Note [what the machine profile replaces]).
     Regions follow the reference fit only under fp32 (the profile is measured in fp32: another
     policy keeps the datasheet region model at the measured rate, with the measured overheads).
     ``--calibrate`` (this model's regions measured) wins over the reference fit for the regions;
@@ -74,6 +90,22 @@ Note [machine profile cache]
     ``compile(machine_profile="preset")``) prices with the preset: the test suite sets it, so no
     golden file depends on the machine.
 
+Note [compiled machine fit]
+    Compiled stages (Note [compiled stages] in runtime/execute/compiled.py) run fused kernels: on
+    this machine a compiled region pays about a quarter of an eager op's fixed cost per op (14 against
+    55 us forward, measured), so the eager fit prices a compiled plan too slow and steers the solver
+    by a cost that will not be paid. The first compile with compile_stages on a machine whose cached
+    profile has no compiled fit measures the reference model's regions through torch.compile
+    (``measure_compiled_fit``: about a minute, most of it inductor; said as it starts) and adds the
+    fit to the cached profile (``compiled``; the rest of the profile, its measurement id included,
+    is unchanged). Such plans price cpu regions with it, ``dtensor_op_s`` 0 (Note [compiled regions
+    priced]), the contention as measured and none of a refit's region scales (those are the eager
+    fit's); plan.json's ``cpu_time_model.regions`` says "machine compiled", and a refit from such a
+    run refits the per-microbatch overhead only. A compile whose measurement fails (no C compiler
+    for inductor, say) says so and prices with the eager fit. The fit's per-call term (a compiled
+    graph's guards and call, ~0.3 ms a region here) is the harness's and is not priced per region: a
+    compiled stage is one call, not one per region.
+
 Note [what the machine profile replaces]
     A cpu device whose ``flops_per_s`` is the preset's, and the intra-node link when it is the
     cpu preset's (every device cpu): a value equal to the preset is the preset's, since a cluster
@@ -91,6 +123,7 @@ Note [the API measures too]
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -98,7 +131,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from partitioner.calibrate.machine_measure import _other_runnable, fit_gloo, measure_machine, reference_workload
+from partitioner.calibrate.machine_measure import (_other_runnable, fit_gloo, measure_compiled_fit, measure_machine,
+                                                   reference_workload)
 from partitioner.calibrate.machine_profile import (FORMAT, KIND, MachineKey, MachineMeasurements, MachineProfile, Refit,
                                                    fill_fixed_costs)
 from partitioner.config.cluster import ClusterSpec
@@ -107,7 +141,7 @@ from partitioner.config.cluster import ClusterSpec
 __all__ = ["CACHE_ENV", "FORMAT", "KIND", "NO_CALIBRATE_ENV", "MachineKey", "MachineMeasurements", "MachineProfile",
            "Refit", "Resolved", "cache_dir", "cache_path", "calibration_disabled", "fill_fixed_costs", "fit_gloo",
            "load_cached", "machine_profile", "measure_machine", "other_runnable_now", "quieter_now",
-           "reference_workload", "resolve", "save"]
+           "reference_workload", "resolve", "save", "with_compiled_fit"]
 
 NO_CALIBRATE_ENV = "PARTITIONER_NO_CALIBRATE"
 CACHE_ENV = "XDG_CACHE_HOME"
@@ -195,6 +229,29 @@ def machine_profile(*, refresh: bool = False, progress: Callable[[str], None] | 
     save(profile, path)
     how = "measured" if why in ("none cached", "refresh") else f"measured again ({why})"
     return Resolved(profile, path, how)
+
+
+def with_compiled_fit(resolved: Resolved, progress: Callable[[str], None] | None = None) -> Resolved:
+    """``resolved`` whose profile has a compiled fit: measured now and added to the cached file
+    when it has none (Note [compiled machine fit]); ``resolved`` itself when measuring fails."""
+    if resolved.profile.compiled is not None:
+        return resolved
+    say = progress or (lambda _message: None)
+    say("machine: compiled stages are priced by this machine's compiled regions: measuring the reference "
+        "model through torch.compile, once for this machine (about a minute)")
+    try:
+        fit = measure_compiled_fit(say)
+    except Exception as exc:  # noqa: BLE001 - the eager fit still prices the plan; the line says so
+        say(f"machine: measuring compiled regions failed ({type(exc).__name__}: {str(exc)[:200]}); compiled "
+            "stages are priced by the eager fit")
+        return resolved
+    profile = dataclasses.replace(resolved.profile, compiled=fit)
+    if resolved.how != "given":  # a profile the caller passed is theirs, not the cache's
+        cached, _why = load_cached(profile.key)  # another compile may have refit it meanwhile: keep that
+        if cached is not None and cached.measurement_id == profile.measurement_id:
+            profile = dataclasses.replace(cached, compiled=fit)
+        save(profile, resolved.path)
+    return Resolved(profile, resolved.path, resolved.how)
 
 
 def quieter_now(profile: MachineProfile) -> str | None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from partitioner.calibrate import calibrate
-from partitioner.calibrate.machine_profile import KIND, MachineKey, MachineMeasurements, MachineProfile, _scaled
+from partitioner.calibrate.machine_profile import KIND, CompiledFit, MachineKey, MachineMeasurements, MachineProfile, _scaled
 from partitioner.calibrate.machine_worker import BLOCK_MESSAGE_BYTES
 from partitioner.calibrate.measure import _example_inputs
 from partitioner.calibrate.profiles import DirectionFit
@@ -109,6 +109,31 @@ def measure_machine(progress: Callable[[str], None] | None = None, *, repeats: i
         load_average_1m=float(load), other_runnable=max(others),
         measure_s=time.perf_counter() - started, time_unix=time.time())
     return MachineProfile(key=MachineKey.here(), measured=_finite(measured))
+
+
+def measure_compiled_fit(progress: Callable[[str], None] | None = None, *, repeats: int = 10) -> CompiledFit:
+    """The reference model's regions through torch.compile, one thread, fitted (Note [compiled
+    machine fit]): a minute here, most of it inductor compiling each region twice."""
+    from partitioner.frontend.analysis import analyze  # lazy: loads OR-Tools
+
+    started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    others = [_other_runnable(load)]
+    workload = reference_workload()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            gm, _table = analyze(workload, granularity="sublayer")
+            fitted = calibrate(workload, gm, repeats=repeats, warmup=3, threads=1, progress=progress, compiled=True)
+        finally:
+            torch.set_num_threads(old_threads)
+    others.append(_other_runnable(load, seconds=0.3))
+    return CompiledFit(forward=_scaled(fitted.forward, 1.0), backward=_scaled(fitted.backward, 1.0),
+                       forward_fit_median_rel_error=float(fitted.meta["forward_median_rel_error"]),
+                       backward_fit_median_rel_error=float(fitted.meta["backward_median_rel_error"]),
+                       other_runnable=max(others), measure_s=time.perf_counter() - started, time_unix=time.time())
 
 
 def measure_optimizer_s_per_param_byte(num_bytes: int = 4 << 20, *, repeats: int = 10) -> float:

@@ -87,6 +87,32 @@ class MachineMeasurements:
 
 
 @dataclass(frozen=True)
+class CompiledFit:
+    """The reference model's regions measured through torch.compile, fitted (Note [compiled machine
+    fit] in partitioner/calibrate/machine.py): measured apart from ``MachineMeasurements``, the
+    first time a compile asks for compiled stages, and added to the same cached profile."""
+
+    forward: DirectionFit
+    backward: DirectionFit
+    forward_fit_median_rel_error: float
+    backward_fit_median_rel_error: float
+    other_runnable: float                      # as MachineMeasurements': the most seen while measuring
+    measure_s: float                           # compiles included
+    time_unix: float
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward"):
+            if any(not math.isfinite(v) or v < 0 for v in dataclasses.astuple(getattr(self, name))):
+                raise ValueError(f"compiled {name} fit {getattr(self, name)!r} must be finite numbers >= 0 "
+                                 "(measure again: partitioner calibrate --machine --refresh)")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CompiledFit":
+        data = dict(data)
+        return cls(**{**data, "forward": DirectionFit(**data["forward"]), "backward": DirectionFit(**data["backward"])})
+
+
+@dataclass(frozen=True)
 class Refit:
     """One ``calibrate --from-run``: what the run measured and what the profile became."""
 
@@ -113,6 +139,7 @@ class MachineProfile:
     microbatch_overhead_s: float | None = None  # refit from a run; None: measured
     link_latency_s: float | None = None         # refit from a run; None: measured
     refits: tuple[Refit, ...] = ()
+    compiled: CompiledFit | None = None         # Note [compiled machine fit]; None: not measured yet
 
     # --- identity -----------------------------------------------------------------------------
     @property
@@ -143,14 +170,24 @@ class MachineProfile:
         contention (Note [machine profile]) times the refit's scales."""
         return self.measured.contention * self.forward_scale, self.measured.contention * self.backward_scale
 
-    def device_profile(self) -> DeviceProfile:
-        """The profile a compile prices the ``cpu`` kind with (Note [machine profile])."""
+    def device_profile(self, compiled: bool = False) -> DeviceProfile:
+        """The profile a compile prices the ``cpu`` kind with (Note [machine profile]); ``compiled``:
+        for compiled stages, from the compiled fit (Note [compiled machine fit])."""
         m = self.measured
         forward_scale, backward_scale = self.region_scales
+        forward, backward = m.forward, m.backward
+        if compiled:
+            if self.compiled is None:
+                raise ValueError("this machine profile has no compiled fit: a compile with --compile-stages "
+                                 "measures it (Note [compiled machine fit])")
+            # a refit's scales are of the eager fit: the compiled one keeps the contention alone
+            forward, backward = self.compiled.forward, self.compiled.backward
+            forward_scale = backward_scale = m.contention
         return DeviceProfile(
-            kind=KIND, forward=_scaled(m.forward, forward_scale), backward=_scaled(m.backward, backward_scale),
-            meta={"precision": "fp32", "source": "machine", "threads": m.threads},
-            microbatch_overhead_s=self.effective_microbatch_overhead_s, dtensor_op_s=m.dtensor_op_s,
+            kind=KIND, forward=_scaled(forward, forward_scale), backward=_scaled(backward, backward_scale),
+            meta={"precision": "fp32", "source": "machine", "threads": m.threads, "compiled": compiled},
+            microbatch_overhead_s=self.effective_microbatch_overhead_s,
+            dtensor_op_s=0.0 if compiled else m.dtensor_op_s,
             tp_collective_s=m.tp_collective_s, tp_skew=m.tp_skew, recompute_fixed_s=m.recompute_fixed_s,
             optimizer_s_per_param_byte=m.optimizer_s_per_param_byte)
 
@@ -168,10 +205,12 @@ class MachineProfile:
             intra = link
         return dataclasses.replace(cluster, devices=devices, intra_node_link=intra)
 
-    def plan_record(self, *, regions: bool, path: Path | None = None) -> dict:
-        """What plan.json's ``predicted.cpu_time_model`` says priced it (Note [refit from a run] reads it)."""
+    def plan_record(self, *, regions: bool, path: Path | None = None, compiled: bool = False) -> dict:
+        """What plan.json's ``predicted.cpu_time_model`` says priced it (Note [refit from a run] reads it:
+        a refit rescales the regions of a plan whose ``regions`` is "machine", the eager fit's, only)."""
         return {"source": "machine profile", "file": path.name if path else None, "key": self.key.digest,
-                "measurement_id": self.measurement_id, "regions": "machine" if regions else "profile",
+                "measurement_id": self.measurement_id,
+                "regions": ("machine compiled" if compiled else "machine") if regions else "profile",
                 "forward_scale": self.forward_scale, "backward_scale": self.backward_scale,
                 "microbatch_overhead_s": self.effective_microbatch_overhead_s, "refits": len(self.refits),
                 "link_latency_s": self.link().latency_s if self.link() else None}
@@ -185,6 +224,9 @@ class MachineProfile:
         figures = [f"matmul {rate / 1e9:.0f} GFLOP/s a rank" if rate else "matmul -",
                    f"two ranks at once x{m.contention:.2f}",
                    f"{m.forward.op_overhead_s * 1e6:.0f}/{m.backward.op_overhead_s * 1e6:.0f} us per op fwd/bwd"]
+        if self.compiled is not None:
+            c = self.compiled
+            figures.append(f"compiled {c.forward.op_overhead_s * 1e6:.0f}/{c.backward.op_overhead_s * 1e6:.0f} us per op")
         overhead = self.effective_microbatch_overhead_s
         figures.append(f"{overhead * 1e3:.2f} ms per microbatch" if overhead is not None else "per microbatch: preset")
         link = self.link()
@@ -216,7 +258,8 @@ class MachineProfile:
                           forward_scale=float(data["forward_scale"]), backward_scale=float(data["backward_scale"]),
                           microbatch_overhead_s=data.get("microbatch_overhead_s"),
                           link_latency_s=data.get("link_latency_s"),
-                          refits=tuple(Refit(**r) for r in data.get("refits", ())))
+                          refits=tuple(Refit(**r) for r in data.get("refits", ())),
+                          compiled=CompiledFit.from_dict(data["compiled"]) if data.get("compiled") else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed machine profile ({type(exc).__name__}: {exc})") from None
         if not (profile.forward_scale > 0 and profile.backward_scale > 0):

@@ -219,6 +219,80 @@ def test_under_another_precision_only_the_fixed_costs_and_rate_apply(tiny):
     assert all(not (r.fwd_s_per_sample_by_kind or {}) for r in plan.problem.regions)  # the datasheet model
 
 
+# ---- Note [compiled machine fit] -------------------------------------------------------------------
+
+def _compiled_fit(op_overhead_s: float = 2e-6):
+    from partitioner.calibrate.machine_profile import CompiledFit
+    from partitioner.calibrate.profiles import DirectionFit
+
+    return CompiledFit(forward=DirectionFit(1 / 90e9, 1 / 60e9, 1 / 60e9, op_overhead_s, 3e-4),
+                       backward=DirectionFit(1 / 90e9, 1 / 60e9, 1 / 50e9, 2 * op_overhead_s, 2e-4),
+                       forward_fit_median_rel_error=0.03, backward_fit_median_rel_error=0.06,
+                       other_runnable=0.0, measure_s=50.0, time_unix=1.7e9)
+
+
+@pytest.fixture
+def measured_compiled(monkeypatch):
+    """measure_compiled_fit replaced: returns a made-up fit, counts its calls."""
+    calls = []
+
+    def fake(progress=None, **_):
+        calls.append(1)
+        return _compiled_fit()
+
+    monkeypatch.setattr(machine, "measure_compiled_fit", fake)
+    return calls
+
+
+def test_compiled_stages_are_priced_by_the_compiled_fit(tiny):
+    """Fused kernels pay less per op: the compiled fit's plan is cheaper than the eager fit's on the
+    same profile, says "machine compiled", and a refit's eager region scales do not touch it."""
+    import dataclasses
+
+    profile = dataclasses.replace(fake_profile(), compiled=_compiled_fit())
+    eager = _compile(tiny, machine_profile=profile)
+    compiled = _compile(tiny, machine_profile=profile, training={"compile_stages": True})
+    assert eager.predicted["cpu_time_model"]["regions"] == "machine"
+    assert compiled.predicted["cpu_time_model"]["regions"] == "machine compiled"
+    assert compiled.predicted["step_time_s"] < eager.predicted["step_time_s"]
+    refit = dataclasses.replace(profile, forward_scale=3.0, backward_scale=3.0)
+    assert _compile(tiny, machine_profile=refit, training={"compile_stages": True}).predicted["step_time_s"] \
+        == pytest.approx(compiled.predicted["step_time_s"])
+    assert _compile(tiny, machine_profile=refit).predicted["step_time_s"] > eager.predicted["step_time_s"]
+    priced = profile.device_profile(compiled=True)
+    assert priced.meta["compiled"] and priced.dtensor_op_s == 0.0 and priced.forward.op_overhead_s == 2e-6
+    with pytest.raises(ValueError, match="no compiled fit"):
+        fake_profile().device_profile(compiled=True)
+
+
+def test_the_compiled_fit_is_measured_once_and_cached(cache, measured, measured_compiled, tiny):
+    said = []
+    _compile(tiny)  # eager: the machine measured, no compiled fit
+    assert measured == [1] and measured_compiled == []
+    assert machine.load_cached(machine.MachineKey.here())[0].compiled is None
+    plan = _compile(tiny, training={"compile_stages": True}, progress=said.append)
+    assert measured_compiled == [1] and any("through torch.compile, once for this machine" in s for s in said)
+    cached, _ = machine.load_cached(machine.MachineKey.here())
+    assert cached.compiled == _compiled_fit() and cached.measurement_id == plan.predicted["cpu_time_model"][
+        "measurement_id"]  # the eager measurement kept, the fit added
+    assert plan.predicted["cpu_time_model"]["regions"] == "machine compiled"
+    _compile(tiny, training={"compile_stages": True})
+    assert measured_compiled == [1] and measured == [1]  # both from the cache now
+    assert "compiled 2/4 us per op" in cached.describe()
+
+
+def test_a_failed_compiled_measurement_prices_with_the_eager_fit(cache, measured, monkeypatch, tiny):
+    def broken(progress=None, **_):
+        raise RuntimeError("inductor found no C++ compiler")
+
+    monkeypatch.setattr(machine, "measure_compiled_fit", broken)
+    said = []
+    plan = _compile(tiny, training={"compile_stages": True}, progress=said.append)
+    assert plan.predicted["cpu_time_model"]["regions"] == "machine"
+    assert any("no C++ compiler" in s and "priced by the eager fit" in s for s in said), said
+    assert machine.load_cached(machine.MachineKey.here())[0].compiled is None
+
+
 def test_cli_no_calibrate_prices_with_the_preset(cache, measured, tmp_path, capsys):
     from partitioner.cli import main
 
