@@ -336,7 +336,7 @@ def test_make_batch_and_the_example_must_agree_on_a_constant_input():
 
 
 def test_a_model_file_runs_once_in_the_process_that_loaded_it(tmp_path):
-    """Note [a model file runs once]: verify's oracle loads the model file and then resolves the
+    """Verify's oracle (see Note [a model file runs once]) loads the model file and then resolves the
     program's make_batch ("user/my_model.py", the folder's identical copy) by its name: the module
     that built the model, not a second run of the file (which would re-register a custom op it
     defines and leave the model calling a dropped one)."""
