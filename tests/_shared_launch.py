@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -86,10 +87,12 @@ class SharedLaunches:
         for key, fn in preparers.items():
             folder = self.root / key.replace(":", "__")
             folder.mkdir(parents=True, exist_ok=True)
+            start_s = time.perf_counter()
             try:
                 prepared[key] = fn(folder)
             except Exception as error:  # noqa: BLE001 - that module's tests report it
                 failed[key] = error
+            self._timed(f"prepare {key}", start_s)
         outputs = {key: [None] * len(jobs) for key, (_, jobs) in prepared.items()}
         worlds = {job.world for _, jobs in prepared.values() for job in jobs}
         for world in [w for w in WORLD_ORDER if w in worlds] + sorted(worlds - set(WORLD_ORDER)):
@@ -115,8 +118,10 @@ class SharedLaunches:
                 for n, (_, _, job) in enumerate(mine):
                     prefix = ["--restarts", str(job.restarts)] if job.restarts else []
                     args += ([] if n == 0 else ["--"]) + prefix + [str(a) for a in job.args]
+                start_s = time.perf_counter()
                 done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(pythonpath=REPO),
                                       capture_output=True, text=True, timeout=self.timeout_s)
+                self._timed(f"launch {self.launches} world {world} ({len(mine)} jobs)", start_s)
                 ran = len(mine)
                 if done.returncode != 0:  # the failed job is the last one that wrote anything
                     wrote = [n for n in range(len(mine)) if list(logs.glob(f"job_{n}.rank_*"))]
@@ -139,6 +144,12 @@ class SharedLaunches:
         results = {key: (prepared[key][0], outputs[key]) for key in prepared}
         results.update({key: (None, error) for key, error in failed.items()})
         return results
+
+
+    def _timed(self, what: str, start_s: float) -> None:
+        """Where the session's set-up time goes, in ROOT/timings.txt (a slow suite is read from it)."""
+        with open(self.root / "timings.txt", "a") as out:
+            out.write(f"{time.perf_counter() - start_s:8.1f} s  {what}\n")
 
 
 def _read(logs: Path, job: int, world: int) -> Output:
