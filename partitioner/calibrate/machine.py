@@ -74,7 +74,8 @@ Note [what the machine profile replaces]).
     the machine profile still gives what ``--calibrate`` does not measure (the per-microbatch
     overhead, the link). Every figure is this machine at the time it was measured: the most
     other threads seen running while measuring are in the profile, and its description (printed
-    by every compile) says so when they held half the cores or more; ``--refresh`` measures
+    by every compile) says so when they held more than half the cores (on 2 cores, more than
+    half a thread: Note [a busy measurement is provisional]); ``--refresh`` measures
     again, and ``calibrate --from-run`` refits it to a real run (partitioner/calibrate/refit.py,
     Note [refit from a run]).
 
@@ -134,7 +135,7 @@ from typing import Callable
 from partitioner.calibrate.machine_measure import (_other_runnable, fit_gloo, measure_compiled_fit, measure_machine,
                                                    reference_workload)
 from partitioner.calibrate.machine_profile import (FORMAT, KIND, MachineKey, MachineMeasurements, MachineProfile, Refit,
-                                                   fill_fixed_costs)
+                                                   busy_threads_above, fill_fixed_costs)
 from partitioner.config.cluster import ClusterSpec
 
 # its own names and those of machine_profile.py and machine_measure.py it re-exports (callers take them from here)
@@ -258,18 +259,20 @@ def quieter_now(profile: MachineProfile) -> str | None:
     """Why ``profile`` (the cached one) should be measured again now, or None to keep it.
 
     Note [a busy measurement is provisional]: a profile measured while other work held the cores
-    (more other runnable threads than half the cores) prices every later plan with that work's
-    contention: one measured at load 34.8 on 2 cores kept a 34 ms link latency, and every
-    prediction after it was 3-7x the measured step. Such a profile is kept only while the machine
-    is still busy; the first compile that finds it quiet (at most half the cores taken, and under
-    half the threads seen then) measures again, once: the new profile is a quiet one. A profile a
-    run refit (``refits``) is the user's and is kept."""
+    (more other runnable threads than half the cores, or than leave the two cores its two ranks run
+    on at once) prices every later plan with that work's contention: one measured at load 34.8 on 2
+    cores kept a 34 ms link latency, and every prediction after it was 3-7x the measured step; one
+    measured on 2 cores beside a package install (1.0 other thread) halved the matmul rate (40
+    against 90 GFLOP/s quiet) and priced the demo's step at 82 ms against 34 ms quiet. Such a
+    profile is kept only while the machine is still busy; the first compile that finds it quiet
+    (no more taken than that, and under half the threads seen then) measures again, once: the new
+    profile is a quiet one. A profile a run refit (``refits``) is the user's and is kept."""
     then = profile.measured.other_runnable
-    cores = profile.key.cores
-    if then <= 0.5 * cores or profile.refits:
+    busy_above = busy_threads_above(profile.key.cores)
+    if then <= busy_above or profile.refits:
         return None
     now = other_runnable_now()
-    if now > 0.5 * cores or now >= then / 2:
+    if now > busy_above or now >= then / 2:
         return None
     return f"the cached one was measured with {then:.1f} other threads running, {now:.1f} now"
 

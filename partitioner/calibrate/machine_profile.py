@@ -24,6 +24,13 @@ FORMAT = "partitioner.machine/1"
 KIND = "cpu"  # the device kind this machine's processes are (Note [core sharing] in cluster.py)
 
 
+def busy_threads_above(cores: int) -> float:
+    """Other runnable threads above which a measurement on ``cores`` is a busy one (Note [a busy
+    measurement is provisional]): half the cores, and on 2 cores half a thread (the two ranks
+    measured at once need both)."""
+    return min(0.5 * cores, max(cores - 1.5, 0.0))
+
+
 @dataclass(frozen=True)
 class MachineKey:
     """What makes measured figures this machine's (Note [machine profile cache])."""
@@ -233,7 +240,7 @@ class MachineProfile:
         figures.append(f"link {link.latency_s * 1e3:.2f} ms + {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
                        if link else "link: preset")
         text = f"{'; '.join(parts)}: {', '.join(figures)}"
-        if m.other_runnable > 0.5 * self.key.cores:  # other work took cores from the measurement
+        if m.other_runnable > busy_threads_above(self.key.cores):  # other work took cores from the measurement
             text += ("; measured on a busy machine: `partitioner calibrate --machine --refresh` when it is as busy "
                      "as the job will find it")
         if self.refits:

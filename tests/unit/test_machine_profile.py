@@ -371,6 +371,21 @@ def test_stage_times_sum_each_steps_calls_and_take_medians(tmp_path, monkeypatch
     assert stage_times.StageTimes([], [], 1).write(str(tmp_path / "none"), rank=0, replica=0) is None
 
 
+@pytest.mark.parametrize("cores, then, now, again", [(2, 1.0, 0.0, True), (2, 0.5, 0.0, False), (2, 1.0, 0.7, False),
+                                                     (4, 1.0, 0.0, False), (4, 2.5, 0.0, True), (64, 20.0, 0.0, False)])
+def test_on_two_cores_one_other_thread_makes_a_measurement_busy(monkeypatch, cores, then, now, again):
+    """The profile measures two ranks at once, so on 2 cores one other running thread (a package
+    install) takes a core it needs and the profile is measured again once the machine is quiet; on
+    more cores half of them must be taken (see Note [a busy measurement is provisional])."""
+    import dataclasses
+
+    profile = fake_profile(other_runnable=then)
+    profile = dataclasses.replace(profile, key=dataclasses.replace(profile.key, cores=cores))
+    monkeypatch.setattr(machine, "other_runnable_now", lambda: now)
+    assert (machine.quieter_now(profile) is not None) is again
+    assert ("measured on a busy machine" in profile.describe()) is (then > machine.busy_threads_above(cores))
+
+
 @pytest.mark.parametrize("then, now, refit, kept", [(7.4, 0.0, False, False), (7.4, 3.0, False, True),
                                                      (7.4, 0.0, True, True), (0.5, 0.0, False, True)])
 def test_a_profile_measured_busy_is_measured_again_once_the_machine_is_quiet(cache, measured, monkeypatch,
