@@ -1,7 +1,7 @@
 """Compiled stages against eager ones: the median step of the same plan run both ways, side by side
 in one run, with the compile's seconds apart (Note [compiled stages] in runtime/execute/compiled.py).
 
-    .venv/bin/python benchmarks/compiled_stages.py [--steps 6] [--json out.json]
+    .venv/bin/python benchmarks/compiled_stages.py [--steps 20] [--json out.json]
 
 Four plans on 2 CPU ranks, global batch 8 in 2 microbatches: the demo's GPT (`make demo`:
 layers 4, width 128, 4 heads, seq 64, vocab 256) and hf-llama (2 layers, width 128, 4 heads, vocab
@@ -66,7 +66,7 @@ def compile_folders(root: Path, priced_by: str = "machine") -> dict:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)  # 6 moved the ratios by up to 0.25 between runs
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--priced-by", choices=("machine", "preset"), default="machine",
                         help="what prices the plans: this machine's profile (the compiled plans by its compiled fit, "
