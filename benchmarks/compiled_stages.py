@@ -121,9 +121,35 @@ def main(argv=None) -> list[dict]:
         if r["compiled_step_s"] is not None:
             print(f"  {r['case']:<42} eager {r['eager_predicted_s'] * 1e3:.1f} -> {r['eager_step_s'] * 1e3:.1f}, "
                   f"compiled {r['compiled_predicted_s'] * 1e3:.1f} -> {r['compiled_step_s'] * 1e3:.1f}")
+    for r in rows:
+        if r["compiled_step_s"] is not None and r["compiled_step_s"] > r["eager_step_s"]:
+            r["slowdown_cause"] = slowdown_cause(r, args.priced_by, load)
+            print(f"slowdown, {r['case']}: {r['slowdown_cause']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def slowdown_cause(row: dict, priced_by: str, load: float) -> str:
+    """Why compiled lost on this row: what the price saw, or that it did not see it."""
+    priced = (f"priced {row['compiled_predicted_s'] * 1e3:.1f} ms compiled against {row['eager_predicted_s'] * 1e3:.1f} "
+              "eager")
+    if row["compiled_predicted_s"] < row["eager_predicted_s"]:
+        return (f"not foreseen ({priced}): a cost outside the fit (the stage's hooks and keyed draws around "
+                f"its graph) or the neighbours' load (load average {load:.1f})")
+    if priced_by != "machine":
+        return f"foreseen by the cpu preset ({priced})"
+    from partitioner.calibrate.machine import MachineKey, load_cached
+
+    profile, _why = load_cached(MachineKey.here())  # the one that priced the plans, not measured again
+    eager, compiled = (profile.measured, profile.compiled) if profile is not None else (None, None)
+    if compiled is None:
+        return f"foreseen ({priced}), by the eager fit"
+    return (f"foreseen ({priced}): this machine's compiled fit runs matmuls at "
+            f"{1e-9 / compiled.forward.s_per_matmul_flop:.0f} GFLOP/s forward against eager "
+            f"{1e-9 / eager.forward.s_per_matmul_flop:.0f}, which outweighs the per-op saving "
+            f"({compiled.forward.op_overhead_s * 1e6:.0f}/{compiled.backward.op_overhead_s * 1e6:.0f} us against "
+            f"{eager.forward.op_overhead_s * 1e6:.0f}/{eager.backward.op_overhead_s * 1e6:.0f} us, forward/backward)")
 
 
 if __name__ == "__main__":
