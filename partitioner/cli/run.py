@@ -90,7 +90,8 @@ def cmd_run(args) -> int:
         command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
                                    max_restarts=options.max_restarts, store_port=port)
         started = time.time()
-        code = run_tree(command, env={**run_env(), ROUND_ENV: repr(started)}).returncode  # Note [excluding a host]
+        code = run_tree(command, env={**run_env(), ROUND_ENV: repr(started)},  # Note [excluding a host]
+                        one_line_box=True).returncode  # Note [torchrun's failure box]
         # a canary's exclusion (Note [compute canaries]) is exit 4, not torchrun's 1
         return exit_code_after(options.run_dir or str((folder / "run").resolve()), code, started)
 

@@ -7,5 +7,6 @@ rank.py             ``main(folder, rank=None, *, steps=None, run_dir=None, exit_
 run_options.py      the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and
                     a program's entry file parse the same; Note [one flag table])
 torchrun.py         ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
+agent_output.py     torchrun's failure traceback and box said in one line (Note [torchrun's failure box])
 elastic.py          `run --elastic`: one torchrun agent per host; a worker's move to the re-planned folder
 """

@@ -19,6 +19,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
+from runtime.launch.agent_output import forward_agent_output
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (single-host runs bind loopback only)."""
@@ -208,12 +210,24 @@ def _alive(pid: int) -> bool:
 
 
 def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: float | None = None,
-             capture: bool = False, grace_s: float = 10.0) -> subprocess.CompletedProcess:
+             capture: bool = False, grace_s: float = 10.0, one_line_box: bool = False) -> subprocess.CompletedProcess:
     """Run torchrun in its own session, forwarding SIGTERM/SIGINT to it; on ``timeout_s`` stop the
-    whole tree and raise subprocess.TimeoutExpired (Note [process groups])."""
+    whole tree and raise subprocess.TimeoutExpired (Note [process groups]). ``one_line_box``
+    (without ``capture``): torchrun's failure traceback and box become one line on stderr (Note
+    [torchrun's failure box] in runtime/launch/agent_output.py)."""
     pipe = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(list(command), env=env, stdout=pipe, stderr=pipe, text=True,
+    piped = one_line_box and not capture
+    proc = subprocess.Popen(list(command), env=env, stdout=pipe, stderr=subprocess.PIPE if piped else pipe, text=True,
                             start_new_session=True)
+    reader = None
+    if piped:
+        def write(line: str) -> None:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+        reader = threading.Thread(target=forward_agent_output, args=(proc.stderr, write), daemon=True,
+                                  name="torchrun-stderr")
+        reader.start()
     forwarded: list[int] = []
 
     def forward(signum, frame):
@@ -229,10 +243,10 @@ def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: floa
             previous[sig] = signal.signal(sig, forward)
     try:
         try:
-            out, err = proc.communicate(timeout=timeout_s)
+            out, err = _wait(proc, reader, timeout_s)
         except subprocess.TimeoutExpired:
             stop_tree(proc, grace_s=grace_s)
-            out, err = proc.communicate()
+            out, err = _wait(proc, reader, None)
             raise subprocess.TimeoutExpired(command, timeout_s, output=out, stderr=err) from None
         if forwarded:  # the agent has stopped; make sure its workers have too
             stop_tree(proc, grace_s=grace_s)
@@ -243,4 +257,14 @@ def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: floa
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if reader is not None:  # every worker has gone: the pipe ends when the last writer does
+            reader.join(timeout=grace_s)
     return subprocess.CompletedProcess(list(command), proc.returncode, out, err)
+
+
+def _wait(proc: subprocess.Popen, reader: threading.Thread | None, timeout_s: float | None):
+    """(stdout, stderr) of ``proc`` once it exits; the stderr a ``reader`` forwards is not kept."""
+    if reader is None:
+        return proc.communicate(timeout=timeout_s)
+    proc.wait(timeout=timeout_s)
+    return None, None

@@ -170,3 +170,24 @@ def test_dead_or_hung_rank_makes_the_others_exit(tmp_path, sig):
     assert "[rank 0]" in out
     assert "Traceback" not in out and "[rank 0] a peer rank" in out, out[-2000:]  # one line
     assert waited < (3 if sig == "SIGKILL" else 5 + 15), waited
+
+
+def test_partitioner_run_says_torchruns_failure_in_one_line(tmp_path):
+    """A killed rank under `partitioner run`: the ranks' own lines, then one line for torchrun's
+    failure report, never its traceback and box (Note [torchrun's failure box])."""
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import mlp
+
+    folder = tmp_path / "mlp"
+    partitioner.compile(mlp(), cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=4, num_stages=2,
+                        microbatches=2).save(folder)
+    done = subprocess.run([sys.executable, "-m", "partitioner", "run", str(folder), "--steps", "3", "--fail-at",
+                           "1:1:kill", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "ck"),
+                           "--quiet"], env=child_env(), capture_output=True, text=True, timeout=300)
+    said = [line for line in done.stderr.splitlines() if line.startswith("[run] torchrun:")]
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, \
+        done.stderr[-3000:]
+    assert "[rank 1] fault injection: kill before step 1" in done.stderr and "[rank 0] a peer rank died" in done.stderr
+    assert len(said) == 1 and "rank 1 was killed (SIGKILL)" in said[0] and "rank 0 exited with code" in said[0], \
+        done.stderr[-3000:]

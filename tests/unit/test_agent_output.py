@@ -1,0 +1,51 @@
+"""torchrun's failure traceback and box, said in one line by `partitioner run` (Note [torchrun's
+failure box] in runtime/launch/agent_output.py). golden/torchrun_failure_box.txt is what torch
+2.13's agent printed when rank 1 was SIGKILLed and rank 0 then stopped with exit 1 (paths
+shortened)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.launch.agent_output import forward_agent_output
+
+BOX = (Path(__file__).resolve().parent.parent / "golden" / "torchrun_failure_box.txt").read_text()
+RANK_LINES = ("[rank 1] fault injection: kill before step 1\n"
+              "[rank 0] a peer rank died at step 1 (Connection reset by peer); no restarts left\n")
+
+
+def said(text: str) -> str:
+    out: list[str] = []
+    forward_agent_output(text.splitlines(keepends=True), out.append)
+    return "".join(out)
+
+
+def test_the_box_becomes_one_line_after_the_ranks_own_lines():
+    out = said(RANK_LINES + BOX + "after\n")
+    assert out.startswith(RANK_LINES) and out.endswith("after\n"), out
+    assert "Traceback" not in out and "ChildFailedError" not in out and "=====" not in out, out
+    assert "failed (exitcode" not in out  # the agent's log line of the same failure
+    box_line = out[len(RANK_LINES):-len("after\n")]
+    assert box_line.startswith("[run] torchrun: rank 0 exited with code 1, rank 1 was killed (SIGKILL);"), box_line
+    assert box_line.count("\n") == 1
+
+
+def test_a_workers_own_traceback_is_passed_on_whole():
+    worker = ('Traceback (most recent call last):\n  File "/job/train.py", line 3, in <module>\n    main()\n'
+              "ValueError: a bad batch\n")
+    assert said(worker + "next\n") == worker + "next\n"
+    chained = worker + "\nDuring handling of the above exception, another exception occurred:\n\n" + worker
+    assert said(chained) == chained
+
+
+def test_a_stream_ending_inside_a_block_loses_nothing_but_the_box():
+    cut = BOX.split("raise ChildFailedError(")[0]  # the agent died mid-traceback: every line stays
+    assert said(cut) == cut
+    half_box = BOX.split("Root Cause")[0]  # the box cut short: what it held is said
+    out = said(half_box)
+    assert "Traceback" not in out and "rank 1 was killed (SIGKILL)" in out and "rank 0" not in out, out
+
+
+def test_a_traceback_that_never_ends_is_passed_on():
+    frames = "Traceback (most recent call last):\n" + '  File "x.py", line 1, in f\n' * 1000
+    assert said(frames) == frames
