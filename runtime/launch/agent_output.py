@@ -15,7 +15,9 @@ block: nothing is hidden that is not the box.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+import sys
+import threading
+from typing import IO, Callable, Iterable
 
 _AGENT_FAILED = re.compile(r"^[EWI]\d{4} .*torch/distributed/elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
 _RANK = re.compile(r"^\s+rank\s+:\s+(\d+)")
@@ -94,3 +96,16 @@ def forward_agent_output(lines: Iterable[str], write: Callable[[str], None]) -> 
     for line in lines:
         output.feed(line)
     output.flush()
+
+
+def _to_stderr(line: str) -> None:
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
+def start_forwarding(stream: IO[str], write: Callable[[str], None] = _to_stderr) -> threading.Thread:
+    """A daemon thread forwarding an agent's piped stderr through AgentOutput (ours by default); it
+    ends when the agent and every worker holding the pipe have exited: join it after them."""
+    thread = threading.Thread(target=forward_agent_output, args=(stream, write), daemon=True, name="torchrun-stderr")
+    thread.start()
+    return thread

@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from runtime.launch.agent_output import start_forwarding
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import descendants, run_env, stop_tree
 from runtime.resilience.canary_rules import EXIT_EXCLUDE
@@ -81,13 +82,14 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
     timeout = options.host_timeout or DEFAULT_HOST_TIMEOUT_S
     restarts = options.max_restarts or DEFAULT_RESTARTS
     args = options.to_argv()
-    procs = []
+    procs, readers = [], []
     try:
         for h, n in counts.items():
             env = {**run_env(pythonpath=pythonpath), **(env or {}), HOST_ENV: str(h)}
             procs.append(subprocess.Popen(agent_command(train_py, n, len(counts), store_port=store_port,
                                                         host_timeout_s=timeout, max_restarts=restarts, args=args),
-                                          env=env, start_new_session=True))
+                                          env=env, start_new_session=True, stderr=subprocess.PIPE, text=True))
+            readers.append(start_forwarding(procs[-1].stderr))  # Note [torchrun's failure box]
             time.sleep(0.2)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
@@ -103,6 +105,9 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
             if p.poll() is None:
                 stop_tree(p)
         raise
+    finally:
+        for reader in readers:  # every agent has exited; a worker it left holding the pipe is not waited for
+            reader.join(timeout=5)
     codes = [p.returncode for p in procs]
     # a host lost for good ends killed (SIGKILL); the job is done when a surviving agent finished
     return 0 if 0 in codes and all(c in (0, -9) for c in codes) else next(c for c in codes if c not in (0, -9))

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-from runtime.launch.agent_output import forward_agent_output
+from runtime.launch.agent_output import start_forwarding
 
 
 def free_port() -> int:
@@ -219,15 +219,7 @@ def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: floa
     piped = one_line_box and not capture
     proc = subprocess.Popen(list(command), env=env, stdout=pipe, stderr=subprocess.PIPE if piped else pipe, text=True,
                             start_new_session=True)
-    reader = None
-    if piped:
-        def write(line: str) -> None:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-        reader = threading.Thread(target=forward_agent_output, args=(proc.stderr, write), daemon=True,
-                                  name="torchrun-stderr")
-        reader.start()
+    reader = start_forwarding(proc.stderr) if piped else None
     forwarded: list[int] = []
 
     def forward(signum, frame):
