@@ -1,4 +1,5 @@
-"""A make_batch that never returns: a worker that hangs without printing (tests of timeouts)."""
+"""make_batch functions for the tests of timeouts and failures: one that never returns (a worker that
+hangs without printing), one that fails."""
 
 import time
 
@@ -9,3 +10,8 @@ def sleepy_batch(step: int, batch_size: int, entered: str | None = None, **kwarg
         open(entered, "w").close()
     while True:
         time.sleep(60)
+
+
+def failing_batch(step: int, batch_size: int, **kwargs):
+    """A make_batch that fails on its first call, as a user's data can."""
+    raise ValueError(f"no batch {step}: the corpus file is empty")

@@ -24,6 +24,7 @@ import torch
 
 from runtime.program.spec import Program
 from runtime.program.parts import Precision
+from runtime.launch.agent_output import with_one_line_box
 from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
 from runtime.program.user_code import resolve_callable
 from partitioner.solver.plan import Plan
@@ -226,7 +227,8 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the program in {folder} did not finish {steps} steps in {timeout_s:.0f} s") from None
         if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+            # the ranks' own lines, not torchrun's box (Note [torchrun's failure box])
+            tail = "\n".join((done.stdout + with_one_line_box(done.stderr)).strip().splitlines()[-8:])
             raise RuntimeError(f"the program in {folder} failed (exit {done.returncode}):\n{tail}")
         return check_run(folder, run_dir, steps=steps, workload=workload)
 

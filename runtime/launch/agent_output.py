@@ -98,6 +98,13 @@ def forward_agent_output(lines: Iterable[str], write: Callable[[str], None]) -> 
     output.flush()
 
 
+def with_one_line_box(text: str) -> str:
+    """``text`` (an agent's captured stderr) with torchrun's traceback and box as one line."""
+    out: list[str] = []
+    forward_agent_output(text.splitlines(keepends=True), out.append)
+    return "".join(out)
+
+
 def _to_stderr(line: str) -> None:
     sys.stderr.write(line)
     sys.stderr.flush()

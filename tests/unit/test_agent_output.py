@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.launch.agent_output import forward_agent_output
+from runtime.launch.agent_output import forward_agent_output, with_one_line_box
 
 BOX = (Path(__file__).resolve().parent.parent / "golden" / "torchrun_failure_box.txt").read_text()
 RANK_LINES = ("[rank 1] fault injection: kill before step 1\n"
@@ -49,3 +49,10 @@ def test_a_stream_ending_inside_a_block_loses_nothing_but_the_box():
 def test_a_traceback_that_never_ends_is_passed_on():
     frames = "Traceback (most recent call last):\n" + '  File "x.py", line 1, in f\n' * 1000
     assert said(frames) == frames
+
+
+def test_verify_shows_the_ranks_lines_not_the_box():
+    """verify's failure message is the captured output's last lines: with the box as one line,
+    they hold what the ranks said."""
+    tail = with_one_line_box(RANK_LINES + BOX).strip().splitlines()[-8:]
+    assert tail[:2] == RANK_LINES.strip().splitlines() and tail[-1].startswith("[run] torchrun: rank 0"), tail

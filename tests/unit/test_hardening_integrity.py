@@ -313,6 +313,25 @@ def test_verify_timeout_leaves_no_worker_behind(compiled, tmp_path):
         pytest.fail(f"the worker never reached make_batch in {TIMEOUTS_S[-1]} s")
 
 
+def test_verify_of_a_failing_program_shows_what_the_rank_said(compiled, tmp_path):
+    """verify's error ends with the output's last lines: the rank's error, not torchrun's box (Note
+    [torchrun's failure box] in runtime/launch/agent_output.py)."""
+    import shutil
+
+    from partitioner.cli.verify import verify
+
+    folder = tmp_path / "failing"
+    shutil.copytree(compiled, folder)
+    _edit_plan(folder, lambda plan: plan["program"]["data"].update(
+        make_batch=[f"{HELPERS}/_slow_data.py:failing_batch", {}]))
+    seal_folder(str(folder))
+    with pytest.raises(RuntimeError, match="failed") as failed:
+        verify(folder, steps=2, timeout_s=120)
+    message = str(failed.value)
+    assert "the corpus file is empty" in message and "error_file" not in message and "=====" not in message, message
+    assert "[run] torchrun: rank 0 exited with code" in message, message
+
+
 @pytest.mark.parametrize("command", ["run", "verify"])
 def test_run_and_verify_help_say_they_execute_the_folder(command, capsys):
     from partitioner.cli import main
