@@ -112,7 +112,15 @@ def _to_stderr(line: str) -> None:
 
 def start_forwarding(stream: IO[str], write: Callable[[str], None] = _to_stderr) -> threading.Thread:
     """A daemon thread forwarding an agent's piped stderr through AgentOutput (ours by default); it
-    ends when the agent and every worker holding the pipe have exited: join it after them."""
-    thread = threading.Thread(target=forward_agent_output, args=(stream, write), daemon=True, name="torchrun-stderr")
+    ends when the agent and every worker holding the pipe have exited: join it after them. Open
+    the pipe with ``errors="replace"``: a worker's bytes that are not text must not stop it."""
+    def forward() -> None:
+        try:
+            forward_agent_output(stream, write)
+        except Exception:  # noqa: BLE001 - our stderr gone (a closed pipe): keep draining, or
+            for _ in stream:  # the workers block on a full pipe and the job hangs
+                pass
+
+    thread = threading.Thread(target=forward, daemon=True, name="torchrun-stderr")
     thread.start()
     return thread

@@ -88,7 +88,8 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
             env = {**run_env(pythonpath=pythonpath), **(env or {}), HOST_ENV: str(h)}
             procs.append(subprocess.Popen(agent_command(train_py, n, len(counts), store_port=store_port,
                                                         host_timeout_s=timeout, max_restarts=restarts, args=args),
-                                          env=env, start_new_session=True, stderr=subprocess.PIPE, text=True))
+                                          env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
+                                          errors="replace"))
             readers.append(start_forwarding(procs[-1].stderr))  # Note [torchrun's failure box]
             time.sleep(0.2)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -218,7 +218,7 @@ def run_tree(command: Sequence[str], *, env: dict | None = None, timeout_s: floa
     pipe = subprocess.PIPE if capture else None
     piped = one_line_box and not capture
     proc = subprocess.Popen(list(command), env=env, stdout=pipe, stderr=subprocess.PIPE if piped else pipe, text=True,
-                            start_new_session=True)
+                            errors="replace" if piped else None, start_new_session=True)
     reader = start_forwarding(proc.stderr) if piped else None
     forwarded: list[int] = []
 

@@ -56,3 +56,28 @@ def test_verify_shows_the_ranks_lines_not_the_box():
     they hold what the ranks said."""
     tail = with_one_line_box(RANK_LINES + BOX).strip().splitlines()[-8:]
     assert tail[:2] == RANK_LINES.strip().splitlines() and tail[-1].startswith("[run] torchrun: rank 0"), tail
+
+
+def test_bytes_that_are_not_text_and_a_closed_stderr_never_stop_the_draining():
+    """A worker's stray bytes are replaced, and a write that fails (our stderr closed) leaves the
+    thread reading the pipe to its end: a full pipe would block the workers and hang the job."""
+    import os
+
+    from runtime.launch.agent_output import start_forwarding
+
+    for write_fails in (False, True):
+        read_fd, write_fd = os.pipe()
+        got: list[str] = []
+
+        def write(line: str) -> None:
+            if write_fails:
+                raise BrokenPipeError(32, "Broken pipe")
+            got.append(line)
+
+        thread = start_forwarding(os.fdopen(read_fd, errors="replace"), write)
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(b"\xff\xfe not text\n" + (b"x" * 1000 + b"\n") * 200 + BOX.encode())
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        if not write_fails:
+            assert got[0] == "\ufffd\ufffd not text\n" and got[-1].startswith("[run] torchrun: rank 0"), got[-1]
