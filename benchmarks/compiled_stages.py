@@ -145,9 +145,10 @@ def slowdown_cause(row: dict, priced_by: str, load: float) -> str:
     eager, compiled = (profile.measured, profile.compiled) if profile is not None else (None, None)
     if compiled is None:
         return f"foreseen ({priced}), by the eager fit"
-    return (f"foreseen ({priced}): this machine's compiled fit runs matmuls at "
-            f"{1e-9 / compiled.forward.s_per_matmul_flop:.0f} GFLOP/s forward against eager "
-            f"{1e-9 / eager.forward.s_per_matmul_flop:.0f}, which outweighs the per-op saving "
+    compiled_rate, eager_rate = 1e-9 / compiled.forward.s_per_matmul_flop, 1e-9 / eager.forward.s_per_matmul_flop
+    slower = ("its slower matmuls" if compiled_rate < eager_rate else "its per-call costs, though its matmuls are not slower")
+    return (f"foreseen ({priced}): this machine's compiled fit runs matmuls at {compiled_rate:.0f} GFLOP/s "
+            f"forward against eager {eager_rate:.0f}; {slower} outweigh the per-op saving "
             f"({compiled.forward.op_overhead_s * 1e6:.0f}/{compiled.backward.op_overhead_s * 1e6:.0f} us against "
             f"{eager.forward.op_overhead_s * 1e6:.0f}/{eager.backward.op_overhead_s * 1e6:.0f} us, forward/backward)")
 

@@ -78,18 +78,19 @@ Note [machine profile cache]
 Note [compiled machine fit]
     Compiled stages (Note [compiled stages] in runtime/execute/compiled.py) run fused kernels: on
     this machine a compiled region pays a quarter to a third of an eager op's fixed cost per op (14
-    against 55 us forward in one measurement, 3 against 8 in a quieter one), so the eager fit prices a compiled plan too slow and steers the solver
-    by a cost that will not be paid. The first compile with compile_stages on a machine whose cached
-    profile has no compiled fit measures the reference model's regions through torch.compile
-    (``measure_compiled_fit``: about a minute, most of it inductor; said as it starts) and adds the
-    fit to the cached profile (``compiled``; the rest of the profile, its measurement id included,
-    is unchanged). Such plans price cpu regions with it, ``dtensor_op_s`` 0 (Note [compiled regions
-    priced]), the contention as measured and none of a refit's region scales (those are the eager
-    fit's); plan.json's ``cpu_time_model.regions`` says "machine compiled", and a refit from such a
-    run refits the per-microbatch overhead only. A compile whose measurement fails (no C compiler
-    for inductor, say) says so and prices with the eager fit. The fit's per-call term (a compiled
-    graph's guards and call, 0.1-0.3 ms a region here) is the harness's and is not priced per region: a
-    compiled stage is one call, not one per region.
+    against 55 us forward in one measurement, 3 against 8 in a quieter one), so the eager fit prices
+    a compiled plan too slow and steers the solver by a cost that will not be paid. The first
+    compile with compile_stages on a machine whose cached profile has no compiled fit measures the
+    reference model's regions through torch.compile (``measure_compiled_fit``: about a minute, most
+    of it inductor; said as it starts) and adds the fit to the cached profile (``compiled``; the
+    rest of the profile, its measurement id included, is unchanged). Such plans price cpu regions
+    with it, ``dtensor_op_s`` 0 (Note [compiled regions priced]), the contention as measured and
+    none of a refit's region scales (those are the eager fit's); plan.json's
+    ``cpu_time_model.regions`` says "machine compiled", and a refit from such a run refits the
+    per-microbatch overhead only. A compile whose measurement fails (no C compiler for inductor,
+    say) says so and prices with the eager fit. The fit's per-call term (a compiled graph's guards
+    and call, 0.1-0.3 ms a region here) is the harness's and is not priced per region: a compiled
+    stage is one call, not one per region.
 
 Note [what the machine profile replaces]
     A cpu device whose ``flops_per_s`` is the preset's, and the intra-node link when it is the

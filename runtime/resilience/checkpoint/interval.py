@@ -21,18 +21,20 @@ def young_daly_interval(stall_s: float, mtbf_s: float, step_time_s: float) -> tu
                "expected_lost_fraction": stall_s / tau_k + tau_k / (2.0 * mtbf_s)}
 
 
+def _not_a_duration(text: str) -> FlagError:
+    return FlagError(f"--mtbf {text!r} is not a duration: write a number and a unit s, m, h or d, e.g. 90m, 6h or 2d")
+
+
 def parse_duration_s(text: str) -> float:
     """Seconds of an --mtbf duration: a number > 0 with an optional unit s, m, h or d ("6h");
     anything else a FlagError naming the text and the form."""
     match = re.fullmatch(r"\s*(-?)\s*([0-9.]+)\s*([smhd]?)\s*", str(text))
     if not match:
-        raise FlagError(f"--mtbf {text!r} is not a duration: write a number and a unit s, m, h or d, e.g. 90m, "
-                        "6h or 2d")
+        raise _not_a_duration(text)
     try:
         value = float(match.group(2))
     except ValueError:  # "1.2.3"
-        raise FlagError(f"--mtbf {text!r} is not a duration: write a number and a unit s, m, h or d, e.g. 90m, "
-                        "6h or 2d") from None
+        raise _not_a_duration(text) from None
     if match.group(1) or value <= 0:  # a failure every 0 s would checkpoint after every step and still be a lie
         raise FlagError(f"--mtbf {text!r}: the mean time between failures must be more than 0: write e.g. 6h")
     return value * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(3)]
