@@ -2,7 +2,8 @@
 compiled with compile_stages train under torchrun against the one-process eager oracle (verify's
 tolerances, Note [compiled stages verify] in partitioner/cli/verify.py), and a killed rank resumes
 bit-exact; tp 2 compiled (DTensor stages, keyed attention dropout on each rank's heads, every
-region recomputed) passes verify with no graph break. Inductor compiles slowly here, so every
+region recomputed) passes verify with no graph break; fp16-mixed with dp 2 and the replica check
+every step, on a Hugging Face Llama, passes verify. Inductor compiles slowly here, so every
 program trains in one torchrun launch (tests/drivers/run_many.py) and the FX graph cache serves the
 repeated graphs."""
 
@@ -48,11 +49,18 @@ def runs(tmp_path_factory):
     plans["tp2"] = partitioner.compile(llama(), cluster=tight, global_batch=4, num_stages=1, microbatches=2,
                                        tensor_parallel=2, machine_profile="preset", training=COMPILED)
     plans["tp2"].save(root / "tp2")
+    # fp16-mixed (loss scaling, autocast inside the compiled graph) with dp 2 and the replica check
+    # every step: the features that live outside the stage's forward, on the compiled stage
+    plans["dp2_fp16_sdc"] = partitioner.compile(llama(), cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8,
+                                                num_stages=1, dp=2, microbatches=2, precision="fp16-mixed",
+                                                machine_profile="preset", training={**COMPILED, "sdc_every": 1})
+    plans["dp2_fp16_sdc"].save(root / "dp2_fp16_sdc")
     gpt2_dir = root / "gpt2"
     jobs = [["--restarts", "1", gpt2_dir, "--steps", STEPS, "--checkpoint-every", 2, "--fail-at", "1:3:kill",
              "--checkpoint-dir", root / "ck_killed", "--run-dir", root / "killed"],
             [gpt2_dir, "--steps", STEPS, "--checkpoint-dir", root / "ck_full", "--run-dir", root / "full"],
-            [root / "tp2", "--steps", 3, "--checkpoint-dir", root / "ck_tp2", "--run-dir", root / "tp2_run"]]
+            [root / "tp2", "--steps", 3, "--checkpoint-dir", root / "ck_tp2", "--run-dir", root / "tp2_run"],
+            [root / "dp2_fp16_sdc", "--steps", 3, "--checkpoint-dir", root / "ck_dp2", "--run-dir", root / "dp2_run"]]
     args = [str(a) for job in jobs for a in ["--", *job]][1:]
     done = subprocess.run(torchrun_command(RUN_MANY, 2, args=args), env=run_env(), capture_output=True, text=True,
                           timeout=900)
@@ -102,3 +110,16 @@ def test_a_killed_compiled_rank_resumes_bit_exact(runs):
             assert sorted(got) == sorted(want)
             for name in want:
                 assert torch.equal(got[name], want[name]), (part, name)
+
+
+def test_compiled_stages_with_fp16_dp2_and_the_replica_check_pass_verify(runs):
+    """A model we did not write (a Hugging Face Llama from its config), dropout on, fp16-mixed with
+    its loss scale, two replicas compared every step: all outside the compiled forward, and held to
+    the eager oracle within the fp16 policy's tolerances."""
+    root, plans, _ = runs
+    program = json.loads((root / "dp2_fp16_sdc" / "plan.json").read_text())["program"]
+    assert program["compile_stages"] is True and program["sdc_every"] == 1 and plans["dp2_fp16_sdc"].dp == 2
+    times = json.loads((root / "dp2_run" / "stage_times_rank_1.json").read_text())
+    assert times["compiled_graphs"] > 0 and times["graph_breaks"] == 0, times
+    report = check_run(root / "dp2_fp16_sdc", root / "dp2_run", steps=3, workload=llama())
+    assert report.ok, report.text()
