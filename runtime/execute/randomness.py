@@ -20,8 +20,9 @@ A tensor without a batch dimension is keyed by the microbatch index, which does 
 microbatch count: such draws (rare: a random table shared by every sample) agree across stages,
 replicas and reshards that keep the microbatch size, not across ones that change it.
 
-Masks are drawn on the tensor's device by that device's generator: CUDA and CPU draw different
-streams, so a CUDA program agrees with an oracle on CUDA, not with one on CPU.
+Masks are drawn on the tensor's device by a hash of the key and the element's index, not by a
+torch generator, so the same key gives the same mask on every device (Note [device-independent
+draws]).
 
 Recompute (torch.utils.checkpoint) replays a forward later, when the context already names a later
 microbatch: ``capture()`` snapshots the context at forward time and ``restored(snapshot)`` makes it
@@ -116,7 +117,7 @@ def dropout_off():
 
 
 # ---------------------------------------------------------------------------------------------
-# Keys and generators
+# Keys and draws
 
 
 def _splitmix64(x: int) -> int:
@@ -139,38 +140,74 @@ def key(seed: int, step: int, kind: int, index: int, op: str) -> int:
     return h >> 1
 
 
-_generators: dict[torch.device, torch.Generator] = {}
+# Note [device-independent draws]: a keyed draw is a counter-based hash, not a torch generator:
+# element j of a sample (or microbatch) keyed k is splitmix64(k + (j + 1) * golden) in int64 tensor
+# ops, its top 24 bits the fp32 uniform (exact: 24 bits fit fp32's mantissa). The same integers give
+# the same bits on every device, so a CUDA program's masks are the CPU oracle's masks, and an
+# H100's are an A100's or a MIG slice's: torch's CUDA generator spreads a draw over a grid sized by
+# the GPU's multiprocessor count, so its values for a large tensor depend on the GPU model. The
+# wrap-around of int64 add and multiply is what splitmix64 means by mod 2**64 (two's complement on
+# every device torch runs on; tests/unit/test_randomness.py holds the tensor version to the
+# Python integers). A normal draw is Box-Muller over two uniforms of one counter pair: its log and
+# cos come from each device's math library, so normals agree across devices to the last bits
+# rather than bitwise; uniforms (every dropout, bernoulli and rand) agree bitwise.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _generator(device: torch.device) -> torch.Generator:
-    # One generator per device, reseeded per draw: creating one costs more than seeding it.
-    g = _generators.get(device)
-    if g is None:
-        g = _generators[device] = torch.Generator(device=device)
-    return g
+def _signed64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def _mix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on an int64 tensor, in place (the Python ``_splitmix64`` after
+    its add). In place because a draw is a dozen passes over 8-byte integers: fresh tensors for each
+    cost four times the time on a CPU."""
+    shifted = torch.empty_like(z)
+    for bits, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, bits, out=shifted)
+        shifted &= (1 << (64 - bits)) - 1  # torch's >> on int64 is arithmetic; splitmix64's is logical
+        z ^= shifted
+        if multiplier is not None:
+            z *= _signed64(multiplier)
+    return z
+
+
+def hashed_uniform(keys: torch.Tensor, count: int, *, first: int = 0) -> torch.Tensor:
+    """fp32 U[0, 1) of shape (len(keys), count): row i, column j is the hash of (keys[i], first + j)
+    (Note [device-independent draws]). ``keys``: int64 on the device to draw on."""
+    counters = torch.arange(first + 1, first + count + 1, dtype=torch.int64, device=keys.device)
+    z = _mix64_(counters.mul_(_signed64(_GOLDEN)).reshape(1, -1) + keys.reshape(-1, 1))
+    z >>= 40
+    z &= (1 << 24) - 1
+    return z.to(torch.float32).mul_(1.0 / (1 << 24))
+
+
+def _hashed(keys: list[int], count: int, *, device: torch.device, normal: bool) -> torch.Tensor:
+    keyed = torch.tensor([_signed64(k) for k in keys], dtype=torch.int64, device=device)
+    if not normal:
+        return hashed_uniform(keyed, count)
+    pairs = hashed_uniform(keyed, 2 * count).reshape(len(keys), count, 2)
+    radius = torch.sqrt(-2.0 * torch.log1p(-pairs[..., 0]))  # 1 - u in (0, 1]: log never sees 0
+    return radius * torch.cos((2.0 * math.pi) * pairs[..., 1])
 
 
 def _draw(shape, *, op: str, batch_dim: int | None, device: torch.device, normal: bool) -> torch.Tensor:
     """fp32 U[0, 1) (or N(0, 1)) keyed draws of ``shape``; rows along ``batch_dim`` are samples
     first_sample, first_sample + 1, ..."""
     ctx = current()
-    g = _generator(device)
     shape = tuple(int(s) for s in shape)
     if batch_dim is None:
-        g.manual_seed(key(ctx.seed, ctx.step, _PER_MICROBATCH, ctx.microbatch, op))
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-        return out.normal_(generator=g) if normal else out.uniform_(generator=g)
+        k = key(ctx.seed, ctx.step, _PER_MICROBATCH, ctx.microbatch, op)
+        return _hashed([k], math.prod(shape), device=device, normal=normal).reshape(shape)
     batch_dim = batch_dim % len(shape)
     rows = shape[batch_dim]
-    # Each sample's block is contiguous while drawn, so its values do not depend on how many
+    rest = shape[:batch_dim] + shape[batch_dim + 1:]
+    # Each sample's block is its own row of counters, so its values do not depend on how many
     # samples share the microbatch.
-    out = torch.empty((rows,) + shape[:batch_dim] + shape[batch_dim + 1:], dtype=torch.float32, device=device)
-    for i in range(rows):
-        g.manual_seed(key(ctx.seed, ctx.step, _PER_SAMPLE, ctx.first_sample + i, op))
-        if normal:
-            out[i].normal_(generator=g)
-        else:
-            out[i].uniform_(generator=g)
+    keys = [key(ctx.seed, ctx.step, _PER_SAMPLE, ctx.first_sample + i, op) for i in range(rows)]
+    out = _hashed(keys, math.prod(rest), device=device, normal=normal).reshape((rows,) + rest)
     return out.movedim(0, batch_dim).contiguous()
 
 

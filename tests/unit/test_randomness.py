@@ -185,3 +185,37 @@ def test_the_keyed_graph_draws_per_sample_whatever_the_microbatch_size():
     torch.testing.assert_close(torch.cat(halves), whole, rtol=1e-5, atol=1e-5)
     randomness.set_context(seed=0, step=6, first_sample=0, microbatch=0)
     assert not torch.allclose(whole_gm(tokens), whole)
+
+
+def _python_uniform(k: int, j: int) -> float:
+    """Note [device-independent draws] in Python integers: the definition the tensors must meet."""
+    mask = (1 << 64) - 1
+    z = (k + (j + 1) * randomness._GOLDEN) & mask
+    z = ((z ^ (z >> 30)) * randomness._MIX1) & mask
+    z = ((z ^ (z >> 27)) * randomness._MIX2) & mask
+    z ^= z >> 31
+    return (z >> 40) / (1 << 24)
+
+
+def test_keyed_draws_are_the_hash_of_key_and_index_in_python_integers():
+    # Keys across the whole 63-bit range (sign bits, wrap-around of the int64 multiply) and
+    # counters past 2**32: the tensor ops give exactly the integers' values, on any device.
+    keys = [0, 1, (1 << 62) + 12345, (1 << 63) - 1, randomness.key(3, 5, 0, 7, "dropout_9")]
+    first = (1 << 33) - 3
+    drawn = randomness.hashed_uniform(
+        torch.tensor([randomness._signed64(k) for k in keys], dtype=torch.int64), 6, first=first)
+    expected = torch.tensor([[_python_uniform(k, first + j) for j in range(6)] for k in keys])
+    assert torch.equal(drawn, expected)
+
+
+def test_keyed_draws_are_uniform_and_normal_enough():
+    randomness.set_context(seed=0, step=0, first_sample=0, microbatch=0)
+    u = randomness._draw((8, 50_000), op="rand_1", batch_dim=0, device=torch.device("cpu"), normal=False)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    # neighbouring elements and neighbouring samples are not correlated
+    assert abs(float(torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1])) < 0.02
+    assert abs(float(torch.corrcoef(u[:2])[0, 1])) < 0.02
+    n = randomness._draw((4, 50_000), op="randn_1", batch_dim=0, device=torch.device("cpu"), normal=True)
+    assert torch.isfinite(n).all()
+    assert abs(float(n.mean())) < 0.02 and abs(float(n.std()) - 1.0) < 0.02
