@@ -1,0 +1,134 @@
+"""What a CUDA program measures and which kernels it runs, checked on a machine without a GPU: the
+clock picked by device type (Note [timing on a device]), the kernel settings a CUDA rank starts
+with (Note [deterministic kernels on a GPU]), and the figures the runtime reports from plan.json."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---- D1, D2: timing GPU work, not its launch ----------------------------------------------------
+
+def test_a_cuda_device_is_timed_by_events_and_a_cpu_by_the_host_clock():
+    from runtime.observe.clock import EventClock, HostClock, clock_for
+    from runtime.observe.stage_times import StageTimes
+
+    assert isinstance(clock_for(torch.device("cuda", 3)), EventClock)
+    assert isinstance(clock_for("cuda"), EventClock)
+    assert isinstance(clock_for("cpu"), HostClock) and isinstance(clock_for(torch.device("meta")), HostClock)
+    # the trainer's stage timer takes the clock of the rank's device
+    assert StageTimes([], [], 1, torch.device("cuda", 0)).clock.kind == "cuda_events"
+    assert StageTimes([], [], 1, torch.device("cpu")).clock.kind == "perf_counter"
+
+
+class _Recorded:
+    """A reached CUDA event's two methods the clock reads (no CUDA here to record a real one)."""
+
+    def __init__(self, ms):
+        self.ms, self.waited = ms, False
+
+    def synchronize(self):
+        self.waited = True
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+def test_event_spans_are_added_at_settle_in_seconds_and_discarded_outside_a_step():
+    from runtime.observe.clock import EventClock
+
+    clock, sums = EventClock(), [0.0, 0.0]
+    a, b, c = _Recorded(1.0), _Recorded(251.0), _Recorded(301.0)
+    clock.add(a, b, sums, 0)
+    clock.add(b, c, sums, 1)
+    assert sums == [0.0, 0.0]  # nothing read before the step's sync
+    clock.settle()
+    assert sums == [0.25, 0.05] and b.waited and c.waited and not clock.pending
+    clock.add(a, c, sums, 0)
+    clock.discard()
+    clock.settle()
+    assert sums == [0.25, 0.05]
+
+
+def test_the_trainer_settles_its_stage_times_after_the_steps_loss_is_read():
+    """Event marks are readable once the step's final sync (the loss's float) has passed them:
+    ``end_step`` must come after it in ``train_step``."""
+    from runtime.execute import train
+
+    tree = ast.parse(open(train.__file__).read())
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    lines = {}
+    for node in ast.walk(step):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            lines.setdefault(name, node.lineno)
+    assert lines["float"] < lines["self.stage_times.end_step"]
+    assert "time.perf_counter" not in lines  # the phases are the clock's marks
+
+
+def test_calibrate_reads_no_clock_without_waiting_for_the_device():
+    measure = importlib.import_module("partitioner.calibrate.measure")  # the package exports a function of that name
+    calls = {ast.unparse(n.func) for n in ast.walk(ast.parse(open(measure.__file__).read()))
+             if isinstance(n, ast.Call)}
+    assert "time.perf_counter" not in calls and "sync_now" in calls
+
+
+# ---- B5, C3, C1 (TF32): the kernels a CUDA rank runs ------------------------------------------------
+
+def test_a_cuda_program_runs_deterministic_kernels_without_tf32():
+    from runtime.execute.precision import numerics_for
+
+    for policy in ("fp32", "bf16-mixed", "fp16-mixed"):
+        got = numerics_for("cuda", policy, environ={}).as_dict()
+        assert got == {"deterministic_algorithms": True, "cublas_workspace_config": ":4096:8",
+                       "cudnn_deterministic": True, "cudnn_benchmark": False,
+                       "matmul_allow_tf32": False, "cudnn_allow_tf32": False}
+    # the user's own deterministic workspace setting is kept; a nondeterministic one is not
+    assert numerics_for("cuda", "fp32", environ={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}).cublas_workspace_config == ":16:8"
+    assert numerics_for("cuda", "fp32", environ={"CUBLAS_WORKSPACE_CONFIG": ":0:0"}).cublas_workspace_config == ":4096:8"
+    assert numerics_for("cpu", "fp32").as_dict() == {}  # CPU kernels are deterministic already
+    with pytest.raises(ValueError, match="'fp8' is not one of"):
+        numerics_for("cuda", "fp8")
+
+
+def test_device_numerics_sets_the_process_flags_for_cuda_and_none_for_cpu():
+    """In a fresh process (the flags are process-wide): what a CUDA rank starts with, and that a
+    CPU rank leaves torch's defaults alone."""
+    probe = ("import os, sys, torch\n"
+             "from runtime.execute.precision import device_numerics\n"
+             "device_numerics(sys.argv[1], 'bf16-mixed')\n"
+             "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'), torch.are_deterministic_algorithms_enabled(),\n"
+             "      torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic,\n"
+             "      torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    out = {dev: subprocess.run([sys.executable, "-c", probe, dev], env=env, capture_output=True, text=True,
+                               timeout=120, check=True).stdout.split() for dev in ("cuda", "cpu")}
+    assert out["cuda"] == [":4096:8", "True", "True", "True", "False", "False", "False"]
+    assert out["cpu"] == ["None", "False", "False", "False", "False", "False", "True"]
+
+
+def test_the_rank_sets_its_kernels_before_any_cuda_work():
+    """CUBLAS_WORKSPACE_CONFIG is read when cuBLAS makes its first handle: the rank's call must
+    come before set_device, the process group and the trainer."""
+    from runtime.launch import rank
+
+    tree = ast.parse(open(rank.__file__).read())
+    main = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_main")
+    first = {}
+    for node in ast.walk(main):
+        if isinstance(node, ast.Call):
+            first.setdefault(ast.unparse(node.func), node.lineno)
+    assert first["device_numerics"] < min(first["torch.cuda.set_device"], first["dist.init_process_group"],
+                                          first["RankTrainer"])
+    call = next(n for n in ast.walk(main) if isinstance(n, ast.Call) and ast.unparse(n.func) == "device_numerics")
+    assert [ast.unparse(a) for a in call.args] == ["program.device", "program.precision"]
