@@ -7,9 +7,12 @@ stage for every microbatch of every replica (plan.json's stage table holds them 
 from the flops pass), without the forward that recomputed regions run again: the usual
 definition of MFU (PaLM, Megatron-LM), so a plan that recomputes more shows a lower MFU for the
 same work. Achieved FLOP/s = model FLOPs / the step's wall time; MFU = that / the peak of the
-devices the ranks run on (the plan's cluster: each stage's device kind, once per replica), the
-figure the cost model prices compute against. On CPU "peak" is the preset's nominal rate, so
-the MFU there is a relative figure, not a hardware claim.
+devices the ranks run on, each rank once: on a GPU kind the datasheet's dense peak at the policy's
+compute dtype (the program's ``peak_flops_per_s``, Note [datasheet peaks] in
+partitioner/config/device_presets.py), not the sustained 40% of it that the cost model prices
+with, which would show MFU 2.5 times too high. Without a datasheet (cpu, a kind the cluster file
+describes by its numbers) the peak is the plan cluster's rate of each rank's kind; on CPU that
+is the preset's nominal rate, so the MFU there is a relative figure, not a hardware claim.
 
 Note [peak memory per step]: every rank reports the peak it has reached so far, gathered onto rank 0
 by one all_gather of one int64 per rank each step (next to the loss's all_reduce): on CUDA the
@@ -41,9 +44,14 @@ def plan_step_flops(folder: str) -> tuple[float | None, float | None]:
         stages = plan["stages"]
         m, dp = int(plan["num_microbatches"]), int(plan["dp"])
         flops = sum(float(s["flops_fwd"]) + float(s["flops_bwd"]) for s in stages) * m * dp
-        rates = {g["kind"]: float(g["flops_per_s"]) for g in plan.get("cluster", {}).get("group", [])}
-        peak = sum(rates[s["device"]] for s in stages) * dp if all(s.get("device") in rates for s in stages) else None
-        return (flops if flops > 0 else None), peak
+        peak = (plan.get("program") or {}).get("peak_flops_per_s")
+        if not peak:  # no datasheet: the cluster's rate of each rank's kind, each rank once
+            rates = {g["kind"]: float(g["flops_per_s"]) for g in plan.get("cluster", {}).get("group", [])}
+            tp = int(plan.get("tensor_parallel", 1))
+            kind_of_rank = {first + t: s.get("device") for s in stages for first in s["ranks"] for t in range(tp)}
+            peak = sum(rates[k] for k in kind_of_rank.values()) if all(k in rates for k in kind_of_rank.values()) \
+                else None
+        return (flops if flops > 0 else None), (float(peak) if peak else None)
     except (OSError, KeyError, TypeError, ValueError):
         return None, None
 

@@ -5,6 +5,7 @@ with (Note [deterministic kernels on a GPU]), and the figures the runtime report
 from __future__ import annotations
 
 import ast
+import json
 import importlib
 import os
 import subprocess
@@ -132,3 +133,46 @@ def test_the_rank_sets_its_kernels_before_any_cuda_work():
                                           first["RankTrainer"])
     call = next(n for n in ast.walk(main) if isinstance(n, ast.Call) and ast.unparse(n.func) == "device_numerics")
     assert [ast.unparse(a) for a in call.args] == ["program.device", "program.precision"]
+
+
+# ---- D4: MFU against the datasheet peak -----------------------------------------------------------
+
+def test_mfu_of_a_gpu_program_divides_by_the_datasheet_peak_of_its_world(tmp_path):
+    """An h100 program at bf16-mixed: 989 TFLOP/s per rank (not the sustained 396 the cost model
+    prices with); at fp32, 67 (TF32 is off: Note [deterministic kernels on a GPU])."""
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import gpt
+    from runtime.observe.watch import plan_step_flops
+    from runtime.program.spec import load_program
+
+    for precision, per_rank in (("bf16-mixed", 989e12), ("fp32", 67e12)):
+        folder = tmp_path / precision
+        plan = partitioner.compile(gpt(layers=2, width=32, heads=2, vocab=64, seq=16, device="meta"),
+                                   cluster=ClusterSpec.homogeneous(2, "h100"), global_batch=8, num_stages=2,
+                                   microbatches=4, precision=precision)
+        plan.save(folder)
+        assert load_program(str(folder)).peak_flops_per_s == pytest.approx(2 * per_rank)
+        flops, peak = plan_step_flops(str(folder))
+        assert flops > 0 and peak == pytest.approx(2 * per_rank)
+
+
+def test_a_cpu_programs_mfu_counts_each_rank_once(tmp_path):
+    """No datasheet on cpu: the cluster's nominal rate of each rank's kind, each rank once (a
+    tensor group's ranks all count; an interleaved rank's stages do not count twice)."""
+    from runtime.observe.watch import plan_step_flops
+    from partitioner.config.device_presets import world_peak_flops_per_s
+
+    class Stage:
+        def __init__(self, ranks, device):
+            self.ranks, self.device = ranks, device
+
+    stages = [{"flops_fwd": 1.0, "flops_bwd": 2.0, "ranks": [0], "device": "cpu"},
+              {"flops_fwd": 1.0, "flops_bwd": 2.0, "ranks": [2], "device": "cpu"},
+              {"flops_fwd": 1.0, "flops_bwd": 2.0, "ranks": [0], "device": "cpu"}]  # interleaved: rank 0 again
+    body = {"stages": stages, "num_microbatches": 2, "dp": 1, "tensor_parallel": 2, "program": {},
+            "cluster": {"group": [{"kind": "cpu", "flops_per_s": 5.0}]}}
+    (tmp_path / "plan.json").write_text(json.dumps(body))
+    assert plan_step_flops(str(tmp_path)) == (18.0, 20.0)  # ranks 0, 1, 2, 3
+    assert world_peak_flops_per_s([Stage(s["ranks"], s["device"]) for s in stages], 2, "fp32") is None
+    assert world_peak_flops_per_s([Stage([0, 2], "h100"), Stage([1, 3], "a100")], 1, "bf16") == 2 * 989e12 + 2 * 312e12
