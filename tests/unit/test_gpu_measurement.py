@@ -176,3 +176,28 @@ def test_a_cpu_programs_mfu_counts_each_rank_once(tmp_path):
     assert plan_step_flops(str(tmp_path)) == (18.0, 20.0)  # ranks 0, 1, 2, 3
     assert world_peak_flops_per_s([Stage(s["ranks"], s["device"]) for s in stages], 2, "fp32") is None
     assert world_peak_flops_per_s([Stage([0, 2], "h100"), Stage([1, 3], "a100")], 1, "bf16") == 2 * 989e12 + 2 * 312e12
+
+
+# ---- E3: compile threads ----------------------------------------------------------------------------
+
+def test_a_cpu_rank_compiles_on_one_thread_even_after_inductor_read_its_config(monkeypatch):
+    """The rank has imported torch.distributed.pipelining (and with it inductor's config, which read
+    TORCHINDUCTOR_COMPILE_THREADS then) before a stage compiles: the setting must reach the config."""
+    import torch.distributed.pipelining  # noqa: F401 - what a rank has loaded before compile_stage
+    import torch._inductor.config as inductor_config
+    from runtime.execute.compiled import compile_stage
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(inductor_config, "compile_threads", 7)
+    compile_stage(torch.nn.Linear(2, 2), "cpu")
+    assert inductor_config.compile_threads == 1
+
+
+def test_a_gpu_rank_compiles_on_its_share_of_the_hosts_cores():
+    from runtime.execute.compiled import compile_threads
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert compile_threads("cpu", environ={}) == 1
+    assert compile_threads("cuda", environ={"LOCAL_WORLD_SIZE": "1"}) == min(32, cores)
+    assert compile_threads("cuda", environ={"LOCAL_WORLD_SIZE": str(cores * 2)}) == 1
+    assert compile_threads("cuda", environ={"TORCHINDUCTOR_COMPILE_THREADS": "3"}) == 3  # the user's wins
