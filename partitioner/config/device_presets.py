@@ -32,6 +32,13 @@ Note [usable memory]
         a100 / h100 / h200: fraction 0.95, reserve 1 GiB
         cpu:                fraction 1.0,  reserve 0 (the 16 GiB preset is already a budget for
                             one process's tensors, not the host's RAM)
+    The reserve is one figure per device, not priced per communicator: NCCL allocates buffers
+    for every communicator a rank joins (pipeline, data-parallel, tie and tensor groups, and each
+    point-to-point pair), tens to hundreds of MiB each depending on NCCL_BUFFSIZE and the channels
+    it opens, so a rank in many groups may need more than 1 GiB. Unmeasured here; a CUDA run
+    records the allocator's reserved peak and the device-wide used bytes beside its allocated
+    peak (Note [what a GPU holds beyond the tensors] in runtime/observe/memory.py), which is the
+    figure to check the reserve against, and to raise ``memory_reserve_gib`` by where it is short.
     Override per group in the cluster file with ``usable_memory_fraction`` and
     ``memory_reserve_gib`` (or ``memory_reserve_bytes``). A DeviceSpec built by hand defaults to
     fraction 1.0 and no reserve, so its ``memory_bytes`` is what the solver may use.

@@ -201,3 +201,37 @@ def test_a_gpu_rank_compiles_on_its_share_of_the_hosts_cores():
     assert compile_threads("cuda", environ={"LOCAL_WORLD_SIZE": "1"}) == min(32, cores)
     assert compile_threads("cuda", environ={"LOCAL_WORLD_SIZE": str(cores * 2)}) == 1
     assert compile_threads("cuda", environ={"TORCHINDUCTOR_COMPILE_THREADS": "3"}) == 3  # the user's wins
+
+
+# ---- D3: what a GPU holds beyond the tensors -----------------------------------------------------------
+
+def test_the_memory_report_carries_reserved_and_device_wide_bytes_and_says_when_reserved_is_over(tmp_path, capsys):
+    """A CUDA meter's figures (what ``cuda_memory_figures`` reads at stop) go into memory_rank_<r>.json
+    and the printed line; reserved above the plan's capacity is said even when allocated is below.
+    A real one-rank gloo group: the report is a collective."""
+    import torch.distributed as dist
+    from runtime.observe.memory import PeakMemory, report
+    from runtime.observe.watch import memory_row
+
+    class Trainer:
+        device, stage_ids, modules = torch.device("cpu"), (0,), ()
+
+    (tmp_path / "plan.json").write_text(json.dumps({"stages": [
+        {"index": 0, "peak_memory_bytes": 600 * 2**20, "memory_capacity_bytes": 1000 * 2**20}]}))
+    meter = PeakMemory(Trainer())
+    meter.peak_bytes = 700 * 2**20
+    meter.figures = {"measured_peak_reserved_bytes": 1100 * 2**20, "device_used_bytes": 1600 * 2**20,
+                     "device_total_bytes": 80 * 2**30}
+    store = dist.HashStore()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        report(meter, folder=str(tmp_path), rank=0, run_dir=str(tmp_path / "run"))
+    finally:
+        dist.destroy_process_group()
+    row = json.loads((tmp_path / "run" / "memory_rank_0.json").read_text())
+    assert row["measured_peak_reserved_bytes"] == 1100 * 2**20 and row["device_used_bytes"] == 1600 * 2**20
+    line = capsys.readouterr().out
+    assert ("rank 0 700.00 MiB / 600.00 MiB / 1000.00 MiB (reserved 1100.00 MiB, device used 1600.00 MiB, "
+            "reserved over capacity)") in line
+    # a CPU rank's per-step row is its one peak, as before
+    assert memory_row(torch.device("cpu"))[1] == ("peak_memory_bytes",)
