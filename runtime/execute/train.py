@@ -71,6 +71,7 @@ from runtime.observe.stage_times import StageTimes
 from runtime.program.user_code import resolve_callable
 from runtime.observe.watch import StepWatch
 from runtime.execute.grad_norm import finish_step, param_groups
+from runtime.execute.host_copy import step_values
 from runtime.execute.precision import LossScaler, autocast, step_context, wrap_forward
 
 # ---------------------------------------------------------------------------------------------
@@ -462,14 +463,15 @@ class RankTrainer:
         # whole tensors (a sharded one gathered over its tensor group: every tensor rank calls this)
         params = {n: full_tensor(p.detach()).cpu().clone() for n, p in self.named_parameters().items()}
         opt_tensors: dict[str, torch.Tensor] = {}
-        param_steps = {}
+        steps = []
         for n, p in self.named_parameters().items():
             st = self.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
                     opt_tensors[f"{n}.{key}"] = full_tensor(st[key].detach()).cpu().clone()
             if "step" in st:
-                param_steps[n] = float(st["step"])
+                steps.append((n, st["step"]))
+        param_steps = step_values(steps)  # one transfer on a GPU (Note [one wait per snapshot])
         meta = {"rank": self.rank, "stages": list(self.stage_ids), "replica": self.replica,
                 "steps_done": self.steps_done, "param_steps": param_steps,
                 "lr_scheduler": self.lr_scheduler.state_dict(),

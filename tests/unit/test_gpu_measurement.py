@@ -235,3 +235,21 @@ def test_the_memory_report_carries_reserved_and_device_wide_bytes_and_says_when_
             "reserved over capacity)") in line
     # a CPU rank's per-step row is its one peak, as before
     assert memory_row(torch.device("cpu"))[1] == ("peak_memory_bytes",)
+
+
+# ---- E2: one wait per snapshot ------------------------------------------------------------------------
+
+def test_steps_are_read_as_float_reads_them_and_host_copies_are_fresh_clones():
+    """The CPU path of Note [one wait per snapshot] keeps every byte and float (checkpoint files
+    stay the same); a CUDA tensor takes the pinned, non-blocking path, which needs a GPU."""
+    from runtime.execute.host_copy import host_copies, step_values
+
+    steps = [("a", torch.tensor(3.0)), ("b", 7), ("c", torch.tensor(2**24 + 1, dtype=torch.int64)),
+             ("d", torch.tensor(0.1, dtype=torch.float32))]
+    got = step_values(steps)
+    assert list(got) == ["a", "b", "c", "d"] and got == {n: float(v) for n, v in steps}
+    live = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "n": torch.tensor([True, False])}
+    copies = host_copies(live.items())
+    for name, t in live.items():
+        assert torch.equal(copies[name], t) and copies[name].dtype == t.dtype
+        assert copies[name].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
