@@ -253,3 +253,28 @@ def test_steps_are_read_as_float_reads_them_and_host_copies_are_fresh_clones():
     for name, t in live.items():
         assert torch.equal(copies[name], t) and copies[name].dtype == t.dtype
         assert copies[name].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+# ---- E1: the memory tier's copy from a GPU ---------------------------------------------------------------
+
+def test_the_staged_copy_moves_every_byte_through_two_small_buffers_and_waits_for_each_chunk():
+    """The chunking of Note [memory tier copy on a GPU], run on CPU tensors with 7-byte buffers
+    (chunks cross element and tensor boundaries); on a GPU ``record``/``wait`` are CUDA events."""
+    from runtime.resilience.memtier.slots import staged_copy
+
+    sources = [torch.randn(10), torch.arange(3, dtype=torch.int64) * 2**40, torch.tensor([True, False] * 3),
+               torch.tensor(2.5, dtype=torch.float64), torch.randn(4, 3).t()]  # the last: not contiguous
+    dests = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
+    marks, waited = [], []
+
+    def record():
+        marks.append(len(marks))
+        return marks[-1]
+
+    staged_copy(list(zip(sources, dests)), [torch.empty(7, dtype=torch.uint8), torch.empty(9, dtype=torch.uint8)],
+                record=record, wait=waited.append)
+    for s, d in zip(sources, dests):
+        assert torch.equal(s, d)
+    total = sum(s.numel() * s.element_size() for s in sources)
+    assert len(marks) == sum(-(-s.numel() * s.element_size() // 7) for s in sources) and total > 7
+    assert sorted(waited) == marks  # every chunk waited for once before its bytes were used
