@@ -260,7 +260,7 @@ def test_steps_are_read_as_float_reads_them_and_host_copies_are_fresh_clones():
 def test_the_staged_copy_moves_every_byte_through_two_small_buffers_and_waits_for_each_chunk():
     """The chunking of Note [memory tier copy on a GPU], run on CPU tensors with 7-byte buffers
     (chunks cross element and tensor boundaries); on a GPU ``record``/``wait`` are CUDA events."""
-    from runtime.resilience.memtier.slots import staged_copy
+    from runtime.resilience.memtier.staging import staged_copy
 
     sources = [torch.randn(10), torch.arange(3, dtype=torch.int64) * 2**40, torch.tensor([True, False] * 3),
                torch.tensor(2.5, dtype=torch.float64), torch.randn(4, 3).t()]  # the last: not contiguous

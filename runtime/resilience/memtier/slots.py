@@ -50,6 +50,7 @@ import torch
 from runtime.resilience.checkpoint.shard import ShardLayout
 from runtime.resilience.checkpoint.state import state_entries
 from runtime.resilience.memtier.groups import Redundancy
+from runtime.resilience.memtier.staging import GpuCopy
 
 FORMAT = "partitioner-memtier/1"
 
@@ -381,54 +382,6 @@ def find_slot(slots: list[Slot], step: int) -> tuple[Slot, dict] | None:
 
 
 
-# Note [memory tier copy on a GPU]: the snapshot's copy (Note [memory snapshot] in
-# runtime/resilience/memtier/tier.py) runs in a thread beside the next step. From a GPU, a plain
-# ``copy_`` into the shared-memory file would queue on the default stream behind the step's kernels
-# and hold up the next ones until done, and a copy into pageable memory is staged by the driver at
-# about half the speed of pinned. So at the step boundary the trainer's stream records an event
-# (everything the optimizer wrote is before it); the thread copies on a stream of its own that
-# waits for that event, through two pinned buffers of ``STAGING_BYTES`` taken in turn (a chunk
-# goes to the GPU's copy engine while the previous one is copied into the file on the host), and
-# the optimizer's pre-hook still waits for the whole copy before it changes a parameter. Pinned
-# memory is bounded (two buffers per rank, not a pinned copy of the shard) and the shared-memory
-# file stays an ordinary mapping (no cudaHostRegister to undo when the layout changes). CPU
-# tensors are copied as before.
-STAGING_BYTES = 64 * 2**20
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def staged_copy(pairs, buffers: list[torch.Tensor], *, record=lambda: None, wait=lambda mark: None) -> None:
-    """Copy each ``(source, destination)`` pair's bytes through ``buffers`` (1-D uint8, taken in turn,
-    chunks of their size): a chunk is copied into a buffer (``non_blocking``), ``record()`` marks it,
-    and the buffer is emptied into the destination after ``wait(mark)``, when it is next needed or
-    at the end (Note [memory tier copy on a GPU]). Destinations are contiguous."""
-    inflight: list = [None] * len(buffers)
-    size = min(int(b.numel()) for b in buffers)
-
-    def drain(k: int) -> None:
-        if inflight[k] is not None:
-            mark, dst, n = inflight[k]
-            wait(mark)
-            dst.copy_(buffers[k][:n])
-            inflight[k] = None
-
-    turn = 0
-    for src, dst in pairs:
-        src_bytes, dst_bytes = _flat_bytes(src), dst.reshape(-1).view(torch.uint8)
-        for start in range(0, int(src_bytes.numel()), size):
-            k = turn % len(buffers)
-            turn += 1
-            drain(k)
-            n = min(size, int(src_bytes.numel()) - start)
-            buffers[k][:n].copy_(src_bytes[start:start + n], non_blocking=True)
-            inflight[k] = (record(), dst_bytes[start:start + n], n)
-    for k in sorted(range(len(buffers)), key=lambda k: (k - turn) % len(buffers)):  # oldest first
-        drain(k)
-
-
 class LocalStore:
     """One rank's part of the memory tier on its host: its own slots and the slots it holds for
     others. No process group (the unit tests drive it directly)."""
@@ -447,8 +400,7 @@ class LocalStore:
         self.held = [Slot(held_dir, f"slot_{k}") for k in range(2)] if held_dir else []
         self.layout: ShardLayout | None = None
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._stream = None  # a GPU rank's copy stream and pinned buffers (Note [memory tier copy on a GPU])
-        self._staging: list[torch.Tensor] = []
+        self._from_gpu: GpuCopy | None = None  # Note [memory tier copy on a GPU]
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -493,20 +445,11 @@ class LocalStore:
                     if t.numel() and t.device.type != "cuda":
                         views[name].copy_(t)
                 if device is not None:
-                    self._copy_from_gpu([(t, views[name]) for name, t in tensors
-                                         if t.numel() and t.device.type == "cuda"], device, ready)
+                    self._from_gpu = self._from_gpu or GpuCopy(device)
+                    self._from_gpu.copy([(t, views[name]) for name, t in tensors
+                                         if t.numel() and t.device.type == "cuda"], ready)
 
         return slot, self.layout.total_bytes, copy
-
-    def _copy_from_gpu(self, pairs, device: torch.device, ready) -> None:
-        """Note [memory tier copy on a GPU]: on the store's own stream, after ``ready``."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-            self._staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        stream = self._stream
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            staged_copy(pairs, self._staging, record=stream.record_event, wait=lambda event: event.synchronize())
 
     def commit_own(self, slot: Slot, step: int, nbytes: int) -> str:
         sha = slot.sha256(nbytes)
