@@ -32,6 +32,7 @@ from typing import Sequence
 
 from partitioner.codegen.readme import readme_source
 from partitioner.config.cluster import ClusterSpec
+from partitioner.config.device_presets import world_peak_flops_per_s
 from partitioner.solver import serialize
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
@@ -213,6 +214,7 @@ def _program_of(body: dict, plan: Plan) -> Program:
         old, world_size=plan.world_size, dp=plan.dp, num_microbatches=plan.num_microbatches, schedule=plan.schedule,
         ranks=tuple(RankSpec(**r) for r in plan.rank_layout()),
         predicted_step_time_s=float(plan.predicted["step_time_s"]),
+        peak_flops_per_s=world_peak_flops_per_s(plan.stages, plan.tensor_parallel, old.precision.dtype_name),
         memory_tier=MemoryTierPlan(mode=tier["mode"], every=int(tier.get("every", 1)),
                                    group_size=tier.get("group_size")) if tier else old.memory_tier,
         plan_hash=None)

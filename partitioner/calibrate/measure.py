@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -18,6 +17,7 @@ from passes import ir
 from partitioner.calibrate.features import VIEW_OPS, op_name, requires_grad_nodes, group_features
 from partitioner.calibrate.recompute_cost import time_checkpointed
 from runtime.data.synthetic import batch_inputs
+from runtime.observe.clock import sync_now
 from runtime.observe.memory import LiveBytes
 from runtime.execute.precision import Precision, autocast
 
@@ -82,17 +82,19 @@ def _time_group(run: GroupRun, *, warmup: int, repeats: int, params, precision: 
         if mode is not None:
             mode.__enter__()
         try:
-            start = time.perf_counter()
+            # each read waits for the device first: on a GPU the clock would time launches
+            # (Note [timing on a device] in runtime/observe/clock.py)
+            start = sync_now(device)
             with autocast(precision, device):
                 outs = run.module(*inputs)
-            middle = time.perf_counter()
+            middle = sync_now(device)
             flat = [o for o in tree_flatten(outs)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             if grads_out is None:
                 grads_out = [torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device) for o in flat]
-            before_bwd = time.perf_counter()
+            before_bwd = sync_now(device)
             if flat:
                 torch.autograd.backward(flat, grads_out)
-            end = time.perf_counter()
+            end = sync_now(device)
         finally:
             if mode is not None:
                 mode.__exit__(None, None, None)

@@ -25,6 +25,7 @@ from partitioner.codegen import write_program
 from partitioner.solver.plan import Plan
 from partitioner.codegen.boundary_dtypes import autocast_dtypes
 from partitioner.config.settings import program_optimizer
+from partitioner.config.device_presets import world_peak_flops_per_s
 from partitioner.codegen.recompute import checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
@@ -34,7 +35,8 @@ from partitioner.frontend.workload import Workload
 from runtime.data.synthetic import constant_inputs
 from runtime.execute.materialize import fan_in_bound
 from runtime.program.spec import Program
-from runtime.program.parts import DataSpec, InitSpec, RandomnessSpec, RankSpec, StageSpec, TensorSpec, TieSpec
+from runtime.program.parts import (DataSpec, InitSpec, Precision, RandomnessSpec, RankSpec, StageSpec, TensorSpec,
+                                   TieSpec)
 
 if TYPE_CHECKING:  # annotations only: Compiled.save() calls this module
     from partitioner.compiled import Compiled
@@ -102,6 +104,8 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "compile_stages": bool(settings.compile_stages),
         # Every run ends by printing what it measured next to this (runtime/execute/train.py, RankTrainer.run).
         "predicted_step_time_s": float(plan.predicted["step_time_s"]),
+        "peak_flops_per_s": world_peak_flops_per_s(plan.stages, plan.tensor_parallel,  # for MFU
+                                                   Precision.of(decisions.precision).dtype_name),
         "memory_tier": decisions.memory_tier_plan,
         # Note [randomness keyed by meaning] in runtime/execute/randomness.py
         "randomness": RandomnessSpec(keyed_ops=tuple(op.op for op in keyed_ops)) if keyed_ops else None,

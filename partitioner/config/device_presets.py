@@ -32,6 +32,13 @@ Note [usable memory]
         a100 / h100 / h200: fraction 0.95, reserve 1 GiB
         cpu:                fraction 1.0,  reserve 0 (the 16 GiB preset is already a budget for
                             one process's tensors, not the host's RAM)
+    The reserve is one figure per device, not priced per communicator: NCCL allocates buffers
+    for every communicator a rank joins (pipeline, data-parallel, tie and tensor groups, and each
+    point-to-point pair), tens to hundreds of MiB each depending on NCCL_BUFFSIZE and the channels
+    it opens, so a rank in many groups may need more than 1 GiB. Unmeasured here; a CUDA run
+    records the allocator's reserved peak and the device-wide used bytes beside its allocated
+    peak (Note [what a GPU holds beyond the tensors] in runtime/observe/memory.py), which is the
+    figure to check the reserve against, and to raise ``memory_reserve_gib`` by where it is short.
     Override per group in the cluster file with ``usable_memory_fraction`` and
     ``memory_reserve_gib`` (or ``memory_reserve_bytes``). A DeviceSpec built by hand defaults to
     fraction 1.0 and no reserve, so its ``memory_bytes`` is what the solver may use.
@@ -129,6 +136,37 @@ FLOPS_PER_S_BY_DTYPE: Mapping[str, Mapping[str, float]] = {
     "h200": {"fp32": 26.8e12, "tf32": 198e12, "bf16": 396e12, "fp16": 396e12},
     "cpu": {"fp32": 50e9, "tf32": 50e9, "bf16": 36e9, "fp16": 27e9},
 }
+
+
+# Note [datasheet peaks]: the vendor's dense peak FLOP/s per compute dtype, what MFU divides by
+# (Note [model FLOPs and MFU] in runtime/observe/watch.py; the usual definition: PaLM, Megatron-LM),
+# where the presets' ``flops_per_s`` and FLOPS_PER_S_BY_DTYPE are 40% of it, for pricing. fp32 is the
+# CUDA-core rate: runtime/execute/precision.py ``device_numerics`` turns TF32 off. A100 SXM 19.5 /
+# 156 / 312 / 312 TFLOP/s, H100 and H200 SXM 67 / 495 / 989 / 989 (NVIDIA's datasheets, without
+# sparsity). cpu has no datasheet here: its MFU divides by the preset's nominal rate (a relative figure).
+PEAK_FLOPS_PER_S_BY_DTYPE: Mapping[str, Mapping[str, float]] = {
+    "a100-40gb": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "a100-80gb": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "h100": {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12},
+    "h200": {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12},
+}
+
+
+def datasheet_peak(kind: str, dtype: str) -> float | None:
+    """The dense peak FLOP/s of one device of ``kind`` computing in ``dtype`` ("fp32", "bf16", ...)
+    (Note [datasheet peaks]); None for cpu and for a kind the cluster file describes by its numbers."""
+    return PEAK_FLOPS_PER_S_BY_DTYPE.get(_KIND_ALIASES.get(kind, kind), {}).get(dtype)
+
+
+def world_peak_flops_per_s(stages, tensor_parallel: int, dtype: str) -> float | None:
+    """The datasheet peak of every rank's device together (Note [datasheet peaks]): ``stages`` are
+    a plan's (each with ``ranks``, the first rank of each replica's tensor group, and ``device``, its
+    kind); each rank counts once (an interleaved rank holds several stages, a tensor group
+    ``tensor_parallel`` ranks). None when a kind has no datasheet (cpu)."""
+    kind_of_rank = {first + t: stage.device for stage in stages for first in stage.ranks
+                    for t in range(tensor_parallel)}
+    peaks = [datasheet_peak(kind, dtype) for kind in kind_of_rank.values()]
+    return None if not peaks or None in peaks else float(sum(peaks))
 
 
 def default_cores(kind: str) -> int | None:

@@ -10,7 +10,9 @@ schedule.py         plan schedule -> torch.distributed.pipelining schedule; ``sc
 train.py            optimizer + LR schedule, randomness context per microbatch, gradient sync,
                     ``RankTrainer``
 precision.py        precision policies: autocast, master weights, fp16's loss scale (Note [mixed
-                    precision])
+                    precision]); a CUDA program's kernel settings (Note [deterministic kernels on
+                    a GPU])
+host_copy.py        device tensors to the host with one wait (Note [one wait per snapshot])
 randomness.py       the keyed random ops stage files call (``randomness.dropout(x, p, train, op=,
                     batch_dim=)``, ``attention`` for SDPA with dropout, ...), the context they read,
                     and ``capture()`` / ``restored(snapshot)`` for recompute (Note [randomness keyed

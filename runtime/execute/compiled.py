@@ -63,10 +63,35 @@ def _compiled_checkpointed():
     return torch.compiler.disable(recompute.checkpointed)
 
 
-def compile_stage(module: torch.nn.Module) -> torch.nn.Module:
-    """``module``'s forward and its recomputed regions' methods compiled (Note [compiled stages])."""
-    # One compile thread per rank: ranks share the machine's cores as they do for training.
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Note [compile threads]: inductor compiles a graph's kernels in a pool of
+# ``torch._inductor.config.compile_threads`` workers. CPU ranks share the host's cores as they do
+# for training, so each compiles on one. A GPU rank computes on its GPU and the host's cores are
+# idle while it compiles: each gets its share of them (cores / ranks on the host, at most
+# inductor's own cap of 32), or the Triton kernels of a large stage compile one at a time for
+# minutes and the ranks' start-up skew nears the collective timeout. Set in inductor's config,
+# not TORCHINDUCTOR_COMPILE_THREADS: the config reads that variable once, when it is first
+# imported, which torch.distributed.pipelining has done before any stage is built. A user's
+# TORCHINDUCTOR_COMPILE_THREADS wins.
+def compile_threads(device_type: str, environ=None) -> int:
+    """Compile workers for one rank on ``device_type`` (Note [compile threads])."""
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCHINDUCTOR_COMPILE_THREADS", "").strip().isdigit():
+        return max(1, int(environ["TORCHINDUCTOR_COMPILE_THREADS"]))
+    if device_type != "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = environ.get("LOCAL_WORLD_SIZE", "1")
+    ranks_here = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(1, min(32, cores // ranks_here))
+
+
+def compile_stage(module: torch.nn.Module, device_type: str = "cpu") -> torch.nn.Module:
+    """``module``'s forward and its recomputed regions' methods compiled (Note [compiled stages]),
+    with the rank's share of the host's cores to compile on (Note [compile threads])."""
+    # lazy: loads torch._inductor (only a compiled program pays for it)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = compile_threads(device_type)
     # the stage file's own name for it (its namespace: stage files are imported by path, not by
     # module name) becomes a graph break
     names = type(module).forward.__globals__
@@ -134,7 +159,7 @@ def compile_rank(trainer) -> float:
     """Compile every stage of ``trainer``'s rank and warm them; the seconds, also in its stage times,
     with the graphs compiled and the graph breaks (Note [graph breaks are said])."""
     for module in trainer.modules:
-        compile_stage(module)
+        compile_stage(module, trainer.device.type)
     graphs_before, breaks_before = _dynamo_counts()
     compile_s = warm_up(trainer)
     graphs_after, breaks_after = _dynamo_counts()

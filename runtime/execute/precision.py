@@ -30,12 +30,34 @@ world, so every rank decides alike) is skipped: no optimizer step, the scale hal
 a skipped step too (as with torch's GradScaler), and the step is recorded in metrics.jsonl
 (``skipped``, ``loss_scale``). The scale is part of a checkpoint (meta ``loss_scale``), so a
 resumed run skips the steps the uninterrupted one would.
+
+Note [deterministic kernels on a GPU]: three promises compare bits of two computations: a compute
+canary re-runs a microbatch on another rank and compares digests (runtime/resilience/canary.py),
+a resumed run equals the uninterrupted one, a lossless checkpoint chain restores every byte. On
+CPU torch's kernels give the same bits every run. CUDA's do not by default: atomics in SDPA's
+backward, index_add / scatter_add / embedding backward, cuBLAS's split-K reductions over a
+workspace, cuDNN's benchmark-picked convolution algorithms, inductor's benchmarked reduction
+configs. A false canary alarm excludes a healthy host, so every CUDA program runs with
+``device_numerics``: ``torch.use_deterministic_algorithms(True, warn_only=True)``,
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (read when cuBLAS makes its first handle: set at rank
+start-up before any CUDA work), cuDNN deterministic and not benchmarking. ``warn_only``: an op
+that has no deterministic CUDA kernel (adaptive average pooling's backward, a resnet's last
+pool, among others) warns, naming itself, instead of stopping a run that has no canary on; the
+bit-for-bit promises hold for programs without such ops. Always on, not a run option: the
+checkpoint promise holds for every run. The cost is GPU time (deterministic SDPA backward and
+index kernels are slower), not priced by the cost model and not measured here (no GPU at hand).
+TF32 is off for both cuBLAS matmuls and cuDNN convolutions under every policy: the cost model
+prices fp32 work at the fp32 rate (Note [flops per dtype] in partitioner/config/device_presets.py),
+and ``verify``'s oracle, which calls the same function, holds fp32 to 1e-5 (cuDNN's TF32 default
+is on, ~1e-3 relative). Mixed policies compute their matmuls in bf16/fp16 anyway. The oracle
+calls ``device_numerics`` too, so the two sides run the same kernels. On CPU nothing is set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -142,3 +164,58 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     if max_norm is None or not math.isfinite(total_norm):
         return 1.0
     return min(1.0, float(max_norm) / (total_norm + 1e-6))
+
+
+# cuBLAS's two deterministic workspace settings (torch refuses a cuBLAS call under deterministic
+# algorithms with any other); the larger is the one torch's docs name first.
+CUBLAS_WORKSPACE = ":4096:8"
+_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+@dataclass(frozen=True)
+class DeviceNumerics:
+    """What ``device_numerics`` sets (Note [deterministic kernels on a GPU]); None: left alone."""
+
+    deterministic_algorithms: bool | None = None
+    cublas_workspace_config: str | None = None
+    cudnn_deterministic: bool | None = None
+    cudnn_benchmark: bool | None = None
+    matmul_allow_tf32: bool | None = None
+    cudnn_allow_tf32: bool | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def numerics_for(device_type: str, precision: Precision | str, environ=None) -> DeviceNumerics:
+    """The settings a program on ``device_type`` under ``precision`` runs with (Note [deterministic
+    kernels on a GPU]); ``environ``: where CUBLAS_WORKSPACE_CONFIG is read (os.environ). Sets nothing."""
+    Precision.of(precision)  # a bad policy is named here, before anything is set
+    if device_type != "cuda":
+        return DeviceNumerics()
+    current = (os.environ if environ is None else environ).get("CUBLAS_WORKSPACE_CONFIG")
+    return DeviceNumerics(deterministic_algorithms=True,
+                          cublas_workspace_config=current if current in _CUBLAS_DETERMINISTIC else CUBLAS_WORKSPACE,
+                          cudnn_deterministic=True, cudnn_benchmark=False,
+                          matmul_allow_tf32=False, cudnn_allow_tf32=False)
+
+
+def device_numerics(device, precision: Precision | str) -> DeviceNumerics:
+    """Set the process's kernel choices for a program on ``device`` (a torch.device or its type)
+    under ``precision`` (Note [deterministic kernels on a GPU]): the rank calls it at start-up
+    before any CUDA work, ``verify``'s oracle before its own. Returns what it set."""
+    device_type = device if isinstance(device, str) else device.type
+    settings = numerics_for(str(device_type).split(":")[0], precision)
+    if settings.cublas_workspace_config is not None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = settings.cublas_workspace_config
+    if settings.deterministic_algorithms is not None:
+        torch.use_deterministic_algorithms(settings.deterministic_algorithms, warn_only=True)
+    if settings.cudnn_deterministic is not None:
+        torch.backends.cudnn.deterministic = settings.cudnn_deterministic
+    if settings.cudnn_benchmark is not None:
+        torch.backends.cudnn.benchmark = settings.cudnn_benchmark
+    if settings.matmul_allow_tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = settings.matmul_allow_tf32
+    if settings.cudnn_allow_tf32 is not None:
+        torch.backends.cudnn.allow_tf32 = settings.cudnn_allow_tf32
+    return settings

@@ -71,6 +71,7 @@ from runtime.observe.stage_times import StageTimes
 from runtime.program.user_code import resolve_callable
 from runtime.observe.watch import StepWatch
 from runtime.execute.grad_norm import finish_step, param_groups
+from runtime.execute.host_copy import step_values
 from runtime.execute.precision import LossScaler, autocast, step_context, wrap_forward
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ class RankTrainer:
             return loss.float() * self.scaler.scale if self.scaler.enabled else loss
 
         # each stage's forward, backward and loss seconds, for `calibrate --from-run` (Note [stage times])
-        self.stage_times = StageTimes(self.pipe_stages, self.stage_ids, program.num_microbatches)
+        self.stage_times = StageTimes(self.pipe_stages, self.stage_ids, program.num_microbatches, device)
         self.schedule = build_schedule(self.pipe_stages, program, self.stage_times.timed_loss(loss_under_policy))
         self.zero = None
         if program.shard_optimizer and program.dp > 1:  # Note [sharded optimizer state] in runtime/parallel/zero.py
@@ -336,15 +337,15 @@ class RankTrainer:
         self.stage_times.begin_step()
         losses: list[torch.Tensor] = []
 
-        schedule_start = time.perf_counter()
+        clock = self.stage_times.clock  # Note [timing on a device] in runtime/observe/clock.py
+        schedule_start = clock.mark()
         with step_context(program.precision, self.device.type):  # Note [mixed precision]
             self.schedule.step(*feed, target=tgt, losses=losses if self.is_last else None,
                                return_outputs=False)
-        optimizer_start = time.perf_counter()
+        optimizer_start = clock.mark()
         scale_used = self.scaler.scale
         self.finish_gradients_and_step()
-        self.stage_times.end_step(schedule_s=optimizer_start - schedule_start,
-                                  optimizer_s=time.perf_counter() - optimizer_start)
+        optimizer_end = clock.mark()
         sync_buffers(list(self.named_mutable_buffers().values()), self.layout, self.rank, self.groups)
         # The step's loss: mean over microbatches and replicas (one all-reduce over the world).
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -355,7 +356,10 @@ class RankTrainer:
                 loss_sum /= scale_used
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         self.steps_done = step + 1
-        return float(loss_sum / (m * program.dp * program.tensor_parallel))  # every tensor rank holds the loss
+        loss = float(loss_sum / (m * program.dp * program.tensor_parallel))  # every tensor rank holds the loss
+        # after the float's sync: a GPU's event marks are all reached by now
+        self.stage_times.end_step(schedule=(schedule_start, optimizer_start), optimizer=(optimizer_start, optimizer_end))
+        return loss
 
     def finish_gradients_and_step(self) -> None:
         """Sync, unscale, the global norm, clip, step or skip (runtime/execute/grad_norm.py ``finish_step``)."""
@@ -459,14 +463,15 @@ class RankTrainer:
         # whole tensors (a sharded one gathered over its tensor group: every tensor rank calls this)
         params = {n: full_tensor(p.detach()).cpu().clone() for n, p in self.named_parameters().items()}
         opt_tensors: dict[str, torch.Tensor] = {}
-        param_steps = {}
+        steps = []
         for n, p in self.named_parameters().items():
             st = self.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
                     opt_tensors[f"{n}.{key}"] = full_tensor(st[key].detach()).cpu().clone()
             if "step" in st:
-                param_steps[n] = float(st["step"])
+                steps.append((n, st["step"]))
+        param_steps = step_values(steps)  # one transfer on a GPU (Note [one wait per snapshot])
         meta = {"rank": self.rank, "stages": list(self.stage_ids), "replica": self.replica,
                 "steps_done": self.steps_done, "param_steps": param_steps,
                 "lr_scheduler": self.lr_scheduler.state_dict(),

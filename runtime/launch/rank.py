@@ -311,6 +311,9 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
 
     seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/execute/train.py
 
+    from runtime.execute.precision import device_numerics  # lazy: loads torch
+
+    device_numerics(program.device, program.precision)  # before any CUDA work: Note [deterministic kernels on a GPU]
     if program.device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

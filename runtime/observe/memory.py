@@ -11,6 +11,18 @@ after: gradients, optimizer state, receive buffers, saved activations of the mic
 and the transients of forward, backward and the optimizer step; what the plan's
 ``peak_memory_bytes`` predicts. Checkpoint snapshots are host copies made after a step (a GPU
 never holds them), so the checkpoint hooks run unmeasured.
+
+Note [what a GPU holds beyond the tensors]: ``max_memory_allocated`` counts the tensors only. What
+runs a GPU out of memory is more: the caching allocator's reserved segments (freed blocks it keeps,
+fragmentation, rounding: ``max_memory_reserved``), and outside the allocator the CUDA context,
+cuBLAS/cuDNN workspaces and NCCL's buffers (one set per communicator). So a CUDA rank also records
+the allocator's reserved peak and the device-wide used bytes (``torch.cuda.mem_get_info``: total
+minus free, other processes on the GPU included), read at the end of the run (the memory report)
+and after every step (metrics.jsonl, Note [peak memory per step] in runtime/observe/watch.py).
+The device-wide figure is a reading, not a peak: nothing samples it during a step. The plan's
+``capacity_bytes`` is the device's memory less the headroom for all of that (Note [usable
+memory] in partitioner/config/device_presets.py): a reserved peak above it says the headroom is
+too small for this run, even when the allocated peak is below.
 """
 
 from __future__ import annotations
@@ -127,6 +139,7 @@ class PeakMemory:
         self.mode: LiveBytes | None = None
         self.static_bytes = 0
         self.peak_bytes = 0
+        self.figures: dict = {}  # on CUDA: reserved and device-wide bytes (cuda_memory_figures)
 
     def start(self) -> "PeakMemory":
         t = self.trainer
@@ -159,11 +172,19 @@ class PeakMemory:
     def stop(self) -> int:
         if self.device.type == "cuda":
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.figures = cuda_memory_figures(self.device)
         elif self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.peak_bytes = self.static_bytes + self.mode.peak
             self.mode = None
         return self.peak_bytes
+
+
+def cuda_memory_figures(device: torch.device) -> dict:
+    """The allocator's peaks and the device-wide use now (Note [what a GPU holds beyond the tensors])."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {"measured_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "device_used_bytes": int(total - free), "device_total_bytes": int(total)}
 
 
 def plan_figures(folder: str, stages: list[int]) -> tuple[int | None, int | None]:
@@ -188,7 +209,8 @@ def report(meter: PeakMemory, *, folder: str, rank: int, run_dir: str) -> None:
     row = {"rank": rank, "stages": list(t.stage_ids),
            "method": "cuda max_memory_allocated" if meter.device.type == "cuda" else "live tensor storages",
            "measured_peak_bytes": meter.peak_bytes, "static_bytes": meter.static_bytes,
-           "predicted_peak_bytes": predicted, "capacity_bytes": capacity}
+           "predicted_peak_bytes": predicted, "capacity_bytes": capacity,
+           **meter.figures}  # Note [what a GPU holds beyond the tensors]
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"memory_rank_{rank}.json"), "w") as f:
         json.dump(row, f, indent=1, sort_keys=True)
@@ -198,6 +220,11 @@ def report(meter: PeakMemory, *, folder: str, rank: int, run_dir: str) -> None:
         cells = []
         for r in rows:
             over = r["capacity_bytes"] is not None and r["measured_peak_bytes"] > r["capacity_bytes"]
+            reserved = r.get("measured_peak_reserved_bytes")
+            beyond = "" if reserved is None else (
+                f" (reserved {_mib(reserved)}, device used {_mib(r['device_used_bytes'])}"
+                + (", reserved over capacity" if r["capacity_bytes"] is not None and reserved > r["capacity_bytes"]
+                   else "") + ")")
             cells.append(f"rank {r['rank']} {_mib(r['measured_peak_bytes'])} / {_mib(r['predicted_peak_bytes'])}"
-                         f" / {_mib(r['capacity_bytes'])}" + (" OVER CAPACITY" if over else ""))
+                         f" / {_mib(r['capacity_bytes'])}" + (" OVER CAPACITY" if over else "") + beyond)
         print("peak memory per rank, measured / predicted / capacity: " + "; ".join(cells), flush=True)

@@ -15,6 +15,9 @@ Note [stage times]
     weight-gradient call ``backward_weight_one_chunk`` is timed too: counted in the backward and
     recorded apart as ``weight_backward_s_per_microbatch``. `partitioner calibrate --from-run` refits
     the machine profile from them (Note [refit from a run] in partitioner/calibrate/refit.py).
+    On a GPU the calls and phases are timed by CUDA events, read after the step's final
+    synchronization (Note [timing on a device] in runtime/observe/clock.py): a host clock there
+    would time kernel launches, and the refit would take the GPU for many times faster than it is.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from typing import Callable, Sequence
+
+import torch
+
+from runtime.observe.clock import clock_for
 
 FORMAT = "partitioner.stage-times/1"
 
@@ -31,11 +37,13 @@ FORMAT = "partitioner.stage-times/1"
 class StageTimes:
     """Per-step sums of a rank's stage calls (Note [stage times])."""
 
-    def __init__(self, pipe_stages: Sequence, stage_ids: Sequence[int], num_microbatches: int):
+    def __init__(self, pipe_stages: Sequence, stage_ids: Sequence[int], num_microbatches: int,
+                 device: torch.device | str = "cpu"):
+        self.clock = clock_for(device)  # Note [timing on a device]
         self.stage_ids = tuple(stage_ids)
         self.num_microbatches = num_microbatches
         self.current = {s: [0.0, 0.0, 0.0] for s in self.stage_ids}  # forward, backward, weight backward
-        self.loss_s = 0.0
+        self._loss_s = [0.0]  # a list: the clock adds into it (on a GPU at end_step)
         self.compile_s: float | None = None  # a compiled program's warm-up (Note [compiled stages])
         self.compiled_graphs: int | None = None  # its graphs and graph breaks (Note [graph breaks are said])
         self.graph_breaks: int | None = None
@@ -47,35 +55,47 @@ class StageTimes:
                     setattr(stage, name, self._timed(getattr(stage, name), stage_id, slot))
 
     def _timed(self, call: Callable, stage_id: int, slot: int) -> Callable:
-        sums = self.current[stage_id]
+        return self._timed_into(call, self.current[stage_id], slot)
+
+    def _timed_into(self, call: Callable, sums: list, slot: int) -> Callable:
+        clock = self.clock
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock.mark()
             try:
                 return call(*args, **kwargs)
             finally:
-                sums[slot] += time.perf_counter() - start
+                clock.add(start, clock.mark(), sums, slot)
 
         return timed
 
     def timed_loss(self, loss_fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return loss_fn(*args, **kwargs)
-            finally:
-                self.loss_s += time.perf_counter() - start
+        return self._timed_into(loss_fn, self._loss_s, 0)
 
-        return timed
+    @property
+    def loss_s(self) -> float:
+        """The loss's seconds in the step so far (a canary's re-run saves and restores it)."""
+        return self._loss_s[0]
+
+    @loss_s.setter
+    def loss_s(self, seconds: float) -> None:
+        self._loss_s[0] = seconds
 
     def begin_step(self) -> None:
+        self.clock.discard()  # spans of calls outside a step (a canary's re-run) are not the step's
         for sums in self.current.values():
             sums[0] = sums[1] = sums[2] = 0.0
-        self.loss_s = 0.0
+        self._loss_s[0] = 0.0
 
-    def end_step(self, *, schedule_s: float, optimizer_s: float) -> None:
-        self.steps.append({"stages": {s: tuple(v) for s, v in self.current.items()}, "loss_s": self.loss_s,
-                           "schedule_s": schedule_s, "optimizer_s": optimizer_s})
+    def end_step(self, *, schedule: tuple, optimizer: tuple) -> None:
+        """After the step's last synchronization: ``schedule`` and ``optimizer`` are each a pair
+        of ``self.clock`` marks around the phase."""
+        phases = [0.0, 0.0]
+        self.clock.add(*schedule, phases, 0)
+        self.clock.add(*optimizer, phases, 1)
+        self.clock.settle()
+        self.steps.append({"stages": {s: tuple(v) for s, v in self.current.items()}, "loss_s": self._loss_s[0],
+                           "schedule_s": phases[0], "optimizer_s": phases[1]})
 
     def summary(self, *, rank: int, replica: int) -> dict | None:
         """The run's figures (Note [stage times]), or None before any step."""

@@ -7,16 +7,21 @@ stage for every microbatch of every replica (plan.json's stage table holds them 
 from the flops pass), without the forward that recomputed regions run again: the usual
 definition of MFU (PaLM, Megatron-LM), so a plan that recomputes more shows a lower MFU for the
 same work. Achieved FLOP/s = model FLOPs / the step's wall time; MFU = that / the peak of the
-devices the ranks run on (the plan's cluster: each stage's device kind, once per replica), the
-figure the cost model prices compute against. On CPU "peak" is the preset's nominal rate, so
-the MFU there is a relative figure, not a hardware claim.
+devices the ranks run on, each rank once: on a GPU kind the datasheet's dense peak at the policy's
+compute dtype (the program's ``peak_flops_per_s``, Note [datasheet peaks] in
+partitioner/config/device_presets.py), not the sustained 40% of it that the cost model prices
+with, which would show MFU 2.5 times too high. Without a datasheet (cpu, a kind the cluster file
+describes by its numbers) the peak is the plan cluster's rate of each rank's kind; on CPU that
+is the preset's nominal rate, so the MFU there is a relative figure, not a hardware claim.
 
 Note [peak memory per step]: every rank reports the peak it has reached so far, gathered onto rank 0
-by one all_gather of one int64 per rank each step (next to the loss's all_reduce): on CUDA the
-caching allocator's ``max_memory_allocated``; on CPU, where torch keeps no count, the process's
-peak resident set (``ru_maxrss``), which also counts the interpreter and torch's own libraries. The
-record says which (``peak_memory_kind``). ``--measure-memory`` (runtime/observe/memory.py) gives the
-tensor-level CPU figure at the end of a run.
+by one all_gather of a few int64 per rank each step (next to the loss's all_reduce): on CUDA the
+caching allocator's ``max_memory_allocated``, and beside it (``peak_memory_reserved_bytes``,
+``device_memory_used_bytes``) its ``max_memory_reserved`` and the device-wide used bytes after the
+step (Note [what a GPU holds beyond the tensors] in runtime/observe/memory.py); on CPU, where torch
+keeps no count, the process's peak resident set (``ru_maxrss``), which also counts the interpreter
+and torch's own libraries. The record says which (``peak_memory_kind``). ``--measure-memory``
+(runtime/observe/memory.py) gives the tensor-level CPU figure at the end of a run.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.file_trust import read_bounded
+from runtime.observe.memory import cuda_memory_figures
 
 
 def plan_step_flops(folder: str) -> tuple[float | None, float | None]:
@@ -41,9 +47,17 @@ def plan_step_flops(folder: str) -> tuple[float | None, float | None]:
         stages = plan["stages"]
         m, dp = int(plan["num_microbatches"]), int(plan["dp"])
         flops = sum(float(s["flops_fwd"]) + float(s["flops_bwd"]) for s in stages) * m * dp
-        rates = {g["kind"]: float(g["flops_per_s"]) for g in plan.get("cluster", {}).get("group", [])}
-        peak = sum(rates[s["device"]] for s in stages) * dp if all(s.get("device") in rates for s in stages) else None
-        return (flops if flops > 0 else None), peak
+        peak = (plan.get("program") or {}).get("peak_flops_per_s")
+        if not peak:  # no datasheet: the cluster's rate of each rank's kind, each rank once
+            rates = {g["kind"]: float(g["flops_per_s"]) for g in plan.get("cluster", {}).get("group", [])}
+            tp = int(plan.get("tensor_parallel", 1))
+            if all("ranks" in s for s in stages):
+                kinds = list({first + t: s.get("device") for s in stages for first in s["ranks"]
+                              for t in range(tp)}.values())
+            else:  # a hand-written plan without ranks: each stage's device once per replica
+                kinds = [s.get("device") for s in stages] * dp
+            peak = sum(rates[k] for k in kinds) if all(k in rates for k in kinds) else None
+        return (flops if flops > 0 else None), (float(peak) if peak else None)
     except (OSError, KeyError, TypeError, ValueError):
         return None, None
 
@@ -54,6 +68,20 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "host_peak_rss"
+
+
+# the metrics fields a CUDA rank adds beside peak_memory_bytes, in gather order (Note [peak memory per step])
+CUDA_MEMORY_FIELDS = ("peak_memory_reserved_bytes", "device_memory_used_bytes")
+
+
+def memory_row(device: torch.device) -> tuple[list[int], tuple[str, ...], str]:
+    """(this rank's figures, their metrics fields, peak_memory_kind): peak_memory_bytes first."""
+    own, kind = peak_memory_bytes(device)
+    if device.type != "cuda":
+        return [own], ("peak_memory_bytes",), kind
+    more = cuda_memory_figures(device)
+    return [own, more["measured_peak_reserved_bytes"], more["device_used_bytes"]], \
+        ("peak_memory_bytes", *CUDA_MEMORY_FIELDS), kind
 
 
 def eta_text(seconds: float) -> str:
@@ -91,15 +119,16 @@ class StepWatch:
         """The step's extra metrics fields (every rank calls it; the all_gather is collective)."""
         self.times.append(step_time_s)
         self.ends.append(time.perf_counter())
-        own, kind = peak_memory_bytes(self.device)
+        own, fields, kind = memory_row(self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            mine = torch.tensor([own], dtype=torch.int64, device=self.device)
+            mine = torch.tensor(own, dtype=torch.int64, device=self.device)
             gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, mine)
-            per_rank = [int(t.item()) for t in gathered]
+            per_rank = torch.stack(gathered).tolist()  # one sync, not one per rank
         else:
             per_rank = [own]
-        out: dict = {"peak_memory_bytes": per_rank, "peak_memory_kind": kind}
+        out: dict = {field: [row[i] for row in per_rank] for i, field in enumerate(fields)}
+        out["peak_memory_kind"] = kind
         if self.step_flops is not None and step_time_s > 0:
             achieved = self.step_flops / step_time_s
             out.update(model_flops=self.step_flops, achieved_flops_per_s=achieved)

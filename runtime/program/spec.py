@@ -57,6 +57,9 @@ class Program:
     sdc_canary_every: int | None = None  # a compute canary every K steps (0 or None: never); Note [compute canaries]
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
+    peak_flops_per_s: float | None = None  # the datasheet peak of all the world's devices at the policy's
+                                           # dtype, what MFU divides by (Note [model FLOPs and MFU] in
+                                           # runtime/observe/watch.py); None: cpu, or kinds without one
     memory_tier: MemoryTierPlan | None = None
     precision: Precision = Precision.FP32     # Note [mixed precision] in runtime/execute/precision.py
     clip_grad_norm: float | None = None       # clip the global gradient norm to this (Note [global

@@ -348,10 +348,10 @@ class _Stage:
 
 
 def test_stage_times_sum_each_steps_calls_and_take_medians(tmp_path, monkeypatch):
-    from runtime.observe import stage_times
+    from runtime.observe import clock as host_clock, stage_times
 
     clock = iter(range(10_000))
-    monkeypatch.setattr(stage_times.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(host_clock.time, "perf_counter", lambda: float(next(clock)))
     stage = _Stage(0)
     timer = stage_times.StageTimes([stage], [3], num_microbatches=2)
     loss = timer.timed_loss(lambda out, target: 1.0)
@@ -361,7 +361,7 @@ def test_stage_times_sum_each_steps_calls_and_take_medians(tmp_path, monkeypatch
             assert stage.forward_one_chunk(0) == "out"
             loss("out", None)
             stage.backward_one_chunk(0)
-        timer.end_step(schedule_s=10.0, optimizer_s=0.5)
+        timer.end_step(schedule=(0.0, 10.0), optimizer=(10.0, 10.5))
     path = timer.write(str(tmp_path / "run"), rank=1, replica=0)
     body = json.loads(open(path).read())
     assert path.endswith("stage_times_rank_1.json") and body["format"] == stage_times.FORMAT

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.execute.host_copy import host_copies, step_values
 from runtime.resilience.checkpoint.shard import FORMAT
 from runtime.resilience.checkpoint.tp_pieces import piece_entries
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
@@ -69,14 +70,14 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
     next runs. Mutable buffers are copied now, because the next forward updates them while a
     background copy may still be running."""
     tensors: list[tuple[str, torch.Tensor]] = []
-    names, param_steps, tp_pieces = [], {}, {}
+    names, steps, tp_pieces = [], [], {}
     for name, p in trainer.named_parameters().items():
         if writes is not None and name not in writes:
             continue
         names.append(name)
         st = trainer.optimizer.state.get(p, {})
         if "step" in st:
-            param_steps[name] = float(st["step"])
+            steps.append((name, st["step"]))
         span = piece_entries(name, p, st, tensors)  # Note [tensor-parallel pieces]
         if span is not None:
             tp_pieces[name] = span
@@ -85,6 +86,7 @@ def state_entries(trainer, writes: frozenset[str] | None = None) -> tuple[list[t
         for key in ("exp_avg", "exp_avg_sq"):
             if key in st:
                 tensors.append((f"optim/{name}/{key}", local(st[key]).detach()))
+    param_steps = step_values(steps)
     pieces, tp_state = sharded_state_entries(trainer, tensors, param_steps)
     buffers = {n: b for n, b in trainer.named_mutable_buffers().items() if writes is None or n in writes}
     with torch.no_grad():
@@ -136,11 +138,10 @@ class Snapshot:
 
 def snapshot(trainer, writes: frozenset[str] | None = None) -> Snapshot:
     """Copy a RankTrainer's state (only ``writes``, when given) to host memory, keyed by original
-    names."""
+    names (Note [one wait per snapshot])."""
     t0 = time.perf_counter()
     entries, meta = state_entries(trainer, writes)
-    with torch.no_grad():
-        tensors = {name: t.to("cpu", copy=True) for name, t in entries}
+    tensors = host_copies(entries)
     snap = Snapshot(trainer.steps_done, trainer.rank, tensors, meta)
     snap.stall_s = time.perf_counter() - t0
     return snap

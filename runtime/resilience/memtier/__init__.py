@@ -10,6 +10,8 @@ groups.py  hosts of ranks, redundancy groups and mode (``plan_redundancy``), hos
 parity.py  XOR parity: chunks, stripes, a survivor's piece, the rebuild
 slots.py   shared-memory slots, whole or absent, and one rank's set of them (``LocalStore``)
            (Note [memory tier layout])
+staging.py a GPU rank's copy into a slot: its own stream, pinned buffers (Note [memory tier copy
+           on a GPU])
 tier.py    ``MemoryTier`` (snapshots copied in the background, the redundancy exchange, clean-up)
            and ``settings_from`` (Note [memory snapshot])
 handover.py  the survivors' slots of a lost layout as its checkpoint, for a re-planned program

@@ -50,6 +50,7 @@ import torch
 from runtime.resilience.checkpoint.shard import ShardLayout
 from runtime.resilience.checkpoint.state import state_entries
 from runtime.resilience.memtier.groups import Redundancy
+from runtime.resilience.memtier.staging import GpuCopy
 
 FORMAT = "partitioner-memtier/1"
 
@@ -399,6 +400,7 @@ class LocalStore:
         self.held = [Slot(held_dir, f"slot_{k}") for k in range(2)] if held_dir else []
         self.layout: ShardLayout | None = None
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._from_gpu: GpuCopy | None = None  # Note [memory tier copy on a GPU]
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -424,6 +426,11 @@ class LocalStore:
         slot = pick_slot(self.own)
         slot.invalidate()
         layout = self.layout
+        device = next((t.device for _, t in tensors if t.device.type == "cuda"), None)
+        ready = None
+        if device is not None:  # after everything the step wrote: Note [memory tier copy on a GPU]
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
 
         def copy() -> None:
             buf = slot.writable(layout.total_bytes)  # allocated (and populated) on first use
@@ -435,8 +442,12 @@ class LocalStore:
             buf[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
             with torch.no_grad():
                 for name, t in tensors:
-                    if t.numel():
+                    if t.numel() and t.device.type != "cuda":
                         views[name].copy_(t)
+                if device is not None:
+                    self._from_gpu = self._from_gpu or GpuCopy(device)
+                    self._from_gpu.copy([(t, views[name]) for name, t in tensors
+                                         if t.numel() and t.device.type == "cuda"], ready)
 
         return slot, self.layout.total_bytes, copy
 
