@@ -10,7 +10,12 @@ dtypes are the ones autocast produces, found by running the graph once on fake t
 program's device type under that device's autocast (CPU and CUDA autocast keep different op
 lists: CPU's layer_norm and softmax write bf16, CUDA's write fp32). The fake run needs no GPU:
 autocast's CUDA kernels are entered by setting its thread state directly, which torch.autocast
-refuses to do on a machine without CUDA. Sends, receive buffers and the backward's gradients then
+refuses to do on a machine without CUDA (and with ``~t`` run as ``bitwise_not``: the ``__invert__``
+binding opens a CUDA device guard even on a fake tensor, which a torch without CUDA refuses; the
+keyed dropout inverts its mask). The fake run skips export's ``_assert_tensor_metadata`` nodes,
+as the stages do (partitioner/codegen/split.py): they check the trace's example, fp32 on the trace's
+device, and fail on the autocast dtype a cast's input has here (a Mixtral's router logits) and
+on the fake device's index (``cuda`` against ``cuda:0``). Sends, receive buffers and the backward's gradients then
 all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
 already counts: ``Precision.compute_elem_bytes``).
 """
@@ -20,8 +25,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._subclasses import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from passes._fake_run import devices_to, get_module_attr
+from partitioner.codegen.split import DROPPED_TARGETS
 from runtime.execute import randomness
 from runtime.program.parts import Precision
 
@@ -57,6 +64,15 @@ class _AutocastState:
         torch.set_autocast_dtype(self.device_type, self.saved[1])
 
 
+class _InvertWithoutDeviceGuard(TorchFunctionMode):
+    """``~t`` as ``torch.bitwise_not(t)`` (Note [boundaries in the autocast dtype])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__invert__:
+            return torch.bitwise_not(*args)
+        return func(*args, **(kwargs or {}))
+
+
 def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type: str) -> dict[str, str]:
     """Node name -> the dtype of its tensor output under ``precision``'s autocast on
     ``device_type`` ("cpu" or "cuda"); empty under fp32 (every value keeps its traced dtype).
@@ -66,15 +82,16 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
     compute = precision.autocast_dtype
     if compute is None:
         return {}
-    device = torch.device(device_type)
+    # the device fake tensors are made on: "cuda" is cuda:0 (a device named in the graph must match it)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     env: dict[str, object] = {}
     out: dict[str, str] = {}
     # keyed random ops draw from a context (runtime/execute/randomness.py); any one does for a dtype
     context = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
     with FakeTensorMode(allow_non_fake_inputs=True), _AutocastState(device_type, compute), torch.no_grad(), \
-            randomness.restored(context):
+            randomness.restored(context), _InvertWithoutDeviceGuard():
         for node in gm.graph.nodes:
-            if node.op == "output":
+            if node.op == "output" or (node.op == "call_function" and node.target in DROPPED_TARGETS):
                 continue
             if node.op == "placeholder":
                 value = _fake_like(node.meta.get("val"), device)
@@ -87,7 +104,7 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
                 names = ([a.name for a in node.target._schema.arguments]
                          if isinstance(node.target, torch._ops.OpOverload) else [])
                 if "device" in names[len(args):] and "device" not in kwargs:
-                    kwargs["device"] = device  # factories: where the stage runs (`with torch.device`)
+                    kwargs["device"] = device  # Note [tensors a stage makes] in partitioner/codegen/split.py
                 try:
                     value = node.target(*args, **kwargs)
                 except Exception as error:
