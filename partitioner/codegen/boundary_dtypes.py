@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses import FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from passes._fake_run import devices_to, get_module_attr
 from partitioner.codegen.split import DROPPED_TARGETS
@@ -62,6 +63,24 @@ class _AutocastState:
             torch.clear_autocast_cache()
         torch.set_autocast_enabled(self.device_type, self.saved[0])
         torch.set_autocast_dtype(self.device_type, self.saved[1])
+
+
+# Ops CUDA autocast leaves alone (in none of its lists: they run in their input's dtype, cuDNN's
+# batch norm on a bf16 input writes bf16) whose decompositions a torch without CUDA cannot run on
+# fake CUDA tensors (a Python scalar times a tensor opens a CUDA device guard): run on fake CPU
+# tensors outside autocast, which gives the same dtypes.
+_IN_INPUT_DTYPE_ON_CUDA = {torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                           torch.ops.aten._native_batch_norm_legit.default,
+                           torch.ops.aten._native_batch_norm_legit_functional.default,
+                           torch.ops.aten._native_batch_norm_legit_no_training.default}
+
+
+def _on_cpu(target, args, kwargs, device: torch.device):
+    """``target`` run on fake CPU copies of its tensors, its outputs back on ``device``."""
+    cpu = torch.device("cpu")
+    to_cpu = lambda v: _fake_like(v, cpu) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    value = target(*tree_map(to_cpu, devices_to(args, cpu)), **tree_map(to_cpu, devices_to(kwargs, cpu)))
+    return tree_map(lambda v: _fake_like(v, device) if isinstance(v, torch.Tensor) else v, value)
 
 
 class _InvertWithoutDeviceGuard(TorchFunctionMode):
@@ -106,7 +125,10 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
                 if "device" in names[len(args):] and "device" not in kwargs:
                     kwargs["device"] = device  # Note [tensors a stage makes] in partitioner/codegen/split.py
                 try:
-                    value = node.target(*args, **kwargs)
+                    if device.type == "cuda" and node.target in _IN_INPUT_DTYPE_ON_CUDA:
+                        value = _on_cpu(node.target, args, kwargs, device)
+                    else:
+                        value = node.target(*args, **kwargs)
                 except Exception as error:
                     raise ValueError(
                         f"node {node.name!r} ({getattr(node.target, '__name__', node.target)}) could not be run "
