@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from passes._fake_run import devices_to, get_module_attr
-from partitioner.codegen.split import DROPPED_TARGETS
+from partitioner.codegen.split import DROPPED_TARGETS, on_device
 from runtime.execute import randomness
 from runtime.program.parts import Precision
 
@@ -118,12 +118,9 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
                 attr = get_module_attr(gm, node.target)
                 value = _fake_like(attr, device) if isinstance(attr, torch.Tensor) else attr
             elif node.op == "call_function":
-                args = devices_to(fx.node.map_arg(node.args, lambda n: env[n.name]), device)
-                kwargs = devices_to(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
-                names = ([a.name for a in node.target._schema.arguments]
-                         if isinstance(node.target, torch._ops.OpOverload) else [])
-                if "device" in names[len(args):] and "device" not in kwargs:
-                    kwargs["device"] = device  # Note [tensors a stage makes] in partitioner/codegen/split.py
+                # where the stage makes its tensors (Note [tensors a stage makes] in partitioner/codegen/split.py)
+                args, kwargs = on_device(node, fx.node.map_arg(node.args, lambda n: env[n.name]),
+                                         fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
                 try:
                     if device.type == "cuda" and node.target in _IN_INPUT_DTYPE_ON_CUDA:
                         value = _on_cpu(node.target, args, kwargs, device)

@@ -310,7 +310,7 @@ def _needs_device(node: fx.Node) -> bool:
     return _has_device((node.args, node.kwargs)) or _makes_tensor_from_nothing(node)
 
 
-def _replace_devices(value, device: fx.Node):
+def _replace_devices(value, device):
     if isinstance(value, torch.device):
         return device
     if isinstance(value, (list, tuple)):
@@ -320,9 +320,10 @@ def _replace_devices(value, device: fx.Node):
     return value
 
 
-def _on_device(node: fx.Node, args: tuple, kwargs: dict, device: fx.Node) -> tuple[tuple, dict]:
-    """``node``'s arguments with every torch.device the stage's ``device`` node, and that node
-    given to a factory that names none (Note [tensors a stage makes])."""
+def on_device(node: fx.Node, args: tuple, kwargs: dict, device) -> tuple[tuple, dict]:
+    """``node``'s arguments with every torch.device ``device`` (the stage's device node; the fake
+    device of partitioner/codegen/boundary_dtypes.py), and ``device`` given to a factory that names
+    none (Note [tensors a stage makes])."""
     args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
     if _makes_tensor_from_nothing(node):
         target = node.target
@@ -434,7 +435,7 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int,
             new.meta = dict(node.meta)
             new.meta["stack_trace"] = _user_frames(node.meta.get("stack_trace"))
             if device is not None:  # Note [tensors a stage makes]
-                new.args, new.kwargs = _on_device(node, new.args, new.kwargs, device)
+                new.args, new.kwargs = on_device(node, new.args, new.kwargs, device)
             env[node.name] = new
         if index == num_stages - 1:
             result = fx.node.map_arg(output_node.args[0], lambda n: env[n.name])
