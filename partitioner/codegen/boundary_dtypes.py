@@ -13,10 +13,10 @@ autocast's CUDA kernels are entered by setting its thread state directly, which 
 refuses to do on a machine without CUDA (and with ``~t`` run as ``bitwise_not``: the ``__invert__``
 binding opens a CUDA device guard even on a fake tensor, which a torch without CUDA refuses; the
 keyed dropout inverts its mask). The fake run skips export's ``_assert_tensor_metadata`` nodes,
-as the stages do (partitioner/codegen/split.py): they check the trace's example, fp32 on the trace's
-device, and fail on the autocast dtype a cast's input has here (a Mixtral's router logits) and
-on the fake device's index (``cuda`` against ``cuda:0``). Sends, receive buffers and the backward's gradients then
-all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
+as the stages do (partitioner/codegen/split.py): they check the trace's example, fp32 on the
+trace's device, and fail on the autocast dtype a cast's input has here (a Mixtral's router
+logits) and on the fake device's index (``cuda`` against ``cuda:0``). Sends, receive buffers and
+the backward's gradients then all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
 already counts: ``Precision.compute_elem_bytes``).
 """
 
@@ -78,9 +78,8 @@ _IN_INPUT_DTYPE_ON_CUDA = {torch.ops.aten.batch_norm.default, torch.ops.aten.nat
 def _on_cpu(target, args, kwargs, device: torch.device):
     """``target`` run on fake CPU copies of its tensors, its outputs back on ``device``."""
     cpu = torch.device("cpu")
-    to_cpu = lambda v: _fake_like(v, cpu) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    value = target(*tree_map(to_cpu, devices_to(args, cpu)), **tree_map(to_cpu, devices_to(kwargs, cpu)))
-    return tree_map(lambda v: _fake_like(v, device) if isinstance(v, torch.Tensor) else v, value)
+    args, kwargs = tree_map(lambda v: _fake_like(v, cpu), devices_to((args, kwargs), cpu))
+    return tree_map(lambda v: _fake_like(v, device), target(*args, **kwargs))
 
 
 class _InvertWithoutDeviceGuard(TorchFunctionMode):
