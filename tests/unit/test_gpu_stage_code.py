@@ -14,6 +14,7 @@ model, tiny configs.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,7 @@ def factories_workload():
                             "loss_fn": ("runtime.data.synthetic:mse_loss", {})})
 
 
+OWN_MODEL = Path(__file__).resolve().parents[1] / "own_model"
 # name -> (workload maker given a scratch folder, compile options)
 _TINY = dict(width=32, vocab=64, seq=16)
 MODELS = {
@@ -150,6 +152,8 @@ MODELS = {
     "hf-falcon": (lambda root: load_workload(f"hf:{_hf_config(root, 'falcon')},seq=8"), {}),
     "hf-resnet": (lambda root: load_workload(f"hf:{_hf_config(root, 'resnet')},image=16"), {}),
     "hf-mixtral": (lambda root: load_workload(f"hf:{_hf_config(root, 'mixtral')},seq=8"), {}),
+    # keyword inputs with an attention mask, the loss computed by the model from its labels
+    "hf-labels": (lambda root: load_workload(f"{OWN_MODEL / 'hf_labels_model.py'}:build"), {}),
 }
 
 
