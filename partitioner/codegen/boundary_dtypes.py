@@ -10,8 +10,13 @@ dtypes are the ones autocast produces, found by running the graph once on fake t
 program's device type under that device's autocast (CPU and CUDA autocast keep different op
 lists: CPU's layer_norm and softmax write bf16, CUDA's write fp32). The fake run needs no GPU:
 autocast's CUDA kernels are entered by setting its thread state directly, which torch.autocast
-refuses to do on a machine without CUDA. Sends, receive buffers and the backward's gradients then
-all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
+refuses to do on a machine without CUDA (and with ``~t`` run as ``bitwise_not``: the ``__invert__``
+binding opens a CUDA device guard even on a fake tensor, which a torch without CUDA refuses; the
+keyed dropout inverts its mask). The fake run skips export's ``_assert_tensor_metadata`` nodes,
+as the stages do (partitioner/codegen/split.py): they check the trace's example, fp32 on the
+trace's device, and fail on the autocast dtype a cast's input has here (a Mixtral's router
+logits) and on the fake device's index (``cuda`` against ``cuda:0``). Sends, receive buffers and
+the backward's gradients then all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
 already counts: ``Precision.compute_elem_bytes``).
 """
 
@@ -20,8 +25,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._subclasses import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from passes._fake_run import devices_to, get_module_attr
+from partitioner.codegen.split import DROPPED_TARGETS, on_device
 from runtime.execute import randomness
 from runtime.program.parts import Precision
 
@@ -57,6 +65,32 @@ class _AutocastState:
         torch.set_autocast_dtype(self.device_type, self.saved[1])
 
 
+# Ops CUDA autocast leaves alone (in none of its lists: they run in their input's dtype, cuDNN's
+# batch norm on a bf16 input writes bf16) whose decompositions a torch without CUDA cannot run on
+# fake CUDA tensors (a Python scalar times a tensor opens a CUDA device guard): run on fake CPU
+# tensors outside autocast, which gives the same dtypes.
+_IN_INPUT_DTYPE_ON_CUDA = {torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                           torch.ops.aten._native_batch_norm_legit.default,
+                           torch.ops.aten._native_batch_norm_legit_functional.default,
+                           torch.ops.aten._native_batch_norm_legit_no_training.default}
+
+
+def _on_cpu(target, args, kwargs, device: torch.device):
+    """``target`` run on fake CPU copies of its tensors, its outputs back on ``device``."""
+    cpu = torch.device("cpu")
+    args, kwargs = tree_map(lambda v: _fake_like(v, cpu), devices_to((args, kwargs), cpu))
+    return tree_map(lambda v: _fake_like(v, device), target(*args, **kwargs))
+
+
+class _InvertWithoutDeviceGuard(TorchFunctionMode):
+    """``~t`` as ``torch.bitwise_not(t)`` (Note [boundaries in the autocast dtype])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__invert__:
+            return torch.bitwise_not(*args)
+        return func(*args, **(kwargs or {}))
+
+
 def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type: str) -> dict[str, str]:
     """Node name -> the dtype of its tensor output under ``precision``'s autocast on
     ``device_type`` ("cpu" or "cuda"); empty under fp32 (every value keeps its traced dtype).
@@ -66,15 +100,16 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
     compute = precision.autocast_dtype
     if compute is None:
         return {}
-    device = torch.device(device_type)
+    # the device fake tensors are made on: "cuda" is cuda:0 (a device named in the graph must match it)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     env: dict[str, object] = {}
     out: dict[str, str] = {}
     # keyed random ops draw from a context (runtime/execute/randomness.py); any one does for a dtype
     context = randomness.Context(seed=0, step=0, first_sample=0, microbatch=0)
     with FakeTensorMode(allow_non_fake_inputs=True), _AutocastState(device_type, compute), torch.no_grad(), \
-            randomness.restored(context):
+            randomness.restored(context), _InvertWithoutDeviceGuard():
         for node in gm.graph.nodes:
-            if node.op == "output":
+            if node.op == "output" or (node.op == "call_function" and node.target in DROPPED_TARGETS):
                 continue
             if node.op == "placeholder":
                 value = _fake_like(node.meta.get("val"), device)
@@ -82,14 +117,14 @@ def autocast_dtypes(gm: fx.GraphModule, precision: Precision | str, device_type:
                 attr = get_module_attr(gm, node.target)
                 value = _fake_like(attr, device) if isinstance(attr, torch.Tensor) else attr
             elif node.op == "call_function":
-                args = devices_to(fx.node.map_arg(node.args, lambda n: env[n.name]), device)
-                kwargs = devices_to(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
-                names = ([a.name for a in node.target._schema.arguments]
-                         if isinstance(node.target, torch._ops.OpOverload) else [])
-                if "device" in names[len(args):] and "device" not in kwargs:
-                    kwargs["device"] = device  # factories: where the stage runs (`with torch.device`)
+                # where the stage makes its tensors (Note [tensors a stage makes] in partitioner/codegen/split.py)
+                args, kwargs = on_device(node, fx.node.map_arg(node.args, lambda n: env[n.name]),
+                                         fx.node.map_arg(node.kwargs, lambda n: env[n.name]), device)
                 try:
-                    value = node.target(*args, **kwargs)
+                    if device.type == "cuda" and node.target in _IN_INPUT_DTYPE_ON_CUDA:
+                        value = _on_cpu(node.target, args, kwargs, device)
+                    else:
+                        value = node.target(*args, **kwargs)
                 except Exception as error:
                     raise ValueError(
                         f"node {node.name!r} ({getattr(node.target, '__name__', node.target)}) could not be run "

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from passes import ir
+from partitioner.codegen.split import is_stage_device
 from runtime.execute.recompute import checkpointed
 
 
@@ -57,8 +58,14 @@ def _is_send_copy(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target == "contiguous" and all(u.op == "output" for u in node.users)
 
 
+def _own_device(node: fx.Node) -> bool:
+    """The stage's ``device`` node when it reads a parameter or buffer, which a region's method reads
+    itself (else it is an input of the method, as any value from outside)."""
+    return is_stage_device(node) and node.args[0].op == "get_attr"
+
+
 def _region_of(node: fx.Node) -> str | None:
-    if node.op not in ("call_function", "call_method", "call_module") or _is_send_copy(node):
+    if node.op not in ("call_function", "call_method", "call_module") or _is_send_copy(node) or is_stage_device(node):
         return None
     return ir.get(node, ir.REGION).name
 
@@ -69,7 +76,7 @@ def _runs(gm: fx.GraphModule, recomputed: set[str]) -> list[list[fx.Node]]:
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr" or is_stage_device(node):
             continue
         region = _region_of(node)
         if current and region != _region_of(current[0]):
@@ -121,7 +128,7 @@ def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[Checkpo
             continue  # emitted with the first node of its run
         members = set(run)
         inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes
-                                    if a not in members and a.op != "get_attr"))
+                                    if a not in members and a.op != "get_attr" and not _own_device(a)))
         outputs = [n for n in run if any(u not in members for u in n.users)]
         region = _region_of(run[0])
         name = _method_name(region, taken)
@@ -141,9 +148,9 @@ def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[Checkpo
                 env[out] = item
         result.append(CheckpointedRun(name, region, body, [a.name for a in inputs], [o.name for o in outputs],
                                       sum(_nbytes(a) for a in inputs)))
-    # Parameters now read only inside a run's method are no longer the forward's business.
+    # Parameters (and the device) now read only inside a run's method are no longer the forward's business.
     for node in reversed(list(graph.nodes)):
-        if node.op == "get_attr" and not node.users:
+        if (node.op == "get_attr" or is_stage_device(node)) and not node.users:
             graph.erase_node(node)
     graph.lint()
     gm.graph = graph
@@ -159,9 +166,15 @@ def _run_graph(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
         env[node].meta = dict(node.meta)
     for node in run:
         for arg in node.all_input_nodes:
-            if arg.op == "get_attr" and arg not in env:
-                env[arg] = graph.get_attr(arg.target)
-                env[arg].meta = dict(arg.meta)
+            for state in [arg.args[0], arg] if _own_device(arg) else [arg]:
+                if state.op == "get_attr" and state not in env:
+                    env[state] = graph.get_attr(state.target)
+                    env[state].meta = dict(state.meta)
+    for node in run:  # the method reads the device itself (Note [tensors a stage makes] in partitioner/codegen/split.py)
+        for arg in node.all_input_nodes:
+            if _own_device(arg) and arg not in env:
+                env[arg] = graph.node_copy(arg, lambda n: env[n])
+                env[arg].meta = {}
     for node in run:
         env[node] = graph.node_copy(node, lambda n: env[n])
         env[node].meta = dict(node.meta)

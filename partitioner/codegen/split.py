@@ -35,11 +35,29 @@ keeps its graph name, as the model's inputs do. Names follow the graph alone, in
 they are the same for every plan of the model and in every program folder; a second value with the
 same name gets FX's suffix (``_1``). The stage files (INPUTS, OUTPUTS, the code), plan.json's
 program and the plan's cut edges say the same name; node names inside a stage stay the trace's.
+
+Note [tensors a stage makes]: the trace ran on the CPU or the meta device, so every device its
+graph names (``arange(16, device=cpu)``, ``zeros(..., device=meta)``, hf-llama's positional
+``aten.to.device(inv_freq, torch.device('cpu'), ...)``) is the trace's, not the rank's. A stage
+therefore makes its tensors where its own state lives: its graph opens with one node
+``device = self.<first parameter>.device`` (its first buffer, else its first input, when it holds
+none), and every torch.device argument, positional or keyword, becomes that node, as does the
+missing device of a call that makes a tensor from no tensor (a factory, a keyed ``randomness.rand``:
+left out, torch would use its default device, the CPU). Reading the device from the stage's state
+rather than running stages under ``with torch.device(...)`` costs one attribute read per forward
+instead of a TorchFunctionMode on every op (on a GPU the eager step is launch-bound), holds for
+any device the module is moved to (the verify oracle's, a test's ``meta``), and on a
+tensor-parallel stage (a DTensor parameter's device is its shard's) gives DTensor's implicit
+replication device tensors (Note [tensor-parallel stages] in runtime/parallel/tensor_parallel.py).
+A recomputed region's method reads the device the same way (partitioner/codegen/recompute.py).
+tests/unit/test_gpu_stage_code.py runs the stages of GPU-kind compiles on ``meta`` and fails on any
+tensor made elsewhere.
 """
 
 from __future__ import annotations
 
 import builtins
+import inspect
 import keyword
 import operator
 import os
@@ -52,7 +70,7 @@ import torch.fx as fx
 from passes import ir
 
 # Export's asserts check one example's metadata (device included); they do nothing for training.
-_DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
+DROPPED_TARGETS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 @dataclass(frozen=True)
@@ -253,6 +271,85 @@ def boundary_names(gm: fx.GraphModule) -> dict[str, str]:
     return names
 
 
+def is_stage_device(node: fx.Node) -> bool:
+    """Whether ``node`` is a stage's ``device = <its state>.device`` (Note [tensors a stage makes])."""
+    return (node.op == "call_function" and node.target is builtins.getattr and len(node.args) == 2
+            and node.args[1] == "device")
+
+
+def _makes_tensor_from_nothing(node: fx.Node) -> bool:
+    """A call that takes a ``device`` and reads no tensor (``arange``, ``zeros``, ``full``,
+    ``scalar_tensor``, keyed ``randomness.rand``): without a device it would make its tensor on
+    torch's default device."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        names = [a.name for a in target._schema.arguments]
+    else:
+        try:
+            names = list(inspect.signature(target).parameters)
+        except (TypeError, ValueError):
+            return False
+    if "device" not in names:
+        return False
+    return not any(a.op == "get_attr" or isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
+
+
+def _has_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_device(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_device(v) for v in value.values())
+    return False
+
+
+def _needs_device(node: fx.Node) -> bool:
+    return _has_device((node.args, node.kwargs)) or _makes_tensor_from_nothing(node)
+
+
+def _replace_devices(value, device):
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_devices(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _replace_devices(v, device) for k, v in value.items()}
+    return value
+
+
+def on_device(node: fx.Node, args: tuple, kwargs: dict, device) -> tuple[tuple, dict]:
+    """``node``'s arguments with every torch.device ``device`` (the stage's device node; the fake
+    device of partitioner/codegen/boundary_dtypes.py), and ``device`` given to a factory that names
+    none (Note [tensors a stage makes])."""
+    args, kwargs = _replace_devices(args, device), _replace_devices(kwargs, device)
+    if _makes_tensor_from_nothing(node):
+        target = node.target
+        names = ([a.name for a in target._schema.arguments] if isinstance(target, torch._ops.OpOverload)
+                 else list(inspect.signature(target).parameters))
+        if names.index("device") >= len(args) and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": device}
+    return args, kwargs
+
+
+def _device_node(graph: fx.Graph, env: dict[str, fx.Node], state: list[str], inputs: list[fx.Node],
+                 nodes: list[fx.Node]) -> fx.Node | None:
+    """The stage's ``device`` node, read from its first parameter or buffer, else its first input;
+    None when no node of the stage makes a tensor or names a device (Note [tensors a stage makes])."""
+    if not any(_needs_device(n) for n in nodes):
+        return None
+    attrs = {n.target: n for n in env.values() if n.op == "get_attr"}
+    source = attrs[state[0]] if state else env[inputs[0].name] if inputs else None
+    if source is None:
+        raise ValueError(f"a stage makes tensors ({next(n.name for n in nodes if _needs_device(n))}) but holds no "
+                         "state and takes no input to read its device from: merge it with a neighbouring stage")
+    device = graph.create_node("call_function", builtins.getattr, (source, "device"), name="device")
+    device.meta = {}
+    return device
+
+
 def normalize_stages(gm: fx.GraphModule, node_stage: dict[str, int]) -> dict[str, int]:
     """Put a tuple's ``getitem`` with its producer and parameters with their first reader.
 
@@ -273,7 +370,7 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int,
     check_mutable_buffers(gm, node_stage)
     mutated = mutated_buffers(gm)
     node_stage = normalize_stages(gm, node_stage)
-    nodes = [n for n in gm.graph.nodes if not (n.op == "call_function" and n.target in _DROPPED_TARGETS)]
+    nodes = [n for n in gm.graph.nodes if not (n.op == "call_function" and n.target in DROPPED_TARGETS)]
     compute = [n for n in nodes if n.op in ("placeholder", "call_function", "call_method", "call_module")]
     output_node = next(n for n in nodes if n.op == "output")
 
@@ -330,16 +427,15 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int,
                     env[arg.name] = graph.get_attr(arg.target)
                     env[arg.name].meta = dict(arg.meta)
                     (params if _is_trained(gm, arg.target) else buffers).append(arg.target)
+        device = _device_node(graph, env, params + buffers, inputs, mine)
         for node in mine:
             new = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, lambda n: env[n.name]),
                                     fx.node.map_arg(node.kwargs, lambda n: env[n.name]), name_of(node), node.type)
             assert new.name == name_of(node), (new.name, name_of(node))
             new.meta = dict(node.meta)
             new.meta["stack_trace"] = _user_frames(node.meta.get("stack_trace"))
-            if "device" in new.kwargs:
-                # The trace may have run on the meta device; the runtime runs stages under
-                # `with torch.device(device)`, so factory calls land where the stage lives.
-                new.kwargs = {k: v for k, v in new.kwargs.items() if k != "device"}
+            if device is not None:  # Note [tensors a stage makes]
+                new.args, new.kwargs = on_device(node, new.args, new.kwargs, device)
             env[node.name] = new
         if index == num_stages - 1:
             result = fx.node.map_arg(output_node.args[0], lambda n: env[n.name])

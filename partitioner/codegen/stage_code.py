@@ -54,7 +54,7 @@ from torch.fx.node import _get_qualified_name
 
 from passes import ir
 from partitioner.codegen.recompute import MethodRef
-from partitioner.codegen.split import StageGraph
+from partitioner.codegen.split import StageGraph, is_stage_device
 from partitioner.inspect.units import human_bytes
 from partitioner.solver.plan import Plan
 from runtime.program.schedules import schedule_named
@@ -280,7 +280,8 @@ def _frees_at_region_ends(statements: list[fx.Node], unpacked_by: dict, output: 
     for item, producer in unpacked_by.items():
         items_of.setdefault(producer, []).append(item)
     # A tuple unpacked in its statement is never bound itself: its items are.
-    bound = [item for node in statements for item in (items_of[node] if node in items_of else [node])]
+    bound = [item for node in statements for item in (items_of[node] if node in items_of else [node])
+             if not is_stage_device(item)]  # a torch.device, read to the end: no tensor to free
     position = {node: i for i, node in enumerate(statements)}
     position.update({item: position[p] for item, p in unpacked_by.items()})
     last_read = {}
@@ -333,8 +334,8 @@ class _Emitter:
                 expr[node] = node.name
             elif node.op == "get_attr":
                 expr[node] = _attribute("self", node.target)
-            elif node.op != "output":
-                expr[node] = node.name
+            elif node.op != "output":  # FX calls the device node device_1 (its own code's global is `device`)
+                expr[node] = "device" if is_stage_device(node) else node.name
         lines = [f"def {name}(self{''.join(', ' + n.name for n in placeholders)}):"]
         lines += ["    " + line for line in doc]
         for node in placeholders:
@@ -398,7 +399,7 @@ class _Emitter:
             target = ", ".join(item.name if item is not None else "_" for item in items)
             target += "," if len(items) == 1 else ""
         else:
-            target = node.name
+            target = expr[node]
         return f"    {target} = {self._call(node, expr)}"
 
     def _location(self, node: fx.Node) -> tuple[str, str] | None:
@@ -414,6 +415,8 @@ class _Emitter:
         if first.op == "call_function" and first.target is checkpointed:
             run = first.args[0]
             return f"region {ir.get(first, ir.REGION).name}: recomputed in backward; its forward is {run.name} below"
+        if is_stage_device(first):
+            return "the tensors made below go where this stage runs (Note [tensors a stage makes] in partitioner/codegen/split.py)"
         module = _common_module([_module_path(n) for n in nodes])
         if location is None:
             return module
@@ -428,6 +431,8 @@ class _Emitter:
         if node.op == "call_module":
             return f"{_attribute('self', node.target)}({', '.join(args)})"
         target = node.target
+        if target is builtins.getattr and len(args) == 2 and str(node.args[1]).isidentifier():
+            return f"{args[0]}.{node.args[1]}"
         if getattr(target, "__module__", None) == "_operator" and target.__name__ in magic_methods and not node.kwargs:
             return magic_methods[target.__name__].format(*args)
         return f"{self._callee(target)}({', '.join(args)})"

@@ -278,7 +278,8 @@ def bernoulli(x: torch.Tensor, p: float | None = None, *, op: str, batch_dim: in
 
 
 def rand(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-    """``aten.rand``: U[0, 1) of ``size`` (on the default device: stages run under their device)."""
+    """``aten.rand``: U[0, 1) of ``size`` on ``device`` (a stage passes its own: Note [tensors a stage
+    makes] in partitioner/codegen/split.py)."""
     out = _fill(size, op=op, batch_dim=batch_dim, device=device, dtype=torch.float32, normal=False)
     return out.to(dtype or torch.get_default_dtype())
 

@@ -19,8 +19,9 @@ same as without tensor parallelism. Inside a stage:
   backward (at the stage's input, ``from_local``'s backward), the vocab-split lookup's masked
   all-reduce, and the all-gather of vocab-split logits (``full_tensor`` at the stage's output);
 - the stage's inputs enter as ``Replicate`` DTensors and its outputs leave as plain whole tensors;
-  plain tensors the code makes itself (an ``arange``, a keyed dropout mask) are replicated by
-  ``implicit_replication``: a keyed mask is drawn whole on every rank from the same keys as the
+  plain tensors the code makes itself (an ``arange``, a keyed dropout mask) are made on the
+  device of the stage's parameters, the mesh's (Note [tensors a stage makes] in
+  partitioner/codegen/split.py), and replicated by ``implicit_replication``: a keyed mask is drawn whole on every rank from the same keys as the
   oracle's (Note [randomness keyed by meaning]), and DTensor slices it to the local shard, so a
   sharded activation drops the same global elements as in the one-process run, and a replicated
   one the same on every tensor rank.

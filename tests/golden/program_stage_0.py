@@ -38,8 +38,11 @@ class Stage0(torch.nn.Module):
     def forward(self, tokens):
         # tokens: i64[2, 16], the model's input
 
+        # the tensors made below go where this stage runs (Note [tensors a stage makes] in partitioner/codegen/split.py)
+        device = self.tok_emb.weight.device
+
         # partitioner/models/builtin.py:101: positions = torch.arange(tokens.shape[1], device=tokens.device)
-        arange = torch.ops.aten.arange.default(16, pin_memory=False)
+        arange = torch.ops.aten.arange.default(16, device=device, pin_memory=False)
 
         # partitioner/models/builtin.py:102: x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         embedding = torch.ops.aten.embedding.default(self.tok_emb.weight, tokens)
