@@ -28,7 +28,7 @@ import torch
 from runtime.program.spec import Program
 from runtime.program.parts import Precision
 from runtime.launch.agent_output import with_one_line_box
-from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
+from runtime.launch.torchrun import hosted_store, rank_threads, run_env, run_tree, torchrun_command
 from runtime.program.user_code import resolve_callable
 from partitioner.solver.plan import Plan
 from runtime.program.spec import load_plan, load_program
@@ -204,9 +204,9 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
     from runtime.execute.reference import (computing_as_the_ranks, oracle_device, train_reference,
                                            train_reference_from_folder)
 
-    device = oracle_device(program.device, str(folder))
+    device, threads = oracle_device(program.device, str(folder)), rank_threads()
     if workload is None:
-        losses, state, _ = train_reference_from_folder(str(folder), steps, grad_norms=grad_norms)
+        losses, state, _ = train_reference_from_folder(str(folder), steps, threads=threads, grad_norms=grad_norms)
         return losses, {n: t.cpu() for n, t in state.items()}, "stage chain"
     if workload.model.parameters().__next__().device.type == "meta":
         raise ValueError("the workload's model is on the meta device: verify needs real weights; "
@@ -221,7 +221,7 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
         model = _retarget(model, device)
         oracle = "unpartitioned traced graph (keyed randomness)"
     data = program.data
-    with computing_as_the_ranks(device, program.precision):
+    with computing_as_the_ranks(device, program.precision, threads):
         losses, state, _ = train_reference(
             model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
             program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
@@ -238,7 +238,8 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
     # lazy: loads safetensors
     from runtime.execute.reference import oracle_device
 
-    oracle_device(program.device, str(folder))  # nor is a CUDA program where its oracle cannot run
+    oracle_device(program.device, str(folder))  # nor a CUDA program where its oracle cannot run,
+    rank_threads()  # nor a thread count the oracle cannot match
     if workload is None and plan.training.model_spec:
 
         workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained, data=plan.training.data)

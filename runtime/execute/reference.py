@@ -12,22 +12,22 @@ replica's microbatches left them (Note [buffers across replicas] in runtime/exec
 
 Note [the oracle computes as the ranks do]: verify holds the program to the oracle within a few
 rounding steps, so the oracle runs the ranks' kernels, not merely the same math. Three things pick
-kernels besides the ops: (1) the thread count: a CPU convolution's weight gradient and every
+kernels besides the ops. (1) The thread count: a CPU convolution's weight gradient and every
 reduction large enough to be split sum in another order with another number of intra-op threads.
 Rounding noise alone stays far inside the bounds, but a BatchNorm over few values (a ResNet's last
 layer at 1x1 pixels, two samples per microbatch) and Adam's normalised steps amplify it step after
 step: a tiny ResNet-18 at lr 1e-2 ends 6 steps 4e-4 apart in the loss (bound 1e-5) with the oracle
 at 2 threads and the ranks at 1, and bit-identical with both at 1. The ranks compute with
 ``rank_threads()`` threads (OMP_NUM_THREADS, one unless the caller set it:
-runtime/launch/torchrun.py), so the oracle sets as many for its run and restores the caller's
-after. In this process, not a subprocess: set_num_threads is all it takes. (2) The device type: a
-program for a GPU kind runs on CUDA, where autocast casts other ops than on the CPU (layer_norm,
-softmax, exp in fp32 on CUDA, bf16 on the CPU), convolutions pick cuDNN's algorithms and keyed
-masks come from the device's generator (runtime/execute/randomness.py): its oracle runs on CUDA
-too (``oracle_device``; on one GPU, the one the ranks used, after they exit), and a machine without
-CUDA refuses to verify it rather than compare it with a CPU run. (3) The device's numerics
-settings (TF32, deterministic algorithms): set in one place, ``_device_numerics``, as the ranks
-set them.
+runtime/launch/torchrun.py, which this room may not import), so verify passes that count and the
+oracle sets it for its run and restores the caller's after: in this process, not a subprocess,
+since set_num_threads is all it takes. (2) The device type: a program for a GPU kind runs on
+CUDA, where autocast casts other ops than on the CPU (layer_norm, softmax, exp in fp32 on CUDA,
+bf16 on the CPU), convolutions pick cuDNN's algorithms and keyed masks come from the device's
+generator (runtime/execute/randomness.py): its oracle runs on CUDA too (``oracle_device``; on one
+GPU, the one the ranks used, after they exit), and a machine without CUDA refuses to verify it
+rather than compare it with a CPU run. (3) The device's numerics settings (TF32, deterministic
+algorithms): set in one place, ``_device_numerics``, as the ranks set them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from runtime.execute.train import make_optimizer, microbatch_seed, seed_host_gen
 from runtime.program.user_code import resolve_callable
 from runtime.program.spec import load_program
 from runtime.execute.stage import build_stage
-from runtime.launch.torchrun import rank_threads
 
 
 class OracleDeviceError(RuntimeError):
@@ -86,12 +85,12 @@ def _device_numerics(device: torch.device, precision: Precision):
 @contextlib.contextmanager
 def computing_as_the_ranks(device: torch.device | str, precision: Precision | str = Precision.FP32,
                            threads: int | None = None):
-    """``with computing_as_the_ranks(device, precision):`` the oracle's run with the ranks' thread
-    count (``threads``, default ``rank_threads()``) and ``device``'s numerics settings; the
-    caller's are restored after (Note [the oracle computes as the ranks do])."""
-    threads = rank_threads() if threads is None else threads
+    """``with computing_as_the_ranks(device, precision, threads):`` the oracle's run with the ranks'
+    thread count (``threads``: ``runtime.launch.torchrun.rank_threads()`` for ranks it launched;
+    None leaves this process's) and ``device``'s numerics settings; the caller's are restored
+    after (Note [the oracle computes as the ranks do])."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(before if threads is None else threads)
     try:
         with _device_numerics(torch.device(device), Precision.of(precision)):
             yield
@@ -265,7 +264,7 @@ def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: in
                                 threads: int | None = None, **kwargs):
     """The oracle of a program folder: its stage modules chained in one process, with the
     program's data, loss, optimizer and seed (what ``partitioner verify`` compares against), on the
-    program's device type with the ranks' ``threads`` (default ``rank_threads()``; Note [the oracle
+    program's device type with the ranks' ``threads`` (None: this process's; Note [the oracle
     computes as the ranks do]). The final state is on that device."""
     program = load_program(folder)
     device = oracle_device(program.device, folder)
