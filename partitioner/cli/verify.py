@@ -181,7 +181,8 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def _retarget(graph_module: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
     """``graph_module`` with the device its trace baked into factory ops (``aten.arange(...,
-    device=cpu)``: traced here, on the CPU) replaced by ``device``, where the oracle trains."""
+    device=cpu)``: traced here, on the CPU) replaced by ``device``, where the oracle trains; ops
+    that name no device get it from the oracle's default device (``train_reference``)."""
     if device.type == "cpu":
         return graph_module
 
@@ -189,8 +190,8 @@ def _retarget(graph_module: torch.fx.GraphModule, device: torch.device) -> torch
         return device if isinstance(value, torch.device) and value.type == "cpu" else value
 
     for node in graph_module.graph.nodes:
-        node.args = tuple(moved(a) for a in node.args)
-        node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+        node.args = torch.fx.node.map_aggregate(node.args, moved)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, moved)
     graph_module.recompile()
     return graph_module
 

@@ -208,6 +208,7 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         device = unique[0].device if unique else torch.device("cpu")
     device = torch.device(device)
     device_type = device.type
+    default_device = contextlib.nullcontext() if device_type == "cpu" else device
     losses = []
     for step in range(steps):
         args, target = make_batch(step, global_batch)
@@ -221,7 +222,9 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         for i in range(num_microbatches):
             randomness.set_context(seed=seed, step=step, microbatch=i,
                                    first_sample=i * (global_batch // num_microbatches))
-            with autocast(precision, device_type):
+            # Factories that name no device (a keyed rand, user code) make their tensors on the
+            # oracle's, as stage code does on a rank's (Note [the oracle computes as the ranks do]).
+            with autocast(precision, device_type), default_device:
                 out = forward(step, i, seed, *(c[i] for c in arg_chunks))
                 loss = loss_fn(out, target_chunks[i])
             (loss.float() * scaler.scale if scaler.enabled else loss).backward()
@@ -261,13 +264,14 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
 
 
 def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None,
-                                threads: int | None = None, **kwargs):
+                                threads: int | None = None, device: torch.device | str | None = None, **kwargs):
     """The oracle of a program folder: its stage modules chained in one process, with the
     program's data, loss, optimizer and seed (what ``partitioner verify`` compares against), on the
     program's device type with the ranks' ``threads`` (None: this process's; Note [the oracle
-    computes as the ranks do]). The final state is on that device."""
+    computes as the ranks do]). ``device``: another device to train on (a check comparing a CUDA
+    program with the CPU oracle verify used to run). The final state is on the device it trained on."""
     program = load_program(folder)
-    device = oracle_device(program.device, folder)
+    device = oracle_device(program.device, folder) if device is None else torch.device(device)
     with computing_as_the_ranks(device, program.precision, threads):
         stages = [build_stage(folder, k, device) for k in range(program.num_stages)]
         for k, stage in enumerate(stages):  # the boundary casts the runtime does (Note [mixed precision])

@@ -75,3 +75,21 @@ def test_a_keyed_graph_traced_here_trains_on_the_oracles_device():
     assert _retarget(graph, torch.device("cpu")) is graph and devices(graph) == {"cpu"}
     moved = _retarget(graph, torch.device("meta"))  # stands for cuda, which this machine may lack
     assert devices(moved) == {"meta"} and "device(type='meta')" in moved.code
+
+
+def test_the_stage_chain_trains_where_it_is_asked_to_and_as_the_program_says_by_default(tmp_path):
+    import partitioner
+    from _bn_workload import workload
+    from partitioner.config.cluster import ClusterSpec
+    from runtime.execute.reference import train_reference_from_folder
+
+    partitioner.compile(workload(), cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8).save(tmp_path / "out")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one, state, _ = train_reference_from_folder(str(tmp_path / "out"), 2, threads=1)
+        assert torch.get_num_threads() == 2
+        again, _, _ = train_reference_from_folder(str(tmp_path / "out"), 2, threads=1, device="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert one == again and {t.device.type for t in state.values()} == {"cpu"}
