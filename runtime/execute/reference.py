@@ -53,13 +53,13 @@ class OracleDeviceError(RuntimeError):
     """The oracle cannot run on the program's device type here (Note [the oracle computes as the ranks do])."""
 
 
-def oracle_device(device_type: str, folder: str = "the program") -> torch.device:
+def oracle_device(device_type: str, folder: str = "") -> torch.device:
     """Where the oracle of a program on ``device_type`` ("cpu" or "cuda") trains: the same device
     type (Note [the oracle computes as the ranks do]); a CUDA program on a machine without CUDA is refused."""
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise OracleDeviceError(
-                f"{folder} runs on cuda and its oracle must too (other autocast op lists, kernels and dropout "
+                f"the program{' in ' + folder if folder else ''} runs on cuda and its oracle must too (other autocast op lists, kernels and dropout "
                 "masks on a CPU), but this machine has no CUDA device: verify on a machine with a GPU, or "
                 "compile for --device cpu to verify here")
         return torch.device("cuda")  # the current one, chosen when the oracle makes its first tensor
