@@ -10,6 +10,9 @@ Which oracle: a model without random ops is trained as the user's module itself.
 random ops (dropout, attention dropout) is trained as its whole traced graph with those ops keyed
 exactly as in the stage files (Note [randomness keyed by meaning] in runtime/execute/randomness.py): the
 user's module would draw its masks from torch's global generator, which no partition reproduces.
+Either way the oracle computes as the ranks do: on the program's device type (a program for a GPU
+kind on CUDA, refused where there is none), with the ranks' thread count and numerics settings
+(Note [the oracle computes as the ranks do] in runtime/execute/reference.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from runtime.program.spec import Program
 from runtime.program.parts import Precision
 from runtime.launch.agent_output import with_one_line_box
-from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
+from runtime.launch.torchrun import hosted_store, rank_threads, run_env, run_tree, torchrun_command
 from runtime.program.user_code import resolve_callable
 from partitioner.solver.plan import Plan
 from runtime.program.spec import load_plan, load_program
@@ -176,15 +179,36 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
     return _read_finals(run_dir, "buffers_rank_*.safetensors")[0]
 
 
+def _retarget(graph_module: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """``graph_module`` with the device its trace baked into factory ops (``aten.arange(...,
+    device=cpu)``: traced here, on the CPU) replaced by ``device``, where the oracle trains; ops
+    that name no device get it from the oracle's default device (``train_reference``)."""
+    if device.type == "cpu":
+        return graph_module
+
+    def moved(value):
+        return device if isinstance(value, torch.device) and value.type == "cpu" else value
+
+    for node in graph_module.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, moved)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, moved)
+    graph_module.recompile()
+    return graph_module
+
+
 def train_oracle(folder: str | Path, program: Program, workload, steps: int, grad_norms: list | None = None):
     """(losses, final state, which oracle) of the one-process run ``verify`` compares against,
-    under the program's precision policy and clipping; ``grad_norms`` gets the oracle's norms."""
+    under the program's precision policy and clipping, on the program's device type with the
+    ranks' thread count (Note [the oracle computes as the ranks do] in runtime/execute/reference.py);
+    ``grad_norms`` gets the oracle's norms. The state is on the CPU."""
     # lazy: loads safetensors
-    from runtime.execute.reference import train_reference, train_reference_from_folder
+    from runtime.execute.reference import (computing_as_the_ranks, oracle_device, train_reference,
+                                           train_reference_from_folder)
 
+    device, threads = oracle_device(program.device, str(folder)), rank_threads()
     if workload is None:
-        losses, state, _ = train_reference_from_folder(str(folder), steps, grad_norms=grad_norms)
-        return losses, state, "stage chain"
+        losses, state, _ = train_reference_from_folder(str(folder), steps, threads=threads, grad_norms=grad_norms)
+        return losses, {n: t.cpu() for n, t in state.items()}, "stage chain"
     if workload.model.parameters().__next__().device.type == "meta":
         raise ValueError("the workload's model is on the meta device: verify needs real weights; "
                          "verify a smaller configuration of the same model")
@@ -195,21 +219,28 @@ def train_oracle(folder: str | Path, program: Program, workload, steps: int, gra
         from partitioner.frontend.randomness import keyed_graph
 
         model, _ = keyed_graph(workload, program.global_batch // num_microbatches)
+        model = _retarget(model, device)
         oracle = "unpartitioned traced graph (keyed randomness)"
     data = program.data
-    losses, state, _ = train_reference(
-        model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
-        program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
-        replicas=program.dp, keywords=data.keywords, call_with_keywords=oracle == "original model",
-        constants=data.constants,
-        precision=program.precision, clip_grad_norm=program.clip_grad_norm, grad_norms=grad_norms)
-    return losses, state, oracle
+    with computing_as_the_ranks(device, program.precision, threads):
+        losses, state, _ = train_reference(
+            model, resolve_callable(data.make_batch, str(folder)), resolve_callable(data.loss_fn, str(folder)),
+            program.optimizer, program.global_batch, num_microbatches, steps, program.seed,
+            replicas=program.dp, keywords=data.keywords, call_with_keywords=oracle == "original model",
+            constants=data.constants, precision=program.precision, clip_grad_norm=program.clip_grad_norm,
+            grad_norms=grad_norms, device=device)
+    return losses, {n: t.cpu() for n, t in state.items()}, oracle
 
 
 def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: float = 600) -> VerifyReport:
     folder = Path(folder).resolve()
     plan = Plan.load(folder)
-    load_program(str(folder))  # an edited or broken folder is refused before anything starts
+    program = load_program(str(folder))  # an edited or broken folder is refused before anything starts
+    # lazy: loads safetensors
+    from runtime.execute.reference import oracle_device
+
+    oracle_device(program.device, str(folder))  # nor a CUDA program where its oracle cannot run,
+    rank_threads()  # nor a thread count the oracle cannot match
     if workload is None and plan.training.model_spec:
 
         workload = load_workload(plan.training.model_spec, pretrained=plan.training.pretrained, data=plan.training.data)
@@ -239,7 +270,10 @@ def check_run(folder: str | Path, run_dir: str | Path, *, steps: int | None = No
     run was asked for (default: as many as it logged)."""
     folder = Path(folder).resolve()
     program = load_program(str(folder))
+    # lazy: loads safetensors
+    from runtime.execute.reference import oracle_device
 
+    oracle_device(program.device, str(folder))  # before reading the run: the verdict cannot be had here
     settings = settings_of(load_plan(str(folder)))  # a hand-written folder has no full Plan
     if workload is None and settings.model_spec:
 

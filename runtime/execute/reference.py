@@ -9,16 +9,35 @@ microbatches] in runtime/execute/schedule.py), AdamW step, LR schedule step. The
 Buffers the forward updates (BatchNorm running statistics) are updated by every microbatch in
 order, as the stage holding them does; with ``replicas`` > 1 they end each step as the first
 replica's microbatches left them (Note [buffers across replicas] in runtime/execute/train.py).
+
+Note [the oracle computes as the ranks do]: verify holds the program to the oracle within a few
+rounding steps, so the oracle runs the ranks' kernels, not merely the same math. Three things pick
+kernels besides the ops. (1) The thread count: a CPU convolution's weight gradient and every
+reduction large enough to be split sum in another order with another number of intra-op threads.
+Rounding noise alone stays far inside the bounds, but a BatchNorm over few values (a ResNet's last
+layer at 1x1 pixels, two samples per microbatch) and Adam's normalised steps amplify it step after
+step: a tiny ResNet-18 at lr 1e-2 ends 6 steps 4e-4 apart in the loss (bound 1e-5) with the oracle
+at 2 threads and the ranks at 1, and bit-identical with both at 1. The ranks compute with
+``rank_threads()`` threads (OMP_NUM_THREADS, one unless the caller set it:
+runtime/launch/torchrun.py, which this room may not import), so verify passes that count and the
+oracle sets it for its run and restores the caller's after: in this process, not a subprocess,
+since set_num_threads is all it takes. (2) The device type: a program for a GPU kind runs on
+CUDA, where autocast casts other ops than on the CPU (layer_norm, softmax, exp in fp32 on CUDA,
+bf16 on the CPU), convolutions pick cuDNN's algorithms and keyed masks come from the device's
+generator (runtime/execute/randomness.py): its oracle runs on CUDA too (``oracle_device``; on one
+GPU, the one the ranks used, after they exit), and a machine without CUDA refuses to verify it
+rather than compare it with a CPU run. (3) The device's numerics settings (TF32, deterministic
+algorithms): set in one place, ``_device_numerics``, as the ranks set them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 from typing import Callable, Sequence
 
 import torch
-
-import math
 
 from runtime.execute import grad_norm as gn
 from runtime.execute import randomness
@@ -28,6 +47,55 @@ from runtime.execute.train import make_optimizer, microbatch_seed, seed_host_gen
 from runtime.program.user_code import resolve_callable
 from runtime.program.spec import load_program
 from runtime.execute.stage import build_stage
+
+
+class OracleDeviceError(RuntimeError):
+    """The oracle cannot run on the program's device type here (Note [the oracle computes as the ranks do])."""
+
+
+def oracle_device(device_type: str, folder: str = "") -> torch.device:
+    """Where the oracle of a program on ``device_type`` ("cpu" or "cuda") trains: the same device
+    type (Note [the oracle computes as the ranks do]); a CUDA program on a machine without CUDA is refused."""
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise OracleDeviceError(
+                f"the program{' in ' + folder if folder else ''} runs on cuda and its oracle must too (other autocast op lists, kernels and dropout "
+                "masks on a CPU), but this machine has no CUDA device: verify on a machine with a GPU, or "
+                "compile for --device cpu to verify here")
+        return torch.device("cuda")  # the current one, chosen when the oracle makes its first tensor
+    return torch.device(device_type)
+
+
+@contextlib.contextmanager
+def _device_numerics(device: torch.device, precision: Precision):
+    """The kernel choices the ranks make on ``device`` under ``precision``, for the oracle's run:
+    the one place the oracle sets them (Note [the oracle computes as the ranks do]). fp32 on CUDA
+    without TF32 (cuDNN allows it by default, ~1e-3 relative against a 1e-5 bound)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@contextlib.contextmanager
+def computing_as_the_ranks(device: torch.device | str, precision: Precision | str = Precision.FP32,
+                           threads: int | None = None):
+    """``with computing_as_the_ranks(device, precision, threads):`` the oracle's run with the ranks'
+    thread count (``threads``: ``runtime.launch.torchrun.rank_threads()`` for ranks it launched;
+    None leaves this process's) and ``device``'s numerics settings; the caller's are restored
+    after (Note [the oracle computes as the ranks do])."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(before if threads is None else threads)
+    try:
+        with _device_numerics(torch.device(device), Precision.of(precision)):
+            yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _chain(stages: Sequence[torch.nn.Module]) -> Callable:
@@ -62,7 +130,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
                     batch_dims: Sequence[int] | None = None, replicas: int = 1,
                     keywords: Sequence[str] = (), call_with_keywords: bool = False, constants: Sequence = (),
                     precision: Precision | str = Precision.FP32, clip_grad_norm: float | None = None,
-                    grad_norms: list | None = None, skipped: list | None = None):
+                    grad_norms: list | None = None, skipped: list | None = None,
+                    device: torch.device | str | None = None):
     """Train a copy of ``model`` in one process; returns (losses, final_state_dict, optimizer_state).
 
     model: the unpartitioned module (the user's, or the traced graph with its random ops keyed:
@@ -82,6 +151,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
         runtime/execute/precision.py); clip_grad_norm: clip the global norm (Note [global gradient norm]
         in runtime/execute/grad_norm.py). grad_norms / skipped, when given, get each step's norm and
         whether fp16 loss scaling skipped it.
+    device: where the copy trains and the batches go (default: where ``model``'s parameters are);
+        autocast is that device type's. The final state stays there.
     losses: per-step mean loss (Python floats of the fp32 values).
     final_state_dict: original name -> tensor, parameters (aliases of a tied parameter all
         present) and buffers.
@@ -96,6 +167,8 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     seed_host_generators(seed)  # Note [global generators] in runtime/execute/train.py (as rank 0)
     if isinstance(model, torch.nn.Module):
         model = copy.deepcopy(model)
+        if device is not None:
+            model.to(device)
         modules = [model]
 
         users_module = call_with_keywords and (keywords or constants)
@@ -108,6 +181,9 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
             return model(*args)
     else:
         modules = list(copy.deepcopy(list(model)))
+        if device is not None:
+            for m in modules:
+                m.to(device)
         tie_stage_parameters(modules)
         forward = _chain(modules)
     for m in modules:
@@ -128,19 +204,27 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     optimizer, lr_scheduler = make_optimizer(unique, optimizer_cfg, [name_of[id(p)] for p in unique])
     precision = Precision.of(precision)  # callers may name it (tests, benchmarks)
     scaler = LossScaler.for_policy(precision)
-    device_type = unique[0].device.type if unique else "cpu"
+    if device is None:
+        device = unique[0].device if unique else torch.device("cpu")
+    device = torch.device(device)
+    device_type = device.type
+    default_device = contextlib.nullcontext() if device_type == "cpu" else device
     losses = []
     for step in range(steps):
         args, target = make_batch(step, global_batch)
         args = batch_inputs(args, keywords, constants, step=step)
+        args = [a.to(device) if torch.is_tensor(a) else a for a in args]
+        target = target.to(device)
         dims = list(batch_dims) if batch_dims is not None else [0] * len(args)
         arg_chunks = [torch.tensor_split(a, num_microbatches, dim=d) for a, d in zip(args, dims)]
         target_chunks = torch.tensor_split(target, num_microbatches, dim=0)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for i in range(num_microbatches):
             randomness.set_context(seed=seed, step=step, microbatch=i,
                                    first_sample=i * (global_batch // num_microbatches))
-            with autocast(precision, device_type):
+            # Factories that name no device (a keyed rand, user code) make their tensors on the
+            # oracle's, as stage code does on a rank's (Note [the oracle computes as the ranks do]).
+            with autocast(precision, device_type), default_device:
                 out = forward(step, i, seed, *(c[i] for c in arg_chunks))
                 loss = loss_fn(out, target_chunks[i])
             (loss.float() * scaler.scale if scaler.enabled else loss).backward()
@@ -179,21 +263,27 @@ def train_reference(model: torch.nn.Module | Sequence[torch.nn.Module], make_bat
     return losses, state, opt_state
 
 
-def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None, **kwargs):
+def train_reference_from_folder(folder: str, steps: int, *, num_microbatches: int | None = None,
+                                threads: int | None = None, device: torch.device | str | None = None, **kwargs):
     """The oracle of a program folder: its stage modules chained in one process, with the
-    program's data, loss, optimizer and seed (what ``partitioner verify`` compares against)."""
+    program's data, loss, optimizer and seed (what ``partitioner verify`` compares against), on the
+    program's device type with the ranks' ``threads`` (None: this process's; Note [the oracle
+    computes as the ranks do]). ``device``: another device to train on (a check comparing a CUDA
+    program with the CPU oracle verify used to run). The final state is on the device it trained on."""
     program = load_program(folder)
-    stages = [build_stage(folder, k, "cpu") for k in range(program.num_stages)]
-    for k, stage in enumerate(stages):  # the boundary casts the runtime does (Note [mixed precision])
-        wrap_forward(stage, program.precision, "cpu", program.stages[k].outputs)
-    data = program.data
-    return train_reference(
-        stages, resolve_callable(data.make_batch, folder), resolve_callable(data.loss_fn, folder),
-        program.optimizer, program.global_batch,
-        num_microbatches or program.dp * program.num_microbatches, steps, program.seed,
-        batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs], keywords=data.keywords,
-        constants=data.constants,
-        replicas=program.dp if num_microbatches is None else 1,
-        precision=program.precision, clip_grad_norm=program.clip_grad_norm, **kwargs)
+    device = oracle_device(program.device, folder) if device is None else torch.device(device)
+    with computing_as_the_ranks(device, program.precision, threads):
+        stages = [build_stage(folder, k, device) for k in range(program.num_stages)]
+        for k, stage in enumerate(stages):  # the boundary casts the runtime does (Note [mixed precision])
+            wrap_forward(stage, program.precision, device.type, program.stages[k].outputs)
+        data = program.data
+        return train_reference(
+            stages, resolve_callable(data.make_batch, folder), resolve_callable(data.loss_fn, folder),
+            program.optimizer, program.global_batch,
+            num_microbatches or program.dp * program.num_microbatches, steps, program.seed,
+            batch_dims=[a.batch_dim or 0 for a in program.stages[0].inputs], keywords=data.keywords,
+            constants=data.constants,
+            replicas=program.dp if num_microbatches is None else 1,
+            precision=program.precision, clip_grad_norm=program.clip_grad_norm, device=device, **kwargs)
 
 

@@ -48,6 +48,23 @@ def command_text(nproc: int, script: str) -> str:
     return f"torchrun --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 {script}"
 
 
+# Intra-op threads of each rank ``run_env`` launches unless the caller's OMP_NUM_THREADS says otherwise.
+RANK_THREADS = 1
+
+
+def rank_threads(environ=None) -> int:
+    """The intra-op threads each rank launched with ``run_env`` computes with: OMP_NUM_THREADS of
+    ``environ`` (this process's environment), RANK_THREADS where unset. verify's oracle computes
+    with as many (Note [the oracle computes as the ranks do] in runtime/execute/reference.py)."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", str(RANK_THREADS))
+    # OpenMP reads a list ("4,2") as threads per nesting level: torch's intra-op pool is the first.
+    first = value.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number of threads per rank: "
+                         f"unset it (the ranks then compute with {RANK_THREADS}) or set e.g. OMP_NUM_THREADS=1")
+    return int(first)
+
+
 def run_env(*, pythonpath: str | None = None) -> dict:
     """The environment for torchrun: this process's, plus what makes restarts work.
 
@@ -57,7 +74,7 @@ def run_env(*, pythonpath: str | None = None) -> dict:
     # torchrun restarts with gloo hang on a stale shared store unless this is set (docs/design.md §2).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # Ranks share this host's cores: torch's default of one thread per core oversubscribes them.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", str(RANK_THREADS))
     # Single-host runs: gloo (and tensorpipe) bind the loopback interface, not what the hostname
     # resolves to (Note [loopback only]).
     env["GLOO_SOCKET_IFNAME"] = env["TP_SOCKET_IFNAME"] = loopback_interface()
