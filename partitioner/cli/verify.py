@@ -34,6 +34,7 @@ from partitioner.solver.plan import Plan
 from runtime.program.spec import load_plan, load_program
 from partitioner.config.settings import settings_of
 from partitioner.models.builtin import load_workload
+from partitioner.codegen.split import on_device
 
 # Each microbatch's loss and gradient are computed by the same ops in both runs; what differs is
 # the rounding of sums (data-parallel mean, gradient accumulation order), ~1e-7 in the loss.
@@ -180,18 +181,14 @@ def read_program_buffers(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _retarget(graph_module: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
-    """``graph_module`` with the device its trace baked into factory ops (``aten.arange(...,
-    device=cpu)``: traced here, on the CPU) replaced by ``device``, where the oracle trains; ops
-    that name no device get it from the oracle's default device (``train_reference``)."""
+    """``graph_module`` with every device its trace baked in (``aten.arange(..., device=cpu)``:
+    traced here, on the CPU) and every factory that names none on ``device``, where the oracle
+    trains: the stages' own rule (Note [tensors a stage makes] in partitioner/codegen/split.py)."""
     if device.type == "cpu":
         return graph_module
-
-    def moved(value):
-        return device if isinstance(value, torch.device) and value.type == "cpu" else value
-
     for node in graph_module.graph.nodes:
-        node.args = torch.fx.node.map_aggregate(node.args, moved)
-        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, moved)
+        if node.op == "call_function":
+            node.args, node.kwargs = on_device(node, node.args, node.kwargs, device)
     graph_module.recompile()
     return graph_module
 

@@ -42,7 +42,8 @@ import torch
 from runtime.execute import grad_norm as gn
 from runtime.execute import randomness
 from runtime.data.synthetic import batch_inputs, with_constants
-from runtime.execute.precision import LossScaler, Precision, autocast, clip_coefficient, wrap_forward
+from runtime.execute.precision import (LossScaler, Precision, autocast, clip_coefficient, device_numerics,
+                                       wrap_forward)
 from runtime.execute.train import make_optimizer, microbatch_seed, seed_host_generators
 from runtime.program.user_code import resolve_callable
 from runtime.program.spec import load_program
@@ -69,17 +70,23 @@ def oracle_device(device_type: str, folder: str = "") -> torch.device:
 @contextlib.contextmanager
 def _device_numerics(device: torch.device, precision: Precision):
     """The kernel choices the ranks make on ``device`` under ``precision``, for the oracle's run:
-    the one place the oracle sets them (Note [the oracle computes as the ranks do]). fp32 on CUDA
-    without TF32 (cuDNN allows it by default, ~1e-3 relative against a 1e-5 bound)."""
+    the one place the oracle sets them, with the ranks' own function (``device_numerics``, Note
+    [deterministic kernels on a GPU]; Note [the oracle computes as the ranks do]). On CUDA:
+    deterministic kernels and no TF32 (cuDNN allows it by default, ~1e-3 relative against a 1e-5
+    bound). The caller's settings are put back after."""
     if device.type != "cuda":
         yield
         return
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    device_numerics(device, precision)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = before[2:]
 
 
 @contextlib.contextmanager
