@@ -33,6 +33,7 @@ class Folder:
     real: tuple[str, ...] | None   # compile arguments for the GPU kind (None: not compiled)
     dry: tuple[str, ...] | None    # for the CPU dry run
     corpus: bool = False           # trains on the token corpus (eval, generate)
+    fp32_fallback: bool = False    # compile again at fp32 when the default precision fails
 
 
 BIG = "gpt:layers=8,width=1024,heads=16,vocab=32000,seq=1024,device=meta"  # ~170M parameters
@@ -51,9 +52,9 @@ FOLDERS = (
     Folder("gpt_dropout", ("gpt:layers=2,width=256,heads=4,vocab=1024,seq=128,dropout=0.1,device=meta",
                            "--global-batch", "8", "--steps", "3"),
            ("gpt:layers=1,width=32,heads=2,vocab=64,seq=16,dropout=0.1,device=meta", "--global-batch", "4",
-            "--steps", "3")),
+            "--steps", "3"), fp32_fallback=True),
     Folder("hf_llama", ("hf-llama:layers=2,width=64,heads=4,vocab=256,seq=32,batch=2", "--global-batch", "4",
-                        "--steps", "3"), None),
+                        "--steps", "3"), None, fp32_fallback=True),
     # P6: compiled stages
     Folder("gpt_compiled", ("gpt:layers=4,width=1024,heads=16,vocab=32000,seq=1024,device=meta", "--global-batch",
                             "16", "--steps", "20", "--compile-stages"),
@@ -111,15 +112,26 @@ def prepare(out: Path, *, dry_run: bool, kind: str = "h100", corpus_at: str = DE
             continue
         device = ["--device", "cpu", "--no-calibrate"] if dry_run else ["--device", kind]
         data = ["--data", f"tokens:{corpus_at}"] if folder.corpus else []
-        code, text = _partitioner(["compile", args[0], "-o", str(out / folder.name), "--devices", "1", *device,
-                                   *data, *args[1:], "-q"])
+        command = ["compile", args[0], "-o", str(out / folder.name), "--devices", "1", *device, *data, *args[1:], "-q"]
+        code, text = _partitioner(command)
+        if code != 0 and folder.fp32_fallback and "--precision" not in args:
+            # the oracle phase needs the folder more than its precision (compile bug B1 of the audit)
+            entry["error"] = _first_error(text, code)
+            entry["fallback"] = "compiled with --precision fp32: the default precision failed"
+            code, text = _partitioner(command + ["--precision", "fp32"])
         entry["ok"] = code == 0
         if code != 0:
-            entry["error"] = next((line for line in text.splitlines() if "error" in line.lower()),
-                                  text.strip().splitlines()[-1] if text.strip() else f"exit {code}")[:500]
-        print(f"[prepare] {folder.name}: {'ok' if code == 0 else entry['error']}", file=sys.stderr)
+            entry["error"] = _first_error(text, code)
+        print(f"[prepare] {folder.name}: {'ok' if code == 0 else entry['error']}"
+              + (f" ({entry['fallback']}: {entry['error']})" if code == 0 and entry.get("fallback") else ""),
+              file=sys.stderr)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _first_error(text: str, code: int) -> str:
+    lines = text.strip().splitlines()
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else f"exit {code}")[:500]
 
 
 def ensure_corpus(folders: Path, manifest: dict) -> None:

@@ -50,6 +50,8 @@ def _run(ctx: Context, out: Answers, key: str, folder: str, flags: list[str], **
                   "error": f"folder {folder} not prepared: {entry.get('error', 'absent from the manifest')}"}
     else:
         record = run_folder(ctx.folder(folder), ctx.work, key, flags, timeout_s=ctx.left(), **kw)
+        if entry.get("fallback"):  # e.g. compiled at fp32 because the default precision failed to compile
+            record["prepared"] = f"{entry['fallback']}: {entry.get('error')}"
     runs = out.get("runs", [])
     out["runs"] = runs + [record]
     if not record["ok"] and not record.get("skipped"):
@@ -110,7 +112,8 @@ def p0_env(ctx: Context, out: Answers) -> None:
         out["gpu"] = {"name": p.name, "sms": p.multi_processor_count, "memory_bytes": p.total_memory,
                       "capability": list(torch.cuda.get_device_capability(0)), "count": torch.cuda.device_count(),
                       "bf16": torch.cuda.is_bf16_supported()}
-        out["nccl"] = list(torch.cuda.nccl.version()) if out["nccl_available"] else None
+        nccl = torch.cuda.nccl.version() if out["nccl_available"] else None
+        out["nccl"] = list(nccl) if isinstance(nccl, tuple) else nccl
         out["cudnn"] = torch.backends.cudnn.version()
         out["free_bytes_at_start"] = torch.cuda.mem_get_info()[0]
     out["flags"] = {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
@@ -266,7 +269,7 @@ def p5_tiers(ctx: Context, out: Answers) -> None:
     run = _run(ctx, out, "P5 memory tier + lossless, killed and resumed", "gpt_fp16_clip",
                ["--steps", str(steps), "--memory-tier", "none", "--memory-dir", str(memory_dir),
                 "--checkpoint-compression", "lossless", "--checkpoint-every", str(every), "--fail-at",
-                f"0:{fail}:kill"], max_restarts=1)
+                f"0:{fail}:kill", "--measure-memory"], max_restarts=1)
     reference = Answers.load(ctx.work / "P3.json").get("runs", [{}])[0].get("losses")
     out["resume_vs_P3"] = {"killed_before_step": fail, **compare_losses(reference, run.get("losses"))}
     if run["ok"]:

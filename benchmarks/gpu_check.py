@@ -97,7 +97,8 @@ def run_check(folders: Path, out: Path, *, dry_run: bool, work: Path | None = No
     started = time.monotonic()
     report = {"format": FORMAT, "dry_run": dry_run, "started_unix": time.time(), "budget_s": budget_s,
               "folders": {"kind": manifest.get("kind"), "prepared_dry_run": manifest.get("dry_run"),
-                          "compiled": {k: v.get("ok") for k, v in manifest["folders"].items()}},
+                          "compiled": {k: {f: v[f] for f in ("ok", "error", "fallback") if f in v}
+                                       for k, v in manifest["folders"].items()}},
               "work": str(work), "phases": {}, "not_covered_on_one_gpu": NOT_ON_ONE_GPU}
     from benchmarks._gpu_check_phases import PHASES  # noqa: PLC0415 - stdlib and runtime only: no torch here
 
