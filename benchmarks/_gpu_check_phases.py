@@ -207,7 +207,7 @@ def p1_probes(ctx: Context, out: Answers) -> None:
     out.update(_probe(ctx, ["fused_adamw_cpu_step"], timeout_s=60))
     out["gloo_collectives_on_device"] = _pair(ctx, "gloo_rank", 60)
     out["nccl_two_ranks_one_gpu"] = _pair(ctx, "nccl_rank", 45) if cuda else {"skipped": "no CUDA here"}
-    for key in ("fused_adamw_cpu_step", "sdpa_backward_bitwise", "keyed_draw", "timing"):
+    for key in ("keyed_draw", "timing", "sdpa_backward_bitwise", "fused_adamw_cpu_step"):
         if "error" in out.get(key, {}):
             _fail(out, f"{key}: {out[key]['error']}")
     out.save()
@@ -276,7 +276,9 @@ def p5_tiers(ctx: Context, out: Answers) -> None:
         try:
             from partitioner.models.export import export  # lazy: loads safetensors
 
-            report = export(Path(run["run_dir"]).parent / "checkpoints", ctx.work / "P5_export",
+            target = ctx.work / "P5_export"
+            shutil.rmtree(target, ignore_errors=True)  # export never overwrites
+            report = export(Path(run["run_dir"]).parent / "checkpoints", target,
                             program_dir=ctx.folder("gpt_fp16_clip"))
             out["export"] = {"ok": True, "step": getattr(report, "step", None)}
         except Exception as exc:  # noqa: BLE001 - recorded
