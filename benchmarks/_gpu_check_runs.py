@@ -200,6 +200,8 @@ def run_folder(folder: Path, work: Path, name: str, flags: list[str], *, timeout
     if code not in (0, None):
         record["error"] = first_error_line(text)
     record["output_tail"] = text.strip().splitlines()[-12:]
+    # where a restart resumed from: "recovered step N: tier=memory|disk ..."
+    record["recovered"] = [line.strip() for line in text.splitlines() if "recovered step" in line][-2:] or None
     record.update(poller.figures())
     record.update(read_run(run_dir))
     return record

@@ -69,7 +69,9 @@ def _summary_lines(phases: dict) -> list[str]:
 
             def ms(v):
                 return f"{v * 1e3:.1f} ms" if isinstance(v, (int, float)) else "-"
-            reserved = run.get("measured_peak_reserved_bytes")
+            # the runtime's own reserved peak, under whatever name memory_rank_0.json gives it
+            reserved = next((v for k, v in (run.get("memory") or {}).items() if "reserved" in k
+                             and isinstance(v, (int, float))), None)
             lines.append(f"{run['name']}: {'ok' if run.get('ok') else 'FAILED: ' + str(run.get('error'))[:160]}; "
                          f"step {ms(run.get('predicted_step_time_s'))} predicted, {ms(run.get('measured_step_time_s'))} "
                          f"measured; peak {mib(run.get('predicted_peak_bytes'))} predicted, "

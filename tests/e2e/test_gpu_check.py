@@ -69,6 +69,7 @@ def test_dry_run_runs_every_phase_from_folders_that_travelled(tmp_path):
     assert p2["generate"]["ok"] and p2["generate"]["new_tokens"] > 0, p2["generate"]
     p5 = phases["P5"]["result"]
     assert p5["resume_vs_P3"]["bitwise_equal"], p5["resume_vs_P3"]
+    assert "tier=memory" in " ".join(runs["P5 memory tier + lossless, killed and resumed"]["recovered"])
     assert p5["export"]["ok"], p5["export"]
     oracle = phases["P4"]["result"]["gpt_dropout_oracle"]["cpu"]
     assert oracle["max_loss_diff"] < 1e-5 and oracle["max_param_diff"] < 1e-4, oracle
