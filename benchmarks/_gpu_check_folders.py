@@ -96,6 +96,9 @@ def prepare(out: Path, *, dry_run: bool, kind: str = "h100", corpus_at: str = DE
     """Compile every folder into ``out`` (replaced); returns the manifest written to out/manifest.json."""
     corpus_at = str(Path(corpus_at).resolve())
     if out.exists():
+        if not (out / MANIFEST).is_file() and any(out.iterdir()):  # never wipe a folder prepare did not write
+            raise ValueError(f"--out {out}: it exists and holds no {MANIFEST} of an earlier prepare: pass a new "
+                             "folder (prepare replaces only its own)")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     manifest = {"dry_run": dry_run, "kind": "cpu" if dry_run else kind, "corpus_at": corpus_at, "folders": {}}

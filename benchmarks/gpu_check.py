@@ -192,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        manifest = prepare(Path(args.out), dry_run=args.dry_run, kind=args.kind, corpus_at=args.corpus_at)
+        try:
+            manifest = prepare(Path(args.out), dry_run=args.dry_run, kind=args.kind, corpus_at=args.corpus_at)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         bad = [name for name, entry in manifest["folders"].items() if not entry["ok"] and entry["args"]]
         print(f"[prepare] {len(manifest['folders']) - len(bad)} of {len(manifest['folders'])} folders in {args.out}"
               + (f"; not compiled: {', '.join(bad)} (the run records why)" if bad else ""), file=sys.stderr)
@@ -211,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     only = [k.strip().upper() for k in args.only.split(",")] if args.only else None
+    unknown = sorted(set(only or ()) - set(LIMITS))
+    if unknown:
+        print(f"error: --only {args.only}: no phase {', '.join(unknown)}; the phases are {', '.join(LIMITS)}",
+              file=sys.stderr)
+        return 2
     report = run_check(folders, Path(args.out), dry_run=args.dry_run, work=Path(args.work) if args.work else None,
                        only=only, budget_s=args.budget)
     for line in report["summary"]:

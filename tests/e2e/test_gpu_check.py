@@ -95,3 +95,13 @@ def test_a_phase_past_its_limit_is_a_timeout_and_a_spent_budget_skips_the_rest(t
     report = gpu_check.run_check(folders, out, dry_run=True, work=tmp_path / "work", budget_s=0)
     assert [p["status"] for p in report["phases"].values()] == ["skipped"] * 8
     assert json.loads(out.read_text())["phases"]["P3"]["error"] == "the check's time budget is spent"
+
+
+def test_prepare_replaces_only_a_folder_it_wrote(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), "prepare", "--out", str(tmp_path), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"error: --out {tmp_path}: it "
+                                                                                   "exists"), done.stderr
+    assert (tmp_path / "mine.txt").read_text() == "keep"
