@@ -49,8 +49,9 @@ from runtime.launch.torchrun import stop_tree  # noqa: E402
 FORMAT = "partitioner.gpu-check/1"
 # seconds per phase on the GPU (H100: P2's 170M GPT trains in ~40 ms a step; most of each run is
 # start-up, CUDA init and checkpoint writes) and in the dry run on two loaded CPU cores
-LIMITS = {"P0": (40, 120), "P1": (100, 150), "P2": (170, 200), "P3": (60, 100), "P4": (80, 150), "P5": (90, 150),
-          "P6": (170, 100), "P7": (5, 5)}
+# (generous: only a hang should meet them there)
+LIMITS = {"P0": (40, 120), "P1": (100, 200), "P2": (170, 300), "P3": (60, 150), "P4": (80, 200), "P5": (90, 200),
+          "P6": (170, 150), "P7": (5, 5)}
 BUDGET_S = 470  # 8 minutes less a margin for the start and the report
 NOT_ON_ONE_GPU = [
     "NCCL collectives between ranks (dp all-reduce, ZeRO's reduce_scatter, PipelineStage P2P, DTensor)",

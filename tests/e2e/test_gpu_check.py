@@ -36,7 +36,7 @@ def test_dry_run_runs_every_phase_from_folders_that_travelled(tmp_path):
     shutil.rmtree(corpus)  # there, only the copy the folders carry exists: run puts it back
     out = tmp_path / "report" / "gpu_check.json"
     done = _check("run", "--folders", str(carried), "--out", str(out), "--dry-run", "--work", str(tmp_path / "work"),
-                  "--budget", "1200", timeout=1300)
+                  "--budget", "1500", timeout=1600)
     report = json.loads(out.read_text())
     phases = report["phases"]
     assert list(phases) == ["P0", "P1", "P2", "P3", "P4", "P5", "P6", "P7"]
