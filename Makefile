@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean gpu-check-folders
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# The one-GPU check's program folders, compiled here (OR-Tools) on the meta device: carry
+# gpu_check_folders to the GPU machine (README "On one GPU: the readiness check").
+gpu-check-folders: $(STAMP)
+	$(PY) benchmarks/gpu_check.py prepare --out gpu_check_folders
 
 clean:
 	rm -rf $(VENV) build *.egg-info
