@@ -22,6 +22,9 @@ Then:
 - on those device groups ``dist.isend``/``dist.irecv`` must be posted inside
   ``dist.batch_isend_irecv``: NCCL's point-to-point calls progress only when both sides are posted,
   so two ranks that each send first wait on each other forever (the canary exchange at dp 2 did);
+  the rule is for the runtime's calls (torch's own are told by the caller's file): torch's pipelining posts
+  lone one-directional sends and receives, and the blocking ``dist.send``/``dist.recv``, in orders
+  NCCL is tested with upstream;
 - fused AdamW refuses a host ``step`` beside device parameters: CUDA's fused kernel reads the step
   on the device (torch's adam.py keeps it there for fused and capturable).
 DTensor's functional collectives (tensor parallelism) are not seen: they bypass ProcessGroup's
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections import OrderedDict
 
@@ -217,10 +221,23 @@ def _wrap_new_group(orig):
     return new_group
 
 
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _from_runtime() -> bool:
+    """Whether this point-to-point call is posted by the runtime (or a test), not by torch itself:
+    torch's own schedules post lone one-directional sends and receives, in an order NCCL is
+    tested with upstream."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame is None or not frame.f_code.co_filename.startswith(_TORCH)
+
+
 def _wrap_p2p(orig, what):
     def p2p(tensor, *args, **kwargs):
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
-        if not getattr(_state, "batched", False) and _groups.is_device(group):
+        if not getattr(_state, "batched", False) and _groups.is_device(group) and _from_runtime():
             raise RuntimeError(f"{ENV}: dist.{what} outside dist.batch_isend_irecv on a group NCCL would serve: NCCL "
                                "point-to-point calls progress only when both sides are posted, so two ranks that "
                                "each send first wait on each other; post the pair with batch_isend_irecv")
@@ -229,16 +246,18 @@ def _wrap_p2p(orig, what):
     return p2p
 
 
-def _wrap_batch(orig):
-    def batch_isend_irecv(ops):
+def _wrap_paired(orig):
+    """batch_isend_irecv, and the blocking send and recv (torch 2.13's call isend/irecv): their
+    point-to-point calls are posted as NCCL needs them."""
+    def paired(*args, **kwargs):
         before = getattr(_state, "batched", False)
         _state.batched = True
         try:
-            return orig(ops)
+            return orig(*args, **kwargs)
         finally:
             _state.batched = before
 
-    return batch_isend_irecv
+    return paired
 
 
 @contextlib.contextmanager
@@ -257,7 +276,8 @@ def emulated():
             setattr(cls, method, checked)
     # the same wrapper object in both namespaces: P2POp and batch_isend_irecv compare ops by identity
     wrappers = {"isend": _wrap_p2p(c10d.isend, "isend"), "irecv": _wrap_p2p(c10d.irecv, "irecv"),
-                "batch_isend_irecv": _wrap_batch(c10d.batch_isend_irecv), "new_group": _wrap_new_group(c10d.new_group)}
+                "new_group": _wrap_new_group(c10d.new_group),
+                **{name: _wrap_paired(getattr(c10d, name)) for name in ("batch_isend_irecv", "send", "recv")}}
     saved = {name: (getattr(dist, name), getattr(c10d, name)) for name in wrappers}
     for name, fn in wrappers.items():
         setattr(dist, name, fn)
