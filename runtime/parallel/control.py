@@ -14,7 +14,10 @@ Python when a peer dies, so start-up recovery and a rollback say "a peer rank di
 barrier has only the group's); (3) a bookkeeping gather never waits behind the device's queue of
 kernels. Only the main thread uses it: the Checkpointer's background persist has its own gloo
 group (collectives from two threads on one group could pair up in another order on each rank),
-and so has the memory tier. Everything sent on it is made with ``device="cpu"``.
+and so has the memory tier. Everything sent on it is made with ``device="cpu"``. Every gloo group
+of the runtime spans the whole world: with the default group bound to a device (``device_id``),
+torch has a rank outside a new subgroup join an NCCL split that a gloo subgroup's members never
+make.
 
 Note [start-up barrier]: the ranks reach their first collective at different times: stage
 compilation (per rank, Note [compiled stages] in runtime/execute/compiled.py), pretrained weights,
