@@ -5,7 +5,8 @@ tensor that would be on the host on a GPU, a lone isend, and a host AdamW step i
 It trains, in the same workers: dp 2 with the replica check and compute canaries and checkpoints
 (start-up recovery with none yet), its resume (start-up recovery restoring, then the restored
 AdamW steps in the fused kernel), ZeRO-1 at dp 2 with --mtbf (the Young/Daly interval agreed after
-the first snapshot) and its resume, and a 2-stage pipeline (batched point-to-point). Each job
+the first snapshot) and its resume, a 2-stage pipeline (batched point-to-point), and a run with
+the memory tier and its resume (start-up recovery through the tiers). Each job
 would stop at its first CPU-tensor collective under NCCL, as they did before the control group
 (Note [the control group] in runtime/parallel/control.py)."""
 
@@ -41,7 +42,9 @@ def test_the_runtime_keeps_to_nccls_device_rules(tmp_path):
             [zero, "--steps", "3", "--mtbf", "1h", "--checkpoint-dir", f"{root}/ck_zero", "--run-dir", f"{root}/zero_a"],
             [zero, "--steps", "5", "--checkpoint-every", "1", "--checkpoint-dir", f"{root}/ck_zero",
              "--run-dir", f"{root}/zero_b"],
-            [pipe, "--steps", "2", "--checkpoint-dir", f"{root}/ck_pipe", "--run-dir", f"{root}/pipe"]]
+            [pipe, "--steps", "2", "--checkpoint-dir", f"{root}/ck_pipe", "--run-dir", f"{root}/pipe"],
+            *[[dp2, "--steps", str(n), "--checkpoint-every", "2", "--memory-tier", "copy", "--hosts", "0,1",
+               "--sdc-every", "0", "--checkpoint-dir", f"{root}/ck_mem", "--run-dir", f"{root}/mem_{n}"] for n in (2, 3)]]
     args = [a for job in jobs for a in ["--", *job]][1:]
     env = {**child_env(), ENV: "1"}
     done = subprocess.run(torchrun_command(RUN_MANY, 2, args=args), env=env, capture_output=True, text=True,
@@ -58,3 +61,4 @@ def test_the_runtime_keeps_to_nccls_device_rules(tmp_path):
     assert json.load(open(f"{root}/zero_a/checkpoint_interval.json"))["every"] >= 1
     assert len(_rows(f"{root}/pipe/metrics.jsonl")) == 2
     assert os.path.exists(f"{root}/pipe/final/rank_1.safetensors")
+    assert [r["step"] for r in _rows(f"{root}/mem_3/recovery.jsonl")] == [2, 2]  # recover_any, either tier
