@@ -269,7 +269,7 @@ class RankTrainer:
                 for name in m.parameter_names:
                     named.setdefault(name, []).append(m.get_parameter(name))
             self.zero = ShardedOptimizer(named, program.optimizer, dp=program.dp, replica=self.replica,
-                                         group=groups.data_parallel, make_optimizer=make_optimizer)
+                                         group=groups.data_parallel, make_optimizer=make_optimizer, device=device)
             self.optimizer, self.lr_scheduler = self.zero.optimizer, self.zero.lr_scheduler
         else:
             names_of = {id(m.get_parameter(n)): n for m in self.modules for n in m.parameter_names}

@@ -159,7 +159,8 @@ def switched() -> Switch | None:
 
 def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptions]:
     """The folder this worker runs and its options (Note [elastic run]).
-    ``init_group(rank, world, timeout_s, backend)`` makes the default process group (rank.py's)."""
+    ``init_group(rank, world, timeout_s, backend, device_kind)`` makes the default process group on
+    this rank's device, set current first (rank.py's)."""
     from runtime.program.spec import load_program  # lazy: loads torch via the program's parts
 
     from runtime.resilience import exclusion  # lazy: torch-free, only an elastic run
@@ -174,7 +175,7 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     from runtime.resilience.memtier.groups import hosts_of_ranks  # lazy: loads torch
 
     rank = int(os.environ["RANK"])
-    init_group(rank, world, float(program.collective_timeout_s), program.backend)
+    init_group(rank, world, float(program.collective_timeout_s), program.backend, program.device)
     hosts = list(hosts_of_ranks(program.world_size, options.hosts))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, int(host))

@@ -6,15 +6,21 @@ in runtime/launch/entry_files.py), initializes the process group with the plan's
 timeout, creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
 
 Note [no hangs]: every collective and point-to-point operation runs under the plan's
-``collective_timeout_s`` (init_process_group and every new_group get it), so a dead peer surfaces
-as an exception in the survivors. On any error a rank prints the traceback and leaves with
-``os._exit(1)`` instead of unwinding through process-group destructors, which can block on the
-dead peer; torchrun's agent then tears down the remaining workers (and restarts them when
-``--max-restarts`` allows).
+``collective_timeout_s`` (init_process_group and every new_group get it). Under gloo a dead peer
+surfaces as an exception in the survivors. Under NCCL it does not: an NCCL operation raises
+nothing in Python; a survivor blocks in its next host sync until NCCL's watchdog sees the
+operation time out (``collective_timeout_s`` later) and, with torch's default
+TORCH_NCCL_ASYNC_ERROR_HANDLING, aborts the process (SIGABRT): torchrun sees a signal, and
+restarts still happen, later. The start-up wait is longer (Note [start-up barrier] in
+runtime/parallel/control.py), so skew before step 1 is not such a timeout. On any error a rank
+prints the traceback and leaves with ``os._exit(1)`` instead of unwinding through process-group
+destructors, which can block on the dead peer; torchrun's agent then tears down the remaining
+workers (and restarts them when ``--max-restarts`` allows).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -60,11 +66,14 @@ class ResumeBeyondStepsError(LaunchError):
 _at = {"step": None, "ckpt_dir": None}
 
 # Note [a dead peer]: when a rank dies (killed, out of memory, a fault drill), every peer waiting on
-# it in a collective or a send/receive gets an error from gloo or NCCL ("Connection reset by peer",
-# a timeout, DistBackendError). Its traceback tells nothing the dead rank's own output and
-# torchrun's summary do not, and one per surviving rank buries them; so a survivor prints one
-# line: its rank, the step, and what happens next (torchrun restarts the job from the newest
-# committed checkpoint, or no restarts are left), and exits non-zero so torchrun does so.
+# it in a gloo collective or send/receive gets an error ("Connection reset by peer", a timeout,
+# DistBackendError). Its traceback tells nothing the dead rank's own output and torchrun's summary
+# do not, and one per surviving rank buries them; so a survivor prints one line: its rank, the
+# step, and what happens next (torchrun restarts the job from the newest committed checkpoint, or
+# no restarts are left), and exits non-zero so torchrun does so. Under NCCL the line comes only
+# where the wait is on a gloo group (start-up recovery and rollbacks, Note [the control group] in
+# runtime/parallel/control.py; a checkpoint's commit): a wait on an NCCL group ends in the
+# watchdog's abort instead (Note [no hangs]).
 _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
               "connection refused", "timed out", "gloo/transport", "nccl communicator was aborted",
               "watchdog caught collective operation timeout")
@@ -177,13 +186,19 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         from runtime.resilience.exclusion import stop_if_excluded  # torch-free; Note [excluding a host]
 
         stop_if_excluded(options.run_dir or run_dir or os.path.join(os.path.abspath(folder), "run"))
-        if options.elastic:  # Note [elastic run]: another world than the program's runs the re-planned folder
-            from runtime.launch import elastic  # lazy: only an elastic run
+        guard = contextlib.nullcontext()
+        if os.environ.get("PARTITIONER_EMULATE_NCCL"):  # tests only: Note [NCCL emulation]
+            from runtime.parallel.nccl_emulation import emulated  # lazy: loads torch
 
-            folder, options = elastic.resolve(folder, options, _init_world)
-        steps = options.steps if options.steps is not None else steps
-        run_dir = options.run_dir or run_dir
-        losses = _main(folder, rank, steps=steps, run_dir=run_dir, options=options)
+            guard = emulated()
+        with guard:
+            if options.elastic:  # Note [elastic run]: another world than the program's runs the re-planned folder
+                from runtime.launch import elastic  # lazy: only an elastic run
+
+                folder, options = elastic.resolve(folder, options, _init_world)
+            steps = options.steps if options.steps is not None else steps
+            run_dir = options.run_dir or run_dir
+            losses = _main(folder, rank, steps=steps, run_dir=run_dir, options=options)
         # The trainer's objects (precision, sharding, their hooks) form reference cycles that keep
         # the destroyed group's store, and so its listening port, alive until a collection: a
         # second launch in this process (a notebook, a test driver) could not bind the port.
@@ -213,13 +228,40 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         os._exit(1)
 
 
-def _init_world(rank: int, world: int, timeout_s: float, backend: str) -> None:
-    """The default process group, before the program is chosen (runtime/launch/elastic.py)."""
+def _device(kind: str, local_rank: int):
+    """This rank's device, made current before any group talks: NCCL puts a communicator on the
+    current device, and without set_device that is cuda:0 on every rank of a host."""
+    import torch  # lazy: loads torch
+
+    if kind != "cuda":
+        return torch.device(kind)
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        ranks = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
+        fix = (f"start at most {count} ranks per host (torchrun --nproc-per-node {count}, or --hosts), or make "
+               "more GPUs visible (CUDA_VISIBLE_DEVICES)") if count else \
+            "run it on a GPU host, or compile the program for --device cpu"
+        raise LaunchError(f"{ranks} ranks on this host (LOCAL_RANK {local_rank} wants cuda:{local_rank}) but "
+                          f"torch.cuda.device_count() is {count}: {fix}")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _init_group(backend: str, rank: int, world: int, timeout: timedelta, device) -> None:
+    """The default process group, bound to the rank's device under CUDA (one NCCL communicator made
+    at once and split for every new group, not one per group at its first use)."""
     import torch.distributed as dist  # lazy: loads torch
 
-    timeout = timedelta(seconds=timeout_s)
+    bound = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                            store=_worker_store(rank, world, timeout))
+                            store=_worker_store(rank, world, timeout), **bound)
+
+
+def _init_world(rank: int, world: int, timeout_s: float, backend: str, device_kind: str = "cpu") -> None:
+    """The default process group, before the program is chosen (runtime/launch/elastic.py)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    _init_group(backend, rank, world, timedelta(seconds=timeout_s), _device(device_kind, local_rank))
 
 
 def _where(step: int) -> None:
@@ -290,8 +332,6 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     if use_ckpt:
         ck.check_writable(ckpt_dir)
     # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
-    import torch
-    # lazy: loads torch
     import torch.distributed as dist
 
     # lazy: loads torch
@@ -314,23 +354,22 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime.execute.precision import device_numerics  # lazy: loads torch
 
     device_numerics(program.device, program.precision)  # before any CUDA work: Note [deterministic kernels on a GPU]
-    if program.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(program.device)
+    device = _device(program.device, local_rank)
     # A caller that already set up the default group (a test driver, a notebook) keeps it.
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(program.backend, rank=rank, world_size=world, timeout=timeout,
-                                store=_worker_store(rank, world, timeout))
+        _init_group(program.backend, rank, world, timeout, device)
     elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
         raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
                           f"{dist.get_world_size()}, the program wants rank {rank} of {world}")
     # On an error nothing below is unwound politely: main() exits hard (Note [no hangs]).
     layout = program.layout
     groups = create_groups(layout, rank, timeout=timeout)
+    from runtime.parallel import control  # lazy: loads torch; Note [the control group]
+
+    control.make_control_group(timeout)
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
+    control.startup_barrier()  # Note [start-up barrier]: compiled stages, pretrained weights
     evaluator = None
     if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/evaluate.py
         from runtime.execute.evaluate import Evaluator  # lazy: only a run that evaluates
@@ -407,6 +446,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
                                  also_at=checkpointer.due if checkpointer else None, start_step=start_step)
         after_step = _chain(check.after_step, after_step)
     log_every = (options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
+    control.startup_barrier()  # Note [start-up barrier]: each rank's restore took its own time
     from runtime.observe import memory as peak  # lazy: loads torch
 
     measured = device.type == "cuda" or peak.requested(options.measure_memory)

@@ -81,8 +81,10 @@ class ShardedOptimizer:
     """The rank's AdamW over its pieces, and the collectives of Note [sharded optimizer state]."""
 
     def __init__(self, named: dict[str, list[torch.nn.Parameter]], cfg, *, dp: int, replica: int, group,
-                 make_optimizer):
-        """``make_optimizer(params, cfg, names)``: runtime/execute/train.py's (passed in: train imports this)."""
+                 make_optimizer, device: torch.device):
+        """``make_optimizer(params, cfg, names)``: runtime/execute/train.py's (passed in: train imports this).
+        ``device``: the rank's; the flat buffers go to the data-parallel group's collectives on it,
+        also when this rank trains no parameter."""
         self.named = named  # name -> every copy of it on this rank (a tie on one rank: two)
         self.names = list(named)
         # a DTensor's local shard (Note [sharded state with tensor parallelism]); else the parameter
@@ -94,7 +96,7 @@ class ShardedOptimizer:
         self.dp, self.replica, self.group = dp, replica, group
         self.numels = [p.numel() for p in first]
         self.pieces, self.length, self.padded = layout(self.names, self.numels, dp, replica)
-        self.device = first[0].device if first else torch.device("cpu")
+        self.device = first[0].device if first else device
         self.dtype = first[0].dtype if first else torch.float32
         # Each piece is a view of its parameter's own storage (no master copy: the fp32
         # parameters are the master weights, Note [mixed precision]); the optimizer updates this
@@ -224,8 +226,16 @@ class ShardedOptimizer:
                     continue
                 new = {k: v.to(master.device, master.dtype).clone() for k, v in st.items()}
                 if pc.name in param_steps:
-                    new["step"] = torch.tensor(param_steps[pc.name], dtype=torch.float32)
+                    new["step"] = adam_step(param_steps[pc.name], master, self.optimizer)
                 self.optimizer.state[master] = new
+
+
+def adam_step(value: float, param: torch.Tensor, optimizer) -> torch.Tensor:
+    """A restored AdamW ``step`` where torch keeps it: on the parameter's device for the fused and
+    capturable kernels (the fused CUDA kernel reads it there; a CPU one is an illegal memory
+    access), on the CPU otherwise (torch's adam.py ``_init_group``, ``Optimizer.load_state_dict``)."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return torch.tensor(value, dtype=torch.float32, device=param.device if on_device else torch.device("cpu"))
 
 
 def piece_state(name: str, start: int, end: int, full_optim: dict, pieces: dict) -> dict | None:

@@ -71,6 +71,16 @@ def _as_tuple(output):
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
+def _send_receive(out: torch.Tensor, to: int, into: torch.Tensor, src: int, group) -> None:
+    """Send ``out`` to ``to`` and receive ``into`` from ``src`` as one batch: NCCL progresses a
+    pair's send only once the peer's receive is posted with it, so at dp 2 (``to == src``) two
+    separate isends would each wait for the other's irecv (Note [NCCL emulation] in
+    runtime/parallel/nccl_emulation.py)."""
+    ops = [dist.P2POp(dist.isend, out, to, group), dist.P2POp(dist.irecv, into, src, group)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
 class CanaryMismatch(SilentDataCorruption):
     """Raised on every rank when a canary's digests differ (Note [compute canaries])."""
 
@@ -244,11 +254,9 @@ class ComputeCanary:
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
         size, their_size = torch.tensor([payload.numel()], dtype=torch.int64, device=device), \
             torch.zeros(1, dtype=torch.int64, device=device)
-        for w in (dist.isend(size, nxt, group=group), dist.irecv(their_size, prev, group=group)):
-            w.wait()
+        _send_receive(size, nxt, their_size, prev, group)
         theirs = torch.empty(int(their_size.item()), dtype=torch.uint8, device=device)
-        for w in (dist.isend(payload, nxt, group=group), dist.irecv(theirs, prev, group=group)):
-            w.wait()
+        _send_receive(payload, nxt, theirs, prev, group)
         return torch.load(io.BytesIO(theirs.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
 
     def check(self, step: int) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from runtime.parallel.control import control_group
 from runtime.resilience import checkpoint as ck
 from runtime.resilience.faults import attempt, say
 from runtime.resilience.memtier.groups import Redundancy
@@ -54,19 +55,20 @@ _MAX_ROUNDS = 6
 # The disk tier (Note [recovery agreement])
 
 
-def recover(trainer, ckpt_dir: str, *, group=None, not_after: int | None = None) -> int:
+def recover(trainer, ckpt_dir: str, *, not_after: int | None = None) -> int:
     """Restore the newest checkpoint valid on every rank into ``trainer``; returns the step to
-    start at (0 when there is none). Collective over ``group`` (default: the world).
+    start at (0 when there is none). Collective over the world, on the control group (Note [the
+    control group] in runtime/parallel/control.py: the steps are host integers).
     ``not_after``: only checkpoints of that step or older (a rollback, runtime/resilience/sdc.py)."""
     program, rank = trainer.program, trainer.rank
     needed = ck.needed_names(trainer)
     valid, newest = valid_for(trainer, ckpt_dir, warn=lambda msg: say(rank, "warning: " + msg))
     if not_after is not None:
         valid = [s for s in valid if s <= not_after]
-    mine = torch.full((ck.RESUME_CANDIDATES,), -1, dtype=torch.int64)
-    mine[:len(valid)] = torch.tensor(valid, dtype=torch.int64)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
+    mine = torch.full((ck.RESUME_CANDIDATES,), -1, dtype=torch.int64, device="cpu")
+    mine[:len(valid)] = torch.tensor(valid, dtype=torch.int64, device="cpu")
+    group = control_group()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine, group=group)
     chosen = agree_newest([[int(s) for s in g.tolist() if s >= 0] for g in gathered])
     if chosen is None:
@@ -407,7 +409,7 @@ def recover_any(trainer, ckpt_dir: str, tier: MemoryTier | None, *, run_dir: str
     (``recover``). Logs "recovered step N from tier=T in X ms" and appends it to
     RUN_DIR/recovery.jsonl."""
     made = preallocate_optimizer_state(trainer)
-    dist.barrier()  # the ranks come up at different times: time the recovery, not the start-up skew
+    dist.barrier(group=control_group())  # the ranks come up at different times: time the recovery, not the skew
     t0 = time.perf_counter()
     reads0 = ck.READS["shards"]
     result = recover_memory(tier, ckpt_dir) if tier is not None else None

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.errors import CommitRefused, one_line_error
+from runtime.parallel.control import control_group
 from runtime.resilience.checkpoint.delta import FULL_EVERY, MAX_FULL_EVERY, encode_snapshot
 from runtime.resilience.checkpoint.interval import young_daly_interval
 from runtime.resilience.checkpoint.manifest import ShardInfo, clean_debris, manifest_for, persist_shard, prune, write_manifest
@@ -104,8 +105,10 @@ class Checkpointer:
             self._choose_interval(stall, step_time_s)
 
     def _choose_interval(self, stall_s: float, step_time_s: float) -> None:
-        figures = torch.tensor([stall_s, step_time_s], dtype=torch.float64)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank must pick the same K
+        # every rank must pick the same K. The control group, not self.group: the persist thread
+        # gathers on self.group right now (Note [the control group] in runtime/parallel/control.py)
+        figures = torch.tensor([stall_s, step_time_s], dtype=torch.float64, device="cpu")
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=control_group())
         stall_s, step_time_s = figures.tolist()
         self.every, info = young_daly_interval(stall_s, self.mtbf_s, step_time_s)
         self.choice = {"every": self.every, "stall_s": stall_s, "step_time_s": step_time_s,

@@ -19,7 +19,7 @@ from runtime.resilience.checkpoint.tp_pieces import piece_entries
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
 from runtime.program.spec import Program
 from runtime.parallel.tensor_parallel import from_full, local
-from runtime.parallel.zero import full_state
+from runtime.parallel.zero import adam_step, full_state
 
 # ---------------------------------------------------------------------------------------------
 # Taking the state
@@ -41,11 +41,24 @@ def capture_rng() -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def cuda_rng_split(keys, visible: int) -> tuple[list[tuple[int, str]], list[int]]:
+    """The checkpoint's CUDA generator states (``rng/cuda_<i>``) this host can take, as (device
+    index, key) in index order, and the indices it has no device for: a writer saw every GPU of
+    its host, and a resume may run where fewer are visible."""
+    indexed = sorted((int(k.rsplit("_", 1)[1]), k) for k in keys)
+    return [(i, k) for i, k in indexed if i < visible], [i for i, _ in indexed if i >= visible]
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], meta: dict, *, rank: int | None = None) -> None:
     torch.set_rng_state(tensors["rng/torch_cpu"])
-    cuda = sorted(k for k in tensors if k.startswith("rng/cuda_"))
+    cuda = [k for k in tensors if k.startswith("rng/cuda_")]
     if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+        keep, dropped = cuda_rng_split(cuda, torch.cuda.device_count())
+        for i, k in keep:
+            torch.cuda.set_rng_state(tensors[k], i)
+        if dropped:  # the rank's own device is among those kept (it runs on one of them)
+            print(f"[rank {rank}] warning: {dropped_rng_line(len(cuda), len(keep), dropped)}", file=sys.stderr,
+                  flush=True)
     if meta.get("python_random"):
         version, state, gauss = meta["python_random"]
         random.setstate((version, tuple(state), gauss))
@@ -54,6 +67,11 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
         name, pos, has_gauss, cached = meta["numpy_random"]
         np.random.set_state((name, tensors["rng/numpy_keys"].numpy().astype("uint32"), pos,
                              has_gauss, cached))
+
+
+def dropped_rng_line(saved: int, visible: int, dropped: list[int]) -> str:
+    return (f"the checkpoint holds the CUDA generator states of {saved} devices and this host sees {visible}: "
+            f"restored cuda:0..{visible - 1}, dropped cuda:{','.join(map(str, dropped))} (no device here runs them)")
 
 
 def _json_scheduler_state(sched) -> dict:
@@ -295,7 +313,7 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
                         v = from_full(p, v.to(local(p).device))
                         st[k] = cur.copy_(v) if same else v.clone()
                     if name in ckpt.param_steps:
-                        st["step"] = torch.tensor(ckpt.param_steps[name], dtype=torch.float32)
+                        st["step"] = adam_step(ckpt.param_steps[name], local(p), trainer.optimizer)
                     trainer.optimizer.state[p] = st
     if getattr(trainer, "zero", None) is not None:
         trainer.zero.restore(ckpt.params, ckpt.optim, ckpt.optim_pieces, ckpt.param_steps)
@@ -305,7 +323,7 @@ def restore(trainer, ckpt: LoadedCheckpoint) -> None:
     if ckpt.lr_scheduler:
         restore_schedule(trainer.lr_scheduler, trainer.optimizer, ckpt.lr_scheduler)
     if ckpt.rng_tensors is not None:
-        restore_rng(ckpt.rng_tensors, ckpt.rng_meta or {})
+        restore_rng(ckpt.rng_tensors, ckpt.rng_meta or {}, rank=trainer.rank)
     trainer.steps_done = ckpt.step
 
 

@@ -1,0 +1,63 @@
+"""The control group: one gloo group over the world for the runtime's small host-side bookkeeping
+collectives, and the start-up barrier.
+
+Note [the control group]: the default group and every group of ``create_groups`` run on the
+program's backend, and NCCL serves only CUDA tensors ("No backend type associated with device
+type cpu" for a CPU one). The runtime's bookkeeping (which checkpoint steps each rank can restore,
+the checkpoint interval's stall and step time) is a handful of integers and floats that live on
+the host and are read back on the host; it goes over this gloo group instead of the device, made
+once at start-up right after ``create_groups`` (runtime/launch/rank.py ``_main``), on every rank
+in the same order. Chosen over device tensors on the default group because (1) gloo raises in
+Python when a peer dies, so start-up recovery and a rollback say "a peer rank died" in one line
+(Note [a dead peer] in runtime/launch/rank.py) where NCCL's watchdog would abort the process;
+(2) gloo's ``monitored_barrier`` takes its own timeout, which the start-up barrier needs (NCCL's
+barrier has only the group's); (3) a bookkeeping gather never waits behind the device's queue of
+kernels. Only the main thread uses it: the Checkpointer's background persist has its own gloo
+group (collectives from two threads on one group could pair up in another order on each rank),
+and so has the memory tier. Everything sent on it is made with ``device="cpu"``. Every gloo group
+of the runtime spans the whole world: with the default group bound to a device (``device_id``),
+torch has a rank outside a new subgroup join an NCCL split that a gloo subgroup's members never
+make.
+
+Note [start-up barrier]: the ranks reach their first collective at different times: stage
+compilation (per rank, Note [compiled stages] in runtime/execute/compiled.py), pretrained weights,
+a checkpoint restore. A collective waits only ``collective_timeout_s`` (60 s by default), and under
+NCCL an expired wait aborts the process. So ``startup_barrier`` waits for every rank with
+STARTUP_TIMEOUT_S before the first collective after the stages are built and again before step 1:
+skew up to half an hour is waited out; a rank that died is still an error at once (gloo sees its
+connection close).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+STARTUP_TIMEOUT_S = 1800.0
+_made: list = []  # [(the default group it was made for, the control group)]: the newest only
+
+
+def make_control_group(timeout: timedelta):
+    """Create the control group (collective: every rank, right after ``create_groups``)."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=timeout, backend="gloo")
+    _made[:] = [(dist.group.WORLD, group)]
+    return group
+
+
+def control_group():
+    """The control group of the current default group. None (the default group itself) when none
+    was made and the default group is gloo (a test's or a notebook's hand-made world)."""
+    if _made and _made[0][0] is dist.group.WORLD:
+        return _made[0][1]
+    if dist.get_backend() == "gloo":
+        return None
+    raise RuntimeError("no control group was made for this process group: call "
+                       "runtime.parallel.control.make_control_group right after create_groups on every rank")
+
+
+def startup_barrier(timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Every rank waits here for every other, up to ``timeout_s`` (Note [start-up barrier])."""
+    if dist.get_world_size() < 2:
+        return
+    dist.monitored_barrier(group=control_group(), timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
