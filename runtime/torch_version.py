@@ -7,7 +7,7 @@ constraints.txt), numpy, safetensors, transformers, and neither OR-Tools nor zst
 runtime (this package, and the rank_<r>.py, train.py and stage_<k>.py files codegen writes) needs
 at start only torch >= 2.11 (with the packages torch itself requires), numpy and safetensors, and
 never imports ortools, partitioner or passes (tests/unit/test_import_graph.py reads the imports;
-tests/unit/test_runtime_needs.py trains a compiled folder where those cannot be imported). The
+tests/e2e/test_runtime_needs.py trains a compiled folder where those cannot be imported). The
 optional packages are imported only where a run asks for them: zstandard for
 ``--checkpoint-compression lossless`` and for reading a lossless checkpoint (a missing one is one
 line naming ``pip install zstandard`` at start-up, never a checkpoint skipped as corrupt:
