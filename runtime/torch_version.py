@@ -15,7 +15,9 @@ runtime/resilience/checkpoint/delta.py), tensorboard for the metrics board (none
 transformers for pretrained weights, datasets and tokenizers for those corpus kinds. Every torch
 API the runtime calls exists in torch 2.11 with the arguments it passes (docs/gpu.md lists the
 ones read in torch 2.11's source), so 2.11 is the oldest supported torch and an older one is
-refused here in one line; 2.11 through 2.13 (the pin) are the versions it was run under.
+refused here in one line; 2.11 through 2.13 (the pin) are the versions it was run under. Two
+kinds of pipeline plan need a newer one and are refused at start too (Note [torch 2.11's
+pipelining]).
 """
 
 from __future__ import annotations
@@ -71,3 +73,52 @@ def check_torch(version: str | None = None) -> None:
         raise MissingPackageError(f"torch {text} is older than the oldest the runtime runs under "
                                   f"(torch {want}; run under {TESTED}): install a newer one here, "
                                   f"e.g. pip install 'torch>={want}' (a build for this machine's CUDA)")
+
+
+# Note [torch 2.11's pipelining]: torch.distributed.pipelining before 2.13, read in the source of
+# 2.11 and 2.12 and run here on CPU under both, fails at the first step of two kinds of plan that
+# 2.13 runs: (1) a plan with an integer or boolean tensor crossing a stage boundary (HF models'
+# position ids and masks): 2.11 gives every received tensor requires_grad ("only Tensors of
+# floating point dtype can require gradients"); 2.12 creates the buffers right but still expects a
+# gradient back for each ("has gradients None and is expecting to send gradients"); (2) under
+# torch 2.11, a rank holding two adjacent stages (zbv's V) over gloo: every stage first exchanges
+# a warm-up message with its neighbours, its own rank included, and gloo cannot send to its own
+# rank ("Pair is not connected"; NCCL can: not refused there). So a rank refuses such a plan at
+# start, in one line naming the tensor or the stages and the fix, instead of a traceback at step 1.
+INTEGER_BOUNDARIES = (2, 13)  # the first torch that passes an integer tensor between stages
+NEIGHBOURS_ON_ONE_RANK = (2, 12)  # the first whose warm-up skips a neighbour on the same rank
+
+
+def _floating(dtype: str) -> bool:
+    name = dtype.removeprefix("torch.")
+    return "float" in name or name in ("half", "double")
+
+
+def _install(version: tuple[int, int]) -> str:
+    return "install torch >= %d.%d here (pip install 'torch>=%d.%d')" % (version + version)
+
+
+def pipeline_refusal(program, version: str | None = None) -> str | None:
+    """Why torch ``version`` (default: the installed one) cannot run ``program``'s pipeline (Note
+    [torch 2.11's pipelining]), or None."""
+    text = installed_torch_version() if version is None else version
+    got = major_minor(text or "")
+    if got is None:
+        return None
+    if got < INTEGER_BOUNDARIES:
+        for stage in program.stages[1:]:  # stage k > 0 receives every input from stage k - 1
+            for t in stage.inputs:
+                if not _floating(t.dtype):
+                    return (f"torch {text} cannot pass {t.name!r} ({t.dtype}) from stage {stage.index - 1} to "
+                            f"stage {stage.index}: its pipelining expects a gradient for every tensor between "
+                            f"stages, and only floating-point tensors have one: {_install(INTEGER_BOUNDARIES)}, "
+                            f"or compile with --stages 1")
+    if got < NEIGHBOURS_ON_ONE_RANK and program.backend == "gloo":
+        for rank, held in enumerate(program.layout.stages_of_rank):
+            pair = next(((a, b) for a, b in zip(held, held[1:]) if b == a + 1), None)
+            if pair is not None:
+                return (f"torch {text} cannot run stages {pair[0]} and {pair[1]} on one rank (rank {rank}) over "
+                        f"gloo: its pipelining sends a warm-up message from each stage to its neighbours, and "
+                        f"gloo cannot send to its own rank: {_install(NEIGHBOURS_ON_ONE_RANK)}, or compile "
+                        f"with another --schedule than {program.schedule}")
+    return None

@@ -30,7 +30,7 @@ from runtime.program.spec import Program, load_program
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import command_text, free_port
 from runtime.launch.torchrun import LOOPBACK, loopback_store
-from runtime.torch_version import check_torch
+from runtime.torch_version import check_torch, pipeline_refusal
 
 
 def _worker_store(rank: int, world: int, timeout: timedelta):
@@ -243,6 +243,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     options = options or RunOptions()
     program = load_program(folder)
     rank, world, local_rank = read_env(program, folder, rank)
+    if (why := pipeline_refusal(program)) is not None:  # Note [torch 2.11's pipelining]
+        raise LaunchError(why)
     # Checkpoint and fault settings are checked before anything slow (and before training).
     from runtime.resilience import checkpoint as ck
 

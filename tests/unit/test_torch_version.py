@@ -18,7 +18,7 @@ import torch
 
 from runtime.errors import MissingPackageError
 from runtime.launch.torchrun import run_env
-from runtime.torch_version import check_torch, installed_torch_version, major_minor
+from runtime.torch_version import check_torch, installed_torch_version, major_minor, pipeline_refusal
 
 REPO = Path(__file__).resolve().parents[2]
 # What a cluster image has (docs/gpu.md): the runtime's module-level imports need no more.
@@ -95,3 +95,48 @@ def test_the_runtime_imports_only_torch_numpy_and_safetensors_at_module_level():
 def test_the_module_level_rule_sees_a_module_level_import_and_not_a_lazy_one():
     source = "import os\nimport zstandard\nfrom ortools.sat import x\ndef f():\n    import transformers\n"
     assert module_level_imports(source) == {"os", "zstandard", "ortools"}
+
+
+def test_an_integer_tensor_between_stages_is_refused_before_torch_2_13(tmp_path):
+    """Note [torch 2.11's pipelining]: torch 2.11 and 2.12 fail at the first step of such a plan."""
+    from _runtime_folders import skip_folder  # lazy: builds stage files with torch
+
+    _, program = skip_folder(str(tmp_path / "skip"))  # stage 0 sends stage 1 an int64 mask
+    for version in ("2.11.0+cu130", "2.12.0"):
+        why = pipeline_refusal(program, version)
+        assert why is not None and why.startswith(f"torch {version} cannot pass 'mask' (torch.int64) from stage 0 "
+                                                  "to stage 1")
+        assert "pip install 'torch>=2.13'" in why and "\n" not in why
+    assert pipeline_refusal(program, "2.13.0") is None
+
+
+def test_two_adjacent_stages_on_one_gloo_rank_are_refused_under_torch_2_11(tmp_path):
+    from _runtime_folders import mlp_folder  # lazy: builds stage files with torch
+
+    _, program = mlp_folder(str(tmp_path / "v"), splits=[[0], [1], [2], [3]], ranks=[([0, 3], 0), ([1, 2], 0)],
+                            schedule="zbv")
+    why = pipeline_refusal(program, "2.11.0+cu130")
+    assert why is not None and why.startswith("torch 2.11.0+cu130 cannot run stages 1 and 2 on one rank (rank 1) "
+                                              "over gloo")
+    assert "pip install 'torch>=2.12'" in why and "another --schedule than zbv" in why
+    assert pipeline_refusal(program, "2.12.0") is None
+    _, flat = mlp_folder(str(tmp_path / "flat"), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
+    assert pipeline_refusal(flat, "2.11.0") is None  # float boundaries, one stage per rank: 2.11 runs it
+
+
+def test_a_rank_refuses_the_plan_its_torch_cannot_pipeline_in_one_line_at_start(tmp_path):
+    """This torch, saying it is 2.12.0: the rank refuses before its first collective."""
+    from _runtime_folders import skip_folder  # lazy: builds stage files with torch
+
+    skip_folder(str(tmp_path / "skip"))
+    script = textwrap.dedent(f"""
+        import torch
+        torch.__version__ = "2.12.0"
+        import runtime.launch.rank
+        runtime.launch.rank.main({str(tmp_path / "skip")!r}, rank=0, argv=["--steps", "2"])
+    """)
+    env = dict(run_env(pythonpath=str(REPO)), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("[rank 0] LaunchError: torch 2.12.0 cannot pass 'mask' (torch.int64)")
