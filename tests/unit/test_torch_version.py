@@ -98,7 +98,7 @@ def test_the_module_level_rule_sees_a_module_level_import_and_not_a_lazy_one():
 
 
 def test_an_integer_tensor_between_stages_is_refused_before_torch_2_13(tmp_path):
-    """Note [torch 2.11's pipelining]: torch 2.11 and 2.12 fail at the first step of such a plan."""
+    """torch 2.11 and 2.12 fail at the first step of such a plan (Note [torch 2.11's pipelining])."""
     from _runtime_folders import skip_folder  # lazy: builds stage files with torch
 
     _, program = skip_folder(str(tmp_path / "skip"))  # stage 0 sends stage 1 an int64 mask
