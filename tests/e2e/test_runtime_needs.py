@@ -9,6 +9,7 @@ any step, never a traceback mid-run nor a lossless checkpoint skipped as corrupt
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -86,7 +87,8 @@ def test_the_runtime_trains_where_only_torch_numpy_and_safetensors_are_installed
     assert not {"partitioner", "passes", "ortools", "zstandard"} & set(seen["loaded"]), seen["loaded"]
     # ... and the run loaded only what the image has
     assert {"torch", "numpy", "safetensors", "runtime"} <= set(seen["loaded"])
-    assert not {"partitioner", "passes", "ortools"} & set(seen["loaded"]) and seen["refused"], seen
+    if importlib.util.find_spec("tensorboard") is not None:  # installed here, hidden there: the board is off
+        assert "tensorboard" in seen["refused"], seen
 
 
 def test_lossless_checkpoints_without_zstandard_are_one_line_at_start(folder, tmp_path):
@@ -106,13 +108,13 @@ def test_resuming_a_lossless_checkpoint_without_zstandard_is_one_line_not_a_skip
     step 0 (and retention could then delete them)."""
     pytest.importorskip("zstandard")
     ck = tmp_path / "ck"
-    write = subprocess.run([sys.executable, str(folder / "rank_0.py"), "--steps", "2", "--checkpoint-every", "1",
+    write = subprocess.run([sys.executable, str(folder / "rank_0.py"), "--steps", "1",
                             "--checkpoint-compression", "lossless", "--run-dir", str(tmp_path / "run"),
                             "--checkpoint-dir", str(ck)],
                            env=run_env(pythonpath=str(REPO)), capture_output=True, text=True, timeout=120)
     assert write.returncode == 0, write.stderr[-3000:]
     before = sorted(p.name for p in ck.iterdir())
-    done, _ = on_the_image([sys.executable, str(folder / "rank_0.py"), "--steps", "3", "--run-dir",
+    done, _ = on_the_image([sys.executable, str(folder / "rank_0.py"), "--steps", "2", "--run-dir",
                             str(tmp_path / "run"), "--checkpoint-dir", str(ck)], tmp_path)
     assert done.returncode == 1, done.stdout[-2000:]
     lines = done.stderr.strip().splitlines()
