@@ -1,5 +1,6 @@
-"""What generated programs import. Runs without the compiler: depends only on torch, safetensors and
-the standard library (never on ``partitioner`` or ``passes``).
+"""What generated programs import. Runs without the compiler: depends only on torch (2.11 or newer),
+numpy, safetensors and the standard library (never on ``partitioner``, ``passes`` or ortools; the
+optional packages only where a run asks for them: Note [what the runtime needs]).
 
 Rooms
 -----
@@ -17,6 +18,7 @@ observe/            what a run reports: peak memory, stage times, the step line 
 
 errors.py           the runtime's errors (partitioner.errors re-exports them)
 python_version.py   the Python >= 3.11 check run on import of partitioner and runtime
+torch_version.py    the torch >= 2.11 check run first when a rank starts; what the runtime needs
 file_trust.py       reading files of folders others may have prepared: no links followed, regular
                     files only, bounded reads, folders others cannot write in (Note [files are not
                     trusted])

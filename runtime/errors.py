@@ -27,6 +27,14 @@ class InputMismatchError(ValueError):
     [constant inputs] in runtime/data/synthetic.py)."""
 
 
+class MissingPackageError(ValueError):
+    """A package this run needs is not installed, or is older than the runtime supports: one line
+    naming the package, what needs it and the pip command (Note [what the runtime needs] in
+    runtime/torch_version.py). A ValueError, not an ImportError: the user's to fix, printed as one
+    line by the CLI and by each rank; and not corruption: a checkpoint that needs zstandard to be
+    read is not skipped as a bad one when zstandard is missing."""
+
+
 class DiskFullError(OSError):
     """A write ran out of room (ENOSPC, EDQUOT): one line naming the folder and the fix, never a
     traceback (the CLI and each rank print it as it is)."""

@@ -15,6 +15,7 @@ block: nothing is hidden that is not the box.
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import threading
 from typing import IO, Callable, Iterable
@@ -24,6 +25,13 @@ _RANK = re.compile(r"^\s+rank\s+:\s+(\d+)")
 _EXIT = re.compile(r"^\s+exitcode\s+:\s+(-?\d+)(?:.*\((SIG\w+)\))?")
 _RULE = "=" * 20
 _MAX_HELD = 400  # lines held while deciding whose traceback it is; past that it is passed on
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
 
 
 def failed_ranks_line(ranks: dict[int, tuple[int, str | None]]) -> str:
@@ -78,7 +86,10 @@ class AgentOutput:
         if (match := _RANK.match(line)) is not None:
             self.rank = int(match.group(1))
         elif (match := _EXIT.match(line)) is not None and self.rank is not None:
-            self.box[self.rank] = (int(match.group(1)), match.group(2))
+            code, sig = int(match.group(1)), match.group(2)
+            if sig is None and code < 0:  # torch 2.11's box says "exitcode : -9" without the signal's name
+                sig = _signal_name(-code)
+            self.box[self.rank] = (code, sig)
 
     def flush(self) -> None:
         """Pass on whatever is held (the stream ended, or the held lines were not the agent's)."""

@@ -31,11 +31,12 @@ from datetime import timedelta
 
 from runtime.resilience import faults
 from runtime.launch.entry_files import check_rank_file
-from runtime.errors import InputMismatchError, one_line_error
+from runtime.errors import InputMismatchError, MissingPackageError, one_line_error
 from runtime.program.spec import Program, load_program
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import command_text, free_port
 from runtime.launch.torchrun import LOOPBACK, loopback_store
+from runtime.torch_version import check_torch, pipeline_refusal
 
 
 def _worker_store(rank: int, world: int, timeout: timedelta):
@@ -182,6 +183,7 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
     try:
+        check_torch()  # Note [what the runtime needs]: an older torch is one line here, not an AttributeError later
         options = parse_args(argv)
         from runtime.resilience.exclusion import stop_if_excluded  # torch-free; Note [excluding a host]
 
@@ -219,9 +221,10 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         elif peer_lost(exc):  # Note [a dead peer]: one line, not a gloo traceback per survivor
             print(peer_lost_line(who, exc), file=sys.stderr, flush=True)
         else:
-            # a launch mistake, or a batch the program was not compiled for (Note [constant inputs] in
-            # runtime/data/synthetic.py), needs its message, not a traceback
-            if not isinstance(exc, (LaunchError, InputMismatchError, FlagError)):
+            # a launch mistake, a batch the program was not compiled for (Note [constant inputs] in
+            # runtime/data/synthetic.py) or a package missing here (Note [what the runtime needs])
+            # needs its message, not a traceback
+            if not isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError)):
                 traceback.print_exc()
             print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -282,6 +285,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     options = options or RunOptions()
     program = load_program(folder)
     rank, world, local_rank = read_env(program, folder, rank)
+    if (why := pipeline_refusal(program)) is not None:  # Note [torch 2.11's pipelining]
+        raise LaunchError(why)
     # Checkpoint and fault settings are checked before anything slow (and before training).
     from runtime.resilience import checkpoint as ck
 

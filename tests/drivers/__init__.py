@@ -2,6 +2,8 @@
 
 run_many.py         torchrun entry training several folders in the same workers (``RUN_MANY``)
 checkpoint_drills.py one-process drills of the checkpoint protocol
+cluster_image/      a sitecustomize.py: put first on PYTHONPATH, the process can import only what a GPU
+                    cluster's image has (tests/e2e/test_runtime_needs.py)
 """
 
 import os

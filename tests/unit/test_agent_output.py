@@ -81,3 +81,12 @@ def test_bytes_that_are_not_text_and_a_closed_stderr_never_stop_the_draining():
         assert not thread.is_alive()
         if not write_fails:
             assert got[0] == "\ufffd\ufffd not text\n" and got[-1].startswith("[run] torchrun: rank 0"), got[-1]
+
+
+def test_torch_2_11s_box_names_the_signal_by_its_negative_exit_code():
+    """torch 2.11's agent writes "exitcode  : -9 (pid: N)" without "(SIGKILL)" (the same failure,
+    seen running tests/dist/test_runtime_dist.py under torch 2.11)."""
+    old = BOX.replace("exitcode  : -9 (pid: 5220)  (SIGKILL)", "exitcode  : -9 (pid: 5220)")
+    assert "exitcode  : -9 (pid: 5220)\n" in old
+    out = said(RANK_LINES + old)
+    assert "rank 1 was killed (SIGKILL)" in out and "rank 0 exited with code 1" in out, out

@@ -27,7 +27,7 @@ import torch
 
 from runtime.resilience.checkpoint.shard import _ST_BY_NAME, _ST_DTYPES, tensor_bytes
 from runtime.resilience.checkpoint.state import Snapshot
-from runtime.errors import CheckpointCorruptError
+from runtime.errors import CheckpointCorruptError, MissingPackageError
 
 CODEC = "xor-byteplanes-zstd/1"
 COMPRESSIONS = ("none", "lossless")
@@ -38,13 +38,21 @@ MAX_FULL_EVERY = 64
 LEVEL = 1  # zstd's fastest standard level: the planes of a delta are mostly zeros anyway
 
 
-def _zstd():
+def _zstd(reading: str | None = None):
+    """The zstandard module; MissingPackageError, one line naming the fix, when it is not installed
+    (Note [what the runtime needs]). ``reading``: the lossless shard being read, when it is a read
+    (the flag is not the cause then, and the shard is not corrupt: it must not be skipped as one)."""
     try:
         # optional dependency: zstandard (the [compression] extra); the except below handles its absence
         import zstandard
     except ImportError:
-        raise ValueError("--checkpoint-compression lossless needs the zstandard package: "
-                         "pip install zstandard (or pass --checkpoint-compression none)") from None
+        if reading is not None:
+            raise MissingPackageError(f"{reading} is a lossless checkpoint (--checkpoint-compression lossless): "
+                                      "reading it needs the zstandard package, which is not installed here: "
+                                      "pip install zstandard") from None
+        raise MissingPackageError("--checkpoint-compression lossless needs the zstandard package, which is not "
+                                  "installed here: pip install zstandard (or pass --checkpoint-compression "
+                                  "none)") from None
     return zstandard
 
 
@@ -137,6 +145,7 @@ def decode_shard(tensors: dict[str, torch.Tensor], meta: dict, base_tensor, wher
         return tensors
     if enc.get("codec") != CODEC:
         raise CheckpointCorruptError(f"{where} is encoded with {enc.get('codec')!r}, not {CODEC!r}")
+    _zstd(reading=where)  # before the loop's except: a missing package is not a corrupt shard
     out = {k: v for k, v in tensors.items() if k.startswith("rng/")}
     for key, e in enc["tensors"].items():
         blob = tensors.get("enc/" + key)

@@ -17,7 +17,7 @@ from runtime.resilience.checkpoint.manifest import _bare_name, check_model, list
 from runtime.resilience.checkpoint.shard import parse_shard, step_dirname
 from runtime.resilience.checkpoint.state import LoadedCheckpoint, pieces_complete, take_pieces, take_state
 from runtime.resilience.checkpoint.validate import check_meta
-from runtime.errors import CheckpointCorruptError, PlanMismatchError
+from runtime.errors import CheckpointCorruptError, MissingPackageError, PlanMismatchError
 from runtime.file_trust import UntrustedFile, lexists_as_link, open_regular
 from runtime.program.spec import Program
 
@@ -205,7 +205,7 @@ def load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed:
     tensors) is CheckpointCorruptError too (Note [valid means restorable])."""
     try:
         return _load_for_rank(ckpt_dir, step, program, rank, needed, manifest)
-    except (CheckpointCorruptError, PlanMismatchError):
+    except (CheckpointCorruptError, PlanMismatchError, MissingPackageError):  # the last: Note [what the runtime needs]
         raise
     except (TypeError, AttributeError, KeyError, IndexError, ValueError, RuntimeError) as exc:
         raise CheckpointCorruptError(f"checkpoint {os.path.join(ckpt_dir, step_dirname(step))} is malformed "
