@@ -56,8 +56,8 @@ def on_the_image(command: list[str], tmp: Path, **env) -> tuple[subprocess.Compl
     """Run ``command`` as on a cluster image; (its result, the modules it loaded and was refused)."""
     report = tmp / f"image_{len(list(tmp.glob('image_*.json')))}.json"
     child = run_env(pythonpath=f"{IMAGE}{os.pathsep}{REPO}")
-    child.update(PARTITIONER_IMAGE_ALLOWS=",".join(sorted(image_import_names())),
-                 PARTITIONER_IMAGE_REPORT=str(report), **env)
+    child.update({"PARTITIONER_IMAGE_ALLOWS": ",".join(sorted(image_import_names())),
+                  "PARTITIONER_IMAGE_REPORT": str(report), **env})
     done = subprocess.run(command, env=child, capture_output=True, text=True, timeout=120)
     seen = json.loads(report.read_text()) if report.exists() else {}
     return done, seen
@@ -122,3 +122,20 @@ def test_resuming_a_lossless_checkpoint_without_zstandard_is_one_line_not_a_skip
     assert "is a lossless checkpoint" in lines[0] and "pip install zstandard" in lines[0]
     assert "skipping checkpoint" not in done.stdout + done.stderr
     assert sorted(p.name for p in ck.iterdir()) == before  # nothing pruned, nothing written
+
+
+def test_partitioner_run_and_inspect_need_no_ortools(folder, tmp_path):
+    """The command that runs a folder is first-class on a cluster too (Note [the solver loads
+    OR-Tools on demand] in partitioner/solver/__init__.py): with the compiler's own code present but
+    OR-Tools absent, `partitioner run` trains and `partitioner inspect` reads the plan."""
+    allow = ",".join(sorted(image_import_names() | {"partitioner", "passes"}))
+    run, seen = on_the_image([sys.executable, "-m", "partitioner", "run", str(folder), "--steps", "2",
+                              "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "ck")], tmp_path,
+                             PARTITIONER_IMAGE_ALLOWS=allow)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained steps 1..2" in run.stdout
+    assert "ortools" not in seen["loaded"], seen
+    shown, seen = on_the_image([sys.executable, "-m", "partitioner", "inspect", str(folder)], tmp_path,
+                               PARTITIONER_IMAGE_ALLOWS=allow)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "ortools" not in seen["loaded"], seen
