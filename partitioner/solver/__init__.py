@@ -38,6 +38,8 @@
     serialize.py        problem and assignment to and from plain dicts (plan.json)
 """
 
+import importlib
+
 from partitioner.solver.baselines import BaselineCost, evaluate_baselines, param_balanced_split, uniform_split
 from partitioner.solver.bounds import lower_bound_step_time_s
 from partitioner.solver.chain_dp import ChainDPResult, solve_chain_dp
@@ -66,8 +68,6 @@ _NEEDS_ORTOOLS = {"SolverConfig": "partitioner.solver.model", "CandidateRecord":
 
 def __getattr__(name):
     if name in _NEEDS_ORTOOLS:
-        import importlib
-
         return getattr(importlib.import_module(_NEEDS_ORTOOLS[name]), name)  # lazy: loads OR-Tools
     raise AttributeError(f"module 'partitioner.solver' has no attribute {name!r}")
 
