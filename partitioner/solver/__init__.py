@@ -23,6 +23,7 @@
     model_interleaved.py  the interleaved schedule's time and memory,
     model_hints.py        hints and search help
     terms.py            a linear expression kept as terms (posted and evaluated on hints)
+    cp_sat.py           OR-Tools' CP-SAT, imported at its first use (Note [the solver loads OR-Tools on demand])
     placements.py       every distinct placement of a candidate's stages on a mixed cluster
     placed.py           one candidate over its placements, exactly or by the relaxation
     space.py            the space searched: (stages, dp, microbatches) x variants (tp, sharding)
@@ -38,13 +39,12 @@
     serialize.py        problem and assignment to and from plain dicts (plan.json)
 """
 
-import importlib
-
 from partitioner.solver.baselines import BaselineCost, evaluate_baselines, param_balanced_split, uniform_split
 from partitioner.solver.bounds import lower_bound_step_time_s
 from partitioner.solver.chain_dp import ChainDPResult, solve_chain_dp
 from partitioner.solver.check import AssignmentError, check_assignment
 from partitioner.solver.evaluate import CostBreakdown, StageCost, TieCost, evaluate
+from partitioner.solver.model import SolverConfig
 from partitioner.solver.problem import (
     SCHEDULES,
     Assignment,
@@ -56,21 +56,7 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 from partitioner.solver.device_layout import place_stages
-
-# Note [the solver loads OR-Tools on demand]: the names below are what needs CP-SAT; importing
-# them at the top would make every `partitioner` command that reads a plan (run, verify, inspect,
-# export, generate) need OR-Tools, which a GPU cluster image does not have: program folders are
-# compiled where OR-Tools is and run anywhere (docs/gpu.md).
-_NEEDS_ORTOOLS = {"SolverConfig": "partitioner.solver.model", "CandidateRecord": "partitioner.solver.solve",
-                  "Solution": "partitioner.solver.solve", "solve": "partitioner.solver.solve",
-                  "solve_candidate": "partitioner.solver.solve"}
-
-
-def __getattr__(name):
-    if name in _NEEDS_ORTOOLS:
-        return getattr(importlib.import_module(_NEEDS_ORTOOLS[name]), name)  # lazy: loads OR-Tools
-    raise AttributeError(f"module 'partitioner.solver' has no attribute {name!r}")
-
+from partitioner.solver.solve import CandidateRecord, Solution, solve, solve_candidate
 
 __all__ = [
     "Assignment", "AssignmentError", "BaselineCost", "CandidateRecord", "ChainDPResult", "CostBreakdown", "Edge",

@@ -62,7 +62,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
+from partitioner.solver.cp_sat import cp_model  # Note [the solver loads OR-Tools on demand]
 
 from partitioner.config.cluster import ClusterSpec, LinkSpec
 from partitioner.solver.model_hints import SearchHelp

@@ -4,7 +4,7 @@ prefix-work cuts (Note [search help] in model.py), data-parallel all-reduce, tie
 
 from __future__ import annotations
 
-from ortools.sat.python import cp_model
+from partitioner.solver.cp_sat import cp_model  # Note [the solver loads OR-Tools on demand]
 
 from partitioner.solver.problem import microbatch_overhead_s, region_step_s
 from partitioner.solver.terms import Terms

@@ -3,7 +3,7 @@ evaluate it on a hint (Note [tight objective] in partitioner/solver/model.py).""
 
 from __future__ import annotations
 
-from ortools.sat.python import cp_model
+from partitioner.solver.cp_sat import cp_model  # Note [the solver loads OR-Tools on demand]
 
 
 class Terms:
