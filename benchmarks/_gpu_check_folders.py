@@ -55,6 +55,13 @@ FOLDERS = (
             "--steps", "3"), fp32_fallback=True),
     Folder("hf_llama", ("hf-llama:layers=2,width=64,heads=4,vocab=256,seq=32,batch=2", "--global-batch", "4",
                         "--steps", "3"), None, fp32_fallback=True),
+    # P7: two data-parallel ranks on the one GPU (Note [every rank on one GPU] in runtime/launch/rank.py)
+    Folder("gpt_dp2", ("gpt:layers=2,width=256,heads=4,vocab=1024,seq=128,dropout=0.1,device=meta", "--global-batch",
+                       "8", "--steps", "4", "--devices", "2", "--dp", "2", "--stages", "1", "--shard-optimizer", "off",
+                       "--sdc-every", "2"),
+           ("gpt:layers=1,width=32,heads=2,vocab=64,seq=16,dropout=0.1,device=meta", "--global-batch", "4",
+            "--steps", "4", "--devices", "2", "--dp", "2", "--stages", "1", "--shard-optimizer", "off",
+            "--sdc-every", "2")),
     # P6: compiled stages
     Folder("gpt_compiled", ("gpt:layers=4,width=1024,heads=16,vocab=32000,seq=1024,device=meta", "--global-batch",
                             "16", "--steps", "20", "--compile-stages"),

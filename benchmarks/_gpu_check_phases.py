@@ -346,13 +346,26 @@ def _oracles(ctx: Context, folder: str, run_dir: Path, losses: list) -> dict:
 # -- P7 ------------------------------------------------------------------------------------------
 
 def p7_multi_rank(ctx: Context, out: Answers) -> None:
-    out["skipped"] = ("multi-rank programs on one GPU need a test-only runtime override (every rank on cuda:0, "
-                      "gloo for CUDA tensors; audit §3.3) that the runtime does not have; P1's "
-                      "gloo_collectives_on_device says which collectives such an override could use")
+    """Two data-parallel ranks on the one GPU (Note [every rank on one GPU] in runtime/launch/rank.py):
+    the gradient all-reduce, the buffer broadcast and the replica digests on CUDA tensors through
+    gloo, dropout on, held to the one-process oracle. Not NCCL: what needs two GPUs is listed."""
+    record = _run(ctx, out, "P7 dp 2 on one GPU", "gpt_dp2", ["--steps", "4", "--checkpoint-every", "2",
+                                                              "--measure-memory"],
+                  nproc=2, env={"PARTITIONER_ONE_GPU_RANKS": "1"})
+    if record["ok"]:
+        out["gpt_dp2_oracle"] = _oracles(ctx, "gpt_dp2", Path(record["run_dir"]), record["losses"])
+        for where, verdict in out["gpt_dp2_oracle"].items():
+            if isinstance(verdict, dict) and verdict.get("error"):
+                _fail(out, f"gpt_dp2 oracle on {where}: {verdict['error']}")
+    out["needs_two_gpus"] = ["NCCL between ranks (all-reduce, ZeRO's reduce-scatter, pipeline sends, tensor "
+                             "parallelism's collectives, the canary exchange)", "cuda:LOCAL_RANK per rank",
+                             "the elastic re-plan's groups", "NCCL's watchdog on a killed peer",
+                             "NCCL's memory per communicator"]
 
 
+# P7 before P6: compiled stages' compile time is the least certain, so it goes last in the budget
 PHASES = {"P0": ("env", p0_env), "P1": ("probes", p1_probes), "P2": ("eager bf16, kill and resume, eval, generate",
                                                                     p2_eager),
           "P3": ("fp16 + clipping", p3_fp16), "P4": ("verify against the oracle", p4_oracle),
-          "P5": ("memory tier, lossless, resume, export", p5_tiers), "P6": ("compiled stages", p6_compiled),
-          "P7": ("multi-rank on one GPU", p7_multi_rank)}
+          "P5": ("memory tier, lossless, resume, export", p5_tiers), "P7": ("dp 2 on one GPU", p7_multi_rank),
+          "P6": ("compiled stages", p6_compiled)}

@@ -170,8 +170,8 @@ def read_run(run_dir: Path) -> dict:
 
 
 def run_folder(folder: Path, work: Path, name: str, flags: list[str], *, timeout_s: float, max_restarts: int = 0,
-               env: dict | None = None) -> dict:
-    """torchrun the one-rank program in ``folder`` with run and checkpoint folders of its own under
+               env: dict | None = None, nproc: int = 1) -> dict:
+    """torchrun the ``nproc``-rank program in ``folder`` with run and checkpoint folders of its own under
     ``work/name``; the record of what happened (never raises for a failed run)."""
     run_dir, ckpt_dir = work / name / "run", work / name / "checkpoints"
     for d in (run_dir, ckpt_dir):
@@ -184,7 +184,7 @@ def run_folder(folder: Path, work: Path, name: str, flags: list[str], *, timeout
         return record
     started = time.perf_counter()
     with DevicePoller() as poller, hosted_store() as port:
-        command = torchrun_command(folder / "train.py", 1, max_restarts=max_restarts, store_port=port, args=[
+        command = torchrun_command(folder / "train.py", nproc, max_restarts=max_restarts, store_port=port, args=[
             "--run-dir", str(run_dir), "--checkpoint-dir", str(ckpt_dir), *flags])
         try:
             done = run_tree(command, env={**run_env(pythonpath=str(REPO)), **(env or {})}, capture=True,

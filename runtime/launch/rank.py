@@ -231,6 +231,19 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
         os._exit(1)
 
 
+# Note [every rank on one GPU]: a check's override, never a user's: PARTITIONER_ONE_GPU_RANKS=1 puts
+# every rank of a host on cuda:0 and makes the default group gloo for CPU and CUDA tensors alike.
+# NCCL refuses two ranks of one communicator on one GPU, so this is how one GPU runs a multi-rank
+# program's CUDA tensors through the runtime's data-parallel code (gloo all-reduces and broadcasts
+# CUDA tensors through host copies); it tests the device handling, not NCCL. Pipeline programs
+# stay out: gloo's send and receive take host pointers (benchmarks/gpu_check.py, phase P7).
+ONE_GPU_RANKS = "PARTITIONER_ONE_GPU_RANKS"
+
+
+def one_gpu_ranks() -> bool:
+    return os.environ.get(ONE_GPU_RANKS) == "1"
+
+
 def _device(kind: str, local_rank: int):
     """This rank's device, made current before any group talks: NCCL puts a communicator on the
     current device, and without set_device that is cuda:0 on every rank of a host."""
@@ -238,6 +251,8 @@ def _device(kind: str, local_rank: int):
 
     if kind != "cuda":
         return torch.device(kind)
+    if one_gpu_ranks():  # Note [every rank on one GPU]
+        local_rank = 0
     count = torch.cuda.device_count()
     if local_rank >= count:
         ranks = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
@@ -257,6 +272,8 @@ def _init_group(backend: str, rank: int, world: int, timeout: timedelta, device)
     import torch.distributed as dist  # lazy: loads torch
 
     bound = {"device_id": device} if device.type == "cuda" else {}
+    if device.type == "cuda" and one_gpu_ranks():  # Note [every rank on one GPU]
+        backend, bound = "cpu:gloo,cuda:gloo", {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                             store=_worker_store(rank, world, timeout), **bound)
 
