@@ -4,6 +4,8 @@ entry_files.py      the text of rank_<r>.py and train.py (``entry_files``, ``wri
                     one emitter for codegen and hand-made test folders
 rank.py             ``main(folder, rank=None, *, steps=None, run_dir=None, exit_on_error=True)``: the
                     one call of every rank_<r>.py (env, process groups, training, final save)
+world.py            a rank's device (set before any group talks) and the default process group it
+                    joins (Note [every rank on one GPU]: the one-GPU check's override)
 run_options.py      the run flags as one table and one frozen ``RunOptions`` (`partitioner run` and
                     a program's entry file parse the same; Note [one flag table])
 torchrun.py         ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host

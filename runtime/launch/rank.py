@@ -35,28 +35,8 @@ from runtime.errors import InputMismatchError, MissingPackageError, one_line_err
 from runtime.program.spec import Program, load_program
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import command_text, free_port
-from runtime.launch.torchrun import LOOPBACK, loopback_store
+from runtime.launch.world import LaunchError, init_group, init_world, rank_device
 from runtime.torch_version import check_torch, pipeline_refusal
-
-
-def _worker_store(rank: int, world: int, timeout: timedelta):
-    """The store init_process_group meets on. On a single host (MASTER_ADDR is loopback) rank 0
-    serves it on 127.0.0.1 only (Note [loopback only] in runtime/launch/torchrun.py); across hosts,
-    None: torch's env:// store, which listens on every interface (README "Trust model")."""
-    addr = os.environ.get("MASTER_ADDR", "")
-    if addr not in ("127.0.0.1", "localhost", "::1") or "MASTER_PORT" not in os.environ:
-        return None
-    # lazy: loads torch
-    import torch.distributed as dist
-
-    port = int(os.environ["MASTER_PORT"])
-    if rank == 0:
-        return loopback_store(port, world_size=world, timeout_s=timeout.total_seconds())
-    return dist.TCPStore(LOOPBACK, port, world, False, timeout)
-
-
-class LaunchError(ValueError):
-    """The process was started in a way that does not match the program (world size, rank)."""
 
 
 class ResumeBeyondStepsError(LaunchError):
@@ -197,7 +177,7 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
             if options.elastic:  # Note [elastic run]: another world than the program's runs the re-planned folder
                 from runtime.launch import elastic  # lazy: only an elastic run
 
-                folder, options = elastic.resolve(folder, options, _init_world)
+                folder, options = elastic.resolve(folder, options, init_world)
             steps = options.steps if options.steps is not None else steps
             run_dir = options.run_dir or run_dir
             losses = _main(folder, rank, steps=steps, run_dir=run_dir, options=options)
@@ -229,59 +209,6 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
             print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
-
-
-# Note [every rank on one GPU]: a check's override, never a user's: PARTITIONER_ONE_GPU_RANKS=1 puts
-# every rank of a host on cuda:0 and makes the default group gloo for CPU and CUDA tensors alike.
-# NCCL refuses two ranks of one communicator on one GPU, so this is how one GPU runs a multi-rank
-# program's CUDA tensors through the runtime's data-parallel code (gloo all-reduces and broadcasts
-# CUDA tensors through host copies); it tests the device handling, not NCCL. Pipeline programs
-# stay out: gloo's send and receive take host pointers (benchmarks/gpu_check.py, phase P7).
-ONE_GPU_RANKS = "PARTITIONER_ONE_GPU_RANKS"
-
-
-def one_gpu_ranks() -> bool:
-    return os.environ.get(ONE_GPU_RANKS) == "1"
-
-
-def _device(kind: str, local_rank: int):
-    """This rank's device, made current before any group talks: NCCL puts a communicator on the
-    current device, and without set_device that is cuda:0 on every rank of a host."""
-    import torch  # lazy: loads torch
-
-    if kind != "cuda":
-        return torch.device(kind)
-    if one_gpu_ranks():  # Note [every rank on one GPU]
-        local_rank = 0
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        ranks = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
-        fix = (f"start at most {count} ranks per host (torchrun --nproc-per-node {count}, or --hosts), or make "
-               "more GPUs visible (CUDA_VISIBLE_DEVICES)") if count else \
-            "run it on a GPU host, or compile the program for --device cpu"
-        raise LaunchError(f"{ranks} ranks on this host (LOCAL_RANK {local_rank} wants cuda:{local_rank}) but "
-                          f"torch.cuda.device_count() is {count}: {fix}")
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    return device
-
-
-def _init_group(backend: str, rank: int, world: int, timeout: timedelta, device) -> None:
-    """The default process group, bound to the rank's device under CUDA (one NCCL communicator made
-    at once and split for every new group, not one per group at its first use)."""
-    import torch.distributed as dist  # lazy: loads torch
-
-    bound = {"device_id": device} if device.type == "cuda" else {}
-    if device.type == "cuda" and one_gpu_ranks():  # Note [every rank on one GPU]
-        backend, bound = "cpu:gloo,cuda:gloo", {}
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                            store=_worker_store(rank, world, timeout), **bound)
-
-
-def _init_world(rank: int, world: int, timeout_s: float, backend: str, device_kind: str = "cpu") -> None:
-    """The default process group, before the program is chosen (runtime/launch/elastic.py)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    _init_group(backend, rank, world, timedelta(seconds=timeout_s), _device(device_kind, local_rank))
 
 
 def _where(step: int) -> None:
@@ -376,11 +303,11 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime.execute.precision import device_numerics  # lazy: loads torch
 
     device_numerics(program.device, program.precision)  # before any CUDA work: Note [deterministic kernels on a GPU]
-    device = _device(program.device, local_rank)
+    device = rank_device(program.device, local_rank)
     # A caller that already set up the default group (a test driver, a notebook) keeps it.
     owns_group = not dist.is_initialized()
     if owns_group:
-        _init_group(program.backend, rank, world, timeout, device)
+        init_group(program.backend, rank, world, timeout, device)
     elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
         raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
                           f"{dist.get_world_size()}, the program wants rank {rank} of {world}")

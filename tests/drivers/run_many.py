@@ -42,6 +42,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 import runtime.launch.rank
+import runtime.launch.world
 from runtime.launch.torchrun import free_port
 
 
@@ -189,7 +190,7 @@ if __name__ == "__main__":
         os.makedirs(logs, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # loopback store on one host
     timeout = timedelta(seconds=60)
-    store = runtime.launch.rank._worker_store(rank, world, timeout)
+    store = runtime.launch.world.worker_store(rank, world, timeout)
     groups = 0  # default process groups made so far (a later one gets its own key prefix in the store)
 
     def default_group() -> None:

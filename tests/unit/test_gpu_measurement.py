@@ -120,7 +120,7 @@ def test_device_numerics_sets_the_process_flags_for_cuda_and_none_for_cpu():
 
 def test_the_rank_sets_its_kernels_before_any_cuda_work():
     """CUBLAS_WORKSPACE_CONFIG is read when cuBLAS makes its first handle: the rank's call must
-    come before set_device (rank._device), the process group and the trainer."""
+    come before set_device (rank_device), the process group and the trainer."""
     from runtime.launch import rank
 
     tree = ast.parse(open(rank.__file__).read())
@@ -129,8 +129,8 @@ def test_the_rank_sets_its_kernels_before_any_cuda_work():
     for node in ast.walk(main):
         if isinstance(node, ast.Call):
             first.setdefault(ast.unparse(node.func), node.lineno)
-    # _device sets the CUDA device, _init_group makes the process group
-    assert first["device_numerics"] < min(first["_device"], first["_init_group"], first["RankTrainer"])
+    # rank_device sets the CUDA device, init_group makes the process group
+    assert first["device_numerics"] < min(first["rank_device"], first["init_group"], first["RankTrainer"])
     call = next(n for n in ast.walk(main) if isinstance(n, ast.Call) and ast.unparse(n.func) == "device_numerics")
     assert [ast.unparse(a) for a in call.args] == ["program.device", "program.precision"]
 

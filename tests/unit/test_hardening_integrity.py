@@ -53,7 +53,7 @@ def test_the_loopback_store_listens_on_127_0_0_1_only():
 def test_a_single_host_worker_store_binds_loopback(monkeypatch):
     from datetime import timedelta
 
-    from runtime.launch.rank import _worker_store
+    from runtime.launch.world import worker_store as _worker_store
     from runtime.launch.torchrun import free_port
 
     port = free_port()

@@ -120,7 +120,7 @@ def _cuda_folder(tmp_path) -> str:
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a host with fewer GPUs than ranks")
 def test_more_ranks_than_gpus_is_one_line_before_any_group(tmp_path, monkeypatch):
     """F3 (and B3: the elastic path sets the device before its group talks)."""
-    from runtime.launch import elastic, rank
+    from runtime.launch import elastic, rank, world
     from runtime.launch.run_options import RunOptions
 
     folder = _cuda_folder(tmp_path)
@@ -134,7 +134,7 @@ def test_more_ranks_than_gpus_is_one_line_before_any_group(tmp_path, monkeypatch
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(elastic.HOST_ENV, "0")
     with pytest.raises(rank.LaunchError, match="device_count"):
-        elastic.resolve(folder, RunOptions(hosts="0,1"), rank._init_world)
+        elastic.resolve(folder, RunOptions(hosts="0,1"), world.init_world)
     assert not dist.is_initialized()
 
 
