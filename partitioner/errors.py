@@ -12,6 +12,7 @@ __all__ = [
     "PartitionInfeasibleError",
     "PlanMismatchError",
     "CheckpointCorruptError",
+    "MissingPackageError",
 ]
 
 
@@ -36,4 +37,4 @@ class PartitionInfeasibleError(PartitionerError, ValueError):
 
 # Raised by generated programs too, so they live in runtime (which never imports partitioner).
 # They are ValueErrors rather than PartitionerErrors for that reason.
-from runtime.errors import CheckpointCorruptError, PlanMismatchError  # noqa: E402
+from runtime.errors import CheckpointCorruptError, MissingPackageError, PlanMismatchError  # noqa: E402
