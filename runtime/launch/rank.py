@@ -358,6 +358,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             start_step = recover(trainer, ckpt_dir)
         if start_step > steps:  # resuming would train nothing and save the resumed state as final
             if owns_group:  # nothing runs on it any more, every rank refuses alike: leave it clean
+                control.release()
                 dist.destroy_process_group()
             raise ResumeBeyondStepsError(
                 f"--steps {steps}: the checkpoint to resume from in {ckpt_dir} is at step {start_step}, "
@@ -431,5 +432,6 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
             memory.finish()  # after the last disk checkpoint is committed: then the memory tier goes
     trainer.save_final()
     if owns_group:
+        control.release()
         dist.destroy_process_group()
     return losses

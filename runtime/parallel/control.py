@@ -45,6 +45,13 @@ def make_control_group(timeout: timedelta):
     return group
 
 
+def release() -> None:
+    """Forget the control group, with the default group it was made for: called before
+    ``destroy_process_group``, so the held groups do not keep the world's store (and its port)
+    alive into a next world made in this process (a test, a notebook)."""
+    _made.clear()
+
+
 def control_group():
     """The control group of the current default group. None (the default group itself) when none
     was made and the default group is gloo (a test's or a notebook's hand-made world)."""
