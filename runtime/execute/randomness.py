@@ -160,28 +160,36 @@ def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
-def _mix64_(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's output function on an int64 tensor, in place (the Python ``_splitmix64`` after
-    its add). In place because a draw is a dozen passes over 8-byte integers: fresh tensors for each
-    cost four times the time on a CPU."""
+def _mix64_top24_(z: torch.Tensor) -> torch.Tensor:
+    """The top 24 bits of splitmix64's output function of an int64 tensor (the Python
+    ``_splitmix64`` after its add), in place. Its last step, z ^ (z >> 31), leaves bits 40..63 as
+    they are, so it is skipped. In place because a draw is a dozen passes over 8-byte integers:
+    fresh tensors for each cost four times the time on a CPU."""
     shifted = torch.empty_like(z)
-    for bits, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+    for bits, multiplier in ((30, _MIX1), (27, _MIX2)):
         torch.bitwise_right_shift(z, bits, out=shifted)
         shifted &= (1 << (64 - bits)) - 1  # torch's >> on int64 is arithmetic; splitmix64's is logical
         z ^= shifted
-        if multiplier is not None:
-            z *= _signed64(multiplier)
+        z *= _signed64(multiplier)
+    z >>= 40
+    z &= (1 << 24) - 1
     return z
 
 
 def hashed_uniform(keys: torch.Tensor, count: int, *, first: int = 0) -> torch.Tensor:
     """fp32 U[0, 1) of shape (len(keys), count): row i, column j is the hash of (keys[i], first + j)
     (Note [device-independent draws]). ``keys``: int64 on the device to draw on."""
-    counters = torch.arange(first + 1, first + count + 1, dtype=torch.int64, device=keys.device)
-    z = _mix64_(counters.mul_(_signed64(_GOLDEN)).reshape(1, -1) + keys.reshape(-1, 1))
-    z >>= 40
-    z &= (1 << 24) - 1
-    return z.to(torch.float32).mul_(1.0 / (1 << 24))
+    rows = len(keys)
+    if rows == 0 or count == 0:
+        return torch.empty((rows, count), dtype=torch.float32, device=keys.device)
+    # one buffer of states, made in place: each fresh tensor of a large draw costs its page faults
+    z = torch.empty((rows, count), dtype=torch.int64, device=keys.device)
+    torch.arange(first + 1, first + count + 1, dtype=torch.int64, device=keys.device, out=z[0])
+    z[0].mul_(_signed64(_GOLDEN))
+    if rows > 1:
+        z[1:].copy_(z[0].expand(rows - 1, count))
+    z.add_(keys.reshape(-1, 1))
+    return _mix64_top24_(z).to(torch.float32).mul_(1.0 / (1 << 24))
 
 
 def _hashed(keys: list[int], count: int, *, device: torch.device, normal: bool) -> torch.Tensor:

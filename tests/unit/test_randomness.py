@@ -219,3 +219,10 @@ def test_keyed_draws_are_uniform_and_normal_enough():
     n = randomness._draw((4, 50_000), op="randn_1", batch_dim=0, device=torch.device("cpu"), normal=True)
     assert torch.isfinite(n).all()
     assert abs(float(n.mean())) < 0.02 and abs(float(n.std()) - 1.0) < 0.02
+
+
+def test_an_empty_draw_is_empty():
+    randomness.set_context(seed=0, step=0, first_sample=0, microbatch=0)
+    cpu = torch.device("cpu")
+    assert randomness._draw((0, 4), op="e", batch_dim=0, device=cpu, normal=False).shape == (0, 4)
+    assert randomness._draw((3, 0), op="e", batch_dim=0, device=cpu, normal=True).shape == (3, 0)
