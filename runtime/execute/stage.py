@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from safetensors.torch import load_file
@@ -48,6 +49,24 @@ def load_stage_module(folder: str, stage_index: int):
     return import_path(path, name=f"_runtime_stage_{stage_index}_{abs(hash(os.path.abspath(path)))}")
 
 
+# Note [aten ops this torch has]: a stage file calls aten ops by name, as the compiling torch wrote
+# them; a cluster's older torch (the runtime runs under 2.11 and later: Note [what the runtime
+# needs] in runtime/torch_version.py) may lack one, and would say so only at its first call, deep
+# in step 1. Every aten op the file names is looked up when the stage is built instead: one line
+# naming the op, the file and the fix.
+_ATEN_CALL = re.compile(r"torch\.ops\.aten\.(\w+)\.(\w+)")
+
+
+def missing_aten_ops(source_text: str) -> list[str]:
+    """The ``aten.<op>.<overload>`` names ``source_text`` calls that this torch does not have."""
+    missing = []
+    for op, overload in sorted(set(_ATEN_CALL.findall(source_text))):
+        packet = getattr(torch.ops.aten, op, None)
+        if packet is None or not hasattr(packet, overload):
+            missing.append(f"aten.{op}.{overload}")
+    return missing
+
+
 def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu",
                 *, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """Instantiate Stage<k> with its parameters (original dotted names) loaded and on ``device``.
@@ -55,6 +74,12 @@ def build_stage(folder: str, stage_index: int, device: torch.device | str = "cpu
     ``weights`` overrides the safetensors file (e.g. a checkpoint keyed by original names).
     """
     source = load_stage_module(folder, stage_index)
+    path = os.path.join(folder, f"stage_{stage_index}.py")
+    with open(path, encoding="utf-8") as f:
+        missing = missing_aten_ops(f.read())
+    if missing:  # Note [aten ops this torch has]
+        raise StageFileError(f"{path} calls {', '.join(missing[:3])}, which torch {torch.__version__} does not have: "
+                             "install the torch the program was compiled with, or compile it again with this torch")
     cls_name = f"Stage{stage_index}"
     cls = getattr(source, cls_name, None)
     if cls is None:

@@ -242,3 +242,19 @@ def test_bucketed_allreduce_copies_back_every_tensor(tmp_path):
             torch.testing.assert_close(t, w / 2)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_stage_calling_an_aten_op_this_torch_lacks_is_one_line_at_build(tmp_path):
+    """A folder compiled by a newer torch than the cluster's (Note [aten ops this torch has] in
+    runtime/execute/stage.py)."""
+    from runtime.execute.stage import missing_aten_ops
+
+    mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
+    assert missing_aten_ops(open(tmp_path / "stage_0.py").read()) == []
+    src = open(tmp_path / "stage_1.py").read()
+    (tmp_path / "stage_1.py").write_text(src + "\n# a later torch's op\n"
+                                         "_LATER = 'torch.ops.aten.op_of_a_later_torch.default'\n")
+    with pytest.raises(StageFileError, match=r"stage_1.py calls aten.op_of_a_later_torch.default, which torch "
+                                             r"\S+ does not have: install the torch"):
+        build_stage(str(tmp_path), 1)
+    assert missing_aten_ops("torch.ops.aten.mm.not_an_overload(a, b)") == ["aten.mm.not_an_overload"]
