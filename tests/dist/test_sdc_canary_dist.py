@@ -1,8 +1,8 @@
 """Compute-fault canaries in real gloo jobs (Note [compute canaries] in runtime/resilience/canary.py):
 a 2-stage pipeline x dp 2 (TinyGPT, dropout on, tied embedding) and 1 stage x dp 3 (an MLP, fp32 and
 bf16-mixed). Clean runs with canaries find nothing and train exactly as without them (the MLP with
-the replica check on as well); a faulty matmul on one rank (--fault-matmul, transient: gone after the rollback) is caught within K steps, named (by majority
-with 3 replicas, the pair with 2), rolled back to the newest checkpoint before it, and the run ends
+the replica check on as well); a faulty matmul on one rank (--fault-matmul, transient: gone after
+the rollback) is caught within K steps, named (by majority with 3 replicas, the pair with 2), rolled back to the newest checkpoint before it, and the run ends
 with the clean run's losses and parameters bit for bit. A permanent fault is caught again after
 the rollback: RUN_DIR/exclude.json names the rank and `partitioner run` exits 4 (its own launch:
 the shared launch would stop at its exit)."""
