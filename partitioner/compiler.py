@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from passes import ir
+from passes.flops import unpriced_experts
 from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
@@ -49,6 +51,7 @@ from partitioner.solver.zero_choice import allgather_s
 from partitioner.frontend.corpus_data import with_corpus
 from partitioner.frontend.tp_support import check_tensor_parallel, grouped
 from partitioner.frontend.workload import Workload
+from partitioner.inspect.table import unpriced_line
 from passes.region_graph import region_table
 from runtime.execute import randomness
 from runtime.execute.grad_norm import no_decay_names
@@ -161,6 +164,9 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     _progress(progress, f"passes: shapes, flops, memory, regions ({request.granularity})")
     gm = annotate(traced, granularity=request.granularity, optimizer=optimizer,
                   loss_outside_graph=workload.loss_fn is not None)
+    unpriced = unpriced_experts(gm)  # Note [experts priced at 0] in passes/flops.py
+    if unpriced:
+        print(f"note: {unpriced_line(unpriced)}", file=sys.stderr, flush=True)
     profiles = list(profiles)
     for p in profiles:  # a fit is of one precision policy (calibrate's meta "precision")
         fitted = Precision.of(p.meta.get("precision", Precision.FP32))
@@ -253,6 +259,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                      tp=tp)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
+    if unpriced:  # plan.json says it too, for `inspect`; absent for a dense model (its hash as before)
+        plan.predicted["unpriced_flops"] = unpriced
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
         plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path,
                                                                          compiled=machine_compiled)
