@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from passes import ir
-from passes.flops import unpriced_experts
-from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed
+from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed, unpriced_field
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
 from partitioner.calibrate.machine import fill_fixed_costs, with_compiled_fit
@@ -51,7 +49,6 @@ from partitioner.solver.zero_choice import allgather_s
 from partitioner.frontend.corpus_data import with_corpus
 from partitioner.frontend.tp_support import check_tensor_parallel, grouped
 from partitioner.frontend.workload import Workload
-from partitioner.inspect.table import unpriced_line
 from passes.region_graph import region_table
 from runtime.execute import randomness
 from runtime.execute.grad_norm import no_decay_names
@@ -164,9 +161,6 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     _progress(progress, f"passes: shapes, flops, memory, regions ({request.granularity})")
     gm = annotate(traced, granularity=request.granularity, optimizer=optimizer,
                   loss_outside_graph=workload.loss_fn is not None)
-    unpriced = unpriced_experts(gm)  # Note [experts priced at 0] in passes/flops.py
-    if unpriced:
-        print(f"note: {unpriced_line(unpriced)}", file=sys.stderr, flush=True)
     profiles = list(profiles)
     for p in profiles:  # a fit is of one precision policy (calibrate's meta "precision")
         fitted = Precision.of(p.meta.get("precision", Precision.FP32))
@@ -259,8 +253,6 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                      tp=tp)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
-    if unpriced:  # plan.json says it too, for `inspect`; absent for a dense model (its hash as before)
-        plan.predicted["unpriced_flops"] = unpriced
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
         plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path,
                                                                          compiled=machine_compiled)
@@ -280,7 +272,6 @@ def _machine_step(option, cluster, progress):
 
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, settings: TrainingSettings,
               decisions: Decisions, tp: int = 1) -> Plan:
-
 
     assignment = solution.assignment
 
@@ -377,7 +368,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
                       if decisions.sdc_canary_every else {}),
                    # interleaved only: each rank's v stages on one device (Note [interleaved pricing])
                    **({"rank_peak_memory_bytes": [int(x) for x in cost.rank_memory_bytes]}
-                      if cost.rank_memory_bytes else {})},
+                      if cost.rank_memory_bytes else {}),
+                   **unpriced_field(gm)},  # Note [experts priced at 0] in passes/flops.py: said at compile too
         solver=solution_summary(solution),
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),
