@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from passes import ir
-from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed
+from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed, unpriced_field
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
 from partitioner.calibrate.machine import fill_fixed_costs, with_compiled_fit
@@ -273,7 +273,6 @@ def _machine_step(option, cluster, progress):
 def make_plan(workload, gm, problem, cluster, solution, global_batch, *, settings: TrainingSettings,
               decisions: Decisions, tp: int = 1) -> Plan:
 
-
     assignment = solution.assignment
 
     cost = evaluate(problem, cluster, assignment, sdc_every=decisions.sdc_every,  # Note [global gradient norm]
@@ -369,7 +368,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
                       if decisions.sdc_canary_every else {}),
                    # interleaved only: each rank's v stages on one device (Note [interleaved pricing])
                    **({"rank_peak_memory_bytes": [int(x) for x in cost.rank_memory_bytes]}
-                      if cost.rank_memory_bytes else {})},
+                      if cost.rank_memory_bytes else {}),
+                   **unpriced_field(gm)},  # Note [experts priced at 0] in passes/flops.py: said at compile too
         solver=solution_summary(solution),
         baselines=baseline_figures(solution),
         cluster=cluster.to_dict(),

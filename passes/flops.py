@@ -83,3 +83,53 @@ def annotate_flops(gm: fx.GraphModule) -> fx.GraphModule:
                                 bwd_weight_flops=_weight_flops(gm, node, int(sim.fwd_flops), int(sim.bwd_flops)))
         ir.put(node, ir.FLOPS, meta)
     return gm
+
+
+# Note [experts priced at 0]: a mixture-of-experts layer sends each token to the experts its router
+# picks, so how many rows each expert multiplies is known only at run time. Hugging Face's MoE
+# models (Mixtral, Qwen2-MoE, ...) run their experts as one module holding 3-D weights, through a
+# grouped matmul (``transformers.grouped_mm_fallback``, a custom op) that FlopCounterMode has no
+# formula for: the experts, most of an MoE model's work, are priced at 0 FLOPs and every such plan
+# is priced wrong. Until MoE pricing lands, the compiler says so instead of staying silent: one line
+# on stderr at compile, and ``predicted.unpriced_flops`` in plan.json, which ``inspect`` prints
+# (its words: ``unpriced_line`` in partitioner/inspect/table.py).
+# An expert module is one whose class name or path segment says "experts" (a dense shared expert,
+# Qwen2-MoE's ``shared_expert``, is an MLP priced as any other); it is reported when none of its
+# nodes is priced at all.
+_MATMULS = ("mm", "bmm", "addmm", "linear", "matmul", "einsum", "_grouped_mm", "grouped_mm", "baddbmm")
+
+
+def _expert_module(node: fx.Node) -> str | None:
+    """The outermost module around ``node`` that holds experts, by path (None: no such module)."""
+    for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+        name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if "experts" in leaf or "experts" in str(path).split("."):
+            return str(path)
+    return None
+
+
+def _op_name(target) -> str:
+    name = getattr(target, "name", None)
+    return name() if callable(name) else getattr(target, "__name__", str(target))
+
+
+def unpriced_experts(gm: fx.GraphModule) -> dict:
+    """{"modules": [...], "ops": [...]} of the expert modules priced at 0 FLOPs, or {} (Note [experts
+    priced at 0]). Reads the FLOPS meta annotate_flops wrote."""
+    flops: dict[str, int] = {}
+    ops: dict[str, set] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or (module := _expert_module(node)) is None:
+            continue
+        meta = ir.get(node, ir.FLOPS)
+        flops[module] = flops.get(module, 0) + (meta.fwd_flops + meta.bwd_flops if meta is not None else 0)
+        name = _op_name(node.target)
+        namespace = name.split("::", 1)[0] if "::" in name else "aten"
+        if namespace not in ("aten", "prims") or name.split("::")[-1].split(".")[0] in _MATMULS:
+            ops.setdefault(module, set()).add(name)
+    modules = sorted(m for m, f in flops.items() if f == 0)
+    if not modules:
+        return {}
+    return {"modules": modules, "ops": sorted(set().union(*(ops.get(m, set()) for m in modules)))}
+

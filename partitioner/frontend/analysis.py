@@ -11,6 +11,8 @@ The annotated graph becomes the solver's problem, priced, in partitioner/calibra
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
@@ -18,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from partitioner.frontend.randomness import lower_randomness
 from partitioner.frontend.trace import Traced, trace
 from partitioner.frontend.workload import Workload
+from partitioner.inspect.table import unpriced_line
 from runtime.execute import randomness
 
 # Costing runs keyed random ops on fake (or, calibrating, real) tensors: they need a context,
@@ -43,6 +46,19 @@ def annotate(traced: Traced, *, granularity: str = "block", optimizer: str = "ad
     with randomness.restored(COSTING_RANDOMNESS):
         return passes.run_all(traced.gm, granularity=granularity, optimizer=optimizer,
                               loss_outside_graph=loss_outside_graph)
+
+
+def unpriced_field(gm: fx.GraphModule) -> dict:
+    """``{"unpriced_flops": ...}`` for plan.json's ``predicted`` when expert modules are priced at 0
+    FLOPs, said on stderr as well, once per compile; ``{}`` for a dense model, whose plan hashes as
+    before (Note [experts priced at 0] in passes/flops.py)."""
+    # lazy: as annotate's passes
+    from passes.flops import unpriced_experts
+
+    record = unpriced_experts(gm)
+    if record:
+        print(f"note: {unpriced_line(record)}", file=sys.stderr, flush=True)
+    return {"unpriced_flops": record} if record else {}
 
 
 def analyze(workload: Workload, *, granularity: str = "block"):

@@ -42,6 +42,8 @@ def inspect_json(plan: Plan) -> dict:
         predicted["grad_norm_s_per_step"] = plan.predicted["grad_norm_s_per_step"]
     if "cpu_time_model" in plan.predicted:  # Note [machine profile]: what priced the cpu devices
         predicted["cpu_time_model"] = plan.predicted["cpu_time_model"]
+    if "unpriced_flops" in plan.predicted:  # Note [experts priced at 0] in passes/flops.py: not in step_time_s
+        predicted["unpriced_flops"] = plan.predicted["unpriced_flops"]
     solver = {k: plan.solver.get(k) for k in ("status", "objective", "bound", "solve_time_s")}
     solver["gap"] = plan.solver.get("gap", 0.0)
     return {

@@ -48,6 +48,15 @@ def time_model_text(record: dict) -> str:
             + " (partitioner calibrate --machine shows it)")
 
 
+def unpriced_line(record: dict) -> str:
+    """The words for ``predicted.unpriced_flops`` (Note [experts priced at 0] in passes/flops.py)."""
+    mods = record.get("modules") or []
+    shown = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+    ops = f" (ops {', '.join(record['ops'])})" if record.get("ops") else ""
+    return (f"{len(mods)} mixture-of-experts module(s) priced at 0 FLOPs: {shown}{ops}; their routed tokens "
+            "are data-dependent, so the predicted step time and the stage balance leave the experts' work out")
+
+
 def table(plan: Plan) -> str:
     p = plan.predicted
     lines = [
@@ -103,6 +112,8 @@ def table(plan: Plan) -> str:
         lines.append(f"optimal over    {solver['optimal_over']}")
     if p.get("cpu_time_model"):  # absent: the cpu preset, or no cpu device (Note [machine profile])
         lines.append(f"cpu time model  {time_model_text(p['cpu_time_model'])}")
+    if p.get("unpriced_flops"):  # Note [experts priced at 0] in passes/flops.py
+        lines.append(f"not priced      {unpriced_line(p['unpriced_flops'])}")
 
     base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
     for name in ("uniform", "param_balanced"):

@@ -188,13 +188,26 @@ def parse_fault_matmul(text: str) -> MatmulFault:
 # forward or backward matmul: it is averaged into every replica's gradient by the all-reduce, and
 # the replicas stay equal. The drill makes one: while armed, the first matmul-family call (F.linear,
 # matmul, mm, bmm, addmm, ``@``, or their aten overloads) of each forward of the rank's stage
-# modules returns its product scaled by 1 + DELTA (a multiplier off by a part in a thousand; one element alone
-# can be cut by a relu or be a causal query no output reads), under a TorchFunctionMode around the
+# modules returns its product scaled by 1 + delta (every element: one alone can be cut by a relu or
+# be a causal query no output reads), under a TorchFunctionMode around the
 # module's forward, so the corruption flows on through autograd like a real one (and also hits a
 # canary re-run on that rank: a bad device is bad for every computation it makes). Armed from step
 # STEP on; transient: disarmed when the job goes back to an earlier step (a rollback: the device
 # recovered, the re-run steps are clean); permanent: never disarmed (a rollback meets it again).
+# delta is a part in a thousand or two epsilons of the product's own dtype, whichever is larger: a
+# fixed 1e-3 is under half a bf16 ulp (2**-9 of the value or more), so under bf16-mixed (the GPU
+# default) every product rounded back to itself and the drill faulted nothing while saying it
+# had. With delta >= 2 eps, x * (1 + delta) moves every nonzero finite x by at least two ulps of
+# its dtype whatever the rounding, in fp32, bf16, fp16 and the fp8 formats alike.
 MATMUL_DELTA = 1e-3
+
+
+def matmul_delta(dtype) -> float:
+    """The relative perturbation of a faulty product of ``dtype`` (Note [a faulty matmul])."""
+    # lazy: loads torch
+    import torch
+
+    return max(MATMUL_DELTA, 2 * torch.finfo(dtype).eps)
 
 
 @dataclass
@@ -228,7 +241,7 @@ def _matmul_mode(fault_state: _MatmulState):
             if not self.done and func in matmuls and isinstance(out, torch.Tensor) and out.is_floating_point():
                 self.done = True
                 fault_state.fired += 1
-                out = out * (1.0 + MATMUL_DELTA)  # every element: one could be cut by a relu or a causal mask
+                out = out * (1.0 + matmul_delta(out.dtype))
             return out
 
     return FirstMatmulOff

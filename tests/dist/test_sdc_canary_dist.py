@@ -1,9 +1,8 @@
 """Compute-fault canaries in real gloo jobs (Note [compute canaries] in runtime/resilience/canary.py):
-a 2-stage pipeline x dp 2 (TinyGPT, dropout on, tied embedding) and 1 stage x dp 3 (an MLP). Clean
-runs with canaries find nothing and train exactly as without them (the MLP with the replica check
-on as well); a faulty matmul on one rank
-(--fault-matmul, transient: gone after the rollback) is caught within K steps, named (by majority
-with 3 replicas, the pair with 2), rolled back to the newest checkpoint before it, and the run ends
+a 2-stage pipeline x dp 2 (TinyGPT, dropout on, tied embedding) and 1 stage x dp 3 (an MLP, fp32 and
+bf16-mixed). Clean runs with canaries find nothing and train exactly as without them (the MLP with
+the replica check on as well); a faulty matmul on one rank (--fault-matmul, transient: gone after
+the rollback) is caught within K steps, named (by majority with 3 replicas, the pair with 2), rolled back to the newest checkpoint before it, and the run ends
 with the clean run's losses and parameters bit for bit. A permanent fault is caught again after
 the rollback: RUN_DIR/exclude.json names the rank and `partitioner run` exits 4 (its own launch:
 the shared launch would stop at its exit)."""
@@ -39,6 +38,9 @@ def _canary_jobs(root: Path):
                num_microbatches=2, global_batch=8, steps=STEPS)
     mlp_folder(mlp, splits=[[0, 1, 2, 3]], ranks=[([0], 0), ([0], 1), ([0], 2)], dp=3, global_batch=24,
                num_microbatches=2, steps=STEPS)
+    bf16 = str(root / "mlp_dp3_bf16")
+    mlp_folder(bf16, splits=[[0, 1, 2, 3]], ranks=[([0], 0), ([0], 1), ([0], 2)], dp=3, global_batch=24,
+               num_microbatches=2, steps=STEPS, extra={"precision": "bf16-mixed"})
     common = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--sdc-every", "0"]
 
     def job(world, folder, name, *more):
@@ -50,7 +52,9 @@ def _canary_jobs(root: Path):
             job(4, gpt, "gpt_fault", *canary, "--fault-matmul", GPT_FAULT),
             # with the replica check on too (its last agreeing check is not what a canary rolls back to)
             job(3, mlp, "mlp_clean", *canary, "--sdc-every", "3"),
-            job(3, mlp, "mlp_fault", *canary, "--sdc-every", "3", "--fault-matmul", MLP_FAULT)]
+            job(3, mlp, "mlp_fault", *canary, "--sdc-every", "3", "--fault-matmul", MLP_FAULT),
+            # bf16-mixed, the GPU default: a 1e-3 product fault rounded away there (Note [a faulty matmul])
+            job(3, bf16, "bf16_fault", *canary, "--fault-matmul", MLP_FAULT)]
     return str(root), jobs
 
 
@@ -98,6 +102,18 @@ def test_a_faulty_matmul_is_caught_within_k_steps_rolled_back_and_ends_as_the_cl
     assert [r["step"] for r in faulty] == list(range(STEPS))
     assert [r["loss"] for r in faulty] == [r["loss"] for r in clean]
     _same_final(root, f"{model}_fault", f"{model}_clean", world)
+
+
+def test_a_faulty_matmul_is_caught_under_bf16_mixed(runs):
+    """The drill faults in the GPU's default precision too: caught within K steps, rank 1 blamed by
+    majority, rolled back (before the fix the bf16 products rounded back and no canary fired)."""
+    root, _ = runs
+    rank, step = (int(x) for x in MLP_FAULT.split(":"))
+    finding = _rows(f"{root}/bf16_fault/canary.jsonl") if os.path.exists(f"{root}/bf16_fault/canary.jsonl") else []
+    assert len(finding) == 1 and step <= finding[0]["step"] < step + K, finding
+    assert finding[0]["blamed_ranks"] == [rank]
+    assert _rows(f"{root}/bf16_fault/sdc.jsonl")[0]["rolled_back_to"] <= step
+    assert [r["step"] for r in _rows(f"{root}/bf16_fault/metrics.jsonl")] == list(range(STEPS))
 
 
 def test_a_permanent_fault_is_caught_again_and_the_rank_excluded(tmp_path):

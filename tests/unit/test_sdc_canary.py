@@ -83,6 +83,27 @@ def test_a_faulty_matmul_changes_the_first_product_only_while_armed():
     assert faults.matmul_hook([faults.MatmulFault(1, 2)], 0, [model]) is None  # another rank's
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_faulty_matmul_moves_every_product_in_every_precision(dtype):
+    """Under bf16-mixed (autocast, the GPU default) the old x * (1 + 1e-3) rounded back to x:
+    the drill armed, said so, and faulted nothing (Note [a faulty matmul])."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+
+    def product():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            return model(x)
+
+    clean = product()
+    assert clean.dtype == dtype
+    hook = faults.matmul_hook([faults.MatmulFault(0, 0)], 0, [model])
+    hook(0)
+    faulty = product()
+    moved = (faulty != clean) | (clean == 0)
+    assert bool(moved.all()), f"{int((~moved).sum())} of {clean.numel()} {dtype} products unmoved"
+
+
 def test_blame_by_majority_with_three_replicas_and_the_pair_with_two():
     from runtime.resilience.canary import ComputeCanary
 
