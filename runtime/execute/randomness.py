@@ -278,11 +278,36 @@ def native_dropout(x: torch.Tensor, p: float, train: bool | None = True, *, op: 
     return x.masked_fill(~keep, 0.0) * scale, keep
 
 
-def bernoulli(x: torch.Tensor, p: float | None = None, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
-    """``aten.bernoulli``: 1 with probability x (or p where given), in x's dtype."""
+def bernoulli(x: torch.Tensor, p: float | torch.Tensor | None = None, *, op: str,
+              batch_dim: int | None = 0) -> torch.Tensor:
+    """``aten.bernoulli``: 1 with probability x (or p where given: a float, or a tensor that
+    broadcasts to x, as ``x.bernoulli_(p)`` takes), in x's shape and dtype."""
     u = _uniform_like(x, op=op, batch_dim=batch_dim)
-    prob = x.float() if p is None else p
+    prob = x.float() if p is None else p.float() if isinstance(p, torch.Tensor) else p
     return (u < prob).to(x.dtype)
+
+
+# Note [in-place random ops]: timm's DropPath (``x.new_empty(shape).bernoulli_(keep)``),
+# torchvision's StochasticDepth (``torch.empty(size).bernoulli_(p)``), ``nn.Dropout(inplace=True)``
+# (``aten.dropout_``) and initializers in forward (``uniform_``, ``normal_``) draw in place. export
+# threads every later read through the in-place node's result, so the lowering gives that node the
+# out-of-place keyed draw below (the overwritten tensor's old values are never read: bernoulli_,
+# uniform_ and normal_ ignore them, dropout_ reads them as its input). Writing into the tensor
+# instead would break where it is a stage's received input, a leaf autograd may not change in
+# place. Where another alias of the tensor is read after the write (a view made before it), the
+# result alone does not carry the draw: the lowering refuses that (partitioner/frontend/randomness.py).
+
+
+def uniform(x: torch.Tensor, low: float = 0.0, high: float = 1.0, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``x.uniform_(low, high)``: U[low, high) of x's shape, in x's dtype (Note [in-place random ops])."""
+    u = _uniform_like(x, op=op, batch_dim=batch_dim)
+    return (u * (high - low) + low).to(x.dtype)
+
+
+def normal(x: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``x.normal_(mean, std)``: N(mean, std²) of x's shape, in x's dtype (Note [in-place random ops])."""
+    z = _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=True)
+    return (z * std + mean).to(x.dtype)
 
 
 def rand(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
