@@ -11,7 +11,10 @@ unpartitioned graph, before it is split, so the key's op name is the node's name
 
 Ops that draw nothing (dropout with p = 0 or train = False, attention without dropout, a GRU, LSTM
 or RNN without dropout between its layers: Note [recurrent dropout]) are left
-as they are. A random op this pass does not know is an error, not a silent per-process draw.
+as they are. In-place draws (``dropout_``, ``bernoulli_``, ``uniform_``, ``normal_``: timm's
+DropPath, torchvision's StochasticDepth, ``nn.Dropout(inplace=True)``) become the out-of-place keyed
+draw (Note [in-place random ops] in runtime/execute/randomness.py). A random op this pass does not
+know is an error naming its module and a fix, not a silent per-process draw.
 """
 
 from __future__ import annotations
@@ -218,8 +221,8 @@ def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
         if lowering is None:
             if _is_random(node.target):
                 raise ValueError(
-                    f"node {node.name!r} calls {node.target}{_module_of(node)}, a random op whose draws the "
-                    f"program cannot key to the same values on every layout (keyed: {_KEYED_NAMES}). Fix: in "
+                    f"node {node.name!r} calls {node.target}{_module_of(node)}, a random op whose draws cannot be "
+                    f"keyed, so they would differ with the layout (keyed: {_KEYED_NAMES}). Fix: in "
                     f"that module's forward, draw with one of those instead (a mask: torch.rand_like(x) < p; "
                     f"integers: (torch.rand_like(x) * n).long())")
             continue
