@@ -108,6 +108,20 @@ def _bernoulli_(kw):
     return keyed.bernoulli, (kw["input"], p if isinstance(p, fx.Node) else float(p)), {}
 
 
+_DIVISIONS = {aten.div_.Tensor, aten.div_.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
+def _drop_mask(node: fx.Node):
+    """``x.bernoulli_(keep)`` with a float keep as ``drop_mask``: scaled when every reader divides it by keep."""
+    def lower(kw):
+        keep = float(kw.get("p", 0.5))
+        scaled = bool(node.users) and all(
+            user.target in _DIVISIONS and user.args[0] is node and len(user.args) > 1
+            and isinstance(user.args[1], (int, float)) and float(user.args[1]) == keep for user in node.users)
+        return keyed.drop_mask, (kw["input"], keep, scaled), {}
+    return lower
+
+
 def _uniform_(kw):
     return keyed.uniform, (kw["input"], float(kw.get("from", 0.0)), float(kw.get("to", 1.0))), {}
 
@@ -134,7 +148,7 @@ _LOWERINGS = {
     aten.bernoulli.default: _bernoulli,
     aten.bernoulli.p: _bernoulli,
     torch.bernoulli: _bernoulli,
-    aten.bernoulli_.float: _bernoulli_,  # timm's DropPath, torchvision's StochasticDepth
+    aten.bernoulli_.float: _drop_mask,  # timm's DropPath, torchvision's StochasticDepth: takes the node
     aten.bernoulli_.Tensor: _bernoulli_,
     aten.uniform_.default: _uniform_,
     aten.normal_.default: _normal_,
@@ -227,7 +241,7 @@ def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
                     f"integers: (torch.rand_like(x) * n).long())")
             continue
         try:
-            rewritten = lowering(_normalized(node, gm))
+            rewritten = (lowering(node) if lowering is _drop_mask else lowering)(_normalized(node, gm))
         except _CannotKey as refused:
             raise ValueError(f"node {node.name!r} calls {node.target}{_module_of(node)}: {refused}") from None
         if rewritten is None:

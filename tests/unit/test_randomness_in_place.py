@@ -27,7 +27,7 @@ def test_drop_path_stochastic_depth_and_in_place_dropout_draw_the_whole_batch_ma
     whole_gm, lowered = keyed_graph(workload, 4)
     # timm's DropPath, torchvision's stochastic_depth, the head's nn.Dropout(inplace=True)
     assert {(k.op, k.function, k.batch_dim) for k in lowered} == {
-        ("bernoulli_", "bernoulli", 0), ("bernoulli__1", "bernoulli", 0), ("dropout_", "dropout", 0)}
+        ("bernoulli_", "drop_mask", 0), ("bernoulli__1", "drop_mask", 0), ("dropout_", "dropout", 0)}
     assert _random_nodes(whole_gm) == []
     half_gm, _ = keyed_graph(workload, 2)
     randomness.set_context(seed=0, step=3, first_sample=0, microbatch=0)
@@ -42,6 +42,24 @@ def test_drop_path_stochastic_depth_and_in_place_dropout_draw_the_whole_batch_ma
     assert not torch.allclose(workload.model(tokens), whole)
     randomness.set_context(seed=0, step=4, first_sample=0, microbatch=0)
     assert not torch.allclose(whole_gm(tokens), whole)
+
+
+@pytest.mark.parametrize("scale_by_keep", [True, False])
+def test_evaluation_keeps_every_path_as_the_model_in_eval_mode_does(scale_by_keep):
+    """Note [evaluation turns dropout off]: under dropout_off the compiled graph (traced in training
+    mode) computes exactly what model.eval() does: drop paths and in-place dropout are identities."""
+    from _vision_blocks import DropPath
+
+    workload = vision_workload(drop=0.5, layers=2)
+    for block in workload.model.blocks:
+        block.drop_path = DropPath(0.5, scale_by_keep)
+    (tokens,), _ = workload.make_batch(0, 4)
+    gm, _ = keyed_graph(workload, 4)
+    randomness.set_context(seed=0, step=0, first_sample=0, microbatch=0)
+    with randomness.dropout_off():
+        evaluated = gm(tokens)
+    workload.model.eval()
+    assert torch.equal(evaluated, workload.model(tokens))
 
 
 def test_the_drop_path_mask_is_per_sample_and_scaled_by_the_keep_probability():
