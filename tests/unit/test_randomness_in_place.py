@@ -46,7 +46,7 @@ def test_drop_path_stochastic_depth_and_in_place_dropout_draw_the_whole_batch_ma
 
 @pytest.mark.parametrize("scale_by_keep", [True, False])
 def test_evaluation_keeps_every_path_as_the_model_in_eval_mode_does(scale_by_keep):
-    """Note [evaluation turns dropout off]: under dropout_off the compiled graph (traced in training
+    """Under dropout_off (Note [evaluation turns dropout off]) the compiled graph (traced in training
     mode) computes exactly what model.eval() does: drop paths and in-place dropout are identities."""
     from _vision_blocks import DropPath
 
