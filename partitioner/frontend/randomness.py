@@ -11,7 +11,10 @@ unpartitioned graph, before it is split, so the key's op name is the node's name
 
 Ops that draw nothing (dropout with p = 0 or train = False, attention without dropout, a GRU, LSTM
 or RNN without dropout between its layers: Note [recurrent dropout]) are left
-as they are. A random op this pass does not know is an error, not a silent per-process draw.
+as they are. In-place draws (``dropout_``, ``bernoulli_``, ``uniform_``, ``normal_``: timm's
+DropPath, torchvision's StochasticDepth, ``nn.Dropout(inplace=True)``) become the out-of-place keyed
+draw (Note [in-place random ops] in runtime/execute/randomness.py). A random op this pass does not
+know is an error naming its module and a fix, not a silent per-process draw.
 """
 
 from __future__ import annotations
@@ -94,7 +97,37 @@ def _recurrent(kw):
 
 
 def _bernoulli(kw):
-    return keyed.bernoulli, (kw["input"],) + ((float(kw["p"]),) if "p" in kw else ()), {}
+    p = kw.get("p")
+    return keyed.bernoulli, (kw["input"],) + (() if p is None else (p if isinstance(p, fx.Node) else float(p),)), {}
+
+
+def _bernoulli_(kw):
+    # Note [in-place random ops] in runtime/execute/randomness.py: x.bernoulli_() with no p draws
+    # with p = 0.5, not with x's values as torch.bernoulli(x) does.
+    p = kw.get("p", 0.5)
+    return keyed.bernoulli, (kw["input"], p if isinstance(p, fx.Node) else float(p)), {}
+
+
+_DIVISIONS = {aten.div_.Tensor, aten.div_.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
+def _drop_mask(node: fx.Node):
+    """``x.bernoulli_(keep)`` with a float keep as ``drop_mask``: scaled when every reader divides it by keep."""
+    def lower(kw):
+        keep = float(kw.get("p", 0.5))
+        scaled = bool(node.users) and all(
+            user.target in _DIVISIONS and user.args[0] is node and len(user.args) > 1
+            and isinstance(user.args[1], (int, float)) and float(user.args[1]) == keep for user in node.users)
+        return keyed.drop_mask, (kw["input"], keep, scaled), {}
+    return lower
+
+
+def _uniform_(kw):
+    return keyed.uniform, (kw["input"], float(kw.get("from", 0.0)), float(kw.get("to", 1.0))), {}
+
+
+def _normal_(kw):
+    return keyed.normal, (kw["input"], float(kw.get("mean", 0.0)), float(kw.get("std", 1.0))), {}
 
 
 def _factory(function):
@@ -107,6 +140,7 @@ def _factory(function):
 
 _LOWERINGS = {
     aten.dropout.default: _dropout,
+    aten.dropout_.default: _dropout,  # Note [in-place random ops]: nn.Dropout(inplace=True)
     F.dropout: _dropout,
     aten.native_dropout.default: _native_dropout,
     aten.scaled_dot_product_attention.default: _attention,
@@ -114,6 +148,10 @@ _LOWERINGS = {
     aten.bernoulli.default: _bernoulli,
     aten.bernoulli.p: _bernoulli,
     torch.bernoulli: _bernoulli,
+    aten.bernoulli_.float: _drop_mask,  # timm's DropPath, torchvision's StochasticDepth: takes the node
+    aten.bernoulli_.Tensor: _bernoulli_,
+    aten.uniform_.default: _uniform_,
+    aten.normal_.default: _normal_,
     **{op: _recurrent for name in ("gru", "lstm", "rnn_tanh", "rnn_relu")
        for op in (getattr(aten, name).input, getattr(aten, name).data)},
     aten.rand.default: _factory(keyed.rand),
@@ -143,6 +181,47 @@ def _module_of(node: fx.Node) -> str:
     return f" in module `{path}` ({kind})" if path else f" ({kind})"
 
 
+_IN_PLACE = {aten.dropout_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.uniform_.default,
+             aten.normal_.default}
+
+_KEYED_NAMES = ("dropout (also in place), native_dropout, scaled_dot_product_attention, bernoulli (also "
+                "bernoulli_ with a float or tensor p), uniform_, normal_, rand, randn, rand_like, randn_like")
+
+
+def _aliases_each_other(node: fx.Node) -> bool:
+    """Whether ``node``'s output is a view of, or the same tensor as, its first argument."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+        return False
+    first = target._schema.arguments[0] if target._schema.arguments else None
+    returns = target._schema.returns
+    return bool(first is not None and first.alias_info is not None and returns and returns[0].alias_info is not None)
+
+
+def _alias_read_after(node: fx.Node, written: fx.Node) -> fx.Node | None:
+    """A reader, after ``node``, of a tensor that shares ``written``'s memory other than through
+    ``node``'s own result: the one case where an in-place draw lowered out of place (Note [in-place
+    random ops]) would not be seen."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    base = written
+    while isinstance(base, fx.Node) and _aliases_each_other(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    seen, todo = set(), [base]
+    while todo:
+        alias = todo.pop()
+        if alias in seen or alias is node:
+            continue
+        seen.add(alias)
+        for user in alias.users:
+            if user is node:
+                continue
+            if _aliases_each_other(user) and user.args[0] is alias:
+                todo.append(user)
+            elif order[user] > order[node]:
+                return user
+    return None
+
+
 def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
     """Rewrite every random node of ``gm`` (the whole traced graph, traced at ``batch_size``)
     into its keyed twin in runtime.execute.randomness; returns what was rewritten, in graph order."""
@@ -156,17 +235,27 @@ def lower_randomness(gm: fx.GraphModule, *, batch_size: int) -> list[KeyedOp]:
         if lowering is None:
             if _is_random(node.target):
                 raise ValueError(
-                    f"node {node.name!r} calls {node.target}, a random op whose draws cannot be keyed "
-                    f"(supported: dropout, native_dropout, scaled_dot_product_attention, bernoulli, rand, "
-                    f"randn, rand_like, randn_like): express it with one of those, or add its lowering "
-                    f"to partitioner/frontend/randomness.py")
+                    f"node {node.name!r} calls {node.target}{_module_of(node)}, a random op whose draws cannot be "
+                    f"keyed, so they would differ with the layout (keyed: {_KEYED_NAMES}). Fix: in "
+                    f"that module's forward, draw with one of those instead (a mask: torch.rand_like(x) < p; "
+                    f"integers: (torch.rand_like(x) * n).long())")
             continue
         try:
-            rewritten = lowering(_normalized(node, gm))
+            rewritten = (lowering(node) if lowering is _drop_mask else lowering)(_normalized(node, gm))
         except _CannotKey as refused:
             raise ValueError(f"node {node.name!r} calls {node.target}{_module_of(node)}: {refused}") from None
         if rewritten is None:
             continue
+        if node.target in _IN_PLACE:
+            reader = _alias_read_after(node, node.args[0])
+            if reader is not None:
+                raise ValueError(
+                    f"node {node.name!r} calls {node.target}{_module_of(node)} on a tensor that node "
+                    f"{reader.name!r} reads afterwards through another view of it, so the keyed draw, "
+                    f"which replaces the in-place write (Note [in-place random ops] in "
+                    f"runtime/execute/randomness.py), would not reach it. Fix: in that module's forward, "
+                    f"use the op's result (mask = mask.bernoulli_(p)), or draw out of place "
+                    f"(torch.bernoulli, F.dropout with inplace=False)")
         function, args, kwargs = rewritten
         batch_dim = _batch_dim(node, batch_size)
         node.target = function

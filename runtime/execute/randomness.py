@@ -32,8 +32,9 @@ Note [evaluation turns dropout off]: a compiled stage file calls ``dropout(x, p,
 model was traced in training mode, so the train flag is a constant of the graph and
 ``module.eval()`` cannot reach it. The evaluation pass (runtime/execute/evaluate.py) runs inside
 ``dropout_off()`` instead, under which every keyed dropout (``dropout``, ``native_dropout``, the
-attention probabilities' in ``attention``) is the identity, as torch's are in eval mode. Other
-random ops (``rand``, ``bernoulli``) are not dropout and still draw.
+attention probabilities' in ``attention``) is the identity, as torch's are in eval mode, and so is
+a stochastic-depth mask (``drop_mask``, Note [in-place random ops]). Other random ops (``rand``,
+``bernoulli``) are not dropout and still draw.
 
 This module imports only torch (``tensor_parallel_attention``, on a tensor-parallel stage only, loads
 runtime/parallel/tensor_parallel.py when it runs): generated files may import only torch and runtime.
@@ -278,11 +279,49 @@ def native_dropout(x: torch.Tensor, p: float, train: bool | None = True, *, op: 
     return x.masked_fill(~keep, 0.0) * scale, keep
 
 
-def bernoulli(x: torch.Tensor, p: float | None = None, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
-    """``aten.bernoulli``: 1 with probability x (or p where given), in x's dtype."""
+def bernoulli(x: torch.Tensor, p: float | torch.Tensor | None = None, *, op: str,
+              batch_dim: int | None = 0) -> torch.Tensor:
+    """``aten.bernoulli``: 1 with probability x (or p where given: a float, or a tensor that
+    broadcasts to x, as ``x.bernoulli_(p)`` takes), in x's shape and dtype."""
     u = _uniform_like(x, op=op, batch_dim=batch_dim)
-    prob = x.float() if p is None else p
+    prob = x.float() if p is None else p.float() if isinstance(p, torch.Tensor) else p
     return (u < prob).to(x.dtype)
+
+
+# Note [in-place random ops]: timm's DropPath (``x.new_empty(shape).bernoulli_(keep)``),
+# torchvision's StochasticDepth (``torch.empty(size).bernoulli_(p)``), ``nn.Dropout(inplace=True)``
+# (``aten.dropout_``) and initializers in forward (``uniform_``, ``normal_``) draw in place. export
+# threads every later read through the in-place node's result, so the lowering gives that node the
+# out-of-place keyed draw below (the overwritten tensor's old values are never read: bernoulli_,
+# uniform_ and normal_ ignore them, dropout_ reads them as its input). Writing into the tensor
+# instead would break where it is a stage's received input, a leaf autograd may not change in
+# place. Where another alias of the tensor is read after the write (a view made before it), the
+# result alone does not carry the draw: the lowering refuses that (partitioner/frontend/randomness.py).
+# ``x.bernoulli_(keep)`` with a float keep is the mask of stochastic depth: DropPath and
+# StochasticDepth return x unchanged in eval mode, which the traced graph (training mode) cannot
+# see, so it becomes ``drop_mask``, which under ``dropout_off`` keeps every sample: it is ``keep``
+# where the graph divides the mask by keep (``div_(keep)``: keep / keep is exactly 1), else 1.
+
+
+def drop_mask(x: torch.Tensor, keep: float, scaled: bool, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``x.bernoulli_(keep)``, a stochastic-depth mask (Note [in-place random ops]): 1 with
+    probability keep in x's shape and dtype; under ``dropout_off`` every sample kept (``keep`` when
+    ``scaled``: the graph divides the mask by it)."""
+    if _dropout_off:
+        return torch.full_like(x, keep if scaled else 1.0)
+    return bernoulli(x, keep, op=op, batch_dim=batch_dim)
+
+
+def uniform(x: torch.Tensor, low: float = 0.0, high: float = 1.0, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``x.uniform_(low, high)``: U[low, high) of x's shape, in x's dtype (Note [in-place random ops])."""
+    u = _uniform_like(x, op=op, batch_dim=batch_dim)
+    return (u * (high - low) + low).to(x.dtype)
+
+
+def normal(x: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, op: str, batch_dim: int | None = 0) -> torch.Tensor:
+    """``x.normal_(mean, std)``: N(mean, std²) of x's shape, in x's dtype (Note [in-place random ops])."""
+    z = _fill(x.shape, op=op, batch_dim=batch_dim, device=x.device, dtype=torch.float32, normal=True)
+    return (z * std + mean).to(x.dtype)
 
 
 def rand(size, *, op: str, batch_dim: int | None, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
