@@ -9,8 +9,8 @@ trains. torch 2.13's ``eval`` runs the schedule's step with ``has_backward`` off
 actions of GPipe, 1F1B and interleaved 1F1B become no-ops (no gradient receives or sends), and
 the stages' communication buffers are re-made without gradients, then re-made again at the next
 training step (torch's ``_initialize_pp_stages`` detects the switch, and forks the RNG around
-the re-making). Under zbv the rank runs only the schedule's forward actions (Note [evaluation
-under a V]). We use it rather than writing our
+the re-making). Under zbv the rank at the V's turn runs only the schedule's forward actions
+(Note [evaluation under a V]). We use it rather than writing our
 own send/recv pass because it is the same code that moves training's activations (same groups,
 boundary shapes and dtypes from the plan, interleaved placement, tensor-parallel stages called
 alike), so the two cannot disagree about what crosses a cut. The loss is the program's loss_fn

@@ -1,7 +1,7 @@
 """Every fix a refusal names can be typed: the flags a refusal's message suggests exist in the parser
 of the command it names (`partitioner compile`: partitioner/cli/commands.py's build_parser; `partitioner
 run`: runtime/launch/run_options.py's flag table), and a suggested value is one that parser takes.
-The compute-canary refusals are run for every reason they give; every other message is read from the
+The compute-canary and replica-check refusals are run for every reason they give; every other message is read from the
 source: each string literal of partitioner/, runtime/ and passes/ that mentions a flag."""
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def _canary_refusals() -> list[str]:
                 refusal(3, dp=2, schedule="zbv"), refusal(3, dp=2, local_stages=2), refusal(3, dp=2, sharded=True),
                 refusal(-1, dp=2), program_refusal({**program, "dp": 1, "world_size": 2}, 2),
                 program_refusal({**program, "num_stages": 4}, 2), program_refusal({**program, "tensor_parallel": 2}, 2)]
+    from runtime.resilience.sdc import sharded_refusal  # loads torch: only this list needs it
+
+    messages.append(sharded_refusal("--sdc-every 5"))  # the replica check's refusal, beside the canary's
     assert all(messages)
     return messages
 
