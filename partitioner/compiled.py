@@ -28,6 +28,7 @@ class Compiled:
     problem: PartitionProblem
     assignment: Assignment
     sources: UserSources | None = None  # where the ranks find make_batch and loss_fn (partitioner/frontend/user_source.py)
+    fewer_devices: str | None = None  # why the plan leaves devices idle (Note [fewer devices than given])
 
     def save(self, folder: str | Path) -> Path:
         """Write the program folder (docs/design.md §6): partitioner/codegen/lower.py."""
@@ -36,7 +37,7 @@ class Compiled:
         return write_program_folder(self, folder)
 
     def summary(self) -> str:
-        return table(self.plan)
+        return table(self.plan) + (f"\n\ndevices: {self.fewer_devices}" if self.fewer_devices else "")
 
     def __getattr__(self, name: str):
         # Only for names Compiled lacks: the plan's fields and methods (num_stages, regions, ...).

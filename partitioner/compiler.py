@@ -256,7 +256,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
         plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path,
                                                                          compiled=machine_compiled)
-    return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources)
+    return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources, solution.fewer_devices_line(cluster.num_devices))
 
 
 def _machine_step(option, cluster, progress):

@@ -125,8 +125,9 @@ def cmd_compile(args) -> int:
     say.close()
     if not args.quiet:
         print(plan.summary())
+        ranks = f"{plan.world_size} rank{'s' * (plan.world_size != 1)}"
         print(f"\nwrote {args.output} in {time.perf_counter() - started:.1f} s; "
-              f"run it: partitioner run {args.output} --steps 20 ({plan.world_size} ranks: torchrun "
+              f"run it: partitioner run {args.output} --steps 20 ({ranks}: torchrun "
               f"--nproc-per-node {plan.world_size} {Path(args.output) / 'train.py'})")
     return 0
 

@@ -22,6 +22,18 @@ from partitioner.solver.problem import Assignment
 
 __all__ = ["CandidateRecord", "Solution", "SolveProgress"]
 
+# Note [fewer devices than given]: the solver may leave devices idle: on a small model dp 2's
+# all-reduce, or a second stage's transfers, cost more than they save, and the plan on fewer
+# devices is the faster one. That is right, but the compile's last line ("1 ranks: torchrun
+# --nproc-per-node 1") then reads as a device ignored, so compile says why in one line from what
+# the solver recorded about the candidates on more devices: the fastest of them it priced and
+# what it adds, else the best lower bound that pruned them (at least the plan's step), else that
+# the time limit ran out first, else that none fit in memory, else that the request left none open.
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.4g} ms" if value < 1 else f"{value:.4g} s"
+
 
 @dataclass(frozen=True)
 class CandidateRecord:
@@ -35,6 +47,16 @@ class CandidateRecord:
     solve_time_s: float
     tensor_parallel: int = 1        # the variant (Note [one enumeration] in space.py)
     shard_optimizer: bool = False
+    local_stages: int = 1           # stages per rank (interleaved, zb, zbv)
+
+    @property
+    def ranks(self) -> int:
+        """The devices this candidate runs on: its pipeline ranks x dp x the tensor-parallel degree."""
+        return self.num_stages // self.local_stages * self.dp * self.tensor_parallel
+
+    def shape(self) -> str:
+        tp = f"tp {self.tensor_parallel} x " if self.tensor_parallel > 1 else ""
+        return f"{tp}{self.num_stages} stage{'s' * (self.num_stages > 1)} x dp {self.dp}"
 
 
 @dataclass(frozen=True)
@@ -155,6 +177,46 @@ class Solution:
     def device_of_rank(self, rank: int) -> int:
         stage, replica = divmod(rank, self.dp)
         return self.device_of_stage_replica[stage][replica]
+
+    def fewer_devices_line(self, devices: int) -> str | None:
+        """Why the plan leaves some of ``devices`` idle, in one line from the candidates the solver
+        priced (Note [fewer devices than given]); None when it uses them all."""
+        used = self.num_ranks * self.tensor_parallel
+        if used >= devices:
+            return None
+        head = f"the plan uses {used} of {devices} devices"
+        ours = self.total_step_s
+        wider = [c for c in self.candidates if c.ranks > used]
+        priced = [c for c in wider if c.step_time_s is not None]
+        if priced:
+            best = min(priced, key=lambda c: (c.step_time_s, c.ranks))
+            return (f"{head}: the fastest plan on more, {best.shape()} on {best.ranks}, would be predicted "
+                    f"{_seconds(best.step_time_s)}/step against {_seconds(ours)}/step ({self._adds(best)})")
+        pruned = [c for c in wider if c.status == "PRUNED"]  # its lower bound is at least the plan's step
+        if pruned:
+            best = min(pruned, key=lambda c: c.lower_bound_step_time_s)
+            return (f"{head}: no plan on more can be faster: the best of them, {best.shape()} on {best.ranks}, is "
+                    f"at least {_seconds(best.lower_bound_step_time_s)}/step by its lower bound, against "
+                    f"{_seconds(ours)}/step ({self._adds(best)})")
+        if any(c.status != "INFEASIBLE" for c in wider):  # SKIPPED, UNKNOWN: out of time before a plan
+            return (f"{head}: the solver ran out of time on the plans on more before it found one: give it more "
+                    f"with --time-limit")
+        if wider:
+            return (f"{head}: none of the {len(wider)} plans on more that the solver tried fits in memory "
+                    f"({min(wider, key=lambda c: c.ranks).shape()} and up)")
+        return (f"{head}: no plan on more was open to the solver (stages, dp and microbatches as the flags, the "
+                f"global batch of {self.global_batch} and the model's regions allow): give --stages or --dp to ask "
+                "for one")
+
+    def _adds(self, wider: CandidateRecord) -> str:
+        """What ``wider`` pays for its devices, in words."""
+        costs = [what for grew, what in (
+            (wider.dp > self.dp, f"dp {wider.dp}'s gradient all-reduce"),
+            (wider.num_stages > self.num_stages, f"{wider.num_stages} stages' transfers and bubble"),
+            (wider.tensor_parallel > self.tensor_parallel, f"tp {wider.tensor_parallel}'s collectives"))
+            if grew] or ["the devices it adds"]
+        return (f"{' and '.join(costs)} cost{'s' * (len(costs) == 1)} more than "
+                f"{'it saves' if len(costs) == 1 else 'they save'}")
 
     def summary(self) -> str:
         lines = [

@@ -157,7 +157,7 @@ def solve(
 
     def record(p, d, m, v, status, step_s, lower, seconds) -> CandidateRecord:
         return CandidateRecord(p, d, m, global_batch // (d * m), status, step_s, lower, seconds,
-                               tensor_parallel=v.tp, shard_optimizer=v.sharded)
+                               tensor_parallel=v.tp, shard_optimizer=v.sharded, local_stages=local)
 
     def report(rec: CandidateRecord | None = None, *, finished: bool = False, status=None, bound_s=None) -> None:
         if progress is None:

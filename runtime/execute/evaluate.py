@@ -9,7 +9,8 @@ trains. torch 2.13's ``eval`` runs the schedule's step with ``has_backward`` off
 actions of GPipe, 1F1B and interleaved 1F1B become no-ops (no gradient receives or sends), and
 the stages' communication buffers are re-made without gradients, then re-made again at the next
 training step (torch's ``_initialize_pp_stages`` detects the switch, and forks the RNG around
-the re-making). We use it rather than writing our
+the re-making). Under zbv the rank at the V's turn runs only the schedule's forward actions
+(Note [evaluation under a V]). We use it rather than writing our
 own send/recv pass because it is the same code that moves training's activations (same groups,
 boundary shapes and dtypes from the plan, interleaved placement, tensor-parallel stages called
 alike), so the two cannot disagree about what crosses a cut. The loss is the program's loss_fn
@@ -37,11 +38,13 @@ drains faster than 1F1B and that recompute is skipped), written beside the measu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from runtime.data.synthetic import batch_inputs
 from runtime.execute import randomness
@@ -64,6 +67,36 @@ def predicted_eval_s(program: Program, batches: int) -> float | None:
     module's docstring: an approximation, the solver prices no evaluation)."""
     step_s = program.predicted_step_time_s
     return None if step_s is None else batches * FORWARD_SHARE_OF_STEP * step_s
+
+
+# Note [evaluation under a V]: with ``has_backward`` off torch's backward actions are no-ops (no
+# gradient computed, received or sent) except one: where a rank holds two adjacent stages (zbv's
+# turn of the V, stages pp - 1 and pp on one rank) the backward of the later one hands its input
+# gradient to the earlier one in place of a send, and torch 2.11-2.13 assert there ("can't
+# steal_bwd_input if this stage doesn't have backward"), killing the rank at the first evaluation.
+# So on such a rank the pass runs the training order with every action but the forward ones
+# (FORWARD, SEND_F, RECV_F) taken out: the same forwards in the same order, what the pass computes
+# on every other rank, and no new wait (a subsequence of a deadlock-free order waits on a subset of
+# what it waited on). The order is put back after the pass, before the next training step.
+FORWARD_ACTIONS = (torch_schedules.FORWARD, torch_schedules.SEND_F, torch_schedules.RECV_F)
+
+
+@contextlib.contextmanager
+def forward_actions_only(schedule):
+    """Within: ``schedule`` runs only its forward actions on a rank that holds adjacent stages
+    (Note [evaluation under a V]); unchanged elsewhere."""
+    orders = getattr(schedule, "pipeline_order_with_comms", None)  # torch's _PipelineScheduleRuntime
+    held = {stage.stage_index for stage in getattr(schedule, "_stages", ())}
+    if not orders or not any(s + 1 in held for s in held):
+        yield
+        return
+    rank = schedule.rank
+    training = orders[rank]
+    orders[rank] = [a for a in training if a is not None and a.computation_type in FORWARD_ACTIONS]
+    try:
+        yield
+    finally:
+        orders[rank] = training
 
 
 class Evaluator:
@@ -120,8 +153,9 @@ class Evaluator:
                     for hook in t.randomness_hooks:  # keyed by the batch index (no draw uses it with dropout off)
                         hook.start(i, t.replica * m)
                     losses: list[torch.Tensor] = []
-                    t.schedule.eval(*feed, target=target, losses=losses if t.is_last else None,
-                                    return_outputs=False)
+                    with forward_actions_only(t.schedule):  # Note [evaluation under a V]
+                        t.schedule.eval(*feed, target=target, losses=losses if t.is_last else None,
+                                        return_outputs=False)
                     for item in losses:
                         loss_sum += item.detach().float()
         finally:

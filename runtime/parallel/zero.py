@@ -92,7 +92,7 @@ class ShardedOptimizer:
         dtypes = {p.dtype for p in first}
         if len(dtypes) > 1:
             raise ValueError(f"sharded optimizer state needs one parameter dtype per rank, got "
-                             f"{sorted(map(str, dtypes))}: compile with --no-shard-optimizer")
+                             f"{sorted(map(str, dtypes))}: compile with --shard-optimizer off")
         self.dp, self.replica, self.group = dp, replica, group
         self.numels = [p.numel() for p in first]
         self.pieces, self.length, self.padded = layout(self.names, self.numels, dp, replica)

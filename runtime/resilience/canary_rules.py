@@ -19,11 +19,11 @@ def refusal(every: int, *, dp: int, tensor_parallel: int = 1, local_stages: int 
     if every < 0:
         return f"{what}: give a number of steps >= 1, or 0 (no canaries)"
     if dp < 2:
-        return (f"{what}: the program has dp 1, no second replica to re-run a stage on: recompile with dp 2 or "
-                "more (--world-size with --dp), or drop it")
+        return (f"{what}: the program has dp 1, no second replica to re-run a stage on: recompile with --dp 2 "
+                "(and --devices twice its ranks), or drop it")
     if tensor_parallel > 1:
         return (f"{what}: a canary re-runs a whole stage on one rank, and this program splits each stage over "
-                f"tensor groups of {tensor_parallel}: recompile with --tensor-parallel 1, or drop it")
+                f"tensor groups of {tensor_parallel}: recompile with --tp 1, or drop it")
     if schedule in ("zb", "zbv"):  # Note [zero-bubble schedules]: B and W are separate actions
         return (f"{what}: a canary records a stage's backward as one piece, and schedule {schedule} splits it into "
                 "input- and weight-gradient actions: recompile with --schedule 1f1b or gpipe, or drop it")

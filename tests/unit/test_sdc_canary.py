@@ -43,7 +43,7 @@ def test_the_price_uses_the_bubble_and_charges_what_does_not_fit():
 def test_refusals_name_the_value_and_the_fix():
     assert refusal(0, dp=1) is None and refusal(3, dp=2) is None
     assert "dp 1" in refusal(3, dp=1) and "--sdc-canary-every 3" in refusal(3, dp=1)
-    assert "--tensor-parallel 1" in refusal(3, dp=2, tensor_parallel=2)
+    assert "--tp 1" in refusal(3, dp=2, tensor_parallel=2)
     assert "--schedule 1f1b" in refusal(3, dp=2, local_stages=2)
     assert "--shard-optimizer off" in refusal(3, dp=2, sharded=True)
     program = {"dp": 2, "num_stages": 4, "world_size": 4, "tensor_parallel": 1}  # 2 ranks a pipeline: interleaved
