@@ -42,6 +42,7 @@ from partitioner.solver.canary_cost import canary_seconds
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+from partitioner.solver.solution import baseline_figures, solution_summary
 from partitioner.solver.solve import solve_with_sharding
 from partitioner.solver.space import StepTerms
 from partitioner.solver.tensor_groups import degrees_to_search
@@ -256,7 +257,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
         plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path,
                                                                          compiled=machine_compiled)
-    return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources, solution.fewer_devices_line(cluster.num_devices))
+    return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources,
+                    solution.fewer_devices_line(cluster.num_devices))
 
 
 def _machine_step(option, cluster, progress):
@@ -468,33 +470,3 @@ def _cut_edges(gm: fx.GraphModule, stage_of_region, microbatch_size: int, exampl
                 total += meta.output_bytes
         yield CutEdge(src_region=src, dst_region=dst, tensors=tuple(readable.get(n.name, n.name) for n in nodes), shapes=tuple(shapes),
                       bytes_per_microbatch=int(total), boundaries=tuple(range(stage_of_region[src], stage_of_region[dst])))
-
-
-def solution_summary(solution) -> dict:
-    return {
-        "status": solution.status,
-        "objective": None if solution.objective is None else float(solution.objective),
-        "bound": None if solution.bound is None else float(solution.bound),
-        "gap": (float(max(0, solution.objective - solution.bound) / solution.objective)
-                if solution.objective and solution.bound is not None else None),
-        "solve_time_s": float(solution.solve_time_s),
-    }
-
-
-def baseline_figures(solution) -> dict:
-    """name -> its step time (None when it fits no configuration) and the configuration it was
-    priced at (Note [fair baselines] in partitioner/solver/fair_baselines.py)."""
-    out = {}
-    for name, value in sorted(solution_baselines(solution).items()):
-        detail = (getattr(solution, "baseline_details", {}) or {}).get(name)
-        out[name] = {"step_time_s": value}
-        if detail is not None and detail.num_stages is not None:
-            out[name].update(fits_memory=detail.fits_memory, num_stages=detail.num_stages, dp=detail.dp,
-                             num_microbatches=detail.num_microbatches, recompute=detail.recompute)
-    return out
-
-
-def solution_baselines(solution) -> dict:
-    return dict(getattr(solution, "baselines", {}) or {})
-
-

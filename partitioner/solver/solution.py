@@ -233,3 +233,36 @@ class Solution:
         for name, base in self.baseline_details.items():
             lines.append(f"baseline {name}: " + (f"{base.step_time_s:.6g} s" if base.fits_memory else "does not fit memory"))
         return "\n".join(lines)
+
+
+# The solve's figures as plan.json records them (partitioner/compiler.py make_plan).
+
+
+def solution_summary(solution) -> dict:
+    return {
+        "status": solution.status,
+        "objective": None if solution.objective is None else float(solution.objective),
+        "bound": None if solution.bound is None else float(solution.bound),
+        "gap": (float(max(0, solution.objective - solution.bound) / solution.objective)
+                if solution.objective and solution.bound is not None else None),
+        "solve_time_s": float(solution.solve_time_s),
+    }
+
+
+def baseline_figures(solution) -> dict:
+    """name -> its step time (None when it fits no configuration) and the configuration it was
+    priced at (Note [fair baselines] in partitioner/solver/fair_baselines.py)."""
+    out = {}
+    for name, value in sorted(solution_baselines(solution).items()):
+        detail = (getattr(solution, "baseline_details", {}) or {}).get(name)
+        out[name] = {"step_time_s": value}
+        if detail is not None and detail.num_stages is not None:
+            out[name].update(fits_memory=detail.fits_memory, num_stages=detail.num_stages, dp=detail.dp,
+                             num_microbatches=detail.num_microbatches, recompute=detail.recompute)
+    return out
+
+
+def solution_baselines(solution) -> dict:
+    return dict(getattr(solution, "baselines", {}) or {})
+
+
