@@ -44,8 +44,10 @@ def cmd_replan(args) -> int:
 
 
 def check_elastic(folder: Path, options: RunOptions, plan) -> None:
-    """What `run --elastic` refuses before any agent starts (one line each, exit 2)."""
-    from partitioner.replan import refusal_for  # lazy: loads the solver
+    """What `run --elastic` refuses before any agent starts (one line each, exit 2): among it a job
+    where the loss of some one host leaves survivors no re-plan runs on (Note [standing by] in
+    runtime/launch/elastic.py: a plan that uses fewer of them is fine)."""
+    from partitioner.replan import ElasticRefusal, refusal_for, replan  # lazy: loads the solver
     from runtime.launch.elastic import hosts_and_counts  # lazy: with the solver above, only when asked
     from runtime.resilience import faults  # lazy: as above
 
@@ -58,15 +60,24 @@ def check_elastic(folder: Path, options: RunOptions, plan) -> None:
         raise FlagError(str(exc)) from None
     if len(set(hosts)) < 2:
         raise FlagError(f"--elastic --hosts {options.hosts}: one host cannot lose a host and go on; give 2 or more")
-    for text in options.fail_host:
-        host = faults.parse_fail_host(text)[0]
-        left = [r for r, h in enumerate(hosts) if h != host]
-        why = refusal_for(plan, left)
-        if why:
-            raise FlagError(f"--fail-host {text}: the survivors could not go on: {why}")
     why = refusal_for(plan, list(range(plan.world_size)))
     if why:
         raise FlagError(f"--elastic: {why}")
+    drilled = {faults.parse_fail_host(text)[0]: text for text in options.fail_host}
+    for host in sorted(set(hosts), key=lambda h: (h not in drilled, h)):  # a drilled host's line first
+        left = [r for r, h in enumerate(hosts) if h != host]
+        why = refusal_for(plan, left)
+        if why is None:
+            try:
+                replan(folder, left)
+            except ElasticRefusal as exc:
+                why = str(exc)
+        if why and host in drilled:
+            raise FlagError(f"--fail-host {drilled[host]}: the survivors could not go on: {why}")
+        if why:
+            raise FlagError(f"--elastic --hosts {options.hosts}: a loss of host {host} would leave rank(s) "
+                            f"{','.join(map(str, left))} no plan ({why}); spread the ranks over more hosts in "
+                            "--hosts, or run without --elastic")
 
 
 def run_elastic(folder: Path, options: RunOptions, plan) -> int:

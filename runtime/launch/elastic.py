@@ -23,6 +23,21 @@ starts DIR/train.py: the choice of folder is the worker's. A compute canary's ex
 round too: the launcher starts the next one without the excluded host's agent, and the workers come
 here the same way, recovering from the disk at or before the last agreeing canary (Note [excluding
 a host] in runtime/resilience/exclusion.py).
+
+Note [standing by]: a re-plan keeps the stage cuts, the microbatch size and the global batch (Note
+[re-plan on the same cuts] in partitioner/replan.py), so the survivors may hold more ranks than the
+plan chosen for them uses: 3 x dp 1 ranks of global batch 6 at microbatch 2 left with 2 survivors
+run dp 1 (dp 2 would need 6 % 4 == 0), or dp 1 is simply predicted faster. The re-planned
+program's ranks are the first survivors (its devices are the survivors' in old-rank order,
+``used_ranks``); the others stand by: after the re-plan each says so and leaves with exit 0, which
+torchrun counts as done, not failed (its agent waits at torchrun's exit barrier for the rest and
+exits 0 with them). Every worker leaves the old world's group; the used ones meet again in one of
+the re-planned world size on the same store under a fresh prefix (the old group's keys stay there,
+and rank 0's store server, which torchrun's MASTER_PORT names, must outlive that group). A
+standing-by rank's memory slots leave with it: the handover covers its old rank only through a
+peer's copy, else the disk serves (never a state older than the disk's newest). `run --elastic`
+refuses before any agent starts a job where a one-host loss has no plan at all
+(partitioner/cli/elastic.py ``check_elastic``).
 """
 
 from __future__ import annotations
@@ -49,6 +64,21 @@ DEFAULT_RESTARTS = 3
 class ElasticRefusalError(FlagError):
     """The survivors cannot run the program with this run's hosts (partitioner.replan.ElasticRefusal's
     line): each rank prints the line, no traceback (rank.py's handler, as for a refused flag)."""
+
+
+class StandingBy(Exception):
+    """This worker's rank is not in the re-planned program (Note [standing by]): said already, it
+    leaves with exit 0 (rank.py's handler honours ``exit_code``)."""
+    exit_code = 0
+
+
+def used_ranks(world: int, planned_world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the ranks of the new world that run the re-planned program, those that stand by): Note
+    [standing by]."""
+    if not 1 <= planned_world <= world:
+        raise ElasticRefusalError(f"the re-planned program has {planned_world} ranks for the {world} that met: "
+                                  "re-plan it for these survivors again (`partitioner replan`)")
+    return tuple(range(planned_world)), tuple(range(planned_world, world))
 
 
 def hosts_and_counts(hosts: list[int]) -> dict[int, int]:
@@ -159,8 +189,9 @@ def switched() -> Switch | None:
 
 def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptions]:
     """The folder this worker runs and its options (Note [elastic run]).
-    ``init_group(rank, world, timeout_s, backend, device_kind)`` makes the default process group on
-    this rank's device, set current first (rank.py's)."""
+    ``init_group(rank, world, timeout_s, backend, device_kind, store=None)`` makes the default process
+    group on this rank's device, set current first (rank.py's); a rank the re-plan does not use
+    raises StandingBy (Note [standing by])."""
     from runtime.program.spec import load_program  # lazy: loads torch via the program's parts
 
     from runtime.resilience import exclusion  # lazy: torch-free, only an elastic run
@@ -192,13 +223,31 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     dist.broadcast_object_list(message, src=0)
     if message[0]:
         raise ElasticRefusalError(message[0])
+    from runtime.program.spec import load_plan  # lazy: loads the program's parts
+
+    used, standing = used_ranks(world, int(load_plan(out)["world_size"]))
     if rank == 0:
         lost = sorted(set(hosts) - set(alive))
+        by = (f"; rank(s) {','.join(map(str, standing))} (old {','.join(str(survivors[r]) for r in standing)}) "
+              f"stand by, the re-plan uses {len(used)} of them" if standing else "")
         say(0, f"elastic: host(s) {','.join(map(str, lost))} gone for good; {world} ranks on host(s) "
-               f"{','.join(map(str, alive))} continue on {out}")
+               f"{','.join(map(str, alive))} continue on {out}{by}")
+    if standing:  # Note [standing by]
+        store = dist.distributed_c10d._get_default_store()
+        dist.destroy_process_group()
+        if rank in standing:
+            say(rank, f"elastic: standing by (old rank {survivors[rank]}): the re-planned program runs on "
+                      f"{len(used)} rank(s); this one leaves with exit 0")
+            raise StandingBy(f"rank {rank} stands by")
+        os.environ["WORLD_SIZE"] = str(len(used))
+        init_group(rank, len(used), float(program.collective_timeout_s), program.backend, program.device,
+                   store=dist.PrefixStore(f"elastic-{os.path.basename(out)}/", store))
+        survivors = survivors[:len(used)]
+    active = {hosts[r] for r in survivors}
     new_hosts = ",".join(str(hosts[r]) for r in survivors)
     new = options.replace(hosts=new_hosts, run_dir=options.run_dir or os.path.join(os.path.abspath(folder), "run"),
-                          checkpoint_dir=options.checkpoint_dir or os.path.join(os.path.abspath(folder), "checkpoints"), fail_host=tuple(t for t in options.fail_host if int(t.split(":")[0]) in alive),
+                          checkpoint_dir=options.checkpoint_dir or os.path.join(os.path.abspath(folder), "checkpoints"),
+                          fail_host=tuple(t for t in options.fail_host if int(t.split(":")[0]) in active),
                           fail_at=(), flip_bit=(), fail_persist=None,
                           fault_matmul=renumbered_faults(options.fault_matmul, survivors),
                           sdc_canary_every=_canary_every(out, options, rank))

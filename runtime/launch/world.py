@@ -64,19 +64,21 @@ def rank_device(kind: str, local_rank: int):
     return device
 
 
-def init_group(backend: str, rank: int, world: int, timeout: timedelta, device) -> None:
+def init_group(backend: str, rank: int, world: int, timeout: timedelta, device, store=None) -> None:
     """The default process group, bound to the rank's device under CUDA (one NCCL communicator made
-    at once and split for every new group, not one per group at its first use)."""
+    at once and split for every new group, not one per group at its first use); on ``store`` when
+    given (a smaller world on the store a larger one met on: Note [standing by])."""
     import torch.distributed as dist  # lazy: loads torch
 
     bound = {"device_id": device} if device.type == "cuda" else {}
     if device.type == "cuda" and one_gpu_ranks():  # Note [every rank on one GPU]
         backend, bound = "cpu:gloo,cuda:gloo", {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                            store=worker_store(rank, world, timeout), **bound)
+                            store=store if store is not None else worker_store(rank, world, timeout), **bound)
 
 
-def init_world(rank: int, world: int, timeout_s: float, backend: str, device_kind: str = "cpu") -> None:
+def init_world(rank: int, world: int, timeout_s: float, backend: str, device_kind: str = "cpu",
+               store=None) -> None:
     """The default process group, before the program is chosen (runtime/launch/elastic.py)."""
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    init_group(backend, rank, world, timedelta(seconds=timeout_s), rank_device(device_kind, local_rank))
+    init_group(backend, rank, world, timedelta(seconds=timeout_s), rank_device(device_kind, local_rank), store)
