@@ -16,7 +16,9 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt
 from partitioner.replan import ElasticRefusal, refusal_for, replan, write_replanned
 from partitioner.solver.plan import Plan
-from runtime.launch.elastic import hosts_and_counts
+from partitioner.cli.elastic import check_elastic
+from runtime.launch.elastic import ElasticRefusalError, hosts_and_counts, used_ranks
+from runtime.launch.run_options import FlagError, RunOptions
 from runtime.program.spec import load_program
 from runtime.resilience import faults
 
@@ -134,3 +136,34 @@ def test_hosts_and_counts():
     assert hosts_and_counts([0, 1, 1]) == {0: 1, 1: 2}
     with pytest.raises(ValueError, match="each host's ranks together"):
         hosts_and_counts([1, 1, 0, 0])
+
+
+def test_the_replan_may_use_fewer_ranks_than_survive_and_the_rest_stand_by(tmp_path):
+    """The issue's case (Note [standing by]): dp 3 at global batch 6 (microbatch 2) on hosts 0,1,2;
+    host 1 lost: dp 2 would need 6 % 4 == 0, so the 2 survivors' only plan is dp 1 on 1 rank, the
+    second survivor stands by; check_elastic lets the job start (every one-host loss has a plan)."""
+    folder = tmp_path / "p13"
+    compile_plan(gpt(layers=2, width=32, heads=2, vocab=64, seq=16), cluster=ClusterSpec.homogeneous(
+        3, "cpu", devices_per_node=1), global_batch=6, num_stages=1, dp=3, microbatches=1).save(folder)
+    got = replan(folder, [0, 2])
+    assert (got.plan.world_size, got.plan.dp, got.plan.num_microbatches) == (1, 1, 3)
+    assert {c.dp for c in got.candidates} == {1}
+    assert used_ranks(2, got.plan.world_size) == ((0,), (1,))
+    assert used_ranks(2, 2) == ((0, 1), ())
+    with pytest.raises(ElasticRefusalError, match="re-planned program has 3 ranks for the 2 that met"):
+        used_ranks(2, 3)
+    plan = Plan.from_dict(json.loads((folder / "plan.json").read_text()))
+    check_elastic(folder, RunOptions.parse(["--elastic", "--hosts", "0,1,2", "--fail-host", "1:3:permanent"],
+                                           side="run"), plan)
+
+
+def test_check_elastic_refuses_a_host_whose_loss_has_no_plan(p22):
+    """Not only a drilled host: losing host 0 of 0,0,0,1 leaves 1 rank for 2 stages, refused before
+    any agent starts, in one line naming the fix."""
+    plan = Plan.from_dict(json.loads((p22 / "plan.json").read_text()))
+    with pytest.raises(FlagError) as got:
+        check_elastic(p22, RunOptions.parse(["--elastic", "--hosts", "0,0,0,1"], side="run"), plan)
+    line = str(got.value)
+    assert line.startswith("--elastic --hosts 0,0,0,1: a loss of host 0 would leave rank(s) 3 no plan (1 surviving "
+                           "rank cannot hold the 2 pipeline stages") and "spread the ranks over more hosts" in line
+    assert "\n" not in line
