@@ -10,7 +10,7 @@ through to the plan, so ``compile(...).num_stages`` and docs/design.md §11's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from partitioner.inspect import table
@@ -29,6 +29,9 @@ class Compiled:
     assignment: Assignment
     sources: UserSources | None = None  # where the ranks find make_batch and loss_fn (partitioner/frontend/user_source.py)
     fewer_devices: str | None = None  # why the plan leaves devices idle (Note [fewer devices than given])
+    # compile's own (traced, annotated gm, keyed ops) at the example batch, for the first save only
+    # (Note [one trace when the sizes agree] in partitioner/codegen/lower.py)
+    first_trace: tuple | None = field(default=None, repr=False, compare=False)
 
     def save(self, folder: str | Path) -> Path:
         """Write the program folder (docs/design.md §6): partitioner/codegen/lower.py."""

@@ -122,6 +122,9 @@ class SharedLaunches:
                 done = subprocess.run(torchrun_command(RUN_MANY, world, args=args), env=run_env(pythonpath=REPO),
                                       capture_output=True, text=True, timeout=self.timeout_s)
                 self._timed(f"launch {self.launches} world {world} ({len(mine)} jobs)", start_s)
+                if (logs / "timings.txt").exists():
+                    with open(self.root / "timings.txt", "a") as out:
+                        out.write((logs / "timings.txt").read_text())
                 ran = len(mine)
                 if done.returncode != 0:  # the failed job is the last one that wrote anything
                     wrote = [n for n in range(len(mine)) if list(logs.glob(f"job_{n}.rank_*"))]

@@ -206,14 +206,19 @@ if __name__ == "__main__":
     if jobs and not jobs[0][0]:  # before job 0's logs open: a failure here is the launch's, not job 0's
         default_group()
     for i, (restarts, (folder, *flags)) in enumerate(jobs):
+        job_start_s = time.perf_counter()
         with _output_to(None if logs is None else os.path.join(logs, f"job_{i}.rank_{rank}")):
+            ok = True
             if not restarts:
                 default_group()
                 runtime.launch.rank.main(folder, argv=flags)
-                continue
-            if dist.is_initialized():  # a forked child must not inherit a live group (Note [restarts in a fork])
-                dist.destroy_process_group()
-            ok = run_restartable(store, rank, world, i, folder, flags, restarts)
+            else:
+                if dist.is_initialized():  # a forked child must not inherit a live group (Note [restarts in a fork])
+                    dist.destroy_process_group()
+                ok = run_restartable(store, rank, world, i, folder, flags, restarts)
+        if logs is not None and rank == 0:  # where a slow shared launch spends its time, job by job
+            with open(os.path.join(logs, "timings.txt"), "a") as out:
+                out.write(f"{time.perf_counter() - job_start_s:8.1f} s  job {i} {folder}\n")
         if not ok:
             sys.exit(1)
     if dist.is_initialized():
