@@ -66,10 +66,9 @@ def with_corpus(workload: Workload, text: str, *, seed: int = 0, global_batch: i
         raise ValueError(f"--data {text}: {exc}") from None
     vocab = model_vocab(workload.model)
     if vocab is not None and vocab < opened.vocab_size:
-        raise ValueError(f"--data {text}: the corpus's vocabulary is {opened.vocab_size} ids (its largest id is "
-                         f"{opened.largest_id()}) but {workload.name!r} embeds {vocab}: build the model with vocab >= "
-                         f"{opened.vocab_size} (gpt:vocab={opened.vocab_size}), or prepare the corpus with the model's "
-                         "tokenizer")
+        raise ValueError(f"--data {text}: the corpus's vocabulary is {opened.vocab_size} ids but {workload.name!r} "
+                         f"embeds {vocab}: build the model with vocab >= {opened.vocab_size} (gpt:vocab="
+                         f"{opened.vocab_size}), or prepare the corpus with the model's tokenizer")
     seq = int(args[0].shape[1])
     kwargs = {"source": text, "seq": seq, "seed": seed, **({"vocab": vocab} if vocab is not None else {})}
     try:

@@ -17,7 +17,6 @@ the tokenizer's have no text; they are never drawn, so every sampled id decodes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from runtime.data.corpus.formats import TokenSource, first_outside
+from runtime.data.corpus.formats import TokenSource
 from runtime.data.corpus.sources import open_source
 from runtime.data.corpus.spec import CorpusError, CorpusSpec
 from runtime.data.corpus.windows import num_windows, sample_windows
