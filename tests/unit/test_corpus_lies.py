@@ -150,6 +150,19 @@ def test_an_hf_disk_split_outside_the_folder_is_refused(tmp_path):
         open_source(CorpusSpec.parse(f"hf-disk:{folder}"))
 
 
+def test_a_saved_datasets_folder_naming_another_folders_data_is_refused(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}] * 4).save_to_disk(str(tmp_path / "hf"))
+    datasets.Dataset.from_list([{"input_ids": [7, 7, 7]}] * 4).save_to_disk(str(tmp_path / "private"))
+    assert open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}/hf")).split("train").tolist() == [1, 2, 3] * 4
+    state = json.loads((tmp_path / "hf" / "state.json").read_text())
+    theirs = json.loads((tmp_path / "private" / "state.json").read_text())["_data_files"][0]["filename"]
+    state["_data_files"] = [{"filename": f"../private/{theirs}"}]
+    (tmp_path / "hf" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CorpusError, match=f"data file '../private/{theirs}' resolves to {tmp_path}/private/"):
+        open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}/hf"))
+
+
 # ---- finding 3: ids outside the vocabulary never reach the embedding ---------------------------
 
 def test_a_meta_json_vocabulary_smaller_than_its_ids_is_refused(tmp_path, capsys):
@@ -179,6 +192,13 @@ def test_negative_megatron_ids_are_refused(tmp_path, dtype):
     write_megatron(tmp_path / "m", [[5, 6, 7, 0], [9, -3, 0]], dtype)
     with pytest.raises(CorpusError, match=rf"{tmp_path}/m.bin: token 5 is id -3, and ids are never negative"):
         open_source(CorpusSpec.parse(f"megatron:{tmp_path}/m"))
+
+
+def test_negative_hf_disk_ids_are_refused(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    datasets.Dataset.from_list([{"input_ids": [4, 5, 6]}, {"input_ids": [7, -2, 9]}]).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(CorpusError, match=rf"{tmp_path}/hf: token 4 is id -2, and ids are never negative"):
+        open_source(CorpusSpec.parse(f"hf-disk:{tmp_path}/hf"))
 
 
 def test_a_window_changed_after_open_is_refused_where_it_is_read(tmp_path):
