@@ -107,8 +107,8 @@ def rows(step: int, global_batch: int, *, source: str | CorpusSpec | TokenSource
     if step < 0:
         raise CorpusError(f"step={step} must be >= 0")
     opened = source_for(source)
-    bound = id_bound(opened, vocab)
     windows = check_fits(opened, split, seq=seq, global_batch=global_batch)
+    bound = id_bound(opened, vocab)
     picked = _row_range(rows, global_batch)
     if want is None or not len(picked):
         return None, None
