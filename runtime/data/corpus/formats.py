@@ -22,8 +22,9 @@ its metadata names files: a prepared folder's split "file" and "tokenizer": {"fi
 files are exactly the names this format defines (``SPLIT_FILES``, ``TOKENIZER_FILE``), and every
 name, ours or datasets', is resolved (links followed) and refused unless it stays inside the
 folder (``inside``): no ``..``, no absolute path, no link leaving the folder; a link within it is
-the user's own layout. The resolved path is the one opened, so a link swapped after the check
-cannot redirect the read.
+the user's own layout. A prepared folder's reader opens the resolved path, so a link swapped after
+the check cannot redirect its read (datasets opens its own joined names: hf-disk's check is as
+good as the folder is still when the run starts).
 
 Note [ids inside the vocabulary]: an id at or past the model's vocabulary fails mid-run with an
 empty ``RuntimeError:`` on a CPU or checking GPU, and on a device that does not check bounds it
