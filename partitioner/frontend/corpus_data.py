@@ -9,7 +9,9 @@ and evaluation reads the validation split. The windows are the model's sequence 
 example input's second dimension), in the global, seeded order of Note [global sample order], so a
 resumed run on any layout continues on the uninterrupted run's samples. A model whose vocabulary is
 smaller than the corpus's ids is refused here, before the trace: an id past the embedding would
-fail on a rank mid-run, or worse, index another row on a device that does not check.
+fail on a rank mid-run, or worse, index another row on a device that does not check; and the
+model's vocabulary rides in the batches' keywords (``vocab``), so the rank checks its ids against
+it too (Note [ids inside the vocabulary] in runtime/data/corpus/formats.py).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def with_corpus(workload: Workload, text: str, *, seed: int = 0, global_batch: i
                          f"embeds {vocab}: build the model with vocab >= {opened.vocab_size} (gpt:vocab="
                          f"{opened.vocab_size}), or prepare the corpus with the model's tokenizer")
     seq = int(args[0].shape[1])
-    kwargs = {"source": text, "seq": seq, "seed": seed}
+    kwargs = {"source": text, "seq": seq, "seed": seed, **({"vocab": vocab} if vocab is not None else {})}
     try:
         batches.check_fits(opened, "train", seq=seq, global_batch=global_batch)
     except CorpusError as exc:

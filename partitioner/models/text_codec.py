@@ -17,12 +17,11 @@ the tokenizer's have no text; they are never drawn, so every sampled id decodes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.data.corpus import META_FILE, CorpusSpec
-from runtime.data.corpus.formats import read_meta
+from runtime.data.corpus.formats import read_meta, tokenizer_file
 from runtime.data.corpus.prepare import BYTE_VOCAB, decode, load_tokenizer
 
 
@@ -91,7 +90,7 @@ def codec_of_folder(folder: str) -> TextCodec:
     tok = meta["tokenizer"]
     if tok["kind"] == "bytes":
         return TextCodec("bytes", meta["vocab_size"], meta["eod_id"], folder)
-    file = os.path.join(folder, tok["file"]) if tok.get("file") else tok["path"]
+    file = tokenizer_file(folder, meta)  # Note [files inside the corpus folder] in runtime/data/corpus/formats.py
     return TextCodec("huggingface", meta["vocab_size"], meta["eod_id"], folder, file, tok["sha256"])
 
 

@@ -134,7 +134,8 @@ def test_prepared_folder_checks(tmp_path):
     with pytest.raises(CorpusError, match=r"make 5 windows of seq=100, fewer than one global batch of 8 \(needs 801"):
         rows(0, 8, source=source, seq=100, rows=range(2), want=None)
     data = (out / "train.bin").read_bytes()
-    (out / "train.bin").write_bytes(data[::-1])  # same size: open passes, verify does not
+    # the same ids in another order: open passes (sizes and id range hold), verify does not
+    (out / "train.bin").write_bytes(np.frombuffer(data, dtype="<u2")[::-1].tobytes())
     open_source(CorpusSpec.parse(f"tokens:{out}"))
     with pytest.raises(CorpusError, match=f"{out}/train.bin: sha256 .* is not meta.json's"):
         open_source(CorpusSpec.parse(f"tokens:{out}")).verify()

@@ -163,8 +163,9 @@ def test_cli_prepares_then_refuses_in_one_line(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith("error: ") and named in lines[-1], result.stderr
         assert "Traceback" not in result.stderr and sum(line.startswith("error:") for line in lines) == 1
-    # same size, other bytes: only the full sha256 of `data check` sees it
-    (tmp_path / "corpus" / "train.bin").write_bytes((tmp_path / "corpus" / "train.bin").read_bytes()[::-1])
+    # same size, same ids in another order: only the full sha256 of `data check` sees it
+    train = tmp_path / "corpus" / "train.bin"
+    train.write_bytes(np.fromfile(train, dtype="<u2")[::-1].tobytes())
     check = _cli("check", "tokens:corpus", cwd=tmp_path)
     assert check.returncode != 0 and "Traceback" not in check.stderr
     assert check.stderr.strip().startswith("error: ") and "train.bin: sha256" in check.stderr, check.stderr

@@ -9,8 +9,9 @@ Rooms
 spec.py       ``CorpusSpec`` (``parse(text)``, ``to_text()``: ``tokens:DIR``,
               ``tokens:FILE.bin,dtype=uint16``, ``megatron:PREFIX``, ``hf-disk:DIR``) and
               ``CorpusError``, the one error of every corpus problem
-formats.py    ``TokenSource`` (splits as memmaps, ``vocab_size``, ``num_tokens``, ``verify()``),
-              ``ReadStats``; the prepared folder's layout and reader, the flat file's
+formats.py    ``TokenSource`` (splits as memmaps, ``vocab_size``, ``num_tokens``, ``verify()``, the id
+              scan: Note [ids inside the vocabulary]), ``ReadStats``; the prepared folder's layout
+              and reader, the flat file's; ``inside`` (Note [files inside the corpus folder])
 sources.py    ``open_source(spec)``: the dispatch on the kind
 megatron.py   Megatron-LM's .bin/.idx pair read with numpy (Note [megatron index layout])
 hf_disk.py    a ``datasets.save_to_disk`` folder's ``input_ids`` (Note [hf-disk in memory])

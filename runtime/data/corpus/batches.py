@@ -9,7 +9,9 @@
   wants its rows' inputs, the last stage their targets, a middle stage nothing (0 bytes read).
 
 Both follow Note [global sample order] in runtime/data/corpus/windows.py, so any split of the rows
-over ranks reassembles ``make_batch``'s batch exactly. Sources are opened once per process
+over ranks reassembles ``make_batch``'s batch exactly. ``vocab`` (the model's vocabulary, which the
+compiler passes) bounds every id a window may hold (Note [ids inside the vocabulary] in
+runtime/data/corpus/formats.py). Sources are opened once per process
 (``source_for``, keyed by the canonical spec text), since both are called every step.
 """
 
@@ -69,8 +71,34 @@ def _row_range(rows: range | slice, global_batch: int) -> range:
     return picked
 
 
+def id_bound(opened: TokenSource, vocab: int | None) -> int:
+    """The ids a window may hold lie below this: the corpus's vocabulary, and the model's when
+    given, which the scanned ids are checked against (Note [ids inside the vocabulary], (2))."""
+    if vocab is None:
+        return opened.vocab_size
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise CorpusError(f"vocab={vocab!r}: the model's vocabulary must be a positive integer")
+    top = opened.largest_id()
+    if top is not None and top >= vocab:
+        where = next(opened.files[n] for n in opened.splits if (opened.id_range(n) or (0, -1))[1] == top)
+        raise CorpusError(f"{where}: holds id {top}, but the model embeds {vocab} ids: build the model with vocab >= "
+                          f"{top + 1}, or prepare the corpus with the model's tokenizer")
+    return min(vocab, opened.vocab_size)
+
+
+def _check_window(opened: TokenSource, split: str, block: np.ndarray, starts: np.ndarray, bound: int) -> None:
+    """Note [ids inside the vocabulary], (3): the ids just read, checked beside the read."""
+    if not block.size or (int(block.max()) < bound and (block.dtype.kind != "i" or int(block.min()) >= 0)):
+        return
+    row, column = np.argwhere((block < 0) | (block >= bound))[0]
+    bad = int(block[row, column])
+    raise CorpusError(f"{opened.files[split]}: token {int(starts[row]) + int(column)} is id {bad} now, outside the "
+                      f"vocabulary of {bound} checked when it was opened: the file changed while it was read; write "
+                      "the corpus to a new folder, never over one a run reads, and start again")
+
+
 def rows(step: int, global_batch: int, *, source: str | CorpusSpec | TokenSource, seq: int,
-         rows: range | slice, want: Want = "both", seed: int = 0, split: str = "train"):
+         rows: range | slice, want: Want = "both", seed: int = 0, split: str = "train", vocab: int | None = None):
     """``(inputs, targets)`` of the global batch's rows ``rows``: ``inputs`` is ``(tokens,)``
     [len(rows), seq] int64 when ``want`` is "inputs" or "both", else None; ``targets`` likewise
     for "targets" or "both". ``want=None`` or no rows reads nothing (a middle stage)."""
@@ -80,6 +108,7 @@ def rows(step: int, global_batch: int, *, source: str | CorpusSpec | TokenSource
         raise CorpusError(f"step={step} must be >= 0")
     opened = source_for(source)
     windows = check_fits(opened, split, seq=seq, global_batch=global_batch)
+    bound = id_bound(opened, vocab)
     picked = _row_range(rows, global_batch)
     if want is None or not len(picked):
         return None, None
@@ -88,6 +117,7 @@ def rows(step: int, global_batch: int, *, source: str | CorpusSpec | TokenSource
     first, width = (1, seq) if want == "targets" else (0, seq + 1 if want == "both" else seq)
     tokens = opened.split(split)
     block = tokens[(starts + first)[:, None] + np.arange(width, dtype=np.int64)[None, :]]
+    _check_window(opened, split, block, starts + first, bound)
     opened.stats.bytes_read += block.size * tokens.itemsize
     opened.stats.windows_read += len(picked)
     block = torch.from_numpy(block.astype(np.int64))
@@ -99,10 +129,10 @@ def rows(step: int, global_batch: int, *, source: str | CorpusSpec | TokenSource
 
 
 def make_batch(step: int, global_batch: int, *, source: str | CorpusSpec | TokenSource, seq: int,
-               seed: int = 0, split: str = "train"):
+               seed: int = 0, split: str = "train", vocab: int | None = None):
     """``((tokens,), targets)`` of the whole global batch: ``rows`` over every row."""
     return rows(step, global_batch, source=source, seq=seq, rows=range(global_batch), want="both", seed=seed,
-                split=split)
+                split=split, vocab=vocab)
 
 
 def reads() -> dict:

@@ -12,6 +12,33 @@ with its reader so a rank needs no compiler)::
                           "tokenizer": {"kind", "path", "sha256"}, "eod_id",
                           "splits": {"train"|"val": {"file", "num_tokens", "num_documents",
                                                      "bytes", "sha256"}}, "sources": [...]}
+    DATA_DIR/tokenizer.json  a huggingface tokenizer's copy (meta.json's "tokenizer": {"file"})
+
+Note [files inside the corpus folder]: a corpus folder is data someone else may have written, and
+its metadata names files: a prepared folder's split "file" and "tokenizer": {"file"}, a
+``datasets`` folder's state.json "_data_files" and dataset_dict.json "splits". Joined unchecked,
+``../secret/private.bin`` or ``/etc/passwd`` would train a model on that file (and ``generate`` or
+``export`` leak what it memorised), whatever sha256 meta.json re-seals. So a prepared folder's
+files are exactly the names this format defines (``SPLIT_FILES``, ``TOKENIZER_FILE``), and every
+name, ours or datasets', is resolved (links followed) and refused unless it stays inside the
+folder (``inside``): no ``..``, no absolute path, no link leaving the folder; a link within it is
+the user's own layout. A prepared folder's reader opens the resolved path, so a link swapped after
+the check cannot redirect its read (datasets opens its own joined names: hf-disk's check is as
+good as the folder is still when the run starts).
+
+Note [ids inside the vocabulary]: an id at or past the model's vocabulary fails mid-run with an
+empty ``RuntimeError:`` on a CPU or checking GPU, and on a device that does not check bounds it
+indexes another row of the embedding: silent garbage. A negative one (Megatron's and hf-disk's
+signed ids) does the same. Three checks keep every id in [0, vocab): (1) where a source is opened
+(``open_source``) each split is scanned once for its smallest and largest id (chunked, cached on
+the ``TokenSource``: one pass of reading per process) and refused when an id is negative or at or
+past the vocabulary the corpus claims (meta.json's, ``vocab=``); the compiler opens it too, so a
+meta.json that claims less than its ids is refused at compile time; (2) the compiler refuses a
+model whose vocabulary is below the corpus's and hands the rank the model's vocabulary
+(partitioner/frontend/corpus_data.py), which the rank checks the scanned ids against once;
+(3) every window is range-checked where it is read (runtime/data/corpus/batches.py: a min and max
+over the few tokens just copied, free beside the read), so a file changed in place after it was
+opened fails on that rank with one line naming the file, the id and the vocabulary.
 """
 
 from __future__ import annotations
@@ -29,7 +56,8 @@ META_FILE = "meta.json"
 META_FORMAT = "partitioner-tokens"
 META_VERSION = 1
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
-SCAN_CHUNK_TOKENS = 1 << 24  # the max-id scan's chunk: 32-64 MiB resident at a time, whatever the corpus
+TOKENIZER_FILE = "tokenizer.json"  # the folder keeps its tokenizer, so decode works when the original moves
+SCAN_CHUNK_TOKENS = 1 << 24  # the id scan's chunk: 32-128 MiB resident at a time, whatever the corpus
 HASH_CHUNK_BYTES = 1 << 22
 
 
@@ -55,6 +83,7 @@ class TokenSource:
     known_vocab_size: int | None = None
     meta: dict | None = None
     stats: ReadStats = field(default_factory=ReadStats)
+    id_ranges: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # the scan's, per split
 
     @property
     def label(self) -> str:
@@ -66,16 +95,51 @@ class TokenSource:
 
     @property
     def vocab_size(self) -> int:
-        """meta.json's, the spec's ``vocab=``, or max id + 1 by one chunked scan (cached)."""
+        """meta.json's, the spec's ``vocab=``, or the largest id + 1 by the scan."""
         if self.known_vocab_size is None:
-            top = -1
-            for array in self.splits.values():
-                for start in range(0, array.shape[0], SCAN_CHUNK_TOKENS):
-                    top = max(top, int(array[start:start + SCAN_CHUNK_TOKENS].max()))
-            if top < 0:
+            top = self.largest_id()
+            if top is None:
                 raise CorpusError(f"{self.label}: holds no tokens: prepare a corpus with `partitioner data prepare`")
             self.known_vocab_size = top + 1
         return self.known_vocab_size
+
+    def id_range(self, name: str) -> tuple[int, int] | None:
+        """(smallest, largest) id of a split by one chunked scan, cached; None when it is empty.
+        An unsigned split's smallest is taken as 0 (it cannot be negative; one pass, not two)."""
+        if name not in self.id_ranges:
+            array, low, high = self.splits[name], 0, None
+            for start in range(0, array.shape[0], SCAN_CHUNK_TOKENS):
+                chunk = array[start:start + SCAN_CHUNK_TOKENS]
+                high = max(int(chunk.max()), -1 if high is None else high)
+                if array.dtype.kind == "i":
+                    low = min(low, int(chunk.min()))
+            self.id_ranges[name] = None if high is None else (low, high)
+        return self.id_ranges[name]
+
+    def largest_id(self) -> int | None:
+        ranges = [r for r in map(self.id_range, self.splits) if r is not None]
+        return max(high for _, high in ranges) if ranges else None
+
+    def check_ids(self) -> None:
+        """Note [ids inside the vocabulary], (1): every split's ids in [0, the claimed vocabulary)."""
+        claimed = self.known_vocab_size
+        for name in self.splits:
+            scanned = self.id_range(name)
+            if scanned is None:
+                continue
+            low, high = scanned
+            if low < 0:
+                position, bad = first_outside(self.splits[name], 0, None)
+                raise CorpusError(f"{self.files[name]}: token {position} is id {bad}, and ids are never negative: the "
+                                  "file is corrupt or holds no token ids; tokenize the corpus again")
+            if claimed is not None and high >= claimed:
+                position, bad = first_outside(self.splits[name], 0, claimed)
+                said = f"{os.path.join(self.spec.path, META_FILE)} says" if self.meta is not None \
+                    else f"vocab={claimed} says"
+                fix = "prepare the corpus again with its tokenizer" if self.meta is not None \
+                    else f"give vocab={high + 1} or more, or drop vocab= to take the largest id + 1"
+                raise CorpusError(f"{self.files[name]}: token {position} is id {bad}, but {said} the vocabulary is "
+                                  f"{claimed}: {fix}")
 
     def split(self, name: str) -> np.ndarray:
         if name not in self.splits:
@@ -98,6 +162,58 @@ class TokenSource:
             if digest.hexdigest() != entry["sha256"]:
                 raise CorpusError(f"{path}: sha256 {digest.hexdigest()[:12]}... is not meta.json's "
                                   f"{entry['sha256'][:12]}...: the file changed after prepare; prepare the corpus again")
+
+
+def first_outside(array: np.ndarray, low: int, high: int | None) -> tuple[int, int]:
+    """(position, id) of the first id outside [low, high) (``high`` None: no upper bound); the
+    error path's second scan, so the message can name where the file lies."""
+    for start in range(0, array.shape[0], SCAN_CHUNK_TOKENS):
+        chunk = array[start:start + SCAN_CHUNK_TOKENS]
+        bad = np.flatnonzero((chunk < low) | (chunk >= high) if high is not None else chunk < low)
+        if bad.size:
+            return start + int(bad[0]), int(chunk[bad[0]])
+    raise AssertionError("first_outside: every id is inside; the caller saw one outside")
+
+
+def _resolved_inside(folder: str, path: str) -> str | None:
+    """``path`` with every link followed, or None when that leaves ``folder``."""
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    return real if os.path.commonpath([root, real]) == root else None
+
+
+def inside(folder: str, name, *, named_in: str, what: str = "file") -> str:
+    """``folder/name`` resolved, refused unless it stays inside ``folder`` (Note [files inside the
+    corpus folder]); the resolved path is the one to open."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CorpusError(f"{named_in}: {what} {name!r} is no file name: write the corpus again")
+    real = None if os.path.isabs(name) else _resolved_inside(folder, os.path.join(folder, name))
+    if real is None:
+        raise CorpusError(f"{named_in}: {what} {name!r} resolves to {os.path.realpath(os.path.join(folder, name))}, "
+                          f"outside {folder}: a corpus reads only the files in its folder; copy the file into the "
+                          "folder, or write the corpus again")
+    return real
+
+
+def folder_file(folder: str, name, expected: str, *, what: str) -> str:
+    """A prepared folder's own file, resolved: meta.json names exactly ``expected``, and it stays
+    inside the folder (Note [files inside the corpus folder])."""
+    if name != expected:
+        raise CorpusError(f"{os.path.join(folder, META_FILE)}: {what} names file {name!r}, not {expected!r}: a "
+                          "prepared corpus reads only its own files; prepare the corpus again")
+    path = os.path.join(folder, expected)
+    real = _resolved_inside(folder, path)
+    if real is None:
+        raise CorpusError(f"{path}: resolves to {os.path.realpath(path)}, outside {folder}: a corpus reads only the "
+                          "files in its folder; copy the file into the folder, or prepare the corpus again")
+    return real
+
+
+def tokenizer_file(folder: str, meta: dict) -> str | None:
+    """The folder's tokenizer copy (checked: Note [files inside the corpus folder]), or None for bytes."""
+    tok = meta["tokenizer"]
+    if tok.get("kind") == "bytes":
+        return None
+    return folder_file(folder, tok.get("file"), TOKENIZER_FILE, what="tokenizer")
 
 
 def token_array(path: str, dtype: str, *, offset_bytes: int = 0, count: int | None = None) -> np.ndarray:
@@ -164,7 +280,11 @@ def open_prepared(spec: CorpusSpec) -> TokenSource:
                           "the vocab= option")
     splits, files = {}, {}
     for name, entry in meta["splits"].items():
-        path = os.path.join(spec.path, entry["file"])
+        if name not in SPLIT_FILES:
+            raise CorpusError(f"{os.path.join(spec.path, META_FILE)}: split {name!r} is not one of "
+                              f"{', '.join(SPLIT_FILES)}: prepare the corpus again")
+        path = folder_file(spec.path, entry.get("file") if isinstance(entry, dict) else None, SPLIT_FILES[name],
+                           what=f"split {name!r}")
         if os.path.isfile(path) and os.path.getsize(path) != entry["bytes"]:
             raise CorpusError(f"{path}: {os.path.getsize(path)} bytes, meta.json says {entry['bytes']}: the file "
                               "is truncated or was replaced; prepare the corpus again")

@@ -4,18 +4,59 @@
 Note [hf-disk in memory]: Arrow stores ``input_ids`` as list chunks, not one flat array, so each
 split's token stream is concatenated once into memory at open (not a memmap, unlike the other
 kinds); for a corpus larger than memory, write it once as a prepared folder or a flat .bin.
+
+Before ``datasets`` reads the folder, the files its metadata names are checked to stay inside it
+(``check_names``: Note [files inside the corpus folder] in runtime/data/corpus/formats.py):
+datasets joins state.json's "_data_files" names and dataset_dict.json's "splits" to the folder
+unchecked, so an absolute name or ``..`` would read any file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
-from runtime.data.corpus.formats import TokenSource
+from runtime.data.corpus.formats import TokenSource, inside
 from runtime.data.corpus.spec import CorpusError, CorpusSpec
 
 VAL_NAMES = ("validation", "val", "test")
+STATE_FILE, DICT_FILE = "state.json", "dataset_dict.json"  # what datasets.save_to_disk names them
+
+
+def _json_of(folder: str, name: str):
+    path = inside(folder, name, named_in=folder)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CorpusError(f"{os.path.join(folder, name)}: unreadable ({exc.__class__.__name__}): save the dataset "
+                          "again with datasets' save_to_disk") from None
+
+
+def _check_state(folder: str) -> None:
+    """One saved Dataset's data files, each inside its folder."""
+    if not os.path.isfile(os.path.join(folder, STATE_FILE)):
+        return  # datasets says what is missing
+    state, where = _json_of(folder, STATE_FILE), os.path.join(folder, STATE_FILE)
+    files = state.get("_data_files") if isinstance(state, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise CorpusError(f"{where}: its _data_files is not a list of files: save the dataset again with save_to_disk")
+    for entry in files:
+        inside(folder, entry.get("filename"), named_in=where, what="data file")
+
+
+def check_names(folder: str) -> None:
+    """Every file a saved Dataset or DatasetDict names resolves inside ``folder``."""
+    _check_state(folder)
+    if os.path.isfile(os.path.join(folder, DICT_FILE)):
+        listed, where = _json_of(folder, DICT_FILE), os.path.join(folder, DICT_FILE)
+        splits = listed.get("splits") if isinstance(listed, dict) else None
+        if not isinstance(splits, list):
+            raise CorpusError(f"{where}: its splits is not a list of names: save the dataset again with save_to_disk")
+        for split in splits:
+            _check_state(inside(folder, split, named_in=where, what="split"))
 
 
 def _flat_ids(dataset, path: str) -> np.ndarray:
@@ -33,6 +74,8 @@ def _flat_ids(dataset, path: str) -> np.ndarray:
 
 
 def open_hf_disk(spec: CorpusSpec) -> TokenSource:
+    if os.path.isdir(spec.path):
+        check_names(spec.path)  # before datasets reads a name
     try:
         import datasets  # lazy: optional dependency, only this kind needs it
     except ImportError:

@@ -11,6 +11,12 @@ streams each one to its split's file without holding the corpus.
 Note [atomic corpus folder]: everything is written into a temporary folder beside ``out_dir``,
 each file fsync'd, then the folder renamed into place and its parent fsync'd: a failure at any
 point leaves no ``out_dir`` (and, with ``overwrite``, the old one intact until the new one is complete).
+
+Note [vocabulary is the largest id + 1]: a tokenizer's ids need not be dense (added tokens placed
+at 70000 in a 3-entry vocabulary), so the vocabulary recorded, and the dtype chosen from it, is
+its largest id + 1, never its entry count: counting entries chose uint16 and wrote id 70000 as
+4464. Every id is checked against both before the narrowing cast (``_SplitWriter.write``), so an
+id the tokenizer gives outside them fails naming the input file instead of wrapping.
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from runtime.data.corpus.formats import META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, read_meta
+from runtime.data.corpus.formats import (META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, TOKENIZER_FILE, read_meta,
+                                         tokenizer_file)
 from runtime.data.corpus.spec import CorpusError
 
 BYTE_VOCAB = 256
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")  # tried when no tokenizer_config names one
-TOKENIZER_COPY = "tokenizer.json"  # the folder keeps its tokenizer, so decode works when the original moves
 Progress = Callable[[int, int], None]
 
 
@@ -121,7 +127,11 @@ def load_tokenizer(name: str, *, append_eod: bool) -> tuple[TokenizerInfo, Calla
     if append_eod and eod is None:
         raise CorpusError(f"--append-eod: {file} has no end-of-text token ({', '.join(EOD_CANDIDATES)}, or "
                           "tokenizer_config.json's eos_token): drop --append-eod, or add such a token")
-    info = TokenizerInfo("huggingface", str(file.resolve()), sha, tokenizer.get_vocab_size(with_added_tokens=True),
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    if not ids or min(ids) < 0:
+        raise CorpusError(f"--tokenizer {file}: its vocabulary is empty or holds a negative id: use a tokenizer "
+                          "whose ids start at 0")
+    info = TokenizerInfo("huggingface", str(file.resolve()), sha, max(ids) + 1,  # Note [vocabulary is the largest id + 1]
                          eod if append_eod else None)
 
     def encode(payload: str | bytes) -> np.ndarray:
@@ -167,15 +177,25 @@ def _documents(path: str, json_key: str) -> Iterator[tuple[str | bytes, int]]:
 
 
 class _SplitWriter:
-    """One split's .bin, streamed: bytes hashed as written, fsync'd at close."""
+    """One split's .bin, streamed: bytes hashed as written, fsync'd at close. ``vocab`` bounds the
+    ids (the dtype's range when None)."""
 
-    def __init__(self, path: str, dtype: str):
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: str, dtype: str, vocab: int | None = None):
+        self.path, self.dtype, self.vocab = path, dtype, vocab
+        self.bound = min(vocab or 1 << 64, int(np.iinfo(dtype).max) + 1)
         self.file = open(path, "wb")
         self.digest = hashlib.sha256()
         self.num_tokens = self.num_documents = 0
 
-    def write(self, ids: np.ndarray, *, documents: int) -> None:
+    def write(self, ids: np.ndarray, *, documents: int, origin: str) -> None:
+        """``ids`` of the input file ``origin``, each checked before the narrowing cast (Note
+        [vocabulary is the largest id + 1])."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.bound):
+            bad = int(ids[(ids < 0) | (ids >= self.bound)][0])
+            why = "a negative id" if bad < 0 else f"which {self.dtype} cannot hold" \
+                if bad > np.iinfo(self.dtype).max else f"at or past its vocabulary of {self.vocab}"
+            raise CorpusError(f"{origin}: the tokenizer gave id {bad}, {why}: its ids and its vocabulary disagree; "
+                              "use a tokenizer whose ids lie in [0, its largest id]")
         data = np.ascontiguousarray(ids, dtype=np.dtype(self.dtype).newbyteorder("<")).tobytes()
         self.file.write(data)
         self.digest.update(data)
@@ -225,7 +245,8 @@ def _write_splits(tmp: str, files: list[str], info: TokenizerInfo, encode, *, js
     if total_documents == 0:
         raise CorpusError(f"{files[0]}: the inputs hold no documents (empty .jsonl files): pass files with text")
     first_val = total_documents - _val_documents(total_documents, val_fraction)
-    writers = {name: _SplitWriter(os.path.join(tmp, SPLIT_FILES[name]), info.dtype) for name in SPLIT_FILES}
+    writers = {name: _SplitWriter(os.path.join(tmp, SPLIT_FILES[name]), info.dtype, info.vocab_size)
+               for name in SPLIT_FILES}
     eod = np.asarray([info.eod_id], dtype=np.int64) if info.eod_id is not None else None
     total_bytes = sum(os.path.getsize(f) for f in files)
     done_bytes = index = 0
@@ -239,10 +260,10 @@ def _write_splits(tmp: str, files: list[str], info: TokenizerInfo, encode, *, js
                 if total_documents == 1:
                     keep = ids.shape[0] - (max(1, round(ids.shape[0] * val_fraction)) if val_fraction else 0)
                     keep = max(keep, min(1, ids.shape[0]))
-                    writers["train"].write(ids[:keep], documents=1)
-                    writers["val"].write(ids[keep:], documents=0)
+                    writers["train"].write(ids[:keep], documents=1, origin=file)
+                    writers["val"].write(ids[keep:], documents=0, origin=file)
                 else:
-                    writers["train" if index < first_val else "val"].write(ids, documents=1)
+                    writers["train" if index < first_val else "val"].write(ids, documents=1, origin=file)
                 index += 1
                 done_bytes += consumed
                 if progress is not None:
@@ -277,12 +298,12 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
         splits, sources, split_by = _write_splits(tmp, files, info, encode, json_key=json_key,
                                                   val_fraction=val_fraction, progress=progress)
         if info.path is not None:
-            shutil.copyfile(info.path, os.path.join(tmp, TOKENIZER_COPY))
-            with open(os.path.join(tmp, TOKENIZER_COPY), "rb+") as f:
+            shutil.copyfile(info.path, os.path.join(tmp, TOKENIZER_FILE))
+            with open(os.path.join(tmp, TOKENIZER_FILE), "rb+") as f:
                 os.fsync(f.fileno())
         meta = {"format": META_FORMAT, "version": META_VERSION, "vocab_size": info.vocab_size, "dtype": info.dtype,
                 "tokenizer": {"kind": info.kind, "path": info.path, "sha256": info.sha256,
-                              "file": TOKENIZER_COPY if info.path else None},
+                              "file": TOKENIZER_FILE if info.path else None},
                 "eod_id": info.eod_id, "split_by": split_by, "val_fraction": val_fraction, "json_key": json_key,
                 "splits": splits, "sources": sources}
         with open(os.path.join(tmp, META_FILE), "w") as f:
@@ -331,7 +352,7 @@ def decode(ids, meta_dir: str, *, eod_text: str = "") -> str:
     if tok["kind"] == "bytes":
         texts = [bytes(piece).decode("utf-8", errors="replace") for piece in pieces]
     else:
-        copy = os.path.join(meta_dir, tok["file"]) if tok.get("file") else tok["path"]
+        copy = tokenizer_file(meta_dir, meta)  # Note [files inside the corpus folder] in formats.py
         if not os.path.isfile(copy) or _sha256_once(copy) != tok["sha256"]:
             raise CorpusError(f"{copy}: missing or not the tokenizer {meta_dir} was prepared with (sha256 "
                               f"{tok['sha256'][:12]}...): prepare the corpus again")

@@ -1,5 +1,6 @@
 """``open_source(spec)``: one parsed spec opened as a ``TokenSource``, by its kind (the readers
-are formats.py's, megatron.py's and hf_disk.py's; hf_disk imports ``datasets`` only when used)."""
+are formats.py's, megatron.py's and hf_disk.py's; hf_disk imports ``datasets`` only when used),
+its ids scanned (Note [ids inside the vocabulary] in runtime/data/corpus/formats.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from runtime.data.corpus.spec import CorpusSpec
 
 def open_source(spec: CorpusSpec) -> TokenSource:
     if spec.kind == "megatron":
-        return open_megatron(spec)
-    if spec.kind == "hf-disk":
-        return open_hf_disk(spec)
-    if os.path.isdir(spec.path):
-        return open_prepared(spec)
-    return open_flat(spec)
+        source = open_megatron(spec)
+    elif spec.kind == "hf-disk":
+        source = open_hf_disk(spec)
+    elif os.path.isdir(spec.path):
+        source = open_prepared(spec)
+    else:
+        source = open_flat(spec)
+    source.check_ids()
+    return source

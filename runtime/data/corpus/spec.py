@@ -22,8 +22,9 @@ class CorpusError(ValueError):
 @dataclass(frozen=True)
 class CorpusSpec:
     """``kind:PATH[,dtype=D][,vocab=V]``. ``dtype`` is required for a flat ``tokens:FILE.bin`` and
-    checked against meta.json for a prepared folder; ``vocab`` overrides the scan for the max id
-    where a format records no vocabulary (a flat file, Megatron's)."""
+    checked against meta.json for a prepared folder; ``vocab`` gives the vocabulary where a format
+    records none (a flat file, Megatron's, hf-disk's; else the largest id + 1), and the scan at
+    open refuses an id at or past it (Note [ids inside the vocabulary] in formats.py)."""
 
     kind: str
     path: str
