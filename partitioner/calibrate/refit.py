@@ -280,9 +280,9 @@ def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
                                   microbatch_overhead_s=overhead, link_latency_s=new_latency,
                                   refits=profile.refits + (refit,))
     except ValueError as exc:
-        raise ValueError(f"{run_dir / 'summary.json'}: its step of {measured!r} s (predicted {before:.6g} s) refits "
-                         f"to a {exc}; the profile is not refit: check that run (was the machine swapping or "
-                         "suspended?) and refit from another") from None
+        raise ValueError(f"{run_dir / 'summary.json'}: its step of {measured!r} s (predicted {before:.6g} s) is not "
+                         f"refit, since the {exc}; check that run (was the machine swapping or suspended?) and "
+                         "refit from another") from None
     return RefitReport(profile=new, run_dir=run_dir, folder=folder, measured_step_s=measured,
                        predicted_before_s=before, predicted_after_s=after, forward_scale=forward,
                        backward_scale=backward, microbatch_overhead_before_s=overhead_before,
