@@ -30,17 +30,19 @@ KIND = "cpu"  # the device kind this machine's processes are (Note [core sharing
 #     Without it a run folder with a NaN step time wrote NaN into the profile and every later compile
 #     on the machine failed on it; 1e6 priced every plan at a million seconds a step; a cached file
 #     with contention 1e6 or zero coefficients priced plans silently. The ranges are wide: one thread
-#     of any CPU does between 1 MFLOP/s (slower than any since the 1980s) and 1 PFLOP/s (a thousand
+#     of any CPU does between 1 MFLOP/s (slower than any since the 1980s) and 1 PFLOP/s (over a thousand
 #     times any core's fp32 peak) of matmul and moves more than 1 MB/s; an eager op's fixed cost is
 #     microseconds, so 0.1 s is none; a schedule's, a send's or a collective's fixed cost is under
 #     a millisecond here, so 10 s is none; loopback gloo moves 1 MB/s to 10 TB/s (more than any
 #     memory bus); two ranks side by side slow each other at most about twice (sharing one core),
 #     so a contention above 100 is a burst that swamped the measurement or a hand-edited file; a
-#     refit scales the measured fit by 3-7x on a busy machine, so beyond 1000x (either way) the run
-#     was not this machine; a step of a partitioner run takes more than a microsecond and less than
-#     a day. The matmul coefficient is never 0 (the reference model is mostly matmuls: a zero
-#     prices its regions at nothing); the others may be (the fit's non-negative least squares puts
-#     a term another one explains at 0, a link may have no latency beyond its bytes).
+#     refit scales the measured fit by 3-20x on a busy machine (17x forward at load 23 on 2 cores),
+#     so beyond 1000x (either way) the run was not this machine; a step of a partitioner run takes
+#     more than a microsecond and less than a day. The matmul coefficient is never 0 (the
+#     reference model is mostly matmuls: a zero prices its regions at nothing); the others may be
+#     (the fit's non-negative least squares puts a term another one explains at 0, a link may have
+#     no latency beyond its bytes). A measurement outside is no profile either: a compile then
+#     prices with the preset and says why (``resolve``), so a bound never makes it measure forever.
 _SECONDS_PER_OP = (0.0, 0.1)
 _SECONDS_FIXED = (0.0, 10.0)
 _PER_UNIT = (0.0, 1e-6)  # seconds per FLOP or byte
