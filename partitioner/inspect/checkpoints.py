@@ -9,9 +9,9 @@ so what this prints is what `partitioner run` would decide (Note [checkpoint for
     partial     no manifest.json: never committed (a crash or kill while writing it)
     corrupt     the manifest fails its checksum, or a shard is missing, truncated or altered
     unreadable  the filesystem refused a read (permissions, I/O error)
-    unchecked   no plan beside the folder, and a lossless shard declares more than inspect
-                decompresses without one (Note [bounded decompression] in
-                runtime/resilience/checkpoint/delta.py): inspect the program folder to check it
+    unchecked   no plan beside the folder (or one without stage memory), and a lossless shard
+                declares more than inspect decompresses without one (Note [bounded decompression]
+                in runtime/resilience/checkpoint/delta.py): inspect the program folder to check it
 """
 
 from __future__ import annotations
@@ -124,8 +124,10 @@ def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
     except CheckpointCorruptError as exc:
         status, entries = "corrupt", []
         info["problems"].append(_short(str(exc), where))
-    # what a resume decodes of a shard at most (Note [bounded decompression]); no plan, no bound of its own
-    bound = program.shard_bytes_bound if program is not None else UNPLANNED_DECODE_BYTES
+    # what a resume decodes of a shard at most (Note [bounded decompression]); a plan that states no
+    # stage memory (or none) bounds nothing, and inspect decodes at most its own cap
+    planned = program is not None and program.shard_bytes_bound is not None
+    bound = program.shard_bytes_bound if planned else UNPLANNED_DECODE_BYTES
     for entry in entries:
         try:
             ck.read_shard(ckpt_dir, manifest, entry, bound=bound)
@@ -133,14 +135,14 @@ def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
             status = "unreadable" if status == "valid" else status
             info["problems"].append(f"{entry['file']}: {exc.strerror or exc}")
         except DecodeBoundError as exc:
-            if program is not None:
+            if planned:
                 status = "corrupt"
                 info["problems"].append(_short(str(exc), where))
             else:
                 status = "unchecked" if status == "valid" else status
-                info["problems"].append(f"{entry['file']}: its tensors declare {exc.declared} bytes decoded, more "
-                                        f"than the {exc.bound} inspect decompresses without a plan: inspect the "
-                                        "program folder (DIR --checkpoints) to check it against its plan")
+                info["problems"].append(f"{_short(exc.where, where)}: its tensors declare {exc.declared} bytes "
+                                        f"decoded, more than the {exc.bound} inspect decompresses without a plan "
+                                        "that bounds them: inspect the program folder (DIR --checkpoints)")
         except CheckpointCorruptError as exc:
             status = "corrupt"
             info["problems"].append(_short(str(exc), where))

@@ -103,10 +103,11 @@ def decode_tensor(blob, dtype: torch.dtype, shape, base: torch.Tensor | None) ->
     # decompressed at every resume and listed valid by inspect. The bound is the plan's most bytes
     # of one shard (Note [declared sizes are bounded] in runtime/program/spec.py: what one rank's
     # stages hold, twice, plus 64 MiB), which decoded tensors are within as stored ones are; so
-    # no more is allocated (three times over while the planes are put back). ``inspect`` of a
-    # checkpoint folder with no plan beside it has no such bound: it decompresses at most
-    # UNPLANNED_DECODE_BYTES of a shard and lists one that declares more as "unchecked", neither
-    # valid nor corrupt (it may be a big model's).
+    # no more is allocated (three times over while the planes are put back). A plan without stage
+    # memory (hand-written) bounds nothing at resume; ``inspect`` of a checkpoint folder with no
+    # plan beside it, or with such a plan, decompresses at most UNPLANNED_DECODE_BYTES of a shard
+    # and lists one that declares more as "unchecked", neither valid nor corrupt (it may be a big
+    # model's).
     declared = zstd.frame_content_size(blob) if len(blob) else 0
     if declared not in (-1, nbytes) and len(blob):
         raise ValueError(f"its zstd frame declares {declared} bytes, the tensor is {nbytes}")
