@@ -74,7 +74,12 @@ def read_bounded(path: str, *, cap: int = JSON_CAP, follow: bool = False) -> byt
     grows past it while read is refused too)."""
     fd = open_regular(path, follow=follow, cap=cap)
     with os.fdopen(fd, "rb") as fh:
-        data = fh.read(cap + 1)
+        # read(n) allocates n bytes before it reads: the file's size (one more, to see it grow),
+        # not the cap, or every 2 KiB manifest read allocated 64 MiB
+        size = os.fstat(fd).st_size  # at most the cap: open_regular checked
+        data = fh.read(size + 1)
+        if len(data) > size:  # it grew while read: the rest, up to one byte past the cap
+            data += fh.read(cap + 1 - len(data))
     if len(data) > cap:
         raise UntrustedFile(f"{path} grew past {cap >> 20} MiB while read: refusing it")
     return data

@@ -70,8 +70,11 @@ Note [machine profile cache]
     Python's versions (a new torch changes the kernels and the dispatch). Written atomically (a
     unique temporary file in the folder, fsync, rename, fsync the folder), so two compiles
     measuring at once each leave a whole file. A file that is not JSON, not this format
-    (``FORMAT``), for another key, or malformed is measured again and overwritten, never
-    trusted and never a traceback. ``PARTITIONER_NO_CALIBRATE=1`` (or ``--no-calibrate``, or
+    (``FORMAT``), for another key, malformed, or holding a figure outside its bounds (Note
+    [machine figures are bounded] in partitioner/calibrate/machine_profile.py) is measured again
+    and overwritten, never trusted and never a traceback; the compile's line names the file and
+    the figure. A cache folder that cannot be written (read-only, full) does not throw the fresh
+    measurement away: it prices the compile, and one line says it is not cached (``save_or_say``). ``PARTITIONER_NO_CALIBRATE=1`` (or ``--no-calibrate``, or
     ``compile(machine_profile="preset")``) prices with the preset: the test suite sets it, so no
     golden file depends on the machine.
 
@@ -113,6 +116,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -127,7 +131,7 @@ from partitioner.config.cluster import ClusterSpec
 __all__ = ["CACHE_ENV", "FORMAT", "KIND", "NO_CALIBRATE_ENV", "MachineKey", "MachineMeasurements", "MachineProfile",
            "Refit", "Resolved", "cache_dir", "cache_path", "calibration_disabled", "fill_fixed_costs", "fit_gloo",
            "load_cached", "machine_profile", "measure_machine", "other_runnable_now", "quieter_now",
-           "reference_workload", "resolve", "save", "with_compiled_fit"]
+           "reference_workload", "resolve", "save", "save_or_say", "with_compiled_fit"]
 
 NO_CALIBRATE_ENV = "PARTITIONER_NO_CALIBRATE"
 CACHE_ENV = "XDG_CACHE_HOME"
@@ -212,9 +216,25 @@ def machine_profile(*, refresh: bool = False, progress: Callable[[str], None] | 
             if why is None:
                 return Resolved(cached, path, "cached")
     profile = measure_machine(progress)
-    save(profile, path)
+    save_or_say(profile, path, progress)
     how = "measured" if why in ("none cached", "refresh") else f"measured again ({why})"
     return Resolved(profile, path, how)
+
+
+def save_or_say(profile: MachineProfile, path: Path, progress: Callable[[str], None] | None) -> str | None:
+    """Save ``profile`` to ``path``; when the cache folder cannot take it, the reason, said in one
+    line: the fresh measurement still prices this compile (it is not thrown away for a cache)."""
+    try:
+        save(profile, path)
+    except OSError as exc:
+        why = (f"not cached: {path.parent} is not writable ({exc.strerror or type(exc).__name__}); this compile "
+               f"uses the measurement, the next measures again (set {CACHE_ENV} to a writable folder)")
+        if progress is not None:
+            progress(f"machine: {why}")
+        else:
+            warnings.warn(f"machine profile {why}", stacklevel=3)
+        return why
+    return None
 
 
 def with_compiled_fit(resolved: Resolved, progress: Callable[[str], None] | None = None) -> Resolved:
@@ -236,7 +256,7 @@ def with_compiled_fit(resolved: Resolved, progress: Callable[[str], None] | None
         cached, _why = load_cached(profile.key)  # another compile may have refit it meanwhile: keep that
         if cached is not None and cached.measurement_id == profile.measurement_id:
             profile = dataclasses.replace(cached, compiled=fit)
-        save(profile, resolved.path)
+        save_or_say(profile, resolved.path, say)
     return Resolved(profile, resolved.path, resolved.how)
 
 

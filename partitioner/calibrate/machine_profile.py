@@ -23,6 +23,68 @@ from partitioner.config.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpe
 FORMAT = "partitioner.machine/1"
 KIND = "cpu"  # the device kind this machine's processes are (Note [core sharing] in cluster.py)
 
+# Note [machine figures are bounded]
+#     Every figure of a machine profile is checked against a range no real machine is outside of,
+#     wherever a profile is made: measured, refit from a run (before it is saved) and read from the
+#     cache (a file outside is measured again, said in one line naming the file and the figure).
+#     Without it a run folder with a NaN step time wrote NaN into the profile and every later compile
+#     on the machine failed on it; 1e6 priced every plan at a million seconds a step; a cached file
+#     with contention 1e6 or zero coefficients priced plans silently. The ranges are wide: one thread
+#     of any CPU does between 1 MFLOP/s (slower than any since the 1980s) and 1 PFLOP/s (over a thousand
+#     times any core's fp32 peak) of matmul and moves more than 1 MB/s; an eager op's fixed cost is
+#     microseconds, so 0.1 s is none; a schedule's, a send's or a collective's fixed cost is under
+#     a millisecond here, so 10 s is none; loopback gloo moves 1 MB/s to 10 TB/s (more than any
+#     memory bus); two ranks side by side slow each other at most about twice (sharing one core),
+#     so a contention above 100 is a burst that swamped the measurement or a hand-edited file; a
+#     refit scales the measured fit by 3-20x on a busy machine (17x forward at load 23 on 2 cores),
+#     so beyond 1000x (either way) the run was not this machine; a step of a partitioner run takes
+#     more than a microsecond and less than a day. The matmul coefficient is never 0 (the
+#     reference model is mostly matmuls: a zero prices its regions at nothing); the others may be
+#     (the fit's non-negative least squares puts a term another one explains at 0, a link may have
+#     no latency beyond its bytes). A measurement outside is no profile either: a compile then
+#     prices with the preset and says why (``resolve``), so a bound never makes it measure forever.
+_SECONDS_PER_OP = (0.0, 0.1)
+_SECONDS_FIXED = (0.0, 10.0)
+_PER_UNIT = (0.0, 1e-6)  # seconds per FLOP or byte
+_FIT_BOUNDS = {"s_per_matmul_flop": (1e-15, 1e-6), "s_per_other_flop": _PER_UNIT, "s_per_byte": _PER_UNIT,
+               "op_overhead_s": _SECONDS_PER_OP, "call_overhead_s": _SECONDS_PER_OP}
+STEP_S_BOUNDS = (1e-6, 86400.0)  # a run's step, and a stage's seconds per microbatch at most a day
+SCALE_BOUNDS = (1e-3, 1e3)       # a refit's region scales
+_BOUNDS = {
+    "forward_fit_median_rel_error": (0.0, 1e3), "backward_fit_median_rel_error": (0.0, 1e3),
+    "microbatch_overhead_s": _SECONDS_FIXED, "pipeline_slot_s": _SECONDS_FIXED, "link_latency_s": _SECONDS_FIXED,
+    "link_bandwidth_bytes_per_s": (1e6, 1e13), "allreduce_latency_s": _SECONDS_FIXED,
+    "p2p_latency_s": _SECONDS_FIXED, "recompute_fixed_s": _SECONDS_FIXED, "dtensor_op_s": _SECONDS_PER_OP,
+    "tp_collective_s": _SECONDS_FIXED, "tp_skew": (0.0, 100.0), "contention": (1.0, 100.0),
+    "optimizer_s_per_param_byte": _PER_UNIT, "threads": (1, 1 << 16), "load_average_1m": (0.0, 1e6),
+    "other_runnable": (0.0, 1e6), "measure_s": (0.0, 7 * 86400.0), "time_unix": (0.0, 1e11),
+    "forward_scale": SCALE_BOUNDS, "backward_scale": SCALE_BOUNDS, "measured_step_s": STEP_S_BOUNDS,
+    "predicted_before_s": (0.0, 1e9), "predicted_after_s": (0.0, 1e9),
+}
+
+
+def outside(value, bounds: tuple[float, float]) -> bool:
+    """``value`` is not a number in ``bounds`` (NaN, inf, a bool, a string are never inside)."""
+    return (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not bounds[0] <= value <= bounds[1])
+
+
+def _check_figures(owner, what: str) -> None:
+    """ValueError naming the first figure of ``owner`` (a dataclass) outside its bounds (Note
+    [machine figures are bounded]); None stands for "not measured" and passes."""
+    for f in dataclasses.fields(owner):
+        value = getattr(owner, f.name)
+        if isinstance(value, DirectionFit):
+            checks = [(f"{f.name}.{name}", getattr(value, name), bounds) for name, bounds in _FIT_BOUNDS.items()]
+        elif f.name in _BOUNDS:
+            checks = [(f.name, value, _BOUNDS[f.name])]
+        else:
+            continue
+        for name, v, bounds in checks:
+            if v is not None and outside(v, bounds):
+                raise ValueError(f"{what} {name}={v!r} is outside [{bounds[0]:g}, {bounds[1]:g}], where no machine is "
+                                 "(Note [machine figures are bounded] in partitioner/calibrate/machine_profile.py)")
+
 
 def busy_threads_above(cores: int) -> float:
     """Other runnable threads above which a measurement on ``cores`` is a busy one (Note [a busy
@@ -78,15 +140,7 @@ class MachineMeasurements:
     time_unix: float
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            values = dataclasses.astuple(value) if isinstance(value, DirectionFit) else (value,)
-            if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                      or v < 0) for v in values):
-                raise ValueError(f"measured {f.name}={value!r} must be finite numbers >= 0 (measure again: "
-                                 "partitioner calibrate --machine --refresh)")
-        if self.contention <= 0:
-            raise ValueError(f"measured contention={self.contention!r} must be > 0")
+        _check_figures(self, "measured")
 
     @property
     def matmul_flops_per_s(self) -> float | None:
@@ -108,10 +162,7 @@ class CompiledFit:
     time_unix: float
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward"):
-            if any(not math.isfinite(v) or v < 0 for v in dataclasses.astuple(getattr(self, name))):
-                raise ValueError(f"compiled {name} fit {getattr(self, name)!r} must be finite numbers >= 0 "
-                                 "(measure again: partitioner calibrate --machine --refresh)")
+        _check_figures(self, "compiled")
 
     @classmethod
     def from_dict(cls, data: dict) -> "CompiledFit":
@@ -134,6 +185,9 @@ class Refit:
     time_unix: float
     link_latency_s: float | None = None  # the pipeline latency after this refit (None: as measured)
 
+    def __post_init__(self) -> None:
+        _check_figures(self, "refit")
+
 
 @dataclass(frozen=True)
 class MachineProfile:
@@ -147,6 +201,9 @@ class MachineProfile:
     link_latency_s: float | None = None         # refit from a run; None: measured
     refits: tuple[Refit, ...] = ()
     compiled: CompiledFit | None = None         # Note [compiled machine fit]; None: not measured yet
+
+    def __post_init__(self) -> None:
+        _check_figures(self, "profile")
 
     # --- identity -----------------------------------------------------------------------------
     @property
@@ -267,10 +324,10 @@ class MachineProfile:
                           link_latency_s=data.get("link_latency_s"),
                           refits=tuple(Refit(**r) for r in data.get("refits", ())),
                           compiled=CompiledFit.from_dict(data["compiled"]) if data.get("compiled") else None)
-        except (KeyError, TypeError, ValueError) as exc:
+        except ValueError as exc:  # a figure outside its bounds says which (Note [machine figures are bounded])
+            raise ValueError(f"{where}: {exc}") from None
+        except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: malformed machine profile ({type(exc).__name__}: {exc})") from None
-        if not (profile.forward_scale > 0 and profile.backward_scale > 0):
-            raise ValueError(f"{where}: scales {profile.forward_scale}, {profile.backward_scale} must be > 0")
         return profile
 
 

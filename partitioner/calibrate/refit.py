@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from partitioner.calibrate.machine import KIND, MachineProfile, Refit
+from partitioner.calibrate.machine_profile import STEP_S_BOUNDS, outside
 from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.plan import Plan
 from runtime.observe.stage_times import FORMAT
@@ -92,11 +93,21 @@ def _run_paths(path: str | Path) -> tuple[Path, dict]:
                          "(DIR/run, or its --run-dir) after a run finished")
     try:
         summary = json.loads(summary_path.read_text())
-        float(summary["measured_step_time_s"])
-    except (ValueError, KeyError, TypeError) as exc:
+        step_s = summary["measured_step_time_s"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{summary_path} is not a run summary ({type(exc).__name__}: {exc}): run the program "
                          "again with `partitioner run`") from None
+    _check_seconds(step_s, f"{summary_path}: measured_step_time_s")
     return path, summary
+
+
+def _check_seconds(value, what: str) -> None:
+    """ValueError, one line naming ``what`` and the value, when a measured time is no step's (Note
+    [machine figures are bounded] in partitioner/calibrate/machine_profile.py): nothing is refit."""
+    if outside(value, STEP_S_BOUNDS):
+        lo, hi = STEP_S_BOUNDS
+        raise ValueError(f"{what} is {value!r}, which no run measures (a step takes {lo:g} to {hi:g} s): the "
+                         "profile is not refit; run the program again with `partitioner run` and refit from that run")
 
 
 def _stage_times(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -110,8 +121,16 @@ def _stage_times(run_dir: Path) -> dict[int, tuple[float, float]]:
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             continue
         for entry in body.get("stages", ()):
-            seen.setdefault(int(entry["stage"]), []).append(
-                (float(entry["forward_s_per_microbatch"]), float(entry["backward_s_per_microbatch"])))
+            try:
+                stage, times = int(entry["stage"]), (entry["forward_s_per_microbatch"],
+                                                     entry["backward_s_per_microbatch"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: a stage entry is malformed ({type(exc).__name__}: {exc}): run the "
+                                 "program again with `partitioner run` and refit from that run") from None
+            for name, value in zip(("forward_s_per_microbatch", "backward_s_per_microbatch"), times):
+                if value != 0:  # 0: nothing timed that way; the refit's scale bounds judge what it makes
+                    _check_seconds(value, f"{path}: stage {stage}'s {name}")
+            seen.setdefault(stage, []).append((float(times[0]), float(times[1])))
     return {s: (statistics.mean(f for f, _ in v), statistics.mean(b for _, b in v)) for s, v in seen.items()}
 
 
@@ -252,13 +271,18 @@ def refit_from_run(run: str | Path, profile: MachineProfile) -> RefitReport:
     new_forward = base_forward * forward if regions_refit else profile.forward_scale
     new_backward = base_backward * backward if regions_refit else profile.backward_scale
     new_latency = latency if latency != link.latency_s else profile.link_latency_s
-    refit = Refit(run_dir=str(run_dir.resolve()), plan_hash=plan.content_hash(), measured_step_s=measured,
-                  predicted_before_s=before, predicted_after_s=after, forward_scale=new_forward,
-                  backward_scale=new_backward, microbatch_overhead_s=overhead, time_unix=time.time(),
-                  link_latency_s=new_latency)
-    new = dataclasses.replace(profile, forward_scale=new_forward, backward_scale=new_backward,
-                              microbatch_overhead_s=overhead, link_latency_s=new_latency,
-                              refits=profile.refits + (refit,))
+    try:  # Note [machine figures are bounded]: a run this profile cannot be refit to leaves it as it is
+        refit = Refit(run_dir=str(run_dir.resolve()), plan_hash=plan.content_hash(), measured_step_s=measured,
+                      predicted_before_s=before, predicted_after_s=after, forward_scale=new_forward,
+                      backward_scale=new_backward, microbatch_overhead_s=overhead, time_unix=time.time(),
+                      link_latency_s=new_latency)
+        new = dataclasses.replace(profile, forward_scale=new_forward, backward_scale=new_backward,
+                                  microbatch_overhead_s=overhead, link_latency_s=new_latency,
+                                  refits=profile.refits + (refit,))
+    except ValueError as exc:
+        raise ValueError(f"{run_dir / 'summary.json'}: its step of {measured!r} s (predicted {before:.6g} s) is not "
+                         f"refit, since the {exc}; check that run (was the machine swapping or suspended?) and "
+                         "refit from another") from None
     return RefitReport(profile=new, run_dir=run_dir, folder=folder, measured_step_s=measured,
                        predicted_before_s=before, predicted_after_s=after, forward_scale=forward,
                        backward_scale=backward, microbatch_overhead_before_s=overhead_before,

@@ -9,6 +9,9 @@ so what this prints is what `partitioner run` would decide (Note [checkpoint for
     partial     no manifest.json: never committed (a crash or kill while writing it)
     corrupt     the manifest fails its checksum, or a shard is missing, truncated or altered
     unreadable  the filesystem refused a read (permissions, I/O error)
+    unchecked   no plan beside the folder (or one without stage memory), and a lossless shard
+                declares more than inspect decompresses without one (Note [bounded decompression]
+                in runtime/resilience/checkpoint/delta.py): inspect the program folder to check it
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 from partitioner.inspect.units import human_bytes, render_columns
 from runtime.file_trust import open_regular
 from runtime.resilience import checkpoint as ck
+from runtime.resilience.checkpoint.delta import UNPLANNED_DECODE_BYTES, DecodeBoundError
 from runtime.errors import CheckpointCorruptError, PlanMismatchError
-from runtime.program.spec import Program, load_plan
+from runtime.program.spec import Program, load_plan, shard_bytes_bound
 
 _STEP = re.compile(r"^step_(\d{9,})$")
 _RESUME_LIMIT = ck.RESUME_CANDIDATES  # a resume looks at the newest ones only
@@ -49,6 +53,7 @@ def program_of(folder: str | Path) -> Program:
     program = dict(plan["program"])
     for key in ("plan_hash", "model_fingerprint", "workload"):
         program.setdefault(key, plan.get(key))
+    program.setdefault("shard_bytes_bound", shard_bytes_bound(plan))  # as a resume bounds reads (load_program)
     return Program.from_dict(program)
 
 
@@ -119,12 +124,25 @@ def examine(ckpt_dir: str, step: int, program: Program | None = None) -> dict:
     except CheckpointCorruptError as exc:
         status, entries = "corrupt", []
         info["problems"].append(_short(str(exc), where))
+    # what a resume decodes of a shard at most (Note [bounded decompression]); a plan that states no
+    # stage memory (or none) bounds nothing, and inspect decodes at most its own cap
+    planned = program is not None and program.shard_bytes_bound is not None
+    bound = program.shard_bytes_bound if planned else UNPLANNED_DECODE_BYTES
     for entry in entries:
         try:
-            ck.read_shard(ckpt_dir, manifest, entry)
+            ck.read_shard(ckpt_dir, manifest, entry, bound=bound)
         except OSError as exc:
             status = "unreadable" if status == "valid" else status
             info["problems"].append(f"{entry['file']}: {exc.strerror or exc}")
+        except DecodeBoundError as exc:
+            if planned:
+                status = "corrupt"
+                info["problems"].append(_short(str(exc), where))
+            else:
+                status = "unchecked" if status == "valid" else status
+                info["problems"].append(f"{_short(exc.where, where)}: its tensors declare {exc.declared} bytes "
+                                        f"decoded, more than the {exc.bound} inspect decompresses without a plan "
+                                        "that bounds them: inspect the program folder (DIR --checkpoints)")
         except CheckpointCorruptError as exc:
             status = "corrupt"
             info["problems"].append(_short(str(exc), where))

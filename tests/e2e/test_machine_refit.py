@@ -132,3 +132,38 @@ def test_a_run_faster_than_its_sends_refits_the_latency(trained, tmp_path):
     assert report.profile.link().latency_s == pytest.approx(profile.link().latency_s / 2, rel=1e-6)
     assert (report.forward_scale, report.backward_scale) == pytest.approx((1.0, 1.0))
     assert report.predicted_after_s == pytest.approx(measured, rel=1e-6) and "send's latency" in report.text()
+
+
+@pytest.mark.parametrize("case", ["a stage's NaN", "a step of 5e4 s"])
+def test_a_run_that_would_poison_the_profile_is_refused_and_writes_nothing(trained, tmp_path, monkeypatch, capsys,
+                                                                          case):
+    """Issue 42 finding 5 (Note [machine figures are bounded]): the run's own figures, with one of
+    them absurd, refuse the refit in one line naming the file, and the cached profile is as it was."""
+    from partitioner.cli import main
+    from partitioner.solver.plan import Plan
+
+    root, profile = trained
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(machine.NO_CALIBRATE_ENV, raising=False)
+    before = machine.save(profile).read_bytes()
+    folder, ran = root / "priced", root / "priced" / "run"
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = json.loads((ran / "summary.json").read_text())
+    if case == "a step of 5e4 s":  # inside the step's bounds: what it refits to is not
+        summary["measured_step_time_s"] = 5e4
+    (run / "summary.json").write_text(json.dumps({**summary, "folder": str(folder),
+                                                 "plan_hash": Plan.load(folder).content_hash()}))
+    for rank in (0, 1):
+        body = json.loads((ran / f"stage_times_rank_{rank}.json").read_text())
+        if rank == 0 and case == "a stage's NaN":
+            body["stages"][0]["forward_s_per_microbatch"] = float("nan")
+        (run / f"stage_times_rank_{rank}.json").write_text(json.dumps(body))
+    assert main(["calibrate", "--from-run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    if case == "a stage's NaN":
+        assert f"{run / 'stage_times_rank_0.json'}: stage 0's forward_s_per_microbatch is nan" in err, err
+    else:
+        assert f"{run / 'summary.json'}: its step of 50000.0 s" in err and "is outside" in err, err
+    assert machine.cache_path(profile.key).read_bytes() == before

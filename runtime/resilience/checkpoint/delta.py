@@ -97,6 +97,17 @@ def decode_tensor(blob, dtype: torch.dtype, shape, base: torch.Tensor | None) ->
     # Note [bounded decompression]: zstd sizes its output by the frame's own header, not by
     # max_output_size (which bounds only a frame that declares no size), so a 138 KiB frame that
     # declares gigabytes allocates them: the declared size is checked against the tensor's first.
+    # The tensor's size is the shard's own word too (its meta's shape), so what bounds it is the
+    # plan, before any frame of the shard is decompressed (``decode_shard``'s ``bound``, the sum
+    # of ``decoded_bytes``): a 72 KiB frame whose meta and header agreed on 3.3 GiB was
+    # decompressed at every resume and listed valid by inspect. The bound is the plan's most bytes
+    # of one shard (Note [declared sizes are bounded] in runtime/program/spec.py: what one rank's
+    # stages hold, twice, plus 64 MiB), which decoded tensors are within as stored ones are; so
+    # no more is allocated (three times over while the planes are put back). A plan without stage
+    # memory (hand-written) bounds nothing at resume; ``inspect`` of a checkpoint folder with no
+    # plan beside it, or with such a plan, decompresses at most UNPLANNED_DECODE_BYTES of a shard
+    # and lists one that declares more as "unchecked", neither valid nor corrupt (it may be a big
+    # model's).
     declared = zstd.frame_content_size(blob) if len(blob) else 0
     if declared not in (-1, nbytes) and len(blob):
         raise ValueError(f"its zstd frame declares {declared} bytes, the tensor is {nbytes}")
@@ -108,6 +119,33 @@ def decode_tensor(blob, dtype: torch.dtype, shape, base: torch.Tensor | None) ->
     if base is not None:
         raw = torch.bitwise_xor(raw, torch.frombuffer(tensor_bytes(base), dtype=torch.uint8))
     return raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+
+class DecodeBoundError(CheckpointCorruptError):
+    """A shard whose encoding declares more decoded bytes than its bound (Note [bounded
+    decompression]); nothing of it was decompressed."""
+
+    def __init__(self, where: str, declared: int, bound: int):
+        super().__init__(f"{where}: its tensors declare {declared} bytes decoded, more than the {bound} a shard of "
+                         "this plan can hold: not decompressed")
+        self.where, self.declared, self.bound = where, declared, bound
+
+
+UNPLANNED_DECODE_BYTES = 1 << 30  # what inspect decompresses of one shard when no plan bounds it
+
+
+def decoded_bytes(meta: dict, where: str) -> int:
+    """The bytes an encoded shard's tensors declare they decode to (its meta's dtypes and shapes,
+    checked by check_meta), summed; CheckpointCorruptError for a dtype no shard has."""
+    enc = meta.get("encoding") if isinstance(meta, dict) else None
+    total = 0
+    for key, e in (enc.get("tensors") or {}).items() if isinstance(enc, dict) else ():
+        dtype = _ST_BY_NAME.get(e.get("dtype")) if isinstance(e, dict) else None
+        if dtype is None:
+            raise CheckpointCorruptError(f"{where}: the encoding of {key!r} names no known dtype "
+                                         f"({e.get('dtype') if isinstance(e, dict) else e!r})")
+        total += int(torch.Size(e["shape"]).numel()) * torch.empty((), dtype=dtype).element_size()
+    return total
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -137,14 +175,20 @@ def encode_snapshot(snap, base: dict[str, torch.Tensor] | None, base_step: int |
     return Snapshot(snap.step, snap.rank, tensors, meta, snap.stall_s)
 
 
-def decode_shard(tensors: dict[str, torch.Tensor], meta: dict, base_tensor, where: str) -> dict[str, torch.Tensor]:
+def decode_shard(tensors: dict[str, torch.Tensor], meta: dict, base_tensor, where: str,
+                 bound: int | None = None) -> dict[str, torch.Tensor]:
     """The original tensors of an encoded shard; ``base_tensor(key)`` fetches a delta's base
-    (reading the base checkpoint). Every reconstruction is checked against its sha256."""
+    (reading the base checkpoint). Every reconstruction is checked against its sha256. ``bound``:
+    the most bytes its tensors may decode to, checked before any is decompressed (Note [bounded
+    decompression]); None: unbounded."""
     enc = meta.get("encoding")
     if not enc:
         return tensors
     if enc.get("codec") != CODEC:
         raise CheckpointCorruptError(f"{where} is encoded with {enc.get('codec')!r}, not {CODEC!r}")
+    declared = decoded_bytes(meta, where)
+    if bound is not None and declared > bound:
+        raise DecodeBoundError(where, declared, bound)
     _zstd(reading=where)  # before the loop's except: a missing package is not a corrupt shard
     out = {k: v for k, v in tensors.items() if k.startswith("rng/")}
     for key, e in enc["tensors"].items():

@@ -34,11 +34,12 @@ def parse_verified(data, where: str) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointCorruptError(f"{where} does not parse ({exc})") from None
 
 
-def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
-               cache: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def read_shard(ckpt_dir: str, manifest: dict, entry: dict, cache: dict | None = None, *,
+               bound: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, meta) of one shard listed in ``manifest``, after checking size and sha256; an
     encoded shard is decoded, reading the bases its deltas need (Note [lossless deltas] in
-    runtime/resilience/checkpoint/delta.py; ``cache``: shards and manifests already read in this load).
+    runtime/resilience/checkpoint/delta.py; ``cache``: shards and manifests already read in this load;
+    ``bound``: the most bytes each shard of the chain may decode to, Note [bounded decompression]).
 
     Note [chains resolve iteratively]: a delta's base may itself be a delta, and a chain written
     before --checkpoint-full-every had a bound can be hundreds long, so the chain is walked in a
@@ -56,8 +57,8 @@ def read_shard(ckpt_dir: str, manifest: dict, entry: dict,
             break
         links.append((base_manifest, holder, *_read_verified(ckpt_dir, base_manifest, holder)))
     for m, e, t, mt, where in reversed(links[1:]):  # the bases, oldest first: each one's base is decoded by now
-        cache[("shard", m["step"], e["file"])] = (_decoded(t, mt, where, cache, writer), mt)
-    return _decoded(tensors, meta, path, cache, writer), meta
+        cache[("shard", m["step"], e["file"])] = (_decoded(t, mt, where, cache, writer, bound), mt)
+    return _decoded(tensors, meta, path, cache, writer, bound), meta
 
 
 def check_declared_sizes(manifest: dict, program: Program, where: str) -> None:
@@ -137,7 +138,7 @@ def _base_of(ckpt_dir: str, manifest: dict, meta: dict, where: str, cache: dict,
     return base, holder
 
 
-def _decoded(tensors, meta: dict, where: str, cache: dict, writer):
+def _decoded(tensors, meta: dict, where: str, cache: dict, writer, bound: int | None):
     """The original tensors of an encoded shard whose base (``_base_of``) is decoded in ``cache``
     already (Note [chains resolve iteratively])."""
     if not (isinstance(meta, dict) and meta.get("encoding")):
@@ -151,7 +152,7 @@ def _decoded(tensors, meta: dict, where: str, cache: dict, writer):
             raise CheckpointCorruptError(f"{where}: base step {base_step} holds no {key!r}")
         return cache[("shard", base_step, holder["file"])][0][key]
 
-    return decode_shard(tensors, meta, base_tensor, where)
+    return decode_shard(tensors, meta, base_tensor, where, bound)
 
 
 def _holds(entry: dict, name: str) -> bool:
@@ -219,7 +220,11 @@ def _load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed
     check_declared_sizes(manifest, program, os.path.join(ckpt_dir, step_dirname(step)))
     choice = choose_shards(manifest, program, rank, needed)
     cache: dict = {}
-    read = {e["rank"]: read_shard(ckpt_dir, manifest, e, cache) for e in choice.entries}
+
+    def read_one(e: dict):  # Note [bounded decompression]: no shard decodes to more than the plan allows
+        return read_shard(ckpt_dir, manifest, e, cache, bound=program.shard_bytes_bound)
+
+    read = {e["rank"]: read_one(e) for e in choice.entries}
     loaded = LoadedCheckpoint(step, manifest, {}, {}, {}, {}, None, None)
     sched = None
     for name in needed:
@@ -231,10 +236,10 @@ def _load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed
         sched = sched or meta.get("lr_scheduler")
     from runtime.resilience.checkpoint.tp_pieces import stitch_sharded_tp_state, stitch_tp_pieces  # Note [tensor-parallel pieces]
 
-    stitch_sharded_tp_state(loaded, needed, read, manifest, lambda e: read_shard(ckpt_dir, manifest, e, cache), step)
-    read_missing_pieces(ckpt_dir, manifest, loaded, needed, read, step)
+    stitch_sharded_tp_state(loaded, needed, read, manifest, read_one, step)
+    read_missing_pieces(ckpt_dir, manifest, loaded, needed, read, step, bound=program.shard_bytes_bound)
 
-    stitch_tp_pieces(loaded, needed, read, manifest, lambda e: read_shard(ckpt_dir, manifest, e, cache), step)
+    stitch_tp_pieces(loaded, needed, read, manifest, read_one, step)
     if choice.own is not None:
         rng_tensors, loaded.rng_meta = read[choice.own["rank"]]
         loaded.rng_tensors = _rng_of(rng_tensors)
@@ -244,7 +249,7 @@ def _load_for_rank(ckpt_dir: str, step: int, program: Program, rank: int, needed
 
 
 def read_missing_pieces(ckpt_dir: str, manifest: dict, loaded: LoadedCheckpoint, needed: list[str],
-                        read: dict, step: int) -> None:
+                        read: dict, step: int, *, bound: int | None = None) -> None:
     """Sharded optimizer state (Note [sharded optimizer state] in runtime/parallel/zero.py) is spread
     over the shards of a stage's replicas: for each name whose pieces do not cover it yet, read
     the other shards that hold it (verified as any shard) until they do."""
@@ -257,7 +262,7 @@ def read_missing_pieces(ckpt_dir: str, manifest: dict, loaded: LoadedCheckpoint,
         for entry in sorted(manifest["shards"], key=lambda e: e["rank"]):
             if entry["rank"] in read or not _holds(entry, name):
                 continue
-            read[entry["rank"]] = read_shard(ckpt_dir, manifest, entry)
+            read[entry["rank"]] = read_shard(ckpt_dir, manifest, entry, bound=bound)
             tensors, meta = read[entry["rank"]]
             take_pieces(loaded, name, tensors, meta)
             if pieces_complete(loaded, name, sharded):
