@@ -322,8 +322,8 @@ def _check_values(o: RunOptions) -> None:
             raise FlagError(f"--fail-host {text}: a host lost for good needs --elastic (the survivors re-plan); add "
                             "--elastic, or give HOST:STEP[:ATTEMPT] for a host that comes back")
     if o.host_timeout is not None and not (o.elastic and 0 < o.host_timeout <= MAX_HOST_TIMEOUT_S):
-        raise FlagError(f"--host-timeout {o.host_timeout}: give seconds > 0 and at most {MAX_HOST_TIMEOUT_S:g} (a "
-                        "day) with --elastic (e.g. --elastic --host-timeout 5)")
+        raise FlagError(f"--host-timeout {o.host_timeout}: give seconds > 0 with --elastic, at most "
+                        f"{MAX_HOST_TIMEOUT_S:g} (a day) (e.g. --elastic --host-timeout 5)")
     for text in o.fault_matmul:
         faults.parse_fault_matmul(text)
     if o.hosts is not None:

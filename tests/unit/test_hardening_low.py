@@ -266,7 +266,7 @@ BAD_FLAGS = [  # (argv; "P": the compiled program, "D": a scratch folder; run: 2
     (["generate", "P", "--prompt", "hi", "--temperature", "inf"], "--temperature inf"),
     # issue 42 finding 7: values that were accepted and then crashed, or did nothing
     (["run", "P", "--steps", "2", "--elastic", "--hosts", "0,1", "--host-timeout", "inf"],
-     "--host-timeout inf: give seconds > 0 and at most 86400"),
+     "--host-timeout inf: give seconds > 0 with --elastic, at most 86400"),
     (["run", "P", "--steps", "2", "--elastic", "--hosts", "0,1", "--fail-host", "1:-3:permanent"],
      "--fail-host '1:-3:permanent': host 1 step -3 is never reached"),
     (["run", "P", "--steps", "2", "--hosts", "0,1", "--fail-host", "1:2"], "--fail-host 1:2: step 2 is never reached"),
