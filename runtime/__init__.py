@@ -24,7 +24,7 @@ file_trust.py       reading files of folders others may have prepared: no links 
                     trusted])
 scratch.py          the scratch folder beside an output (`data prepare`'s corpus, `export`'s
                     weights): locked while its maker lives, swept by the next once abandoned
-                    (Note [abandoned scratch folders])
+                    (Note [abandoned scratch folders] there)
 
 The test drivers (several folders in the same workers, the checkpoint drills) live in
 tests/drivers/: they are never part of a program.

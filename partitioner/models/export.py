@@ -267,7 +267,7 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     trained = trained_state(ckpt, folder, step)
     state, step, skipped, weights_spec = trained.state, trained.step, trained.skipped, trained.weights_spec
     prefix = f".{output.name}.tmp-"
-    scratch.sweep_abandoned(str(output.parent), prefix)  # a killed export's (Note [abandoned scratch folders])
+    scratch.sweep_abandoned(str(output.parent), prefix)  # Note [abandoned scratch folders] in runtime/scratch.py
     path, lock = scratch.make_scratch(str(output.parent), prefix)  # mkdtemp: 0700, a fresh name no link can hold
     tmp = Path(path)
     try:
