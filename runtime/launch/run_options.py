@@ -30,7 +30,7 @@ from runtime.resilience import faults
 # = runtime.resilience.checkpoint.delta.MAX_FULL_EVERY, repeated: that module loads torch
 # (tests/unit/test_hardening_chains.py checks they agree)
 MAX_FULL_EVERY = 64
-MAX_HOST_TIMEOUT_S = 86400.0  # torchrun's rendezvous counts it in whole seconds and keep-alives: inf cannot be
+MAX_HOST_TIMEOUT_S = 86400.0  # a day, past any host's reboot; torchrun's rendezvous takes whole seconds (inf: none)
 
 
 @dataclass(frozen=True)
