@@ -22,6 +22,9 @@ torch_version.py    the torch >= 2.11 check run first when a rank starts; what t
 file_trust.py       reading files of folders others may have prepared: no links followed, regular
                     files only, bounded reads, folders others cannot write in (Note [files are not
                     trusted])
+scratch.py          the scratch folder beside an output (`data prepare`'s corpus, `export`'s
+                    weights): locked while its maker lives, swept by the next once abandoned
+                    (Note [abandoned scratch folders] there)
 
 The test drivers (several folders in the same workers, the checkpoint drills) live in
 tests/drivers/: they are never part of a program.

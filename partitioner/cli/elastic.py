@@ -33,6 +33,12 @@ def cmd_replan(args) -> int:
         raise FlagError(f"--ranks {args.ranks}: give the old ranks that are left as whole numbers, e.g. 0,1") from None
     folder = Path(args.dir)
     out = Path(args.out) if args.out else folder.with_name(folder.name + ".replanned")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):  # checked before the solver's seconds
+        raise FlagError(f"-o {out}: {'a symbolic link' if out.is_symlink() else 'a file'}, not a folder: name a new "
+                        f"program folder (default {folder.name}.replanned beside {folder})")
+    if out.exists() and not (out / "plan.json").is_file() and any(out.iterdir()):
+        raise FlagError(f"-o {out}: a folder that is not a program folder: name a new one (replan replaces only "
+                        "an older program folder)")
     try:
         result = replan(folder, ranks)
     except ElasticRefusal as exc:

@@ -49,12 +49,22 @@ def is_checkpoint_dir(path: str | Path) -> bool:
 
 def program_of(folder: str | Path) -> Program:
     """What check_model compares, from a program folder's plan.json (no file hashing)."""
-    plan = load_plan(str(folder))
+    path = os.path.join(folder, "plan.json")
+    fix = "recompile the folder with `partitioner compile`, or move plan.json aside to list the checkpoints without it"
+    try:
+        plan = load_plan(str(folder))
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past the parser
+        raise ValueError(f"{path}: not a plan.json (not JSON text): {fix}") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("program"), dict):
+        raise ValueError(f"{path}: has no \"program\" object: {fix}")
     program = dict(plan["program"])
     for key in ("plan_hash", "model_fingerprint", "workload"):
         program.setdefault(key, plan.get(key))
     program.setdefault("shard_bytes_bound", shard_bytes_bound(plan))  # as a resume bounds reads (load_program)
-    return Program.from_dict(program)
+    try:
+        return Program.from_dict(program)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path}: {exc}: {fix}") from None
 
 
 def _files(where: str) -> list[tuple[str, int]]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from partitioner.models.hf import no_progress_bars
+from runtime import scratch
 from runtime.execute import pretrained
 from runtime.resilience.checkpoint import MANIFEST, fsync_dir, list_step_dirs, load_for_rank, step_dirname
 from runtime.program.spec import load_plan
@@ -265,11 +266,10 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     ckpt, folder, step = resolve(Path(target), Path(program_dir) if program_dir else None)
     trained = trained_state(ckpt, folder, step)
     state, step, skipped, weights_spec = trained.state, trained.step, trained.skipped, trained.weights_spec
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    if tmp.is_symlink():  # a planted link: removed, never followed
-        tmp.unlink()
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=0o700)
+    prefix = f".{output.name}.tmp-"
+    scratch.sweep_abandoned(str(output.parent), prefix)  # Note [abandoned scratch folders] in runtime/scratch.py
+    path, lock = scratch.make_scratch(str(output.parent), prefix)  # mkdtemp: 0700, a fresh name no link can hold
+    tmp = Path(path)
     try:
         architecture = None
         if is_hf(weights_spec):
@@ -281,6 +281,8 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        scratch.release(lock)
 
     fsync_dir(str(output.parent))
     files = tuple(sorted(p.name for p in output.iterdir()))

@@ -27,6 +27,7 @@ from runtime.program.spec import load_plan
 
 CAUSAL_LM_LOSS = "runtime.data.synthetic:causal_lm_loss"  # what every causal LM the compiler builds trains with
 CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")  # transformers' class-name suffixes of causal LMs
+MIN_TEMPERATURE = 1e-30  # float32 logits of |x| <= 1e8 divided by it stay finite; below, use 0 (greedy)
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,21 @@ class SamplingSettings:
             raise ValueError(f"--max-new-tokens {self.max_new_tokens}: must be 0 or more (e.g. 64)")
         if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"--temperature {self.temperature}: must be 0 (greedy) or more (e.g. 0.8)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"--temperature {self.temperature:g}: under {MIN_TEMPERATURE:g}, float32 logits divided "
+                             "by it overflow to inf and the draw is undefined; give 0 for greedy (what such a "
+                             "temperature means) or 1e-30 or more")
         if self.top_k < 0:
             raise ValueError(f"--top-k {self.top_k}: must be 0 (off) or more (e.g. 50)")
+        if not 0 <= self.seed < 1 << 64:  # torch.Generator takes 64 bits; more was an OverflowError mid-run
+            raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2**64 - 1 (e.g. 1)")
         try:
-            torch.device(self.device)
+            kind = torch.device(self.device).type
         except (RuntimeError, ValueError):  # torch's message lists every backend and names no flag
             raise ValueError(f"--device {self.device}: not a torch device; give cpu, cuda or cuda:N") from None
+        if kind == "meta":
+            raise ValueError(f"--device {self.device}: meta tensors hold shapes and no values, so nothing can be "
+                             "sampled on it; give cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,13 @@ def generate(folder, prompt: str, settings: SamplingSettings = SamplingSettings(
     """The prompt and what the model of ``folder`` writes after it, decoded with the data's tokenizer."""
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character for the model to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        code = ord(prompt[exc.start])
+        what = f"byte {code - 0xdc00:#04x}" if 0xdc80 <= code <= 0xdcff else f"{prompt[exc.start]!r}"
+        raise ValueError(f"--prompt: {what} at character {exc.start + 1} is not UTF-8 text: give the prompt in "
+                         "UTF-8 (check the terminal's locale, or iconv -t utf-8)") from None
     if settings.device != "cpu" and torch.device(settings.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {settings.device}: no CUDA device here: pass --device cpu")
     trained = load_trained(folder, checkpoint_dir=checkpoint_dir, step=step, device=settings.device)

@@ -75,6 +75,15 @@ def peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(needle in text for needle in _PEER_LOST)
 
 
+def rank_error_lines(who, exc: BaseException, *, whole: bool) -> str:
+    """A failed rank's last word: ``[rank R] Type: `` and the first line of the message that says
+    something (a message that starts with a newline, as some of torch's do, printed an empty one),
+    then, when ``whole`` (no traceback above holds it), the message's other lines."""
+    lines = [ln.rstrip() for ln in str(exc).strip().splitlines()]
+    head = f"[rank {who}] {type(exc).__name__}: {lines[0].strip() if lines else '(no message)'}"
+    return "\n".join([head] + (lines[1:] if whole else []))
+
+
 def peer_lost_line(rank, exc: BaseException) -> str:
     """The one line a surviving rank prints (Note [a dead peer])."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -204,9 +213,10 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
             # a launch mistake, a batch the program was not compiled for (Note [constant inputs] in
             # runtime/data/synthetic.py) or a package missing here (Note [what the runtime needs])
             # needs its message, not a traceback
-            if not isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError)):
+            told = isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError))
+            if not told:
                 traceback.print_exc()
-            print(f"[rank {who}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            print(rank_error_lines(who, exc, whole=told), file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
 

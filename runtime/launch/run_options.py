@@ -30,6 +30,7 @@ from runtime.resilience import faults
 # = runtime.resilience.checkpoint.delta.MAX_FULL_EVERY, repeated: that module loads torch
 # (tests/unit/test_hardening_chains.py checks they agree)
 MAX_FULL_EVERY = 64
+MAX_HOST_TIMEOUT_S = 86400.0  # a day, past any host's reboot; torchrun's rendezvous takes whole seconds (inf: none)
 
 
 @dataclass(frozen=True)
@@ -261,10 +262,13 @@ class RunOptions:
                                 f"separated (e.g. {example})")
         placed_by_env = self.hosts is None and os.environ.get("PARTITIONER_HOSTS")  # the workers' own layout
         for text in () if placed_by_env else self.fail_host:  # a host no rank runs on is never lost
-            host = faults.parse_fail_host(text)[0]
+            host, step, _ = faults.parse_fail_host(text)
             if host not in hosts:
                 raise FlagError(f"--fail-host {text}: no rank runs on host {host} (hosts "
                                 f"{', '.join(map(str, sorted(set(hosts))))}{'' if self.hosts else ': pass --hosts'})")
+            if steps is not None and step >= steps:
+                raise FlagError(f"--fail-host {text}: step {step} is never reached (--steps {steps}), so the host is "
+                                f"never lost: give a step in 0..{steps - 1}")
 
 
 def _check_values(o: RunOptions) -> None:
@@ -317,9 +321,9 @@ def _check_values(o: RunOptions) -> None:
         if faults.parse_fail_host(text)[2] == faults.PERMANENT and not o.elastic:
             raise FlagError(f"--fail-host {text}: a host lost for good needs --elastic (the survivors re-plan); add "
                             "--elastic, or give HOST:STEP[:ATTEMPT] for a host that comes back")
-    if o.host_timeout is not None and not (o.elastic and o.host_timeout > 0):
-        raise FlagError(f"--host-timeout {o.host_timeout}: give seconds > 0 with --elastic (e.g. --elastic "
-                        "--host-timeout 5)")
+    if o.host_timeout is not None and not (o.elastic and 0 < o.host_timeout <= MAX_HOST_TIMEOUT_S):
+        raise FlagError(f"--host-timeout {o.host_timeout}: give seconds > 0 with --elastic, at most "
+                        f"{MAX_HOST_TIMEOUT_S:g} (a day) (e.g. --elastic --host-timeout 5)")
     for text in o.fault_matmul:
         faults.parse_fault_matmul(text)
     if o.hosts is not None:

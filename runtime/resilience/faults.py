@@ -298,6 +298,9 @@ def parse_fail_host(text: str) -> tuple[int, int, int]:
             raise ValueError
     except ValueError:
         raise FlagError(f"--fail-host {text!r}: write HOST:STEP[:ATTEMPT] or HOST:STEP:permanent, e.g. 1:3") from None
+    if min(parts[:2]) < 0:  # it would never fire: a drill that passes without its fault
+        raise FlagError(f"--fail-host {text!r}: host {parts[0]} step {parts[1]} is never reached, so the host is never "
+                        "lost: give a host and a step >= 0, e.g. 1:3")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else 0
 
 

@@ -264,6 +264,17 @@ BAD_FLAGS = [  # (argv; "P": the compiled program, "D": a scratch folder; run: 2
     (["export", "P", "-o", "D/e", "--program", "D/nowhere"], "--program D/nowhere: no plan.json"),
     (["generate", "P", "--prompt", "hi", "--device", "quantum"], "--device quantum"),
     (["generate", "P", "--prompt", "hi", "--temperature", "inf"], "--temperature inf"),
+    # issue 42 finding 7: values that were accepted and then crashed, or did nothing
+    (["run", "P", "--steps", "2", "--elastic", "--hosts", "0,1", "--host-timeout", "inf"],
+     "--host-timeout inf: give seconds > 0 with --elastic, at most 86400"),
+    (["run", "P", "--steps", "2", "--elastic", "--hosts", "0,1", "--fail-host", "1:-3:permanent"],
+     "--fail-host '1:-3:permanent': host 1 step -3 is never reached"),
+    (["run", "P", "--steps", "2", "--hosts", "0,1", "--fail-host", "1:2"], "--fail-host 1:2: step 2 is never reached"),
+    (["generate", "P", "--prompt", "hi", "--temperature", "1e-45"], "--temperature 1e-45: under 1e-30"),
+    (["generate", "P", "--prompt", "hi", "--seed", str(1 << 64)], f"--seed {1 << 64}: give a whole number from 0"),
+    (["generate", "P", "--prompt", "hi", "--device", "meta"], "--device meta: meta tensors hold shapes and no values"),
+    (["generate", "P", "--prompt", os.fsdecode(b"caf\xe9")], "--prompt: byte 0xe9 at character 4 is not UTF-8"),
+    (["replan", "P", "--ranks", "0", "-o", "D/corpus.txt"], "-o D/corpus.txt: a file, not a folder"),
     (["data", "prepare", "D/corpus.txt", "-o", "/proc/partitioner-test", "--tokenizer", "bytes"],
      "cannot write a folder in /proc"),
 ]

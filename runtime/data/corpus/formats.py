@@ -262,12 +262,46 @@ def read_meta(folder: str) -> dict:
             meta = json.load(f)
     except json.JSONDecodeError as exc:
         raise CorpusError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}): prepare the corpus again") from None
+    except (UnicodeDecodeError, RecursionError):  # binary bytes; nesting deeper than the parser recurses
+        raise CorpusError(f"{path}: not a meta.json (not UTF-8 text, or nested too deep): prepare the corpus "
+                          "again") from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("version") != META_VERSION:
         raise CorpusError(f"{path}: not a {META_FORMAT} version {META_VERSION} meta.json: prepare the corpus again "
                           "with this version's `partitioner data prepare`")
     if meta.get("dtype") not in TOKEN_DTYPES:
         raise CorpusError(f"{path}: dtype {meta.get('dtype')!r} is not one of {', '.join(TOKEN_DTYPES)}: prepare again")
+    why = meta_shape_problem(meta)
+    if why:
+        raise CorpusError(f"{path}: {why}: the file was edited or cut short; prepare the corpus again")
     return meta
+
+
+def meta_shape_problem(meta: dict) -> str | None:
+    """What is wrong with the fields every reader of meta.json indexes (the splits, the vocabulary,
+    the tokenizer), or None: a hand-edited file is one line naming the field, never a KeyError."""
+    def shown(value) -> str:
+        return json.dumps(value)[:60]
+
+    vocab = meta.get("vocab_size")
+    if type(vocab) is not int or vocab < 1:
+        return f"vocab_size {shown(vocab)} is not a whole number of tokens >= 1"
+    if meta.get("eod_id") is not None and type(meta["eod_id"]) is not int:
+        return f"eod_id {shown(meta['eod_id'])} is neither null nor a token id"
+    tokenizer = meta.get("tokenizer")
+    if not isinstance(tokenizer, dict) or tokenizer.get("kind") not in ("bytes", "huggingface"):
+        return f"tokenizer {shown(tokenizer)} is not an object whose kind is bytes or huggingface"
+    splits = meta.get("splits")
+    if splits is None:
+        return "it has no splits"
+    if not isinstance(splits, dict) or not splits:
+        return f"splits {shown(splits)} is not an object of splits (train, val)"
+    for name, entry in splits.items():
+        if not isinstance(entry, dict):
+            return f"splits.{name} is {shown(entry)}, not an object"
+        for key, kind, what in (("file", str, "a file name"), ("bytes", int, "a size"), ("sha256", str, "a digest")):
+            if type(entry.get(key)) is not kind:
+                return f"splits.{name}.{key} is {shown(entry.get(key))}, not {what}"
+    return None
 
 
 def open_prepared(spec: CorpusSpec) -> TokenSource:

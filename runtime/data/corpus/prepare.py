@@ -21,6 +21,7 @@ id the tokenizer gives outside them fails naming the input file instead of wrapp
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -33,9 +34,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from runtime import scratch
 from runtime.data.corpus.formats import (META_FILE, META_FORMAT, META_VERSION, SPLIT_FILES, TOKENIZER_FILE, read_meta,
                                          tokenizer_file)
 from runtime.data.corpus.spec import CorpusError
+from runtime.errors import DiskFullError, is_no_space
 
 BYTE_VOCAB = 256
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")  # tried when no tokenizer_config names one
@@ -98,7 +101,16 @@ def _eod_of(tokenizer, folder: Path) -> int | None:
     config = folder / "tokenizer_config.json"
     names = list(EOD_CANDIDATES)
     if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token")
+        try:
+            body = json.loads(config.read_bytes())
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 JSON"
+            raise CorpusError(f"--tokenizer: {config}: not JSON ({why}): fix or remove it (prepare reads "
+                              "only its eos_token)") from None
+        if not isinstance(body, dict):
+            raise CorpusError(f"--tokenizer: {config}: a JSON {type(body).__name__}, not an object: fix or remove "
+                              "it (prepare reads only its eos_token)")
+        eos = body.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str):
             names.insert(0, eos)
@@ -168,6 +180,13 @@ def _documents(path: str, json_key: str) -> Iterator[tuple[str | bytes, int]]:
             except json.JSONDecodeError as exc:
                 raise CorpusError(f"{path}:{number}: not JSON ({exc.msg}): fix the line, or pass the file "
                                   "without the .jsonl suffix to read it as one text document") from None
+            except UnicodeDecodeError as exc:
+                raise CorpusError(f"{path}:{number}: not UTF-8 (byte {line[exc.start]:#04x} at column "
+                                  f"{exc.start + 1}): JSON Lines are UTF-8 text; re-encode the file, e.g. "
+                                  "iconv -f latin1 -t utf-8") from None
+            except RecursionError:
+                raise CorpusError(f"{path}:{number}: nested deeper than the JSON reader goes: a document is an "
+                                  f"object with a string field {json_key!r}; fix the line") from None
             text = record.get(json_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
@@ -254,7 +273,12 @@ def _write_splits(tmp: str, files: list[str], info: TokenizerInfo, encode, *, js
     try:
         for file, count in zip(files, counts):
             for document, consumed in _documents(file, json_key):
-                ids = encode(document)
+                try:
+                    ids = encode(document)
+                except UnicodeDecodeError as exc:  # a text file for a tokenizer of text (bytes take any byte)
+                    raise CorpusError(f"{file}: not UTF-8 (byte {document[exc.start]:#04x} at offset {exc.start}): "
+                                      f"--tokenizer {info.path} reads text; re-encode the file (iconv -t utf-8) or "
+                                      "use --tokenizer bytes") from None
                 if eod is not None:
                     ids = np.concatenate([ids, eod])
                 if total_documents == 1:
@@ -289,7 +313,8 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
         raise CorpusError(f"{out}: {parent} is a file, not a folder: name an output folder elsewhere")
     try:
         parent.mkdir(parents=True, exist_ok=True)  # like -o anywhere else: the folders on the way are made
-        tmp = tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent)
+        _sweep(parent, out.name)
+        tmp, lock = scratch.make_scratch(str(parent), f".{out.name}.partial-")
     except OSError as exc:
         raise CorpusError(f"-o {out}: cannot write a folder in {parent} ({exc.strerror or exc}): pass -o DATA_DIR "
                           "in a folder you can write") from None
@@ -297,6 +322,10 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would make a shared corpus readable by its owner only
         splits, sources, split_by = _write_splits(tmp, files, info, encode, json_key=json_key,
                                                   val_fraction=val_fraction, progress=progress)
+        if splits["train"]["num_tokens"] == 0:
+            more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
+            raise CorpusError(f"{files[0]}{more}: the inputs hold no text (0 tokens): a corpus needs tokens to train "
+                              "on; pass files with text")
         if info.path is not None:
             shutil.copyfile(info.path, os.path.join(tmp, TOKENIZER_FILE))
             with open(os.path.join(tmp, TOKENIZER_FILE), "rb+") as f:
@@ -313,10 +342,24 @@ def prepare(files: list[str], out_dir: str, *, tokenizer: str = "bytes", json_ke
             os.fsync(f.fileno())
         fsync_dir(tmp)
         _swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(exc) or getattr(exc, "errno", None) == errno.EFBIG:
+            raise DiskFullError(f"-o {out}: {exc.strerror} writing the corpus in {parent} (nothing was kept): "
+                                f"free space there (or raise the quota, or ulimit -f), or pass -o DATA_DIR on a "
+                                "disk with room") from None
         raise
+    finally:
+        scratch.release(lock)
     return meta
+
+
+def _sweep(parent: Path, name: str) -> None:
+    """Scratch folders of earlier runs for the same -o that were killed (Note [abandoned scratch
+    folders] in runtime/scratch.py); an ``old`` one only once its replacement is in place."""
+    scratch.sweep_abandoned(str(parent), f".{name}.partial-")
+    if (parent / name / META_FILE).is_file():
+        scratch.sweep_abandoned(str(parent), f".{name}.old-")
 
 
 def _swap_into_place(tmp: str, out: Path) -> None:
