@@ -29,9 +29,10 @@ class Compiled:
     assignment: Assignment
     sources: UserSources | None = None  # where the ranks find make_batch and loss_fn (partitioner/frontend/user_source.py)
     fewer_devices: str | None = None  # why the plan leaves devices idle (Note [fewer devices than given])
-    # compile's own (traced, annotated gm, keyed ops) at the example batch, for the first save only
-    # (Note [one trace when the sizes agree] in partitioner/codegen/lower.py)
-    first_trace: tuple | None = field(default=None, repr=False, compare=False)
+    # compile's own (traced, annotated gm, keyed ops) at the example batch, for this object's first save
+    # only: not an init field, so dataclasses.replace makes a copy without it (Note [one trace when the
+    # sizes agree] in partitioner/codegen/lower.py)
+    first_trace: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def save(self, folder: str | Path) -> Path:
         """Write the program folder (docs/design.md §6): partitioner/codegen/lower.py."""

@@ -257,10 +257,11 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])
         plan.predicted["cpu_time_model"] = machine.profile.plan_record(regions=machine_regions, path=machine.path,
                                                                          compiled=machine_compiled)
-    # a calibration ran the graph on real tensors: its save traces afresh (Note [one trace when the sizes agree])
-    return Compiled(plan, workload, request.granularity, problem, solution.assignment, sources,
-                    solution.fewer_devices_line(cluster.num_devices),
-                    first_trace=None if calibrate is not None else (traced, gm, _keyed))
+    compiled = Compiled(plan, workload, request.granularity, problem, solution.assignment, sources,
+                        solution.fewer_devices_line(cluster.num_devices))
+    if calibrate is None:  # a calibration ran the graph on real tensors (Note [one trace when the sizes agree])
+        object.__setattr__(compiled, "first_trace", (traced, gm, _keyed))
+    return compiled
 
 
 def _machine_step(option, cluster, progress):
