@@ -104,7 +104,9 @@ def import_failure(exc: BaseException) -> str:
         version = importlib.metadata.version(dist) if dist else ""
     except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
         dist, version = None, ""
-    if dist and not isinstance(root, ModuleNotFoundError):
+    if isinstance(root, ModuleNotFoundError) and root.name:
+        line += f": install the package that provides {root.name.partition('.')[0]}"
+    elif dist:
         line += (f": the installed {dist} {version} does not import: install the {dist} build made for this "
                  f"Python and torch, or pip uninstall {dist}")
     return line

@@ -66,3 +66,25 @@ def test_a_broken_package_under_transformers_is_one_line_naming_the_real_error(t
     assert module.startswith("error: MODEL 'my_pkg_model:build': cannot import my_pkg_model: " + REAL), module
     assert rank.startswith("rank error: transformers cannot import GPT2LMHeadModel: " + REAL), rank
     assert not (tmp_path / "out").exists()
+
+
+def test_the_real_error_is_the_bottom_of_the_chain_with_its_module_and_importer(tmp_path, monkeypatch):
+    from runtime.errors import import_failure
+
+    (tmp_path / "zoo_outer.py").write_text("import zoo_inner\n")
+    (tmp_path / "zoo_inner.py").write_text("x = 1\nimport zoo_missing_package.sub\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        try:
+            import zoo_outer  # noqa: F401
+        except ImportError as exc:
+            raise ModuleNotFoundError("Could not import module 'Model'. Are this object's requirements defined "
+                                      "correctly?") from exc
+    except ImportError as wrapped:
+        assert import_failure(wrapped) == (
+            f"ModuleNotFoundError: No module named 'zoo_missing_package', at {tmp_path / 'zoo_inner.py'}:2 (importing "
+            "zoo_inner, which zoo_outer imports): install the package that provides zoo_missing_package")
+    finally:
+        for name in ("zoo_outer", "zoo_inner"):
+            sys.modules.pop(name, None)
+    assert import_failure(ValueError("two\nlines")) == "ValueError: two"
