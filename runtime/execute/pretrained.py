@@ -36,7 +36,7 @@ import zlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime.errors import import_failure
+from runtime.errors import MissingPackageError, import_failure
 from runtime.file_trust import JSON_CAP, open_regular, read_bounded
 
 INDEX = "model.safetensors.index.json"
@@ -113,7 +113,7 @@ def require_transformers():
         import transformers
     except ImportError as exc:
         if exc.name != "transformers":  # installed, but something it imports is broken
-            raise ValueError(f"transformers does not import: {import_failure(exc)}") from None
+            raise MissingPackageError(f"transformers does not import: {import_failure(exc)}") from None
         raise ValueError("Hugging Face models need transformers on every node: pip install "
                          "'partitioner[hf]' (transformers==5.24.0, the version the tests pin)") from None
     return transformers
@@ -125,8 +125,8 @@ def build_meta(config: dict, architecture: str) -> torch.nn.Module:
 
     try:
         cls = getattr(transformers, architecture, None)
-    except ImportError as exc:  # Note [the real import error] in runtime/errors.py
-        raise ValueError(f"transformers cannot import {architecture}: {import_failure(exc)}") from None
+    except ImportError as exc:  # Note [the real import error] in runtime/errors.py; a rank prints it as one line
+        raise MissingPackageError(f"transformers cannot import {architecture}: {import_failure(exc)}") from None
     if cls is None:
         raise ValueError(f"transformers {transformers.__version__} has no model class {architecture!r}: "
                          "install the transformers version the program was compiled with")

@@ -1,8 +1,8 @@
 """A model whose import fails is one line naming the real error (Note [the real import error] in
 runtime/errors.py): a torchvision that raises at import (as the CUDA wheel does on a CPU torch)
 under transformers' lazy modules, reached from an hf: config, from a user's model file and from a
-module:function, and on a rank that builds the hf: model; `partitioner compile` exits 2 with no
-traceback."""
+module:function (`partitioner compile` exits 2 with no traceback), and on a rank that builds the
+hf: model (a MissingPackageError, which a rank prints as one line)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ import sys
 from partitioner.cli.commands import main
 for spec in ("hf:gpt2cfg", "my_model.py:build", "my_pkg_model:build"):
     print("rc", main(["compile", spec, "-o", "out", "-q"]), flush=True)
+from runtime.errors import MissingPackageError
 from runtime.execute.pretrained import build_meta
 try:
     build_meta({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}, "GPT2LMHeadModel")
-except ValueError as exc:
+except MissingPackageError as exc:
     print("rank error:", exc, file=sys.stderr)
 """
 
