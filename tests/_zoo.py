@@ -1,30 +1,29 @@
-"""A zoo of third-party model shapes (issue 41), written out because neither torchvision nor timm can
-be installed here (the torchvision wheel for this torch is a CUDA build that does not import). Each
-keeps its library's module tree, ops, in-place writes and random layers; widths and depths are tiny:
+"""A zoo of third-party model shapes (issue 41), written out: neither torchvision nor timm installs
+here (torchvision's wheel for this torch is a CUDA build that does not import). Each keeps its
+library's module tree, ops, in-place writes and random layers, at tiny widths and depths:
 
-  * ``resnet``       torchvision/models/resnet.py: BasicBlock, BatchNorm, ReLU(inplace=True), ``out += identity``
-  * ``mobilenet_v3`` torchvision/models/mobilenetv3.py + ops/misc.py: InvertedResidual,
-                     Conv2dNormActivation, SqueezeExcitation (Hardsigmoid), Hardswish, BatchNorm(eps 1e-3),
-                     a classifier with nn.Dropout(p=0.2, inplace=True)
-  * ``convnext``     torchvision/models/convnext.py: CNBlock (depthwise 7x7, Permute, LayerNorm, layer
-                     scale), LayerNorm2d, StochasticDepth "row" rising linearly to 0.1
-  * ``efficientnet`` torchvision/models/efficientnet.py: MBConv (SiLU, SqueezeExcitation, StochasticDepth
-                     "row" rising to 0.2, ``result += input``), nn.Dropout(p=0.2, inplace=True) head
-  * ``vit``          timm/models/vision_transformer.py: PatchEmbed, cls token, Block with timm's Attention
-                     (fused sdpa, attention dropout), Mlp, DropPath rising to 0.1, dropout 0.1
-  * ``nanogpt``      karpathy/nanoGPT model.py as it is (tied head, loss inside forward, dropout 0.1)
-                     with drop path 0.1 added the way people add timm's DropPath to its Block
+  resnet        torchvision/models/resnet.py: BasicBlock, BatchNorm, ReLU(inplace=True), out += identity
+  mobilenet_v3  torchvision/models/mobilenetv3.py, ops/misc.py: InvertedResidual, SqueezeExcitation,
+                Hardswish, BatchNorm(eps 1e-3), a head with nn.Dropout(p=0.2, inplace=True)
+  convnext      torchvision/models/convnext.py: CNBlock (depthwise 7x7, Permute, LayerNorm, layer scale),
+                LayerNorm2d, StochasticDepth "row" rising to 0.1
+  efficientnet  torchvision/models/efficientnet.py: MBConv (SiLU, SE, StochasticDepth "row" rising to
+                0.2, result += input), nn.Dropout(p=0.2, inplace=True) head
+  vit           timm/models/vision_transformer.py: patch embedding, cls token, Attention (fused sdpa with
+                attention dropout), Mlp, DropPath rising to 0.1, dropout 0.1
+  nanogpt       karpathy/nanoGPT model.py (tied head, loss inside forward, dropout 0.1) with timm's
+                DropPath 0.1 on each residual branch, the way people add it
 
-The random layers themselves: timm/layers/drop.py ``drop_path`` (``x.new_empty(shape).bernoulli_``)
-and torchvision/ops/stochastic_depth.py (``torch.empty(size).bernoulli_``). A program's ranks load
-this file by its path for the data functions (Workload.source), so it imports only torch at the top.
-"""
+The random layers: timm/layers/drop.py ``drop_path`` (``x.new_empty(shape).bernoulli_``) and
+torchvision/ops/stochastic_depth.py (``torch.empty(size).bernoulli_``). The ranks load this file by
+its path for ``gpt_batch`` (Workload.source), so it imports only torch; tests/e2e/test_zoo.py
+builds the workloads."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -35,7 +34,6 @@ IMAGE, CLASSES, VOCAB, SEQ = 32, 10, 64, 16
 
 
 # ---- timm/layers/drop.py and torchvision/ops/stochastic_depth.py ---------------------------------
-
 def drop_path(x, drop_prob: float = 0.0, training: bool = False, scale_by_keep: bool = True):
     if drop_prob == 0.0 or not training:
         return x
@@ -78,7 +76,6 @@ class StochasticDepth(nn.Module):
 
 
 # ---- torchvision/ops/misc.py ---------------------------------------------------------------------
-
 class Conv2dNormActivation(nn.Sequential):
     def __init__(self, cin, cout, kernel_size=3, stride=1, padding=None, groups=1, norm_layer=nn.BatchNorm2d,
                  activation_layer=nn.ReLU, bias=None):
@@ -119,7 +116,6 @@ def make_divisible(v, divisor=8):
 
 
 # ---- torchvision/models/resnet.py ----------------------------------------------------------------
-
 class BasicBlock(nn.Module):
     def __init__(self, inplanes, planes, stride=1, downsample=None):
         super().__init__()
@@ -172,7 +168,6 @@ class ResNet(nn.Module):
 
 
 # ---- torchvision/models/mobilenetv3.py -----------------------------------------------------------
-
 class InvertedResidual(nn.Module):
     def __init__(self, cin, kernel, expanded, cout, use_se, activation, stride, norm_layer):
         super().__init__()
@@ -203,7 +198,7 @@ MOBILENET_SETTING = [(8, 3, 8, 8, True, "RE", 2), (8, 3, 24, 16, False, "RE", 2)
 class MobileNetV3(nn.Module):
     def __init__(self, setting=MOBILENET_SETTING, last_channel=64, num_classes=CLASSES, dropout=0.2):
         super().__init__()
-        norm_layer = partial(nn.BatchNorm2d, eps=0.001, momentum=0.01)
+        norm_layer = functools.partial(nn.BatchNorm2d, eps=0.001, momentum=0.01)
         layers = [Conv2dNormActivation(3, setting[0][0], 3, 2, norm_layer=norm_layer, activation_layer=nn.Hardswish)]
         layers += [InvertedResidual(*row, norm_layer=norm_layer) for row in setting]
         lastconv = 6 * setting[-1][3]
@@ -219,7 +214,6 @@ class MobileNetV3(nn.Module):
 
 
 # ---- torchvision/models/convnext.py --------------------------------------------------------------
-
 class LayerNorm2d(nn.LayerNorm):
     def forward(self, x):
         x = x.permute(0, 2, 3, 1)
@@ -246,7 +240,7 @@ class ConvNeXt(nn.Module):
     def __init__(self, block_setting=((8, 16, 2), (16, None, 2)), stochastic_depth_prob=0.1, layer_scale=1e-6,
                  num_classes=CLASSES):
         super().__init__()
-        norm_layer = partial(LayerNorm2d, eps=1e-6)
+        norm_layer = functools.partial(LayerNorm2d, eps=1e-6)
         layers = [Conv2dNormActivation(3, block_setting[0][0], 4, 4, padding=0, norm_layer=norm_layer,
                                        activation_layer=None, bias=True)]
         total, block_id = sum(n for _, _, n in block_setting), 0
@@ -272,7 +266,6 @@ class ConvNeXt(nn.Module):
 
 
 # ---- torchvision/models/efficientnet.py ----------------------------------------------------------
-
 class MBConv(nn.Module):
     def __init__(self, expand_ratio, kernel, stride, cin, cout, stochastic_depth_prob, norm_layer):
         super().__init__()
@@ -283,7 +276,8 @@ class MBConv(nn.Module):
             layers.append(Conv2dNormActivation(cin, expanded, 1, norm_layer=norm_layer, activation_layer=nn.SiLU))
         layers.append(Conv2dNormActivation(expanded, expanded, kernel, stride, groups=expanded, norm_layer=norm_layer,
                                            activation_layer=nn.SiLU))
-        layers.append(SqueezeExcitation(expanded, max(1, cin // 4), activation=partial(nn.SiLU, inplace=True)))
+        layers.append(SqueezeExcitation(expanded, max(1, cin // 4),
+                                        activation=functools.partial(nn.SiLU, inplace=True)))
         layers.append(Conv2dNormActivation(expanded, cout, 1, norm_layer=norm_layer, activation_layer=None))
         self.block = nn.Sequential(*layers)
         self.stochastic_depth = StochasticDepth(stochastic_depth_prob, "row")
@@ -330,7 +324,6 @@ class EfficientNet(nn.Module):
 
 
 # ---- timm/models/vision_transformer.py -----------------------------------------------------------
-
 class Attention(nn.Module):
     def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0):
         super().__init__()
@@ -398,7 +391,6 @@ class VisionTransformer(nn.Module):
 
 
 # ---- karpathy/nanoGPT model.py, with drop path ---------------------------------------------------
-
 class LayerNorm(nn.Module):
     def __init__(self, ndim, bias):
         super().__init__()
@@ -467,12 +459,10 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
         device = idx.device
@@ -491,8 +481,7 @@ class GPT(nn.Module):
         return logits, loss
 
 
-# ---- data and workloads --------------------------------------------------------------------------
-
+# ---- nanoGPT's data and loss: its forward computes the loss -------------------------------------
 def gpt_batch(step: int, batch_size: int, *, seed: int = 0):
     """nanoGPT's get_batch on synthetic tokens: the model takes (idx, targets) and returns its loss."""
     gen = torch.Generator().manual_seed(seed * 100_003 + step)
@@ -503,26 +492,3 @@ def gpt_batch(step: int, batch_size: int, *, seed: int = 0):
 
 def own_loss(output, target):
     return output[1]  # nanoGPT's forward returns (logits, loss)
-
-
-MODELS = {"resnet": ResNet, "mobilenet_v3": MobileNetV3, "convnext": ConvNeXt, "efficientnet": EfficientNet,
-          "vit": VisionTransformer, "nanogpt": GPT}
-
-
-def workload(name: str):
-    """The zoo model ``name`` in train mode, with its data and loss named for the ranks."""
-    # lazy: the ranks load this file by its path for gpt_batch alone and need no compiler
-    from partitioner.frontend.workload import Workload
-    from runtime.data import hf_tasks
-
-    torch.manual_seed(0)
-    model = MODELS[name]().train()
-    if name == "nanogpt":
-        return Workload(model=model, example_args=gpt_batch(0, 2)[0], loss_fn=own_loss,
-                        make_batch=gpt_batch, name=name,
-                        source={"make_batch": (f"{HERE}:gpt_batch", {}), "loss_fn": (f"{HERE}:own_loss", {})})
-    batch = {"channels": 3, "size": IMAGE, "num_labels": CLASSES, "seed": 0}
-    return Workload(model=model, example_args=hf_tasks.image_batch(0, 2, **batch)[0],
-                    loss_fn=hf_tasks.classification_loss, make_batch=partial(hf_tasks.image_batch, **batch),
-                    name=name, source={"make_batch": ("runtime.data.hf_tasks:image_batch", batch),
-                                       "loss_fn": ("runtime.data.hf_tasks:classification_loss", {})})

@@ -359,7 +359,7 @@ def load_workload(spec: str, *, pretrained: str | None = None, data: str | None 
     else:
         try:
             module = importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - the user's module or a package it imports; Note [the real import error]
+        except Exception as exc:  # noqa: BLE001 - Note [the real import error] in runtime/errors.py
             raise ValueError(f"MODEL {spec!r}: cannot import {name}: {import_failure(exc)}") from None
     function = getattr(module, rest, None)
     if function is None:

@@ -8,15 +8,36 @@ shared launch (Note [shared launches] in tests/_shared_launch.py)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 
+import _zoo
 from _programs import compile_to
 from _shared_launch import Job, prepare
-from _zoo import MODELS, workload
 from partitioner.cli.verify import check_run
+from partitioner.frontend.workload import Workload
+from runtime.data import hf_tasks
+
+MODELS = {"resnet": _zoo.ResNet, "mobilenet_v3": _zoo.MobileNetV3, "convnext": _zoo.ConvNeXt,
+          "efficientnet": _zoo.EfficientNet, "vit": _zoo.VisionTransformer, "nanogpt": _zoo.GPT}
+IMAGES = {"channels": 3, "size": _zoo.IMAGE, "num_labels": _zoo.CLASSES, "seed": 0}
+
+
+def workload(name: str) -> Workload:
+    """The zoo model ``name`` in train mode, with its data and loss named for the ranks."""
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    if name == "nanogpt":
+        return Workload(model=model, example_args=_zoo.gpt_batch(0, 2)[0], loss_fn=_zoo.own_loss,
+                        make_batch=_zoo.gpt_batch, name=name,
+                        source={"make_batch": (f"{_zoo.HERE}:gpt_batch", {}), "loss_fn": (f"{_zoo.HERE}:own_loss", {})})
+    return Workload(model=model, example_args=hf_tasks.image_batch(0, 2, **IMAGES)[0],
+                    loss_fn=hf_tasks.classification_loss, make_batch=functools.partial(hf_tasks.image_batch, **IMAGES),
+                    name=name, source={"make_batch": ("runtime.data.hf_tasks:image_batch", IMAGES),
+                                       "loss_fn": ("runtime.data.hf_tasks:classification_loss", {})})
 
 
 @prepare

@@ -34,7 +34,8 @@ except MissingPackageError as exc:
 def _broken_torchvision(site: Path) -> None:
     """An installed torchvision (dist-info and all) whose import raises, as a wheel built for another torch does."""
     (site / "torchvision").mkdir(parents=True)
-    (site / "torchvision" / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    init = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    (site / "torchvision" / "__init__.py").write_text(init)
     info = site / "torchvision-0.28.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
