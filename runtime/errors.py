@@ -6,6 +6,8 @@ non-zero.
 """
 
 import errno
+import importlib.metadata
+import traceback
 
 
 class PlanMismatchError(ValueError):
@@ -65,3 +67,46 @@ def one_line_error(exc: BaseException) -> "DiskFullError | CommitRefused | None"
             return exc
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
+
+
+# Note [the real import error]: a module that fails to import is reported by what wraps it, not
+# by what broke. transformers' lazy modules turn any failure importing a model class's module (a
+# torchvision wheel built for another torch raising RuntimeError at `import torchvision`, deep in
+# transformers.image_utils) into ModuleNotFoundError("Could not import module 'GPT2LMHeadModel'.
+# Are this object's requirements defined correctly?") raised from the real one, and the CLI then
+# printed a 40-line traceback. The user needs the real error, the module whose top level raised
+# it, who imported that module and, for an installed package, what to do: ``import_failure``
+# says that in one line, for `partitioner compile` (a MODEL file, a module:function, an hf:
+# config) and for the ranks that build an hf: model.
+
+
+def import_failure(exc: BaseException) -> str:
+    """The error at the bottom of ``exc``'s chain in one line, with the module whose import raised
+    it, the module that imported that one and, where it is an installed package, the fix (Note
+    [the real import error])."""
+    root, seen = exc, 0
+    while seen < 16:
+        below = root.__cause__ or (None if root.__suppress_context__ else root.__context__)
+        if below is None:
+            break
+        root, seen = below, seen + 1
+    text = str(root).strip().splitlines()
+    line = f"{type(root).__name__}: {text[0]}" if text else type(root).__name__
+    tops = [(frame.f_globals.get("__name__", "?"), frame.f_code.co_filename, lineno)
+            for frame, lineno in traceback.walk_tb(root.__traceback__) if frame.f_code.co_name == "<module>"]
+    if not tops:
+        return line
+    name, path, lineno = tops[-1]
+    line += f", at {path}:{lineno} (importing {name}" + (f", which {tops[-2][0]} imports)" if len(tops) > 1 else ")")
+    package = name.partition(".")[0]
+    try:  # the distribution that installed it: a package, not a file of the user's
+        dist = (importlib.metadata.packages_distributions().get(package) or [None])[0]
+        version = importlib.metadata.version(dist) if dist else ""
+    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+        dist, version = None, ""
+    if isinstance(root, ModuleNotFoundError) and root.name:
+        line += f": install the package that provides {root.name.partition('.')[0]}"
+    elif dist:
+        line += (f": the installed {dist} {version} does not import: install the {dist} build made for this "
+                 f"Python and torch, or pip uninstall {dist}")
+    return line

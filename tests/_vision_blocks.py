@@ -1,52 +1,19 @@
-"""The random layers of modern vision models, written as timm and torchvision write them (neither
-can be installed here): timm's ``DropPath`` (``x.new_empty(shape).bernoulli_(keep)``, ``div_``),
-torchvision's ``stochastic_depth`` (``torch.empty(size).bernoulli_(survival)``) and a
-mobilenet_v3-style head with ``nn.Dropout(inplace=True)``; a small ViT/ConvNeXt-like token model
-built of them (Note [in-place random ops] in runtime/execute/randomness.py)."""
+"""The random layers of modern vision models in one small token model: timm's ``DropPath``
+(``x.new_empty(shape).bernoulli_(keep)``, ``div_``) and torchvision's ``stochastic_depth``
+(``torch.empty(size).bernoulli_(survival)``), both as tests/_zoo.py copies them, and a
+mobilenet_v3-style head with ``nn.Dropout(inplace=True)`` (Note [in-place random ops] in
+runtime/execute/randomness.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from _zoo import DropPath, stochastic_depth
 from partitioner.frontend.workload import Workload
 from runtime.data import synthetic as data
 
 VOCAB, SEQ, WIDTH = 32, 6, 16
-
-
-def drop_path(x, drop_prob: float = 0.0, training: bool = False, scale_by_keep: bool = True):
-    """timm.layers.drop.drop_path, as timm writes it."""
-    if drop_prob == 0.0 or not training:
-        return x
-    keep_prob = 1 - drop_prob
-    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-    random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
-    if keep_prob > 0.0 and scale_by_keep:
-        random_tensor.div_(keep_prob)
-    return x * random_tensor
-
-
-class DropPath(nn.Module):
-    def __init__(self, drop_prob: float = 0.0, scale_by_keep: bool = True):
-        super().__init__()
-        self.drop_prob, self.scale_by_keep = drop_prob, scale_by_keep
-
-    def forward(self, x):
-        return drop_path(x, self.drop_prob, self.training, self.scale_by_keep)
-
-
-def stochastic_depth(x, p: float, mode: str, training: bool = True):
-    """torchvision.ops.stochastic_depth, as torchvision writes it."""
-    if not training or p == 0.0:
-        return x
-    survival_rate = 1.0 - p
-    size = [x.shape[0]] + [1] * (x.ndim - 1) if mode == "row" else [1] * x.ndim
-    noise = torch.empty(size, dtype=x.dtype, device=x.device)
-    noise = noise.bernoulli_(survival_rate)
-    if survival_rate > 0.0:
-        noise.div_(survival_rate)
-    return x * noise
 
 
 class Block(nn.Module):

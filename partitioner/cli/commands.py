@@ -21,6 +21,7 @@ from partitioner.cli.run import cmd_run
 from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from runtime.data.corpus.spec import absolute_spec
+from runtime.errors import import_failure
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
 from partitioner.solver.plan import Plan
@@ -426,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         from partitioner.errors import PartitionerError
 
         end_open_lines()
+        if isinstance(exc, ImportError) and not args.verbose:  # Note [the real import error] in runtime/errors.py
+            print(f"error: {import_failure(exc)} (-v shows the traceback)", file=sys.stderr)
+            return EXIT_USAGE
         if args.verbose or not isinstance(exc, (ValueError, PartitionerError, OSError, RuntimeError)):
             raise
         print(f"error: {exc}", file=sys.stderr)

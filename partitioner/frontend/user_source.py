@@ -43,6 +43,7 @@ from pathlib import Path
 
 from partitioner.frontend.local_modules import locate, local_modules
 from partitioner.frontend.rank_imports import MODEL_ROOTS, found_through, location, places, rank_path, rank_spec, within
+from runtime.errors import import_failure
 from runtime.program.user_code import USER_DIR, leave_user_root, user_module_name
 
 ROLES = ("make_batch", "loss_fn")
@@ -233,6 +234,13 @@ def _user_frame(exc: BaseException, root: str) -> str:
     return found
 
 
+def _broke_outside(exc: BaseException, root: str) -> bool:
+    """Whether ``exc`` was raised from another exception or in a file outside the user's folder
+    ``root`` (not by the import system itself: a missing module is the user's line)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    return exc.__cause__ is not None or (bool(frames) and not within(frames[-1].filename, [root]))
+
+
 def _forget_local_modules(root: str) -> None:
     """Drop from sys.modules what an earlier load imported from a folder under a name ``root``
     has too (another model's my_blocks), so this model file imports its own modules afresh."""
@@ -291,6 +299,9 @@ def load_model_file(path: str | Path, spec: str) -> types.ModuleType:
         _known_by_its_name(module, path)
     except Exception as exc:  # noqa: BLE001 - the user's file; reported in their terms
         where = _user_frame(exc, root)
+        if _broke_outside(exc, root):  # a package it imports: Note [the real import error] in runtime/errors.py
+            raise ValueError(f"MODEL {spec!r}: running {path.name}, {where or 'an import'} raised "
+                             f"{import_failure(exc)}") from None
         text = str(exc).strip().splitlines()
         message = f"{type(exc).__name__}: {text[0] if text else ''}"
         fix = ""

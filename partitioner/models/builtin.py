@@ -349,6 +349,8 @@ def load_workload(spec: str, *, pretrained: str | None = None, data: str | None 
         raise ValueError(
             f"MODEL {spec!r} is not a built-in ({', '.join(BUILTINS)}) nor module:function or file.py:function"
         )
+    from runtime.errors import import_failure  # here, not at the top: the golden stage files quote line numbers
+
     if name.endswith(".py"):
         path = Path(name)
         if not path.is_file():
@@ -357,15 +359,16 @@ def load_workload(spec: str, *, pretrained: str | None = None, data: str | None 
     else:
         try:
             module = importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"MODEL {spec!r}: cannot import {name}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - Note [the real import error] in runtime/errors.py
+            raise ValueError(f"MODEL {spec!r}: cannot import {name}: {import_failure(exc)}") from None
     function = getattr(module, rest, None)
     if function is None:
         raise ValueError(f"MODEL {spec!r}: {name} has no function {rest!r}")
     try:
         workload = function()
     except Exception as exc:  # noqa: BLE001 - the user's builder; report it in their terms
-        raise ValueError(f"MODEL {spec!r}: {rest}() raised {type(exc).__name__}: {exc}; it must build "
+        raised = import_failure(exc) if exc.__cause__ is not None else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"MODEL {spec!r}: {rest}() raised {raised}; it must build "
                          "and return a Workload when called with no arguments") from exc
     if not isinstance(workload, Workload):
         raise ValueError(f"MODEL {spec!r}: {rest}() returned {type(workload).__name__}, expected a Workload")

@@ -27,6 +27,7 @@ import torch
 from partitioner.frontend.workload import Workload
 from runtime.data import synthetic as data, hf_tasks as hf_data
 from runtime.execute import pretrained as weights
+from runtime.errors import import_failure
 from runtime.execute.pretrained import require_transformers
 
 # Build on the meta device above this many bytes of training state, as the built-ins do
@@ -114,7 +115,11 @@ def architecture_of(config, task: str, spec: str) -> str:
     import transformers
 
     name = _mapping(task).get(config.model_type)
-    if name is None or not hasattr(transformers, name):
+    try:
+        known = name is not None and hasattr(transformers, name)
+    except ImportError as exc:  # Note [the real import error] in runtime/errors.py
+        raise ValueError(f"MODEL {spec!r}: transformers cannot import {name}: {import_failure(exc)}") from None
+    if not known:
         raise ValueError(f"MODEL {spec!r}: transformers has no {task} model for model_type {config.model_type!r}; "
                          f"pick task= among those it has, or another model")
     return name

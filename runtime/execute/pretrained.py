@@ -36,6 +36,7 @@ import zlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from runtime.errors import MissingPackageError, import_failure
 from runtime.file_trust import JSON_CAP, open_regular, read_bounded
 
 INDEX = "model.safetensors.index.json"
@@ -110,7 +111,9 @@ def require_transformers():
     try:
         # optional dependency: transformers (the [hf] extra); the except below handles its absence
         import transformers
-    except ImportError:
+    except ImportError as exc:
+        if exc.name != "transformers":  # installed, but something it imports is broken
+            raise MissingPackageError(f"transformers does not import: {import_failure(exc)}") from None
         raise ValueError("Hugging Face models need transformers on every node: pip install "
                          "'partitioner[hf]' (transformers==5.24.0, the version the tests pin)") from None
     return transformers
@@ -120,7 +123,10 @@ def build_meta(config: dict, architecture: str) -> torch.nn.Module:
     """The model class ``architecture`` (a transformers class name) from a config dict, on meta."""
     transformers = require_transformers()
 
-    cls = getattr(transformers, architecture, None)
+    try:
+        cls = getattr(transformers, architecture, None)
+    except ImportError as exc:  # Note [the real import error] in runtime/errors.py; a rank prints it as one line
+        raise MissingPackageError(f"transformers cannot import {architecture}: {import_failure(exc)}") from None
     if cls is None:
         raise ValueError(f"transformers {transformers.__version__} has no model class {architecture!r}: "
                          "install the transformers version the program was compiled with")
