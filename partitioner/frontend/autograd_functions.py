@@ -110,7 +110,14 @@ class Applied:
 
 _ACTIVE: list[Applied] = []
 _INSIDE: list[bool] = []  # in a Function's forward: a Function it applies runs as itself there
-_ORIGINAL = torch.autograd.Function.__dict__["apply"]
+# Every Function.apply ends in `super().apply(*args)`, torch's C++ apply, looked up past this class
+# at each call: replaced there, a Function applied through an alias bound before the trace
+# (`round_ste = RoundSTE.apply`) is seen as well.
+_LEVEL = torch.autograd.function._SingleLevelFunction
+
+
+def _original(cls, *args, **kwargs):
+    return super(_LEVEL, cls).apply(*args, **kwargs)
 _HERE = (__file__, __file__.replace("autograd_functions.py", "trace.py"))
 
 
@@ -161,11 +168,11 @@ def _apply(cls, *args, **kwargs):
     record = _ACTIVE[-1] if _ACTIVE else None
     name = full_name(cls)
     if record is None or _INSIDE or name.startswith(EXEMPT_MODULES):
-        return _ORIGINAL.__func__(cls, *args, **kwargs)
+        return _original(cls, *args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     if name in REFUSED or any(isinstance(leaf, fx.Proxy) for leaf in leaves):
         record.refused.setdefault(name, caller_line())  # symbolic_trace's: refused as before
-        return _ORIGINAL.__func__(cls, *args, **kwargs)
+        return _original(cls, *args, **kwargs)
     slots = [isinstance(leaf, torch.Tensor) for leaf in leaves]
     entry = _Call(cls, spec, [None if slot else leaf for leaf, slot in zip(leaves, slots)], slots, caller_line())
     _check_importable(entry)
@@ -204,7 +211,7 @@ def _apply_op(tensors, call):
     _INSIDE.append(True)
     try:
         with torch.no_grad(), watch:
-            out = _ORIGINAL.__func__(entry.cls, *args, **kwargs)
+            out = entry.cls.apply(*args, **kwargs)
     finally:
         _INSIDE.pop()
     if watch.random:
@@ -228,14 +235,18 @@ _apply_op.register_fake(_apply_op._init_fn)
 @contextlib.contextmanager
 def applied():
     """While active, every ``MyFn.apply`` is one custom op node; yields the Applied record.
-    ``Function.apply`` is restored afterwards."""
+    torch's apply is restored afterwards."""
     record = Applied()
     _ACTIVE.append(record)
-    torch.autograd.Function.apply = classmethod(_apply)
+    before = _LEVEL.__dict__.get("apply")
+    _LEVEL.apply = classmethod(_apply)
     try:
         yield record
     finally:
-        torch.autograd.Function.apply = _ORIGINAL
+        if before is None:
+            del _LEVEL.apply
+        else:
+            _LEVEL.apply = before
         _ACTIVE.pop()
 
 
