@@ -104,7 +104,7 @@ def op_modules(*graphs: fx.Graph, imports: dict[str, str]) -> list[str]:
 
 def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict[str, str] | None = None) -> str:
     """stage_<k>.py: the stage's forward as Python a person reads (Note [stage code]);
-    ``op_imports``: the module to import per custom op (Note [custom ops travel])."""
+    ``op_imports``: the module to import per custom op or autograd Function (Note [custom ops travel])."""
     custom_op_imports = [f"import {m}  # its torch.ops or autograd Functions (Note [custom ops travel])"
                          for m in op_modules(stage.gm.graph, *(run.graph for run in stage.checkpointed),
                                              imports=op_imports or {})]
@@ -149,7 +149,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
         *[("    " + line) if line else "" for line in body],
         "",
     ]
-    return "\n".join(_strip_trailing(lines))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _tensor_parallel_table(stage: StageGraph, plan: Plan) -> list[str]:
@@ -498,6 +498,3 @@ def _attribute(base: str, dotted: str) -> str:
         out = f"{out}.{part}" if part.isidentifier() else f'getattr({out}, "{part}")'
     return out
 
-
-def _strip_trailing(lines: list[str]) -> list[str]:
-    return [line.rstrip() for line in lines]

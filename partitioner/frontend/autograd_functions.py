@@ -4,21 +4,20 @@ Note [autograd Functions run as themselves]: a Function's forward is ordinary Py
 non-strict trace would run op by op, keeping the forward's aten ops (a straight-through estimator
 becomes plain ``aten.round``) and dropping the Function: the program would train with autograd's
 gradient of those ops, not the user's backward (torch 2.13 keeps no trace of the Function in the
-graph). So, while the model is traced, ``Function.apply`` (the one classmethod every
-``MyFn.apply(...)`` goes through) is replaced by a call to one of two torch.library custom ops
-registered here, ``partitioner::autograd_function_apply`` (one tensor out) and ``..._tuple``
-(several), which the trace keeps as one node. Their arguments are the call's tensors and the
-index of the call; the call's Function class and its other arguments wait in a table. Their fake
-kernel runs the Function's own forward on the fake inputs (the node's output shapes) and checks
-what could not be exact. After the trace each such node becomes a call of ``FunctionApply(cls)``
+graph). So, while the model is traced, torch's apply (where every ``MyFn.apply(...)`` ends, an
+alias bound before the trace included) is replaced by a call of the torch.library custom op
+``partitioner::autograd_function_apply``, which the trace keeps as one node. Its arguments are
+the call's tensors and the index of the call; the call's Function class and its other arguments
+wait in a table. Its fake kernel runs the Function's own forward on the fake inputs (the node's
+output shapes) and checks what could not be exact. After the trace each such node becomes a call of ``FunctionApply(cls)``
 with the call's own arguments: the cost passes run it alone on fake inputs like every node (its
 forward's FLOPs and the user's backward's, what its ctx saves: passes/_fake_run.py), the oracle's
 traced graph calls the Function, and a stage file says ``module.MyFn.apply(...)``, importing the
 module that defines it (the user's file travels: Note [custom ops travel] in
 partitioner/codegen/stage_code.py). The program thus trains with the Function's own forward and
 backward, as the user's model does. Refused, in one line naming the class and why:
-  * a Function defined inside a function (a closure) or in a file-less module (a notebook, ``-c``):
-    no stage file can import it;
+  * a Function defined inside a function (a closure), in a file-less module (a notebook, ``-c``)
+    or not under its own name in its module: no stage file can import it;
   * a forward that draws random numbers: its draws are not keyed (Note [randomness keyed by
     meaning] in runtime/execute/randomness.py), so a partition would draw other masks;
   * a forward that writes an input in place (``ctx.mark_dirty``): the graph would not see the write;
@@ -116,8 +115,12 @@ _INSIDE: list[bool] = []  # in a Function's forward: a Function it applies runs 
 _LEVEL = torch.autograd.function._SingleLevelFunction
 
 
+
+
 def _original(cls, *args, **kwargs):
     return super(_LEVEL, cls).apply(*args, **kwargs)
+
+
 _HERE = (__file__, __file__.replace("autograd_functions.py", "trace.py"))
 
 
