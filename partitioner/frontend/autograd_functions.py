@@ -68,6 +68,9 @@ class FunctionApply:
     def __call__(self, *args, **kwargs):
         return self.function.apply(*args, **kwargs)
 
+    def __repr__(self) -> str:
+        return f"{self.key}.apply"
+
     @property
     def key(self) -> str:
         """Where the stage file finds the Function, before lowering knows the import name."""

@@ -52,6 +52,31 @@ def test_a_straight_through_function_is_one_node_and_trains_with_its_own_backwar
     assert grads["inp.weight"].abs().sum() > 0
 
 
+class RoundSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+round_ste = RoundSTE.apply  # an alias bound at import, before any trace
+
+
+def test_a_function_applied_through_an_alias_bound_before_the_trace_is_one_node_too():
+    """The alias skips the class attribute a trace could replace; torch's inner apply, where it
+    ends, is replaced instead. (Before, the trace ran its forward and kept aten.round: zero gradient.)"""
+    model = Applying(lambda x: round_ste(x * 4))
+    traced = trace(model, (torch.randn(2, 4),))
+    (node,) = _applies(traced.gm)
+    assert node.target.function is RoundSTE
+    x = torch.randn(2, 4)
+    traced.gm(x).sum().backward()
+    assert traced.gm.layer.weight.grad.abs().sum() > 0
+
+
 class MatMul(torch.autograd.Function):
     """x @ w with a backward that computes both gradients whether needed or not."""
 
