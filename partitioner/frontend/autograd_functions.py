@@ -9,13 +9,14 @@ alias bound before the trace included) is replaced by a call of the torch.librar
 ``partitioner::autograd_function_apply``, which the trace keeps as one node. Its arguments are
 the call's tensors and the index of the call; the call's Function class and its other arguments
 wait in a table. Its fake kernel runs the Function's own forward on the fake inputs (the node's
-output shapes) and checks what could not be exact. After the trace each such node becomes a call of ``FunctionApply(cls)``
-with the call's own arguments: the cost passes run it alone on fake inputs like every node (its
-forward's FLOPs and the user's backward's, what its ctx saves: passes/_fake_run.py), the oracle's
-traced graph calls the Function, and a stage file says ``module.MyFn.apply(...)``, importing the
-module that defines it (the user's file travels: Note [custom ops travel] in
-partitioner/codegen/stage_code.py). The program thus trains with the Function's own forward and
-backward, as the user's model does. Refused, in one line naming the class and why:
+output shapes) and checks what could not be exact. After the trace each such node becomes a
+call of ``FunctionApply(cls)`` with the call's own arguments: the cost passes run it alone on fake
+inputs like every node (its forward's FLOPs and the user's backward's, what its ctx saves:
+passes/_fake_run.py), the oracle's traced graph calls the Function, and a stage file says
+``module.MyFn.apply(...)``, importing the module that defines it (the user's file travels: Note
+[custom ops travel] in partitioner/codegen/stage_code.py). The program thus trains with the
+Function's own forward and backward, as the user's model does.
+Refused, in one line naming the class, where it is applied and why:
   * a Function defined inside a function (a closure), in a file-less module (a notebook, ``-c``)
     or not under its own name in its module: no stage file can import it;
   * a forward that draws random numbers: its draws are not keyed (Note [randomness keyed by
@@ -94,8 +95,8 @@ class _Call:
 
     def arguments(self, tensors) -> tuple[tuple, dict]:
         it = iter(tensors)
-        args, kwargs = tree_unflatten([next(it) if slot else leaf for leaf, slot in zip(self.leaves, self.tensor_slots)],
-                                      self.spec)
+        leaves = [next(it) if slot else leaf for leaf, slot in zip(self.leaves, self.tensor_slots)]
+        args, kwargs = tree_unflatten(leaves, self.spec)
         return tuple(args), dict(kwargs)
 
 
@@ -230,7 +231,7 @@ def _apply_op(tensors, call):
     outputs = (out,) if entry.single else out
     bad = next((o for o in outputs if not isinstance(o, torch.Tensor)), None)
     if bad is not None or not outputs:
-        _refuse(entry, f"its forward returns {'a ' + type(bad).__name__ if outputs else 'an empty tuple'}, and a "
+        _refuse(entry, f"its forward returns {'a ' + type(bad).__name__ + ' value' if outputs else 'an empty tuple'}, and a "
                        "graph node carries tensors only. Fix: return tensors (keep other values on ctx or the model)")
     return [o.clone() for o in outputs]
 

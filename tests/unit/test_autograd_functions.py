@@ -181,9 +181,9 @@ class Applying(nn.Module):
 
 
 @pytest.mark.parametrize("call,name,why", [
-    (Noisy.apply, "Noisy", r"draws random numbers \(aten\.randn.*draw outside the Function"),
+    (Noisy.apply, "Noisy", r"draws random numbers \(aten\.randn.*draw outside the Function"),  # an alias
     (lambda x: InPlace.apply(x * 1), "InPlace", r"writes an input in place.*return a new tensor"),
-    (lambda x: Counted.apply(x)[0], "Counted", r"returns a int, and a graph node carries tensors only"),
+    (lambda x: Counted.apply(x)[0], "Counted", r"returns a int value, and a graph node carries tensors only"),
     (lambda x: Scaled.apply(x, _Scale()), "Scaled", r"passed a _Scale, which a stage file cannot write"),
     (lambda x: _local_function().apply(x), "_local_function.<locals>.Local", r"defined inside a function"),
 ])
