@@ -55,6 +55,7 @@ from torch.fx.node import _get_qualified_name
 from passes import ir
 from partitioner.codegen.recompute import MethodRef
 from partitioner.codegen.split import StageGraph, is_stage_device
+from partitioner.frontend.autograd_functions import FunctionApply
 from partitioner.inspect.units import human_bytes
 from partitioner.solver.plan import Plan
 from runtime.program.schedules import schedule_named
@@ -84,6 +85,8 @@ def custom_ops(*graphs: fx.Graph) -> dict[str, tuple]:
     ops: dict[str, tuple] = {}
     for node in (n for graph in graphs for n in graph.nodes):
         target = node.target
+        if isinstance(target, FunctionApply):  # its module, imported the same way
+            ops.setdefault(target.key, (None, node.name, target.function))
         namespace = getattr(target, "namespace", None)
         if node.op != "call_function" or namespace is None or namespace in _TORCH_NAMESPACES:
             continue
@@ -101,11 +104,11 @@ def op_modules(*graphs: fx.Graph, imports: dict[str, str]) -> list[str]:
 
 def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict[str, str] | None = None) -> str:
     """stage_<k>.py: the stage's forward as Python a person reads (Note [stage code]);
-    ``op_imports``: the module to import per custom op (Note [custom ops travel])."""
-    custom_op_imports = [f"import {m}  # registers torch.ops it calls (Note [custom ops travel])"
+    ``op_imports``: the module to import per custom op or autograd Function (Note [custom ops travel])."""
+    custom_op_imports = [f"import {m}  # its torch.ops or autograd Functions (Note [custom ops travel])"
                          for m in op_modules(stage.gm.graph, *(run.graph for run in stage.checkpointed),
                                              imports=op_imports or {})]
-    emitter = _Emitter(_SourcePaths())
+    emitter = _Emitter(_SourcePaths(), op_imports or {})
     last = stage.index == plan.num_stages - 1
     came_from = "the model's input" if stage.index == 0 else f"from stage {stage.index - 1}"
     goes_to = "to the loss" if last else f"to stage {stage.index + 1}"
@@ -146,7 +149,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
         *[("    " + line) if line else "" for line in body],
         "",
     ]
-    return "\n".join(_strip_trailing(lines))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _tensor_parallel_table(stage: StageGraph, plan: Plan) -> list[str]:
@@ -320,8 +323,8 @@ class _Emitter:
     """One stage graph (or a recomputed region's) as a Python function: one statement per node,
     parameters read where they are used, source lines as comments (Note [stage code])."""
 
-    def __init__(self, paths: _SourcePaths):
-        self.paths = paths
+    def __init__(self, paths: _SourcePaths, op_imports: dict[str, str]):
+        self.paths, self.op_imports = paths, op_imports
         self.imports: set[str] = {"import torch"}
 
     def function(self, graph: fx.Graph, name: str, *, doc: list[str] = (), inputs: dict[str, str] | None = None,
@@ -449,6 +452,8 @@ class _Emitter:
             # Note [tensor-parallel stages] in runtime/parallel/tensor_parallel.py
             self.imports.add("from runtime.parallel import tensor_parallel")
             return f"tensor_parallel.{target.__name__}"
+        if isinstance(target, FunctionApply):  # Note [autograd Functions run as themselves] in its module
+            return f"{self.op_imports[target.key]}.{target.function.__qualname__}.apply"
         qualified = _get_qualified_name(target)
         if qualified.startswith("torch.") or qualified in dir(builtins):
             return qualified
@@ -493,6 +498,3 @@ def _attribute(base: str, dotted: str) -> str:
         out = f"{out}.{part}" if part.isidentifier() else f'getattr({out}, "{part}")'
     return out
 
-
-def _strip_trailing(lines: list[str]) -> list[str]:
-    return [line.rstrip() for line in lines]

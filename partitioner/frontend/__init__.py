@@ -3,6 +3,7 @@ to import of the user's code.
 
 workload.py         what a user hands the compiler: model, example inputs, loss, make_batch
 trace.py            the only file that calls torch.export / symbolic_trace
+autograd_functions.py  a custom autograd.Function as one node calling its own apply
 analysis.py         trace, key random ops, run the passes
 randomness.py       every random op → a keyed draw (on the unpartitioned graph, before the split)
 corpus_data.py      a workload made to train on a token corpus (--data; Note [a corpus replaces make_batch])

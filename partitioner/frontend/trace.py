@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from partitioner.errors import TraceError
+from partitioner.frontend.autograd_functions import applied, as_applies
 from runtime.data.synthetic import holds_tensor
 
 
@@ -112,51 +113,12 @@ def _torch_quiet():
             handler.removeFilter(drop)
 
 
-# Note [custom autograd Functions]: a torch.autograd.Function's forward is ordinary Python that
-# the non-strict trace runs op by op, so the graph keeps the forward's aten ops (a straight-through
-# estimator becomes plain `aten.round`) and drops the Function itself: the program would train
-# with autograd's gradient of those ops, not with the user's backward, i.e. a different model (only
-# `verify` would notice). Torch 2.13 keeps no trace of the Function in the graph (no node, no
-# meta), so the trace watches `Function.apply` (the one classmethod every `MyFn.apply(...)` call
-# goes through, functorch's path included) and refuses every Function it saw, naming the class
-# and the user line that applied it. Exempt: the Functions torch makes for an op the graph keeps
-# as one node with its backward attached: a torch.library.custom_op's register_autograd
-# (torch._library.autograd, e.g. transformers' grouped_mm in Qwen2-MoE) and the higher-order ops
-# (torch._higher_order_ops, e.g. torch.cond's CondAutogradOp). torch.utils.checkpoint's reentrant CheckpointFunction is refused
-# too: the trace runs its forward under no_grad (the parameters inside would get no gradient).
-_EXEMPT_FUNCTION_MODULES = ("torch._library.autograd.", "torch._higher_order_ops.")
-
-
-def _caller_line() -> str:
-    """``file:line `code``` of the innermost frame outside torch and this file: where a Function's
-    ``apply`` was called from."""
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if frame.filename.startswith((torch_dir, "<")) or frame.filename == __file__:
-            continue  # torch, this file, and generated code (`<string>`, `<eval_with_key>`)
-        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-        return f"{frame.filename}:{frame.lineno} `{line}`"
-    return ""
-
-
-@contextlib.contextmanager
-def _watch_autograd_functions(seen: dict):
-    """Record, in ``seen`` ({"module.qualname": where}), every torch.autograd.Function applied while
-    active (Note [custom autograd Functions]); ``Function.apply`` is restored afterwards."""
-    function = torch.autograd.Function
-    original = function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if not name.startswith(_EXEMPT_FUNCTION_MODULES):
-            seen.setdefault(name, _caller_line())
-        return original.__func__(cls, *args, **kwargs)
-
-    function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        function.apply = original
+# Note [custom autograd Functions]: a torch.autograd.Function runs as itself, one graph node calling
+# its apply (Note [autograd Functions run as themselves] in partitioner/frontend/autograd_functions.py).
+# Two of torch's own are refused instead, their arguments being a callable and hooks no stage file
+# can write: torch.utils.checkpoint's reentrant CheckpointFunction (the trace runs its forward under
+# no_grad: the parameters inside would get no gradient) and a module's backward hook; and so is
+# every Function of a model only symbolic_trace follows (its Proxy arguments reach no kernel).
 
 
 def _refuse_autograd_functions(model: torch.nn.Module, seen: dict) -> None:
@@ -181,11 +143,19 @@ def _refuse_autograd_functions(model: torch.nn.Module, seen: dict) -> None:
 def trace(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> Traced:
     example_kwargs = dict(example_kwargs or {})
     check_signature(model, example_args, example_kwargs)
-    functions: dict = {}
-    with _torch_quiet(), _watch_autograd_functions(functions):
-        traced = _trace(model, example_args, example_kwargs)
-    if functions:
-        _refuse_autograd_functions(model, functions)
+    with _torch_quiet(), applied() as record:
+        try:
+            traced = _trace(model, example_args, example_kwargs)
+        except TraceError:
+            if record.refusal is None:
+                raise
+            traced = None
+    if record.refusal is not None:  # raised inside export, which buried it under its own error
+        raise record.refusal
+    if record.refused:
+        _refuse_autograd_functions(model, record.refused)
+    if traced.tracer == "export":
+        as_applies(traced.gm, record)
     return traced
 
 

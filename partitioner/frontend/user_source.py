@@ -191,6 +191,7 @@ def op_sources(ops: dict, sources: UserSources, workload_name: str) -> UserSourc
     imports: dict[str, str] = {}
     files = dict(sources.files)
     for qualname, (namespace, node, fn) in sorted(ops.items()):
+        what = "custom op" if namespace else "autograd Function"  # Note [autograd Functions run as themselves]
         module = getattr(fn, "__module__", None)
         path = inspect.getsourcefile(fn) if fn is not None else None
         path = os.path.realpath(path) if path and os.path.isfile(path) else None
@@ -203,14 +204,14 @@ def op_sources(ops: dict, sources: UserSources, workload_name: str) -> UserSourc
                 root = os.path.dirname(path)  # run by path, as __main__, or named like no file of its folder
             name = user_module_name(os.path.relpath(path, root).replace(os.sep, "/"))
             if not all(part.isidentifier() for part in name.split(".")):
-                raise ValueError(f"{who}: the custom op {qualname} is defined in {path}, which a stage file "
+                raise ValueError(f"{who}: the {what} {qualname} is defined in {path}, which a stage file "
                                  f"imports by its module name {name!r}, not a Python name: rename the file")
             if rank_spec(name.partition(".")[0]) is not None:
-                raise ValueError(f"{who}: the custom op {qualname} is defined in {path}, and the ranks would "
+                raise ValueError(f"{who}: the {what} {qualname} is defined in {path}, and the ranks would "
                                  f"import the installed module {name.partition('.')[0]} by that name instead: "
                                  "rename your file")
             files = _merge(files, local_modules(path, root, who), workload_name)
-        elif importlib.util.find_spec(namespace) is not None:
+        elif namespace and importlib.util.find_spec(namespace) is not None:
             name = namespace
         if name is None:
             raise ValueError(

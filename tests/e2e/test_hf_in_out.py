@@ -44,8 +44,12 @@ def _configs(root: Path) -> dict[str, Path]:
                                        new_decoder_architecture=False, architectures=["FalconForCausalLM"])
     resnet = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5,
                                        architectures=["ResNetForImageClassification"])
+    # BLOOM's MLP applies its own autograd Function, GeLUFunction (Note [autograd Functions run as
+    # themselves]); with dropout, the oracle is the traced graph, which calls it too
+    bloom = transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.1,
+                                     architectures=["BloomForCausalLM"])
     for name, config in (("gpt2", gpt2), ("bert", bert), ("vit", vit), ("t5", t5), ("falcon", falcon),
-                         ("resnet", resnet)):
+                         ("resnet", resnet), ("bloom", bloom)):
         config.save_pretrained(root / name)
         dirs[name] = root / name
     # Pretrained weights unlike our own initialisation (another seed, torch's global generator),
@@ -68,11 +72,12 @@ def _hf_programs(root: Path):
                 str(root / "pretrained"), "--devices", "2", "--stages", "2", "--microbatches", "2", "-q"]) == 0
     for name, spec in (("meta", f"hf:{dirs['gpt2']},device=meta"), ("bert", f"hf:{dirs['bert']}"),
                        ("vit", f"hf:{dirs['vit']}"), ("t5", f"hf:{dirs['t5']},seq=8"),
-                       ("falcon", f"hf:{dirs['falcon']},seq=8"), ("resnet", f"hf:{dirs['resnet']},image=16")):
+                       ("falcon", f"hf:{dirs['falcon']},seq=8"), ("resnet", f"hf:{dirs['resnet']},image=16"),
+                       ("bloom", f"hf:{dirs['bloom']},seq=8")):
         compile_to(root / name, load_workload(spec), devices=2, num_stages=2, microbatches=2,
                    training={"model_spec": spec})
     jobs = [Job(2, [root / n, "--steps", str(STEPS)])
-            for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5", "falcon", "resnet")]
+            for n in ("gpt2", "pretrained", "meta", "bert", "vit", "t5", "falcon", "resnet", "bloom")]
     return out, jobs
 
 
@@ -119,6 +124,15 @@ def test_falcon_and_resnet_from_plain_config_files_verify(hf):
                for name in load_file(str(path))]
     assert shipped and all("lifted_tensor" in name for name in shipped)  # constants only: the ranks make the weights
     assert load_workload(f"hf:{hf['dirs']['resnet']}").example_args[0].shape[-1] == 224  # HF's crop by default
+
+
+def test_bloom_from_a_plain_config_file_runs_its_gelu_function_as_itself_and_verifies(hf):
+    """BLOOM's GeLUFunction (a tanh GeLU with a hand-written backward) is called by the stage files,
+    imported from transformers, not traced through (Note [autograd Functions run as themselves])."""
+    assert _verdict(hf["root"] / "bloom").oracle == "unpartitioned traced graph (keyed randomness)"
+    stages = "".join((hf["root"] / "bloom" / f"stage_{k}.py").read_text() for k in (0, 1))
+    assert stages.count("transformers.models.bloom.modeling_bloom.GeLUFunction.apply(") == 2, stages
+    assert "\nimport transformers.models.bloom.modeling_bloom  #" in stages
 
 
 def test_meta_built_ranks_start_from_the_oracles_weights(hf):

@@ -1,13 +1,14 @@
 """User code travels with the program folder (Note [user code travels] in partitioner/frontend/user_source.py):
 a model file that imports its sibling modules (and a package of the same folder), and a model file
-that defines a torch.library custom op with its own backward, each compiled with the `partitioner`
+that defines a torch.library custom op with its own backward, and one applying a custom
+torch.autograd.Function (tests/own_model/straight_through.py), each compiled with the `partitioner`
 command in the user's folder, trained 2 steps on 2 ranks in the session's shared launch (Note
-[shared launches] in tests/_shared_launch.py) and verified against the one-process oracle. Both
-model files are called my_model.py, with a sibling my_blocks.py each: the two programs train one after
+[shared launches] in tests/_shared_launch.py) and verified against the one-process oracle. The
+first two model files are called my_model.py, with a sibling my_blocks.py each: the two programs train one after
 the other in the same workers, each importing its own copies (Note [one user root] in
 runtime/program/user_code.py). What cannot travel is refused at compile time in one line with the fix.
 
-The model files are tests/own_model/siblings/ and tests/own_model/custom_op/, copied into temporary
+The model files are tests/own_model/siblings/, tests/own_model/custom_op/ and straight_through.py, copied into temporary
 folders that are no package and not on sys.path, as a user's would be.
 """
 
@@ -20,9 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from _shared_launch import Job, prepare
-from partitioner.cli.verify import check_run
+from partitioner.cli.verify import check_run, read_program_run
 
 OWN = Path(__file__).resolve().parent.parent / "own_model"
 # The command a user types (its sys.path holds neither the current directory nor the model's folder);
@@ -53,8 +55,11 @@ def _travelling_programs(root: Path):
         home = root / name
         shutil.copytree(OWN / name, home, ignore=shutil.ignore_patterns("__pycache__"))
         compile_cli(home, "my_model.py:build", "-o", "out")
+    (root / "function").mkdir()  # Note [autograd Functions run as themselves]
+    shutil.copy(OWN / "straight_through.py", root / "function")
+    compile_cli(root / "function", "straight_through.py:build", "-o", "out")
     jobs = [Job(2, [root / name / "out", "--steps", "2", "--run-dir", root / f"run_{name}", "--checkpoint-dir",
-                    root / f"ck_{name}"]) for name in COPIED]
+                    root / f"ck_{name}"]) for name in (*COPIED, "function")]
     return root, jobs
 
 
@@ -80,10 +85,26 @@ def test_a_custom_op_defined_in_the_model_file_is_imported_from_the_copy_and_tra
     folder = travelled / "custom_op" / "out"
     stages = [(folder / f"stage_{k}.py").read_text() for k in (0, 1)]
     calling = [text for text in stages if "torch.ops.own_model.round_ste" in text]
-    assert len(calling) == 1 and "\nimport my_model  # registers torch.ops" in calling[0], calling
+    assert len(calling) == 1 and "\nimport my_model  # its torch.ops" in calling[0], calling
     assert set(COPIED["custom_op"]) <= set(json.loads((folder / "plan.json").read_text())["files"])
     report = check_run(folder, travelled / "run_custom_op")
     assert report.ok, report.text()
+
+
+def test_a_custom_autograd_function_runs_as_itself_in_the_stage_and_trains_bit_for_bit(travelled):
+    """Note [autograd Functions run as themselves] holds: the stage file calls RoundSTE.apply from the copied
+    model file, so the ranks train with its straight-through backward, exactly as the oracle (the
+    user's module) does; traced through, round's zero gradient would leave `inp` where it started."""
+    folder = travelled / "function" / "out"
+    stages = [(folder / f"stage_{k}.py").read_text() for k in (0, 1)]
+    calling = [text for text in stages if "straight_through.RoundSTE.apply(" in text]
+    assert len(calling) == 1 and "\nimport straight_through  #" in calling[0], calling
+    assert "user/straight_through.py" in json.loads((folder / "plan.json").read_text())["files"]
+    report = check_run(folder, travelled / "run_function")
+    assert report.ok and report.max_loss_diff == 0 and report.max_param_diff == 0, report.text()
+    trained = read_program_run(travelled / "run_function")[1]["inp.weight"]
+    torch.manual_seed(0)  # build()'s first layer, as it started
+    assert not torch.equal(trained, torch.nn.Linear(8, 16).weight.detach())
 
 
 def test_an_edited_copied_sibling_is_refused(travelled, tmp_path):

@@ -1,5 +1,8 @@
 """A stranger's model: straight-through rounding, a custom torch.autograd.Function (the forward
-rounds, the backward passes the gradient on unchanged), as quantisation-aware training writes it."""
+rounds to a grid of 1/scale, the backward passes the gradient on unchanged), as quantisation-aware
+training writes it. Autograd's own gradient of round is zero: a program that traced through the
+forward would leave `inp` untrained (Note [autograd Functions run as themselves] in
+partitioner/frontend/autograd_functions.py)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -9,22 +12,24 @@ from partitioner import Workload
 
 class RoundSTE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return x.round()
+    def forward(ctx, x, scale):
+        return (x * scale).round() / scale
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class Quantised(nn.Module):
     def __init__(self, features=8, width=16, outputs=4):
         super().__init__()
         self.inp = nn.Linear(features, width)
+        self.mid = nn.Linear(width, width)
         self.head = nn.Linear(width, outputs)
 
     def forward(self, x):
-        return self.head(RoundSTE.apply(self.inp(x) * 4) / 4)
+        x = RoundSTE.apply(torch.tanh(self.inp(x)), 4.0)
+        return self.head(torch.tanh(self.mid(x)))
 
 
 def make_batch(step, batch_size):

@@ -110,45 +110,6 @@ def test_run_checks_its_flags_before_any_worker_starts(tmp_path, capsys):
     assert err.startswith("error:") and "six hours" in err, err
 
 
-OWN = __import__("pathlib").Path(__file__).resolve().parent.parent / "own_model"
-
-
-def _straight_through():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("straight_through", OWN / "straight_through.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_a_custom_autograd_function_is_refused_at_compile_time_with_its_name_and_the_fix():
-    """Note [custom autograd Functions] holds: the trace keeps a Function's forward and drops its
-    backward, so a straight-through estimator would train with round's zero gradient instead."""
-    import partitioner
-    from partitioner.config.cluster import ClusterSpec
-
-    module = _straight_through()
-    with pytest.raises(TraceError) as info:
-        partitioner.compile(module.build(), cluster=ClusterSpec.homogeneous(1, "cpu"), global_batch=4)
-    message = str(info.value)
-    assert "straight_through.RoundSTE" in message  # the Function, by module and qualname
-    assert "straight_through.py:27" in message and "RoundSTE.apply(" in message  # where it is used
-    assert "custom_op" in message and "register_autograd" in message  # the fix
-    assert "\n" not in message
-
-
-def test_a_custom_autograd_function_is_one_line_and_exit_2_at_the_cli(tmp_path):
-    import shutil
-
-    shutil.copy(OWN / "straight_through.py", tmp_path / "straight_through.py")
-    done = subprocess.run([sys.executable, "-m", "partitioner", "compile", "straight_through.py:build", "-o", "out",
-                           "--devices", "1", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    err = error_lines(done.stderr)
-    assert done.returncode == 2 and "RoundSTE" in err and len(err.splitlines()) == 1, done.stderr
-    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
-
-
 class ReentrantCheckpoint(nn.Module):
     def __init__(self):
         super().__init__()
