@@ -204,28 +204,26 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     world = int(os.environ.get("WORLD_SIZE", program.world_size))
     if host is None or world == program.world_size:
         return folder, options
+    import torch  # lazy: loads torch
     import torch.distributed as dist  # lazy: loads torch
 
+    from runtime.parallel.exchange import all_gather_json, broadcast_json  # lazy: loads torch
     from runtime.resilience.memtier.groups import hosts_of_ranks  # lazy: loads torch
 
     rank = int(os.environ["RANK"])
     init_group(rank, world, float(program.collective_timeout_s), program.backend, program.device)
     hosts = list(hosts_of_ranks(program.world_size, options.hosts))
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, int(host))
-    alive = tuple(sorted(set(gathered)))
+    device = torch.device(program.device)  # the rank's: init_group made it current
+    alive = tuple(sorted({int(h) for h in all_gather_json(int(host), device)}))  # Note [no pickle between ranks]
     survivors = tuple(r for r in range(program.world_size) if hosts[r] in alive)
     if len(survivors) != world:
         raise ElasticRefusalError(f"the hosts left ({alive}) hold {len(survivors)} ranks of --hosts "
                                   f"{options.hosts}, but {world} workers met: give every agent its host's ranks")
     out = f"{os.path.abspath(folder)}.elastic-h{'_'.join(map(str, alive))}"
     t0 = time.perf_counter()
-    message = [None]
-    if rank == 0:
-        message[0] = _replan(folder, survivors, out, program.plan_hash)
-    dist.broadcast_object_list(message, src=0)
-    if message[0]:
-        raise ElasticRefusalError(message[0])
+    message = broadcast_json(_replan(folder, survivors, out, program.plan_hash) if rank == 0 else None, 0, device)
+    if message:
+        raise ElasticRefusalError(str(message))
     from runtime.program.spec import load_plan  # lazy: loads the program's parts
 
     used, standing = used_ranks(world, int(load_plan(out)["world_size"]))
