@@ -22,6 +22,8 @@ torch_version.py    the torch >= 2.11 check run first when a rank starts; what t
 file_trust.py       reading files of folders others may have prepared: no links followed, regular
                     files only, bounded reads, folders others cannot write in (Note [files are not
                     trusted])
+exchange.py         small values between ranks as JSON in byte tensors, never pickles (Note [no pickle
+                    between ranks])
 
 The test drivers (several folders in the same workers, the checkpoint drills) live in
 tests/drivers/: they are never part of a program.

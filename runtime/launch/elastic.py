@@ -207,7 +207,7 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     import torch  # lazy: loads torch
     import torch.distributed as dist  # lazy: loads torch
 
-    from runtime.parallel.exchange import all_gather_json, broadcast_json  # lazy: loads torch
+    from runtime.exchange import all_gather_json, broadcast_json  # lazy: loads torch
     from runtime.resilience.memtier.groups import hosts_of_ranks  # lazy: loads torch
 
     rank = int(os.environ["RANK"])

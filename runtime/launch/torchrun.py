@@ -138,7 +138,7 @@ def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: f
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE (``run_env``) keeps the agent from hosting a TCPStore for
 # them on every interface. What that worker store and gloo's connections still let a local user do
 # is README "Trust model"; nothing the ranks receive is unpickled (Note [no pickle between ranks]
-# in runtime/parallel/exchange.py). Multi-host runs use torch's TCP rendezvous: a trusted network.
+# in runtime/exchange.py). Multi-host runs use torch's TCP rendezvous: a trusted network.
 
 _private: list[str] = []  # this process's private folder of rendezvous files, made on first use
 

@@ -9,6 +9,4 @@ zero.py             optimizer state sharded over the replicas, ZeRO-1 (Note [sha
 control.py          the control group (gloo, for host-side bookkeeping) and the start-up barrier
                     (Note [the control group])
 nccl_emulation.py   NCCL's device rules on a CPU run, for tests (Note [NCCL emulation])
-exchange.py         small values between ranks as JSON in byte tensors, never pickles (Note [no pickle
-                    between ranks])
 """

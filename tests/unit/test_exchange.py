@@ -1,4 +1,4 @@
-"""Note [no pickle between ranks] in runtime/parallel/exchange.py: what ranks send each other is
+"""Note [no pickle between ranks] in runtime/exchange.py: what ranks send each other is
 JSON in byte tensors, so a peer that is not the job's rank can feed a rank wrong values, never code."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_ranks_exchange_json_and_refuse_a_pickle(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from runtime.parallel import exchange
+    from runtime import exchange
 
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)

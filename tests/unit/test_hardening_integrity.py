@@ -66,7 +66,7 @@ def test_a_single_host_worker_store_binds_loopback(monkeypatch):
 
 
 def test_torchrun_meets_on_a_private_file_and_hands_the_workers_loopback():
-    """Note [no TCP rendezvous on one host]: no rendezvous store on TCP; MASTER_ADDR 127.0.0.1."""
+    """No rendezvous store on TCP, MASTER_ADDR 127.0.0.1 (Note [no TCP rendezvous on one host])."""
     command = torchrun_command("train.py", 2, rendezvous="/some/private/rdzv")
     assert command[command.index("--rdzv-endpoint") + 1] == "/some/private/rdzv"
     assert command[command.index("--rdzv-conf") + 1] == "store_type=file"

@@ -142,7 +142,7 @@ def test_a_local_user_cannot_run_code_through_the_rendezvous(paced, tmp_path):
         assert (tmp_path / "run" / "metrics.jsonl").exists(), "the run never trained a step"
         agents, workers = _job(str(paced / "train.py"))
         assert agents and workers
-        # Note [no TCP rendezvous on one host]: the agent listens on nothing, the workers on loopback only
+        # the agent listens on nothing, the workers on loopback only (Note [no TCP rendezvous on one host])
         assert [_listening(pid) for pid in agents] == [[]] * len(agents)
         assert {addr for pid in workers for addr, _ in _listening(pid)} <= {"0100007F"}  # 127.0.0.1
         endpoint = _cmdline(agents[0])[_cmdline(agents[0]).index("--rdzv-endpoint") + 1]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runtime.parallel.exchange import all_gather_json
+from runtime.exchange import all_gather_json
 from runtime.program.spec import Program
 from runtime.resilience.checkpoint.manifest import ShardInfo, manifest_for, newest_committed, write_manifest
 from runtime.resilience.checkpoint.shard import shard_filename, step_dirname
@@ -80,7 +80,7 @@ def hand_over(program: Program, *, old_rank: int, hosts: list[int], alive: set[i
     red = old_redundancy(program, hosts, mode, group_size)
     mine = _held(old_rank, LocalStore(old_root, old_rank, red, program.plan_hash, run_id), red, alive) \
         if os.path.isdir(old_root) else {}
-    device = torch.device(program.device)  # Note [no pickle between ranks] in runtime/parallel/exchange.py
+    device = torch.device(program.device)  # Note [no pickle between ranks] in runtime/exchange.py
     rows = all_gather_json([[r, s, *item] for r, steps in sorted(mine.items()) for s, item in sorted(steps.items())],
                            device)
     offers: dict[int, dict] = {}
