@@ -167,3 +167,14 @@ def test_a_local_user_cannot_run_code_through_the_rendezvous(paced, tmp_path):
     assert proc.returncode == 0, err
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(rows[-1])["step"] == steps - 1
+
+
+def test_elastic_agents_meet_on_the_file_too():
+    """`run --elastic`'s agents: the same private file rendezvous, with the elastic settings added."""
+    from runtime.launch.elastic import agent_command
+
+    command = agent_command("train.py", 2, 2, rendezvous="/private/rdzv", host_timeout_s=5, max_restarts=3, args=[])
+    assert command[command.index("--rdzv-endpoint") + 1] == "/private/rdzv"
+    assert command[command.index("--local-addr") + 1] == "127.0.0.1"
+    conf = command[command.index("--rdzv-conf") + 1].split(",")
+    assert conf[0] == "store_type=file" and "last_call_timeout=5" in conf and not any("is_host" in c for c in conf)
