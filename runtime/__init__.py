@@ -100,8 +100,9 @@ too; an unknown flag is refused, naming the nearest): --steps N, --run-dir D, --
 resumes from the newest checkpoint valid on every rank in the checkpoint directory and leaves a
 committed checkpoint of its last step there.
 
-Launch: ``torchrun --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
-DIR/train.py`` (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts with gloo). A one-rank
+Launch: ``partitioner run DIR``, or the torchrun line ``runtime.launch.torchrun.command_text``
+gives (its rendezvous a file in a private folder: Note [no TCP rendezvous on one host]); across
+hosts ``python -m runtime.launch.signed_rendezvous`` (Note [signed rendezvous state]). A one-rank
 program also runs as ``python DIR/rank_0.py``.
 """
 

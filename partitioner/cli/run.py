@@ -11,6 +11,7 @@ from pathlib import Path
 
 from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
+from runtime.launch.signed_rendezvous import BACKEND as SIGNED, KEY_ENV
 from runtime.launch.torchrun import run_env, run_tree, torchrun_command
 from runtime.program.spec import load_plan
 from runtime.resilience.canary_rules import exit_code_after, program_refusal
@@ -78,8 +79,9 @@ def cmd_run(args) -> int:
         world = plan.world_size
         nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly
         print(f"[run] {world} ranks on this host (torchrun --nproc-per-node {world} {folder / 'train.py'}); "
-              + (f"on {nodes} nodes run on each: torchrun --nnodes {nodes} --nproc-per-node {world // nodes} "
-                 f"--node-rank $NODE_RANK --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
+              + (f"on {nodes} nodes run on each, with the same {KEY_ENV} exported: python -m "
+                 f"runtime.launch.signed_rendezvous --nnodes {nodes} --nproc-per-node {world // nodes} "
+                 f"--node-rank $NODE_RANK --rdzv-backend {SIGNED} --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
                  f"{folder / 'train.py'} with --checkpoint-dir on a filesystem every node shares (MASTER_PORT: a "
                  "free port on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")"
                  if nodes > 1 else "README \"Multi-node\" says how to run it across nodes"),

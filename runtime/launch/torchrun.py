@@ -47,7 +47,7 @@ def torchrun_command(script: str | Path, nproc: int, *, args: Sequence[str] = ()
 def command_text(nproc: int, script: str) -> str:
     """The torchrun line a person types on one host, for messages: what ``torchrun_command`` and
     ``run_env`` do (Note [no TCP rendezvous on one host]), its rendezvous file in a fresh 0700 folder."""
-    return (f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME={loopback_interface()} torchrun "
+    return (f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=lo torchrun "  # lo: the same bytes anywhere
             f"--nproc-per-node {nproc} --rdzv-backend c10d --rdzv-conf store_type=file --rdzv-endpoint "
             f"\"$(mktemp -d)/rdzv\" --local-addr {LOOPBACK} {script}")
 

@@ -178,3 +178,49 @@ def test_elastic_agents_meet_on_the_file_too():
     assert command[command.index("--local-addr") + 1] == "127.0.0.1"
     conf = command[command.index("--rdzv-conf") + 1].split(",")
     assert conf[0] == "store_type=file" and "last_call_timeout=5" in conf and not any("is_host" in c for c in conf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-host: the rendezvous state signed (Note [signed rendezvous state] in
+# runtime/launch/signed_rendezvous.py), attacked on a real TCPStore through a real handler.
+
+def test_a_signed_rendezvous_refuses_a_planted_state_before_unpickling_it(tmp_path, monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+    from runtime.launch import signed_rendezvous as signed
+    from runtime.launch.torchrun import free_port
+
+    monkeypatch.setenv(signed.KEY_ENV, "5e" * 32)
+    port = free_port()
+    params = RendezvousParameters(signed.BACKEND, f"127.0.0.1:{port}", "job", 1, 1, is_host=True,
+                                  last_call_timeout=1, join_timeout=60)
+    handler = signed.create_handler(params)
+    info = handler.next_rendezvous()  # a real round: the state written and read back sealed
+    assert (info.rank, info.world_size) == (0, 1) and handler.num_nodes_waiting() == 0
+    marker = tmp_path / "pwned"
+    keys = _attack_store("127.0.0.1", port, pickle.dumps(_Planted(str(marker))))
+    assert "torch.rendezvous.job" in keys
+    with pytest.raises(RendezvousStateError, match="not signed with this run's PARTITIONER_RDZV_KEY"):
+        deadline = time.monotonic() + 30  # the handler serves its cached state for a second
+        while time.monotonic() < deadline:
+            handler.num_nodes_waiting()  # what the agent asks every monitor tick: a sync past the cache
+            time.sleep(0.2)
+    assert not marker.exists()
+    # a state sealed with another key is refused as well
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+    client.set("torch.rendezvous.job", base64.b64encode(signed.seal(bytes.fromhex("11" * 32), pickle.dumps(None))))
+    with pytest.raises(RendezvousStateError):
+        signed._backend_class()(client, "job", bytes.fromhex("5e" * 32)).get_state()
+
+
+@pytest.mark.parametrize("value", ["", "abc", "zz" * 32, "12" * 15])
+def test_a_signed_rendezvous_without_a_good_key_is_refused_in_one_line(value, capsys, monkeypatch):
+    from runtime.launch import signed_rendezvous as signed
+
+    monkeypatch.setenv(signed.KEY_ENV, value)
+    assert signed.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {signed.KEY_ENV} must hold") and err.count("\n") == 1
