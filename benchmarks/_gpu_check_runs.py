@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from runtime.launch.agent_output import with_one_line_box
-from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
+from runtime.launch.torchrun import run_env, run_tree, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 ERROR_WORDS = ("Error", "error:", "Exception", "Traceback", "refused", "failed")
@@ -183,8 +183,8 @@ def run_folder(folder: Path, work: Path, name: str, flags: list[str], *, timeout
         record["error"] = f"no program folder at {folder} (not prepared)"
         return record
     started = time.perf_counter()
-    with DevicePoller() as poller, hosted_store() as port:
-        command = torchrun_command(folder / "train.py", nproc, max_restarts=max_restarts, store_port=port, args=[
+    with DevicePoller() as poller:
+        command = torchrun_command(folder / "train.py", nproc, max_restarts=max_restarts, args=[
             "--run-dir", str(run_dir), "--checkpoint-dir", str(ckpt_dir), *flags])
         try:
             done = run_tree(command, env={**run_env(pythonpath=str(REPO)), **(env or {})}, capture=True,

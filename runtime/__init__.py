@@ -25,6 +25,8 @@ file_trust.py       reading files of folders others may have prepared: no links 
 scratch.py          the scratch folder beside an output (`data prepare`'s corpus, `export`'s
                     weights): locked while its maker lives, swept by the next once abandoned
                     (Note [abandoned scratch folders] there)
+exchange.py         small values between ranks as JSON in byte tensors, never pickles (Note [no pickle
+                    between ranks])
 
 The test drivers (several folders in the same workers, the checkpoint drills) live in
 tests/drivers/: they are never part of a program.
@@ -101,8 +103,9 @@ too; an unknown flag is refused, naming the nearest): --steps N, --run-dir D, --
 resumes from the newest checkpoint valid on every rank in the checkpoint directory and leaves a
 committed checkpoint of its last step there.
 
-Launch: ``torchrun --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
-DIR/train.py`` (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts with gloo). A one-rank
+Launch: ``partitioner run DIR``, or the torchrun line ``runtime.launch.torchrun.command_text``
+gives (its rendezvous a file in a private folder: Note [no TCP rendezvous on one host]); across
+hosts ``python -m runtime.launch.signed_rendezvous`` (Note [signed rendezvous state]). A one-rank
 program also runs as ``python DIR/rank_0.py``.
 """
 

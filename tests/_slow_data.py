@@ -15,3 +15,11 @@ def sleepy_batch(step: int, batch_size: int, entered: str | None = None, **kwarg
 def failing_batch(step: int, batch_size: int, **kwargs):
     """A make_batch that fails on its first call, as a user's data can."""
     raise ValueError(f"no batch {step}: the corpus file is empty")
+
+
+def paced_batch(step: int, batch_size: int, delay_s: float = 0.5, **kwargs):
+    """runtime.data.synthetic's token_batch, ``delay_s`` late: a run that stays alive a known while."""
+    from runtime.data.synthetic import token_batch  # lazy: loads torch, only in a worker
+
+    time.sleep(delay_s)
+    return token_batch(step, batch_size, **kwargs)

@@ -1,6 +1,7 @@
 """Tests sit in three folders, one marker each, so a developer can run the fast ones alone:
 
-    unit/   one process each (the launch checks of test_hardening_integrity.py and test_run_options.py start torchrun)
+    unit/   one process each (the launch checks of test_hardening_integrity.py, test_hardening_rendezvous.py
+            and test_run_options.py start torchrun)
                                                     pytest -m unit      (or pytest tests/unit)
     dist/   real torchrun process groups (gloo)     pytest -m dist
     e2e/    compile, run the program, compare with the one-process oracle   pytest -m e2e

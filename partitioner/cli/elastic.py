@@ -87,10 +87,10 @@ def check_elastic(folder: Path, options: RunOptions, plan) -> None:
 
 
 def run_elastic(folder: Path, options: RunOptions, plan) -> int:
-    """One torchrun elastic agent per host on the rendezvous store served here (Note [elastic run]);
+    """One torchrun elastic agent per host, meeting on a rendezvous file (Note [elastic run]);
     cmd_run has called ``check_elastic``."""
     from runtime.launch.elastic import closing_note, run_agents  # lazy: only an elastic run
-    from runtime.launch.torchrun import hosted_store  # lazy: as above
+    from runtime.launch.torchrun import rendezvous_file  # lazy: as above
 
     if not options.quiet:
         print(f"[run] --elastic: {len(set(options.host_list()))} torchrun agents (--nnodes 1:{len(set(options.host_list()))}),"
@@ -108,9 +108,9 @@ def run_elastic(folder: Path, options: RunOptions, plan) -> int:
             got = exclusion.fresh(run_dir, since)
             return got is not None and got.set_aside
 
-        with hosted_store() as port:
-            code = run_agents(str(folder / "train.py"), options, store_port=port, skip_hosts=gone, env=env,
-                              stop_when=set_aside)
+        # a fresh rendezvous file each round, only this user's (Note [no TCP rendezvous on one host])
+        code = run_agents(str(folder / "train.py"), options, rendezvous=rendezvous_file(), skip_hosts=gone,
+                          env=env, stop_when=set_aside)
         got = exclusion.fresh(run_dir, started)
         if got is None:
             break

@@ -1,5 +1,5 @@
 """`partitioner run DIR`: the program folder checked on this host (flags, checkpoint and run
-folders), then torchrun in its own session with the rendezvous store served here.
+folders), then torchrun in its own session, its rendezvous a file only this user opens.
 Registered by commands.py's parser (``cmd_run``); it imports torch only when it runs."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
-from runtime.launch.torchrun import hosted_store, run_env, run_tree, torchrun_command
+from runtime.launch.signed_rendezvous import BACKEND as SIGNED, KEY_ENV
+from runtime.launch.torchrun import run_env, run_tree, torchrun_command
 from runtime.program.spec import load_plan
 from runtime.resilience.canary_rules import exit_code_after, program_refusal
 from runtime.resilience.exclusion import ROUND_ENV
@@ -78,22 +79,23 @@ def cmd_run(args) -> int:
         world = plan.world_size
         nodes = 2 if world % 2 == 0 and world >= 2 else 1  # the plan's world size, split evenly
         print(f"[run] {world} ranks on this host (torchrun --nproc-per-node {world} {folder / 'train.py'}); "
-              + (f"on {nodes} nodes run on each: torchrun --nnodes {nodes} --nproc-per-node {world // nodes} "
-                 f"--node-rank $NODE_RANK --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
+              + (f"on {nodes} nodes run on each, with the same {KEY_ENV} exported: python -m "
+                 f"runtime.launch.signed_rendezvous --nnodes {nodes} --nproc-per-node {world // nodes} "
+                 f"--node-rank $NODE_RANK --rdzv-backend {SIGNED} --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
                  f"{folder / 'train.py'} with --checkpoint-dir on a filesystem every node shares (MASTER_PORT: a "
                  "free port on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")"
                  if nodes > 1 else "README \"Multi-node\" says how to run it across nodes"),
               file=sys.stderr, flush=True)
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
-    # in runtime/launch/torchrun.py). The rendezvous store is served here, on 127.0.0.1 only.
-    with hosted_store() as port:
-        command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
-                                   max_restarts=options.max_restarts, store_port=port)
-        started = time.time()
-        code = run_tree(command, env={**run_env(), ROUND_ENV: repr(started)},  # Note [excluding a host]
-                        one_line_box=True).returncode  # Note [torchrun's failure box]
-        # a canary's exclusion (Note [compute canaries]) is exit 4, not torchrun's 1
-        return exit_code_after(options.run_dir or str((folder / "run").resolve()), code, started)
+    # in runtime/launch/torchrun.py). The rendezvous is a file only this user opens (Note [no TCP
+    # rendezvous on one host]).
+    command = torchrun_command(folder / "train.py", plan.world_size, args=options.to_argv(),
+                               max_restarts=options.max_restarts)
+    started = time.time()
+    code = run_tree(command, env={**run_env(), ROUND_ENV: repr(started)},  # Note [excluding a host]
+                    one_line_box=True).returncode  # Note [torchrun's failure box]
+    # a canary's exclusion (Note [compute canaries]) is exit 4, not torchrun's 1
+    return exit_code_after(options.run_dir or str((folder / "run").resolve()), code, started)
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -28,7 +28,7 @@ import torch
 from runtime.program.spec import Program
 from runtime.program.parts import Precision
 from runtime.launch.agent_output import with_one_line_box
-from runtime.launch.torchrun import hosted_store, rank_threads, run_env, run_tree, torchrun_command
+from runtime.launch.torchrun import rank_threads, run_env, run_tree, torchrun_command
 from runtime.program.user_code import resolve_callable
 from partitioner.solver.plan import Plan
 from runtime.program.spec import load_plan, load_program
@@ -246,12 +246,11 @@ def verify(folder: str | Path, *, steps: int = 3, workload=None, timeout_s: floa
         # A fresh checkpoint directory: the program must train from step 0, not resume a run.
         try:
             # In its own session; on the timeout the agent and every worker are stopped (Note
-            # [process groups] in runtime/launch/torchrun.py), with the rendezvous store served here.
-            with hosted_store() as port:
-                command = torchrun_command(folder / "train.py", plan.world_size, store_port=port, args=[
-                    "--steps", str(steps), "--run-dir", str(run_dir),
-                    "--checkpoint-dir", str(Path(tmp) / "checkpoints")])
-                done = run_tree(command, env=run_env(), capture=True, timeout_s=timeout_s)
+            # [process groups] in runtime/launch/torchrun.py), the rendezvous a private file.
+            command = torchrun_command(folder / "train.py", plan.world_size, args=[
+                "--steps", str(steps), "--run-dir", str(run_dir),
+                "--checkpoint-dir", str(Path(tmp) / "checkpoints")])
+            done = run_tree(command, env=run_env(), capture=True, timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the program in {folder} did not finish {steps} steps in {timeout_s:.0f} s") from None
         if done.returncode != 0:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from partitioner.solver.plan import Plan
+from runtime.launch.signed_rendezvous import BACKEND, KEY_ENV
+from runtime.launch.torchrun import command_text
 
 
 def readme_source(plan: Plan, plan_hash: str) -> str:
@@ -17,20 +19,25 @@ schedule `{plan.schedule}`, predicted step time {plan.predicted.get("step_time_s
 ## Run on this machine
 
     partitioner run .            # or:
-    torchrun --standalone --nproc-per-node {n} train.py --steps 20
+    {command_text(n, "train.py")} --steps 20
+
+(its rendezvous a file in a fresh private folder: torch's `--standalone` serves one on TCP that
+any local user can write, and what it holds is a pickle the agent loads).
 
 ## Run on N nodes
 
 Split the {n} ranks evenly over nodes (e.g. {nodes} node(s) × {n // nodes}), and on every node run
 
-    torchrun --nnodes {nodes} --nproc-per-node {n // nodes} --node-rank $NODE_RANK \\
-             --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:$MASTER_PORT train.py --steps 20 \\
-             --checkpoint-dir /shared/ckpt
+    python -m runtime.launch.signed_rendezvous --nnodes {nodes} --nproc-per-node {n // nodes} \\
+             --node-rank $NODE_RANK --rdzv-backend {BACKEND} \\
+             --rdzv-endpoint $MASTER_HOST:$MASTER_PORT train.py --steps 20 --checkpoint-dir /shared/ckpt
 
-with MASTER_PORT a free port on MASTER_HOST and the checkpoint folder on a filesystem every node
-mounts: on node-local disks no checkpoint is complete and every restart begins at step 0 (the run
-says so at start-up). torch's stores listen on every interface and do not
-authenticate: run across nodes only on a network where every host is trusted. `partitioner run`
+with the same {KEY_ENV} exported on every node (a secret: `python3 -c 'import secrets;
+print(secrets.token_hex(32))'`), MASTER_PORT a free port on MASTER_HOST and the checkpoint folder
+on a filesystem every node mounts: on node-local disks no checkpoint is complete and every restart
+begins at step 0 (the run says so at start-up). The key signs torch's rendezvous state, so no other
+host can plant a pickle there; torch's stores and transports still listen on every interface
+unauthenticated: run across nodes only on a network where every host is trusted. `partitioner run`
 and `train.py` execute this folder's code: run only folders you trust.
 
 {_node_section(plan)}## Files

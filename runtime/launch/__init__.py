@@ -11,4 +11,6 @@ run_options.py      the run flags as one table and one frozen ``RunOptions`` (`p
 torchrun.py         ``torchrun_command``, ``run_env``, ``free_port``: every launch on this host
 agent_output.py     torchrun's failure traceback and box said in one line (Note [torchrun's failure box])
 elastic.py          `run --elastic`: one torchrun agent per host; a worker's move to the re-planned folder
+signed_rendezvous.py  multi-host torchrun with the rendezvous state signed by a per-run key (Note
+                    [signed rendezvous state])
 """

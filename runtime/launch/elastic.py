@@ -3,7 +3,7 @@ the agents' rendezvous hands it another world size than its program's.
 
 Note [elastic run]: the launcher starts one torchrun agent per host of --hosts (simulated hosts on
 one machine: each agent runs its host's ranks), all with ``--nnodes 1:HOSTS`` and the c10d
-rendezvous on the store `partitioner run` already serves (Note [loopback only] in
+rendezvous on a file only this user opens (Note [no TCP rendezvous on one host] in
 runtime/launch/torchrun.py), ``last_call_timeout`` = --host-timeout (default 5 s). When a host is
 lost, the survivors' workers fail on the dead peer (Note [a dead peer] in runtime/launch/rank.py),
 their agents restart them and meet again; a host that does not rejoin within --host-timeout is gone
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from runtime.launch.agent_output import start_forwarding
 from runtime.launch.run_options import FlagError, RunOptions
-from runtime.launch.torchrun import descendants, run_env, stop_tree
+from runtime.launch.torchrun import descendants, rendezvous_args, run_env, stop_tree
 from runtime.resilience.canary_rules import EXIT_EXCLUDE
 from runtime.resilience.faults import say
 
@@ -90,17 +90,20 @@ def hosts_and_counts(hosts: list[int]) -> dict[int, int]:
     return {h: hosts.count(h) for h in order}
 
 
-def agent_command(train_py: str, nproc: int, num_hosts: int, *, store_port: int, host_timeout_s: float,
+def agent_command(train_py: str, nproc: int, num_hosts: int, *, rendezvous: str, host_timeout_s: float,
                   max_restarts: int, args: list[str]) -> list[str]:
-    """One host's torchrun elastic agent (Note [elastic run])."""
+    """One host's torchrun elastic agent, meeting the others on the FileStore ``rendezvous`` (Note
+    [elastic run]; Note [no TCP rendezvous on one host] in runtime/launch/torchrun.py)."""
     keep = max(2, int(host_timeout_s + 0.999))  # heartbeats a second apart: a silent host is dropped after the timeout
-    conf = f"is_host=false,last_call_timeout={max(1, round(host_timeout_s))},keep_alive_interval=1,keep_alive_max_attempt={keep}"
+    flags = rendezvous_args(rendezvous)
+    conf = flags.index("--rdzv-conf") + 1
+    flags[conf] += (f",last_call_timeout={max(1, round(host_timeout_s))},keep_alive_interval=1,"
+                    f"keep_alive_max_attempt={keep}")
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"1:{num_hosts}", "--nproc-per-node",
-            str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}", "--rdzv-conf", conf,
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", train_py, *args]
+            str(nproc), *flags, "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", train_py, *args]
 
 
-def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpath: str | None = None,
+def run_agents(train_py: str, options: RunOptions, *, rendezvous: str, pythonpath: str | None = None,
                timeout_s: float | None = None, skip_hosts: frozenset[int] = frozenset(),
                env: dict[str, str] | None = None, stop_when=None) -> int:
     """Every host's agent but ``skip_hosts``' (excluded: Note [excluding a host] in
@@ -116,7 +119,7 @@ def run_agents(train_py: str, options: RunOptions, *, store_port: int, pythonpat
     try:
         for h, n in counts.items():
             env = {**run_env(pythonpath=pythonpath), **(env or {}), HOST_ENV: str(h)}
-            procs.append(subprocess.Popen(agent_command(train_py, n, len(counts), store_port=store_port,
+            procs.append(subprocess.Popen(agent_command(train_py, n, len(counts), rendezvous=rendezvous,
                                                         host_timeout_s=timeout, max_restarts=restarts, args=args),
                                           env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
                                           errors="replace"))
@@ -201,28 +204,26 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
     world = int(os.environ.get("WORLD_SIZE", program.world_size))
     if host is None or world == program.world_size:
         return folder, options
+    import torch  # lazy: loads torch
     import torch.distributed as dist  # lazy: loads torch
 
+    from runtime.exchange import all_gather_json, broadcast_json  # lazy: loads torch
     from runtime.resilience.memtier.groups import hosts_of_ranks  # lazy: loads torch
 
     rank = int(os.environ["RANK"])
     init_group(rank, world, float(program.collective_timeout_s), program.backend, program.device)
     hosts = list(hosts_of_ranks(program.world_size, options.hosts))
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, int(host))
-    alive = tuple(sorted(set(gathered)))
+    device = torch.device(program.device)  # the rank's: init_group made it current
+    alive = tuple(sorted({int(h) for h in all_gather_json(int(host), device)}))  # Note [no pickle between ranks]
     survivors = tuple(r for r in range(program.world_size) if hosts[r] in alive)
     if len(survivors) != world:
         raise ElasticRefusalError(f"the hosts left ({alive}) hold {len(survivors)} ranks of --hosts "
                                   f"{options.hosts}, but {world} workers met: give every agent its host's ranks")
     out = f"{os.path.abspath(folder)}.elastic-h{'_'.join(map(str, alive))}"
     t0 = time.perf_counter()
-    message = [None]
-    if rank == 0:
-        message[0] = _replan(folder, survivors, out, program.plan_hash)
-    dist.broadcast_object_list(message, src=0)
-    if message[0]:
-        raise ElasticRefusalError(message[0])
+    message = broadcast_json(_replan(folder, survivors, out, program.plan_hash) if rank == 0 else None, 0, device)
+    if message:
+        raise ElasticRefusalError(str(message))
     from runtime.program.spec import load_plan  # lazy: loads the program's parts
 
     used, standing = used_ranks(world, int(load_plan(out)["world_size"]))

@@ -8,11 +8,15 @@ compiler both import it.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -30,22 +34,22 @@ def free_port() -> int:
 
 
 def torchrun_command(script: str | Path, nproc: int, *, args: Sequence[str] = (),
-                     max_restarts: int = 0, store_port: int | None = None) -> list[str]:
+                     max_restarts: int = 0, rendezvous: str | None = None) -> list[str]:
     """``torchrun`` of ``script`` (a .py path, or ``-m package.module``) with ``nproc`` workers on
-    this host; everything binds to 127.0.0.1 (docs/design.md §7). ``store_port``: the rendezvous
-    store this process hosts (``hosted_store``), so the agent listens on nothing (Note [loopback
-    only]); without it the agent hosts the store, and torch binds that one on every interface."""
+    this host: the rendezvous is the file ``rendezvous`` (``rendezvous_file()`` where not given),
+    no TCP store, and the workers' store is on 127.0.0.1 (Note [no TCP rendezvous on one host])."""
     target = ["-m", str(script)[3:]] if str(script).startswith("-m ") else [str(script)]
-    port = store_port if store_port is not None else free_port()
-    conf = ["--rdzv-conf", "is_host=false"] if store_port is not None else []
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *conf,
-            "--max-restarts", str(max_restarts), *target, *map(str, args)]
+            *rendezvous_args(rendezvous or rendezvous_file()), "--max-restarts", str(max_restarts),
+            *target, *map(str, args)]
 
 
 def command_text(nproc: int, script: str) -> str:
-    """The torchrun line a person types, for messages and generated files' headers."""
-    return f"torchrun --nproc-per-node {nproc} --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 {script}"
+    """The torchrun line a person types on one host, for messages: what ``torchrun_command`` and
+    ``run_env`` do (Note [no TCP rendezvous on one host]), its rendezvous file in a fresh 0700 folder."""
+    return (f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=lo torchrun "  # lo: the same bytes anywhere
+            f"--nproc-per-node {nproc} --rdzv-backend c10d --rdzv-conf store_type=file --rdzv-endpoint "
+            f"\"$(mktemp -d)/rdzv\" --local-addr {LOOPBACK} {script}")
 
 
 # Intra-op threads of each rank ``run_env`` launches unless the caller's OMP_NUM_THREADS says otherwise.
@@ -89,11 +93,10 @@ def run_env(*, pythonpath: str | None = None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Note [loopback only]: a single-host run listens on 127.0.0.1 and nothing else. torch's TCPStore
 # server binds every interface (``::``) whatever host it is given, so nobody lets torch create a
-# listening store: the rendezvous store torchrun's agent would host is hosted by the launching
-# process instead (``hosted_store``, the agent joins it with ``--rdzv-conf is_host=false``), and
-# rank 0's store for init_process_group is created by runtime/launch/rank.py from a socket bound to
-# 127.0.0.1 (``loopback_store``, TCPStore's ``master_listen_fd``). gloo binds the interface
-# GLOO_SOCKET_IFNAME names, set to the loopback interface in ``run_env``. Multi-host runs
+# listening store: the rendezvous is a file, no store at all (Note [no TCP rendezvous on one
+# host]), and rank 0's store for init_process_group is created by runtime/launch/world.py from a
+# socket bound to 127.0.0.1 (``loopback_store``, TCPStore's ``master_listen_fd``). gloo binds the
+# interface GLOO_SOCKET_IFNAME names, set to the loopback interface in ``run_env``. Multi-host runs
 # (the command `partitioner run` prints) assume a trusted network: README "Trust model".
 
 LOOPBACK = "127.0.0.1"
@@ -123,16 +126,47 @@ def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: f
                          wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
 
 
-class hosted_store:
-    """``with hosted_store() as port:`` a rendezvous store for torchrun's agent on 127.0.0.1:port,
-    served by this process (pass ``store_port=port`` to ``torchrun_command``)."""
+# ---------------------------------------------------------------------------------------------
+# Note [no TCP rendezvous on one host]: torch's c10d rendezvous keeps its state in the store as
+# base64 of a pickle that every agent unpickles on each keep-alive, so whoever can write that store
+# runs code as the job's user; a TCPStore has no authentication and any local process can connect
+# to 127.0.0.1 (issue 42). torchrun's --standalone hosts one too. On one host the rendezvous is a
+# FileStore instead (the c10d backend's ``store_type=file``, in torch 2.11 as in 2.13): a file in a
+# folder made by mkdtemp (mode 0700, this user's), so another user cannot open, read or write it.
+# ``--local-addr 127.0.0.1`` makes that MASTER_ADDR the workers get (otherwise this host's FQDN),
+# so rank 0's store for init_process_group binds loopback (runtime/launch/world.py), and
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE (``run_env``) keeps the agent from hosting a TCPStore for
+# them on every interface. What that worker store and gloo's connections still let a local user do
+# is README "Trust model"; nothing the ranks receive is unpickled (Note [no pickle between ranks]
+# in runtime/exchange.py). Multi-host runs use torch's TCP rendezvous: a trusted network.
+# A FileStore appends every write: each agent's keep-alive adds its state, ~0.5 KB (measured: 526
+# bytes every 5 s for one agent, ~0.4 MB an hour; an elastic agent beats every second, ~2 MB an
+# hour), in $TMPDIR until the launching process exits.
 
-    def __enter__(self) -> int:
-        self.store = loopback_store()
-        return self.store.port
+_private: list[str] = []  # this process's private folder of rendezvous files, made on first use
 
-    def __exit__(self, *exc) -> None:
-        del self.store
+
+def rendezvous_file() -> str:
+    """A new path for a rendezvous FileStore in this process's private folder (mode 0700, removed
+    when the process exits): one per launch, or per elastic round (its agents share it)."""
+    if not _private:
+        try:
+            _private.append(tempfile.mkdtemp(prefix="partitioner-rdzv-"))
+        except OSError as exc:
+            raise ValueError(f"cannot make the run's rendezvous folder in {tempfile.gettempdir()} "
+                             f"({exc.strerror or exc}): set TMPDIR to a folder you can write") from None
+        atexit.register(shutil.rmtree, _private[0], True)
+    return os.path.join(_private[0], f"rdzv-{os.getpid()}-{next(_serial)}")
+
+
+_serial = itertools.count()
+
+
+def rendezvous_args(path: str) -> list[str]:
+    """torchrun's flags for a rendezvous on the FileStore at ``path`` (Note [no TCP rendezvous on
+    one host]); an elastic agent adds its own settings to the --rdzv-conf value."""
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", path, "--rdzv-conf", "store_type=file",
+            "--local-addr", LOOPBACK]
 
 
 def listening_ports() -> list[tuple[str, int]]:

@@ -31,11 +31,11 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from runtime.exchange import all_gather_json
 from runtime.program.spec import load_plan
 
 ENV = "PARTITIONER_MEASURE_MEMORY"
@@ -214,8 +214,7 @@ def report(meter: PeakMemory, *, folder: str, rank: int, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"memory_rank_{rank}.json"), "w") as f:
         json.dump(row, f, indent=1, sort_keys=True)
-    rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
+    rows = all_gather_json(row, meter.device)  # Note [no pickle between ranks] in runtime/exchange.py
     if rank == 0:
         cells = []
         for r in rows:

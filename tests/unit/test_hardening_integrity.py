@@ -65,10 +65,14 @@ def test_a_single_host_worker_store_binds_loopback(monkeypatch):
     assert _worker_store(0, 2, timedelta(seconds=30)) is None  # multi-host: torch's env:// store
 
 
-def test_torchrun_joins_a_store_hosted_by_the_launcher():
-    command = torchrun_command("train.py", 2, store_port=12345)
-    assert "127.0.0.1:12345" in command
-    assert command[command.index("--rdzv-conf") + 1] == "is_host=false"
+def test_torchrun_meets_on_a_private_file_and_hands_the_workers_loopback():
+    """No rendezvous store on TCP, MASTER_ADDR 127.0.0.1 (Note [no TCP rendezvous on one host])."""
+    command = torchrun_command("train.py", 2, rendezvous="/some/private/rdzv")
+    assert command[command.index("--rdzv-endpoint") + 1] == "/some/private/rdzv"
+    assert command[command.index("--rdzv-conf") + 1] == "store_type=file"
+    assert command[command.index("--local-addr") + 1] == "127.0.0.1"
+    own = torchrun_command("train.py", 2)[torchrun_command("train.py", 2).index("--rdzv-endpoint") + 1]
+    assert os.path.isabs(own) and os.stat(os.path.dirname(own)).st_mode & 0o077 == 0  # this user's only
 
 
 def test_the_printed_multi_node_command_has_no_fixed_port():
@@ -228,9 +232,9 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
     mlp_folder(str(folder), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)], steps=50, timeout_s=300)
     driver = (
         "import sys\n"
-        "from runtime.launch.torchrun import run_tree, torchrun_command, run_env, hosted_store\n"
-        f"with hosted_store() as port:\n"
-        f"    cmd = torchrun_command({str(folder / 'train.py')!r}, 2, store_port=port,\n"
+        "from runtime.launch.torchrun import run_tree, torchrun_command, run_env\n"
+        "if True:\n"
+        f"    cmd = torchrun_command({str(folder / 'train.py')!r}, 2,\n"
         "                           args=['--fail-at', '0:0:hang', '--no-checkpoint'])\n"
         f"    sys.exit(run_tree(cmd, env=run_env(pythonpath={str(REPO)!r}), grace_s=5).returncode)\n")
     proc = subprocess.Popen([sys.executable, "-c", driver], env=child_env(),

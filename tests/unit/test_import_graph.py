@@ -135,7 +135,7 @@ ROOM_ORDER = {
 # A face stands over the whole compiler and is in no order: the command may import anything.
 FACES = {"partitioner": ["cli"], "runtime": [], "passes": []}
 # Modules at a package's top: the base every room may import, and the top no room may.
-BASE = {"runtime.errors", "runtime.python_version", "runtime.file_trust", "partitioner.errors", "passes.ir"}
+BASE = {"runtime.errors", "runtime.python_version", "runtime.file_trust", "runtime.exchange", "partitioner.errors", "passes.ir"}
 TOP = {"partitioner.compiler", "partitioner.compiled", "partitioner.__main__", "partitioner"}
 
 

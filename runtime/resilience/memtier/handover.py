@@ -19,12 +19,15 @@ A lost host's own folder is never read: its memory went with it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from runtime.exchange import all_gather_json
 from runtime.program.spec import Program
 from runtime.resilience.checkpoint.manifest import ShardInfo, manifest_for, newest_committed, write_manifest
 from runtime.resilience.checkpoint.shard import shard_filename, step_dirname
@@ -77,13 +80,13 @@ def hand_over(program: Program, *, old_rank: int, hosts: list[int], alive: set[i
     red = old_redundancy(program, hosts, mode, group_size)
     mine = _held(old_rank, LocalStore(old_root, old_rank, red, program.plan_hash, run_id), red, alive) \
         if os.path.isdir(old_root) else {}
-    rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, mine)
+    device = torch.device(program.device)  # Note [no pickle between ranks] in runtime/exchange.py
+    rows = all_gather_json([[r, s, *item] for r, steps in sorted(mine.items()) for s, item in sorted(steps.items())],
+                           device)
     offers: dict[int, dict] = {}
     for row in rows:
-        for r, steps in row.items():
-            for s, item in steps.items():
-                offers.setdefault(r, {}).setdefault(s, item)
+        for r, s, *item in row:
+            offers.setdefault(int(r), {}).setdefault(int(s), tuple(item))
     covered = set.intersection(*(set(offers.get(r, {})) for r in range(program.world_size)))
     disk = newest_committed(ckpt_dir)
     if not covered:
@@ -110,10 +113,9 @@ def hand_over(program: Program, *, old_rank: int, hosts: list[int], alive: set[i
                 with open(path, "rb") as src, open(dst, "wb") as out:
                     out.write(src.read(nbytes))
             infos.append(ShardInfo(shard_filename(r), r, nbytes, sha))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, infos)
+    gathered = all_gather_json([dataclasses.asdict(i) for i in infos], device)
     if dist.get_rank() == 0:
-        shards = [i for part in gathered for i in part]
+        shards = [ShardInfo(**i) for part in gathered for i in part]
         write_manifest(folder, manifest_for(step, shards, program))
     dist.barrier()
     return Handover(folder, step, {r: offers[r][step][3] for r in range(program.world_size)}, old_root)
