@@ -27,12 +27,20 @@ def samples_per_s(plan: Plan) -> float:
 
 
 def training_line(plan: Plan) -> str:
-    """Precision, optimizer-state sharding and clipping (Notes [mixed precision], [sharding as a
-    candidate], [global gradient norm])."""
+    """Precision, optimizer-state sharding, clipping and recompute (Notes [mixed precision], [sharding
+    as a candidate], [global gradient norm], [recompute a user pins])."""
     shard = "sharded over the dp replicas (ZeRO-1)" if plan.decisions.shard_optimizer else "replicated"
     clip = plan.training.clip_grad_norm
     return (f"precision {plan.decisions.precision}; optimizer state {shard}; "
-            f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}")
+            f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}; {recompute_words(plan)}")
+
+
+def recompute_words(plan: Plan) -> str:
+    """The recompute setting and what it recomputed (Note [recompute a user pins] in
+    partitioner/solver/recompute_cost.py)."""
+    how = {"auto": "the solver's choice", "none": "pinned off", "full": "pinned full"}[plan.training.recompute]
+    done = sum(r.recompute for r in plan.regions)
+    return f"recompute {plan.training.recompute} ({how}): {done} of {len(plan.regions)} regions recomputed"
 
 
 def time_model_text(record: dict) -> str:
