@@ -27,12 +27,12 @@ def samples_per_s(plan: Plan) -> float:
 
 
 def training_line(plan: Plan) -> str:
-    """Precision, optimizer-state sharding, clipping and recompute (Notes [mixed precision], [sharding
-    as a candidate], [global gradient norm], [recompute a user pins])."""
+    """Precision, optimizer-state sharding and clipping (Notes [mixed precision], [sharding as a
+    candidate], [global gradient norm])."""
     shard = "sharded over the dp replicas (ZeRO-1)" if plan.decisions.shard_optimizer else "replicated"
     clip = plan.training.clip_grad_norm
     return (f"precision {plan.decisions.precision}; optimizer state {shard}; "
-            f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}; {recompute_words(plan)}")
+            f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}")
 
 
 def recompute_words(plan: Plan) -> str:
@@ -75,6 +75,7 @@ def table(plan: Plan) -> str:
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch}); "
         f"schedule {plan.schedule}",
         training_line(plan),
+        recompute_words(plan),
         "",
     ]
     mem_unit, mem_scale = byte_unit(max(s.peak_memory_bytes for s in plan.stages))
