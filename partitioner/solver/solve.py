@@ -49,6 +49,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem
+from partitioner.solver.recompute_cost import pinned_recompute
 from partitioner.solver.device_layout import place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.schedules import priced_schedule
@@ -230,6 +231,10 @@ def solve(
             records.append(record(p, d, m, v, "PRUNED", None, lower, 0.0))
     if best is None:
         _raise_infeasible(space, global_batch, records, schedule, config)
+    pinned = pinned_recompute(problem, config.recompute)
+    if pinned is not None and best.recompute != pinned:  # Note [recompute a user pins]: a bug, never a plan
+        raise AssertionError(f"recompute {config.recompute!r} was pinned and the plan recomputes "
+                             f"{best.recompute}, not {pinned}: please report it with the model")
     # a person's pipeline x data-parallel split (Note [fair baselines]) over the plan's own tensor
     # groups (at tp 1 on the same --tp N request it would leave (N - 1)/N of the devices idle)
     base_problem, base_cluster = space.grouped(best.tensor_parallel)

@@ -86,3 +86,20 @@ def test_none_keeps_every_region_and_a_plan_that_needs_recompute_is_refused_nami
               config=SolverConfig(time_limit_s=5, recompute="none"))
     assert any(solve(problem, tight, 4, num_stages=2, dp=1, microbatches=4,
                      config=SolverConfig(time_limit_s=5)).recompute)  # auto fits it by recompute
+
+
+def test_every_hint_obeys_the_pin():
+    """A hint is also a plan solve keeps when CP-SAT stops early (placed.solve_placements): under
+    "full" the baselines' and the chain DP's hints carry the pinned recompute, not their own."""
+    from partitioner.solver.candidate import Candidate
+    from partitioner.solver.model import CandidateModel
+    from partitioner.solver.placed import _hint_plans
+
+    problem, cluster = _inflight_problem(), cpus(3 * MIB + MIB // 2, 3 * MIB + MIB // 2)
+    c = Candidate.of(2, 1, 4, 4, "1f1b", None)
+    placement = ((0,), (1,))
+    for mode, want in (("full", (True,) * 4), ("none", (False,) * 4)):
+        model = CandidateModel(problem, cluster, num_stages=2, dp=1, num_microbatches=4, microbatch_size=1,
+                               schedule="1f1b", config=SolverConfig(recompute=mode), placement=placement)
+        plans = _hint_plans(model, problem, cluster, c, placement=placement)
+        assert plans and all(recompute == want for _, recompute in plans), (mode, plans)
