@@ -95,7 +95,8 @@ def compile_workload(
     ...", "solve: ..."; the first word names the step) and, during the solve, with
     solver.solve.SolveProgress updates (str() of one is a status line).
     ``training``: the training settings (a dict merged over the defaults and checked, Note
-    [training settings merge], or a TrainingSettings); ``precision`` and ``clip_grad_norm``, when
+    [training settings merge], or a TrainingSettings; its "recompute" pins recompute: Note [recompute
+    a user pins] in partitioner/solver/recompute_cost.py); ``precision`` and ``clip_grad_norm``, when
     given, override its keys (Note [mixed precision] in runtime/execute/precision.py; precision None:
     bf16-mixed on GPU kinds, fp32 on cpu; clipping None: off). ``num_stages``, ``dp``,
     ``tensor_parallel``, ``microbatches``, ``schedule``, ``shard_optimizer`` and ``granularity`` are
