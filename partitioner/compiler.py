@@ -41,6 +41,7 @@ from partitioner.solver.candidates import validate_options
 from partitioner.solver.canary_cost import canary_seconds
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
+from partitioner.solver.model import SolverConfig
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
 from partitioner.solver.solution import baseline_figures, solution_summary
 from partitioner.solver.solve import solve_with_sharding
@@ -94,7 +95,8 @@ def compile_workload(
     ...", "solve: ..."; the first word names the step) and, during the solve, with
     solver.solve.SolveProgress updates (str() of one is a status line).
     ``training``: the training settings (a dict merged over the defaults and checked, Note
-    [training settings merge], or a TrainingSettings); ``precision`` and ``clip_grad_norm``, when
+    [training settings merge], or a TrainingSettings; its "recompute" pins recompute: Note [recompute
+    a user pins] in partitioner/solver/recompute_cost.py); ``precision`` and ``clip_grad_norm``, when
     given, override its keys (Note [mixed precision] in runtime/execute/precision.py; precision None:
     bf16-mixed on GPU kinds, fp32 on cpu; clipping None: off). ``num_stages``, ``dp``,
     ``tensor_parallel``, ``microbatches``, ``schedule``, ``shard_optimizer`` and ``granularity`` are
@@ -216,6 +218,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
 
         check_degree(gm, tp)
 
+    solver_config = _with_recompute(solver_config, settings.recompute)
     # the norm and the replica check weigh in the choice between candidates (Note [terms outside the ILP])
     global_norm = computes_global_norm(settings.clip_grad_norm, precision)
     step_terms = StepTerms(global_norm=global_norm, sdc_every=settings.sdc_every)
@@ -262,6 +265,18 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     if calibrate is None:  # a calibration ran the graph on real tensors (Note [one trace when the sizes agree])
         object.__setattr__(compiled, "first_trace", (traced, gm, _keyed))
     return compiled
+
+
+def _with_recompute(config, recompute: str):
+    """The solver's settings with the user's recompute (Note [recompute a user pins] in
+    partitioner/solver/recompute_cost.py); a SolverConfig pinning the other way is refused."""
+    config = config if config is not None else SolverConfig()
+    if recompute == "auto" or config.recompute == recompute:
+        return config
+    if config.recompute != "auto":
+        raise ValueError(f"recompute {recompute!r} (--recompute) and SolverConfig(recompute={config.recompute!r}) "
+                         "disagree: give it once")
+    return dataclasses.replace(config, recompute=recompute)
 
 
 def _machine_step(option, cluster, progress):

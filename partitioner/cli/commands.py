@@ -67,6 +67,8 @@ def cmd_compile(args) -> int:
         training["data"] = absolute_spec(args.data)
     if args.precision:  # a setting like the others, not a keyword beside them
         training["precision"] = args.precision
+    if args.recompute:  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
+        training["recompute"] = args.recompute
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be a number of steps >= 0 "
                          "(0: only the last)")
@@ -348,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autocast policy (default: bf16-mixed on GPU kinds, fp32 on cpu)")
     c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
                    help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
+    c.add_argument("--recompute", choices=["auto", "none", "full", "selective"],
+                   help="activation recompute: auto (the default: the solver chooses per region), none (never; "
+                   "refused if nothing fits without it), full (every region that saves memory, as Megatron's "
+                   "full recompute); selective is not built yet")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr, no summary")
     c.set_defaults(func=cmd_compile)
 

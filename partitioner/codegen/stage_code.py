@@ -191,10 +191,12 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     in_flight = schedule_named(plan.schedule, plan.num_stages // plan.pipeline_ranks).in_flight(
         stage.index, plan.num_stages, plan.num_microbatches)
     extra = max(0, in_flight * (plan.microbatch_size * saved_per_sample - kept))
+    # Note [recompute a user pins] in partitioner/solver/recompute_cost.py: the reason is the flag then
+    why = ("The compile pinned it (--recompute full: every region whose recompute saves memory)"
+           if plan.training.recompute == "full" else "The plan chose it because memory binds on this stage's device")
     return [""] + textwrap.wrap(
         f"Recomputed in backward (activation checkpointing through runtime.execute.recompute.checkpointed, one "
-        f"checkpoint per region): {', '.join(regions)}. The plan chose it because memory binds on this "
-        f"stage's device ({sp.device}): predicted peak {human_bytes(sp.peak_memory_bytes)} with recompute, "
+        f"checkpoint per region): {', '.join(regions)}. {why} ({sp.device}): predicted peak {human_bytes(sp.peak_memory_bytes)} with recompute, "
         f"capacity {human_bytes(sp.memory_capacity_bytes)}; keeping these regions' activations "
         f"({human_bytes(saved_per_sample)} per sample) instead of their inputs ({human_bytes(kept)} per "
         f"microbatch) for the {in_flight} microbatch(es) in flight would need about "

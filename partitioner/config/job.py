@@ -28,6 +28,7 @@ A job file (TOML, README "Job file")::
     sdc_canary_every = 0        # a compute canary every K steps (0: off; Note [compute canaries])
     seed = 0
     compile_stages = true       # torch.compile each stage (Note [compiled stages]); default off
+    recompute = "full"          # auto | none | full (Note [recompute a user pins]); default auto
 
     [cluster]                   # the cluster file's format, inline; or: cluster = "cluster.toml"
     [[cluster.group]]
@@ -93,6 +94,7 @@ JOB_TRAINING_KEYS = {
     "collective_timeout_s": ("collective_timeout_s",),
     "memory_tier": ("memory_tier",),
     "compile_stages": ("compile_stages",),  # Note [compiled stages] in runtime/execute/compiled.py
+    "recompute": ("recompute",),  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
 }
 
 

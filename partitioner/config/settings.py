@@ -25,6 +25,7 @@ from typing import Any
 from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSettings, Precision
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "auto")
+RECOMPUTE_CHOICES = ("auto", "none", "full")  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
 GRANULARITIES = ("block", "sublayer", "op", "node")
 _OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data",
              "compile_stages")
@@ -94,6 +95,16 @@ def _no_weight_decay(value, where):
                      "patterns (fnmatch), e.g. [\"*.bias\", \"*norm*\"]")
 
 
+def check_recompute(value, where: str):
+    """The recompute setting (Note [recompute a user pins] in partitioner/solver/recompute_cost.py), or
+    ValueError naming it; "selective" is refused, not run as something else."""
+    if value == "selective":
+        raise ValueError(f"{where} = 'selective' (recompute only the attention core) is not built yet: the "
+                         "finest unit the solver recomputes is a region; use 'full' (every region recomputed, "
+                         "Megatron's full recompute), 'auto' (the solver chooses per region) or 'none'")
+    return _choice(RECOMPUTE_CHOICES)(value, where)
+
+
 def _string(value, where):
     if not isinstance(value, str):
         raise ValueError(f"{where} = {value!r} must be a string")
@@ -147,6 +158,8 @@ TRAINING_SCHEMA = {
     "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
     # torch.compile each stage's forward (Note [compiled stages] in runtime/execute/compiled.py); left out: off
     "compile_stages": _boolean_or_none,
+    # auto | none | full (Note [recompute a user pins] in partitioner/solver/recompute_cost.py); left out: auto
+    "recompute": check_recompute,
 }
 
 
@@ -184,6 +197,7 @@ class TrainingSettings:
     pretrained: str | None = None       # the Hugging Face weights an hf: model starts from (the CLI sets it)
     data: str | None = None             # "tokens:DIR", "megatron:PREFIX", ...: a corpus replaces make_batch
     compile_stages: bool | None = None  # torch.compile the stages (Note [compiled stages]); None: off
+    recompute: str = "auto"             # auto | none | full (Note [recompute a user pins] in solver/recompute_cost.py)
 
     def __post_init__(self):
         for name in ("collective_timeout_s", "mtbf_s", "clip_grad_norm"):  # one JSON form however given
@@ -218,6 +232,8 @@ class TrainingSettings:
             out["memory_tier"] = self.memory_tier.to_dict()
         if self.precision is not None:
             out["precision"] = self.precision.value
+        if self.recompute != "auto":  # written only when pinned: an older plan round-trips unchanged
+            out["recompute"] = self.recompute
         if self.no_weight_decay != "default":
             nwd = self.no_weight_decay
             out["no_weight_decay"] = nwd if isinstance(nwd, str) else list(nwd)

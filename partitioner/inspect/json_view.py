@@ -60,6 +60,7 @@ def inspect_json(plan: Plan) -> dict:
         "precision": plan.decisions.precision.value,
         "shard_optimizer": plan.decisions.shard_optimizer,
         "clip_grad_norm": plan.training.clip_grad_norm,
+        "recompute": plan.training.recompute,  # auto | none | full (Note [recompute a user pins])
         "sdc_every": plan.decisions.sdc_every,
         "predicted": predicted,
         "balance": balance(plan),

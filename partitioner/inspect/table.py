@@ -35,6 +35,14 @@ def training_line(plan: Plan) -> str:
             f"gradient clipping {'at global norm ' + format(clip, 'g') if clip else 'off'}")
 
 
+def recompute_words(plan: Plan) -> str:
+    """The recompute setting and what it recomputed (Note [recompute a user pins] in
+    partitioner/solver/recompute_cost.py)."""
+    how = {"auto": "the solver's choice", "none": "pinned off", "full": "pinned full"}[plan.training.recompute]
+    done = sum(r.recompute for r in plan.regions)
+    return f"recompute {plan.training.recompute} ({how}): {done} of {len(plan.regions)} regions recomputed"
+
+
 def time_model_text(record: dict) -> str:
     """plan.json's ``predicted.cpu_time_model`` in words (Note [machine profile] in
     partitioner/calibrate/machine.py)."""
@@ -67,6 +75,7 @@ def table(plan: Plan) -> str:
         f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch}); "
         f"schedule {plan.schedule}",
         training_line(plan),
+        recompute_words(plan),
         "",
     ]
     mem_unit, mem_scale = byte_unit(max(s.peak_memory_bytes for s in plan.stages))

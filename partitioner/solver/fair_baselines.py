@@ -5,7 +5,8 @@ Note [fair baselines]
     nobody would pick: a person using it would tune those too. So each baseline (uniform,
     param_balanced) is priced by ``evaluate`` on every candidate (p, d, m) the request allows
     (the same list ``solve`` searches), with recompute off and, where the solver may recompute,
-    on for every region it saves memory in (activation checkpointing is one switch in practice),
+    on for every region it saves memory in (activation checkpointing is one switch in practice;
+    with recompute pinned, only as pinned),
     and the fastest that fits memory is kept. Devices are what a careful person picks by hand:
     on one class, cluster order (rank = stage * dp + replica); on mixed classes, the fastest
     class first or last, each class's devices node by node (``place_stages``), and "uniform" gives each
@@ -23,6 +24,7 @@ from partitioner.solver.baselines import BaselineCost, param_balanced_split, uni
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.placements import is_launchable
 from partitioner.solver.problem import Assignment, PartitionProblem, region_times_s
+from partitioner.solver.recompute_cost import saves_memory
 from partitioner.solver.device_layout import place_stages
 from partitioner.solver.schedules import priced_schedule
 
@@ -54,7 +56,7 @@ def hand_placement(cluster: ClusterSpec, num_stages: int, dp: int) -> tuple[tupl
 
 
 def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, global_batch: int, *,
-                   schedule: str, allow_recompute: bool, bound_of=None,
+                   schedule: str, recompute: str = "auto", bound_of=None,
                    local_stages: int = 1, step_terms=None) -> dict[str, BaselineCost]:
     """name -> the fastest fitting configuration of that baseline over ``candidates`` ((p, d, m)
     tuples); a baseline that fits none is the least-over-memory one, with fits_memory False.
@@ -67,8 +69,10 @@ def best_baselines(problem: PartitionProblem, cluster: ClusterSpec, candidates, 
     on the baselines alike."""
     n = problem.num_regions
     recompute_options = [(False,) * n]
-    saving = tuple(r.activation_bytes_per_sample > r.recompute_activation_bytes_per_sample for r in problem.regions)
-    if allow_recompute and any(saving):
+    saving = tuple(saves_memory(r) for r in problem.regions)
+    if recompute == "full":  # pinned: the baselines too (Note [recompute a user pins] in recompute_cost.py)
+        recompute_options = [saving]
+    elif recompute == "auto" and any(saving):
         recompute_options.append(saving)
     speed_of: dict[tuple, float] = {}
     splits: dict[tuple, tuple] = {}

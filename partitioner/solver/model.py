@@ -78,7 +78,8 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 from partitioner.solver.device_layout import plan_links
-from partitioner.solver.recompute_cost import recompute_s
+from partitioner.config.settings import check_recompute
+from partitioner.solver.recompute_cost import recompute_s, saves_memory
 from partitioner.solver.schedules import priced_schedule
 
 __all__ = ["SolverConfig", "CandidateModel", "CandidateResult", "InconsistentBoundError"]
@@ -88,7 +89,7 @@ __all__ = ["SolverConfig", "CandidateModel", "CandidateResult", "InconsistentBou
 class SolverConfig:
     time_limit_s: float = 10.0          # per candidate (p, d, m)
     num_workers: int = 2
-    allow_recompute: bool = True
+    allow_recompute: bool = True        # False: recompute "none" (kept in step with ``recompute``)
     time_unit_s: float | None = None    # None: automatic (Note [ILP scaling])
     memory_unit_bytes: int = 1024
     random_seed: int = 0
@@ -99,8 +100,16 @@ class SolverConfig:
     log_search: bool = False
     max_placements: int = 64  # per candidate on a multi-node heterogeneous cluster (Note [exact placements])
     local_stages: int | None = None  # interleaved: stages per rank (None: each of LOCAL_STAGE_OPTIONS)
+    recompute: str = "auto"  # auto | none | full (Note [recompute a user pins] in solver/recompute_cost.py)
 
     def __post_init__(self) -> None:
+        check_recompute(self.recompute, "SolverConfig.recompute")
+        if not self.allow_recompute:  # the older switch: one setting, two spellings
+            if self.recompute == "full":
+                raise ValueError("SolverConfig(allow_recompute=False, recompute='full') asks for no recompute and "
+                                 "for every region recomputed: give recompute='none' or 'full'")
+            object.__setattr__(self, "recompute", "none")
+        object.__setattr__(self, "allow_recompute", self.recompute != "none")
         if not self.time_limit_s > 0:
             raise ValueError(f"SolverConfig.time_limit_s={self.time_limit_s!r} must be > 0 seconds")
         if not (isinstance(self.num_workers, int) and self.num_workers >= 1):
@@ -248,10 +257,11 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         self.upto = [[model.new_bool_var(f"upto[r{r},s{s}]") if s < p - 1 else one for s in range(p)] for r in range(n)]
         self.in_stage = [[model.new_bool_var(f"in_stage[r{r},s{s}]") if p > 1 else one for s in range(p)] for r in range(n)]
         self.memory_binds = self._memory_can_bind()
+        # pinned "full" recomputes even where memory does not bind (Note [recompute a user pins])
+        self.recompute_pinned = config.recompute == "full"
         self.recompute_candidates = [
             r for r, region in enumerate(problem.regions)
-            if config.allow_recompute and self.memory_binds
-            and region.activation_bytes_per_sample > region.recompute_activation_bytes_per_sample
+            if config.allow_recompute and (self.memory_binds or self.recompute_pinned) and saves_memory(region)
         ]
         self.rec = {(r, s): model.new_bool_var(f"recompute[r{r},s{s}]") for r in self.recompute_candidates for s in range(p)}
         self.holds = [[model.new_bool_var(f"holds[tie{t},s{s}]") for s in range(p)] for t in range(len(problem.ties))]

@@ -36,9 +36,13 @@ class PlacementConstraints:
             self.model.add_bool_or([self.in_stage[r][s] for r in range(self.problem.num_regions)])
 
     def _add_recompute_choice(self) -> None:
-        """recompute[r, s] <= in_stage[r, s]: a region recomputes on the stage that holds it."""
+        """recompute[r, s] <= in_stage[r, s]: a region recomputes on the stage that holds it; pinned
+        "full": recompute[r, s] = in_stage[r, s] (Note [recompute a user pins] in solver/recompute_cost.py)."""
         for (r, s), var in self.rec.items():
-            self.model.add_implication(var, self.in_stage[r][s])
+            if self.recompute_pinned:
+                self.model.add(var == self.in_stage[r][s])
+            else:
+                self.model.add_implication(var, self.in_stage[r][s])
         self._add_recompute_symmetry_breaking()
 
     def _add_recompute_symmetry_breaking(self) -> None:

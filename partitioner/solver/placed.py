@@ -27,6 +27,7 @@ from partitioner.solver.problem import (
     region_times_s,
 )
 from partitioner.solver.device_layout import place_stages
+from partitioner.solver.recompute_cost import pinned_recompute
 
 __all__ = ["PlacedResult", "common_time_unit_s", "solve_placements", "solve_relaxed"]
 
@@ -244,14 +245,17 @@ def solve_relaxed(problem, cluster, c: Candidate, *, config, time_limit_s, incum
 
 
 def _hint_plans(model: CandidateModel, problem, cluster, c: Candidate, *, placement):
-    """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute)."""
+    """(stage_of_region, recompute) of the baselines and the chain DP (no/all recompute); a pinned
+    recompute is every plan's (Note [recompute a user pins] in recompute_cost.py): a hint is also a
+    plan kept when CP-SAT stops early, so it must obey the pin."""
     p, m, b = c.p, c.m, c.b
+    pinned = pinned_recompute(problem, model.config.recompute)
     plans: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
     for a in baseline_assignments(problem, num_stages=p, dp=c.d, num_microbatches=m, microbatch_size=b,
                                   schedule=c.schedule, placement=placement).values():
-        plans.append((a.stage_of_region, a.recompute))
-    recompute_options: list = [(False,) * problem.num_regions]
-    if model.rec:
+        plans.append((a.stage_of_region, a.recompute if pinned is None else pinned))
+    recompute_options: list = [(False,) * problem.num_regions if pinned is None else pinned]
+    if model.rec and pinned is None:
         recompute_options.append(tuple(any((r, s) in model.rec for s in range(p)) for r in range(problem.num_regions)))
         recompute_options.append("greedy")
     for recompute in recompute_options:

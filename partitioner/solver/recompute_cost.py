@@ -24,12 +24,43 @@ Note [recompute fixed cost]
     greedy order and lower bound), the candidate bounds and the fair baselines (through
     ``evaluate``) all price recompute through ``recompute_s``, so a term that makes a recomputed
     region dearer makes the solver recompute fewer regions (or none) where memory allows.
+
+Note [recompute a user pins]
+    ``--recompute`` (plan.json's training "recompute", SolverConfig.recompute) says who decides:
+    "auto" (the default): the solver, per region, where memory binds; "none": no region is
+    recomputed (a plan that does not fit without it is refused, the error naming --recompute);
+    "full": every region whose recompute saves memory is recomputed, as Megatron's full activation
+    recomputation checkpoints every layer, and the solver chooses the rest (stages, microbatches,
+    layout) with that recompute priced: its forward again in backward, its activations dropped.
+    "full" leaves out only the regions recomputing cannot help (``saves_memory`` false): one that
+    updates a buffer (Note [recompute never updates twice] in partitioner/codegen/split.py: it is
+    never checkpointed, so pinning it would price what the program does not run) and one whose
+    inputs, kept for the rerun, are as large as what it saves. The pin is honoured everywhere a
+    plan is made: the ILP fixes recompute[r, s] = in_stage[r, s] for those regions (model.py), its
+    hints and the chain DP's are given the same recompute (placed.py), and the fair baselines
+    are priced with it (fair_baselines.py, like for like). The lower bounds (bounds.py, the chain
+    DP's) stay those of "auto": the pinned plans are a subset, so they remain bounds. "selective"
+    (the attention core only) is refused (settings.check_recompute): the region is the finest
+    unit the solver recomputes.
 """
 
 from __future__ import annotations
 
 from partitioner.config.cluster import DeviceSpec
 from partitioner.solver.problem import PartitionProblem, RegionCost, measured_or_preset, region_times_s
+
+
+def saves_memory(region: RegionCost) -> bool:
+    """Whether recomputing ``region`` frees memory: what "full" recomputes (Note [recompute a user pins])."""
+    return region.activation_bytes_per_sample > region.recompute_activation_bytes_per_sample
+
+
+def pinned_recompute(problem: PartitionProblem, mode: str) -> tuple[bool, ...] | None:
+    """The recompute ``mode`` fixes for every region, or None where the solver chooses ("auto")
+    (Note [recompute a user pins])."""
+    if mode == "auto":
+        return None
+    return tuple(mode == "full" and saves_memory(r) for r in problem.regions)
 
 
 def recompute_fixed_s(problem: PartitionProblem, device: DeviceSpec) -> float:

@@ -49,6 +49,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem
+from partitioner.solver.recompute_cost import pinned_recompute
 from partitioner.solver.device_layout import place_stages
 from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
 from partitioner.solver.schedules import priced_schedule
@@ -230,13 +231,17 @@ def solve(
             records.append(record(p, d, m, v, "PRUNED", None, lower, 0.0))
     if best is None:
         _raise_infeasible(space, global_batch, records, schedule, config)
+    pinned = pinned_recompute(problem, config.recompute)
+    if pinned is not None and best.recompute != pinned:  # Note [recompute a user pins]: a bug, never a plan
+        raise AssertionError(f"recompute {config.recompute!r} was pinned and the plan recomputes "
+                             f"{best.recompute}, not {pinned}: please report it with the model")
     # a person's pipeline x data-parallel split (Note [fair baselines]) over the plan's own tensor
     # groups (at tp 1 on the same --tp N request it would leave (N - 1)/N of the devices idle)
     base_problem, base_cluster = space.grouped(best.tensor_parallel)
     baselines = best_baselines(base_problem, base_cluster,
                                baseline_candidates(base_problem, base_cluster, global_batch, num_stages, dp,
                                                    microbatches, config, schedule),
-                               global_batch, schedule=schedule, allow_recompute=config.allow_recompute,
+                               global_batch, schedule=schedule, recompute=config.recompute,
                                bound_of=_bounds_for_baselines(queue, records, space, best.tensor_parallel),
                                local_stages=local, step_terms=space.step_terms)
     status, bound = best.status, best.bound
@@ -325,7 +330,8 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         (f"{microbatches} microbatches (fixed)" if microbatches is not None
          else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
         priced_schedule(schedule, best.local_stages).words(),
-        "recompute per region" if config.allow_recompute else "no recompute",
+        {"auto": "recompute per region", "none": "no recompute (pinned: --recompute none)",
+         "full": "every region that saves memory recomputed (pinned: --recompute full)"}[config.recompute],
     ]
     if cluster.is_homogeneous and best.local_stages > 1:
         parts.append(f"rank = {priced_schedule(schedule, best.local_stages).position_words()} * dp + replica "
@@ -410,7 +416,7 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
-            "add devices, enable recompute, or lower the microbatch size")
+            f"add devices, {_enable_recompute(config)}or lower the microbatch size")
     _, r, where, needed, capacity, used_recompute = tightest
     raise PartitionInfeasibleError(
         f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
@@ -419,5 +425,13 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
         f"{', sharded optimizer state' if r.shard_optimizer else ''}"
         f"{', recompute on' if used_recompute else ''}) needs {needed / GIB:.2f} GiB on {where}, "
         f"whose device holds {capacity / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
-        "add devices, enable recompute, or lower the microbatch size"
+        f"add devices, {_enable_recompute(config)}or lower the microbatch size"
     )
+
+
+def _enable_recompute(config) -> str:
+    """The infeasible error's advice on recompute: a pinned "none" is named, a pinned "full" has no more
+    to give (Note [recompute a user pins] in recompute_cost.py)."""
+    return {"auto": "enable recompute, ", "full": "",
+            "none": "allow recompute (--recompute auto, or full: it was pinned off by --recompute none), "}[
+        config.recompute]
