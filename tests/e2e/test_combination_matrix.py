@@ -57,11 +57,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _matrix_cells import (CANARY_EVERY, CLIP, DEFAULTS, EVAL_BATCHES, EVAL_EVERY, EXCLUDED, FACTORS, INERT,
-                           MAX_WORLD, NOT_COVERED, REFUSED, ROWS, RUN_REFUSED, SDC_EVERY, compile_cell,
-                           compile_runnable, kill_rank, local_stages, name_of, run_flags, runnable, steps_and_kill,
-                           workload, world, write_corpus)
-from _pairwise import uncovered
+from _matrix_cells import (CANARY_EVERY, CLIP, DEFAULTS, EVAL_BATCHES, EVAL_EVERY, FACTORS, INERT, REFUSED, ROWS,
+                           RUN_REFUSED, SDC_EVERY, compile_cell, compile_runnable, kill_rank, local_stages, name_of,
+                           run_flags, steps_and_kill, workload, world, write_corpus)
 from _runtime_folders import one_thread  # noqa: F401 - the oracles train here, beside the workers
 from _shared_launch import Job, prepare
 from partitioner.cli import main
@@ -71,23 +69,6 @@ from runtime.program.parts import Precision
 from runtime.program.spec import load_program
 from runtime.program.user_code import resolve_callable
 from runtime.resilience.checkpoint.shard import step_dirname
-
-EXPECTED_NOT_COVERED = [
-    (("stages", 3), ("dp", 3)),                      # 9 ranks: over the cap
-    *((("stages", 1), ("schedule", s)) for s in ("interleaved", "zb", "zbv")),  # refused
-    (("dp", 1), ("zero", True)),                     # refused
-    (("dp", 1), ("sdc", True)),                      # inert
-    (("dp", 1), ("canary", True)),                   # refused
-    (("tp", 2), ("memtier", True)),                  # refused
-    (("tp", 2), ("canary", True)),                   # refused
-    (("zero", True), ("sdc", True)),                 # refused
-    (("zero", True), ("canary", True)),              # refused
-    (("schedule", "zb"), ("compiled", True)),        # refused
-    (("schedule", "zbv"), ("compiled", True)),       # refused
-    *((("schedule", s), ("canary", True)) for s in ("interleaved", "zb", "zbv")),  # refused
-    (("eval", True), ("corpus", False)),             # refused by run
-]
-
 
 @prepare
 def _matrix(root: Path):
@@ -146,14 +127,6 @@ def table(tmp_path_factory):
 
 def _show(value) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
-
-
-def test_the_cells_cover_every_pair_that_can_run_here():
-    assert NOT_COVERED == EXPECTED_NOT_COVERED
-    assert uncovered(ROWS, FACTORS) == EXPECTED_NOT_COVERED
-    assert all(runnable(row) and world(row) <= MAX_WORLD for row in ROWS)
-    for pair in (dict(p) for p in EXPECTED_NOT_COVERED):  # each has its reason, and only these
-        assert (pair in EXCLUDED) != (world({**DEFAULTS, **pair}) > MAX_WORLD), pair
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
