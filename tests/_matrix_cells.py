@@ -188,7 +188,9 @@ def compile_cell(row, corpus: str | None = None, memory_bytes: int | None = None
 def squeezed_memory(plan, share: float) -> int:
     """Device memory ``share`` of the fullest device's activations short of the plan's peak: the
     solver must recompute to fit (a block recomputed keeps only its input)."""
-    peaks = plan.predicted.get("rank_peak_memory_bytes") or [s.peak_memory_bytes for s in plan.stages]
+    # a rank's figure is its tensor group's (Note [tensor groups] in partitioner/solver/tensor_groups.py)
+    peaks = [x / plan.tensor_parallel for x in plan.predicted.get("rank_peak_memory_bytes", ())] or \
+        [s.peak_memory_bytes for s in plan.stages]
     fullest = max(plan.stages, key=lambda s: s.peak_memory_bytes)
     return int(max(peaks) - share * fullest.memory.activations_bytes)
 

@@ -205,7 +205,7 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     assert len(read_grad_norms(killed)) == (steps if row["clip"] or row["precision"] == "fp16-mixed" else 0)
     checks = [json.loads(p.read_text())["checks"] for p in sorted(killed.glob("sdc_stats_rank_*.json"))]
     assert (len(checks), min(checks, default=0) > 0) == ((world(row), True) if row["sdc"] else (0, False)), checks
-    extra = _features_ran(row, folder, corpus, clean, killed)
+    extra = _features_ran(row, folder, corpus, clean, killed, resumed)
 
     report = check_run(folder / "program", killed, steps=steps, workload=workload(row, corpus))
     assert report.ok, f"{name}:\n{report.text()}"
@@ -243,7 +243,7 @@ def _resumed(row, folder: Path, killed_text: str) -> tuple[int, str]:
     return resumed, source
 
 
-def _features_ran(row, folder: Path, corpus: str, clean: Path, killed: Path) -> str:
+def _features_ran(row, folder: Path, corpus: str, clean: Path, killed: Path, resumed: int) -> str:
     """The compiled stages, the canaries and the evaluation did run, and as they should; what the
     verdict adds about them."""
     said = ""
@@ -252,19 +252,20 @@ def _features_ran(row, folder: Path, corpus: str, clean: Path, killed: Path) -> 
             times = json.loads((clean / f"stage_times_rank_{rank}.json").read_text())
             assert times["compiled_graphs"] > 0 and times["graph_breaks"] == 0, (rank, times)
         said += "; compiled, no graph break"
-    for run in (clean, killed):  # Note [compute canaries]: a canary of this healthy run finds nothing
-        stats = [json.loads((run / f"canary_stats_rank_{r}.json").read_text()) if row["canary"] else None
+    steps = steps_and_kill(row)[0]
+    for run, first in ((clean, 0), (killed, resumed)):  # Note [compute canaries]: this healthy run's find nothing
+        due = len([s for s in range(first, steps) if (s + 1) % CANARY_EVERY == 0]) if row["canary"] else None
+        stats = [json.loads((run / f"canary_stats_rank_{r}.json").read_text())["canaries"] if row["canary"] else None
                  for r in range(world(row))]
-        assert all(s is None or s["canaries"] > 0 for s in stats), stats
+        assert stats == [due] * world(row), (run, stats, due)  # the resumed run: the steps it trained
         assert not (run / "canary.jsonl").exists() and not (run / "exclude.json").exists(), run
     if row["canary"]:
         said += f"; canaries every {CANARY_EVERY} steps found nothing"
     if row["eval"]:
-        steps = steps_and_kill(row)[0]
         evaluated = {k: r["val_loss"] for k, r in _rows(clean).items() if "val_loss" in r}
         assert sorted(evaluated) == [k for k in range(steps) if (k + 1) % EVAL_EVERY == 0 or k == steps - 1]
-        resumed = {k: r["val_loss"] for k, r in _rows(killed).items() if "val_loss" in r}
-        assert resumed == evaluated  # bit for bit, every evaluation the resumed run made again too
+        again = {k: r["val_loss"] for k, r in _rows(killed).items() if "val_loss" in r}
+        assert again == evaluated  # bit for bit, every evaluation the resumed run made again too
         want = _reference_val_loss(row, folder / "program", corpus, read_program_run(clean)[1])
         tolerance = TOLERANCES[Precision.of(row["precision"])][0]
         diff = abs(evaluated[steps - 1] - want) / max(1.0, abs(want))
