@@ -253,7 +253,7 @@ def _features_ran(row, folder: Path, corpus: str, clean: Path, killed: Path, res
             assert times["compiled_graphs"] > 0 and times["graph_breaks"] == 0, (rank, times)
         said += "; compiled, no graph break"
     steps = steps_and_kill(row)[0]
-    for run, first in ((clean, 0), (killed, resumed)):  # Note [compute canaries]: this healthy run's find nothing
+    for run, first in ((clean, 0), (killed, resumed)):  # Note [compute canaries]: a healthy run's find nothing
         due = len([s for s in range(first, steps) if (s + 1) % CANARY_EVERY == 0]) if row["canary"] else None
         stats = [json.loads((run / f"canary_stats_rank_{r}.json").read_text())["canaries"] if row["canary"] else None
                  for r in range(world(row))]
