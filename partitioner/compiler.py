@@ -57,6 +57,7 @@ from runtime.execute.grad_norm import no_decay_names
 from runtime.resilience.canary_rules import refusal as canary_refusal
 from runtime.resilience.memtier import memory_cost, plan_redundancy
 from runtime.program.parts import MemoryTierPlan, Precision
+from runtime.program.schedules import compiled_stages_refusal
 
 
 def _progress(report: Callable[[str], None] | None, message: str) -> None:
@@ -140,6 +141,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     tp = check_tensor_parallel(request.tensor_parallel, cluster, settings)
     validate_options(grouped(cluster, tp), global_batch, request.num_stages, request.dp, request.microbatches,
                      request.schedule)  # before the trace
+    if settings.compile_stages and (why := compiled_stages_refusal(request.schedule)):
+        raise ValueError(why)  # not after the solve: the Compiled would be refused by its own save
     from partitioner.frontend.user_source import derive_sources
 
     if settings.data is not None:  # Note [a corpus replaces make_batch]

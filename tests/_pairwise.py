@@ -12,8 +12,10 @@ The construction is AETG's greedy: every round builds a few candidate rows, each
 uncovered pair and completed factor by factor with the value that covers the most uncovered
 pairs with the values already placed (ties broken by a seeded generator), backtracking when
 ``valid`` refuses a partial row; the candidate covering the most uncovered pairs is kept. A pair
-whose every completion is refused is impossible: it is reported, not covered. Same factors, same
-filter, same seed: the same rows, in the same order.
+whose every completion is refused is impossible: it is reported, not covered. Greedy rows picked
+early are then thinned: a row goes when the pairs only it holds fit into other rows (``_absorbed``),
+and so does every row whose pairs all others hold. Same factors, same filter, same seed: the same
+rows, in the same order.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def all_pairs(factors: Mapping[str, Sequence], *, valid: Callable[[Mapping], boo
         if best is not None:
             rows.append(best)
             left -= pairs_in(best, names)
-    return _without_redundant(rows, names, cost), sorted(impossible, key=todo.index)
+    rows = _without_redundant(_absorbed(rows, names, valid, cost), names, cost)
+    return rows, sorted(impossible, key=todo.index)
 
 
 def _without_redundant(rows: list[dict], names, cost) -> list[dict]:
@@ -100,6 +103,55 @@ def _without_redundant(rows: list[dict], names, cost) -> list[dict]:
             for p in pairs:
                 count[p] -= 1
     return keep
+
+
+def _absorbed(rows: list[dict], names, valid, cost) -> list[dict]:
+    """Greedy rows, fewer: a row goes when every pair only it holds moves into another row by
+    setting that row's two factors of the pair, the other row keeping every pair only it holds,
+    staying valid, and the whole set costing no more. The rows whose pairs move most easily (the
+    fewest held by them alone) are tried first; repeated until no row goes."""
+    price = (lambda row: 1.0) if cost is None else cost
+    rows = [dict(row) for row in rows]
+    while True:
+        count: dict[Pair, int] = {}
+        for row in rows:
+            for pair in pairs_in(row, names):
+                count[pair] = count.get(pair, 0) + 1
+        order = sorted(range(len(rows)), key=lambda i: sum(count[p] == 1 for p in pairs_in(rows[i], names)))
+        for i in order:
+            others = [dict(row) for k, row in enumerate(rows) if k != i]
+            if _moved(rows[i], others, names, valid, dict(count)) and \
+                    sum(map(price, others)) <= sum(map(price, rows)):
+                rows = others
+                break
+        else:
+            return rows
+
+
+def _moved(row: dict, others: list[dict], names, valid, count: dict) -> bool:
+    """Move every pair only ``row`` holds into one of ``others`` (changed in place); False when one
+    finds no place."""
+    mine = pairs_in(row, names)
+    for pair in mine:
+        count[pair] -= 1
+    for pair in sorted(p for p in mine if count[p] == 0):
+        if count[pair] > 0:  # an earlier move brought it in
+            continue
+        (a, x), (b, y) = pair
+        for other in others:
+            new = {**other, a: x, b: y}
+            before, after = pairs_in(other, names), pairs_in(new, names)
+            if not valid(new) or any(count[p] == 1 for p in before - after):
+                continue
+            for p in before - after:
+                count[p] -= 1
+            for p in after - before:
+                count[p] = count.get(p, 0) + 1
+            other.update(new)
+            break
+        else:
+            return False
+    return True
 
 
 def _build(start: Pair, factors, names, left, valid, rng) -> dict | None:

@@ -324,3 +324,15 @@ def schedule_named(name: str, local_stages: int = 1) -> PipelineSchedule:
     if cls is ZeroBubbleV:
         return cls(2) if local_stages in (1, 2) else cls(local_stages)
     return cls(local_stages) if cls.several_per_rank else cls()
+
+
+def compiled_stages_refusal(name: str) -> str | None:
+    """Why ``compile_stages`` cannot run under schedule ``name`` (Note [zero-bubble schedules] in
+    partitioner/solver/zero_bubble.py: a compiled stage's backward is one graph), naming the fix;
+    None when it can. Compile asks before the trace, the program check again on every load."""
+    cls = SCHEDULES.get(name)
+    if cls is None or not cls.split_backward:
+        return None
+    return (f"compile_stages with schedule {name} does not run yet (a compiled stage's backward is one graph, not "
+            "split into input- and weight-gradient actions): recompile with --schedule 1f1b, gpipe or interleaved, "
+            "or without --compile-stages")

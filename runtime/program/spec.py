@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from runtime.errors import PlanMismatchError
 from runtime.file_trust import read_bounded
 from runtime.program.layout import Layout
-from runtime.program.schedules import schedule_named
+from runtime.program.schedules import compiled_stages_refusal, schedule_named
 from runtime.program.parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
                                    RandomnessSpec, RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
 
@@ -154,10 +154,8 @@ def _validate(program: Program) -> None:
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm {program.clip_grad_norm!r} must be a positive number or null (off)")
-    if program.compile_stages and program.schedule in ("zb", "zbv"):  # Note [zero-bubble schedules]: B, W apart
-        raise ValueError(f"compile_stages with schedule {program.schedule} does not run yet (a compiled stage's backward "
-                         "is one graph, not split into input- and weight-gradient actions): recompile with --schedule "
-                         "1f1b, gpipe or interleaved, or without --compile-stages")
+    if program.compile_stages and (why := compiled_stages_refusal(program.schedule)):
+        raise ValueError(why)
     if program.device not in ("cpu", "cuda"):
         raise ValueError(f"device {program.device!r} is not 'cpu' or 'cuda'")
     world, p, dp, m = program.world_size, program.num_stages, program.dp, program.num_microbatches

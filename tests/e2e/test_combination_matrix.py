@@ -1,16 +1,19 @@
-"""The combination matrix (issue 26, "never silently wrong: every feature with every other"): a
-pairwise covering set over the training features, each cell compiled, trained a few steps with a
-rank SIGKILLed and the job resumed from its checkpoint, and verified against the one-process
-oracle (partitioner/cli/verify.py) and bit for bit against the same cell trained without the kill.
-The cells the product refuses at compile time are listed below with the refusal they must get.
+"""The combination matrix (issue 26, "never silently wrong: every feature with every other"; grown by
+issue 41): a pairwise covering set over the training features, each cell compiled, trained a few
+steps with a rank SIGKILLed and the job resumed from its checkpoint, and verified against the
+one-process oracle (partitioner/cli/verify.py, to the tolerance of the cell's precision) and bit
+for bit against the same cell trained without the kill. The pairs the product refuses are listed
+with the refusal they must get.
 
-Factors (FACTORS): pipeline ranks ("stages") 1/2/3, dp 1/2/3, tp 1/2, precision fp32/bf16-mixed/
-fp16-mixed, ZeRO-1 (shard_optimizer) off/on, recompute off/on, dropout off/on, schedule
-gpipe/1f1b/interleaved, clipping off/on, the replica check (SDC) off/on, lossless checkpoints
-off/on, the memory tier off/on. How each is pinned: ``compile_cell`` (compile keywords and
-``training`` settings) and ``run_flags`` (train.py flags). Recompute is asked for the way a user
-gets it: devices too small for the plan without it (``squeezed_memory``), so the solver chooses
-it. Interleaved puts 2 stages on each pipeline rank (SolverConfig.local_stages=2).
+Factors (tests/_matrix_cells.py FACTORS): pipeline ranks ("stages") 1/2/3, dp 1/2/3, tp 1/2,
+precision fp32/bf16-mixed/fp16-mixed, ZeRO-1 (shard_optimizer) off/on, recompute off/on, dropout
+off/on, schedule gpipe/1f1b/interleaved/zb/zbv, clipping off/on, the replica check (SDC) off/on,
+lossless checkpoints off/on, the memory tier off/on, compiled stages off/on, compute canaries
+off/on, evaluation (--eval-every) off/on, and the data: synthetic batches or a byte-level token
+corpus. How each is pinned: ``compile_cell`` (compile keywords and ``training`` settings) and
+``run_flags`` (train.py flags). Recompute is asked for the way a user gets it: devices too small
+for the plan without it (``squeezed_memory``), so the solver chooses it. Interleaved, zb and zbv
+put 2 stages on each pipeline rank (SolverConfig.local_stages=2).
 
 The covering set (tests/_pairwise.py, seeded: the same cells every run) holds every pair of
 values of every two factors except:
@@ -20,9 +23,13 @@ values of every two factors except:
   CPU-seconds before its first step), and 9 processes on 2 cores. No other pair needs more than
   6: stages 3 x tp 2, dp 3 x tp 2, stages 3 x dp 2 and stages 2 x dp 3 run at 6 with the third
   factor 1.
-- refused by the product (REFUSED, each asserted with its message): the replica check with ZeRO
-  (sharded state cannot be compared), the memory tier with tp 2, interleaved on one pipeline
-  rank, ZeRO with dp 1 (no replicas to shard over).
+- refused at compile time (REFUSED, each asserted with its message): the replica check with
+  ZeRO (sharded state cannot be compared), the memory tier with tp 2, a schedule of 2 stages per
+  rank on one pipeline rank, ZeRO with dp 1 (no replicas to shard over), compiled stages under
+  zb or zbv (a compiled backward is one graph, not split in two), and a canary with dp 1, tp 2,
+  ZeRO, or 2 stages per rank (runtime/resilience/canary_rules.py).
+- refused by `partitioner run` before a step (RUN_REFUSED): evaluation of synthetic batches,
+  which have no validation split.
 - inert (INERT, asserted to compile to the plain setting): the replica check with dp 1, where
   there are no replicas to compare; the plan keeps sdc_every and prices no check.
 
@@ -30,7 +37,11 @@ Every cell's kill is a real SIGKILL of one rank (--fail-at RANK:3:kill, lossless
 checkpoint every step) in the session's shared launch of its world size; the job is restarted on
 its own in forked workers (Job(restarts=1), Note [restarts in a fork] in tests/drivers/run_many.py),
 recovers from the newest checkpoint (memory tier cells: from host memory, Note [memory tier
-fallback]), and must end bit for bit where the uninterrupted run of the same cell ends.
+fallback]), and must end bit for bit where the uninterrupted run of the same cell ends: losses,
+parameters, optimizer state and, in an evaluating cell, every val_loss. An evaluating cell's
+last val_loss is also the unpartitioned model's in eval mode on the same validation batches; a
+compiled cell compiled every stage without a graph break; a canary cell ran its canaries on
+every rank and found nothing.
 Run with -s to see the table of cells and verdicts; PARTITIONER_MATRIX_TABLE=PATH also writes it
 as markdown.
 """
@@ -46,163 +57,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import partitioner
-from _pairwise import all_pairs, uncovered
+from _matrix_cells import (CANARY_EVERY, CLIP, DEFAULTS, EVAL_BATCHES, EVAL_EVERY, FACTORS, INERT, REFUSED, ROWS,
+                           RUN_REFUSED, SDC_EVERY, compile_cell, compile_runnable, kill_rank, local_stages, name_of,
+                           run_flags, steps_and_kill, workload, world, write_corpus)
 from _runtime_folders import one_thread  # noqa: F401 - the oracles train here, beside the workers
 from _shared_launch import Job, prepare
-from partitioner.config.cluster import ClusterSpec
-from partitioner.models.builtin import load_workload
-from partitioner.solver.model import SolverConfig
-from partitioner.cli.verify import check_run, read_grad_norms
+from partitioner.cli import main
+from partitioner.cli.verify import TOLERANCES, check_run, read_grad_norms, read_program_run
+from runtime.execute.precision import autocast
+from runtime.program.parts import Precision
+from runtime.program.spec import load_program
+from runtime.program.user_code import resolve_callable
 from runtime.resilience.checkpoint.shard import step_dirname
-
-FACTORS = {
-    "stages": [1, 2, 3],  # pipeline ranks (interleaved: 2 stages on each)
-    "dp": [1, 2, 3],
-    "tp": [1, 2],
-    "precision": ["fp32", "bf16-mixed", "fp16-mixed"],
-    "zero": [False, True],
-    "recompute": [False, True],
-    "dropout": [False, True],
-    "schedule": ["gpipe", "1f1b", "interleaved"],
-    "clip": [False, True],
-    "sdc": [False, True],
-    "lossless": [False, True],
-    "memtier": [False, True],
-}
-MAX_WORLD = 6
-SEED = 21  # of the seeds tried, the cover with the fewest ranks in all (13 cells, 55 ranks)
-# Checkpoints every step; the kill comes before step 3. A checkpoint point first joins the
-# previous persist (Note [distributed commit]) and every rank has started step 2 when any rank
-# reaches step 3, so rank 0 has committed the checkpoint of step 1 by then: the resume is from a
-# checkpoint whatever the timing (the newer ones may still be in flight). Lossless cells die one
-# step later, so the resume is from a delta (step 1 is the chain's full checkpoint).
-STEPS, KILL_STEP = 4, 3
-LOSSLESS_STEPS, LOSSLESS_KILL_STEP = 5, 4
-# Note [memory tier fallback]: a memory tier cell resumes from host memory, unless no step is in
-# every rank's memory: each rank keeps its two newest snapshots, and the killed rank may already
-# be overwriting the older while a slower peer is still committing the newer (a window of the
-# copy's hash, in a background thread). The product then says so and recovers from disk, as it
-# should; the cell accepts that, and only that (test_memory_tier_dist.py holds the tier to memory).
-CLIP = 0.5  # below the tiny GPT's gradient norm: every step is clipped
-SDC_EVERY = 2
-MODEL = "gpt:layers=4,width=32,heads=2,vocab=64,seq=16,dropout={dropout}"  # 6 regions: 3 ranks x 2 interleaved
-
-# The pairs a runnable cell may not hold. REFUSED: name -> (the pair, what else its cell sets,
-# what the refusal must say); each is compiled below and must be refused so.
-REFUSED = {
-    "replica check with ZeRO": ({"zero": True, "sdc": True}, {"dp": 2},
-                                [r"sdc_every=2 with shard_optimizer on", r"cannot see corruption",
-                                 r"drop --sdc-every, or --shard-optimizer off"]),
-    "memory tier with tp 2": ({"tp": 2, "memtier": True}, {},
-                              [r"tensor_parallel=2 does not run with the in-memory checkpoint tier",
-                               r"leave --memory-tier out", r"or compile with --tp 1"]),
-    "interleaved on one pipeline rank": ({"stages": 1, "schedule": "interleaved"}, {},
-                                         [r"schedule interleaved needs at least 2 pipeline ranks",
-                                          r"use --schedule 1f1b or gpipe, or more devices \(--devices 2\)"]),
-    "ZeRO with dp 1": ({"dp": 1, "zero": True}, {},
-                       [r"shard_optimizer 'on' needs a plan with dp > 1, and dp=1 \(--dp 1\) was asked for",
-                        r"no replicas to shard", r"use --dp 2 or more, or shard_optimizer 'auto' or 'off'"]),
-}
-INERT = {  # accepted, and compiled to the plain setting: no replicas to compare
-    "replica check with dp 1": {"dp": 1, "sdc": True},
-}
-EXCLUDED = [pair for pair, _, _ in REFUSED.values()] + list(INERT.values())
-
-
-def world(row) -> int:
-    return row.get("stages", 1) * row.get("dp", 1) * row.get("tp", 1)
-
-
-def _holds(row, pair: dict) -> bool:
-    return all(k in row and row[k] == v for k, v in pair.items())
-
-
-def runnable(row) -> bool:
-    """The covering set's filter, on partial rows (tests/_pairwise.py): False once the row holds
-    a pair that cannot run here."""
-    return world(row) <= MAX_WORLD and not any(_holds(row, pair) for pair in EXCLUDED)
-
-
-ROWS, NOT_COVERED = all_pairs(FACTORS, valid=runnable, seed=SEED, cost=world)
-EXPECTED_NOT_COVERED = [
-    (("stages", 3), ("dp", 3)),                  # 9 ranks: over the cap
-    (("stages", 1), ("schedule", "interleaved")),  # refused
-    (("dp", 1), ("zero", True)),                 # refused
-    (("dp", 1), ("sdc", True)),                  # inert
-    (("tp", 2), ("memtier", True)),              # refused
-    (("zero", True), ("sdc", True)),             # refused
-]
-DEFAULTS = {"stages": 1, "dp": 1, "tp": 1, "precision": "fp32", "zero": False, "recompute": False, "dropout": False,
-            "schedule": "1f1b", "clip": False, "sdc": False, "lossless": False, "memtier": False}
-
-
-def name_of(row) -> str:
-    flags = [k for k in ("zero", "recompute", "dropout", "clip", "sdc", "lossless", "memtier") if row[k]]
-    return f"{row['stages']}x{row['dp']}x{row['tp']}-{row['schedule']}-{row['precision']}" + \
-        "".join(f"-{f}" for f in flags)
-
-
-def microbatches(row) -> int:
-    """As few as the schedule allows, and at least 2 (gradients accumulate): 1F1B needs one per
-    stage, interleaved one per pipeline rank (torch's rounds: max(1, m // ranks) divides m)."""
-    return max(2, row["stages"])
-
-
-def workload(row):
-    return load_workload(MODEL.format(dropout=0.1 if row["dropout"] else 0.0))
-
-
-def compile_cell(row, memory_bytes: int | None = None):
-    pp, dp, tp = row["stages"], row["dp"], row["tp"]
-    local = 2 if row["schedule"] == "interleaved" else 1
-    m = microbatches(row)
-    group = {"kind": "cpu", "count": pp * dp * tp}
-    if memory_bytes is not None:
-        group["memory_bytes"] = int(memory_bytes)
-    training = {"sdc_every": SDC_EVERY if row["sdc"] else 0}
-    if row["memtier"]:
-        training["memory_tier"] = "auto"  # one host: every rank's own shared memory
-    return partitioner.compile(
-        workload(row), cluster=ClusterSpec.from_dict({"group": [group]}), global_batch=dp * m,
-        num_stages=pp * local, dp=dp, tensor_parallel=tp, microbatches=m, schedule=row["schedule"],
-        precision=row["precision"], clip_grad_norm=CLIP if row["clip"] else None,
-        shard_optimizer="on" if row["zero"] else "off", training=training,
-        solver_config=SolverConfig(local_stages=local) if local > 1 else None)
-
-
-def squeezed_memory(plan) -> int:
-    """Device memory 40% of the fullest device's activations short of the plan's peak: the
-    solver must recompute to fit (a block recomputed keeps only its input)."""
-    peaks = plan.predicted.get("rank_peak_memory_bytes") or [s.peak_memory_bytes for s in plan.stages]
-    fullest = max(plan.stages, key=lambda s: s.peak_memory_bytes)
-    return int(max(peaks) - 0.4 * fullest.memory.activations_bytes)
-
-
-def compile_runnable(row):
-    compiled = compile_cell(row)
-    for _ in range(3 if row["recompute"] else 0):  # squeezed, a plan may fit by moving a cut instead
-        if any(r.recompute for r in compiled.plan.regions):
-            break
-        compiled = compile_cell(row, memory_bytes=squeezed_memory(compiled.plan))
-    return compiled
-
-
-def steps_and_kill(row) -> tuple[int, int]:
-    return (LOSSLESS_STEPS, LOSSLESS_KILL_STEP) if row["lossless"] else (STEPS, KILL_STEP)
-
-
-def run_flags(row) -> list:
-    """train.py flags of both runs of a cell (the killed one adds --fail-at)."""
-    flags = ["--steps", steps_and_kill(row)[0], "--checkpoint-every", 1, "--quiet"]
-    if row["lossless"]:  # every checkpoint kept: the one resumed from is still there to be read
-        flags += ["--checkpoint-compression", "lossless", "--keep-checkpoints", 8]
-    return flags
-
-
-def kill_rank(row, index: int) -> int:
-    return index % world(row)  # cell by cell, another role dies (first stage, last stage, a replica)
-
 
 @prepare
 def _matrix(root: Path):
@@ -215,11 +81,12 @@ def _matrix(root: Path):
 
 
 def _cells_and_jobs(root: Path):
+    corpus = write_corpus(root / "corpus")
     cells, jobs = [], []
     for i, row in enumerate(ROWS):
         folder = root / f"cell_{i:02d}"
         try:
-            compiled = compile_runnable(row)
+            compiled = compile_runnable(row, corpus)
         except Exception as error:  # noqa: BLE001 - the cell's test reports it, the others still run
             cells.append({"row": row, "folder": folder, "error": error})
             continue
@@ -231,7 +98,7 @@ def _cells_and_jobs(root: Path):
         kill = f"{kill_rank(row, i)}:{steps_and_kill(row)[1]}:kill"
         jobs.append(Job(world(row), [folder / "program", *flags, "--fail-at", kill, "--run-dir", folder / "killed",
                                      "--checkpoint-dir", folder / "ck_killed"], restarts=1))
-    return cells, jobs
+    return (cells, corpus), jobs
 
 
 @pytest.fixture(scope="module")
@@ -262,27 +129,42 @@ def _show(value) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-def test_the_cells_cover_every_pair_that_can_run_here():
-    assert NOT_COVERED == EXPECTED_NOT_COVERED
-    assert uncovered(ROWS, FACTORS) == EXPECTED_NOT_COVERED
-    assert all(runnable(row) and world(row) <= MAX_WORLD for row in ROWS)
-    for pair in (dict(p) for p in EXPECTED_NOT_COVERED):  # each has its reason, and only these
-        assert (pair in EXCLUDED) != (world({**DEFAULTS, **pair}) > MAX_WORLD), pair
+def _rows(run_dir: Path) -> dict[int, dict]:
+    """step -> its metrics row (a step re-run after the kill overwrites the lost one)."""
+    return {r["step"]: r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    by_step = {r["step"]: r["loss"] for r in rows}  # a step re-run after the kill overwrites the lost one
-    return [by_step[k] for k in sorted(by_step)]
+    rows = _rows(run_dir)
+    return [rows[k]["loss"] for k in sorted(rows)]
 
 
 def _finals(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {p.name: load_file(str(p)) for p in sorted((run_dir / "final").glob("*.safetensors"))}
 
 
+def _reference_val_loss(row, folder: Path, corpus: str, params: dict[str, torch.Tensor]) -> float:
+    """The unpartitioned model with the run's final parameters, in eval mode (dropout off), over
+    the same validation batches cut into the program's microbatches, under the cell's autocast:
+    the mean of the microbatch losses."""
+    program = load_program(str(folder))
+    eval_batch = resolve_callable(program.data.eval_batch, str(folder))
+    loss_fn = resolve_callable(program.data.loss_fn, str(folder))
+    model = workload(row, corpus).model
+    model.load_state_dict(params, strict=False)
+    model.eval()
+    losses = []
+    with torch.no_grad(), autocast(Precision.of(row["precision"]), "cpu"):
+        for i in range(EVAL_BATCHES):
+            (tokens,), target = eval_batch(i, program.global_batch)
+            parts = program.num_microbatches * program.dp
+            losses += [float(loss_fn(model(x), y)) for x, y in zip(tokens.chunk(parts), target.chunk(parts))]
+    return sum(losses) / len(losses)
+
+
 @pytest.mark.parametrize("index", range(len(ROWS)), ids=[name_of(r) for r in ROWS])
 def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matrix, index):
-    cells, outputs = matrix
+    (cells, corpus), outputs = matrix
     cell = cells[index]
     row, folder = cell["row"], cell["folder"]
     name = name_of(row)
@@ -290,14 +172,16 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     if "error" in cell:
         raise AssertionError(f"cell {name} was refused at compile time: {cell['error']}") from cell["error"]
     plan = cell["plan"]
-    local = 2 if row["schedule"] == "interleaved" else 1
     assert (plan.num_stages, plan.dp, plan.tensor_parallel, plan.schedule, plan.world_size) == \
-        (row["stages"] * local, row["dp"], row["tp"], row["schedule"], world(row))
+        (row["stages"] * local_stages(row), row["dp"], row["tp"], row["schedule"], world(row))
     decisions = plan.decisions  # what the compiler chose (Note [settings and decisions])
     assert decisions.precision == row["precision"]
     assert decisions.shard_optimizer is row["zero"]
     assert plan.training.clip_grad_norm == (CLIP if row["clip"] else None)
     assert decisions.sdc_every == (SDC_EVERY if row["sdc"] else 0)
+    assert decisions.sdc_canary_every == (CANARY_EVERY if row["canary"] else 0)
+    assert bool(plan.training.compile_stages) is row["compiled"]
+    assert (plan.training.data is not None) is row["corpus"]
     assert (decisions.memory_tier or {}).get("mode", "off") == ("none" if row["memtier"] else "off")
     assert any(r.recompute for r in plan.regions) is row["recompute"], [r.name for r in plan.regions if r.recompute]
 
@@ -307,26 +191,8 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     killed_text = killed_out.stdout + killed_out.stderr
     assert f"fault injection: kill before step {kill_step}" in killed_text, killed_text[-3000:]
     assert "run_many: job" in killed_text and "restarting it" in killed_text, killed_text[-3000:]
-    source = "disk"
-    if row["memtier"]:
-        recoveries = [json.loads(line) for line in (killed / "recovery.jsonl").read_text().splitlines()]
-        assert sorted(r["rank"] for r in recoveries) == list(range(world(row))), recoveries
-        assert len({(r["step"], r["tier"]) for r in recoveries}) == 1, recoveries  # every rank alike
-        resumed, source = recoveries[0]["step"], recoveries[0]["tier"]
-        if source == "memory":
-            assert {r["disk_shards_read"] for r in recoveries} == {0}, recoveries
-        else:  # Note [memory tier fallback] above: only with the product saying why
-            fallback = re.search(r"memory tier: (.*): recovering from disk", killed_text)
-            assert source == "disk" and fallback, (recoveries, killed_text[-3000:])
-            source = f"disk (memory tier: {fallback.group(1)})"
-    else:
-        found = re.findall(r"resuming from checkpoint \S+ at step (\d+)", killed_text)
-        assert found, killed_text[-3000:]
-        resumed = int(found[-1])
+    resumed, source = _resumed(row, folder, killed_text)
     assert kill_step - 2 <= resumed <= kill_step, resumed  # see STEPS: never from scratch, whatever the timing
-    if row["lossless"] and source.startswith("disk"):  # the resume read a delta and its base
-        manifest = json.loads((folder / "ck_killed" / step_dirname(resumed) / "manifest.json").read_text())
-        assert manifest["compression"] == "lossless" and manifest["base_step"] is not None, manifest
 
     assert _losses(killed) == _losses(clean)  # bit for bit: the resumed run is the uninterrupted one
     want, got = _finals(clean), _finals(killed)
@@ -339,13 +205,73 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     assert len(read_grad_norms(killed)) == (steps if row["clip"] or row["precision"] == "fp16-mixed" else 0)
     checks = [json.loads(p.read_text())["checks"] for p in sorted(killed.glob("sdc_stats_rank_*.json"))]
     assert (len(checks), min(checks, default=0) > 0) == ((world(row), True) if row["sdc"] else (0, False)), checks
+    extra = _features_ran(row, folder, corpus, clean, killed, resumed)
 
-    report = check_run(folder / "program", killed, steps=steps, workload=workload(row))
+    report = check_run(folder / "program", killed, steps=steps, workload=workload(row, corpus))
     assert report.ok, f"{name}:\n{report.text()}"
     VERDICTS[name] = (row, f"PASS: loss diff {report.max_loss_diff:.1e}, params {report.max_param_diff:.1e} "
                            f"({report.oracle}); rank {kill_rank(row, index)} killed before step {kill_step}, "
                            f"resumed at step {resumed} from {source}, "
-                           "bit-exact with the uninterrupted run")
+                           f"bit-exact with the uninterrupted run{extra}")
+
+
+# Note [memory tier fallback]: a memory tier cell resumes from host memory, unless no step is in
+# every rank's memory: each rank keeps its two newest snapshots, and the killed rank may already
+# be overwriting the older while a slower peer is still committing the newer (a window of the
+# copy's hash, in a background thread). The product then says so and recovers from disk, as it
+# should; the cell accepts that, and only that (test_memory_tier_dist.py holds the tier to memory).
+def _resumed(row, folder: Path, killed_text: str) -> tuple[int, str]:
+    """(the step the killed run resumed at, from where)."""
+    if row["memtier"]:
+        recoveries = [json.loads(line) for line in (folder / "killed" / "recovery.jsonl").read_text().splitlines()]
+        assert sorted(r["rank"] for r in recoveries) == list(range(world(row))), recoveries
+        assert len({(r["step"], r["tier"]) for r in recoveries}) == 1, recoveries  # every rank alike
+        resumed, source = recoveries[0]["step"], recoveries[0]["tier"]
+        if source == "memory":
+            assert {r["disk_shards_read"] for r in recoveries} == {0}, recoveries
+        else:  # Note [memory tier fallback] above: only with the product saying why
+            fallback = re.search(r"memory tier: (.*): recovering from disk", killed_text)
+            assert source == "disk" and fallback, (recoveries, killed_text[-3000:])
+            source = f"disk (memory tier: {fallback.group(1)})"
+    else:
+        found = re.findall(r"resuming from checkpoint \S+ at step (\d+)", killed_text)
+        assert found, killed_text[-3000:]
+        resumed, source = int(found[-1]), "disk"
+    if row["lossless"] and source.startswith("disk"):  # the resume read a delta and its base
+        manifest = json.loads((folder / "ck_killed" / step_dirname(resumed) / "manifest.json").read_text())
+        assert manifest["compression"] == "lossless" and manifest["base_step"] is not None, manifest
+    return resumed, source
+
+
+def _features_ran(row, folder: Path, corpus: str, clean: Path, killed: Path, resumed: int) -> str:
+    """The compiled stages, the canaries and the evaluation did run, and as they should; what the
+    verdict adds about them."""
+    said = ""
+    if row["compiled"]:  # Note [graph breaks are said] in runtime/execute/compiled.py
+        for rank in range(world(row)):
+            times = json.loads((clean / f"stage_times_rank_{rank}.json").read_text())
+            assert times["compiled_graphs"] > 0 and times["graph_breaks"] == 0, (rank, times)
+        said += "; compiled, no graph break"
+    steps = steps_and_kill(row)[0]
+    for run, first in ((clean, 0), (killed, resumed)):  # Note [compute canaries]: a healthy run's find nothing
+        due = len([s for s in range(first, steps) if (s + 1) % CANARY_EVERY == 0]) if row["canary"] else None
+        stats = [json.loads((run / f"canary_stats_rank_{r}.json").read_text())["canaries"] if row["canary"] else None
+                 for r in range(world(row))]
+        assert stats == [due] * world(row), (run, stats, due)  # the resumed run: the steps it trained
+        assert not (run / "canary.jsonl").exists() and not (run / "exclude.json").exists(), run
+    if row["canary"]:
+        said += f"; canaries every {CANARY_EVERY} steps found nothing"
+    if row["eval"]:
+        evaluated = {k: r["val_loss"] for k, r in _rows(clean).items() if "val_loss" in r}
+        assert sorted(evaluated) == [k for k in range(steps) if (k + 1) % EVAL_EVERY == 0 or k == steps - 1]
+        again = {k: r["val_loss"] for k, r in _rows(killed).items() if "val_loss" in r}
+        assert again == evaluated  # bit for bit, every evaluation the resumed run made again too
+        want = _reference_val_loss(row, folder / "program", corpus, read_program_run(clean)[1])
+        tolerance = TOLERANCES[Precision.of(row["precision"])][0]
+        diff = abs(evaluated[steps - 1] - want) / max(1.0, abs(want))
+        assert diff <= tolerance, (evaluated[steps - 1], want, diff, tolerance)
+        said += f"; val_loss diff {diff:.1e} from the eval-mode model"
+    return said
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -358,6 +284,21 @@ def test_refused_cell_names_the_reason_and_the_fix(name):
     for pattern in messages:
         assert re.search(pattern, text), f"{name}: {pattern!r} not in the refusal:\n{text}"
     VERDICTS[f"refused: {name}"] = (row, f"refused: {text}")
+
+
+@pytest.mark.parametrize("name", list(RUN_REFUSED))
+def test_run_refuses_the_cell_before_a_step(name, tmp_path, capsys):
+    pair, extra, messages = RUN_REFUSED[name]
+    row = {**DEFAULTS, **extra, **pair}
+    folder = tmp_path / "program"
+    compile_cell(row).save(folder)
+    assert main(["run", str(folder), *map(str, run_flags(row))]) == 2
+    text = capsys.readouterr().err.strip()
+    assert len(text.splitlines()) == 1, text
+    for pattern in messages:
+        assert re.search(pattern, text), f"{name}: {pattern!r} not in the refusal:\n{text}"
+    assert not (folder / "run").exists() and not (folder / "checkpoints").exists()  # nothing started
+    VERDICTS[f"refused by run: {name}"] = (row, f"refused: {text}")
 
 
 @pytest.mark.parametrize("name", list(INERT))

@@ -6,6 +6,7 @@ previous checkpoint or the new one."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 
@@ -15,7 +16,8 @@ import torch
 from _checkpoint_helpers import set_plan_fields
 from _runtime_folders import mlp_folder, one_thread  # noqa: F401
 from runtime.resilience import checkpoint as ck
-from runtime.resilience.checkpoint.delta import decode_tensor, encode_tensor
+from runtime.resilience.checkpoint.delta import decode_tensor, encode_snapshot, encode_tensor
+from runtime.resilience.checkpoint.load import read_shard
 from tests.drivers.checkpoint_drills import (FakeTrainer, count_commit, drill_writes, killed_commit, lossless_snaps,
                                        newest_for_all, random_point, same_state, trainers_at)
 from runtime.program.spec import load_program
@@ -119,6 +121,37 @@ def test_a_delta_is_read_against_its_own_writers_base_when_other_shards_hold_the
     for t in trainers:
         needed = ck.state_names(program, program.layout.stages_of_rank[t.rank])
         assert same_state(ck.load_for_rank(str(tmp_path), 2, program, t.rank, needed), ck.snapshot(t)), t.rank
+
+
+def test_a_delta_of_sharded_optimizer_state_is_read_against_its_base(dp2, tmp_path):
+    """ZeRO-1 writes a rank's pieces of AdamW state as optim_shard/<name>/<key> (optim_tp_shard/...
+    under tensor parallelism). The reader took such a key's name to be "<name>/<key>", found no
+    shard of the base holding it, and refused every delta of a sharded run as corrupt: a resume
+    fell back to the chain's full checkpoint (tests/e2e/test_combination_matrix.py, ZeRO with
+    lossless checkpoints)."""
+    program = load_program(dp2)
+    trainers = trainers_at(dp2, 0)
+    base = None
+    for step in (1, 2):
+        shares = []
+        for t in trainers:
+            t.fake_step(step)
+            share = ck.snapshot(t)
+            renamed = {(f"optim_{'tp_' if i % 2 else ''}shard/" + k.split("/", 1)[1]) if k.startswith("optim/")
+                       else k: v for i, (k, v) in enumerate(share.tensors.items())}
+            shares.append(dataclasses.replace(share, tensors=renamed))
+        encoded = [encode_snapshot(s, None if base is None else base[s.rank], None if base is None else 1)
+                   for s in shares]
+        ck.commit_local(str(tmp_path), encoded, program, keep=8)
+        base = {s.rank: s.tensors for s in shares}
+    manifest = ck.read_manifest(str(tmp_path), 2)
+    assert manifest["base_step"] == 1
+    sharded = [k for k in base[0] if k.startswith(("optim_shard/", "optim_tp_shard/"))]
+    assert sharded and all(encoded[0].meta["encoding"]["tensors"][k]["delta"] for k in sharded)
+    for entry in manifest["shards"]:
+        tensors, _ = read_shard(str(tmp_path), manifest, entry)
+        want = base[entry["rank"]]
+        assert sorted(tensors) == sorted(want) and all(torch.equal(tensors[k], want[k]) for k in want), entry["rank"]
 
 
 @pytest.mark.parametrize("harm", ["missing", "corrupt"])

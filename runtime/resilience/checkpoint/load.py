@@ -105,9 +105,10 @@ def _read_verified(ckpt_dir: str, manifest: dict, entry: dict) -> tuple[dict[str
 
 
 def _name_of(key: str) -> str:
-    """The parameter or buffer name of a shard key ("param/N", "optim/N/exp_avg", "buffer/N")."""
+    """The parameter or buffer name of a shard key ("param/N", "buffer/N", "optim/N/exp_avg", and
+    ZeRO-1's pieces "optim_shard/N/exp_avg", "optim_tp_shard/N/exp_avg")."""
     kind, rest = key.split("/", 1)
-    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
+    return rest.rsplit("/", 1)[0] if kind in ("optim", "optim_shard", "optim_tp_shard") else rest
 
 
 def _base_of(ckpt_dir: str, manifest: dict, meta: dict, where: str, cache: dict, writer):
