@@ -330,8 +330,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
     control.startup_barrier()  # Note [start-up barrier]: compiled stages, pretrained weights
     evaluator = None
-    if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/evaluate.py
-        from runtime.execute.evaluate import Evaluator  # lazy: only a run that evaluates
+    if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/validation.py
+        from runtime.execute.validation import Evaluator  # lazy: only a run that evaluates
 
         evaluator = Evaluator(trainer, every=options.eval_every, batches=options.eval_batch_count)
     if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
