@@ -127,8 +127,7 @@ def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int,
     world = int(os.environ["WORLD_SIZE"])
     if world != want:
         raise LaunchError(f"the program was compiled for world_size={want} but WORLD_SIZE={world}: "
-                          f"launch it with `torchrun --nproc-per-node {want} "
-                          f"{os.path.join(folder, 'train.py')}`")
+                          f"launch it with `{command_text(want, os.path.join(folder, 'train.py'))}`")
     env_rank = int(os.environ.get("RANK", "0"))
     if rank is not None and rank != env_rank:
         raise LaunchError(f"rank_{rank}.py started as RANK={env_rank}: run train.py under torchrun, "
