@@ -55,7 +55,7 @@ FOLDERS = (
             "--steps", "3"), fp32_fallback=True),
     Folder("hf_llama", ("hf-llama:layers=2,width=64,heads=4,vocab=256,seq=32,batch=2", "--global-batch", "4",
                         "--steps", "3"), None, fp32_fallback=True),
-    # P7: two data-parallel ranks on the one GPU (Note [every rank on one GPU] in runtime/launch/rank.py)
+    # P7: two data-parallel ranks on the one GPU (Note [every rank on one GPU] in runtime/launch/world.py)
     Folder("gpt_dp2", ("gpt:layers=2,width=256,heads=4,vocab=1024,seq=128,dropout=0.1,device=meta", "--global-batch",
                        "8", "--steps", "4", "--devices", "2", "--dp", "2", "--stages", "1", "--shard-optimizer", "off",
                        "--sdc-every", "2"),

@@ -346,7 +346,7 @@ def _oracles(ctx: Context, folder: str, run_dir: Path, losses: list) -> dict:
 # -- P7 ------------------------------------------------------------------------------------------
 
 def p7_multi_rank(ctx: Context, out: Answers) -> None:
-    """Two data-parallel ranks on the one GPU (Note [every rank on one GPU] in runtime/launch/rank.py):
+    """Two data-parallel ranks on the one GPU (Note [every rank on one GPU] in runtime/launch/world.py):
     the gradient all-reduce, the buffer broadcast and the replica digests on CUDA tensors through
     gloo, dropout on, held to the one-process oracle. Not NCCL: what needs two GPUs is listed."""
     record = _run(ctx, out, "P7 dp 2 on one GPU", "gpt_dp2", ["--steps", "4", "--checkpoint-every", "2",

@@ -1,5 +1,5 @@
 """Compiled stages against eager ones: the median step of the same plan run both ways, side by side
-in one run, with the compile's seconds apart (Note [compiled stages] in runtime/execute/compiled.py).
+in one run, with the compile's seconds apart (Note [compiled stages] in runtime/execute/compile_stages.py).
 
     .venv/bin/python benchmarks/compiled_stages.py [--steps 20] [--json out.json]
 

@@ -17,7 +17,7 @@ GPT in bf16 under torchrun (eval, checkpoints, then killed at an unannounced ste
 losses against the uninterrupted run; generate on the device); P3 fp16 with clipping; P4 held to
 the one-process oracle (CPU, and the device where the runtime offers it); P5 the memory tier and
 lossless checkpoints through a kill, and export; P7 two data-parallel ranks on the one GPU through
-gloo (Note [every rank on one GPU] in runtime/launch/rank.py); P6 compiled stages, last.
+gloo (Note [every rank on one GPU] in runtime/launch/world.py); P6 compiled stages, last.
 Every run reports predicted against measured step time and peak memory (allocated, and reserved and
 device-wide where measured).
 

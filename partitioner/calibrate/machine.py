@@ -79,7 +79,7 @@ Note [machine profile cache]
     golden file depends on the machine.
 
 Note [compiled machine fit]
-    Compiled stages (Note [compiled stages] in runtime/execute/compiled.py) run fused kernels: on
+    Compiled stages (Note [compiled stages] in runtime/execute/compile_stages.py) run fused kernels: on
     this machine a compiled region pays a quarter to a third of an eager op's fixed cost per op (14
     against 55 us forward in one measurement, 3 against 8 in a quieter one), so the eager fit prices
     a compiled plan too slow and steers the solver by a cost that will not be paid. The first

@@ -160,7 +160,7 @@ def _example_inputs(workload) -> tuple:
 
 
 # Note [compiled regions priced]: a program with compiled stages (Note [compiled stages] in
-# runtime/execute/compiled.py) runs fused kernels, so `--calibrate` with `--compile-stages`
+# runtime/execute/compile_stages.py) runs fused kernels, so `--calibrate` with `--compile-stages`
 # measures each region through torch.compile (dynamic=False, as the stages; at least one warm-up
 # call, which compiles and is never timed) and fits the time model to those seconds. Single ops are
 # not measured then: each would be a compile of its own (seconds to a minute here), and an op

@@ -57,7 +57,7 @@ def cmd_compile(args) -> int:
     if args.clip_grad_norm is not None:
         training["clip_grad_norm"] = None if args.clip_grad_norm.lower() == "none" else _float_flag(
             "--clip-grad-norm", args.clip_grad_norm)
-    if args.compile_stages:  # Note [compiled stages] in runtime/execute/compiled.py
+    if args.compile_stages:  # Note [compiled stages] in runtime/execute/compile_stages.py
         training["compile_stages"] = True
     if args.pretrained:
         training["pretrained"] = str(Path(args.pretrained).resolve())

@@ -64,7 +64,7 @@ PARAM_TOLERANCE = 1e-4
 # peak; under fp32 (rounding noise only, rarely a flip) the table's bound scaled by lr / 1e-3.
 # Losses are compared relative to max(1, |oracle loss|): a loss of 10 rounds 10 times coarser.
 # Note [compiled stages verify]: a program compiled with compile_stages (Note [compiled stages] in
-# runtime/execute/compiled.py) is held to the same bounds against the same eager oracle. Inductor
+# runtime/execute/compile_stages.py) is held to the same bounds against the same eager oracle. Inductor
 # fuses ops and reorders the sums inside a fused kernel (a layer norm's mean, a softmax's sum,
 # the gradient of a value used twice), so the program rounds differently from the oracle inside
 # each op, not only in the order of the microbatch and replica sums: the same kind of noise, a few

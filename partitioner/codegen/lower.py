@@ -99,7 +99,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "precision": decisions.precision,
         "clip_grad_norm": settings.clip_grad_norm,
         "shard_optimizer": decisions.shard_optimizer,
-        # Note [compiled stages] in runtime/execute/compiled.py: off unless asked (not yet measured
+        # Note [compiled stages] in runtime/execute/compile_stages.py: off unless asked (not yet measured
         # faster on every device kind)
         "compile_stages": bool(settings.compile_stages),
         # Every run ends by printing what it measured next to this (runtime/execute/train.py, RankTrainer.run).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from partitioner.solver.plan import Plan
 from runtime.launch.signed_rendezvous import BACKEND, KEY_ENV
-from runtime.launch.torchrun import command_text
+from runtime.launch.entry_files import launch_text
 
 
 def readme_source(plan: Plan, plan_hash: str) -> str:
@@ -19,7 +19,7 @@ schedule `{plan.schedule}`, predicted step time {plan.predicted.get("step_time_s
 ## Run on this machine
 
     partitioner run .            # or:
-    {command_text(n, "train.py")} --steps 20
+    {launch_text(n)} --steps 20
 
 (its rendezvous a file in a fresh private folder: torch's `--standalone` serves one on TCP that
 any local user can write, and what it holds is a pickle the agent loads).

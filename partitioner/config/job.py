@@ -93,7 +93,7 @@ JOB_TRAINING_KEYS = {
     "seed": ("seed",),
     "collective_timeout_s": ("collective_timeout_s",),
     "memory_tier": ("memory_tier",),
-    "compile_stages": ("compile_stages",),  # Note [compiled stages] in runtime/execute/compiled.py
+    "compile_stages": ("compile_stages",),  # Note [compiled stages] in runtime/execute/compile_stages.py
     "recompute": ("recompute",),  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
 }
 

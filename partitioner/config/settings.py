@@ -156,7 +156,7 @@ TRAINING_SCHEMA = {
     "clip_grad_norm": _optional(_positive),
     "precision": _choice(tuple(p.value for p in Precision)),  # Note [mixed precision]
     "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
-    # torch.compile each stage's forward (Note [compiled stages] in runtime/execute/compiled.py); left out: off
+    # torch.compile each stage's forward (Note [compiled stages] in runtime/execute/compile_stages.py); left out: off
     "compile_stages": _boolean_or_none,
     # auto | none | full (Note [recompute a user pins] in partitioner/solver/recompute_cost.py); left out: auto
     "recompute": check_recompute,

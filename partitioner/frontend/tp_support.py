@@ -11,7 +11,7 @@ global norm counts a split gradient's pieces once each and a replicated one on t
 only, runtime/execute/grad_norm.py). Not yet with it, and refused here rather than at the first step: the
 in-memory checkpoint tier (its slots and parity groups copy whole-rank state along replica
 groups that do not know tensor groups; refused at run time too, runtime/launch/rank.py). Compiled
-stages run with it (Note [compiled stages] in runtime/execute/compiled.py).
+stages run with it (Note [compiled stages] in runtime/execute/compile_stages.py).
 """
 
 from __future__ import annotations

@@ -8,13 +8,16 @@ runtime/resilience/checkpoint (manifest, size and sha256 checked), so a corrupt 
 the reason and a partial one (no manifest) is never exported. A Hugging Face model
 (runtime.execute.pretrained:hf_weights in the program) is written by ``save_pretrained``: config.json
 and model.safetensors (sharded above 5 GB, with its index); buffers the checkpoint does not hold
-(they never change: rotary tables, position ids) are made as the ranks made them. Any other model:
-model.safetensors by original names. DIR is built in a temporary sibling, fsynced and renamed
+(they never change: rotary tables, position ids) are made as the ranks made them. The built-in
+``gpt`` is written as transformers' GPT2LMHeadModel the same way (Note [the built-in gpt is GPT-2]
+in partitioner/models/gpt_as_gpt2.py). Any other model: model.safetensors by original names, and
+the report says in one line why there is no config.json and how to load the file. DIR is built in a temporary sibling, fsynced and renamed
 into place: it exists whole or not at all.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from partitioner.models import gpt_as_gpt2
 from partitioner.models.hf import no_progress_bars
 from runtime import scratch
 from runtime.execute import pretrained
@@ -41,6 +45,7 @@ class ExportReport:
     files: tuple[str, ...]
     architecture: str | None
     skipped: tuple[str, ...] = ()  # newer step directories that are not committed checkpoints
+    no_config: str | None = None  # why no config.json was written (no transformers class fits the model)
 
     def text(self) -> str:
         lines = [f"exported step {self.step} of {self.checkpoint} ({self.num_tensors} tensors, "
@@ -48,6 +53,10 @@ class ExportReport:
         lines += [f"  not exported: {why}" for why in self.skipped]
         if self.architecture:
             lines.append(f"load it: transformers.{self.architecture}.from_pretrained({str(self.output)!r})")
+        elif self.no_config:
+            weights = str(self.output / "model.safetensors")
+            lines.append(f"no config.json: {self.no_config}; load it into your model: "
+                         f"model.load_state_dict(safetensors.torch.load_file({weights!r}))")
         return "\n".join(lines)
 
 
@@ -251,6 +260,29 @@ def _every_tied_name(path: Path, groups) -> None:
         save_file({**stored, **added}, str(path), metadata={"format": "pt"})
 
 
+def _as_gpt2(state: dict[str, torch.Tensor], workload: str | None) -> tuple[dict | None, str | None]:
+    """(the built-in GPT's arguments, None) when ``state`` converts to GPT2LMHeadModel, else (None, why
+    not: a line for the report)."""
+    args = gpt_as_gpt2.gpt_args(workload)
+    if args is None:
+        return None, (f"{workload or 'the model'} is neither a Hugging Face model nor the built-in gpt, so no "
+                      "transformers class is known to fit it")
+    off = gpt_as_gpt2.mismatch(state, args)
+    if off is not None:
+        return None, f"the workload is named {workload}, but {off}, so it is not written as GPT-2"
+    if importlib.util.find_spec("transformers") is None:  # the [hf] extra; without it, the gpt's own names
+        return None, ("writing the built-in gpt as GPT2LMHeadModel needs transformers "
+                      "(pip install -c constraints.txt '.[hf]'), and it is not installed")
+    return args, None
+
+
+def _write_gpt2(tmp: Path, state: dict[str, torch.Tensor], args: dict) -> str:
+    model = gpt_as_gpt2.gpt2_model(state, args)
+    with no_progress_bars():
+        model.save_pretrained(str(tmp))
+    return gpt_as_gpt2.ARCHITECTURE
+
+
 def export(target, output, *, program_dir=None) -> ExportReport:
     # lazy: loads safetensors
     from safetensors.torch import save_file
@@ -271,11 +303,15 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     path, lock = scratch.make_scratch(str(output.parent), prefix)  # mkdtemp: 0700, a fresh name no link can hold
     tmp = Path(path)
     try:
-        architecture = None
+        architecture, no_config = None, None
         if is_hf(weights_spec):
             architecture = _write_hf(tmp, state, weights_spec)
         else:
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+            gpt, no_config = _as_gpt2(state, load_plan(str(folder)).get("workload"))
+            if gpt is not None:
+                architecture = _write_gpt2(tmp, state, gpt)
+            else:
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
         _fsync_tree(tmp)
         os.rename(tmp, output)
     except BaseException:
@@ -287,4 +323,4 @@ def export(target, output, *, program_dir=None) -> ExportReport:
     fsync_dir(str(output.parent))
     files = tuple(sorted(p.name for p in output.iterdir()))
     size = sum(v.numel() * v.element_size() for v in state.values())
-    return ExportReport(output, step, ckpt, len(state), size, files, architecture, skipped)
+    return ExportReport(output, step, ckpt, len(state), size, files, architecture, skipped, no_config)

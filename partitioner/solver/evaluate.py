@@ -71,7 +71,7 @@ Note [memory model]
                     measured 0 bytes; its state is allocated once, already in static).
     * peak        = static + buffers + max(activations + transient, step).
     The capacity compared with it is the device's usable memory (Note [usable memory] in
-    cluster.py): what the allocator and the runtime reserve is left out there.
+    partitioner/config/device_presets.py): what the allocator and the runtime reserve is left out there.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ randomness.py       the keyed random ops stage files call (``randomness.dropout(
 recompute.py        ``checkpointed(fn, *args)``: a region the plan recomputes, under activation
                     checkpointing with the same random draws (Note [recompute draws the
                     same randomness])
-compiled.py         ``compile_rank(trainer)``: each stage's forward and recomputed regions through
+compile_stages.py   ``compile_rank(trainer)``: each stage's forward and recomputed regions through
                     torch.compile, warmed before step 1 (Note [compiled stages])
 grad_norm.py        the global gradient norm, clipping, the no-decay names (Note [global gradient norm])
-evaluate.py         ``Evaluator``: a forward-only pass over the validation split on the training
+validation.py       ``Evaluator``: a forward-only pass over the validation split on the training
                     pipeline, val_loss every --eval-every steps (Note [evaluation on the pipeline])
 reference.py        ``train_reference(...)``: the one-process oracle with the same math
 """

@@ -30,7 +30,7 @@ current again for the replay (runtime/execute/recompute.py runs the checkpointed
 
 Note [evaluation turns dropout off]: a compiled stage file calls ``dropout(x, p, True, ...)``: the
 model was traced in training mode, so the train flag is a constant of the graph and
-``module.eval()`` cannot reach it. The evaluation pass (runtime/execute/evaluate.py) runs inside
+``module.eval()`` cannot reach it. The evaluation pass (runtime/execute/validation.py) runs inside
 ``dropout_off()`` instead, under which every keyed dropout (``dropout``, ``native_dropout``, the
 attention probabilities' in ``attention``) is the identity, as torch's are in eval mode, and so is
 a stochastic-depth mask (``drop_mask``, Note [in-place random ops]). Other random ops (``rand``,

@@ -206,7 +206,7 @@ def step_time_summary(run_dir: str, program: Program, times: list[float], *, sta
     os.replace(path + ".tmp", path)
     evaluated = ""
     if evaluation and None not in (evaluation.get("predicted_eval_s"), evaluation.get("measured_eval_s")):
-        # Note [evaluation on the pipeline] in runtime/execute/evaluate.py
+        # Note [evaluation on the pipeline] in runtime/execute/validation.py
         evaluated = (f"; eval predicted ~{evaluation['predicted_eval_s']:.3g} s/pass (forward share), "
                      f"measured {evaluation['measured_eval_s']:.3g} s/pass")
     if predicted is None:
@@ -280,9 +280,9 @@ class RankTrainer:
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
         self.steps_done = 0
-        self.compile_s = None  # Note [compiled stages] in runtime/execute/compiled.py: before step 1, timed apart
+        self.compile_s = None  # Note [compiled stages] in runtime/execute/compile_stages.py: before step 1, timed apart
         if program.compile_stages:
-            from runtime.execute.compiled import compile_rank  # lazy: only a compiled program loads dynamo
+            from runtime.execute.compile_stages import compile_rank  # lazy: only a compiled program loads dynamo
 
             self.compile_s = compile_rank(self)
 
@@ -373,7 +373,7 @@ class RankTrainer:
         before_step(step): called before each step (fault injection). after_step(step, loss,
         step_time_s): called after each step, outside the timed region (checkpoint points).
         log_every: rank 0 prints the step line of every Nth step (and of the first and last), then
-        a one-line summary of the run. evaluator (runtime/execute/evaluate.py): a forward-only pass
+        a one-line summary of the run. evaluator (runtime/execute/validation.py): a forward-only pass
         over the validation split after the steps it is due, outside the timed step (Note
         [evaluation on the pipeline]); its val_loss joins the step's record and line.
         Resuming (start_step > 0) keeps the metrics lines of steps before start_step and drops the

@@ -12,15 +12,19 @@ from __future__ import annotations
 import os
 
 from runtime.errors import PlanMismatchError
+from runtime.launch.torchrun import command_text
 from runtime.program.spec import Program
 from runtime.program.user_code import import_path
 
-TRAIN_SOURCE = '''"""torchrun entry: every process runs the rank_<RANK>.py program of its rank.
+TRAIN_SOURCE = '''"""torchrun entry: every process runs the rank_<RANK>.py program of its rank. Start every
+rank at once, in this folder (or `partitioner run .`):
 
-    torchrun --nproc-per-node {world_size} train.py [--steps N]
+    {launch} [--steps N]
 """
 import os
 import sys
+
+LAUNCH = {launch_literal}
 
 # This folder is data, not an import root: `python train.py` put it first on sys.path, where a
 # stray torch.py or runtime/ here would shadow the installed packages (docs/design.md §12).
@@ -34,8 +38,8 @@ if __name__ == "__main__":
     folder = Path(__file__).resolve().parent
     rank = os.environ.get("RANK")
     if rank is None:  # started by hand: without torchrun no rank would meet its peers
-        sys.exit(f"train.py runs one rank per process under torchrun, and RANK is not set: "
-                 f"torchrun --nproc-per-node {world_size} {{folder / 'train.py'}}")
+        sys.exit(f"train.py runs one rank per process under torchrun, and RANK is not set: in {{folder}}, "
+                 f"run: {{LAUNCH}}")
     runpy.run_path(str(folder / f"rank_{{int(rank)}}.py"), run_name="__main__")
 '''
 
@@ -79,8 +83,15 @@ def rank_constants(program: Program, rank: int) -> dict[str, object]:
     }
 
 
+def launch_text(world_size: int) -> str:
+    """The one line that starts every rank of a program folder, typed in the folder: its README,
+    train.py and rank files all say this one (the rendezvous a private file: Note [no TCP
+    rendezvous on one host] in runtime/launch/torchrun.py)."""
+    return command_text(world_size, "train.py")
+
+
 def launch_line(program: Program) -> str:
-    return f"torchrun --nproc-per-node {program.world_size} train.py"
+    return launch_text(program.world_size)
 
 
 def _literal(value: object) -> str:
@@ -176,7 +187,8 @@ def _short(value: object) -> str:
 def train_file_text(program: Program) -> str:
     """The exact text of DIR/train.py. Without RANK (not under torchrun) it exits non-zero with the
     torchrun line to use, rather than guessing rank 0 and waiting for peers that never come."""
-    return TRAIN_SOURCE.format(world_size=program.world_size)
+    launch = launch_line(program)
+    return TRAIN_SOURCE.format(launch=launch, launch_literal=_literal(launch))
 
 
 def entry_files(program: Program, plan_hash: str | None = None) -> dict[str, str]:

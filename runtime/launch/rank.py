@@ -127,8 +127,7 @@ def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int,
     world = int(os.environ["WORLD_SIZE"])
     if world != want:
         raise LaunchError(f"the program was compiled for world_size={want} but WORLD_SIZE={world}: "
-                          f"launch it with `torchrun --nproc-per-node {want} "
-                          f"{os.path.join(folder, 'train.py')}`")
+                          f"launch it with `{command_text(want, os.path.join(folder, 'train.py'))}`")
     env_rank = int(os.environ.get("RANK", "0"))
     if rank is not None and rank != env_rank:
         raise LaunchError(f"rank_{rank}.py started as RANK={env_rank}: run train.py under torchrun, "
@@ -330,8 +329,8 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
     control.startup_barrier()  # Note [start-up barrier]: compiled stages, pretrained weights
     evaluator = None
-    if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/evaluate.py
-        from runtime.execute.evaluate import Evaluator  # lazy: only a run that evaluates
+    if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/validation.py
+        from runtime.execute.validation import Evaluator  # lazy: only a run that evaluates
 
         evaluator = Evaluator(trainer, every=options.eval_every, batches=options.eval_batch_count)
     if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder

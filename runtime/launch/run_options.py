@@ -139,7 +139,7 @@ class RunOptions:
     measure_memory: bool = False
     quiet: bool = False
     log_every: int | None = None
-    eval_every: int | None = None  # None: no evaluation (Note [evaluation on the pipeline] in runtime/execute/evaluate.py)
+    eval_every: int | None = None  # None: no evaluation (Note [evaluation on the pipeline] in runtime/execute/validation.py)
     eval_batches: int | None = None  # None: DEFAULT_EVAL_BATCHES when eval_every is given
 
     def __post_init__(self):

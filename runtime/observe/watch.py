@@ -149,7 +149,7 @@ class StepWatch:
         for key in ("loss", "lr", "step_time_s", "samples_per_s", "achieved_flops_per_s", "mfu", "grad_norm"):
             if isinstance(record.get(key), (int, float)):
                 self.board.add_scalar(f"train/{key}", record[key], step)
-        if isinstance(record.get("val_loss"), float):  # an evaluation followed this step (runtime/execute/evaluate.py)
+        if isinstance(record.get("val_loss"), float):  # an evaluation followed this step (runtime/execute/validation.py)
             self.board.add_scalar("val/loss", record["val_loss"], step)
         self.board.add_scalar("memory/peak_bytes_max_rank", max(record["peak_memory_bytes"]), step)
         self.board.flush()

@@ -20,7 +20,7 @@ torch has a rank outside a new subgroup join an NCCL split that a gloo subgroup'
 make.
 
 Note [start-up barrier]: the ranks reach their first collective at different times: stage
-compilation (per rank, Note [compiled stages] in runtime/execute/compiled.py), pretrained weights,
+compilation (per rank, Note [compiled stages] in runtime/execute/compile_stages.py), pretrained weights,
 a checkpoint restore. A collective waits only ``collective_timeout_s`` (60 s by default), and under
 NCCL an expired wait aborts the process. So ``startup_barrier`` waits for every rank with
 STARTUP_TIMEOUT_S before the first collective after the stages are built and again before step 1:

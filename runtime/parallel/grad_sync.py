@@ -68,7 +68,7 @@ class Groups:
 
 
 def create_groups(layout: Layout, rank: int, *, timeout, backend: str | None = None) -> Groups:
-    """Create every group on every rank in one fixed order (Note [group order] in program.py)."""
+    """Create every group on every rank in one fixed order (Note [group order] in runtime/program/layout.py)."""
     mine_pipeline = layout.pipeline_index(rank)
     pipeline = dp_group = None
     ties: list = []

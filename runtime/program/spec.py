@@ -50,7 +50,7 @@ class Program:
     data: DataSpec
     optimizer: OptimizerSettings
     seed: int = 0              # random ops per microbatch and the host generators (seed + rank) derive from it
-    collective_timeout_s: float = 600  # every collective and p2p op (Note [no hangs] in launch.py)
+    collective_timeout_s: float = 600  # every collective and p2p op (Note [no hangs] in runtime/launch/rank.py)
     checkpoint_every: int = 0          # checkpoint every K steps (0: see mtbf_s, else only the last)
     sdc_every: int | None = None       # compare replica digests every K steps (0: never; None: runtime/resilience/sdc.py's
                                        # DEFAULT_EVERY); Note [replica digests]
@@ -69,7 +69,7 @@ class Program:
     tensor_parallel: int = 1                  # ranks per tensor group (Note [tensor-parallel stages]
                                               # in runtime/parallel/tensor_parallel.py)
     compile_stages: bool = False              # torch.compile each stage's forward (Note [compiled
-                                              # stages] in runtime/execute/compiled.py)
+                                              # stages] in runtime/execute/compile_stages.py)
     tp_sharded: dict | None = None            # parameter -> the dim its tensor group splits (tp > 1)
     randomness: RandomnessSpec | None = None  # present only when the compiler keyed random ops
     init: InitSpec | None = None              # present only for a model compiled on the meta device

@@ -1,4 +1,4 @@
-"""Compiled stages end to end (Note [compiled stages] in runtime/execute/compiled.py): programs
+"""Compiled stages end to end (Note [compiled stages] in runtime/execute/compile_stages.py): programs
 compiled with compile_stages train under torchrun against the one-process eager oracle (verify's
 tolerances, Note [compiled stages verify] in partitioner/cli/verify.py), and a killed rank resumes
 bit-exact; tp 2 compiled (DTensor stages, keyed attention dropout on each rank's heads, every

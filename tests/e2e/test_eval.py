@@ -1,4 +1,4 @@
-"""Evaluation on the validation split (Note [evaluation on the pipeline] in runtime/execute/evaluate.py):
+"""Evaluation on the validation split (Note [evaluation on the pipeline] in runtime/execute/validation.py):
 a GPT with dropout compiled on a token corpus (2 stages on 2 ranks, 1F1B) and a hand-made 4-stage GPT
 under interleaved 1F1B (2 stages a rank) report val_loss after the steps --eval-every names, equal to
 the unpartitioned model in eval mode (dropout off) on the same validation batches, and train bit for

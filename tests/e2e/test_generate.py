@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from partitioner.cli.commands import main as cli
-from partitioner.models.builtin import load_workload
 from partitioner.models.export import export
 from partitioner.models.generate import SamplingSettings, generate
 from runtime.data.corpus.prepare import prepare
@@ -52,15 +50,19 @@ def test_generate_prints_the_prompt_then_the_text(trained):
 
 
 def _reference_greedy(root: Path, prompt_ids: list[int], new_tokens: int, vocab: int) -> list[int]:
-    """The same checkpoint's weights (by `export`) in the model built here, argmax after argmax."""
-    export(root / "gpt", root / "exported")
-    model = load_workload(SPEC).model
-    model.load_state_dict(load_file(str(root / "exported" / "model.safetensors")), strict=True)
+    """The same checkpoint's weights, by `export`, as transformers' GPT-2 (Note [the built-in gpt is
+    GPT-2] in partitioner/models/gpt_as_gpt2.py) loaded by from_pretrained, argmax after argmax."""
+    transformers = pytest.importorskip("transformers")
+    report = export(root / "gpt", root / "exported")
+    assert "config.json" in report.files and report.architecture == "GPT2LMHeadModel"
+    assert f"load it: transformers.GPT2LMHeadModel.from_pretrained('{root / 'exported'}')" in report.text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(root / "exported"))
+    assert type(model).__name__ == "GPT2LMHeadModel"
     model.eval()
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(new_tokens):
-            logits = model(torch.tensor([ids[-32:]]))[0, -1, :vocab]
+            logits = model(torch.tensor([ids[-32:]])).logits[0, -1, :vocab]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt_ids):]
 

@@ -126,7 +126,7 @@ def test_resuming_a_lossless_checkpoint_without_zstandard_is_one_line_not_a_skip
 
 def test_partitioner_run_and_inspect_need_no_ortools(folder, tmp_path):
     """The command that runs a folder is first-class on a cluster too (Note [the solver loads
-    OR-Tools on demand] in partitioner/solver/__init__.py): with the compiler's own code present but
+    OR-Tools on demand] in partitioner/solver/cp_sat.py): with the compiler's own code present but
     OR-Tools absent, `partitioner run` trains and `partitioner inspect` reads the plan."""
     allow = ",".join(sorted(image_import_names() | {"partitioner", "passes"}))
     run, seen = on_the_image([sys.executable, "-m", "partitioner", "run", str(folder), "--steps", "2",

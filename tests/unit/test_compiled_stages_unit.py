@@ -1,4 +1,4 @@
-"""Compiled stages' pieces in one process (Notes [compiled stages] in runtime/execute/compiled.py,
+"""Compiled stages' pieces in one process (Notes [compiled stages] in runtime/execute/compile_stages.py,
 [masks outside the compiled graph] in runtime/execute/randomness.py): the keyed masks under
 torch.compile, the setting from job file to plan.json, the flag."""
 
@@ -12,7 +12,7 @@ import torch
 from partitioner.cli.commands import build_parser
 from partitioner.config.settings import TrainingSettings
 from runtime.execute import randomness
-from runtime.execute.compiled import compile_stage
+from runtime.execute.compile_stages import compile_stage
 from runtime.execute.recompute import checkpointed
 from runtime.execute.recompute import checkpointed as checkpointed_eager
 

@@ -31,9 +31,14 @@ def trained(tmp_path_factory):
     return folder, want
 
 
-def test_a_checkpoint_exports_whole_by_original_names(trained, tmp_path):
+def test_a_checkpoint_exports_whole_by_original_names(trained, tmp_path, capsys):
     folder, want = trained
     assert cli(["export", folder, "-o", str(tmp_path / "out")]) == 0
+    # no transformers class fits an MLP: the report says so, and how to load the file, in one line
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no config.json: ")]
+    assert len(said) == 1 and "neither a Hugging Face model nor the built-in gpt" in said[0], said
+    assert f"load_state_dict(safetensors.torch.load_file('{tmp_path / 'out' / 'model.safetensors'}'))" in said[0]
+    assert not (tmp_path / "out" / "config.json").exists()
     got = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(got) == sorted(want)
     for name, value in want.items():

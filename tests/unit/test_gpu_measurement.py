@@ -185,7 +185,7 @@ def test_a_cpu_rank_compiles_on_one_thread_even_after_inductor_read_its_config(m
     TORCHINDUCTOR_COMPILE_THREADS then) before a stage compiles: the setting must reach the config."""
     import torch.distributed.pipelining  # noqa: F401 - what a rank has loaded before compile_stage
     import torch._inductor.config as inductor_config
-    from runtime.execute.compiled import compile_stage
+    from runtime.execute.compile_stages import compile_stage
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(inductor_config, "compile_threads", 7)
@@ -194,7 +194,7 @@ def test_a_cpu_rank_compiles_on_one_thread_even_after_inductor_read_its_config(m
 
 
 def test_a_gpu_rank_compiles_on_its_share_of_the_hosts_cores():
-    from runtime.execute.compiled import compile_threads
+    from runtime.execute.compile_stages import compile_threads
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert compile_threads("cpu", environ={}) == 1

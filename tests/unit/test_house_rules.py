@@ -4,7 +4,9 @@
 - every module is in its package's map (the package ``__init__.py`` docstring), and the map names
   no module that does not exist;
 - a function-local import carries a comment naming its reason, on its line or the line above;
-- no module is over 500 lines.
+- no module is over 500 lines;
+- a citation that says where (``Note [name] in path``) names the file that defines the Note;
+- one meaning per file name: modules share a name only on the short list of same-subject pairs.
 
 Each rule is a function from source text to the list of its offenders (``file:line: what``), so a
 test can feed it a broken input and see it fail; the tests over the repository assert the list is
@@ -91,9 +93,47 @@ def _note_sources() -> dict[str, str]:
     return sources
 
 
+_WHERE = re.compile(_MENTION.pattern + r"\s*in\s+`?([\w./-]+\.(?:py|md))\b")
+
+
+def citation_place_problems(sources: dict[str, str]) -> list[str]:
+    """A citation's ``in path`` (a full path, or a file name its definer's path ends with) must be
+    where the Note is defined: a moved Note or a renamed module leaves it pointing at nothing."""
+    definitions, _ = notes(sources)
+    problems = []
+    for path, text in sources.items():
+        prose = _prose(text)
+        for m in _WHERE.finditer(prose):
+            target = m.group(2)
+            for bracket in re.finditer(r"\[([^\]]+)\]", m.group(1)):
+                name = _name(bracket.group(1))
+                homes = [place.rsplit(":", 1)[0] for place in definitions.get(name, ())]
+                if homes and not any(home == target or home.endswith("/" + target) for home in homes):
+                    line = prose.count("\n", 0, m.start(2)) + 1
+                    problems.append(f"{path}:{line}: Note [{name}] cited in {target}, defined in "
+                                    f"{', '.join(homes)}: cite the file that defines it")
+    return problems
+
+
 def test_every_cited_note_is_defined_once():
     problems = note_problems(_note_sources())
     assert not problems, "\n".join(problems)
+
+
+def test_every_citation_names_the_file_that_defines_its_note():
+    problems = citation_place_problems(_note_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_citation_place_rule_finds_the_stale_path():
+    sources = {
+        "p/home.py": "# Note [here]: the decision.\n",
+        "p/a.py": "x = 1  # Note [here] in p/home.py\n",
+        "p/b.py": "x = 1  # Note [here] in home.py\n",
+        "p/c.py": '"""Text (Note [here] in\np/gone.py) more."""\n',
+    }
+    assert citation_place_problems(sources) == [
+        "p/c.py:2: Note [here] cited in p/gone.py, defined in p/home.py: cite the file that defines it"]
 
 
 def test_note_rule_finds_an_undefined_and_a_twice_defined_note():
@@ -234,3 +274,46 @@ def test_no_module_is_over_500_lines():
 def test_size_rule_names_the_long_module():
     assert size_problems({"a.py": "x = 1\n" * 3, "b.py": "x = 1\n" * 2}, limit=2) == [
         "a.py:3: 3 lines, over 2: split it along a seam (a room per concern)"]
+
+
+# ---- One meaning per file name ------------------------------------------------------------------
+# Two modules may share a name only as the same subject seen from two phases (what compile decides,
+# what the run does, or the command and its library); any other twin is a reader's trap (issue 43:
+# runtime's compiled.py and evaluate.py meant other things than partitioner's).
+SAME_SUBJECT = {
+    "elastic.py": {"partitioner/cli/elastic.py", "runtime/launch/elastic.py"},
+    "errors.py": {"partitioner/errors.py", "runtime/errors.py"},
+    "generate.py": {"partitioner/cli/generate.py", "partitioner/models/generate.py"},
+    "layout.py": {"partitioner/inspect/layout.py", "runtime/program/layout.py"},
+    "memory.py": {"passes/memory.py", "runtime/observe/memory.py"},
+    "randomness.py": {"partitioner/frontend/randomness.py", "runtime/execute/randomness.py"},
+    "recompute.py": {"partitioner/codegen/recompute.py", "runtime/execute/recompute.py"},
+    "recompute_cost.py": {"partitioner/calibrate/recompute_cost.py", "partitioner/solver/recompute_cost.py"},
+    "schedules.py": {"partitioner/solver/schedules.py", "runtime/program/schedules.py"},
+    "spec.py": {"runtime/data/corpus/spec.py", "runtime/program/spec.py"},
+}
+_ANY_NUMBER = {"__init__.py", "__main__.py"}
+
+
+def twin_problems(paths, same_subject=SAME_SUBJECT) -> list[str]:
+    by_name: dict[str, set[str]] = defaultdict(set)
+    for path in paths:
+        by_name[Path(path).name].add(path)
+    return [f"{sorted(places)[0]}:1: {name} is also {', '.join(sorted(places)[1:])}: name each for what it "
+            f"holds (or, if they are one subject at two phases, add them to SAME_SUBJECT)"
+            for name, places in sorted(by_name.items())
+            if len(places) > 1 and name not in _ANY_NUMBER and places != same_subject.get(name)]
+
+
+def test_one_meaning_per_file_name():
+    problems = twin_problems(_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_twin_rule_names_the_new_twin():
+    paths = ["a/x.py", "b/x.py", "a/y.py", "b/y.py", "c/y.py", "a/__init__.py", "b/__init__.py"]
+    assert twin_problems(paths, same_subject={"y.py": {"a/y.py", "b/y.py"}}) == [
+        "a/x.py:1: x.py is also b/x.py: name each for what it holds (or, if they are one subject at two "
+        "phases, add them to SAME_SUBJECT)",
+        "a/y.py:1: y.py is also b/y.py, c/y.py: name each for what it holds (or, if they are one subject at two "
+        "phases, add them to SAME_SUBJECT)"]

@@ -18,6 +18,7 @@ from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # n
                               read_final, read_metrics)
 from runtime.data.synthetic import causal_lm_loss, token_batch
 from runtime.launch.rank import LaunchError, main
+from runtime.launch.entry_files import launch_text
 from runtime.errors import PlanMismatchError
 from runtime.program.layout import Layout
 from runtime.program.spec import Program, load_program
@@ -161,7 +162,7 @@ def test_rank_file_states_the_schedule_of_its_stages(tmp_path):
     assert rank_1.STAGES == [1, 3] and rank_1.PIPELINE_RANKS == [0, 1, 0, 1]
     assert rank_1.NUM_MICROBATCHES == 2 and rank_1.MICROBATCH_SIZE == 4
     assert sorted(rank_1.ACTIONS) == sorted((k, s, i) for k in "FB" for s in (1, 3) for i in range(2))
-    assert rank_1.LAUNCH == "torchrun --nproc-per-node 2 train.py"
+    assert rank_1.LAUNCH == launch_text(2) and "torchrun --nproc-per-node 2 " in rank_1.LAUNCH
 
 
 def test_a_rank_file_that_disagrees_with_the_plan_is_refused_naming_both_values(tmp_path, monkeypatch):

@@ -48,6 +48,27 @@ def test_generated_files_match_their_golden_copies(program, name):
     check_golden(f"program_{name}", HASH.sub("plan <hash>", (program / name).read_text()), TEST_FILE)
 
 
+# A command a person types, as the README and train.py's docstring indent it: env settings, torchrun, train.py.
+_TYPED_LAUNCH = re.compile(r"^[ \t]+((?:[A-Z_]+=\S+ )*torchrun [^\n]*?train\.py)", re.M)
+
+
+def _constant(source: str, name: str):
+    import ast
+
+    return next(ast.literal_eval(node.value) for node in ast.parse(source).body
+                if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name])
+
+
+def test_one_launch_line_in_the_readme_train_py_and_rank_files(program):
+    """Issue 43: the folder's README and train.py said two different torchrun lines."""
+    readme, train = (program / "README.md").read_text(), (program / "train.py").read_text()
+    said = {"README.md": set(_TYPED_LAUNCH.findall(readme)), "train.py": set(_TYPED_LAUNCH.findall(train))}
+    assert len(said["README.md"]) == 1 and said["README.md"] == said["train.py"], said
+    (line,) = said["README.md"]
+    assert "--rdzv-conf store_type=file" in line  # the private rendezvous file, not a TCP store
+    assert _constant(train, "LAUNCH") == line == _constant((program / "rank_1.py").read_text(), "LAUNCH")
+
+
 def test_the_program_object_round_trips_through_its_dataclass(program):
     """plan.json's "program" is Program.to_dict(): reading it back gives the same JSON."""
     import json
