@@ -22,16 +22,14 @@ The emitter writes one statement per node, in graph order:
   * shapes are written where a reader needs them: each input and output of the forward, with
     the stage it comes from or goes to; the values crossing stages are named for their producer
     (Note [boundary names] in partitioner/codegen/split.py).
-Freeing. FX frees every value after its last read; the forward here frees at region ends: one
-``del`` after a region's last statement names every value no later statement reads. Tensors that
-autograd saves for backward live on regardless, and all locals die when the forward returns, so
-only the forward's own transients (values no backward reads: the embeddings before their sum, an
-attention projection before the residual add) are concerned; without any ``del`` they would pile
-up over the whole stage. Measured with runtime.observe.memory.LiveBytes on a gpt:layers=8 stage of four
-blocks (two microbatches' forward, then backward): forward peak 4.31 MB with FX's deletions,
-4.34 MB with region-end ``del`` (one region's transients at most), 4.60 MB with none; the peak
-over forward and backward was 6.20 MB in all three, gradients bit-identical. A recomputed
-region's method needs no ``del``: its locals die when it returns.
+Freeing. FX frees every value after its last read; the forward here frees at region ends: one ``del``
+after a region's last statement names every value no later statement reads. Tensors autograd saves live on
+regardless, and all locals die when the forward returns, so only the forward's own transients (the
+embeddings before their sum, an attention projection before the residual add) are concerned; without any
+``del`` they would pile up over the whole stage. Measured (runtime.observe.memory.LiveBytes, a
+gpt:layers=8 stage of four blocks, two microbatches): forward peak 4.31 MB with FX's deletions, 4.34 MB
+with region-end ``del``, 4.60 MB with none; 6.20 MB over forward and backward in all three, gradients
+bit-identical. A recomputed region's method needs no ``del``: its locals die when it returns.
 """
 
 from __future__ import annotations

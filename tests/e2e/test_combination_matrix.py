@@ -247,7 +247,7 @@ def _features_ran(row, folder: Path, corpus: str, clean: Path, killed: Path, res
     """The compiled stages, the canaries and the evaluation did run, and as they should; what the
     verdict adds about them."""
     said = ""
-    if row["compiled"]:  # Note [graph breaks are said] in runtime/execute/compiled.py
+    if row["compiled"]:  # Note [graph breaks are said] in runtime/execute/compile_stages.py
         for rank in range(world(row)):
             times = json.loads((clean / f"stage_times_rank_{rank}.json").read_text())
             assert times["compiled_graphs"] > 0 and times["graph_breaks"] == 0, (rank, times)
