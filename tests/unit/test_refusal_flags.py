@@ -24,7 +24,7 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])(?:[ =]([a-z0-9][\w.]*)
 EXTERNAL = {
     "--nnodes": "torchrun", "--nproc-per-node": "torchrun", "--node-rank": "torchrun", "--standalone": "torchrun",
     "--rdzv-backend": "torchrun", "--rdzv-endpoint": "torchrun", "--rdzv-conf": "torchrun",
-    "--monitor-interval": "torchrun", "--shm-size": "docker run", "--local-dir": "huggingface-cli download",
+    "--monitor-interval": "torchrun", "--local-addr": "torchrun", "--shm-size": "docker run", "--local-dir": "huggingface-cli download",
     "--valid-data-path": "Megatron-LM's pretrain_gpt.py",
 }
 # ``--chekpoint-every``: run_options.py's docstring, the misspelling its unknown-flag refusal catches;
