@@ -110,7 +110,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
+        capacity = cluster.least_usable_memory_bytes(placement[s])
         per_region = []
         for r, rc in zip(problem.regions, recompute):
             fwd, bwd = region_times_s(r, device, b)
@@ -157,7 +157,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
     times, takes, groups_of = [], [], []
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
+        capacity = cluster.least_usable_memory_bytes(placement[s])
         compute = np.concatenate([[0.0], np.cumsum([sum(region_times_s(r, device, b)) for r in problem.regions])])
         comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         k = priced_schedule(schedule).in_flight(s, p, m)
@@ -355,7 +355,7 @@ def chain_lower_bound_s(
     times = []
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
+        capacity = cluster.least_usable_memory_bytes(placement[s])
         per_region = [region_times_s(r, device, b) for r in problem.regions]
         savings = np.diff(saving)
         rates = np.array([recompute_s(problem, r, device, b) / sv if sv > 0 else np.inf
