@@ -73,3 +73,31 @@ def test_cached_positions_are_the_schedules_own(schedule, p, v):
     assert a.stages_at(pp) == ()
     # the cache lives outside the fields: equality and the serialized form are unchanged
     assert a == Assignment(tuple(range(p)), (False,) * p, placement, p, dp, 8, 1, schedule)
+
+
+@pytest.mark.parametrize("sched,splits,ranks,dp", [
+    ("1f1b", [[0, 1], [2, 3]], [([0], 0), ([0], 1), ([1], 0), ([1], 1)], 2),
+    ("interleaved", [[0], [1], [2], [3]], [([0, 2], 0), ([1, 3], 0)], 1),
+])
+def test_rank_files_ask_the_schedule_once(tmp_path, monkeypatch, sched, splits, ranks, dp):
+    """entry_files asks the schedule for its positions' rows once, not once per rank,
+    and writes the texts rank_file_text gives (Note [rank files by position] in
+    runtime/launch/entry_files.py)."""
+    from _runtime_folders import mlp_folder  # lazy: builds torch modules, only this test needs it
+    from runtime.launch import entry_files as ef
+    from runtime.execute import schedule
+
+    _, program = mlp_folder(str(tmp_path), splits=splits, ranks=ranks, dp=dp, num_microbatches=2,
+                            global_batch=8, schedule=sched)
+    one_by_one = {f"rank_{r}.py": ef.rank_file_text(program, r, "h") for r in range(program.world_size)}
+    calls = [0]
+    original = schedule._rank_orders
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(schedule, "_rank_orders", counted)
+    files = ef.entry_files(program, "h")
+    assert {name: text for name, text in files.items() if name.startswith("rank_")} == one_by_one
+    assert calls[0] == 1, f"the schedule's rows asked {calls[0]} times for {program.world_size} ranks"
