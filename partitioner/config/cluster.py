@@ -33,6 +33,7 @@ Note [core sharing]
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,9 +294,48 @@ class ClusterSpec:
     def num_devices(self) -> int:
         return len(self.devices)
 
-    @property
+    # Note [cluster queries are cached]: a cluster of 16,384 devices is asked these questions
+    # for every candidate the solver prices; each answer is a pass over the devices, so they are
+    # computed once per (frozen) spec and kept in the instance's __dict__ (cached_property), which
+    # leaves the fields, equality and the serialized form as they were.
+    @functools.cached_property
     def is_homogeneous(self) -> bool:
-        return len({d.device_class for d in self.devices}) == 1
+        return len(self.device_classes) == 1
+
+    @functools.cached_property
+    def device_classes(self) -> dict[tuple, tuple[DeviceSpec, DeviceSpec, int]]:
+        """{device class: (its first device, its last device, how many)}, in first-appearance
+        order (Note [cluster queries are cached])."""
+        classes: dict[tuple, tuple[DeviceSpec, DeviceSpec, int]] = {}
+        for d in self.devices:
+            known = classes.get(d.device_class)
+            classes[d.device_class] = (d, d, 1) if known is None else (known[0], d, known[2] + 1)
+        return classes
+
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Answers that depend only on this spec and device indices, kept per spec (callers key
+        them by their own name first): Note [cluster queries are cached]."""
+        return {}
+
+    def least_usable_memory_bytes(self, device_indices: "tuple[int, ...]") -> int:
+        """The smallest ``usable_memory_bytes`` among ``device_indices`` (a stage's replicas),
+        memoized per spec (Note [cluster queries are cached])."""
+        key = ("least_usable_memory_bytes", tuple(device_indices))
+        known = self.memo.get(key)
+        if known is None:
+            known = self.memo[key] = min(self.devices[i].usable_memory_bytes for i in device_indices)
+        return known
+
+    @functools.cached_property
+    def fastest_device(self) -> DeviceSpec:
+        """The first device of the most flops/s (Note [cluster queries are cached])."""
+        return max(self.devices, key=lambda dev: dev.flops_per_s)
+
+    @functools.cached_property
+    def most_usable_memory_bytes(self) -> int:
+        """The largest ``usable_memory_bytes`` of any device (Note [cluster queries are cached])."""
+        return max(dev.usable_memory_bytes for dev in self.devices)
 
     def link_between(self, dev_a: int | DeviceSpec, dev_b: int | DeviceSpec) -> LinkSpec:
         """The link joining two devices (given by index or spec): intra-node on the same node."""

@@ -43,18 +43,14 @@ def lower_bound_step_time_s(
     fastest stage slots the cluster offers are used.
     """
     b = microbatch_size
-    work_by_class: dict[tuple, float] = {}
-    for device in cluster.devices:
-        if device.device_class not in work_by_class:
-            work_by_class[device.device_class] = sum(
-                sum(region_times_s(r, device, b)) for r in problem.regions
-            )
+    work_by_class = {  # one device a class, not every device: Note [cluster queries are cached] in partitioner/config/cluster.py
+        c: sum(sum(region_times_s(r, first, b)) for r in problem.regions)
+        for c, (first, _last, _n) in cluster.device_classes.items()
+    }
     if stage_devices is not None:
         works = [work_by_class[cluster.devices[i].device_class] for i in stage_devices]
     else:
-        counts: dict[tuple, int] = {}
-        for device in cluster.devices:
-            counts[device.device_class] = counts.get(device.device_class, 0) + 1
+        counts = {c: n for c, (_first, _last, n) in cluster.device_classes.items()}
         slots = sorted(w for c, w in work_by_class.items() for _ in range(counts[c] // dp))
         works = slots[:num_stages]
         if len(works) < num_stages:
@@ -104,12 +100,12 @@ def candidate_lower_bound_s(
     if own is not None:
         return own
     homogeneous = cluster.is_homogeneous
-    fastest = max(cluster.devices, key=lambda dev: dev.flops_per_s)
+    fastest = cluster.fastest_device
     # Every stage holds the global batch and at least the smallest region's backward transient
     # (Note [memory model]); the receive buffers and held outputs (>= 0) are left out.
     floor = (d * m * b * (problem.input_bytes_per_sample + problem.target_bytes_per_sample)
              + min(r.transient_bytes(b, False) for r in problem.regions))
-    capacity = max(dev.usable_memory_bytes for dev in cluster.devices) - floor
+    capacity = cluster.most_usable_memory_bytes - floor
     if capacity < 0:
         return math.inf
     in_flight = sorted((priced.in_flight(s, p, m) for s in range(p)), reverse=True)
@@ -127,7 +123,7 @@ def candidate_lower_bound_s(
         if not allow_recompute:
             return math.inf
         options = []
-        kinds = {dev.device_class: dev for dev in cluster.devices}.values()  # one device per class
+        kinds = [last for _first, last, _n in cluster.device_classes.values()]  # one device per class
         for r in problem.regions:
             saving = r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample
             if saving > 0:

@@ -94,9 +94,8 @@ def enumerate_candidates(problem, cluster, global_batch, num_stages, dp, microba
     """Every (stages, dp, microbatches) the devices, the batch and the schedule admit (Note [only
     runnable plans] in problem.py)."""
     num_devices, n = cluster.num_devices, problem.num_regions
-    class_counts: dict[tuple, int] = {}
-    for device in cluster.devices:
-        class_counts[device.device_class] = class_counts.get(device.device_class, 0) + 1
+    # Note [cluster queries are cached] in partitioner/config/cluster.py
+    class_counts = {c: n for c, (_first, _last, n) in cluster.device_classes.items()}
     priced = priced_schedule(schedule, config.local_stages)  # Note [one class per schedule]
     v = priced.local_stages
     stage_options = [num_stages] if num_stages is not None else range(1, min(num_devices * v, n) + 1)

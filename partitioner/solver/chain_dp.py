@@ -110,7 +110,7 @@ def _segment_tables(problem, cluster, placement, *, num_microbatches, microbatch
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
+        capacity = cluster.least_usable_memory_bytes(placement[s])
         per_region = []
         for r, rc in zip(problem.regions, recompute):
             fwd, bwd = region_times_s(r, device, b)
@@ -157,7 +157,7 @@ def _greedy_tables(problem, cluster, placement, *, num_microbatches, microbatch_
     times, takes, groups_of = [], [], []
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
+        capacity = cluster.least_usable_memory_bytes(placement[s])
         compute = np.concatenate([[0.0], np.cumsum([sum(region_times_s(r, device, b)) for r in problem.regions])])
         comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         k = priced_schedule(schedule).in_flight(s, p, m)
@@ -353,18 +353,22 @@ def chain_lower_bound_s(
     transient = _range_max([r.transient_bytes(b, False) for r in problem.regions])
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     times = []
+    savings = np.diff(saving)
+    by_class: dict[tuple, tuple] = {}  # a stage's region times depend on its device's class alone
     for s in range(p):
         device = cluster.devices[placement[s][0]]
-        capacity = min(cluster.devices[i].usable_memory_bytes for i in placement[s])
-        per_region = [region_times_s(r, device, b) for r in problem.regions]
-        savings = np.diff(saving)
-        rates = np.array([recompute_s(problem, r, device, b) / sv if sv > 0 else np.inf
-                          for r, sv in zip(problem.regions, savings)])
-        taus = sorted({float(x) for x in rates if np.isfinite(x) and x > 0})
-        if len(taus) > 16:  # any subset of prices is still a bound
-            taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
-        compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
-        t = compute[None, :] - compute[:, None]
+        capacity = cluster.least_usable_memory_bytes(placement[s])
+        if device.device_class not in by_class:
+            per_region = [region_times_s(r, device, b) for r in problem.regions]
+            rates = np.array([recompute_s(problem, r, device, b) / sv if sv > 0 else np.inf
+                              for r, sv in zip(problem.regions, savings)])
+            taus = sorted({float(x) for x in rates if np.isfinite(x) and x > 0})
+            if len(taus) > 16:  # any subset of prices is still a bound
+                taus = taus[:: math.ceil(len(taus) / 16)] + taus[-1:]
+            compute = np.concatenate([[0.0], np.cumsum([f + w for f, w in per_region])])
+            by_class[device.device_class] = (rates, taus, compute[None, :] - compute[:, None])
+        rates, taus, region_t = by_class[device.device_class]
+        t = region_t.copy()
         comm = _segment_comm(problem, boundary, cut_at, s, p, b, device)
         t += comm
         k = priced_schedule(schedule).in_flight(s, p, m)

@@ -8,6 +8,8 @@ by more than the ILP's rounding slack (Note [ILP scaling] in model.py).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from partitioner.config.cluster import ClusterSpec
 from partitioner.solver.evaluate import CostBreakdown, evaluate
 from partitioner.solver.schedules import priced_schedule
@@ -78,7 +80,7 @@ def structural_violations(
     if outside:
         out.append(f"device indices {outside} outside 0..{cluster.num_devices - 1}")
         return out
-    twice = sorted({i for i in flat if flat.count(i) > 1})
+    twice = sorted(i for i, n in Counter(flat).items() if n > 1)  # one pass: flat is every rank
     if twice:
         out.append(f"devices used twice: {twice}")
     for s, row in enumerate(a.device_of_stage_replica):

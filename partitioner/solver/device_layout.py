@@ -66,6 +66,15 @@ def plan_links(
     Stage s's all-reduce: the slowest link among its replicas (None when dp = 1). Ties: the
     slowest link within one replica's pipeline, worst over replicas (None for one stage).
     """
+    key = ("plan_links", tuple(map(tuple, placement)))  # Note [cluster queries are cached] in partitioner/config/cluster.py
+    known = cluster.memo.get(key)
+    if known is None:
+        known = cluster.memo[key] = _plan_links(cluster, placement)
+    boundary, dp_links, tie_link = known
+    return list(boundary), list(dp_links), tie_link  # copies: a caller's edits stay its own
+
+
+def _plan_links(cluster: ClusterSpec, placement: tuple[tuple[int, ...], ...]):
     num_stages, dp = len(placement), len(placement[0])
     boundary = [
         max(

@@ -245,7 +245,7 @@ def evaluate(
                 optimizer_bytes=optimizer,
                 activations_bytes=memory["activations"],
                 buffers_bytes=memory["buffers"],
-                capacity_bytes=min(devices[i].usable_memory_bytes for i in stage_devices),
+                capacity_bytes=cluster.least_usable_memory_bytes(stage_devices),
                 send_bytes=b * cut[s] if s < p - 1 else 0.0,
                 dp_allreduce_s=scale * allreduce,
                 transient_bytes=memory["transient"],

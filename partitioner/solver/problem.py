@@ -38,6 +38,7 @@ Note [whole-step terms]
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -349,6 +350,15 @@ def core_sharing_factor(
     Without ``placement`` (devices are chosen after solving, Note [heterogeneous devices] in
     model.py): the worst any placement of ``num_ranks`` ranks can do, min(num_ranks, core-bound
     devices of the node) on each node; exact on one node whose devices are all core-bound."""
+    # Note [cluster queries are cached] in partitioner/config/cluster.py: a pass over every rank
+    key = ("core_sharing_factor", None if placement is None else tuple(map(tuple, placement)), num_ranks)
+    known = cluster.memo.get(key)
+    if known is None:
+        known = cluster.memo[key] = _core_sharing_factor(cluster, placement, num_ranks)
+    return known
+
+
+def _core_sharing_factor(cluster: ClusterSpec, placement, num_ranks: int | None) -> float:
     ranks_on_node: dict[int, int] = {}
     if placement is not None:
         for i in sorted({i for row in placement for i in row}):  # interleaved rows repeat a rank's devices
@@ -390,7 +400,11 @@ class Assignment:
         object.__setattr__(self, "recompute", tuple(bool(x) for x in self.recompute))
         object.__setattr__(self, "device_of_stage_replica", tuple(tuple(row) for row in self.device_of_stage_replica))
 
-    @property
+    # Note [assignment layout is cached]: local_stages hashes every row of device_of_stage_replica
+    # (stages x dp: all the ranks) and the evaluators ask it, and each stage's position, millions of
+    # times at 16,384 ranks; computed once per (frozen) assignment and kept in its __dict__
+    # (cached_property), which leaves fields, equality and the serialized form as they were.
+    @functools.cached_property
     def local_stages(self) -> int:
         """Stages per rank: 1, or v under interleaved (rows of a rank's stages repeat its devices)."""
         kind = RUNTIME_SCHEDULES.get(self.schedule)
@@ -398,9 +412,25 @@ class Assignment:
             return 1
         return self.num_stages // len(set(self.device_of_stage_replica))
 
-    @property
+    @functools.cached_property
     def pipeline_ranks(self) -> int:
         return self.num_stages // self.local_stages
+
+    @functools.cached_property
+    def _positions(self) -> tuple[int, ...]:
+        """Each stage's pipeline position (Note [assignment layout is cached])."""
+        kind = RUNTIME_SCHEDULES.get(self.schedule)
+        if kind is None or not kind.several_per_rank:
+            return tuple(s % self.pipeline_ranks for s in range(self.num_stages))
+        schedule = kind(self.local_stages)
+        return tuple(schedule.position_of(s, self.pipeline_ranks) for s in range(self.num_stages))
+
+    @functools.cached_property
+    def _stages_at(self) -> tuple[tuple[int, ...], ...]:
+        held: list[list[int]] = [[] for _ in range(max(self._positions, default=-1) + 1)]
+        for s, pos in enumerate(self._positions):
+            held[pos].append(s)
+        return tuple(tuple(stages) for stages in held)
 
     def rank_of(self, stage: int, replica: int) -> int:
         """Stage s runs on its schedule's pipeline position: s % pp, or the V schedules'
@@ -408,14 +438,16 @@ class Assignment:
         return self.position_of(stage) * self.dp + replica
 
     def position_of(self, stage: int) -> int:
-        kind = RUNTIME_SCHEDULES.get(self.schedule)
+        if 0 <= stage < self.num_stages:
+            return self._positions[stage]
+        kind = RUNTIME_SCHEDULES.get(self.schedule)  # outside the stages: the schedule's own answer
         if kind is None or not kind.several_per_rank:
             return stage % self.pipeline_ranks
         return kind(self.local_stages).position_of(stage, self.pipeline_ranks)
 
     def stages_at(self, position: int) -> tuple[int, ...]:
         """The stages the rank at pipeline ``position`` holds."""
-        return tuple(s for s in range(self.num_stages) if self.position_of(s) == position)
+        return self._stages_at[position] if 0 <= position < len(self._stages_at) else ()
 
     def stage_replica_of_rank(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.dp)

@@ -63,10 +63,13 @@ RANK_FILE_HEADER = """\
 """
 
 
-def rank_constants(program: Program, rank: int) -> dict[str, object]:
-    """The constants of rank_<rank>.py, in file order (Note [rank file constants])."""
-    from runtime.execute.schedule import rank_actions  # torch.distributed.pipelining: imported when needed
+def rank_constants(program: Program, rank: int, *, actions: list | None = None) -> dict[str, object]:
+    """The constants of rank_<rank>.py, in file order (Note [rank file constants]). ``actions``:
+    the rank's schedule row when the caller has it (``entry_files`` computes each once)."""
+    if actions is None:
+        from runtime.execute.schedule import rank_actions  # lazy: torch.distributed.pipelining, imported when needed
 
+        actions = rank_actions(program, rank)
     layout = program.layout
     return {
         "RANK": rank,
@@ -78,7 +81,7 @@ def rank_constants(program: Program, rank: int) -> dict[str, object]:
         "SCHEDULE": program.schedule,
         "NUM_MICROBATCHES": program.num_microbatches,
         "MICROBATCH_SIZE": program.microbatch_size,
-        "ACTIONS": [tuple(a) for a in rank_actions(program, rank)],
+        "ACTIONS": [tuple(a) for a in actions],
         "LAUNCH": launch_line(program),
     }
 
@@ -119,12 +122,18 @@ def _actions_source(actions: list[tuple]) -> list[str]:
 def rank_file_text(program: Program, rank: int, plan_hash: str | None = None) -> str:
     """The exact text of DIR/rank_<rank>.py: what the rank runs (``rank_constants``), one call
     into runtime.launch.rank. ``plan_hash`` defaults to the program's own."""
-    c = rank_constants(program, rank)
+    return _rank_file_text(program, rank, plan_hash, rank_constants(program, rank), None)
+
+
+def _rank_file_text(program: Program, rank: int, plan_hash: str | None, c: dict[str, object],
+                    actions_source: list[str] | None) -> str:
+    """``rank_file_text`` from its constants ``c``; ``actions_source``: ACTIONS's lines when the
+    caller has rendered them (Note [rank files by position])."""
     world = program.world_size
     body = []
     for name, value in c.items():
         if name == "ACTIONS":
-            body.extend(_actions_source(value))
+            body.extend(actions_source if actions_source is not None else _actions_source(value))
         else:
             body.append(f"{name} = {_literal(value)}")
     return "\n".join([
@@ -191,9 +200,26 @@ def train_file_text(program: Program) -> str:
     return TRAIN_SOURCE.format(launch=launch, launch_literal=_literal(launch))
 
 
+# Note [rank files by position]: a rank's ACTIONS are its pipeline position's row of the schedule,
+# the same for the dp x tp ranks of that position; at 16,384 ranks asking the schedule for every
+# position's row once per rank, and rendering each row once per rank, was most of writing the
+# folder (issue 48). ``entry_files`` asks once and renders once per position; the texts are the
+# ones ``rank_file_text`` gives, byte for byte.
 def entry_files(program: Program, plan_hash: str | None = None) -> dict[str, str]:
     """{file name: text} of every rank_<r>.py and train.py."""
-    files = {f"rank_{r}.py": rank_file_text(program, r, plan_hash) for r in range(program.world_size)}
+    from runtime.execute.schedule import _rank_orders  # lazy: torch.distributed.pipelining, imported when needed
+
+    layout = program.layout
+    orders = _rank_orders(program.schedule, layout.pp_size, program.num_stages, program.num_microbatches)
+    position_of_rank = {r: pos for pipeline in layout.pipelines for pos, r in enumerate(pipeline)}
+    rendered: dict[int, list[str]] = {}
+    files = {}
+    for r in range(program.world_size):
+        pos = position_of_rank[r]
+        c = rank_constants(program, r, actions=orders[pos])
+        if pos not in rendered:
+            rendered[pos] = _actions_source(c["ACTIONS"])
+        files[f"rank_{r}.py"] = _rank_file_text(program, r, plan_hash, c, rendered[pos])
     files["train.py"] = train_file_text(program)
     return files
 

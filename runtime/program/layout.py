@@ -62,10 +62,13 @@ class Layout:
                 if tp_of[r] != r % tp or (stages_of[r], replica_of[r]) != (stages_of[first], replica_of[first]):
                     raise ValueError(f"rank {r}: with tensor_parallel={tp} rank r has tp_index r % {tp} and the "
                                      f"stages and replica of rank r - r % {tp} (its tensor group's first): recompile")
+        members: dict[tuple[int, int], list[int]] = {}  # one pass over the ranks, not one per pipeline
+        for r in range(world):
+            members.setdefault((replica_of[r], tp_of[r]), []).append(r)
         pipelines = []
         for rep in range(dp):
             for t in range(tp):
-                ranks = tuple(r for r in range(world) if replica_of[r] == rep and tp_of[r] == t)
+                ranks = tuple(members.get((rep, t), ()))
                 held = sorted(s for r in ranks for s in stages_of[r])
                 if held != list(range(p)):
                     raise ValueError(f"replica {rep} (ranks {list(ranks)}) holds stages {held}; "

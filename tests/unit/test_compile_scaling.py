@@ -1,0 +1,103 @@
+"""The solver's work scales with its candidates and stages, not with the ranks (issue 48): per-device
+questions are asked once per cluster (Note [cluster queries are cached] in partitioner/config/cluster.py)
+and an assignment's layout once per assignment (Note [assignment layout is cached] in
+partitioner/solver/problem.py). Counted calls, no clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from partitioner.config import device_link_specs
+from partitioner.config.cluster import ClusterSpec
+from partitioner.solver import Assignment, solve
+from partitioner.solver.device_layout import place_stages
+from partitioner.solver.evaluate import evaluate
+from runtime.program.schedules import schedule_named
+
+from test_solver_chain_dp import layered_chain
+
+
+def _count_memory_questions(monkeypatch) -> list[int]:
+    """Count reads of DeviceSpec.usable_memory_bytes (device_class reads it too): each is one
+    device looked at."""
+    calls = [0]
+    original = device_link_specs.DeviceSpec.usable_memory_bytes
+
+    def counted(self):
+        calls[0] += 1
+        return original.fget(self)
+
+    monkeypatch.setattr(device_link_specs.DeviceSpec, "usable_memory_bytes", property(counted))
+    return calls
+
+
+def test_a_solve_looks_at_each_device_a_bounded_number_of_times(monkeypatch):
+    # 256 devices: before the caches every candidate priced re-read every device (617,187 reads);
+    # now each device is read a few times per solve, however many candidates there are.
+    devices = 256
+    cluster = ClusterSpec.homogeneous(devices, "h100")
+    calls = _count_memory_questions(monkeypatch)
+    result = solve(layered_chain(8), cluster, global_batch=devices)
+    assert result.assignment.num_stages * result.assignment.dp <= devices
+    assert calls[0] <= 16 * devices, f"{calls[0]} device reads for {devices} devices"
+
+
+def test_pricing_again_reads_a_device_per_stage_not_per_rank(monkeypatch):
+    """A second evaluate of an assignment on the same cluster reads one device per stage (its
+    class), not its 64 ranks': links, capacities and core sharing are the cluster's memo."""
+    cluster = ClusterSpec.homogeneous(64, "h100")
+    problem = layered_chain(4)
+    a = Assignment(tuple(i * 4 // problem.num_regions for i in range(problem.num_regions)),
+                   (False,) * problem.num_regions, place_stages(cluster, 4, 16), 4, 16, 8, 1, "1f1b")
+    first = evaluate(problem, cluster, a)
+    calls = _count_memory_questions(monkeypatch)
+    again = evaluate(problem, cluster, a)
+    assert again == first
+    assert calls[0] <= a.num_stages, f"{calls[0]} device reads for {a.num_stages} stages x {a.dp} replicas"
+
+
+@pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("interleaved", 8, 2), ("zbv", 8, 2)])
+def test_cached_positions_are_the_schedules_own(schedule, p, v):
+    """position_of / stages_at / local_stages from the cache agree with the schedule's rule."""
+    dp = 3
+    kind = schedule_named(schedule, v)
+    cluster = ClusterSpec.homogeneous(p // v * dp, "h100")
+    placement = place_stages(cluster, p, dp, local_stages=v, position_of=kind.position_of if v > 1 else None)
+    a = Assignment(tuple(range(p)), (False,) * p, placement, p, dp, 8, 1, schedule)
+    pp = p // v
+    assert (a.local_stages, a.pipeline_ranks) == (v, pp)
+    for s in range(p):
+        assert a.position_of(s) == kind.position_of(s, pp)
+    for pos in range(pp):
+        assert a.stages_at(pos) == tuple(s for s in range(p) if kind.position_of(s, pp) == pos)
+    assert a.stages_at(pp) == ()
+    # the cache lives outside the fields: equality and the serialized form are unchanged
+    assert a == Assignment(tuple(range(p)), (False,) * p, placement, p, dp, 8, 1, schedule)
+
+
+@pytest.mark.parametrize("sched,splits,ranks,dp", [
+    ("1f1b", [[0, 1], [2, 3]], [([0], 0), ([0], 1), ([1], 0), ([1], 1)], 2),
+    ("interleaved", [[0], [1], [2], [3]], [([0, 2], 0), ([1, 3], 0)], 1),
+])
+def test_rank_files_ask_the_schedule_once(tmp_path, monkeypatch, sched, splits, ranks, dp):
+    """entry_files asks the schedule for its positions' rows once, not once per rank,
+    and writes the texts rank_file_text gives (Note [rank files by position] in
+    runtime/launch/entry_files.py)."""
+    from _runtime_folders import mlp_folder  # lazy: builds torch modules, only this test needs it
+    from runtime.launch import entry_files as ef
+    from runtime.execute import schedule
+
+    _, program = mlp_folder(str(tmp_path), splits=splits, ranks=ranks, dp=dp, num_microbatches=2,
+                            global_batch=8, schedule=sched)
+    one_by_one = {f"rank_{r}.py": ef.rank_file_text(program, r, "h") for r in range(program.world_size)}
+    calls = [0]
+    original = schedule._rank_orders
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(schedule, "_rank_orders", counted)
+    files = ef.entry_files(program, "h")
+    assert {name: text for name, text in files.items() if name.startswith("rank_")} == one_by_one
+    assert calls[0] == 1, f"the schedule's rows asked {calls[0]} times for {program.world_size} ranks"
