@@ -1,10 +1,13 @@
-"""A machine profile with made-up figures (no measuring), for the tests of
+"""A machine profile with made-up figures (no measuring), and the cache fixtures, for the tests of
 partitioner/calibrate/machine.py and refit.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
+from partitioner.calibrate import machine
 from partitioner.calibrate.machine import MachineKey, MachineMeasurements, MachineProfile
 from partitioner.calibrate.profiles import DirectionFit
 
@@ -25,3 +28,24 @@ def fake_profile(*, key: MachineKey | None = None, rate: float = 80e9, **measure
 
 def other_machine(profile: MachineProfile) -> MachineProfile:
     return dataclasses.replace(profile, key=dataclasses.replace(profile.key, cpu_model="Another CPU"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder, calibration on (the suite's conftest turns it off)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(machine.NO_CALIBRATE_ENV, raising=False)
+    return tmp_path / "cache" / "partitioner"
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """measure_machine replaced: returns fake profiles, counts its calls."""
+    calls = []
+
+    def fake_measure(progress=None, **_):
+        calls.append(1)
+        return fake_profile(load_average_1m=float(len(calls)))  # each measurement tells itself apart
+
+    monkeypatch.setattr(machine, "measure_machine", fake_measure)
+    return calls

@@ -25,6 +25,7 @@ from runtime import scratch
 from runtime.data.corpus import CorpusError, CorpusSpec, open_source
 from runtime.data.corpus.prepare import prepare
 from runtime.launch.rank import rank_error_lines
+from tests.unit.test_hardening_low import _one_error_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,12 +33,6 @@ REPO = Path(__file__).resolve().parents[2]
 def _run(argv, capsys) -> tuple[int, str]:
     rc = cli([str(a) for a in argv])
     return rc, capsys.readouterr().err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -11,31 +11,11 @@ import json
 
 import pytest
 
-from _machine import fake_profile
+from _machine import cache, fake_profile, measured  # noqa: F401 - cache, measured: fixtures
 from partitioner.calibrate import machine
 from partitioner.calibrate.profiles import DirectionFit
 from partitioner.cli import main
 from partitioner.config.cluster import ClusterSpec
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """An empty cache folder, calibration on (the suite's conftest turns it off)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(machine.NO_CALIBRATE_ENV, raising=False)
-    return tmp_path / "cache" / "partitioner"
-
-
-@pytest.fixture
-def measured(monkeypatch):
-    calls = []
-
-    def fake_measure(progress=None, **_):
-        calls.append(1)
-        return fake_profile(load_average_1m=float(len(calls)))
-
-    monkeypatch.setattr(machine, "measure_machine", fake_measure)
-    return calls
 
 
 def _poisoned(edit) -> str:

@@ -12,30 +12,9 @@ import os
 
 import pytest
 
-from _machine import fake_profile, other_machine
+from _machine import cache, fake_profile, measured, other_machine  # noqa: F401 - cache, measured: fixtures
 from partitioner.calibrate import machine
 from partitioner.config.cluster import DEFAULT_LINKS, DEVICE_PRESETS, ClusterSpec
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """An empty cache folder, calibration on (the suite's conftest turns it off)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(machine.NO_CALIBRATE_ENV, raising=False)
-    return tmp_path / "cache" / "partitioner"
-
-
-@pytest.fixture
-def measured(monkeypatch):
-    """measure_machine replaced: returns fake profiles, counts its calls."""
-    calls = []
-
-    def fake_measure(progress=None, **_):
-        calls.append(1)
-        return fake_profile(load_average_1m=float(len(calls)))  # each measurement tells itself apart
-
-    monkeypatch.setattr(machine, "measure_machine", fake_measure)
-    return calls
 
 
 def test_the_cache_file_is_named_by_the_machine(cache):
