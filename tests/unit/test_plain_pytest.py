@@ -45,3 +45,13 @@ def test_plain_pytest_collects_the_documented_way(tmp_path):
     assert "error" not in done.stdout.lower(), done.stdout[-3000:]
     where = next(line for line in done.stdout.splitlines() if line.startswith("PARTITIONER_FROM"))
     assert where.split(" ", 1)[1].startswith(str(REPO / "partitioner")), where
+
+
+def test_no_two_test_modules_share_a_name():
+    """tests/unit, e2e and dist have no __init__.py, so pytest imports each test module by its bare
+    name: a second file of the same name stops the whole session at collection ("import file
+    mismatch"), and only in a run that collects both."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
