@@ -400,10 +400,9 @@ class Assignment:
         object.__setattr__(self, "recompute", tuple(bool(x) for x in self.recompute))
         object.__setattr__(self, "device_of_stage_replica", tuple(tuple(row) for row in self.device_of_stage_replica))
 
-    # Note [assignment layout is cached]: local_stages hashes every row of device_of_stage_replica
-    # (stages x dp: all the ranks) and the evaluators ask it, and each stage's position, millions of
-    # times at 16,384 ranks; computed once per (frozen) assignment and kept in its __dict__
-    # (cached_property), which leaves fields, equality and the serialized form as they were.
+    # Note [assignment layout is cached]: local_stages hashes every row of device_of_stage_replica (all the
+    # ranks), asked with each stage's position millions of times at 16,384 ranks: computed once per (frozen)
+    # assignment into its __dict__ (cached_property), leaving fields, equality and the serialized form as were.
     @functools.cached_property
     def local_stages(self) -> int:
         """Stages per rank: 1, or v under interleaved (rows of a rank's stages repeat its devices)."""
@@ -427,10 +426,8 @@ class Assignment:
 
     @functools.cached_property
     def _stages_at(self) -> tuple[tuple[int, ...], ...]:
-        held: list[list[int]] = [[] for _ in range(max(self._positions, default=-1) + 1)]
-        for s, pos in enumerate(self._positions):
-            held[pos].append(s)
-        return tuple(tuple(stages) for stages in held)
+        positions = self._positions  # once per assignment: stages x positions is small
+        return tuple(tuple(s for s, p in enumerate(positions) if p == pos) for pos in range(max(positions, default=-1) + 1))
 
     def rank_of(self, stage: int, replica: int) -> int:
         """Stage s runs on its schedule's pipeline position: s % pp, or the V schedules'
