@@ -6,6 +6,7 @@
 - a function-local import carries a comment naming its reason, on its line or the line above;
 - no module is over 500 lines;
 - a citation that says where (``Note [name] in path``) names the file that defines the Note;
+- a Note is at most 15 lines: the decision and its reason, not a retelling of the code;
 - one meaning per file name: modules share a name only on the short list of same-subject pairs.
 
 Each rule is a function from source text to the list of its offenders (``file:line: what``), so a
@@ -27,6 +28,7 @@ PACKAGES = ("partitioner", "passes", "runtime")
 NOTE_ROOTS = (*PACKAGES, "benchmarks", "tests")
 NOTE_FILES = ("docs/design.md",)
 MAX_LINES = 500
+MAX_NOTE_LINES = 15
 
 
 def _sources(roots=PACKAGES) -> dict[str, str]:
@@ -150,6 +152,84 @@ def test_note_rule_finds_an_undefined_and_a_twice_defined_note():
         "b.py:1: Note [twice] is defined 2 times (a.py:4, b.py:1): keep the one where the decision is made and "
         "cite it at the others (`Note [name]` not opening a line, or not followed by a colon)",
     ]
+
+
+# ---- Note length -------------------------------------------------------------------------------
+# A Note runs from its definition line to the end of its comment block (the first line that is no
+# comment at the definition's column) or, in a docstring or a page, to its first blank line or the
+# closing quotes. A heading-form Note's body is what is indented deeper than its heading, blank
+# lines inside included. A next definition ends it too.
+_QUOTES = ('"""', "'''")
+
+
+def _defines(line: str) -> re.Match | None:
+    return _DEFINITION.match(_PROSE_PREFIX.sub("", line, count=1))
+
+
+def _depth(line: str) -> int:
+    """Indentation of a line's prose: after the `#` marker for a comment."""
+    text = line.lstrip()
+    text = text.lstrip("#") if text.startswith("#") else line
+    return len(text) - len(text.lstrip())
+
+
+def note_spans(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, number of lines) of every Note ``text`` defines."""
+    lines = text.splitlines()
+    spans = []
+    for i, first in enumerate(lines):
+        m = _defines(first)
+        if not m:
+            continue
+        heading, comment = not m.group(0).endswith(":"), first.lstrip().startswith("#")
+        column = len(first) - len(first.lstrip())
+        last = i
+        opened = re.sub(r"^[rRbBuU]?(?:\"\"\"|''')", "", first.strip())
+        for j in range(i + 1, len(lines)) if comment or not any(q in opened for q in _QUOTES) else ():
+            line = lines[j]
+            if comment and (not line.lstrip().startswith("#") or len(line) - len(line.lstrip()) != column):
+                break
+            if _defines(line) or (not comment and line.strip() in _QUOTES):
+                break
+            if not line.strip().lstrip("#").strip():  # blank: a paragraph's end, a heading's pause
+                if heading:
+                    continue
+                break
+            if heading and _depth(line) <= _depth(first):
+                break
+            last = j
+            if not comment and any(q in line for q in _QUOTES):
+                break
+        spans.append((_name(m.group(1)), i + 1, last - i + 1))
+    return spans
+
+
+def note_length_problems(sources: dict[str, str], limit: int = MAX_NOTE_LINES) -> list[str]:
+    return [f"{path}:{line}: Note [{name}] is {count} lines, over {limit}: keep the decision and its reason; "
+            "what the code says plainly goes"
+            for path, text in sources.items() for name, line, count in note_spans(text) if count > limit]
+
+
+def test_every_note_is_at_most_15_lines():
+    problems = note_length_problems(_note_sources())
+    assert not problems, f"{len(problems)} Notes over {MAX_NOTE_LINES} lines:\n" + "\n".join(problems)
+
+
+def test_note_length_rule_measures_each_form():
+    sources = {
+        "a.py": ("# Note [block]: one\n#   two\nx = 1  # three\n"
+                 "    # Note [next]: one\n    # Note [after]: a next definition ends the one before\n"),
+        "b.py": ('"""Note [para]: one\ntwo\n\nnot it.\n\nNote [heading]\n    one\n\n    two\nnot it\n"""\n'
+                 'def f():\n    """Text.\n\n    Note [closing]: one\n    two."""\n'),
+        "c.py": '"""Note [one line]: all."""\n# Note [head]\n#     one\n#     two\n# not it\n',
+    }
+    assert {path: note_spans(text) for path, text in sources.items()} == {
+        "a.py": [("block", 1, 2), ("next", 4, 1), ("after", 5, 1)],
+        "b.py": [("para", 1, 2), ("heading", 6, 4), ("closing", 15, 2)],
+        "c.py": [("one line", 1, 1), ("head", 2, 3)],
+    }
+    assert note_length_problems(sources, limit=3) == [
+        "b.py:6: Note [heading] is 4 lines, over 3: keep the decision and its reason; what the code says plainly goes"]
 
 
 # ---- Module maps -------------------------------------------------------------------------------
