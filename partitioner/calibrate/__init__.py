@@ -4,23 +4,13 @@
     partitioner compile gpt -o out --profile cpu.profile.json                    # reuse the fit
 
 Note [the fitted time model]
-    The datasheet model prices a region at ``flops / device.flops_per_s``. On a small model (and
-    on CPUs) most of the time goes elsewhere: memory-bound ops (layer norm, GELU, adds, softmax
-    parts) and a fixed cost per op (dispatch, autograd bookkeeping, Python). The fitted model,
-    one per direction (forward, backward) and per device kind, is
-
-        t = matmul_flops / matmul_flops_per_s         (linear, mm, bmm, convolution)
-          + other_flops / other_flops_per_s            (attention by formula, anything else counted)
-          + memory_bytes / memory_bytes_per_s          (bytes read + written by the other ops)
-          + num_ops * op_overhead_s                    (every call_function node but getitem)
-          [+ call_overhead_s]                          (one call of a measured sub-module: the
-                                                        harness's own cost, fitted, never predicted)
-
-    Its coefficients (the reciprocals, so that the model is linear in them) come from a
-    non-negative least-squares fit weighted by 1/measured, i.e. minimizing relative error. Rows are
-    the model's regions plus every distinct op run alone (deduplicated by target and input shapes,
-    so 32 identical layers cost one measurement): single ops separate the terms, which identical
-    transformer blocks alone would not.
+    The datasheet model (``flops / device.flops_per_s``) misprices small models and CPUs, whose
+    time goes to memory-bound ops and a fixed cost per op. So a region's time, per direction and
+    device kind, is a linear model of four terms (``features.py``: matmul FLOPs, other FLOPs,
+    bytes of the other ops, op count; plus the harness's per-call cost, fitted, never predicted),
+    its coefficients fitted by non-negative least squares weighted by 1/measured (relative error).
+    The rows are the model's regions plus every distinct op run alone (deduplicated by target and
+    input shapes): single ops separate the terms, which identical transformer blocks would not.
 
 Note [measuring a region]
     The traced graph runs once on a real batch (``make_batch``, else the example inputs) and

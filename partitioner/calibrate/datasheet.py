@@ -1,29 +1,16 @@
 """An accelerator's time model from published measurements, where nothing was measured here.
 
 Note [accelerator roofline]
-    A GPU kind without a measured profile (``--calibrate`` on that GPU, or ``--profile FILE``) is
-    priced by the fitted time model's own terms (Note [the fitted time model] in
-    partitioner/calibrate/__init__.py), with coefficients taken from published measurements of
-    the kind instead of a fit:
-
-        t = matmul_flops / sustained dense GEMM rate of the policy's dtype
-          + other_flops  / sustained fused-attention rate (SDPA; the FLOPs the flops pass adds by
-                           formula)
-          + memory_bytes / achievable HBM bandwidth  (every other op is memory-bound: norms,
-                           softmax, elementwise, dropout; read + written bytes, as traced)
-          + num_ops      * per-kernel floor
-
-    so a model whose time is in its memory-bound ops (written-out attention scores, small
-    widths) is not priced as if it ran at the matmul rate, and the matmul rate is what large
-    GEMMs reach, not a blanket 40% of the datasheet (the preset ``flops_per_s``, which stays the
-    rate of the fallback ``flops / flops_per_s`` for kinds without a table here).
-    Bytes are priced in the dtype each op runs in under the policy (Note [bytes under autocast] in
-    partitioner/calibrate/features.py: a matmul's output and what follows it in the compute dtype,
-    norms, softmax and the fp32 residual stream in fp32), the traced dtype under fp32.
-    The optimizer step is memory-bound too: AdamW reads and writes each parameter, its gradient
-    and both moments (``ADAMW_BYTES_PER_PARAM_BYTE`` per parameter byte), priced per step on the
-    stage holding them (``step_s_by_kind``). A cluster file that sets ``flops_per_s`` for a GPU
-    group keeps the flat model for that kind: the user's figure wins.
+    A GPU kind without a measured profile is priced by the fitted time model's own terms (Note
+    [the fitted time model] in partitioner/calibrate/__init__.py) with published coefficients
+    instead of a fit: the sustained GEMM rate of the policy's dtype for matmuls, the fused-attention
+    rate for the other FLOPs, achievable HBM bandwidth for the memory-bound ops, a per-kernel floor.
+    So a model whose time is in memory-bound ops is not priced at the matmul rate, and the matmul
+    rate is what large GEMMs reach, not a blanket 40% of the datasheet (the preset ``flops_per_s``,
+    kept for kinds without a table here). Bytes are priced in the dtype each op runs in under the
+    policy (Note [bytes under autocast] in partitioner/calibrate/features.py); the AdamW step is
+    memory-bound and priced per parameter byte on the stage holding it. A cluster file that sets
+    ``flops_per_s`` for a GPU group keeps the flat model for that kind: the user's figure wins.
 """
 
 from __future__ import annotations

@@ -7,61 +7,19 @@ machine_profile.py, how it is measured in machine_measure.py (their names are re
     partitioner compile ... [--no-calibrate]        # priced by it (default), or by the cpu preset
 
 Note [machine profile]
-    The ``cpu`` preset's figures (partitioner/config/cluster.py: 50 GFLOP/s, 1 ms per microbatch, gloo
-    at 1 GB/s + 50 us, ...) were measured on one machine; on another the prediction is off by
-    what that machine differs in (1.6 to 2.4x for `make demo` on a machine it was not tuned on).
-    The machine profile measures this machine's figures once, model-independently, in seconds,
-    one thread per process as the ranks run (``torch.set_num_threads(1)``):
-
-    * the fitted time model's coefficients (Note [the fitted time model] in
-      partitioner/calibrate/__init__.py: seconds per matmul FLOP, per other FLOP, per byte of the
-      memory-bound ops, per op, forward and backward): ``calibrate`` run on a fixed reference
-      model (``reference_workload``: embedding, two pre-norm transformer blocks of width 64 and 256,
-      layer norms, attention, a vocabulary head; every region and every distinct op alone), not
-      on the user's. Its recompute fixed cost and DTensor's dispatch per op come from the same
-      graph (partitioner/calibrate/recompute_cost.py, tp_overheads.py);
-    * the optimizer's step as the runtime makes it (AdamW, fused, over 4 MiB of parameters in
-      small tensors): seconds per parameter byte, paid once a step by the stage holding them
-      (``optimizer_s_per_param_byte``, as Note [accelerator roofline] prices it on GPUs);
-    * two local processes over gloo (partitioner/calibrate/machine_worker.py):
-      - the seconds per microbatch of a one-stage 1F1B schedule of torch.distributed.pipelining on
-        a tiny stage: the schedule's own cost and the loss (``microbatch_overhead_s``);
-      - the seconds per microbatch slot of a two-stage one whose stages compute as a small
-        model's do: what is left of the slot beyond the stage's compute, its bytes and that
-        overhead is what a stage pays per send in a pipeline, the link's latency (a send to a
-        busy peer takes longer than to an idle one, so tiny stages would under-price it);
-      - a two-rank all-reduce at 1 KiB to 16 MiB: its least-squares slope over the larger sizes
-        is the link's bandwidth;
-      - tensor parallelism's per-collective cost and drift (``collective_points``);
-      - the ranks' contention: how many times longer about 15 ms of matmuls, GELU and layer norm
-        take in each process while the other computes too than while it waits (shared caches
-        and memory bandwidth, SMT siblings, whatever else the machine runs at the time). The
-        region coefficients are multiplied by it (``region_scales``), since ranks compute side by
-        side; a one-rank plan is over-predicted by it (1.0 to 1.1 on an idle machine).
-      Per-microbatch figures are slopes over two microbatch counts, so what a step pays once
-      (the schedule's set-up) is not charged per microbatch.
-
-    The two-process timings keep the quieter quarter of their repeats (25th percentile), not the
-    median: other work on a shared machine only ever adds time, and the profile is this machine
-    with its cores to the job, as the cpu preset's figures were taken (partitioner/config/cluster.py).
-    A run on a busier machine takes longer than predicted; ``calibrate --from-run`` refits the
-    profile to it where that is how the machine will be.
-
-    It prices a compile by becoming, for the ``cpu`` kind, what a ``--calibrate`` profile would
-    be (``device_profile``: region seconds from the reference fit, the measured overheads) and by
-    replacing the preset's figures in the cluster (``cluster_for``: flops_per_s, the measured
-    matmul rate; the intra-node link), never a figure the user gave (a cluster file's
-    ``flops_per_s`` or ``[links.intra_node]`` wins: Note [what the machine profile replaces]).
-    Regions follow the reference fit only under fp32 (the profile is measured in fp32: another
-    policy keeps the datasheet region model at the measured rate, with the measured overheads).
-    ``--calibrate`` (this model's regions measured) wins over the reference fit for the regions;
-    the machine profile still gives what ``--calibrate`` does not measure (the per-microbatch
-    overhead, the link). Every figure is this machine at the time it was measured: the most
-    other threads seen running while measuring are in the profile, and its description (printed
-    by every compile) says so when they held more than half the cores (on 2 cores, more than
-    half a thread: Note [a busy measurement is provisional]); ``--refresh`` measures
-    again, and ``calibrate --from-run`` refits it to a real run (partitioner/calibrate/refit.py,
-    Note [refit from a run]).
+    The ``cpu`` preset's figures were measured on one machine; on another the prediction is off by
+    what that machine differs in (1.6 to 2.4x for `make demo`). So the machine profile measures
+    this machine once, model-independently, one thread per process as the ranks run: the fitted
+    time model on a fixed reference model (``reference_workload``, not the user's: one measurement
+    serves every compile), the optimizer step, and over two gloo processes the pipeline's
+    per-microbatch overhead, the link, tensor parallelism's collectives and the ranks' contention
+    (machine_measure.py lists how). Per-microbatch figures are slopes over two microbatch counts,
+    so a step's one-off cost is not charged per microbatch. The timings keep the 25th percentile,
+    not the median: other work only ever adds time, and the profile is this machine with its cores
+    to the job. It replaces only the preset's figures, never one the user gave (Note [what the
+    machine profile replaces]); ``--calibrate`` wins for the regions; regions follow the reference
+    fit only under fp32 (it is measured in fp32). A busy machine's figures are provisional (Note [a
+    busy measurement is provisional]); ``calibrate --from-run`` refits them (Note [refit from a run]).
 
 Note [machine profile cache]
     One JSON file per machine, ``$XDG_CACHE_HOME/partitioner/machine-<key>.json`` (default
@@ -79,21 +37,15 @@ Note [machine profile cache]
     golden file depends on the machine.
 
 Note [compiled machine fit]
-    Compiled stages (Note [compiled stages] in runtime/execute/compile_stages.py) run fused kernels: on
-    this machine a compiled region pays a quarter to a third of an eager op's fixed cost per op (14
-    against 55 us forward in one measurement, 3 against 8 in a quieter one), so the eager fit prices
-    a compiled plan too slow and steers the solver by a cost that will not be paid. The first
-    compile with compile_stages on a machine whose cached profile has no compiled fit measures the
-    reference model's regions through torch.compile (``measure_compiled_fit``: about a minute, most
-    of it inductor; said as it starts) and adds the fit to the cached profile (``compiled``; the
-    rest of the profile, its measurement id included, is unchanged). Such plans price cpu regions
-    with it, ``dtensor_op_s`` 0 (Note [compiled regions priced]), the contention as measured and
-    none of a refit's region scales (those are the eager fit's); plan.json's
-    ``cpu_time_model.regions`` says "machine compiled", and a refit from such a run refits the
-    per-microbatch overhead only. A compile whose measurement fails (no C compiler for inductor,
-    say) says so and prices with the eager fit. The fit's per-call term (a compiled graph's guards
-    and call, 0.1-0.3 ms a region here) is the harness's and is not priced per region: a compiled
-    stage is one call, not one per region.
+    Compiled stages (Note [compiled stages] in runtime/execute/compile_stages.py) pay a quarter to
+    a third of an eager op's fixed cost per op here, so the eager fit prices a compiled plan too
+    slow and steers the solver by a cost that will not be paid. The first compile with
+    compile_stages on a machine whose profile has no compiled fit measures the reference model
+    through torch.compile (about a minute, said as it starts) and adds it to the cached profile.
+    Such plans price cpu regions with it, ``dtensor_op_s`` 0 (Note [compiled regions priced]) and
+    none of a refit's region scales (those are the eager fit's); a refit of such a run refits the
+    per-microbatch overhead only. A failed measurement (no C compiler for inductor) is said and
+    priced with the eager fit. The per-call term is not priced per region: a compiled stage is one call.
 
 Note [what the machine profile replaces]
     A cpu device whose ``flops_per_s`` is the preset's, and the intra-node link when it is the

@@ -25,37 +25,30 @@ KIND = "cpu"  # the device kind this machine's processes are (Note [core sharing
 
 # Note [machine figures are bounded]
 #     Every figure of a machine profile is checked against a range no real machine is outside of,
-#     wherever a profile is made: measured, refit from a run (before it is saved) and read from the
-#     cache (a file outside is measured again, said in one line naming the file and the figure).
-#     Without it a run folder with a NaN step time wrote NaN into the profile and every later compile
-#     on the machine failed on it; 1e6 priced every plan at a million seconds a step; a cached file
-#     with contention 1e6 or zero coefficients priced plans silently. The ranges are wide: one thread
-#     of any CPU does between 1 MFLOP/s (slower than any since the 1980s) and 1 PFLOP/s (over a thousand
-#     times any core's fp32 peak) of matmul and moves more than 1 MB/s; an eager op's fixed cost is
-#     microseconds, so 0.1 s is none; a schedule's, a send's or a collective's fixed cost is under
-#     a millisecond here, so 10 s is none; loopback gloo moves 1 MB/s to 10 TB/s (more than any
-#     memory bus); two ranks side by side slow each other at most about twice (sharing one core),
-#     so a contention above 100 is a burst that swamped the measurement or a hand-edited file; a
-#     refit scales the measured fit by 3-20x on a busy machine (17x forward at load 23 on 2 cores),
-#     so beyond 1000x (either way) the run was not this machine; a step of a partitioner run takes
-#     more than a microsecond and less than a day. The matmul coefficient is never 0 (the
-#     reference model is mostly matmuls: a zero prices its regions at nothing); the others may be
-#     (the fit's non-negative least squares puts a term another one explains at 0, a link may have
-#     no latency beyond its bytes). A measurement outside is no profile either: a compile then
-#     prices with the preset and says why (``resolve``), so a bound never makes it measure forever.
-_SECONDS_PER_OP = (0.0, 0.1)
-_SECONDS_FIXED = (0.0, 10.0)
-_PER_UNIT = (0.0, 1e-6)  # seconds per FLOP or byte
+#     wherever a profile is made (measured, refit, read from the cache; a file outside is measured
+#     again, said in one line naming the file and the figure). Without it a run folder with a NaN
+#     step time wrote NaN into the profile and every later compile failed on it, and a cached file
+#     with contention 1e6 or zero coefficients priced plans silently. The ranges are wide (the
+#     comments below say why); only the matmul coefficient may not be 0 (the reference model is
+#     mostly matmuls; NNLS may put any other term at 0). A measurement outside is no profile
+#     either: the compile prices with the preset and says why, so a bound never makes it measure
+#     forever.
+_SECONDS_PER_OP = (0.0, 0.1)   # an eager op's fixed cost is microseconds
+_SECONDS_FIXED = (0.0, 10.0)   # a schedule's, a send's or a collective's fixed cost is under a millisecond
+_PER_UNIT = (0.0, 1e-6)  # seconds per FLOP or byte: more than 1 MB/s, 1 MFLOP/s (slower than any CPU since the 1980s)
+# A matmul FLOP of one thread: between 1 MFLOP/s and 1 PFLOP/s (over a thousand times any core's fp32 peak).
 _FIT_BOUNDS = {"s_per_matmul_flop": (1e-15, 1e-6), "s_per_other_flop": _PER_UNIT, "s_per_byte": _PER_UNIT,
                "op_overhead_s": _SECONDS_PER_OP, "call_overhead_s": _SECONDS_PER_OP}
 STEP_S_BOUNDS = (1e-6, 86400.0)  # a run's step, and a stage's seconds per microbatch at most a day
-SCALE_BOUNDS = (1e-3, 1e3)       # a refit's region scales
+SCALE_BOUNDS = (1e-3, 1e3)       # a refit's region scales: 3-20x on a busy machine; past 1000x it was no run here
 _BOUNDS = {
     "forward_fit_median_rel_error": (0.0, 1e3), "backward_fit_median_rel_error": (0.0, 1e3),
     "microbatch_overhead_s": _SECONDS_FIXED, "pipeline_slot_s": _SECONDS_FIXED, "link_latency_s": _SECONDS_FIXED,
-    "link_bandwidth_bytes_per_s": (1e6, 1e13), "allreduce_latency_s": _SECONDS_FIXED,
+    "link_bandwidth_bytes_per_s": (1e6, 1e13),  # loopback gloo: 1 MB/s to more than any memory bus
+    "allreduce_latency_s": _SECONDS_FIXED,
     "p2p_latency_s": _SECONDS_FIXED, "recompute_fixed_s": _SECONDS_FIXED, "dtensor_op_s": _SECONDS_PER_OP,
-    "tp_collective_s": _SECONDS_FIXED, "tp_skew": (0.0, 100.0), "contention": (1.0, 100.0),
+    "tp_collective_s": _SECONDS_FIXED, "tp_skew": (0.0, 100.0),
+    "contention": (1.0, 100.0),  # two ranks on one core slow each other about twice: 100 is a burst or a hand edit
     "optimizer_s_per_param_byte": _PER_UNIT, "threads": (1, 1 << 16), "load_average_1m": (0.0, 1e6),
     "other_runnable": (0.0, 1e6), "measure_s": (0.0, 7 * 86400.0), "time_unix": (0.0, 1e11),
     "forward_scale": SCALE_BOUNDS, "backward_scale": SCALE_BOUNDS, "measured_step_s": STEP_S_BOUNDS,

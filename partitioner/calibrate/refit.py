@@ -2,31 +2,16 @@
 measured (Note [refit from a run]).
 
 Note [refit from a run]
-    A run measures the truth the profile predicts: summary.json's step time and, per stage,
-    the seconds its forward and backward took per microbatch (Note [stage times] in
-    runtime/observe/stage_times.py). The refit reprices the run's own plan (plan.json keeps the priced
-    problem, the assignment and the cluster) and fits two things:
-
-    * the region scales: measured forward (backward) seconds summed over the stages, over
-      what the plan priced for them (times the core-sharing factor, which the measurement
-      includes); the profile's region coefficients are multiplied by them;
-    * the per-microbatch overhead: with the regions rescaled, the seconds per microbatch every
-      stage must pay besides them for ``evaluate`` to give the measured step (linear in it:
-      solved from two evaluations). It absorbs whatever the model leaves out on this machine
-      (the schedule's Python, waits on sends). Where it would be negative it is 0 and the
-      profile's pipeline latency is refit instead (a profile measured while the machine was
-      busy prices sends too high), down to 0; where even that is not enough (the stages
-      overlapped better than the pipeline formula charges, as when the ranks take turns on
-      shared cores) both region scales shrink by one factor until the step is what was
-      measured.
-
-    Both are relative to the profile that priced the plan, so the plan must have been priced by
-    this machine's profile (plan.json's ``predicted.cpu_time_model``, written by the compile)
-    and the same measurement (a ``--refresh`` since starts over: recompile, run, refit). A plan
-    whose regions a ``--calibrate`` profile priced refits only the overhead. A run without
-    stage times (an older runtime) scales everything by measured / predicted. The newest run
-    wins (this machine as it is now); the profile keeps every refit's figures in ``refits``.
-    Tensor-parallel runs are refused: their collectives are inside the stage times.
+    A run measures what the profile predicts (summary.json's step time, each stage's seconds per
+    microbatch: Note [stage times] in runtime/observe/stage_times.py). The refit reprices the run's
+    own plan and fits two things: the region scales (measured over priced, forward and backward)
+    and the per-microbatch overhead that makes ``evaluate`` give the measured step (what the model
+    leaves out on this machine: the schedule's Python, waits on sends). A negative overhead is 0
+    and the pipeline latency is refit instead (a busy measurement prices sends too high); if even
+    that is not enough, both region scales shrink by one factor. Both are relative to the profile
+    that priced the plan, so the plan must have been priced by this machine's profile and the same
+    measurement (after a ``--refresh``: recompile, run, refit). The newest run wins (the machine
+    as it is now). Tensor-parallel runs are refused: their collectives are inside the stage times.
 """
 
 from __future__ import annotations

@@ -4,74 +4,32 @@
 the checker (check.py) all use it, and the ILP (model.py) is its integer-scaled transcription.
 
 Note [cost model]
-    For p stages, d replicas, m microbatches of b samples:
-    * compute_s  = sum over the stage's regions of (fwd + bwd) time, + recompute_s if recomputed
-                   (fwd again + the checkpoint's fixed cost: Note [recompute fixed cost]).
-    * cut[k]     = sum of bytes_per_sample of edges (u -> v) with stage(u) <= k < stage(v): an
-                   edge skipping stages is forwarded through each boundary it crosses.
-    * comm_s     = per microbatch, the stage's sends: activations over boundary s (if s < p-1)
-                   and gradients over boundary s-1 (if s > 0), each latency + b*cut/bandwidth.
-    * overhead_s = the stage's fixed cost per microbatch (Note [whole-step terms] in problem.py).
-    * T_s        = compute_s + comm_s + overhead_s;  pipeline = (m - 1) * max_s T_s + sum_s T_s.
-    * dp_allreduce = max_s ring all-reduce of stage s's gradients among its d replicas:
-                   2 (d-1)/d * grad_bytes_s / bw + 2 (d-1) * latency (0 when d = 1), + the
-                   stage's other per-step seconds (its regions' ``step_s_by_kind``: tensor
-                   parallelism's gradient all-gathers, Note [tensor-parallel pricing]).
-    * tie cost   = (k - 1) * (latency + tie grad bytes / bw) for a tie spread over k stages
-                   (a reduce-then-broadcast chain; equals the ring all-reduce for k = 2).
-    * sdc_check  = the replica digest check every K = sdc_every steps, amortised: (slowest stage's
-                   digest of params + optimizer state + (world - 1) * latency) / K (0 when d = 1
-                   or K = 0; partitioner/solver/sdc_cost.py). The ILP leaves it out: its callers
-                   pass no sdc_every.
-    * grad_norm  = the global gradient norm when the program computes it (clipping or fp16:
-                   Note [global gradient norm] in runtime/execute/grad_norm.py): the slowest rank's norm
-                   pass over its gradient bytes + 2 (world - 1) * latency; 0 otherwise
-                   (partitioner/solver/grad_norm_cost.py). Like sdc_check, outside the ILP.
-    * step_time  = pipeline + dp_allreduce + sdc_check + grad_norm + sum of tie costs.
-    * interleaved (v stages on each of pp ranks): pipeline = (max(m v + pp, pp v + m) - 1) *
-                   (max_s f_s + max_s b_s), f_s the forward part of T_s (forward compute and the
-                   activation send), b_s the rest; dp_allreduce per rank over its stages'
-                   gradients; memory per rank (Note [interleaved pricing] in interleaved.py).
-    * every time term above is multiplied by the candidate's core-sharing factor (ranks per CPU
-                   core on the most crowded node, at least 1; Note [whole-step terms]).
-    * memory_s   = see Note [memory model].
-    Links: boundary s uses the slowest link between stage s and s+1 over the replicas; the
-    all-reduce of stage s the slowest link among its replicas; ties the slowest link within a
-    replica's pipeline.
+    A stage's time per microbatch is T_s = compute (fwd + bwd, + the recomputed forward and its
+    fixed cost: Note [recompute fixed cost]) + its sends (latency + bytes / bandwidth, activations
+    forward and gradients back; an edge that skips stages is forwarded through every boundary it
+    crosses) + its fixed overhead (Note [whole-step terms] in problem.py). The step is the pipeline,
+    (m - 1) * max_s T_s + sum_s T_s (interleaved: Note [interleaved pricing] in interleaved.py),
+    plus the slowest stage's ring all-reduce over its d replicas with its other per-step seconds
+    (Note [tensor-parallel pricing]), plus each tie's reduce-then-broadcast chain, plus the
+    amortised replica digest check and the global gradient norm when the program runs them
+    (sdc_cost.py, grad_norm_cost.py; the ILP leaves these two out). Every time term is multiplied
+    by the core-sharing factor. Each transfer is priced on the slowest link it may take (across
+    replicas for a boundary, among replicas for the all-reduce): the plan is the same on every
+    replica, so the slowest one sets the step. Memory: Note [memory model].
 
 Note [memory model]
     Memory is predicted conservatively (docs/design.md §12): the solver fills a device to the
-    prediction, so every term is what the runtime (runtime/execute/train.py over torch.distributed.
-    pipelining's PipelineStage) actually holds, rounded up where it is uncertain. Stage s of p,
-    d replicas, m microbatches of b samples, k_s = in-flight microbatches (m for GPipe,
-    min(p - s, m) for 1F1B), cut_in = cut[s - 1] (0 on stage 0), cut_out = cut[s] (0 last):
-    * static      = params + grads + optimizer state (+ tie replicas). Gradients are freed by
-                    zero_grad(set_to_none) after the step, but all exist from the first backward
-                    on, so they count at the peak.
-    * activations = k_s * b * (sum of saved activations [a recomputed region: only its inputs]
-                    + cut_out). cut_out: the stage's outputs, which PipelineStage keeps in
-                    fwd_cache until their backward even when no op saves them. On the last
-                    stage the graph outputs (logits) and, when the loss is applied outside the
-                    graph, its float copy (log-softmax of the logits) are the output node's saved
-                    activations (Note [the loss on the last stage] in passes/memory.py).
-    * buffers     = m * b * (cut_in + cut_out) + b * cut_in + d * m * b * (input + target).
-                    PipelineStage allocates an activation receive buffer for every microbatch
-                    (cut_in) and a gradient receive buffer for every microbatch (cut_out) once,
-                    at its first step, and keeps them; the input gradient it sends back (cut_in)
-                    lives until the send completes. Every rank builds the whole global batch
-                    (d * m * b samples of inputs and targets) before narrowing to its rows.
-    * transient   = max over the stage's regions of transient_bytes(b, recompute): the
-                    gradients alive during one region's backward (the gradient frontier of the
-                    graph, the op's own input/output/weight gradients; a recomputed region adds
-                    its rerun forward's saved activations). One region runs backward at a time,
-                    so the stage pays the largest, not the sum.
-    * step        = (after the schedule, activations freed) tie gradient copies summed in
-                    sync_gradients + for d > 1 the all-reduce's flat bucket, min(grads,
-                    allreduce_bucket_bytes). AdamW runs fused (no temporaries at steady state:
-                    measured 0 bytes; its state is allocated once, already in static).
-    * peak        = static + buffers + max(activations + transient, step).
-    The capacity compared with it is the device's usable memory (Note [usable memory] in
-    partitioner/config/device_presets.py): what the allocator and the runtime reserve is left out there.
+    prediction, so every term is what the runtime actually holds, rounded up where uncertain.
+    peak = static + buffers + max(activations + transient, step), where static is parameters,
+    gradients (all alive from the first backward on) and optimizer state; activations are the
+    in-flight microbatches' (m for GPipe, min(p - s, m) for 1F1B) saved tensors and stage outputs
+    (PipelineStage keeps them until their backward even when no op saves them; on the last stage
+    the loss's copy of the logits: Note [the loss on the last stage] in passes/memory.py);
+    buffers are PipelineStage's receive buffers for every microbatch, kept from its first step,
+    and the whole global batch every rank builds before taking its rows; transient is the largest
+    one region's backward needs (one region runs backward at a time); step is the tie copies and
+    the all-reduce bucket (fused AdamW measured 0 bytes of temporaries). The capacity is the
+    device's usable memory (Note [usable memory] in partitioner/config/device_presets.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """Every distinct way to put a candidate's stages on a heterogeneous cluster's devices.
 
 Note [exact placements]
-    On a heterogeneous cluster a plan's cost depends on which devices run each stage: their
-    class (speed, memory) and their nodes (every boundary, all-reduce and tie is an intra- or an
-    inter-node link; Note [cost model] in evaluate.py). Two devices of the same class on the
-    same node are interchangeable: swapping them changes no term of ``evaluate``. So a placement
-    is, up to cost, a grid of labels (device class, node), one per (stage, replica), each label
-    used at most as often as the cluster has such devices, a stage's replicas of one class
-    (the runtime's requirement; check.structural_violations). Two more symmetries keep the list
-    short without losing a cost: replicas are interchangeable as whole columns (replica r of
-    every stage with replica r' of every stage), and so are nodes holding the same devices.
-
-    Only placements torchrun can launch are listed (``is_launchable``): torchrun gives each node
-    a contiguous block of ranks (any node may take any block: its --node-rank), and the runtime
-    runs local rank k on the node's k-th device (cuda:LOCAL_RANK). So the ranks (rank = stage *
-    dp + replica) on a node must be consecutive, and their device classes, in rank order, those
-    of the node's first devices. A grid such as H100, A100, H100, A100 over two nodes costs what
-    it costs but cannot be started, so it is not searched.
-
-    ``solve_candidate`` solves one CP-SAT model per placement, each with exact links and the
-    exact core-sharing factor, and keeps the best: OPTIMAL then means optimal over every
-    placement (every device choice and rank order), not over device classes priced at some
-    assumed link. When a candidate has more than ``limit`` placements the enumeration stops
-    (None) and the caller falls back to the relaxation in placement_relaxation.py.
+    On a heterogeneous cluster a plan's cost depends on which devices run each stage: their class
+    and their nodes (every link is intra- or inter-node). Two devices of one class on one node are
+    interchangeable, so a placement is, up to cost, a grid of (class, node) labels, one per (stage,
+    replica), a stage's replicas of one class; replicas as whole columns and nodes holding the same
+    devices are interchangeable too, which keeps the list short without losing a cost. Only
+    placements torchrun can launch are listed (``is_launchable``): a node gets a contiguous block
+    of ranks and runs local rank k on its k-th device, so a grid such as H100, A100, H100, A100
+    over two nodes is not searched. ``solve_candidate`` solves one CP-SAT model per placement, with
+    exact links and core sharing, and keeps the best: OPTIMAL then means optimal over every
+    placement, not over classes priced at an assumed link. Past ``limit`` placements the caller
+    falls back to the relaxation in placement_relaxation.py.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """The precision policy in the cost model (Note [mixed precision] in runtime/execute/precision.py).
 
 Note [precision in the cost model]: the passes trace the model in its own dtype; the policy
-changes three figures, and this module changes them on the problem and the cluster before the
-solve, so the ILP, the chain DP, the checker and the baselines all see them alike:
-- compute: each device computes at the FLOP rate of the policy's dtype (``cluster_for_precision``,
-  Note [flops per dtype] in partitioner/config/device_presets.py): fp32 -> fp32, bf16-mixed -> bf16,
-  fp16-mixed -> fp16;
-- weights: under autocast each weight a matmul reads is also held as a low-precision copy for
-  the step (runtime/execute/precision.py ``step_context``): the weights term grows by 2 bytes per 4-byte
-  parameter (``precision_problem``: every parameter counted, which over-counts norms and
-  embeddings that are not cast: memory is predicted conservatively);
-- calibration: ``--calibrate`` measures every region with its forward under the policy's
-  autocast, and the profile records the policy (meta "precision"); a profile fitted under another
-  policy is refused (partitioner/compiler.py), since its seconds are of other kernels;
-- tensor parallelism's collectives: a row-parallel linear's output, a column group's input
-  gradient and a vocab-split head's logits are autocast's dtype, so ``tp.comm_bytes``,
-  ``tp.comm_bwd_bytes`` and ``tp.gather_bytes`` (traced in the model's dtype, passes/tp_roles.py)
-  are priced at 2 bytes an element (Note [tensor parallelism under autocast] in
-  runtime/parallel/tensor_parallel.py), except the vocab lookup's all-reduce (``tp.lookup_bytes``, part of
-  ``tp.comm_bytes``), which stays fp32: an embedding is not autocast. The per-step gathers of split
-  gradients (``tp.step_gather_bytes``) move fp32 gradients and keep their traced bytes;
-- what stays: gradients and AdamW state are fp32 (the parameters are the master weights), and
-  pipeline communication is priced at the traced bytes, although a boundary crosses in the dtype
-  autocast made it in (Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py):
-  exact for an fp32 residual stream (GPT's embedding sum keeps it fp32), twice the bytes of one
-  that autocast turned bf16 (conservative). Saved activations stay at the traced dtype too, which over-counts the
-  halves that autocast's matmuls save in bf16/fp16 (conservative, not modelled finer).
+changes some figures, and this module changes them on the problem and the cluster before the
+solve, so the ILP, the chain DP, the checker and the baselines all see them alike: the FLOP rate
+of the policy's dtype (Note [flops per dtype] in partitioner/config/device_presets.py); 2 more
+bytes per 4-byte parameter for autocast's weight copies (every parameter counted: conservative);
+tensor parallelism's activation collectives at 2 bytes an element (Note [tensor parallelism under
+autocast] in runtime/parallel/tensor_parallel.py), but not the vocab lookup's all-reduce or the
+split gradients' gathers, which stay fp32. A profile calibrated under another policy is refused:
+its seconds are of other kernels. Gradients, AdamW state, pipeline boundaries and saved
+activations keep their traced bytes: exact for fp32 ones, an over-count of what autocast halves
+(Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py), conservative.
 """
 
 from __future__ import annotations

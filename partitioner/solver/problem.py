@@ -18,22 +18,16 @@ Note [time model]
     region (Note [whole-step terms]): ``microbatch_overhead_s`` and ``core_sharing_factor``.
 
 Note [whole-step terms]
-    Measured on the whole step (benchmarks/step_time_accuracy.py), two costs the regions alone
-    miss, both applied identically by ``evaluate``, the ILP and the chain DP:
-    * ``microbatch_overhead_s(problem, device)``: seconds a stage pays per microbatch besides its
-      regions: the schedule's forward and backward actions (Python in
-      torch.distributed.pipelining), the loss on the last stage, and the send/receive calls.
-      Added to every stage's time per microbatch (so to the bottleneck and to the fill/drain).
-      The preset (``DevicePreset.microbatch_overhead_s``), this machine's profile (Note [machine
-      profile] in partitioner/calibrate/machine.py) or a calibrated profile gives it.
-    * ``core_sharing_factor(cluster, placement)`` (Note [core sharing] in cluster.py): a node
-      running R ranks on C < R cores gives each rank C/R of a core, so every time term of the
-      candidate (compute, communication, overheads, all-reduce) takes R/C times as long; the worst
-      node sets the factor of the whole candidate (the pipeline runs at its slowest stage's pace).
-      One scalar per candidate: it does not change which split is best for a fixed (p, d, m),
-      only which candidate wins, and the ILP applies it as a finer time unit (Note [ILP scaling]).
-      It ignores that ranks idle in the pipeline's bubble leave their core to the others, so it
-      over-predicts a little when the bubble is large.
+    Two costs the regions alone miss (measured on the whole step, benchmarks/step_time_accuracy.py),
+    applied identically by ``evaluate``, the ILP and the chain DP: ``microbatch_overhead_s``, what a
+    stage pays per microbatch besides its regions (the schedule's Python, the loss, the send and
+    receive calls), from the preset, the machine profile or a calibrated one; and
+    ``core_sharing_factor`` (Note [core sharing] in cluster.py): R ranks on C < R cores of a node
+    make every time term R/C times longer, the worst node setting the candidate's factor (the
+    pipeline runs at its slowest stage's pace). One scalar per candidate: it changes which
+    candidate wins, not the best split of one, and the ILP applies it as a finer time unit (Note
+    [ILP scaling]). It ignores that ranks idle in the bubble leave their core to others: a small
+    over-prediction when the bubble is large.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """``--schedule auto``: the pipeline schedule as a decision of the solver.
 
 Note [schedule choice]
-    Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b, interleaved, zb, zbv) is solved over
-    the whole allowed (stages, dp, microbatches) space by ``solve`` (interleaved at every v of
-    LOCAL_STAGE_OPTIONS, ``solve_any_local_stages``), and the plan with the smallest predicted
-    step time under the memory limit wins (the whole step: the terms beside the ILP, Note [terms
-    outside the ILP] in space.py, differ between the schedules' winners); on a tie the earlier of SCHEDULE_ORDER (1f1b first: it
-    holds fewer activations). In the cost model (Note [cost model] in evaluate.py) 1F1B and GPipe
-    have the same time for the same (p, d, m) and GPipe holds every microbatch's activations, so
-    GPipe can only win where 1F1B cannot run: fewer microbatches than stages (Note [only runnable
-    plans]), e.g. a small global batch over a deep pipeline. Interleaved is priced by its worst
-    stage (Note [interleaved pricing] in interleaved.py): it wins where the bubble is large and the
-    model splits into many balanced stages, and it is left out on a cluster of several device
-    classes. The chosen plan is OPTIMAL over every schedule only when its own solve is OPTIMAL and
-    every other schedule's solve was OPTIMAL (or found nothing that fits) at a step time no lower;
-    otherwise it is FEASIBLE and its bound the smallest (0 when a schedule found no plan within
-    the time limit).
+    Each schedule the solver prices is solved over the whole allowed (stages, dp, microbatches)
+    space (interleaved at every v of LOCAL_STAGE_OPTIONS), and the plan with the smallest predicted
+    whole step under the memory limit wins (the terms beside the ILP differ between the schedules'
+    winners: Note [terms outside the ILP] in space.py); a tie goes to the earlier of SCHEDULE_ORDER
+    (1f1b first: it holds fewer activations). GPipe prices as 1F1B does in time and holds every
+    microbatch, so it wins only where 1F1B cannot run (fewer microbatches than stages: Note [only
+    runnable plans]). Interleaved wins where the bubble is large and the model splits into many
+    balanced stages; it is left out on a cluster of several device classes. The choice is OPTIMAL
+    only when every schedule's solve was OPTIMAL (or found nothing that fits) at a step time no
+    lower; otherwise FEASIBLE, its bound the smallest (0 when a schedule timed out with no plan).
 """
 
 from __future__ import annotations

@@ -4,28 +4,18 @@ Note [one enumeration]), solve each candidate's CP-SAT model in order of its low
 the best plan, verify it.
 
 Note [candidate pruning]
-    Every candidate gets a cheap lower bound (bounds.candidate_lower_bound_s: fluid bubble +
-    memory-forced recompute + all-reduce). Candidates are taken from a priority queue by their
-    best known bound; a candidate popped with only the cheap bound gets the strong one first
-    (chain_dp.chain_lower_bound_s: an exact DP over contiguous splits with fractional recompute,
-    valid when every plan is contiguous, i.e. a chain backbone, on one device class) and goes
-    back in the queue; one popped with its strong bound is solved by CP-SAT, capped at the
-    incumbent. The loop stops when the smallest bound left reaches the incumbent's step time:
-    every candidate not solved is then PRUNED by a bound, and the plan is the optimum over the
-    enumerated space (to CP-SAT's own status). An infinite bound proves the candidate cannot fit
-    memory (INFEASIBLE, no CP-SAT call).
-
-    ``SolverConfig.total_time_limit_s`` caps the enumeration (a candidate's first CP-SAT pass gets
-    time_limit_s / 4; one left at that limit is queued again by its bound for a capped pass of
-    time_limit_s; never more than the time left). Candidates left when it runs out are SKIPPED; the Solution is
-    then the best found, its ``status`` FEASIBLE and its ``bound`` the smallest proven bound over
-    every candidate (CP-SAT's for the solved ones, ours for the rest), so the plan's gap states
-    how far from the enumerated optimum it can be. A candidate solved twice (time limit, then
-    again) that finds the same step time the second time replaces its first Solution, so an
-    OPTIMAL proven on the second pass is reported as such. A candidate left at its time limit
-    without any plan keeps its bound open: the result is FEASIBLE, and when no plan was found at
-    all the error says it was a time limit (``PartitionInfeasibleError.timed_out``), whatever
-    other candidates proved about memory.
+    Every candidate gets a cheap lower bound (bounds.py); candidates leave a priority queue by
+    their best known bound, a candidate with only the cheap one gets the strong one first (the
+    chain DP's, chain_dp.chain_lower_bound_s) and goes back, and one with its strong bound is
+    solved by CP-SAT, capped at the incumbent. When the smallest bound left reaches the incumbent,
+    every candidate not solved is PRUNED and the plan is the optimum over the enumerated space;
+    an infinite bound proves a candidate cannot fit (INFEASIBLE, no CP-SAT call).
+    ``total_time_limit_s`` caps the enumeration (a first pass gets time_limit_s / 4, one left at
+    it is queued again for a full one). Candidates left when it runs out are SKIPPED and the
+    Solution is FEASIBLE with the smallest proven bound over every candidate, so the gap says how
+    far from the optimum it can be. A candidate at its time limit without a plan keeps its bound
+    open: the result is FEASIBLE, and when no plan was found at all the error says it was a time
+    limit (``PartitionInfeasibleError.timed_out``), not a proof about memory.
 """
 
 from __future__ import annotations

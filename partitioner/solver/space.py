@@ -2,26 +2,17 @@
 the tensor-parallel degree and whether the optimizer state is sharded over the replicas.
 
 Note [one enumeration]
-    A variant changes the problem and the cluster the ILP sees, never the ILP: tensor
-    parallelism plans tensor groups as devices (``group_cluster`` and ``tp_priced_problem`` in
-    tensor_parallel.py, Note [tensor groups]), sharding divides the optimizer state by d
-    (``sharded_problem`` in zero_choice.py, Note [sharding as a candidate]). Every candidate is
-    (p, d, m, variant) and all of them go through one priority queue ordered by their lower
-    bounds (Note [candidate pruning] in solve.py): one incumbent prunes every variant, one time
-    budget covers them all, and OPTIMAL is a proof over the whole product the request allows.
-    (Solving the unsharded space and again per dp degree, three to seven separate searches each
-    with its own budget and no shared incumbent, was what made the 70B compile slow.)
-
-    Two variants need not both be searched when one is a relaxation of the other: where the
-    sharded state is never larger than the replicated one on any stage (every region's and tie's
-    optimizer bytes saved, (d-1)/d of them, cover the flat gradient the step phase then holds
-    instead of one bucket: ``sharding_relaxes``; AdamW's 2 bytes of state per gradient byte give
-    it for every d >= 2) and the time terms are the same (no gloo all-gather: ``extra_s`` is 0),
-    every unsharded plan of (p, d, m) is a sharded plan of the same step time, so the unsharded
-    candidates with d > 1 are dominated and left out. The winner is then stated unsharded when
-    its assignment also fits the unsharded problem (the tie-break of Note [sharding as a
-    candidate]); an unsharded plan of exactly the same step time but another assignment is not
-    looked for.
+    A variant changes the problem and the cluster the ILP sees, never the ILP: tensor groups are
+    planned as devices (Note [tensor groups]), sharding divides the optimizer state by d (Note
+    [sharding as a candidate]). Every candidate is (p, d, m, variant) and all go through one
+    priority queue (Note [candidate pruning] in solve.py): one incumbent prunes every variant, one
+    time budget covers them all, and OPTIMAL is a proof over the whole product. (Separate searches
+    per variant, each with its own budget and no shared incumbent, made the 70B compile slow.)
+    Where sharding is a relaxation of replication (its state never larger on any stage,
+    ``sharding_relaxes``: true for AdamW at every d >= 2, with no extra time), every unsharded plan
+    with d > 1 is a sharded plan of the same step time, so those candidates are left out; the winner
+    is stated unsharded when its assignment also fits unsharded (the tie-break of Note [sharding as
+    a candidate]).
 """
 
 from __future__ import annotations

@@ -88,52 +88,26 @@ def tp_problem(problem, tp: int):
                                allreduce_bucket_bytes=problem.allreduce_bucket_bytes * tp)
 
 
-# Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (this
-# part is the solver's; ``group_cluster`` gives a group tp x one member's FLOP/s and memory):
-# - compute: the FLOPs of a region's split nodes (``RegionCost.tp.sharded_flops_per_sample``,
-#   passes/tp_activations.py ``sharded_flops``: its column, row and vocab matmuls and the attention
-#   between them, split on heads / features, Megatron's pairing) are divided by tp; the rest (norms,
-#   residual adds) runs whole on every member, so counts tp times against the group's tp x FLOP/s.
-#   Counted per node, not by the parameter share (which stood in for it before): a tied vocab head
-#   holds no parameter bytes of its own, and the attention core's FLOPs have no parameter at all.
-#   Smaller matmuls' lower efficiency is priced where the device has a matmul rate model
-#   (partitioner/solver/gpu_cost.py), not here;
-# - collectives (Note [tensor-parallel traffic] in passes/tp_roles.py): per microbatch, every
-#   member all-reduces the region's ``tp.comm_bytes`` per sample and all-gathers its
-#   ``tp.gather_bytes`` (a vocab-split head's logits) in forward, and all-reduces its
-#   ``tp.comm_bwd_bytes`` in backward; a ring over the intra-node link sends 2 (tp-1)/tp of an
-#   all-reduce's payload and (tp-1)/tp of an all-gather's whole output from each member
-#   (``sent_bytes``), at the link's bandwidth, plus, per collective, 2 (tp-1) link latencies and
-#   the device's fixed cost per collective (``collective_fixed_s``, Note [tensor-parallel
-#   overheads]). The seconds go into the region's per-kind times (``fwd_s_per_sample_by_kind``
-#   and ``..._per_microbatch_by_kind``, Note [time model] in problem.py), so the ILP, the chain
-#   DP, the baselines and the checker all see them alike. Per step, the gradients of replicated
-#   parameters that arrive split (``tp.step_gather_bytes``) are all-gathered once: the region's
-#   ``step_s``, which its stage pays after the schedule (Note [cost model] in evaluate.py);
-# - activations: the saved bytes between a column and its row linear
-#   (``tp.sharded_activation_bytes_per_sample``, Note [sharded activations] in
-#   passes/tp_activations.py) held once per group, i.e. 1/tp per member; the rest (norms,
-#   residuals, the row outputs, a recomputed region's inputs) whole on every member, as
-#   ``tp_problem`` counts everything.
+# Note [tensor-parallel pricing]: what a tensor group costs besides ``tp_problem``'s bytes (the
+# group is one device of tp x a member's FLOP/s and memory). Compute: a region's split nodes'
+# FLOPs (``sharded_flops``, counted per node: a tied vocab head and the attention core own no
+# parameters, so a parameter share would miss them) are divided by tp; the rest runs whole on
+# every member. Collectives (Note [tensor-parallel traffic] in passes/tp_roles.py): ring
+# all-reduces and all-gathers over the intra-node link, per collective 2 (tp-1) latencies and the
+# fixed cost of Note [tensor-parallel overheads]; they go into the region's per-kind times, so
+# every pricer sees them alike, and the once-a-step gathers of split gradients into its ``step_s``.
+# Activations between a column and its row linear are held 1/tp per member (Note [sharded
+# activations] in passes/tp_activations.py), the rest whole on every member.
 
 
 # Note [tensor-parallel overheads]: two fixed costs a tensor group pays that bytes and FLOPs miss,
-# by device kind: the problem's measured figure (``dtensor_op_s_by_kind``,
-# ``tp_collective_s_by_kind``, ``tp_skew_by_kind``: partitioner/calibrate/tp_overheads.py), else
-# the preset's (``DevicePreset.dtensor_op_s``, ``.tp_collective_s``, ``.tp_skew``,
-# partitioner/config/cluster.py):
-# - per op: a tensor-parallel stage runs every aten op on DTensors, and DTensor's Python
-#   dispatch (sharding propagation, cached, then the local op) costs a fixed time per op on the
-#   host: ``dtensor_op_s`` x the region's ops per microbatch (``fwd_ops``, ``bwd_ops``);
-# - per collective: ``tp_collective_s`` beside the link's latency and bandwidth (gloo's call and
-#   wake-up), and ``tp_skew``: every collective waits for the slowest member, and on shared CPU
-#   cores the members drift apart in proportion to what they compute between two collectives
-#   (measured: the wait after 4 ms of compute is seconds-per-second more than after 0.5 ms), so a
-#   tensor-parallel region's compute and dispatch seconds count (1 + tp_skew) times.
-# On accelerators all three are 0 in the presets: the host dispatches ahead of the device, so
-# DTensor's per-op cost overlaps with the kernels while they are longer than it (a transformer
-# at the sizes tensor parallelism is for), NCCL's per-call cost is the link's latency, and the
-# members' kernels run on devices of their own (no scheduler to drift by).
+# by device kind (measured: partitioner/calibrate/tp_overheads.py, else the preset's): DTensor's
+# Python dispatch per op (``dtensor_op_s`` x the region's ops), and per collective gloo's call and
+# wake-up (``tp_collective_s``) plus ``tp_skew``: every collective waits for the slowest member,
+# and on shared CPU cores members drift apart in proportion to what they compute between two
+# collectives, so a region's compute and dispatch count (1 + tp_skew) times. On accelerators all
+# three are 0: the host dispatches ahead of the kernels, NCCL's per-call cost is the link's
+# latency, and each member has a device of its own to run on.
 
 
 def dtensor_op_s(problem, kind: str) -> float:
