@@ -29,21 +29,14 @@ a time, on fake inputs] in passes/_fake_run.py) and every saved tensor is classi
 The microbatch inputs (placeholders) count when saved (e.g. token ids kept by embedding).
 
 Note [backward transients]: while node n's backward runs, autograd holds, besides the saved
-activations and the parameters' accumulated ``.grad``:
-- the gradient frontier: the gradient of every storage (views resolved to their owner, as for
-  saved activations) that requires grad, is produced at or before n and is used after n - its
-  gradient has arrived from a later consumer and waits for its producer's backward (a residual
-  stream's gradient lives across a whole block);
-- the gradients n produces for its inputs that require grad (counted whole even when they
-  accumulate into a frontier gradient: the sum is made out of place) and the fresh gradients of
-  the trainable parameters it reads (added to ``.grad`` after they exist);
-- the op's own temporaries, taken as one more tensor of its output's size (softmax, GELU and
-  layer-norm backward allocate about that).
-It is computed on the whole graph in node order; a stage that holds only part of it sees a
-subset of that frontier (its boundary gradients are the receive buffers), so the figure is an
-upper bound there too. The parameter gradients are kept apart (``bwd_param_grad_bytes``): they
-do not scale with the microbatch, the rest does. A region's transient is the largest of its
-nodes' (one node runs backward at a time), each part maximised separately (conservative).
+activations and the parameters' ``.grad``: the gradient frontier (the gradient of every storage
+that requires grad, made at or before n and used after it: a residual stream's lives across a
+whole block), the gradients n makes for its inputs and parameters (counted whole: sums are out
+of place), and the op's temporaries, taken as one more tensor of its output's size (softmax,
+GELU and layer-norm backward allocate about that). Computed on the whole graph, it is an upper
+bound for a stage's subset. Parameter gradients are kept apart (``bwd_param_grad_bytes``): they
+do not scale with the microbatch. A region's transient is its largest node's (one node runs
+backward at a time), each part maximised separately (conservative).
 
 Note [the loss on the last stage]: when the loss is applied outside the graph (a Workload with a
 ``loss_fn``, called by PipelineStage on the last stage's outputs), the output node carries it:

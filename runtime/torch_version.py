@@ -2,22 +2,15 @@
 (``runtime.launch.rank.main``), without importing torch.
 
 Note [what the runtime needs]: a program folder is compiled where OR-Tools is installed and run
-anywhere, typically on a GPU cluster's image: torch (often older than the compiler's pin in
-constraints.txt), numpy, safetensors, transformers, and neither OR-Tools nor zstandard. So the
-runtime (this package, and the rank_<r>.py, train.py and stage_<k>.py files codegen writes) needs
-at start only torch >= 2.11 (with the packages torch itself requires), numpy and safetensors, and
-never imports ortools, partitioner or passes (tests/unit/test_import_graph.py reads the imports;
-tests/e2e/test_runtime_needs.py trains a compiled folder where those cannot be imported). The
-optional packages are imported only where a run asks for them: zstandard for
-``--checkpoint-compression lossless`` and for reading a lossless checkpoint (a missing one is one
-line naming ``pip install zstandard`` at start-up, never a checkpoint skipped as corrupt:
-runtime/resilience/checkpoint/delta.py), tensorboard for the metrics board (none without it),
-transformers for pretrained weights, datasets and tokenizers for those corpus kinds. Every torch
-API the runtime calls exists in torch 2.11 with the arguments it passes (docs/gpu.md lists the
-ones read in torch 2.11's source), so 2.11 is the oldest supported torch and an older one is
-refused here in one line; 2.11 through 2.13 (the pin) are the versions it was run under. Two
-kinds of pipeline plan need a newer one and are refused at start too (Note [torch 2.11's
-pipelining]).
+anywhere, typically on a GPU cluster's image with an older torch and neither OR-Tools nor
+zstandard. So the runtime (this package and the files codegen writes) needs at start only torch
+>= 2.11, numpy and safetensors, and never imports ortools, partitioner or passes
+(tests/unit/test_import_graph.py; tests/e2e/test_runtime_needs.py trains where those cannot be
+imported). Optional packages are imported only where a run asks for them (zstandard for lossless
+checkpoints, a missing one one line at start-up, never a checkpoint skipped as corrupt;
+tensorboard, transformers, datasets, tokenizers). 2.11 is the oldest torch whose API the runtime
+calls as it does (docs/gpu.md), so an older one is refused here in one line; two kinds of
+pipeline plan need a newer one (Note [torch 2.11's pipelining]).
 """
 
 from __future__ import annotations

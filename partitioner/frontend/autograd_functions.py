@@ -1,33 +1,19 @@
 """A custom torch.autograd.Function as one graph node that calls the user's ``Function.apply``.
 
-Note [autograd Functions run as themselves]: a Function's forward is ordinary Python that a
-non-strict trace would run op by op, keeping the forward's aten ops (a straight-through estimator
-becomes plain ``aten.round``) and dropping the Function: the program would train with autograd's
-gradient of those ops, not the user's backward (torch 2.13 keeps no trace of the Function in the
-graph). So, while the model is traced, torch's apply (where every ``MyFn.apply(...)`` ends, an
-alias bound before the trace included) is replaced by a call of the torch.library custom op
-``partitioner::autograd_function_apply``, which the trace keeps as one node. Its arguments are
-the call's tensors and the index of the call; the call's Function class and its other arguments
-wait in a table. Its fake kernel runs the Function's own forward on the fake inputs (the node's
-output shapes) and checks what could not be exact. After the trace each such node becomes a
-call of ``FunctionApply(cls)`` with the call's own arguments: the cost passes run it alone on fake
-inputs like every node (its forward's FLOPs and the user's backward's, what its ctx saves:
-passes/_fake_run.py), the oracle's traced graph calls the Function, and a stage file says
-``module.MyFn.apply(...)``, importing the module that defines it (the user's file travels: Note
-[custom ops travel] in partitioner/codegen/stage_code.py). The program thus trains with the
-Function's own forward and backward, as the user's model does.
-Refused, in one line naming the class, where it is applied and why:
-  * a Function defined inside a function (a closure), in a file-less module (a notebook, ``-c``)
-    or not under its own name in its module: no stage file can import it;
-  * a forward that draws random numbers: its draws are not keyed (Note [randomness keyed by
-    meaning] in runtime/execute/randomness.py), so a partition would draw other masks;
-  * a forward that writes an input in place (``ctx.mark_dirty``): the graph would not see the write;
-  * an argument a stage file cannot write (a module, an object), or an output that is not a tensor
-    or a tuple of tensors: the stage boundary carries tensors only.
-The Functions torch makes for an op the graph keeps as one node with its backward (a
-torch.library custom op's register_autograd, the higher-order ops) are left alone, and torch's
-reentrant checkpoint and backward hooks are refused by partitioner/frontend/trace.py (their
-arguments are callables and hooks no stage file can write).
+Note [autograd Functions run as themselves]: a non-strict trace runs a Function's forward op by op
+and drops the Function (a straight-through estimator becomes plain ``aten.round``): the program
+would train with autograd's gradient of those ops, not the user's backward. So, while the model
+is traced, torch's apply (where every ``MyFn.apply(...)`` ends, an alias bound before the trace
+included) calls the custom op ``partitioner::autograd_function_apply`` instead, which the trace
+keeps as one node (its fake kernel runs the Function's forward and checks what could not be
+exact); after the trace each such node calls ``FunctionApply(cls)``, and a stage file says
+``module.MyFn.apply(...)`` (Note [custom ops travel] in partitioner/codegen/stage_code.py), so the
+program trains with the Function's own forward and backward. Refused, in one line naming the
+class: a Function no stage file can import (a closure, a file-less module, not under its own
+name); a forward that draws random numbers (its draws are not keyed: Note [randomness keyed by
+meaning] in runtime/execute/randomness.py); one that writes an input in place (the graph would
+not see it); an argument or output that is not tensors (a stage boundary carries tensors only).
+The Functions torch makes for a custom op or higher-order op are left alone.
 """
 
 from __future__ import annotations

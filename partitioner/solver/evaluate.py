@@ -14,8 +14,8 @@ Note [cost model]
     amortised replica digest check and the global gradient norm when the program runs them
     (sdc_cost.py, grad_norm_cost.py; the ILP leaves these two out). Every time term is multiplied
     by the core-sharing factor. Each transfer is priced on the slowest link it may take (across
-    replicas for a boundary, among replicas for the all-reduce): the plan is the same on every
-    replica, so the slowest one sets the step. Memory: Note [memory model].
+    replicas for a boundary, among replicas for the all-reduce): the replicas meet at the
+    all-reduce, so the slowest one sets the step. Memory: Note [memory model].
 
 Note [memory model]
     Memory is predicted conservatively (docs/design.md §12): the solver fills a device to the

@@ -2,26 +2,17 @@
 simulated over each stage's forward (F), input-gradient (B) and weight-gradient (W) times.
 
 Note [zero-bubble schedules]
-    torch 2.13 ships three schedules that split each backward into an input-gradient action (B,
-    torch's I) and a weight-gradient action (W) that it runs later, to fill the bubble:
-    * ``zb``: ``ScheduleInterleavedZeroBubble`` (ZB1P), stage s on pipeline position s % pp as
-      interleaved, v = 2, 3 or 4 stages per rank, m a multiple of its rounds (as interleaved).
-    * ``zbv``: ``ScheduleZBVZeroBubble``, exactly 2 stages per rank in a V: the rank at position r
-      holds stages r and 2 pp - 1 - r (``ZeroBubbleV.position_of``; runtime/program/layout.py,
-      ``Assignment.position_of``, ``place_stages(position_of=...)``, the checker and the ILP's per-rank
-      sums all ask the schedule).
-    * ``dualpipev`` is refused by name (Note [DualPipeV refused] in runtime/program/schedules.py).
-    The runtime drives torch's class over the generated stages (torch's ``stage_backward_input`` /
-    ``stage_backward_weight`` on our stage modules); recomputed regions take the non-reentrant
-    checkpoint (Note [recompute under a split backward] in runtime/execute/recompute.py); the
-    data-parallel and tied-gradient sync run after ``schedule.step``, so after every stage's last W;
-    randomness is keyed by (seed, step, sample, op) as for every schedule. With the other features
-    (tests/e2e/test_zero_bubble_combinations.py, against the oracle): tensor parallelism (a tp
-    stage's output is no view: torch detaches it in place after B, Note [a stage output is no view]
-    in runtime/parallel/tensor_parallel.py), bf16- and fp16-mixed (every W runs inside
-    ``schedule.step``, so an overflow skips their update with the optimizer step), ZeRO-1, the
-    replica check, the memory tier and lossless checkpoints (kill and resume bit for bit). Compiled
-    stages and SDC canaries are refused (runtime/program/spec.py, runtime/resilience/canary_rules.py).
+    torch 2.13's zero-bubble schedules split each backward into an input-gradient action (B) and a
+    weight-gradient action (W) run later, to fill the bubble: ``zb`` (ZB1P, placed as interleaved,
+    v = 2-4) and ``zbv`` (2 stages per rank in a V: every placement question asks the schedule's
+    ``position_of``); ``dualpipev`` is refused (Note [DualPipeV refused] in
+    runtime/program/schedules.py). The runtime drives torch's class over the generated stages;
+    recompute takes the non-reentrant checkpoint (Note [recompute under a split backward] in
+    runtime/execute/recompute.py); the gradient syncs run after ``schedule.step``, so after every
+    stage's last W, and an fp16 overflow skips the W updates with the optimizer step. Tensor
+    parallelism (Note [a stage output is no view] in runtime/parallel/tensor_parallel.py), mixed
+    precision, ZeRO-1, the replica check, the memory tier and lossless checkpoints run with them
+    (tests/e2e/test_zero_bubble_combinations.py); compiled stages and SDC canaries are refused.
 
 Note [weight-gradient flops]
     The flops pass counts, per node, the part of its backward that produces parameter gradients

@@ -1,25 +1,15 @@
 """Whether to shard the optimizer state over the data-parallel replicas (ZeRO-1): a plan decision.
 
-Note [sharding as a candidate]: sharded optimizer state (runtime/parallel/zero.py, Note [sharded optimizer
-state]) changes two cost-model terms of every stage with d > 1 replicas, and nothing else:
-- memory: AdamW state / d per replica (the runtime's pieces are views of the parameters: no
-  master copy), and the step phase holds the whole flat gradient the reduce-scatter reads
-  instead of one all-reduce bucket (``allreduce_bucket_bytes`` unbounded);
-- time: under NCCL, reduce-scatter + all-gather move the same ring bytes, 2·(d-1)/d of the
-  gradient, as the all-reduce they replace: no extra term. Under gloo (the cpu kind) the runtime
-  all-reduces and then all-gathers the updated slices (gloo's reduce-scatter is slower than its
-  all-reduce, Note [sharded optimizer state]): one ring all-gather more, (d-1)·(G/d/bw + latency)
-  for a stage of G parameter bytes, the slowest stage's, times the core-sharing factor
-  (``allgather_s``). It is added to the candidate's step time after its solve (the ILP does not
-  see it: within one (p, d, m) it is nearly constant, the parameters being split over the stages
-  either way) and to the plan's predicted step time (partitioner/compiler.py).
-So a sharded candidate is the same partition problem with those terms changed
-(``sharded_problem``), solved by the same ILP, chain DP and checker, for each dp degree (the
-division depends on d). It is one variant of each candidate (p, d, m) of the one enumeration
-(Note [one enumeration] in space.py), and the faster plan wins; at equal predicted time the unsharded one (one
-collective fewer per step in practice, and its optimizer state needs no resharding). Sharding
-therefore wins exactly when memory is what holds the unsharded plans back: a candidate that
-fits only with sharded state (fewer stages, bigger microbatches, less recompute) is faster.
+Note [sharding as a candidate]: sharded optimizer state (Note [sharded optimizer state] in
+runtime/parallel/zero.py) changes two cost-model terms of a stage with d > 1 replicas: AdamW state
+/ d per replica, with the step phase holding the whole flat gradient instead of one bucket; and,
+under gloo only, one ring all-gather more per step (NCCL's reduce-scatter + all-gather move the
+ring bytes of the all-reduce they replace). That time is added after the solve (``allgather_s``:
+nearly constant within one (p, d, m)) and to the plan's prediction. So a sharded candidate is the
+same partition problem with those terms changed (``sharded_problem``), one variant of each (p, d,
+m) (Note [one enumeration] in space.py), and the faster plan wins; at equal time the unsharded
+one (one collective fewer in practice, no resharding of its state). Sharding thus wins exactly
+when memory holds the unsharded plans back.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """The global gradient norm (one number over every stage and replica), clipping by it, and which
 parameters get no weight decay. Shared with the one-process oracle (runtime/execute/reference.py).
 
-Note [global gradient norm]: the norm clipping uses is the one-process model's: the 2-norm over
-every trained parameter once. After gradient synchronization (ties summed, replicas averaged)
-every copy of a parameter holds the same gradient, so each rank adds the squares of the
-parameters it *owns* and one all-reduce over the world sums them:
-- a tied parameter held on several stages is owned by the lowest of those stages (counted once,
-  not once per stage: the oracle holds it once);
-- data-parallel replicas hold the same averaged gradient, so only replica 0 counts it; under
-  sharded optimizer state (runtime/parallel/zero.py) each replica holds a different slice of it, and
-  each counts its slice.
-The norm is computed only when the program uses it (``needs_global_norm``): clipping is on, or
-fp16 loss scaling needs its overflow test (Note [loss scaling] in runtime/execute/precision.py: an inf or
-NaN anywhere makes the sum non-finite everywhere). Then the all-reduce runs every step on every
-rank, metrics.jsonl records the value as ``grad_norm``, and the cost model prices it
-(partitioner/solver/grad_norm_cost.py). Otherwise the step makes no norm collective and no pass
-over the gradients, and metrics.jsonl has no ``grad_norm``: the plan does not price work the
-program does not need (docs/design.md §12), and measured here the pass and the all-reduce cost
-about as much as the fused AdamW step itself on a small model. Each tensor's norm is taken in
-its own dtype by one foreach kernel (what torch.nn.utils.clip_grad_norm_ does; a float64 copy of
-every gradient cost ~4x more), and the squares of those norms are summed in float64 so the sum
-of a large model does not round.
+Note [global gradient norm]: the norm clipping uses is the one-process model's, the 2-norm over
+every trained parameter once. After gradient synchronization every copy of a parameter holds the
+same gradient, so each rank adds the squares of the parameters it *owns* (a tied parameter: its
+lowest stage; a replicated one: replica 0; a sharded one: each replica its slice) and one
+all-reduce over the world sums them. It is computed only when the program uses it (clipping, or
+fp16's overflow test: Note [loss scaling] in runtime/execute/precision.py), and then priced
+(partitioner/solver/grad_norm_cost.py); otherwise there is no pass and no collective: the plan
+does not price work the program does not need, and on a small model the two cost about as much
+as the fused AdamW step. Each tensor's norm is taken in its own dtype by one foreach kernel (as
+clip_grad_norm_ does; a float64 copy cost ~4x more), their squares summed in float64 so a large
+model's sum does not round.
 
 Note [no weight decay]: AdamW's decay pulls weights towards zero; on a norm's scale and shift, a
 bias or an embedding table it only hurts (the usual GPT/BERT recipe), so by default those

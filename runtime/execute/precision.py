@@ -3,23 +3,15 @@ and fp16's dynamic loss scale. Shared by the runtime and the one-process oracle
 (runtime/execute/reference.py), so the two differ only in where things run.
 
 Note [mixed precision]: ``bf16-mixed`` and ``fp16-mixed`` run every stage's forward (and so its
-backward) under ``torch.autocast`` with fp32 parameters; the parameters are the master weights,
-gradients and AdamW state are fp32. Chosen over bf16 parameters with a separate fp32 master copy
-because:
-- the oracle is the same module under the same autocast, so ``verify`` compares like for like,
-  and a checkpoint, a reshard and ``final/`` stay fp32 by original name (no second copy to keep
-  in step, no rounding at save);
-- the static memory is the same 16 bytes per parameter either way (4 fp32 weights + 4 fp32
-  gradients + 8 AdamW, against 2 bf16 weights + 2 bf16 gradients + 4 master + 8 AdamW); autocast
-  adds a transient bf16 copy of each weight it casts (its cast cache, 2 bytes per parameter) and
-  halves the activations that matmuls save, which is where mixed precision saves memory on
-  activation-bound models. What bf16 parameters would save more of is ZeRO-sharded state (12 of
-  16 bytes shardable instead of 8): a later step, not this one.
-The weight copies are cached for the whole step (``step_context``), not per microbatch.
-Tensors crossing a stage boundary keep the dtype autocast made them in, which the plan declares
-for them (Note [boundaries in the autocast dtype] in partitioner/codegen/boundary_dtypes.py), so a
-cut never changes what is computed; PipelineStage's receive buffers are allocated from the plan,
-and ``cast_outputs`` only guards a run on another device type than the one compiled for.
+backward) under ``torch.autocast`` with fp32 parameters as the master weights (gradients and AdamW
+state fp32), rather than bf16 parameters with a separate fp32 master copy, because the oracle is
+then the same module under the same autocast (``verify`` compares like for like) and checkpoints,
+reshards and ``final/`` stay fp32 by original name (no second copy to keep in step), at the same
+16 bytes of static memory per parameter; autocast's savings are in the activations matmuls save.
+(bf16 parameters would shard more under ZeRO: a later step.) The weight casts are cached for the
+whole step (``step_context``), not per microbatch. A boundary tensor keeps autocast's dtype,
+declared by the plan (Note [boundaries in the autocast dtype] in
+partitioner/codegen/boundary_dtypes.py), so a cut never changes what is computed.
 
 Note [loss scaling]: fp16 has 5 exponent bits, so small gradients underflow; ``fp16-mixed``
 multiplies every microbatch's loss by a scale (2**16 at the start) before backward, and unscales
@@ -31,26 +23,17 @@ a skipped step too (as with torch's GradScaler), and the step is recorded in met
 (``skipped``, ``loss_scale``). The scale is part of a checkpoint (meta ``loss_scale``), so a
 resumed run skips the steps the uninterrupted one would.
 
-Note [deterministic kernels on a GPU]: three promises compare bits of two computations: a compute
-canary re-runs a microbatch on another rank and compares digests (runtime/resilience/canary.py),
-a resumed run equals the uninterrupted one, a lossless checkpoint chain restores every byte. On
-CPU torch's kernels give the same bits every run. CUDA's do not by default: atomics in SDPA's
-backward, index_add / scatter_add / embedding backward, cuBLAS's split-K reductions over a
-workspace, cuDNN's benchmark-picked convolution algorithms, inductor's benchmarked reduction
-configs. A false canary alarm excludes a healthy host, so every CUDA program runs with
-``device_numerics``: ``torch.use_deterministic_algorithms(True, warn_only=True)``,
-``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (read when cuBLAS makes its first handle: set at rank
-start-up before any CUDA work), cuDNN deterministic and not benchmarking. ``warn_only``: an op
-that has no deterministic CUDA kernel (adaptive average pooling's backward, a resnet's last
-pool, among others) warns, naming itself, instead of stopping a run that has no canary on; the
-bit-for-bit promises hold for programs without such ops. Always on, not a run option: the
-checkpoint promise holds for every run. The cost is GPU time (deterministic SDPA backward and
-index kernels are slower), not priced by the cost model and not measured here (no GPU at hand).
-TF32 is off for both cuBLAS matmuls and cuDNN convolutions under every policy: the cost model
-prices fp32 work at the fp32 rate (Note [flops per dtype] in partitioner/config/device_presets.py),
-and ``verify``'s oracle, which calls the same function, holds fp32 to 1e-5 (cuDNN's TF32 default
-is on, ~1e-3 relative). Mixed policies compute their matmuls in bf16/fp16 anyway. The oracle
-calls ``device_numerics`` too, so the two sides run the same kernels. On CPU nothing is set.
+Note [deterministic kernels on a GPU]: a compute canary, a resume and a lossless checkpoint each
+compare bits of two computations. CPU kernels give the same bits every run; CUDA's do not by
+default (atomics, split-K reductions, benchmark-picked algorithms), and a false canary alarm
+excludes a healthy host. So every CUDA program runs ``device_numerics``: deterministic algorithms
+with ``warn_only`` (an op without a deterministic kernel warns, naming itself, rather than stopping
+a run that has no canary on; the promises hold for programs without such ops),
+``CUBLAS_WORKSPACE_CONFIG`` set before any CUDA work, cuDNN deterministic and not benchmarking.
+Always on, not an option: the checkpoint promise holds for every run; the GPU time it costs is
+not priced. TF32 is off under every policy: the cost model prices fp32 at the fp32 rate (Note
+[flops per dtype] in partitioner/config/device_presets.py) and verify holds fp32 to 1e-5. The
+oracle calls ``device_numerics`` too, so both sides run the same kernels. On CPU nothing is set.
 """
 
 from __future__ import annotations

@@ -12,22 +12,14 @@ replica's microbatches left them (Note [buffers across replicas] in runtime/exec
 
 Note [the oracle computes as the ranks do]: verify holds the program to the oracle within a few
 rounding steps, so the oracle runs the ranks' kernels, not merely the same math. Three things pick
-kernels besides the ops. (1) The thread count: a CPU convolution's weight gradient and every
-reduction large enough to be split sum in another order with another number of intra-op threads.
-Rounding noise alone stays far inside the bounds, but a BatchNorm over few values (a ResNet's last
-layer at 1x1 pixels, two samples per microbatch) and Adam's normalised steps amplify it step after
-step: a tiny ResNet-18 at lr 1e-2 ends 6 steps 4e-4 apart in the loss (bound 1e-5) with the oracle
-at 2 threads and the ranks at 1, and bit-identical with both at 1. The ranks compute with
-``rank_threads()`` threads (OMP_NUM_THREADS, one unless the caller set it:
-runtime/launch/torchrun.py, which this room may not import), so verify passes that count and the
-oracle sets it for its run and restores the caller's after: in this process, not a subprocess,
-since set_num_threads is all it takes. (2) The device type: a program for a GPU kind runs on
-CUDA, where autocast casts other ops than on the CPU (layer_norm, softmax, exp in fp32 on CUDA,
-bf16 on the CPU), convolutions pick cuDNN's algorithms and keyed masks come from the device's
-generator (runtime/execute/randomness.py): its oracle runs on CUDA too (``oracle_device``; on one
-GPU, the one the ranks used, after they exit), and a machine without CUDA refuses to verify it
-rather than compare it with a CPU run. (3) The device's numerics settings (TF32, deterministic
-algorithms): set in one place, ``_device_numerics``, as the ranks set them.
+kernels besides the ops. (1) The thread count: reductions sum in another order with another
+number of threads, and a BatchNorm over few values with Adam amplifies that step after step (a
+tiny ResNet-18 ended 6 steps 4e-4 apart in the loss at 2 threads against 1, bit-identical at 1
+and 1); so verify passes the ranks' ``rank_threads()`` and the oracle sets it for its run, in
+this process. (2) The device type: on CUDA autocast casts other ops, convolutions pick cuDNN's
+algorithms and keyed masks come from the device's generator, so a GPU program's oracle runs on
+CUDA too (``oracle_device``), and a machine without CUDA refuses to verify it rather than compare
+it with a CPU run. (3) The numerics settings: ``_device_numerics``, as the ranks set them.
 """
 
 from __future__ import annotations

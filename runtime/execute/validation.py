@@ -1,23 +1,15 @@
 """Evaluation on the validation split: a forward-only pass of the pipeline every K steps
 (``--eval-every K [--eval-batches N]``), reported as ``val_loss`` and ``val_ppl``.
 
-Note [evaluation on the pipeline]: the pass runs on the training run's own pipeline and layout:
-each rank runs its stages on its replica's rows of ``data.eval_batch(i, global_batch)`` for
-i = 0..N-1 (the same N batches every time, so the curve compares like with like), cut into the
-plan's microbatches, through torch's ``_PipelineSchedule.eval`` on the very schedule object that
-trains. torch 2.13's ``eval`` runs the schedule's step with ``has_backward`` off: the backward
-actions of GPipe, 1F1B and interleaved 1F1B become no-ops (no gradient receives or sends), and
-the stages' communication buffers are re-made without gradients, then re-made again at the next
-training step (torch's ``_initialize_pp_stages`` detects the switch, and forks the RNG around
-the re-making). Under zbv the rank at the V's turn runs only the schedule's forward actions
-(Note [evaluation under a V]). We use it rather than writing our
-own send/recv pass because it is the same code that moves training's activations (same groups,
-boundary shapes and dtypes from the plan, interleaved placement, tensor-parallel stages called
-alike), so the two cannot disagree about what crosses a cut. The loss is the program's loss_fn
-under the training autocast policy (the schedule's own loss, Note [mixed precision] in
-runtime/execute/precision.py), each microbatch's mean; with equal microbatches the mean of the
-means is the mean over all validation samples, summed over the world by one all-reduce like a
-training step's loss.
+Note [evaluation on the pipeline]: the pass runs on the training run's own pipeline and layout,
+through torch's ``_PipelineSchedule.eval`` on the very schedule object that trains (its backward
+actions become no-ops; torch re-makes the stages' buffers without gradients and again at the
+next training step; under zbv: Note [evaluation under a V]), each rank on its replica's rows of
+the same N validation batches every time (so the curve compares like with like). Not a send/recv
+pass of our own: the same code that moves training's activations cannot disagree with it about
+what crosses a cut. The loss is the program's loss_fn under the training autocast policy (Note
+[mixed precision] in runtime/execute/precision.py), each microbatch's mean; with equal
+microbatches the mean of the means is the mean over all samples, summed by one all-reduce.
 
 The pass must not change the training run's numbers (a run with --eval-every trains bit for bit
 as one without), so it changes nothing a checkpoint holds:

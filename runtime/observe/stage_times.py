@@ -3,21 +3,15 @@
 
 Note [stage times]
     The step time alone cannot tell a slow stage from a slow schedule, so every rank also times
-    its stages' ``PipelineStage.forward_one_chunk`` (the stage module's forward) and
-    ``backward_one_chunk`` (its backward from the received gradient or the loss, a recomputed
-    region's rerun included): what the cost model's compute term prices. The schedule waits on
-    its receives before it calls either, so a wait for a neighbour is not in them. The loss
-    (the last stage's ``loss_fn``, outside the graph's regions) is timed apart. Two clock reads
-    a call. At the end of a run each rank writes RUN_DIR/stage_times_rank_<r>.json: per stage
-    it holds, the median over the run's steps after the first (as summary.json's step time, Note
-    [step time summary] in runtime/execute/train.py) of the step's seconds over its microbatches, and
-    the medians of the schedule and optimizer phases. Under a split backward (zb, zbv) the
-    weight-gradient call ``backward_weight_one_chunk`` is timed too: counted in the backward and
-    recorded apart as ``weight_backward_s_per_microbatch``. `partitioner calibrate --from-run` refits
-    the machine profile from them (Note [refit from a run] in partitioner/calibrate/refit.py).
-    On a GPU the calls and phases are timed by CUDA events, read after the step's final
-    synchronization (Note [timing on a device] in runtime/observe/clock.py): a host clock there
-    would time kernel launches, and the refit would take the GPU for many times faster than it is.
+    its stages' ``forward_one_chunk`` and ``backward_one_chunk`` (and, under a split backward,
+    ``backward_weight_one_chunk``, counted in the backward and recorded apart): what the cost
+    model's compute term prices. The schedule waits on its receives before either call, so a wait
+    for a neighbour is not in them; the loss is timed apart. Each rank writes
+    RUN_DIR/stage_times_rank_<r>.json with medians over the steps after the first (as summary.json:
+    Note [step time summary] in runtime/execute/train.py), which `calibrate --from-run` refits
+    from (Note [refit from a run] in partitioner/calibrate/refit.py). On a GPU they are timed by
+    CUDA events (Note [timing on a device] in runtime/observe/clock.py): a host clock would time
+    kernel launches, and the refit would take the GPU for many times faster than it is.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """The control group: one gloo group over the world for the runtime's small host-side bookkeeping
 collectives, and the start-up barrier.
 
-Note [the control group]: the default group and every group of ``create_groups`` run on the
-program's backend, and NCCL serves only CUDA tensors ("No backend type associated with device
-type cpu" for a CPU one). The runtime's bookkeeping (which checkpoint steps each rank can restore,
-the checkpoint interval's stall and step time) is a handful of integers and floats that live on
-the host and are read back on the host; it goes over this gloo group instead of the device, made
-once at start-up right after ``create_groups`` (runtime/launch/rank.py ``_main``), on every rank
-in the same order. Chosen over device tensors on the default group because (1) gloo raises in
-Python when a peer dies, so start-up recovery and a rollback say "a peer rank died" in one line
-(Note [a dead peer] in runtime/launch/rank.py) where NCCL's watchdog would abort the process;
-(2) gloo's ``monitored_barrier`` takes its own timeout, which the start-up barrier needs (NCCL's
-barrier has only the group's); (3) a bookkeeping gather never waits behind the device's queue of
-kernels. Only the main thread uses it: the Checkpointer's background persist has its own gloo
-group (collectives from two threads on one group could pair up in another order on each rank),
-and so has the memory tier. Everything sent on it is made with ``device="cpu"``. Every gloo group
-of the runtime spans the whole world: with the default group bound to a device (``device_id``),
-torch has a rank outside a new subgroup join an NCCL split that a gloo subgroup's members never
-make.
+Note [the control group]: NCCL serves only CUDA tensors, and the runtime's bookkeeping (which
+checkpoint steps each rank can restore, the checkpoint stall and step time) is a few host numbers
+read back on the host; it goes over this gloo group, made once at start-up after
+``create_groups`` on every rank in the same order, rather than device tensors on the default
+group, because (1) gloo raises in Python when a peer dies, so recovery says "a peer rank died" in
+one line (Note [a dead peer] in runtime/launch/rank.py) where NCCL's watchdog would abort; (2)
+gloo's ``monitored_barrier`` takes the timeout the start-up barrier needs; (3) a bookkeeping
+gather never waits behind the device's kernels. Only the main thread uses it: the Checkpointer's
+background persist and the memory tier have gloo groups of their own (two threads on one group
+could pair collectives in another order on each rank). Every gloo group spans the whole world:
+with the default group bound to a device, torch has a rank outside a new subgroup join an NCCL
+split that a gloo subgroup's members never make.
 
 Note [start-up barrier]: the ranks reach their first collective at different times: stage
 compilation (per rank, Note [compiled stages] in runtime/execute/compile_stages.py), pretrained weights,

@@ -4,31 +4,16 @@ environment, the groups NCCL would serve refuse what NCCL refuses (runtime/launc
 
 Note [NCCL emulation]: on a CPU run every tensor is on the program's device, so a collective that
 would get a CPU tensor under NCCL passes under gloo and the mistake only shows on the first GPU
-run. This emulation tells the two apart. A TorchFunctionMode, active in the rank's main thread,
-marks a tensor "host" when it would be on the host on a GPU: made by a factory without a device
-(``torch.full(...)``, ``torch.tensor([...])``: the default device is the CPU), by ``.cpu()``, by a
-``.to("cpu")`` or ``device="cpu"`` written as a string, or with the ``.device`` of a host tensor;
-an op's result is host when its inputs are (a device tensor other than a 0-dim one makes it
-device, as CUDA does); an in-place op leaves its tensor as it was; ``.to(device)`` of a host tensor
-returns a copy, as it does on a GPU. A ``torch.device`` object given as ``device=`` is trusted:
-the program's device and ``torch.device("cpu")`` cannot be told apart on a CPU run (the AST lint
-tests/unit/test_collective_devices.py covers what that leaves: a factory without ``device=``).
-Then:
-- the default group and every group made by ``dist.new_group`` without a backend (those of
-  ``create_groups``: NCCL's under a GPU plan) refuse a host tensor in any collective or
-  point-to-point operation, with NCCL's message; groups made with ``backend="gloo"`` (the
-  Checkpointer's, the memory tier's, Note [the control group] in runtime/parallel/control.py)
-  take anything;
-- on those device groups ``dist.isend``/``dist.irecv`` must be posted inside
-  ``dist.batch_isend_irecv``: NCCL's point-to-point calls progress only when both sides are posted,
-  so two ranks that each send first wait on each other forever (the canary exchange at dp 2 did);
-  the rule is for the runtime's calls (torch's own are told by the caller's file): torch's pipelining posts
-  lone one-directional sends and receives, and the blocking ``dist.send``/``dist.recv``, in orders
-  NCCL is tested with upstream;
-- fused AdamW refuses a host ``step`` beside device parameters: CUDA's fused kernel reads the step
-  on the device (torch's adam.py keeps it there for fused and capturable).
-DTensor's functional collectives (tensor parallelism) are not seen: they bypass ProcessGroup's
-Python methods.
+run. So a TorchFunctionMode in the rank's main thread marks each tensor "host" where it would be
+on the host on a GPU (a factory without a device, ``.cpu()``, a device written as the string
+"cpu", and what ops make of host inputs, as CUDA does); a ``torch.device`` object is trusted (the
+program's device and the CPU cannot be told apart on a CPU run: tests/unit/test_collective_devices.py
+lints what that leaves). Then NCCL's rules are enforced with NCCL's messages: the device groups
+refuse a host tensor (gloo groups, Note [the control group] in runtime/parallel/control.py, take
+anything); the runtime's ``isend``/``irecv`` on them must be inside ``batch_isend_irecv`` (NCCL's
+point-to-point calls progress only when both sides are posted: two ranks that each send first
+wait forever, as the canary exchange at dp 2 did); fused AdamW refuses a host ``step`` (CUDA's
+kernel reads it on the device). DTensor's functional collectives bypass it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Optimizer state sharded over the data-parallel replicas (ZeRO stage 1).
 
 Note [sharded optimizer state]: the replicas of a stage hold the same parameters, so each need
-only update a 1/dp slice of them. Per rank, its stages' trained parameters (each original name
-once) are laid end to end in one flat fp32 index space of N elements, padded to a multiple of
-dp; replica r owns elements [r·L, (r+1)·L), L = ceil(N/dp). A parameter cut by that boundary
-has a *piece* on each replica that owns some of it: (name, start, end) in the flattened
-parameter. AdamW is elementwise, so AdamW over the pieces is AdamW over the whole, bit for bit
-(same kernel). Each step, after the ties are summed:
-  1. the flat gradient is reduce-scattered over the data-parallel group (sum, then / dp), so
-     each replica holds the averaged gradient of its own slice only;
-  2. the global norm counts each replica's slice (Note [global gradient norm]), clipping scales
-     the slices, the optimizer steps the pieces;
-  3. the updated slices are all-gathered back into every replica's full parameters.
-Reduce-scatter + all-gather move the same bytes as the all-reduce they replace (ring: 2·(d-1)/d
-of the buffer), and the AdamW state (8 of the 16 bytes per parameter under the policies of
-runtime/execute/precision.py) shrinks by dp. That holds for NCCL. Gloo (torch 2.13) has a reduce-scatter
-but a slow one: measured here on 900k fp32 elements over 2 ranks, all-reduce 29 ms,
-reduce-scatter 48 ms, all-gather 38 ms; so on gloo step 1 is the all-reduce, each replica keeping
-its slice, and sharding costs one all-gather more than replicated state (priced so: Note
-[sharding as a candidate] in partitioner/solver/zero_choice.py).
+only update a 1/dp slice. A rank's trained parameters are laid end to end in one flat fp32 index
+space padded to a multiple of dp, replica r owning the r-th slice (a parameter cut by a boundary
+has a piece on each side). AdamW is elementwise, so AdamW over the pieces is AdamW over the whole,
+bit for bit. Each step the flat gradient is reduce-scattered (each replica gets its slice,
+averaged), the global norm counts each slice (Note [global gradient norm]), the optimizer steps
+the pieces, and the updated slices are all-gathered back. Under NCCL that moves the bytes of the
+all-reduce it replaces and the AdamW state shrinks by dp. Gloo's reduce-scatter is slower than
+its all-reduce (48 against 29 ms on 900k elements over 2 ranks here), so on gloo the first step
+is the all-reduce and sharding costs one all-gather more (priced so: Note [sharding as a
+candidate] in partitioner/solver/zero_choice.py).
 
 Built on torch.distributed's collectives (reduce_scatter_tensor / all_gather_into_tensor), not
 FSDP2's fully_shard: FSDP2 shards the parameters themselves (ZeRO-3) and all-gathers them before

@@ -2,35 +2,19 @@
 compares digests of what both computed, before the data-parallel all-reduce mixes them.
 
 Note [compute canaries]: replica digests (Note [replica digests] in runtime/resilience/sdc.py)
-compare state after the all-reduce, so a wrong product in a forward or backward matmul is averaged
-into every replica's gradient and no digest ever differs. A canary looks earlier. Every K-th step
-(``sdc_canary_every``; steps s with (s + 1) % K == 0) every rank records its stage's microbatch 0
-as the schedule runs it: the inputs (stage 0: the microbatch; later stages: the received
-activations), the received output gradients (the last stage: the target), and the digests
-(``sdc.tensor_digest``) of the outputs, the loss, the input gradients and the parameter gradients
-right after that microbatch's backward (the schedule runs each stage's backwards in microbatch
-order, and a step starts with no gradients, so they are microbatch 0's alone). After the schedule,
-before the all-reduce, each rank sends its record to the next replica of its data-parallel group
-(a ring), and re-runs the previous replica's record: forward and backward of the same stage on
-its own parameters (bit-identical to the owner's: replicas agree), with the owner's keyed dropout
-masks (the randomness context of the owner's global microbatch, Note [randomness per microbatch]
-in runtime/execute/train.py), through the same module hooks and ``stage_backward`` as torch's
-schedule, into gradients set aside (its own are put back after, as are its buffers, the global
-RNG and the randomness context: a canary changes nothing the run computes). Same code, same
-inputs, same parameters, same device kind: the digests agree to the bit unless one device
-computed wrongly. The verdicts (one row per rank) go to every rank in one all_gather, so every
-rank reaches the same finding. With 3 or more replicas a faulty rank fails two pairs (its own
-record, and its re-run of its predecessor's) and is blamed; with 2, both are named. On a finding
-every rank drops the step's gradients and raises ``CanaryMismatch`` (a ``SilentDataCorruption``),
-and runtime/launch/rank.py rolls back as for a replica check (``sdc.roll_back``: the newest
-checkpoint at or before the last agreeing canary) and trains on. A rank blamed again after a
-rollback is a persistent fault: rank 0 writes RUN_DIR/exclude.json naming it and every rank exits
-with EXIT_EXCLUDE (4), after setting aside every checkpoint and memory slot newer than the last
-agreeing canary; under `run --elastic` the launcher then re-plans without the rank's host (Note
-[excluding a host] in runtime/resilience/exclusion.py). Runs one
-stage per rank, without tensor parallelism or sharded optimizer state (``refusal`` in
-runtime/resilience/canary_rules.py).
-Findings go to the log and RUN_DIR/canary.jsonl.
+compare state after the all-reduce, so a wrong product in a matmul, averaged into every replica's
+gradient, never shows. A canary looks earlier: every K-th step each rank records its stage's
+microbatch 0 (inputs, received gradients, digests of what it computed), sends the record to the
+next replica of its data-parallel group, and re-runs the previous replica's record on its own
+parameters (bit-identical: replicas agree) with the owner's keyed masks (Note [randomness per
+microbatch] in runtime/execute/train.py), through torch's own hooks and ``stage_backward``, into
+gradients set aside (a canary changes nothing the run computes). Same code, inputs, parameters
+and device kind: the digests agree to the bit unless a device computed wrongly. Every rank gets
+every verdict, so all reach one finding: with 3 or more replicas the faulty rank fails two pairs
+and is blamed, with 2 both are named. On a finding the ranks roll back as for a replica check,
+to the newest checkpoint at or before the last agreeing canary; a rank blamed again is a
+persistent fault and is excluded (Note [excluding a host] in runtime/resilience/exclusion.py).
+One stage per rank, no tensor parallelism or sharded state (runtime/resilience/canary_rules.py).
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """A compute canary's exclusion (RUN_DIR/exclude.json, Note [compute canaries] in
 runtime/resilience/canary.py) turned into a re-plan without the bad host under `run --elastic`.
 
-Note [excluding a host]: a rank blamed twice by the canaries is a persistent compute fault. Its
-whole host goes: `run --elastic` (partitioner/cli/elastic.py ``run_elastic``) starts the agents
-again for the other hosts only, and their workers re-plan through the path a lost host takes
-(``resolve`` in runtime/launch/elastic.py, Note [elastic run]). Three decisions:
-- Only a certain host is excluded. With 3 or more replicas the faulty rank fails two pairs and is
-  named alone ("certain": true). With 2 replicas both ranks of the failing pair are named and
-  either may be the faulty one: when both sit on one host (a layout that puts a stage's replicas
-  on one host, as the compiler's rank order does for 2 stages x dp 2 on hosts 0,0,1,1) that host
-  holds the faulty device whichever rank it is, and it goes; when they sit on two hosts, dropping
-  both would drop a healthy one on a guess, so the job stops with exit 4 as before and one line
-  says which ranks and hosts are suspect and what to do (recompile with dp 3 or more, or rerun
-  --hosts without the host one believes bad). So does an exclusion whose hosts leave no host, or
-  leave ranks no re-plan can use (fewer than the stages).
-- The state resumed is the newest checkpoint at or before the last agreeing canary ("good_step"
-  in exclude.json): the fault reaches every replica through the data-parallel all-reduce, so any
-  checkpoint or memory-tier slot written after the last agreeing canary may hold its effect (a
-  step between two canaries is not checked before it is saved). Before the ranks leave (``set_aside``),
-  every rank settles its persists and memory copies, rank 0 moves every checkpoint newer than
-  good_step to discarded_step_N (as a rollback does, runtime/resilience/recovery.py) and every rank
-  invalidates its memory slots newer than it. The relaunch then recovers from the disk, at most
-  at good_step (``recover(not_after=...)``), and never through the memory handover: the excluded
-  host's slots are suspect as a whole, and the disk checkpoint of good_step is verified by sha256
-  on every rank. This costs a disk read once per exclusion, which is rare.
-- A worker restarted by its torchrun agent after the exclusion (an elastic agent restarts failed
-  workers, as does torchrun with --max-restarts, and a drill's fault is armed only in the first
-  attempt) would train on with the same hosts. A worker started by `partitioner run` whose
-  RUN_DIR/exclude.json is newer than the launch's (or the elastic round's) start (``ROUND_ENV``)
-  leaves at once with exit 4 (``stop_if_excluded``, in runtime/launch/rank.py's main), and the
-  elastic launcher stops the agents once rank 0 has recorded the set-aside, so no restarted round
-  trains past the exclusion.
+Note [excluding a host]: a rank blamed twice by the canaries is a persistent compute fault; its
+whole host goes, and `run --elastic` re-plans on the others through a lost host's path (Note
+[elastic run] in runtime/launch/elastic.py). Three decisions. Only a certain host is excluded:
+the rank named alone (3 or more replicas), or the one host holding both ranks of a failing pair
+(2 replicas); a pair on two hosts, or an exclusion leaving too few ranks to re-plan, stops with
+exit 4 and one line naming the suspects and the fix (dp 3 or more, or --hosts without the bad
+one), since dropping both would drop a healthy host on a guess. The state resumed is the newest
+checkpoint at or before the last agreeing canary ("good_step"): the fault reaches every replica
+through the all-reduce, so anything written after it may hold its effect; newer checkpoints are
+set aside and memory slots invalidated, and the relaunch reads the disk (sha256-verified), never
+the memory handover (the excluded host's slots are suspect). A worker restarted after the
+exclusion (by its agent, or --max-restarts) would train on with the same hosts, so one whose
+exclude.json is newer than its round's start leaves at once with exit 4 (``stop_if_excluded``).
 """
 
 from __future__ import annotations

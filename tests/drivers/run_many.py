@@ -13,21 +13,16 @@ A job written ``--restarts R FOLDER [FLAGS...]`` runs in forked workers that are
 R times when one of them fails, each job on its own (Note [restarts in a fork]).
 
 Note [restarts in a fork]: a job with a ``--fail-at`` kill needs a restart, and torchrun's own
-restart re-spawns every worker (seconds of importing torch each, on every kill) and re-runs the
-launch's earlier jobs; its restart count is the launch's, so only the first killed job's fault
-would fire. A ``--restarts`` job instead runs each attempt in a child forked from this worker
-(torch already imported, no process group held: it is destroyed first, and made again for a
-later plain job), with a fresh process group on a fresh port, TORCHELASTIC_RESTART_COUNT set to
-the job's own attempt and TORCHELASTIC_MAX_RESTARTS to R, so faults fire in its first attempt
-only and recovery reads the checkpoints as after a torchrun restart. As torchrun's agent does,
-when any rank's child fails, every other rank's child is killed (SIGKILL) and, restarts left,
-the attempt runs again on every rank; a job whose attempts all fail ends the launch with exit 1.
-The workers coordinate through the launch's store: the attempt's port, a "failed" key, a count
-of ranks done with the attempt. Every wait has a deadline (ATTEMPT_TIMEOUT_S). Put ``--restarts``
-jobs before the plain ones (tests/_shared_launch.py does): a child inherits what its parent's
-earlier jobs left in torch, and DTensor's caches hold device meshes of the groups those jobs
-made, which the parent destroyed; a DeviceMesh equals any other over the same ranks whatever its
-groups, so a tensor-parallel child is handed a cached mesh whose group names no longer resolve.
+re-spawns every worker (seconds of importing torch, on every kill), re-runs the launch's earlier
+jobs, and counts restarts per launch, so only the first killed job's fault would fire. So a
+``--restarts`` job runs each attempt in a child forked from this worker (torch imported, its
+process group destroyed first), with a fresh group on a fresh port and the TORCHELASTIC_* counts
+of the job's own attempts, so faults fire in its first attempt only and recovery reads the
+checkpoints as after a torchrun restart. As torchrun's agent does, a failed child gets every
+other rank's child killed and the attempt run again while restarts are left; the ranks
+coordinate through the launch's store, every wait with a deadline (ATTEMPT_TIMEOUT_S). Put
+``--restarts`` jobs first (tests/_shared_launch.py does): a child inherits what earlier jobs
+left in torch, and DTensor caches device meshes whose groups the parent destroyed.
 """
 
 import importlib
