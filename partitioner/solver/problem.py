@@ -9,13 +9,7 @@ Note [region accounting]
     stage that holds one of them keeps a replica (memory) and the replicas' gradients are summed
     once per step (time); see ``evaluate`` in evaluate.py.
 
-Note [time model]
-    ``region_times_s`` is the one place that turns a region into seconds on a device. By default
-    time = flops * b / device.flops_per_s. A calibration may give measured per-sample seconds by
-    device kind (``fwd_s_per_sample_by_kind``); then that wins for that kind, plus a fixed part
-    per microbatch (``fwd_s_per_microbatch_by_kind``: the per-op overhead, which does not shrink
-    with a smaller microbatch). Two more terms price what the runtime pays per candidate, not per
-    region (Note [whole-step terms]): ``microbatch_overhead_s`` and ``core_sharing_factor``.
+Note [whole-step terms]): ``microbatch_overhead_s`` and ``core_sharing_factor``.
 
 Note [whole-step terms]
     Two costs the regions alone miss (measured on the whole step, benchmarks/step_time_accuracy.py),
@@ -133,7 +127,7 @@ class RegionCost:
     transient_fixed_bytes: int = 0
     # What a tensor group changes of the region (at tp > 1): one seam for the axis.
     tp: TensorParallelCost = field(default_factory=TensorParallelCost)
-    # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [time model]).
+    # Measured seconds per sample by device kind; overrides flops / flops_per_s (Note [per sample]).
     fwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     bwd_s_per_sample_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Measured fixed seconds per microbatch by device kind, added to the per-sample part.
@@ -301,7 +295,8 @@ class PartitionProblem:
 
 
 def region_times_s(region: RegionCost, device: DeviceSpec, microbatch_size: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one microbatch of ``region`` on ``device`` (Note [time model])."""
+    """(forward, backward) seconds of one microbatch of ``region`` on ``device``: measured by kind
+    (Note [per sample] in partitioner/calibrate/__init__.py), else flops / flops_per_s."""
     fwd_override = (region.fwd_s_per_sample_by_kind or {}).get(device.kind)
     bwd_override = (region.bwd_s_per_sample_by_kind or {}).get(device.kind)
     fwd = fwd_override if fwd_override is not None else region.fwd_flops_per_sample / device.flops_per_s

@@ -1,5 +1,5 @@
 """Hardening of the memory tier's shared-memory folder (issue 14; Note [memory tier trust] in
-runtime/resilience/memtier/tier.py): the tier works only in a 0700 folder it creates inside --memory-dir and
+runtime/resilience/memtier/slots.py): the tier works only in a 0700 folder it creates inside --memory-dir and
 removes only that; planted folders, links and snapshots of another run are refused or ignored; a
 full /dev/shm turns the tier off with a warning instead of SIGBUS; stale folders go; a fresh
 checkpoint directory starts fresh; a one-host plan's settings work; a malformed slot fails before

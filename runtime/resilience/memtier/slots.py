@@ -14,22 +14,23 @@ that outlives the worker process (tmpfs: /dev/shm), one subfolder per host::
 ROOT is a folder the tier creates itself, inside --memory-dir (default /dev/shm, else the temporary
 folder): ``partitioner-memtier-u<uid>-<sha256(checkpoint dir, plan hash)[:12]>-<run id>``, so a
 restarted worker of the same job finds it and another job or plan does not; only ROOT is ever
-removed, never the folder the user named. Note [memory tier trust]: ROOT and every folder in it are
-0700 and checked with lstat (a folder, not a link, owned by this user, no group/other bits: else the
-tier refuses with a message naming the folder); files are opened with O_NOFOLLOW (O_EXCL where
-created), so a planted link is never written through. The run id (``run_id_for``: kept in the
-checkpoint directory, so a fresh checkpoint directory is a fresh run) is in ROOT's name and in every
-commit record, and a record of another run or plan is ignored. Folders of this user's earlier runs
-whose owner process (the torchrun agent) is gone, or superseded by a new run id of the same
-checkpoint directory, are removed at start-up (``clear_stale``). A commit record is
-{"format", "kind", "step", "bytes", "sha256", "plan_hash", "run_id", ...}: sha256 of the slot's bytes, the
-same check the disk tier makes of a shard. A slot is whole or absent: its record is removed before
-its data is overwritten and written (tmp + rename) only after the data is complete and hashed; the
-two slots alternate (a new snapshot goes over the older one), so the newest committed snapshot is
-never the one being written. A job that finishes cleanly removes its memory tier.
+removed, never the folder the user named.
 
-An own slot holds the shard in the disk format (runtime.resilience.checkpoint: ``state_entries`` says what,
-``ShardLayout`` where), so it is read back by the disk tier's reader.
+Note [memory tier trust]: /dev/shm is shared by every user of the host, so ROOT and every folder in
+it are 0700 and checked with lstat (a folder, not a link, owned by this user, no group/other bits:
+else the tier refuses, naming the folder), and files are opened with O_NOFOLLOW (O_EXCL where
+created), so a planted link is never written through. The run id (``run_id_for``, kept in the
+checkpoint directory) is in ROOT's name and every commit record; a record of another run or plan is
+ignored. This user's folders whose owner process (the torchrun agent) is gone, or superseded by a
+new run id of the same checkpoint directory, are removed at start-up (``clear_stale``).
+
+A commit record ({"format", "kind", "step", "bytes", "sha256", "plan_hash", "run_id", ...}) holds
+the sha256 of the slot's bytes, the check the disk tier makes of a shard. A slot is whole or absent:
+its record is removed before its data is overwritten and written (tmp + rename) only after the data
+is complete and hashed; the two slots alternate, so the newest committed snapshot is never the one
+being written. A job that finishes cleanly removes its memory tier. An own slot holds the shard in
+the disk format (runtime.resilience.checkpoint's ``state_entries`` and ``ShardLayout``), so the disk
+tier's reader reads it back.
 """
 
 from __future__ import annotations

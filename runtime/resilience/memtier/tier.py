@@ -82,8 +82,7 @@ class MemoryTier:
         self.red = plan_redundancy(hosts, keys, mode=settings.mode, group_size=settings.group_size)
         self.every = settings.every
         self.group = dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
-        # Note [memory tier trust]: the run id (rank 0's, from the checkpoint directory), the tier's
-        # own folder inside --memory-dir, stale folders of this user cleared
+        # the run id (rank 0's), the tier's own folder, stale folders cleared: Note [memory tier trust] in slots.py
         rid = torch.zeros(8, dtype=torch.uint8)
         if self.rank == 0:
             rid.copy_(torch.tensor(list(bytes.fromhex(run_id_for(ckpt_dir))), dtype=torch.uint8))
