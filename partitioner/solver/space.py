@@ -9,7 +9,7 @@ Note [one enumeration]
     time budget covers them all, and OPTIMAL is a proof over the whole product. (Separate searches
     per variant, each with its own budget and no shared incumbent, made the 70B compile slow.)
     Where sharding is a relaxation of replication (its state never larger on any stage,
-    ``sharding_relaxes``: true for AdamW at every d >= 2, with no extra time), every unsharded plan
+    ``sharding_relaxes``, as AdamW's at every d >= 2, and no gloo all-gather), every unsharded plan
     with d > 1 is a sharded plan of the same step time, so those candidates are left out; the winner
     is stated unsharded when its assignment also fits unsharded (the tie-break of Note [sharding as
     a candidate]).
