@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -185,3 +186,26 @@ def test_the_unit_tests_that_start_torchrun_are_named():
     assert not unnamed, f"docs/design.md §3 says unit tests are one process each but for those it names; also {unnamed}"
     assert torchrun_starters({"a.py": 'subprocess.run([sys.executable, "-m", "partitioner", "run", d])',
                               "b.py": "torchrun_command('t.py', 2)", "c.py": "x = 1"}) == {"a.py"}
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """Every `partitioner ...` line of the README's plain code blocks, continuations joined, comments cut."""
+    fence, kept = None, []  # fence: the opening line of the block we are in
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = line if fence is None else None
+        elif fence == "```":  # plain blocks only: not python, toml
+            kept.append(line)
+    lines = "\n".join(kept).replace("\\\n", " ").splitlines()
+    return [shlex.split(line.split("  #")[0])[1:] for line in lines if line.startswith("partitioner ")]
+
+
+def test_the_commands_the_readme_shows_parse():
+    from partitioner.cli.commands import build_parser
+
+    commands = readme_commands(README)
+    assert {c[0] for c in commands} >= {"data", "compile", "inspect", "run", "generate", "export", "verify"}
+    for argv in commands:
+        build_parser().parse_args(argv)  # a flag the CLI lost: SystemExit, naming it
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(readme_commands("```\npartitioner run out --no-such-flag\n```")[0])
