@@ -22,7 +22,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 # The one-GPU check's program folders, compiled here (OR-Tools) on the meta device: carry
-# gpu_check_folders to the GPU machine (README "On one GPU: the readiness check").
+# gpu_check_folders to the GPU machine (docs/gpu.md, "On one GPU: the readiness check").
 gpu-check-folders: $(STAMP)
 	$(PY) benchmarks/gpu_check.py prepare --out gpu_check_folders
 

@@ -14,8 +14,8 @@ benchmarks/results/:
     cost_model.png         predicted vs measured stage time, datasheet and calibrated models
                            (step_time_accuracy: the whole step, in the summary's table)
 
-and the README's "## Results" section is replaced by the summary (every figure in it is this
-run's output). `--only NAME ...` runs a subset (the README is then left alone).
+and docs/results.md is rewritten from the summary (every figure in it is this run's output; README
+links it). `--only NAME ...` runs a subset (the page is then left alone).
 """
 
 from __future__ import annotations
@@ -286,27 +286,22 @@ def summary_markdown(results: dict, images: list[str], image_prefix: str) -> str
     return "\n".join(lines) + "\n"
 
 
-def update_readme(section: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    start = text.index("## Results\n")
-    end = text.find("\n## ", start + 1)
-    end = len(text) if end < 0 else end + 1
-    old = text[start:end]
-    # Keep the paragraph on what the tests assert (it is not a measurement of this run).
-    keep = ""
-    if "Correctness is what the tests assert" in old:
-        paragraph = old[old.index("Correctness is what the tests assert"):]
-        keep = paragraph.split("\n\n", 1)[0].rstrip() + "\n\n"  # that paragraph only
-    body = "## Results\n\n" + keep + section + "\n"
-    readme.write_text(text[:start] + body + text[end:])
+RESULTS_PAGE = ROOT / "docs" / "results.md"
+KEPT = "Correctness is what the tests assert"  # that paragraph is no measurement of this run: kept
 
 
-def write_outputs(results: dict, *, readme: bool) -> list[str]:
+def update_results_page(section: str, page: Path = RESULTS_PAGE) -> None:
+    """``page`` rewritten: its title, the paragraph on what the tests assert, then ``section``."""
+    old = page.read_text() if page.is_file() else ""
+    keep = old[old.index(KEPT):].split("\n\n", 1)[0].rstrip() + "\n\n" if KEPT in old else ""
+    page.write_text("# Results\n\n" + keep + section)
+
+
+def write_outputs(results: dict, *, page: bool) -> list[str]:
     images = plots(results)
     (RESULTS / "summary.md").write_text("# Benchmark results\n\n" + summary_markdown(results, images, ""))
-    if readme:
-        update_readme(summary_markdown(results, images, "benchmarks/results/"))
+    if page:  # docs/results.md links the plots from docs/
+        update_results_page(summary_markdown(results, images, "../benchmarks/results/"))
     return images
 
 
@@ -329,17 +324,17 @@ def merge_into_previous(rerun: dict, previous: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="run only these benchmarks (README left alone)")
+    parser.add_argument("--only", nargs="*", help="run only these benchmarks (docs/results.md left alone)")
     parser.add_argument("--merge", action="store_true", help="with --only: replace these benchmarks' records in "
-                        "the existing results.json, keep the others, and rewrite the summary and README (the "
+                        "the existing results.json, keep the others, and rewrite the summary and docs/results.md (the "
                         "header then says which benchmarks were rerun, and when)")
     parser.add_argument("--render", action="store_true", help="run nothing: redraw the summary, plots and "
-                        "README section from benchmarks/results/results.json")
+                        "docs/results.md from benchmarks/results/results.json")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.render:
         results = json.loads((RESULTS / "results.json").read_text())
-        write_outputs(results, readme=True)
+        write_outputs(results, page=True)
         return 0
     chosen = [b for b in BENCHMARKS if not args.only or b[0] in args.only]
     started = time.perf_counter()
@@ -364,7 +359,7 @@ def main() -> int:
     if args.merge and args.only:
         results = merge_into_previous(results, json.loads((RESULTS / "results.json").read_text()))
     (RESULTS / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
-    images = write_outputs(results, readme=not args.only or args.merge)
+    images = write_outputs(results, page=not args.only or args.merge)
     failed = [b["name"] for b in results["benchmarks"] if b["status"] != "ok"]
     print(f"[bench] {len(chosen)} benchmarks in {(time.perf_counter() - started) / 60:.1f} min; wrote "
           f"{RESULTS.relative_to(ROOT)}/results.json, summary.md, {', '.join(images) or 'no plots'}"

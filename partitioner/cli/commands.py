@@ -40,7 +40,7 @@ def cmd_compile(args) -> int:
     job = load_job(args.job) if args.job else None  # Note [training settings merge]: flags win
     if args.cluster:
         if not Path(args.cluster).is_file():
-            raise ValueError(f"--cluster {args.cluster}: no such file; write a cluster TOML (README \"Cluster file\")")
+            raise ValueError(f"--cluster {args.cluster}: no such file; write a cluster TOML (docs/configuration.md)")
         cluster = ClusterSpec.from_toml(args.cluster)
     elif job is not None and job.cluster is not None and args.devices is None and args.device is None:
         cluster = job.cluster
@@ -301,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--devices", type=int, help="number of devices (default 2)")
     c.add_argument("--device", help="device kind: cpu (default), a100, a100-80gb, h100, h200")
     c.add_argument("--cluster", help="cluster TOML file (overrides --devices/--device and the job file's)")
-    c.add_argument("--job", metavar="FILE", help="job TOML: [training] settings and the cluster (README "
-                   "\"Job file\"); the flags below override it")
+    c.add_argument("--job", metavar="FILE", help="job TOML: [training] settings and the cluster "
+                   "(docs/configuration.md); the flags below override it")
     c.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     c.add_argument("--steps", type=int, help="training steps: the LR schedule's length and what `run` trains "
                    "(default 1000)")

@@ -84,7 +84,7 @@ def cmd_run(args) -> int:
                  f"--node-rank $NODE_RANK --rdzv-backend {SIGNED} --rdzv-endpoint $MASTER_HOST:$MASTER_PORT "
                  f"{folder / 'train.py'} with --checkpoint-dir on a filesystem every node shares (MASTER_PORT: a "
                  "free port on MASTER_HOST; the nodes' network must be trusted: README \"Trust model\")"
-                 if nodes > 1 else "README \"Multi-node\" says how to run it across nodes"),
+                 if nodes > 1 else "docs/multi-node.md says how to run it across nodes"),
               file=sys.stderr, flush=True)
     # torchrun in its own session; SIGTERM/SIGINT reach it and its workers (Note [process groups]
     # in runtime/launch/torchrun.py). The rendezvous is a file only this user opens (Note [no TCP

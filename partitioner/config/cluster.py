@@ -439,6 +439,6 @@ def read_toml(path: str | Path, what: str) -> dict:
         return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ValueError(f"{what} {path} is not text (byte {exc.start} is not UTF-8: a binary file?): "
-                         f"pass the TOML file (README \"{what.capitalize()}\")") from None
+                         f"pass the TOML file (docs/configuration.md)") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None

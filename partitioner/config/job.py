@@ -12,7 +12,7 @@ Every key is checked against one schema (``TRAINING_SCHEMA``): an unknown key or
 wrong type is a ValueError naming the key, where it came from, and what it must be, raised before
 anything is traced.
 
-A job file (TOML, README "Job file")::
+A job file (TOML, docs/configuration.md)::
 
     [training]
     lr = 3e-4
@@ -143,7 +143,7 @@ class Job:
 def load_job(path: str | Path) -> Job:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--job {path}: no such file; write a job TOML with [training] (README \"Job file\")")
+        raise ValueError(f"--job {path}: no such file; write a job TOML with [training] (docs/configuration.md)")
     data = read_toml(path, "job file")
     unknown = sorted(set(data) - {"training", "cluster", "data"})
     if unknown:

@@ -10,7 +10,8 @@ the reason and a partial one (no manifest) is never exported. A Hugging Face mod
 and model.safetensors (sharded above 5 GB, with its index); buffers the checkpoint does not hold
 (they never change: rotary tables, position ids) are made as the ranks made them. The built-in
 ``gpt`` is written as transformers' GPT2LMHeadModel the same way (Note [the built-in gpt is GPT-2]
-in partitioner/models/gpt_as_gpt2.py). Any other model: model.safetensors by original names, and
+in partitioner/models/gpt_as_gpt2.py); a built-in ``hf-*`` compiled on cpu (its weights made at
+compile time) carries no config, and the report says to compile it with device=meta. Any other model: model.safetensors by original names, and
 the report says in one line why there is no config.json and how to load the file. DIR is built in a temporary sibling, fsynced and renamed
 into place: it exists whole or not at all.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +266,13 @@ def _as_gpt2(state: dict[str, torch.Tensor], workload: str | None) -> tuple[dict
     """(the built-in GPT's arguments, None) when ``state`` converts to GPT2LMHeadModel, else (None, why
     not: a line for the report)."""
     args = gpt_as_gpt2.gpt_args(workload)
+    builtin_hf = re.fullmatch(r"(hf-[\w-]+)\(.*\)", workload or "")
+    if args is None and builtin_hf:
+        # its name leaves out settings its config needs (dropout, experts): rebuilt from it, a config
+        # could be silently wrong, so only a program that carries its config (device=meta) gets one
+        return None, (f"{workload} was compiled with its weights made at compile time, so its program holds no "
+                      f"Hugging Face config; to export one, compile it as {builtin_hf.group(1)}:...,device=meta "
+                      "(every rank then makes its weights from the config)")
     if args is None:
         return None, (f"{workload or 'the model'} is neither a Hugging Face model nor the built-in gpt, so no "
                       "transformers class is known to fit it")

@@ -1,4 +1,4 @@
-"""A user's own model, as README "Use it" shows it: a file with a model class, build(), module-level
+"""A user's own model, as README "Bring your own model" shows it: a file with a model class, build(), module-level
 make_batch and loss, no Workload.source, compiled, run and verified from the CLI in the user's
 folder; a Hugging Face model whose batches are dicts of keyword inputs (input_ids, attention_mask,
 labels; it computes its own loss), compiled with a job file and flags.

@@ -44,3 +44,15 @@ def test_only_the_built_in_gpt_is_converted():
     assert "not the built-in gpt's" in gpt_as_gpt2.mismatch({**state, "extra.weight": torch.zeros(1)}, args)
     state["head.weight"] = torch.zeros(17, 8)
     assert gpt_as_gpt2.mismatch(state, args) == "head.weight is [17, 8], the built-in gpt's is [16, 8]"
+
+
+def test_a_built_in_hf_model_without_its_config_says_how_to_get_one():
+    """Issue 43: a built-in hf-llama compiled on cpu exported with no config.json and a line calling it
+    neither a Hugging Face model nor the built-in gpt; its name cannot rebuild the config exactly."""
+    from partitioner.models.export import _as_gpt2
+
+    args, why = _as_gpt2({}, "hf-llama(layers=2,width=64,heads=4,vocab=256,seq=32,attn=sdpa)")
+    assert args is None and "neither" not in why
+    assert "holds no Hugging Face config" in why and "hf-llama:...,device=meta" in why
+    _, why = _as_gpt2({}, "mlp(features=8,hidden=32,depth=2,outputs=4)")
+    assert "neither a Hugging Face model nor the built-in gpt" in why

@@ -52,7 +52,7 @@ def unshared_warning(ckpt_dir: str, hosts_missing: list[int]) -> str:
             f"{', '.join(map(str, hosts_missing))} do not see rank 0's files in it, so no checkpoint "
             "will be complete and every restart starts again at step 0. Put --checkpoint-dir on a filesystem "
             "every node mounts (NFS, Lustre, ...); the memory tier (--memory-tier) recovers without one "
-            "(README \"Multi-node\")")
+            "(docs/multi-node.md)")
 
 
 def check_shared(ckpt_dir: str, rank: int, hosts, device) -> list[int]:
