@@ -1,23 +1,14 @@
 """The dtype each value has under the program's autocast, so a stage boundary carries what the
 unpartitioned model would have computed with.
 
-Note [boundaries in the autocast dtype]: under bf16-/fp16-mixed, a value's dtype is autocast's
-choice, not the trace's: a matmul writes bf16, a residual add of two bf16 values stays bf16, a norm
-may write fp32. A boundary sent in the traced dtype (fp32) is an upcast the unpartitioned model
-never does: the next stage then adds bf16 to fp32, promotes, and its numerics depend on where the
-solver cut (``verify`` failed on a 2-stage cut of a 4-block MLP at step 0). So the plan's boundary
-dtypes are the ones autocast produces, found by running the graph once on fake tensors of the
-program's device type under that device's autocast (CPU and CUDA autocast keep different op
-lists: CPU's layer_norm and softmax write bf16, CUDA's write fp32). The fake run needs no GPU:
-autocast's CUDA kernels are entered by setting its thread state directly, which torch.autocast
-refuses to do on a machine without CUDA (and with ``~t`` run as ``bitwise_not``: the ``__invert__``
-binding opens a CUDA device guard even on a fake tensor, which a torch without CUDA refuses; the
-keyed dropout inverts its mask). The fake run skips export's ``_assert_tensor_metadata`` nodes,
-as the stages do (partitioner/codegen/split.py): they check the trace's example, fp32 on the
-trace's device, and fail on the autocast dtype a cast's input has here (a Mixtral's router
-logits) and on the fake device's index (``cuda`` against ``cuda:0``). Sends, receive buffers and
-the backward's gradients then all move the autocast dtype, half of fp32's bytes for a bf16 boundary (what the cost model
-already counts: ``Precision.compute_elem_bytes``).
+Note [boundaries in the autocast dtype]: under bf16-/fp16-mixed a value's dtype is autocast's
+choice, not the trace's. A boundary sent in the traced fp32 is an upcast the unpartitioned model
+never does, and the next stage's numerics then depend on where the solver cut (``verify`` failed on a
+2-stage cut of a 4-block MLP). So boundary dtypes are found by running the graph once on fake tensors
+under the program's device autocast (CPU's and CUDA's op lists differ), entering CUDA autocast by its
+thread state so no GPU is needed (``~t`` runs as ``bitwise_not``: ``__invert__`` opens a device guard).
+The fake run skips ``_assert_tensor_metadata`` nodes as the stages do: they check the trace's fp32
+example. Sends, receive buffers and gradients then move the autocast dtype, as the cost model counts.
 """
 
 from __future__ import annotations

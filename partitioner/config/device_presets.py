@@ -4,44 +4,27 @@ cluster.py builds devices from them; partitioner/calibrate/datasheet.py prices t
 
 
 Note [device presets]
-    Memory is the device's HBM as sold (GiB = 2**30 bytes; the H200's 141 GB is decimal).
-    ``flops_per_s`` is a *sustained* bf16 dense rate, 40% of the vendor's dense peak, which is
-    what well-tuned transformer training reaches in practice (Megatron-LM and torchtitan report
-    MFU of 38-45% on A100/H100):
-        A100 (SXM):      312 TFLOP/s peak  -> 125e12
-        H100 / H200 SXM: 989 TFLOP/s peak  -> 396e12 (H200 has the H100's compute, more HBM)
-        cpu:             16 GiB and 50e9 flop/s, a many-core server socket running fp32 GEMMs.
-    Links (``DEFAULT_LINKS``) are achievable point-to-point rates, about 2/3 of the nominal one:
-        NVLink3 (A100) 300 GB/s/direction -> 200e9;  NVLink4 (H100/H200) 450 -> 300e9;
-        inter-node InfiniBand HDR/NDR, one 200-400 Gb/s NIC per GPU -> 25e9;
-        cpu: gloo over loopback -> 1e9 and 50 us within a host (measured: a 2-rank gloo all_reduce
-        of 4.2 MB takes 5.7 ms, of 16.8 MB 14 ms, of 4 bytes 0.15 ms, one thread per rank, on
-        this 2-core machine), 1.25e9 (10 GbE) across.
+    Memory is the HBM as sold (GiB = 2**30 bytes; the H200's 141 GB is decimal). ``flops_per_s``
+    is a *sustained* bf16 dense rate, 40% of the vendor's dense peak, what well-tuned transformer
+    training reaches (Megatron-LM and torchtitan report 38-45% MFU): A100 312 -> 125e12, H100/H200
+    989 -> 396e12; cpu 50e9, a many-core socket running fp32 GEMMs. Links (``DEFAULT_LINKS``) are
+    achievable point-to-point rates, about 2/3 of nominal: NVLink3 200e9, NVLink4 300e9, one
+    InfiniBand NIC per GPU 25e9; cpu: gloo over loopback 1e9 and 50 us (measured on this 2-core
+    machine: a 2-rank all_reduce of 4.2 MB in 5.7 ms), 10 GbE across. On the GPU kinds
+    ``flops_per_s`` is only the fallback: without a measured profile ops are priced by the
+    roofline of published rates (Note [accelerator roofline] in partitioner/calibrate/datasheet.py).
     Calibrate with measured numbers (``[[group]] flops_per_s = ...``) where they are known.
-    On the GPU kinds ``flops_per_s`` is only the fallback rate: without a measured profile they
-    are priced by the roofline of published rates in partitioner/calibrate/datasheet.py (Note
-    [accelerator roofline]), unless the cluster file sets ``flops_per_s`` for the group.
 
 Note [usable memory]
-    The solver fills a device to its *usable* memory, not to what the datasheet says:
-        usable_memory_bytes = floor(memory_bytes * usable_memory_fraction) - memory_reserve_bytes
-    The reserve is what the runtime holds outside the tensors the cost model predicts (on a GPU:
-    the CUDA context, cuBLAS workspaces and NCCL's buffers, ~1 GiB); the fraction is what the
-    caching allocator loses to fragmentation and rounding (PyTorch's allocator rounds blocks
-    and keeps freed segments cached; 5% is the headroom large training runs leave).
-        a100 / h100 / h200: fraction 0.95, reserve 1 GiB
-        cpu:                fraction 1.0,  reserve 0 (the 16 GiB preset is already a budget for
-                            one process's tensors, not the host's RAM)
-    The reserve is one figure per device, not priced per communicator: NCCL allocates buffers
-    for every communicator a rank joins (pipeline, data-parallel, tie and tensor groups, and each
-    point-to-point pair), tens to hundreds of MiB each depending on NCCL_BUFFSIZE and the channels
-    it opens, so a rank in many groups may need more than 1 GiB. Unmeasured here; a CUDA run
-    records the allocator's reserved peak and the device-wide used bytes beside its allocated
-    peak (Note [what a GPU holds beyond the tensors] in runtime/observe/memory.py), which is the
-    figure to check the reserve against, and to raise ``memory_reserve_gib`` by where it is short.
-    Override per group in the cluster file with ``usable_memory_fraction`` and
-    ``memory_reserve_gib`` (or ``memory_reserve_bytes``). A DeviceSpec built by hand defaults to
-    fraction 1.0 and no reserve, so its ``memory_bytes`` is what the solver may use.
+    The solver fills a device to ``floor(memory_bytes * usable_memory_fraction) -
+    memory_reserve_bytes``: the reserve is what the runtime holds outside the priced tensors (CUDA
+    context, cuBLAS workspaces, NCCL buffers: ~1 GiB), the fraction what the caching allocator loses
+    to fragmentation (5%). GPU kinds: 0.95 and 1 GiB; cpu: 1.0 and 0 (its 16 GiB is already one
+    process's budget). The reserve is one figure, not priced per communicator, though NCCL holds
+    buffers per group a rank joins; a CUDA run records the reserved and device-wide peaks (Note
+    [what a GPU holds beyond the tensors] in runtime/observe/memory.py) to check it against.
+    Override per group with ``usable_memory_fraction`` and ``memory_reserve_gib``; a hand-built
+    DeviceSpec defaults to 1.0 and no reserve.
 
 """
 
