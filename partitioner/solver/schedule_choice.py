@@ -1,7 +1,7 @@
 """``--schedule auto``: the pipeline schedule as a decision of the solver.
 
 Note [schedule choice]
-    Each schedule the solver prices (problem.SCHEDULES: gpipe, 1f1b, interleaved, zb, zbv) is solved over
+    Each schedule the solver prices (SCHEDULE_ORDER in schedules.py: gpipe, 1f1b, interleaved, zb, zbv) is solved over
     the whole allowed (stages, dp, microbatches) space by ``solve`` (interleaved at every v of
     LOCAL_STAGE_OPTIONS, ``solve_any_local_stages``), and the plan with the smallest predicted
     step time under the memory limit wins (the whole step: the terms beside the ILP, Note [terms
@@ -28,9 +28,7 @@ from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver.schedules import SCHEDULE_ORDER, priced_schedule
 from partitioner.solver.solution import Solution
 
-__all__ = ["AUTO", "SCHEDULE_ORDER", "solve_any_schedule"]
-
-AUTO = "auto"
+__all__ = ["SCHEDULE_ORDER", "solve_any_schedule"]
 
 
 def solve_any_schedule(solve, problem, cluster, global_batch, **kwargs) -> Solution:
