@@ -1,14 +1,15 @@
 """The pipeline schedules the runtime drives, one class each: what torch's schedule needs to run
 (its refusal), how many microbatches a stage holds at its peak, and the order of a rank's actions.
 
-Note [one class per schedule]: a schedule is chosen once, by name, into one of these objects
-(``schedule_named``), and every question about it is a method: the runtime asks which torch class
-to build and whether the program can run; the solver (partitioner/solver/schedules.py, which adds
-the price: pipeline time and lower bound) asks the same object what a stage holds. A new schedule
-is one new class here, and one in the solver if its price differs from the flat pipeline's; no
-caller compares names. The rules are torch 2.13's (Note [only runnable plans] in
-partitioner/solver/problem.py), checked against torch's own action order in
-tests/unit/test_solver_interleaved.py.
+Note [one class per schedule]: plan.json keeps the schedule's name; each record that reads it
+(Program, Plan, Assignment: ``pipeline_schedule``) parses it once, by ``schedule_named``, into one
+of these objects, and every question about it is a method or class fact: the torch class, the
+refusals (torch's, compiled stages', canaries'), whether backward splits, whether a re-plan keeps
+its cuts. The solver (partitioner/solver/schedules.py) adds the price to the same classes. A new
+schedule is one new class here, and one in the solver if its price differs from the flat
+pipeline's; no caller compares names (tests/unit/test_schedule_names.py). The rules are torch
+2.13's (Note [only runnable plans] in partitioner/solver/problem.py), checked against torch's own
+action order in tests/unit/test_solver_interleaved.py.
 """
 
 from __future__ import annotations

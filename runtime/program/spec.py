@@ -41,7 +41,7 @@ class Program:
     dp: int                    # data-parallel replicas, each a whole pipeline
     num_microbatches: int      # per replica and step
     global_batch: int          # samples per step, over all replicas
-    schedule: str              # "gpipe" | "1f1b" | "interleaved" (several stages per rank)
+    schedule: str              # plan.json's name; ``pipeline_schedule`` is its object (runtime/program/schedules.py)
     device: str = "cpu"        # "cpu" or "cuda" (rank r runs on cuda:LOCAL_RANK)
     backend: str = ""          # "gloo" / "nccl"; empty: gloo on cpu, nccl on cuda
     ranks: tuple[RankSpec, ...]     # one per rank, any order
