@@ -298,7 +298,6 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
     from partitioner.solver.evaluate import evaluate
     from partitioner.solver.problem import Assignment
     from partitioner.solver.device_layout import place_stages
-    from runtime.program.schedules import schedule_named
     from runtime.execute.stage import build_stage
 
     torch.set_num_threads(1)
@@ -343,7 +342,7 @@ def run(repeats: int, warmup: int, calib_repeats: int, models, stages_list) -> d
                 inputs = stage_inputs(folder, modules, args)
                 for s, module in enumerate(modules):
                     measured_s = time_stage(module, inputs[s], warmup=warmup, repeats=repeats)
-                    k = schedule_named(plan.schedule).in_flight(s, num_stages, plan.num_microbatches)
+                    k = plan.pipeline_schedule.in_flight(s, num_stages, plan.num_microbatches)
                     memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                                           num_microbatches=plan.num_microbatches, in_flight=k,
                                           make_batch=workload.make_batch, global_batch=plan.global_batch,
@@ -401,7 +400,6 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     from partitioner.config.cluster import ClusterSpec
     from partitioner.frontend.analysis import analyze
     from partitioner.models.builtin import load_workload
-    from runtime.program.schedules import schedule_named
     from partitioner.codegen.split import split_graph
     from runtime.execute.stage import build_stage
 
@@ -429,7 +427,7 @@ def measure_memory_case(label: str, spec: str, num_stages: int, kind: str | None
     inputs = stage_inputs("", modules, args)
     rows = []
     for s, module in enumerate(modules):
-        k = schedule_named(plan.schedule).in_flight(s, num_stages, plan.num_microbatches)
+        k = plan.pipeline_schedule.in_flight(s, num_stages, plan.num_microbatches)
         memory = runtime_peak(module, inputs[s], stage=s, num_stages=num_stages,
                               num_microbatches=plan.num_microbatches, in_flight=k,
                               make_batch=workload.make_batch, global_batch=plan.global_batch,

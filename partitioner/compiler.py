@@ -251,7 +251,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     canary_every = settings.sdc_canary_every or 0  # Note [compute canaries]: what the runtime cannot run is refused here
     why = canary_refusal(canary_every, dp=solution.assignment.dp, tensor_parallel=tp, sharded=sharded,
                          local_stages=solution.assignment.num_stages // solution.assignment.pipeline_ranks,
-                         schedule=solution.assignment.schedule, what=f"sdc_canary_every={canary_every} (--sdc-canary-every)")
+                         schedule=solution.assignment.pipeline_schedule, what=f"sdc_canary_every={canary_every} (--sdc-canary-every)")
     if why:
         raise ValueError(why)
     decisions = Decisions(precision=precision, shard_optimizer=sharded, sdc_every=sdc_every, no_decay=no_decay,

@@ -40,10 +40,12 @@ from partitioner.solver.plan import MemoryBreakdown, Plan, PlanTie
 from partitioner.solver.problem import Assignment
 from runtime.launch.entry_files import entry_files
 from runtime.program.parts import MemoryTierPlan, RankSpec
+from runtime.program.schedules import SCHEDULES
 from runtime.program.spec import Program, file_digests, load_plan, seal_plan
 
 ELASTIC_FILE = "elastic.json"  # in a re-planned folder: what it was re-planned from, and why
-RUNNABLE_SCHEDULES = ("1f1b", "gpipe")
+# the schedules a re-plan weighs (one stage per rank: Note [re-plan on the same cuts]), 1f1b first
+REPLANNED = tuple(sorted((cls() for cls in SCHEDULES.values() if cls.replans), key=lambda s: s.preference))
 
 
 class ElasticRefusal(ValueError):
@@ -100,16 +102,16 @@ def candidates(problem, cluster: ClusterSpec, old: Assignment, plan: Plan, num_r
         if g % (dp * b):
             continue
         m = g // (dp * b)
-        for schedule in RUNNABLE_SCHEDULES:
-            if schedule == "1f1b" and m < p:
+        for schedule in REPLANNED:
+            if schedule.refusal(p, m) is not None:
                 continue
             a = Assignment(stage_of_region=old.stage_of_region, recompute=old.recompute,
                            device_of_stage_replica=tuple(tuple(s * dp + r for r in range(dp)) for s in range(p)),
-                           num_stages=p, dp=dp, num_microbatches=m, microbatch_size=b, schedule=schedule)
+                           num_stages=p, dp=dp, num_microbatches=m, microbatch_size=b, schedule=schedule.name)
             cost = evaluate(problem, cluster, a, sdc_every=plan.decisions.sdc_every if dp > 1 else 0,
                             global_norm=computes_global_norm(plan.training.clip_grad_norm, plan.decisions.precision))
             worst = max(cost.stages, key=lambda s: s.memory_bytes / max(s.capacity_bytes, 1))
-            out.append((Candidate(dp, m, schedule, cost.step_time_s, worst.memory_bytes, worst.capacity_bytes), a, cost))
+            out.append((Candidate(dp, m, schedule.name, cost.step_time_s, worst.memory_bytes, worst.capacity_bytes), a, cost))
     return out
 
 
@@ -120,7 +122,7 @@ def refusal_for(plan: Plan, survivors: Sequence[int]) -> str | None:
         return (f"tensor parallelism {plan.tensor_parallel}: a tensor-parallel program is not re-planned (its stage "
                 "files are split for that degree); compile it again for the surviving ranks with --devices "
                 f"{n}, or compile without --tp")
-    if plan.schedule not in RUNNABLE_SCHEDULES:
+    if not plan.pipeline_schedule.replans:
         return (f"schedule {plan.schedule}: an interleaved program is not re-planned (its stages are cut for "
                 f"{plan.world_size} ranks); compile it with --schedule 1f1b or gpipe to run it --elastic")
     if n < plan.num_stages:
@@ -160,7 +162,7 @@ def replan(folder: str | Path, survivors: Sequence[int]) -> Replanned:
                              f"the smallest needs {best.peak_memory_bytes / 2**20:.1f} MiB on a device of "
                              f"{best.capacity_bytes / 2**20:.1f} MiB (dp {best.dp}); bring back ranks, or compile "
                              "again with --granularity op or recompute for fewer devices")
-    chosen, assignment, cost = min(fitting, key=lambda c: (c[0].step_time_s, c[0].schedule != plan.schedule,
+    chosen, assignment, cost = min(fitting, key=lambda c: (c[0].step_time_s, c[1].pipeline_schedule != plan.pipeline_schedule,
                                                            -c[0].dp))
     new_plan = _plan_of(plan, cluster, assignment, cost)
     program = _program_of(body, new_plan)

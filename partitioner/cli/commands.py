@@ -25,6 +25,7 @@ from runtime.errors import import_failure
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
 from partitioner.solver.plan import Plan
+from partitioner.solver.schedules import REQUEST_CHOICES
 
 EXIT_USAGE = 2
 
@@ -316,8 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dp", type=int)
     c.add_argument("--tp", type=int, help="tensor-parallel degree: ranks per tensor group, each stage's linear "
                    "layers sharded across them (default: the solver chooses among the degrees the program runs)")
-    c.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev",
-                                                          "auto"],
+    c.add_argument("--schedule", default="1f1b", choices=REQUEST_CHOICES,
                    help="interleaved: 2-4 stages per rank, priced by its worst stage (one device class); zb, zbv: "
                         "zero-bubble (backward split into input and weight gradients; zbv: 2 stages per rank in a V); "
                         "auto: the solver weighs them all by predicted step time")

@@ -56,7 +56,6 @@ from partitioner.codegen.split import StageGraph, is_stage_device
 from partitioner.frontend.autograd_functions import FunctionApply
 from partitioner.inspect.units import human_bytes
 from partitioner.solver.plan import Plan
-from runtime.program.schedules import schedule_named
 from runtime.execute.recompute import checkpointed
 
 
@@ -186,8 +185,7 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     regions = list(dict.fromkeys(run.region for run in stage.checkpointed))
     saved_per_sample = sum(r.activation_bytes for r in plan.regions if r.name in regions)
     kept = sum(run.kept_bytes for run in stage.checkpointed)
-    in_flight = schedule_named(plan.schedule, plan.num_stages // plan.pipeline_ranks).in_flight(
-        stage.index, plan.num_stages, plan.num_microbatches)
+    in_flight = plan.pipeline_schedule.in_flight(stage.index, plan.num_stages, plan.num_microbatches)
     extra = max(0, in_flight * (plan.microbatch_size * saved_per_sample - kept))
     # Note [recompute a user pins] in partitioner/solver/recompute_cost.py: the reason is the flag then
     why = ("The compile pinned it (--recompute full: every region whose recompute saves memory)"

@@ -24,7 +24,6 @@ from typing import Any
 
 from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSettings, Precision
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "auto")
 RECOMPUTE_CHOICES = ("auto", "none", "full")  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
 GRANULARITIES = ("block", "sublayer", "op", "node")
 _OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data",

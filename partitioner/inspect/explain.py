@@ -20,7 +20,8 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.inspect.units import held, human_bytes, ms, si
 from partitioner.solver.check import structural_violations
 from partitioner.solver.evaluate import evaluate
-from partitioner.solver.problem import SCHEDULES, Assignment, PartitionProblem
+from partitioner.solver.problem import Assignment, PartitionProblem
+from partitioner.solver.schedules import priced_schedule
 from partitioner.solver.serialize import assignment_from_dict, problem_from_dict
 from runtime.file_trust import read_bounded
 
@@ -118,8 +119,10 @@ def explain_node(plan: Plan, name: str, problem: PartitionProblem, assignment: A
     if plan.num_stages == 1:
         out["verdict"] = "the plan has one stage: every region is on stage 0"
         return out
-    if plan.schedule not in SCHEDULES:
-        out["verdict"] = f"no cost estimate for moves under schedule {plan.schedule!r} (the cost model prices {SCHEDULES})"
+    try:
+        priced_schedule(plan.schedule)
+    except ValueError as unknown:
+        out["verdict"] = f"no cost estimate for moves: {unknown}"
         return out
 
     _check_matches(plan, problem, assignment)

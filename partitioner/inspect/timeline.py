@@ -19,9 +19,7 @@ def stage_fwd_bwd_s(plan: Plan) -> list[tuple[float, float, float]]:
     split in the ratio of its forward, backward and weight-gradient FLOPs, a recomputed region's
     forward counted again in backward; the weight part is 0 unless the schedule splits the
     backward (zb, zbv: Note [weight-gradient flops])."""
-    from runtime.program.schedules import SCHEDULES  # beside timed_actions below: only the page draws
-
-    split = SCHEDULES[plan.schedule].split_backward if plan.schedule in SCHEDULES else False
+    split = plan.pipeline_schedule.split_backward
     b = plan.microbatch_size
     out = []
     for s in plan.stages:

@@ -46,7 +46,6 @@ from partitioner.solver.check import AssignmentError, check_assignment
 from partitioner.solver.evaluate import CostBreakdown, StageCost, TieCost, evaluate
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.problem import (
-    SCHEDULES,
     Assignment,
     Edge,
     PartitionProblem,
@@ -60,7 +59,7 @@ from partitioner.solver.solve import CandidateRecord, Solution, solve, solve_can
 
 __all__ = [
     "Assignment", "AssignmentError", "BaselineCost", "CandidateRecord", "ChainDPResult", "CostBreakdown", "Edge",
-    "PartitionProblem", "RegionCost", "SCHEDULES", "SharedParam", "Solution", "SolverConfig", "StageCost",
+    "PartitionProblem", "RegionCost", "SharedParam", "Solution", "SolverConfig", "StageCost",
     "TensorParallelCost", "TieCost", "check_assignment", "evaluate", "evaluate_baselines",
     "lower_bound_step_time_s", "param_balanced_split", "place_stages", "region_times_s", "solve", "solve_candidate",
     "solve_chain_dp", "uniform_split",

@@ -14,11 +14,10 @@ from partitioner.solver.check import check_assignment
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.placed import common_time_unit_s, solve_placements, solve_relaxed
 from partitioner.solver.placements import enumerate_placements
-from partitioner.solver.problem import SCHEDULES, PartitionProblem
+from partitioner.solver.problem import PartitionProblem
 from partitioner.solver.device_layout import place_stages
-from runtime.program.schedules import REFUSED
 from partitioner.solver.candidate import Candidate
-from partitioner.solver.schedules import priced_schedule
+from partitioner.solver.schedules import priced_schedule, requested_schedule
 from partitioner.solver.solution import Solution
 
 __all__ = ["enumerate_candidates", "solve_candidate", "validate_request"]
@@ -125,14 +124,9 @@ def validate_options(cluster, global_batch, num_stages, dp, microbatches, schedu
     validate_request again with the traced problem."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r} must be an int >= 1")
-    if schedule in REFUSED:  # Note [DualPipeV refused]
-        raise ValueError(REFUSED[schedule])
-    if schedule not in SCHEDULES and schedule != "auto":  # auto: Note [schedule choice]
-        raise ValueError(f"schedule={schedule!r} is not supported by the solver; use one of "
-                         f"{SCHEDULES} or auto (--schedule 1f1b)")
-    if schedule == "auto":
+    priced = requested_schedule(schedule)  # a refused or unknown name: its one line (Note [DualPipeV refused])
+    if priced is None:  # auto: Note [schedule choice]
         return _validate_counts(cluster, global_batch, num_stages, dp, microbatches, (1,))
-    priced = priced_schedule(schedule)
     if priced.one_device_class and not cluster.is_homogeneous:  # Note [interleaved pricing]
         raise ValueError(f"schedule {schedule} is priced on one device class only, and this cluster has "
                          f"{len({d.device_class for d in cluster.devices})}: use --schedule 1f1b, gpipe or auto")
@@ -179,9 +173,9 @@ def validate_request(problem, cluster, global_batch, num_stages, dp, microbatche
     if dp is not None and microbatches is not None and global_batch % (dp * microbatches):
         raise ValueError(f"global_batch={global_batch} is not divisible by dp * microbatches = "
                          f"{dp} * {microbatches}; choose values whose product divides it")
-    one_per_rank = schedule != "auto" and priced_schedule(schedule).local_stage_options == (1,)
-    if num_stages is not None and microbatches is not None and one_per_rank:
-        refusal = priced_schedule(schedule).refusal(num_stages, microbatches)
+    priced = requested_schedule(schedule)
+    if num_stages is not None and microbatches is not None and priced is not None and priced.local_stage_options == (1,):
+        refusal = priced.refusal(num_stages, microbatches)
         if refusal is not None:
             raise ValueError(f"{refusal}: use --microbatches {num_stages} or more, fewer stages, "
                              "or --schedule gpipe")

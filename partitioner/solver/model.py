@@ -72,7 +72,6 @@ from partitioner.solver.model_placement import PlacementConstraints
 from partitioner.solver.model_time import TimeConstraints
 from partitioner.solver.placements import fastest_link
 from partitioner.solver.problem import (
-    SCHEDULES,
     PartitionProblem,
     core_sharing_factor,
     region_times_s,
@@ -174,8 +173,6 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         placement: tuple[tuple[int, ...], ...] | None = None,
         minimize_memory: bool = False,
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
         self.problem, self.cluster, self.config = problem, cluster, config
         self.p, self.d, self.m, self.b = num_stages, dp, num_microbatches, microbatch_size
         self.schedule = schedule

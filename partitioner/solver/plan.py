@@ -16,6 +16,7 @@ from typing import Any
 from partitioner.config.settings import Decisions, TrainingSettings, split_legacy_training
 from partitioner.errors import PlanMismatchError
 from runtime.file_trust import UntrustedFile, read_bounded
+from runtime.program.schedules import PipelineSchedule, schedule_named
 
 PLAN_VERSION = 1
 
@@ -153,6 +154,11 @@ class Plan:
         """Ranks per pipeline: the stages over it (several per rank under interleaved)."""
         return self.world_size // (self.dp * self.tensor_parallel)
 
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """``schedule`` (the name plan.json writes) as its object (Note [one class per schedule])."""
+        return schedule_named(self.schedule, self.num_stages // self.pipeline_ranks)
+
     def to_dict(self) -> dict:
         body = _jsonable({**asdict(self), "training": self.training.to_dict(), "decisions": self.decisions.to_dict()})
         body["stages"] = [_renamed(s, _JSON_KEYS) for s in body["stages"]]   # Note [json keys]
@@ -204,6 +210,10 @@ class Plan:
             body["decisions"] = _part(Decisions.from_dict, body.get("decisions", {}), "decisions")
         _check_fields(cls, body, "")
         _check_figures(body)
+        try:  # the schedule's name, parsed once here: what reads the plan asks ``pipeline_schedule``
+            schedule_named(body["schedule"])
+        except ValueError as unknown:
+            raise PlanFieldError(f"{unknown}; recompile the plan with `partitioner compile`") from None
         plan = cls(
             **{**body,
                "stages": tuple(StagePlan(**{**_renamed(s, _FIELD_NAMES), "ranks": tuple(s["ranks"]), "regions": tuple(s["regions"]),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from partitioner.config.cluster import DEVICE_PRESETS, ClusterSpec, DeviceSpec
-from runtime.program.schedules import SCHEDULES as RUNTIME_SCHEDULES
+from runtime.program.schedules import SCHEDULES, PipelineSchedule
 
 __all__ = [
     "RegionCost",
@@ -40,7 +40,6 @@ __all__ = [
     "SharedParam",
     "PartitionProblem",
     "Assignment",
-    "SCHEDULES",
     "region_times_s",
     "microbatch_overhead_s",
     "region_step_s",
@@ -49,13 +48,12 @@ __all__ = [
 
 # Note [only runnable plans]: every constraint the runtime's schedules impose is a constraint of
 # the solver, so a plan never dies at the first step: each schedule's ``refusal`` (runtime/
-# pipeline_schedules.py, Note [one class per schedule]) is torch 2.13's rule, and the candidates,
+# program/schedules.py, Note [one class per schedule]) is torch 2.13's rule, and the candidates,
 # the request check, the independent checker and the runtime's own start-up check (runtime/
 # program.py) all ask it. ``Schedule1F1B`` raises when ``n_microbatches < num_stages`` (its warm-up
 # sends one microbatch per later stage); ``ScheduleGPipe`` takes any count;
 # ``ScheduleInterleaved1F1B`` (v >= 2 stages per rank) needs the microbatches to be a multiple of
 # its rounds and the stages to divide over the ranks.
-SCHEDULES = tuple(RUNTIME_SCHEDULES)  # interleaved: Note [interleaved pricing] in interleaved.py
 
 
 def _check_nonneg(owner: str, name: str, value, *, integer: bool) -> None:
@@ -393,12 +391,16 @@ class Assignment:
     # ranks), asked with each stage's position millions of times at 16,384 ranks: computed once per (frozen)
     # assignment into its __dict__ (cached_property), leaving fields, equality and the serialized form as were.
     @functools.cached_property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """``schedule`` (the name a plan writes) as its object (Note [one class per schedule]); an
+        unknown name places as the base class does (s % pp, one stage per rank): the checker names it."""
+        kind = SCHEDULES.get(self.schedule, PipelineSchedule)
+        return kind(self.num_stages // len(set(self.device_of_stage_replica))) if kind.several_per_rank else kind()
+
+    @functools.cached_property
     def local_stages(self) -> int:
         """Stages per rank: 1, or v under interleaved (rows of a rank's stages repeat its devices)."""
-        kind = RUNTIME_SCHEDULES.get(self.schedule)
-        if kind is None or not kind.several_per_rank:  # an unknown name: the checker names it
-            return 1
-        return self.num_stages // len(set(self.device_of_stage_replica))
+        return self.pipeline_schedule.local_stages
 
     @functools.cached_property
     def pipeline_ranks(self) -> int:
@@ -407,11 +409,7 @@ class Assignment:
     @functools.cached_property
     def _positions(self) -> tuple[int, ...]:
         """Each stage's pipeline position (Note [assignment layout is cached])."""
-        kind = RUNTIME_SCHEDULES.get(self.schedule)
-        if kind is None or not kind.several_per_rank:
-            return tuple(s % self.pipeline_ranks for s in range(self.num_stages))
-        schedule = kind(self.local_stages)
-        return tuple(schedule.position_of(s, self.pipeline_ranks) for s in range(self.num_stages))
+        return tuple(self.pipeline_schedule.position_of(s, self.pipeline_ranks) for s in range(self.num_stages))
 
     @functools.cached_property
     def _stages_at(self) -> tuple[tuple[int, ...], ...]:
@@ -426,10 +424,7 @@ class Assignment:
     def position_of(self, stage: int) -> int:
         if 0 <= stage < self.num_stages:
             return self._positions[stage]
-        kind = RUNTIME_SCHEDULES.get(self.schedule)  # outside the stages: the schedule's own answer
-        if kind is None or not kind.several_per_rank:
-            return stage % self.pipeline_ranks
-        return kind(self.local_stages).position_of(stage, self.pipeline_ranks)
+        return self.pipeline_schedule.position_of(stage, self.pipeline_ranks)  # outside the stages: its own answer
 
     def stages_at(self, position: int) -> tuple[int, ...]:
         """The stages the rank at pipeline ``position`` holds."""

@@ -23,9 +23,7 @@ from partitioner.errors import PartitionInfeasibleError
 from partitioner.solver.schedules import SCHEDULE_ORDER, priced_schedule
 from partitioner.solver.solution import Solution
 
-__all__ = ["AUTO", "SCHEDULE_ORDER", "solve_any_schedule"]
-
-AUTO = "auto"
+__all__ = ["SCHEDULE_ORDER", "solve_any_schedule"]
 
 
 def solve_any_schedule(solve, problem, cluster, global_batch, **kwargs) -> Solution:

@@ -17,9 +17,9 @@ from partitioner.solver.interleaved import LOCAL_STAGE_OPTIONS, pipeline_slots
 from partitioner.solver.device_layout import place_stages, plan_links
 from partitioner.solver.problem import core_sharing_factor, microbatch_overhead_s, region_times_s
 from partitioner.solver.zero_bubble import path_forms, worst_stage_s
-from runtime.program.schedules import GPipe, Interleaved, OneFOneB, PipelineSchedule, ZeroBubble, ZeroBubbleV
+from runtime.program.schedules import REFUSED, GPipe, Interleaved, OneFOneB, PipelineSchedule, ZeroBubble, ZeroBubbleV
 
-__all__ = ["priced_schedule", "PricedSchedule", "SCHEDULE_ORDER"]
+__all__ = ["AUTO", "REQUEST_CHOICES", "priced_schedule", "PricedSchedule", "requested_schedule", "SCHEDULE_ORDER"]
 
 
 class PricedSchedule:
@@ -170,9 +170,21 @@ _PRICED = {cls.name: cls for cls in (PricedGPipe, PricedOneFOneB, PricedInterlea
 SCHEDULE_ORDER = tuple(sorted(_PRICED, key=lambda name: _PRICED[name].preference))
 
 
+AUTO = "auto"  # --schedule auto: every priced schedule weighed (Note [schedule choice] in schedule_choice.py)
+REQUEST_CHOICES = (*_PRICED, *REFUSED, AUTO)  # what --schedule accepts (a refused one, to say why)
+
+
+def requested_schedule(name: str) -> PricedSchedule | None:
+    """A request's schedule name parsed once: its object, None for auto; else ValueError in one line
+    naming the choices, or why a refused schedule is refused (Note [DualPipeV refused])."""
+    return None if name == AUTO else priced_schedule(name)
+
+
 def priced_schedule(name: str, local_stages: int | None = 1) -> PricedSchedule:
     """The solver's object for schedule ``name`` at ``local_stages`` stages per rank (interleaved;
     ignored by the one-stage-per-rank schedules)."""
+    if name in REFUSED:  # Note [DualPipeV refused]
+        raise ValueError(REFUSED[name])
     if name not in _PRICED:
         raise ValueError(f"schedule={name!r} is not one of {tuple(_PRICED)}: use --schedule "
                          f"{', '.join(_PRICED)} or auto")

@@ -41,8 +41,8 @@ from partitioner.solver.model import CandidateModel, InconsistentBoundError, Sol
 from partitioner.solver.problem import Assignment, PartitionProblem
 from partitioner.solver.recompute_cost import pinned_recompute
 from partitioner.solver.device_layout import place_stages
-from partitioner.solver.schedule_choice import AUTO, solve_any_local_stages, solve_any_schedule
-from partitioner.solver.schedules import priced_schedule
+from partitioner.solver.schedule_choice import solve_any_local_stages, solve_any_schedule
+from partitioner.solver.schedules import priced_schedule, requested_schedule
 from partitioner.solver.solution import CandidateRecord, Solution, SolveProgress
 from partitioner.solver.space import SearchSpace, StepTerms, Variant
 
@@ -83,7 +83,7 @@ def solve(
     ``progress(SolveProgress)``, if given, hears of the start, of every candidate finished (with
     the incumbent and the bound so far) and of the end; it does not change the result."""
     config = config if config is not None else SolverConfig()
-    if schedule == AUTO:  # Note [schedule choice]
+    if requested_schedule(schedule) is None:  # auto: Note [schedule choice]
         return solve_any_schedule(solve, problem, cluster, global_batch, num_stages=num_stages, dp=dp,
                                   microbatches=microbatches, config=config, progress=progress, shard=shard,
                                   tp_degrees=tp_degrees, tp_dp=tp_dp, tp_shard=tp_shard, step_terms=step_terms)

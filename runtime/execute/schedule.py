@@ -47,7 +47,7 @@ def _unwrap_single(loss_fn: Callable) -> Callable:
 
 
 def build_schedule(stages: Sequence[PipelineStage], program: Program, loss_fn: Callable):
-    schedule = schedule_named(program.schedule, program.num_stages // program.layout.pp_size)
+    schedule = program.pipeline_schedule
     set_split_backward(schedule.split_backward)  # Note [recompute under a split backward]
     first = program.stages[0]
     # Stage 0's inputs are chunked into microbatches along their batch_dim (targets along dim 0).
@@ -78,8 +78,7 @@ def rank_actions(program: Program, rank: int) -> list[Action]:
     torch.distributed.pipelining executes them (the row of its pipeline position)."""
     layout = program.layout
     position = layout.pipelines[layout.pipeline_index(rank)].index(rank)
-    return _rank_orders(program.schedule, layout.pp_size, program.num_stages,
-                        program.num_microbatches)[position]
+    return program.pipeline_schedule.rank_order(position, layout.pp_size, program.num_stages, program.num_microbatches)
 
 
 def timed_actions(name: str, pp: int, num_stages: int, m: int,

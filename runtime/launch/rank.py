@@ -278,7 +278,7 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     canary_every = program.sdc_canary_every if options.sdc_canary_every is None else options.sdc_canary_every
     if (why := canary_refusal(canary_every or 0, dp=program.dp, tensor_parallel=program.tensor_parallel,
                               local_stages=len(program.layout.stages_of_rank[rank]), sharded=sharded,
-                              schedule=program.schedule)):
+                              schedule=program.pipeline_schedule)):
         raise LaunchError(why)
     from runtime.resilience import memtier  # lazy: loads torch
 

@@ -1,14 +1,15 @@
 """The pipeline schedules the runtime drives, one class each: what torch's schedule needs to run
 (its refusal), how many microbatches a stage holds at its peak, and the order of a rank's actions.
 
-Note [one class per schedule]: a schedule is chosen once, by name, into one of these objects
-(``schedule_named``), and every question about it is a method: the runtime asks which torch class
-to build and whether the program can run; the solver (partitioner/solver/schedules.py, which adds
-the price: pipeline time and lower bound) asks the same object what a stage holds. A new schedule
-is one new class here, and one in the solver if its price differs from the flat pipeline's; no
-caller compares names. The rules are torch 2.13's (Note [only runnable plans] in
-partitioner/solver/problem.py), checked against torch's own action order in
-tests/unit/test_solver_interleaved.py.
+Note [one class per schedule]: plan.json keeps the schedule's name; each record that reads it
+(Program, Plan, Assignment: ``pipeline_schedule``) parses it once, by ``schedule_named``, into one
+of these objects, and every question about it is a method or class fact: the torch class, the
+refusals (torch's, compiled stages', canaries'), whether backward splits, whether a re-plan keeps
+its cuts. The solver (partitioner/solver/schedules.py) adds the price to the same classes. A new
+schedule is one new class here, and one in the solver if its price differs from the flat
+pipeline's; no caller compares names (tests/unit/test_schedule_names.py). The rules are torch
+2.13's (Note [only runnable plans] in partitioner/solver/problem.py), checked against torch's own
+action order in tests/unit/test_solver_interleaved.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class PipelineSchedule:
     # backward runs as an input-gradient action "B" and a later weight-gradient action "W"
     # (Note [zero-bubble schedules] in partitioner/solver/zero_bubble.py)
     split_backward: ClassVar[bool] = False
+    # one stage per rank: a re-plan on fewer ranks keeps the cuts (Note [re-plan on the same cuts]
+    # in partitioner/replan.py); several per rank are cut for one world size
+    replans: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        return self.name  # plan.json's spelling, what messages and tables print
 
     def pipeline_ranks(self, num_stages: int) -> int:
         return num_stages // self.local_stages
@@ -70,6 +77,28 @@ class PipelineSchedule:
     def words(self) -> str:
         return f"the {self.name} schedule"
 
+    def compiled_stages_refusal(self) -> str | None:
+        """Why ``compile_stages`` cannot run under this schedule, naming the fix; None when it can
+        (Note [zero-bubble schedules] in partitioner/solver/zero_bubble.py: a compiled stage's
+        backward is one graph)."""
+        if not self.split_backward:
+            return None
+        return (f"compile_stages with schedule {self.name} does not run yet (a compiled stage's backward is one graph, "
+                "not split into input- and weight-gradient actions): recompile with --schedule 1f1b, gpipe or "
+                "interleaved, or without --compile-stages")
+
+    def canary_refusal(self, what: str) -> str | None:
+        """Why a compute canary (Note [compute canaries] in runtime/resilience/canary.py) cannot run
+        under this schedule, ``what`` naming the setting; None when it can: a canary records and
+        re-runs the one stage of a rank, its backward as one piece."""
+        if self.split_backward:  # Note [zero-bubble schedules]: B and W are separate actions
+            return (f"{what}: a canary records a stage's backward as one piece, and schedule {self.name} splits it "
+                    "into input- and weight-gradient actions: recompile with --schedule 1f1b or gpipe, or drop it")
+        if self.local_stages > 1:
+            return (f"{what}: a canary re-runs the one stage of a rank, and the {self.name} schedule puts "
+                    f"{self.local_stages} on each: recompile with --schedule 1f1b or gpipe, or drop it")
+        return None
+
 
 @dataclass(frozen=True)
 class GPipe(PipelineSchedule):
@@ -78,6 +107,7 @@ class GPipe(PipelineSchedule):
     name: ClassVar[str] = "gpipe"
     torch_class: ClassVar[str] = "ScheduleGPipe"
     preference: ClassVar[int] = 1
+    replans: ClassVar[bool] = True
 
     def in_flight(self, stage, num_stages, num_microbatches):
         return num_microbatches
@@ -94,6 +124,7 @@ class OneFOneB(PipelineSchedule):
     name: ClassVar[str] = "1f1b"
     torch_class: ClassVar[str] = "Schedule1F1B"
     preference: ClassVar[int] = 0
+    replans: ClassVar[bool] = True
 
     def refusal(self, num_stages, num_microbatches):
         if num_microbatches < num_stages:  # its warm-up sends one microbatch per later stage
@@ -327,12 +358,7 @@ def schedule_named(name: str, local_stages: int = 1) -> PipelineSchedule:
 
 
 def compiled_stages_refusal(name: str) -> str | None:
-    """Why ``compile_stages`` cannot run under schedule ``name`` (Note [zero-bubble schedules] in
-    partitioner/solver/zero_bubble.py: a compiled stage's backward is one graph), naming the fix;
-    None when it can. Compile asks before the trace, the program check again on every load."""
+    """``compiled_stages_refusal`` of the schedule a request names, before the solve; None for a
+    name that is no schedule here ("auto", or one refused elsewhere with its own line)."""
     cls = SCHEDULES.get(name)
-    if cls is None or not cls.split_backward:
-        return None
-    return (f"compile_stages with schedule {name} does not run yet (a compiled stage's backward is one graph, not "
-            "split into input- and weight-gradient actions): recompile with --schedule 1f1b, gpipe or interleaved, "
-            "or without --compile-stages")
+    return None if cls is None else cls().compiled_stages_refusal()

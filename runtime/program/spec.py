@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from runtime.errors import PlanMismatchError
 from runtime.file_trust import read_bounded
 from runtime.program.layout import Layout
-from runtime.program.schedules import compiled_stages_refusal, schedule_named
+from runtime.program.schedules import PipelineSchedule, compiled_stages_refusal, schedule_named
 from runtime.program.parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
                                    RandomnessSpec, RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
 
@@ -41,7 +41,7 @@ class Program:
     dp: int                    # data-parallel replicas, each a whole pipeline
     num_microbatches: int      # per replica and step
     global_batch: int          # samples per step, over all replicas
-    schedule: str              # "gpipe" | "1f1b" | "interleaved" (several stages per rank)
+    schedule: str              # plan.json's name; ``pipeline_schedule`` is its object (runtime/program/schedules.py)
     device: str = "cpu"        # "cpu" or "cuda" (rank r runs on cuda:LOCAL_RANK)
     backend: str = ""          # "gloo" / "nccl"; empty: gloo on cpu, nccl on cuda
     ranks: tuple[RankSpec, ...]     # one per rank, any order
@@ -119,6 +119,11 @@ class Program:
     @functools.cached_property
     def layout(self) -> "Layout":
         return Layout.from_program(self)
+
+    @functools.cached_property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """``schedule`` (plan.json's name) as its object, what the runtime asks (Note [one class per schedule])."""
+        return schedule_named(self.schedule, self.num_stages // self.layout.pp_size)
 
     @property
     def steps_to_train(self) -> int:
@@ -204,7 +209,7 @@ def _validate(program: Program) -> None:
     layout = program.layout  # raises if the rank layout is inconsistent
     # Note [only runnable plans] in partitioner/solver/problem.py: the solver never emits these,
     # but a hand-edited or hand-written program must fail here, in words, not inside every rank.
-    schedule = schedule_named(program.schedule, p // layout.pp_size)
+    schedule = program.pipeline_schedule
     refusal = schedule.refusal(p, m)
     if refusal is not None:
         raise ValueError(f"{refusal}: recompile with {schedule.fix(p)}")

@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import sys
 
+from runtime.program.schedules import PipelineSchedule, schedule_named
+
 EXIT_EXCLUDE = 4  # a rank blamed twice: the job stops for a re-plan without it (RUN_DIR/exclude.json)
 
 
 def refusal(every: int, *, dp: int, tensor_parallel: int = 1, local_stages: int = 1, sharded: bool = False,
-            schedule: str = "", what: str | None = None) -> str | None:
+            schedule: PipelineSchedule | None = None, what: str | None = None) -> str | None:
     """Why a program cannot run a canary every ``every`` steps exactly, naming the value and the fix;
-    None when it can (or ``every`` is 0). ``what``: how the value was given (default the run flag)."""
+    None when it can (or ``every`` is 0). ``what``: how the value was given (default the run flag);
+    ``schedule``: the program's (its own refusal), else ``local_stages`` alone decides."""
     if not every:
         return None
     what = what or f"--sdc-canary-every {every}"
@@ -24,11 +27,10 @@ def refusal(every: int, *, dp: int, tensor_parallel: int = 1, local_stages: int 
     if tensor_parallel > 1:
         return (f"{what}: a canary re-runs a whole stage on one rank, and this program splits each stage over "
                 f"tensor groups of {tensor_parallel}: recompile with --tp 1, or drop it")
-    if schedule in ("zb", "zbv"):  # Note [zero-bubble schedules]: B and W are separate actions
-        return (f"{what}: a canary records a stage's backward as one piece, and schedule {schedule} splits it into "
-                "input- and weight-gradient actions: recompile with --schedule 1f1b or gpipe, or drop it")
+    if schedule is not None and (why := schedule.canary_refusal(what)):
+        return why
     if local_stages > 1:
-        return (f"{what}: a canary re-runs the one stage of a rank, and the {schedule or 'interleaved'} schedule puts "
+        return (f"{what}: a canary re-runs the one stage of a rank, and the interleaved schedule puts "
                 f"{local_stages} on each: recompile with --schedule 1f1b or gpipe, or drop it")
     if sharded:
         return (f"{what}: with sharded optimizer state (ZeRO-1) a canary's rollback is not built: recompile with "
@@ -38,13 +40,16 @@ def refusal(every: int, *, dp: int, tensor_parallel: int = 1, local_stages: int 
 
 def program_refusal(program: dict, every: int, what: str | None = None) -> str | None:
     """``refusal`` for plan.json's "program" object (a dict, as `partitioner run` reads it)."""
+    if not every:
+        return None
     dp = int(program.get("dp", 1))
     stages, world = int(program.get("num_stages", 1)), int(program.get("world_size", 1))
     tp = int(program.get("tensor_parallel", 1) or 1)
     ranks_per_pipeline = max(1, world // max(1, dp * tp))
-    return refusal(every, dp=dp, tensor_parallel=tp, local_stages=max(1, stages // ranks_per_pipeline),
-                   sharded=bool(program.get("shard_optimizer")) and dp > 1, schedule=str(program.get("schedule", "")),
-                   what=what)
+    local_stages = max(1, stages // ranks_per_pipeline)
+    schedule = schedule_named(str(program.get("schedule", "1f1b")), local_stages)  # plan.json's edge: a bad name says so
+    return refusal(every, dp=dp, tensor_parallel=tp, local_stages=local_stages,
+                   sharded=bool(program.get("shard_optimizer")) and dp > 1, schedule=schedule, what=what)
 
 
 def exit_code_after(run_dir: str, returncode: int, started_unix: float, said: bool = False) -> int:

@@ -47,3 +47,27 @@ def test_every_schedule_has_a_price_and_one_name():
     assert SCHEDULE_ORDER[0] == "1f1b"  # the tie-break: fewer activations first
     with pytest.raises(ValueError, match="--schedule"):
         schedule_named("zigzag")
+
+
+def test_plan_program_and_assignment_each_parse_the_name_once_into_one_object(tmp_path):
+    """plan.json writes the name; what reads it asks ``pipeline_schedule``, the same object on both
+    sides (zbv: two stages per rank in a V), and an unknown name is a one-line error at the edge."""
+    import partitioner  # lazy: a compile (seconds) only this test needs
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import mlp
+    from partitioner.solver.plan import Plan, PlanFieldError
+    from partitioner.solver.serialize import assignment_from_dict
+    from runtime.program.spec import load_plan, load_program
+
+    compiled = partitioner.compile(mlp(), cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=8, num_stages=4,
+                                   dp=1, microbatches=4, schedule="zbv")
+    compiled.save(tmp_path / "zbv")
+    plan, program = Plan.load(tmp_path / "zbv"), load_program(str(tmp_path / "zbv"))
+    body = load_plan(str(tmp_path / "zbv"))
+    assignment = assignment_from_dict(body["assignment"])
+    want = schedule_named("zbv", 2)
+    assert plan.pipeline_schedule == program.pipeline_schedule == assignment.pipeline_schedule == want
+    assert [program.layout.position_of_stage[s] for s in range(4)] == [want.position_of(s, 2) for s in range(4)] == [0, 1, 1, 0]
+    assert str(want) == plan.schedule == "zbv"
+    with pytest.raises(PlanFieldError, match=r"schedule='zigzag' is not one of .*recompile"):
+        Plan.from_dict({**plan.to_dict(), "schedule": "zigzag"})

@@ -16,6 +16,7 @@ import pytest
 
 from partitioner.cli.commands import build_parser
 from runtime.launch.run_options import flag_names
+from runtime.program.schedules import schedule_named
 from runtime.resilience.canary_rules import program_refusal, refusal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,8 +74,8 @@ def _takes(parser: argparse.ArgumentParser, flag: str, value: str | None) -> str
 
 def _canary_refusals() -> list[str]:
     program = {"dp": 2, "num_stages": 2, "world_size": 4, "tensor_parallel": 1}
-    messages = [refusal(3, dp=1), refusal(3, dp=2, tensor_parallel=2), refusal(3, dp=2, schedule="zb"),
-                refusal(3, dp=2, schedule="zbv"), refusal(3, dp=2, local_stages=2), refusal(3, dp=2, sharded=True),
+    messages = [refusal(3, dp=1), refusal(3, dp=2, tensor_parallel=2), refusal(3, dp=2, schedule=schedule_named("zb")),
+                refusal(3, dp=2, schedule=schedule_named("zbv")), refusal(3, dp=2, local_stages=2), refusal(3, dp=2, sharded=True),
                 refusal(-1, dp=2), program_refusal({**program, "dp": 1, "world_size": 2}, 2),
                 program_refusal({**program, "num_stages": 4}, 2), program_refusal({**program, "tensor_parallel": 2}, 2)]
     from runtime.resilience.sdc import sharded_refusal  # loads torch: only this list needs it

@@ -20,6 +20,7 @@ from partitioner.solver.plan import Plan
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.program.spec import load_program
 from runtime.resilience import faults
+from runtime.program.schedules import schedule_named
 from runtime.resilience.canary_rules import program_refusal, refusal
 
 
@@ -49,7 +50,7 @@ def test_refusals_name_the_value_and_the_fix():
     program = {"dp": 2, "num_stages": 4, "world_size": 4, "tensor_parallel": 1}  # 2 ranks a pipeline: interleaved
     assert "interleaved" in program_refusal(program, 2)
     for schedule in ("zb", "zbv"):  # a split backward: B and W are separate actions (Note [zero-bubble schedules])
-        assert "--schedule 1f1b" in refusal(3, dp=2, schedule=schedule)
+        assert "--schedule 1f1b" in refusal(3, dp=2, schedule=schedule_named(schedule))
         assert f"schedule {schedule} splits it" in program_refusal({**program, "num_stages": 2, "schedule": schedule}, 2)
     with pytest.raises(FlagError, match="--sdc-canary-every -1"):
         RunOptions(sdc_canary_every=-1)
