@@ -38,7 +38,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.plan import MemoryBreakdown, Plan, PlanTie
 from partitioner.solver.problem import Assignment
-from runtime.launch.entry_files import entry_files
+from runtime.launch.entry_files import entry_files, refuse_old_shape
 from runtime.program.parts import MemoryTierPlan, RankSpec
 from runtime.program.spec import Program, file_digests, load_plan, seal_plan
 
@@ -225,6 +225,7 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
     older program folder (Note [re-plan on the same cuts])."""
     folder, out = Path(folder), Path(out)
     body = load_plan(str(folder))
+    refuse_old_shape(str(folder), body)  # Note [roles from the plan] in runtime/launch/entry_files.py
     plan, program = replanned.plan, replanned.program
     new_hash = plan.content_hash()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +233,7 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
     try:
         for name in sorted(body.get("files", {})):
             src, dst = folder / name, tmp / name
-            if name.startswith("rank_") or name == "README.md":
+            if name in ("train.py", "README.md"):
                 continue  # written new below
             dst.parent.mkdir(parents=True, exist_ok=True)
             if name.startswith("stage_") and name.endswith(".py"):

@@ -4,7 +4,7 @@
 Note [what the runtime needs]: a program folder is compiled where OR-Tools is installed and run
 anywhere, typically on a GPU cluster's image: torch (often older than the compiler's pin in
 constraints.txt), numpy, safetensors, transformers, and neither OR-Tools nor zstandard. So the
-runtime (this package, and the rank_<r>.py, train.py and stage_<k>.py files codegen writes) needs
+runtime (this package, and the train.py and stage_<k>.py files codegen writes) needs
 at start only torch >= 2.11 (with the packages torch itself requires), numpy and safetensors, and
 never imports ortools, partitioner or passes (tests/unit/test_import_graph.py reads the imports;
 tests/e2e/test_runtime_needs.py trains a compiled folder where those cannot be imported). The
