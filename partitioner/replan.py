@@ -5,14 +5,14 @@ again, and write the new program folder beside the old one.
 Note [re-plan on the same cuts]: a program folder's stage files were traced at the plan's
 microbatch size and split at its cuts; re-tracing needs the user's model and takes the longest part
 of a compile. So a re-plan keeps what the stage files fix, the stage cuts, the recomputed regions
-and the microbatch size, and re-chooses what only the rank files and plan.json say: the
+and the microbatch size, and re-chooses what only plan.json says: the
 data-parallel degree for the surviving ranks, the number of microbatches (the global batch stays,
 so the run consumes the same samples: microbatches = global batch / (dp x microbatch size)) and the
 schedule (gpipe or 1f1b; 1f1b needs microbatches >= stages, Note [only runnable plans]). Every
 candidate is priced by the one cost model (``solver.evaluate.evaluate``) on the survivors' devices,
 the ones that fit memory compared, the fastest kept (the old schedule, then the larger dp, on a
 tie). The stage files are the old ones with the new plan hash in their header; the weights are
-hard-linked (copied across filesystems), the user files and train.py copied; the rank files,
+hard-linked (copied across filesystems), the user files copied; train.py,
 README and plan.json are written new. What cannot be re-planned this way is refused with one line
 naming the value and the fix (``ElasticRefusal``): fewer survivors than stages, a tensor-parallel
 or interleaved plan, no candidate that fits memory. The new folder records where it came from in elastic.json.

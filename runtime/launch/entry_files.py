@@ -97,6 +97,15 @@ def rank_role(program: Program, rank: int, *, actions: list | None = None) -> di
     }
 
 
+def _ranks(ranks: list[int]) -> str:
+    """A list of ranks, a long evenly spaced one as first-last/stride (4,096 peers are one line)."""
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    if len(ranks) <= 4 or len(steps) != 1:
+        return str(ranks)
+    (step,) = steps
+    return f"{ranks[0]}-{ranks[-1]}" + (f"/{step}" if step != 1 else "") + f" ({len(ranks)} ranks)"
+
+
 def role_text(program: Program, rank: int) -> str:
     """`partitioner inspect DIR --rank N`: rank N's role in words and numbers."""
     role = rank_role(program, rank)
@@ -105,8 +114,8 @@ def role_text(program: Program, rank: int) -> str:
         f"rank {rank} of {program.world_size}: stage(s) {role['stages']} of {program.num_stages}, "
         f"data-parallel replica {role['replica']} of {program.dp}; schedule {program.schedule}, "
         f"{program.num_microbatches} microbatches of {program.microbatch_size} per step",
-        f"  pipeline peers {role['pipeline_ranks']}: the rank holding each stage of its replica, by stage",
-        f"  data-parallel peers {role['data_parallel_ranks']}: the ranks holding its stage(s), one per replica",
+        f"  pipeline peers {_ranks(role['pipeline_ranks'])}: the rank holding each stage of its replica, by stage",
+        f"  data-parallel peers {_ranks(role['data_parallel_ranks'])}: the ranks holding its stage(s), one per replica",
         f"  one step, in order (F|B|W stage.microbatch): {actions}",
         f"  every rank starts with: {role['launch']}",
     ])
