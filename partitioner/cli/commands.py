@@ -217,6 +217,8 @@ def cmd_inspect(args) -> int:
         name = target / "plan.json" if target.is_dir() else target
         raise ValueError(f"{name} is not a plan ({type(exc).__name__}: {exc}); "
                          "recompile it with `partitioner compile`") from None
+    if args.rank is not None and (args.node is not None or args.dot or args.html):
+        raise ValueError("--rank shows one rank's role: pass it alone (or with --json), not with --node, --dot or --html")
     if args.rank is not None:
         text = _rank_role(target if target.is_dir() else target.parent, args.rank, as_json=args.json)
     elif args.node is not None:

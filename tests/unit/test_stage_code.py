@@ -61,6 +61,7 @@ def test_the_entry_point_and_a_ranks_role_match_their_golden_copies(program):
     assert proc.returncode == 0, proc.stderr
     check_golden("program_rank_1_role.txt", proc.stdout, TEST_FILE)
     assert cli_main(["inspect", str(program), "--rank", "2"]) == 2  # a 2-rank program: one line, the ranks there are
+    assert cli_main(["inspect", str(program), "--rank", "1", "--dot"]) == 2  # one view at a time
 
 
 # A command a person types, as the README and train.py's docstring indent it: env settings, torchrun, train.py.
