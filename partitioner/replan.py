@@ -242,7 +242,7 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
                 _link_or_copy(src, dst)  # a large model's weights: no second copy on the same disk
             else:
                 shutil.copyfile(src, dst)
-        files = dict(entry_files(program, new_hash))
+        files = dict(entry_files(program))
         files["README.md"] = readme_source(plan, new_hash)
         for name, text in files.items():
             (tmp / name).write_text(text)

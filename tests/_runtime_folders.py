@@ -211,7 +211,7 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
     plan_hash = plan_hash or "test-" + schedule
     with open(os.path.join(folder, "plan.json"), "w") as f:
         json.dump({"plan_hash": plan_hash, "program": program.to_dict()}, f, indent=1)
-    write_entry_files(folder, program, plan_hash=plan_hash)
+    write_entry_files(folder, program)
     seal_folder(folder)  # the file map and program_hash, as the compiler writes them
     return program
 

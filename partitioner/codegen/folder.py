@@ -46,7 +46,7 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         files: dict[str, str] = {}
         for stage in stages:
             files[f"stage_{stage.index}.py"] = stage_source(stage, plan_hash, plan, op_imports)
-        files.update(entry_files(program, plan_hash))
+        files.update(entry_files(program))
         files["README.md"] = readme_source(plan, plan_hash)
         for name, text in files.items():  # O(stages) files: Note [roles from the plan] in runtime/launch/entry_files.py
             (tmp / name).write_text(text)

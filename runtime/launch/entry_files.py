@@ -72,15 +72,12 @@ if __name__ == "__main__":
 # files was written by an older compiler whose train.py runs them: it is refused with the fix,
 # recompile (``refuse_old_shape``), never run half-old.
 
-def rank_role(program: Program, rank: int, *, actions: list | None = None) -> dict[str, object]:
-    """Rank ``rank``'s role, from the program alone (Note [roles from the plan]). ``actions``: the
-    rank's schedule row when the caller has it."""
+def rank_role(program: Program, rank: int) -> dict[str, object]:
+    """Rank ``rank``'s role, from the program alone (Note [roles from the plan])."""
     if not 0 <= rank < program.world_size:
         raise ValueError(f"--rank {rank}: the program has ranks 0..{program.world_size - 1}; pass one of them")
-    if actions is None:
-        from runtime.execute.schedule import rank_actions  # lazy: torch.distributed.pipelining, imported when needed
+    from runtime.execute.schedule import rank_actions  # lazy: torch.distributed.pipelining, imported when needed
 
-        actions = rank_actions(program, rank)
     layout = program.layout
     return {
         "rank": rank,
@@ -92,7 +89,7 @@ def rank_role(program: Program, rank: int, *, actions: list | None = None) -> di
         "schedule": program.schedule,
         "num_microbatches": program.num_microbatches,
         "microbatch_size": program.microbatch_size,
-        "actions": [list(a) for a in actions],
+        "actions": [list(a) for a in rank_actions(program, rank)],
         "launch": launch_line(program),
     }
 
@@ -145,21 +142,20 @@ def train_file_text(program: Program) -> str:
     return TRAIN_SOURCE.format(launch=launch, launch_literal=_literal(launch), world=program.world_size)
 
 
-def entry_files(program: Program, plan_hash: str | None = None) -> dict[str, str]:
+def entry_files(program: Program) -> dict[str, str]:
     """{file name: text} of the folder's entry files: train.py alone, whatever the world size
-    (Note [roles from the plan]). ``plan_hash`` is accepted for the writers' one call shape."""
-    del plan_hash  # train.py names no plan: plan.json's file map ties it to its plan
+    (Note [roles from the plan]); it names no plan: plan.json's file map ties it to its plan."""
     return {"train.py": train_file_text(program)}
 
 
-def write_entry_files(folder: str, program: Program, plan_hash: str | None = None) -> None:
+def write_entry_files(folder: str, program: Program) -> None:
     """Write train.py into ``folder`` (hand-made folders in tests)."""
-    for name, text in entry_files(program, plan_hash).items():
+    for name, text in entry_files(program).items():
         with open(os.path.join(folder, name), "w") as f:
             f.write(text)
 
 
-def old_shape(names) -> list[str]:
+def _old_shape(names) -> list[str]:
     """The per-rank files (rank_<r>.py) among ``names``: the mark of an older compiler's folder."""
     return sorted(n for n in names if n.startswith("rank_") and n.endswith(".py") and n[5:-3].isdigit())
 
@@ -168,10 +164,9 @@ def refuse_old_shape(folder: str, plan: dict | None = None) -> None:
     """LaunchError when ``folder`` holds, or its plan.json lists, per-rank files (Note
     [roles from the plan]): a folder of an older compiler, whose train.py runs them."""
     listed = (plan or {}).get("files") or {}
-    found = old_shape(set(listed) | set(os.listdir(folder) if os.path.isdir(folder) else ()))
+    found = _old_shape(set(listed) | set(os.listdir(folder) if os.path.isdir(folder) else ()))
     if found:
         raise LaunchError(
             f"{folder} is a program folder of an older partitioner ({len(found)} per-rank file(s) such as "
-            f"{found[0]}): "
-            f"this runtime computes each rank's role from plan.json and runs train.py alone; recompile it "
+            f"{found[0]}): this runtime computes each rank's role from plan.json and runs train.py alone; recompile it "
             f"with `partitioner compile ... -o {folder}`")

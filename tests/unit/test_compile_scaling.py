@@ -1,7 +1,8 @@
 """The solver's work scales with its candidates and stages, not with the ranks (issue 48): per-device
 questions are asked once per cluster (Note [cluster queries are cached] in partitioner/config/cluster.py)
 and an assignment's layout once per assignment (Note [assignment layout is cached] in
-partitioner/solver/problem.py). Counted calls, no clocks."""
+partitioner/solver/problem.py). Counted calls, no clocks. The program folder holds files per stage,
+none per rank (Note [roles from the plan] in runtime/launch/entry_files.py)."""
 
 from __future__ import annotations
 
