@@ -5,14 +5,14 @@ again, and write the new program folder beside the old one.
 Note [re-plan on the same cuts]: a program folder's stage files were traced at the plan's
 microbatch size and split at its cuts; re-tracing needs the user's model and takes the longest part
 of a compile. So a re-plan keeps what the stage files fix, the stage cuts, the recomputed regions
-and the microbatch size, and re-chooses what only the rank files and plan.json say: the
+and the microbatch size, and re-chooses what only plan.json says: the
 data-parallel degree for the surviving ranks, the number of microbatches (the global batch stays,
 so the run consumes the same samples: microbatches = global batch / (dp x microbatch size)) and the
 schedule (gpipe or 1f1b; 1f1b needs microbatches >= stages, Note [only runnable plans]). Every
 candidate is priced by the one cost model (``solver.evaluate.evaluate``) on the survivors' devices,
 the ones that fit memory compared, the fastest kept (the old schedule, then the larger dp, on a
 tie). The stage files are the old ones with the new plan hash in their header; the weights are
-hard-linked (copied across filesystems), the user files and train.py copied; the rank files,
+hard-linked (copied across filesystems), the user files copied; train.py,
 README and plan.json are written new. What cannot be re-planned this way is refused with one line
 naming the value and the fix (``ElasticRefusal``): fewer survivors than stages, a tensor-parallel
 or interleaved plan, no candidate that fits memory. The new folder records where it came from in elastic.json.
@@ -38,7 +38,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.plan import MemoryBreakdown, Plan, PlanTie
 from partitioner.solver.problem import Assignment
-from runtime.launch.entry_files import entry_files
+from runtime.launch.entry_files import entry_files, refuse_old_shape
 from runtime.program.parts import MemoryTierPlan, RankSpec
 from runtime.program.schedules import SCHEDULES
 from runtime.program.spec import Program, file_digests, load_plan, seal_plan
@@ -227,6 +227,7 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
     older program folder (Note [re-plan on the same cuts])."""
     folder, out = Path(folder), Path(out)
     body = load_plan(str(folder))
+    refuse_old_shape(str(folder), body)  # Note [roles from the plan] in runtime/launch/entry_files.py
     plan, program = replanned.plan, replanned.program
     new_hash = plan.content_hash()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +235,7 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
     try:
         for name in sorted(body.get("files", {})):
             src, dst = folder / name, tmp / name
-            if name.startswith("rank_") or name == "README.md":
+            if name in ("train.py", "README.md"):
                 continue  # written new below
             dst.parent.mkdir(parents=True, exist_ok=True)
             if name.startswith("stage_") and name.endswith(".py"):
@@ -243,7 +244,7 @@ def write_replanned(folder: str | Path, replanned: Replanned, out: str | Path, *
                 _link_or_copy(src, dst)  # a large model's weights: no second copy on the same disk
             else:
                 shutil.copyfile(src, dst)
-        files = dict(entry_files(program, new_hash))
+        files = dict(entry_files(program))
         files["README.md"] = readme_source(plan, new_hash)
         for name, text in files.items():
             (tmp / name).write_text(text)

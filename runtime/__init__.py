@@ -7,7 +7,7 @@ Rooms
 In the order a rank meets them (each folder's __init__ maps its modules):
 
 program/            the program object (``Program``, plan.json's "program"), which rank holds what,
-                    the user code it names, the text of rank_<r>.py and train.py
+                    the user code it names
 launch/             a rank's one call (``runtime.launch.rank.main``), the run flags, torchrun lines
 execute/            a stage and its step: build, schedule, optimizer, precision, keyed randomness,
                     recompute; and the one-process oracle with the same math
@@ -51,13 +51,12 @@ The program folder (written by partitioner/codegen/)
                          partitioner/codegen/split.py). forward returns the single output, or a tuple of
                          them in OUTPUTS order.
     DIR/weights/stage_<k>.safetensors   initial values keyed by original names (params + buffers)
-    DIR/rank_<r>.py      what rank r runs, as constants (STAGES, PIPELINE_RANKS,
-                         DATA_PARALLEL_RANKS, ACTIONS, NUM_MICROBATCHES, MICROBATCH_SIZE, LAUNCH,
-                         ...; checked against the program at start-up: Note [rank file constants]
-                         in runtime/launch/entry_files.py), then one call: runtime.launch.rank.main(<its
-                         folder>, rank=r) (text: runtime.launch.entry_files.rank_file_text(program, r))
-    DIR/train.py         torchrun entry: runs rank_<RANK>.py; without RANK it exits naming the
-                         torchrun line (text: runtime.launch.entry_files.train_file_text)
+    DIR/train.py         the one entry point: every rank runs it under torchrun and calls
+                         runtime.launch.rank.main(<its folder>), which computes the rank's role
+                         (stages, peers, actions) from the program (Note [roles from the plan] in
+                         runtime/launch/entry_files.py; no file per rank). Without RANK a program of
+                         several ranks exits naming the torchrun line (text:
+                         runtime.launch.entry_files.train_file_text)
     DIR/run/             written by the run: metrics.jsonl, final/ (below)
     DIR/checkpoints/     step_<N>/shard_rank_<r>.safetensors + manifest.json (runtime/resilience/checkpoint/)
 
@@ -95,7 +94,7 @@ Outputs of a run (DIR/run unless main(run_dir=...))::
     checkpoint_interval.json           the Young/Daly choice, when --mtbf chose it
     faults.jsonl                       injected faults that fired (rank, step, mode, time_unix)
 
-Flags of train.py / rank_<r>.py: the table in runtime/launch/run_options.py (``FLAGS``, `partitioner run`'s
+Flags of train.py: the table in runtime/launch/run_options.py (``FLAGS``, `partitioner run`'s
 too; an unknown flag is refused, naming the nearest): --steps N, --run-dir D, --checkpoint-dir D
 (default DIR/checkpoints; must be writable, checked before training), --checkpoint-every K,
 --mtbf 6h, --keep-checkpoints N (default 3), --no-checkpoint, the fault drills, the memory tier's,
@@ -106,7 +105,7 @@ committed checkpoint of its last step there.
 Launch: ``partitioner run DIR``, or the torchrun line ``runtime.launch.torchrun.command_text``
 gives (its rendezvous a file in a private folder: Note [no TCP rendezvous on one host]); across
 hosts ``python -m runtime.launch.signed_rendezvous`` (Note [signed rendezvous state]). A one-rank
-program also runs as ``python DIR/rank_0.py``.
+program also runs as ``python DIR/train.py``.
 """
 
 from runtime.python_version import check_python as _check_python

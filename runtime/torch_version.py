@@ -3,7 +3,7 @@
 
 Note [what the runtime needs]: a program folder is compiled where OR-Tools is installed and run
 anywhere, typically on a GPU cluster's image with an older torch and neither OR-Tools nor
-zstandard. So the runtime (this package and the files codegen writes) needs at start only torch
+zstandard. So the runtime (this package, train.py and the stage files codegen writes) needs at start only torch
 >= 2.11, numpy and safetensors, and never imports ortools, partitioner or passes
 (tests/unit/test_import_graph.py; tests/e2e/test_runtime_needs.py trains where those cannot be
 imported). Optional packages are imported only where a run asks for them (zstandard for lossless

@@ -183,7 +183,7 @@ def gpt_stage_sources(model: TinyGPT, splits: list[list[int]]):
 def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_microbatches,
                  global_batch, schedule, data, steps=3, ties=(), seed=0, timeout_s=30, extra=None,
                  plan_hash=None):
-    """Write plan.json, stage_<k>.py, weights/, rank_<r>.py, train.py. ``in_spec(k)`` and
+    """Write plan.json, stage_<k>.py, weights/, train.py. ``in_spec(k)`` and
     ``out_spec(k)`` give (shape, dtype) of stage k's input/output for one microbatch, or a list of
     them when the stage has several (then the source entry names a list too). ``extra``: more keys
     of the program object (precision, clip_grad_norm, shard_optimizer, optimizer overrides)."""
@@ -211,7 +211,7 @@ def write_folder(folder, model, sources, *, in_spec, out_spec, ranks, dp, num_mi
     plan_hash = plan_hash or "test-" + schedule
     with open(os.path.join(folder, "plan.json"), "w") as f:
         json.dump({"plan_hash": plan_hash, "program": program.to_dict()}, f, indent=1)
-    write_entry_files(folder, program, plan_hash=plan_hash)
+    write_entry_files(folder, program)
     seal_folder(folder)  # the file map and program_hash, as the compiler writes them
     return program
 

@@ -8,12 +8,15 @@ answer without importing torch (seconds on a small machine).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from runtime.program.parts import Precision
+from runtime.launch.entry_files import rank_role, refuse_old_shape, role_text
+from runtime.program.spec import load_program
 from runtime.launch.run_options import add_flags as add_run_flags, dash_values_joined
 import partitioner
 from partitioner.cli import data as data_command, elastic as elastic_command, generate as generate_command
@@ -173,7 +176,7 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
     # lazy: loads torch
     from partitioner.inspect import checkpoints as checkpoint_listing
 
-    for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node)):
+    for flag, given in (("--dot", args.dot), ("--html", args.html), ("--node", args.node), ("--rank", args.rank)):
         if given:
             raise ValueError(f"{flag} shows a plan, and {args.target} names checkpoints: list them as a table "
                              "or with --json, or pass the program folder for the plan")
@@ -184,6 +187,14 @@ def _inspect_checkpoints(args, ckpt_dir: Path, program, step) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _rank_role(folder: Path, rank: int, *, as_json: bool) -> str:
+    """`inspect DIR --rank N`: rank N's role as its rank computes it at start-up (Note [roles from
+    the plan] in runtime/launch/entry_files.py)."""
+    refuse_old_shape(str(folder))
+    program = load_program(str(folder))
+    return json.dumps(rank_role(program, rank), indent=1) if as_json else role_text(program, rank)
 
 
 def cmd_inspect(args) -> int:
@@ -207,7 +218,11 @@ def cmd_inspect(args) -> int:
         name = target / "plan.json" if target.is_dir() else target
         raise ValueError(f"{name} is not a plan ({type(exc).__name__}: {exc}); "
                          "recompile it with `partitioner compile`") from None
-    if args.node is not None:
+    if args.rank is not None and (args.node is not None or args.dot or args.html):
+        raise ValueError("--rank shows one rank's role: pass it alone (or with --json), not with --node, --dot or --html")
+    if args.rank is not None:
+        text = _rank_role(target if target.is_dir() else target.parent, args.rank, as_json=args.json)
+    elif args.node is not None:
         info = inspect.explain_node(plan, args.node, *inspect.load_priced(target))
         text = inspect.to_json_text(info) if args.json else inspect.explain_text(info)
     elif args.json:
@@ -365,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     form.add_argument("--html", metavar="FILE", help="write one self-contained HTML page to FILE")
     i.add_argument("--node", metavar="NAME", help="explain where graph node (or region) NAME sits and what "
                    "moving it costs; with --json, as JSON")
+    i.add_argument("--rank", metavar="N", type=int, help="rank N's role, as it computes it from plan.json at "
+                   "start-up: its stages, pipeline and data-parallel peers, its schedule's actions; with --json, as JSON")
     i.add_argument("--checkpoints", action="store_true", help="list the checkpoints of the program folder "
                    "(DIR/checkpoints): valid or why not, size, plan, and which one a resume picks; a checkpoint "
                    "folder or one step_N folder as TARGET lists without this flag")

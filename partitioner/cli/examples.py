@@ -17,6 +17,7 @@ EXAMPLES = {
   partitioner inspect out --dot | dot -Tsvg > plan.svg
   partitioner inspect out --html report.html  # one self-contained page: stage graph, timeline, memory
   partitioner inspect out --node linear_3     # why a node sits on its stage, and what moving it costs
+  partitioner inspect out --rank 5            # rank 5's stages, peers and one step's actions (from plan.json)
   partitioner inspect out --checkpoints       # out/checkpoints: valid or why not, and what a resume picks
   partitioner inspect /scratch/ckpt --json    # any checkpoint folder (or one step_N in it)""",
     "run": """examples:

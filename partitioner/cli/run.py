@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from partitioner.solver.plan import Plan
+from runtime.launch.entry_files import refuse_old_shape
 from runtime.launch.run_options import RunOptions
 from runtime.launch.signed_rendezvous import BACKEND as SIGNED, KEY_ENV
 from runtime.launch.torchrun import run_env, run_tree, torchrun_command
@@ -37,6 +38,7 @@ def cmd_run(args) -> int:
 
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
+    refuse_old_shape(str(folder))  # Note [roles from the plan] in runtime/launch/entry_files.py
     plan = Plan.load(folder)
     program = (load_plan(str(folder)).get("program") or {})
     rank_params = {r["rank"]: [n for k in r["stages"] for n in program["stages"][k]["params"]]

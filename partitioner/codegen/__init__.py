@@ -4,8 +4,8 @@
 DIR/plan.json          the plan, its hash, the "program" the runtime reads, every file's sha256, and
                        the solver's problem and assignment (what `inspect --node` prices moves with)
 DIR/stage_<k>.py       stage k's forward, one statement per op, with the model's source lines as comments
-DIR/rank_<r>.py        rank r: its stages, its pipeline and data-parallel peers, one call into runtime
-DIR/train.py           the torchrun entry: runs rank_<RANK>.py (both: runtime/launch/entry_files.py)
+DIR/train.py           the one entry point every rank runs; a rank computes its role (stages, peers,
+                       actions) from plan.json (runtime/launch/entry_files.py): no file per rank
 DIR/weights/stage_<k>.safetensors   initial parameters keyed by their original names
 DIR/README.md          how to run it here and on N nodes
 ```

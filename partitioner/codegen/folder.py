@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,15 +20,6 @@ from partitioner.solver import serialize
 from runtime.errors import DiskFullError, is_no_space
 from runtime.launch.entry_files import entry_files
 from runtime.program.spec import Program, file_digests, seal_plan
-
-
-# Note [one parse per shape]: every generated .py is parsed before the folder is kept (a file
-# that doesn't parse is our bug), but a 16,384-rank program's rank files differ only in their
-# numbers, and parsing each was a third of writing the folder (issue 48). A rank file's varying
-# parts are ints written in decimal without leading zeros (runtime/launch/entry_files.py
-# ``_literal``) inside fixed text, so two rank files equal once every digit run is "0" parse alike:
-# one rank file of each shape is parsed; every other .py is parsed whole.
-_DIGITS = re.compile(r"[0-9]+")
 
 
 def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], program: Program,
@@ -56,16 +46,12 @@ def write_program(folder: str | Path, *, plan: Plan, stages: list[StageGraph], p
         files: dict[str, str] = {}
         for stage in stages:
             files[f"stage_{stage.index}.py"] = stage_source(stage, plan_hash, plan, op_imports)
-        files.update(entry_files(program, plan_hash))
+        files.update(entry_files(program))
         files["README.md"] = readme_source(plan, plan_hash)
-        parsed: set[str] = set()
-        for name, text in files.items():
+        for name, text in files.items():  # O(stages) files: Note [roles from the plan] in runtime/launch/entry_files.py
             (tmp / name).write_text(text)
             if name.endswith(".py"):
-                shape = _DIGITS.sub("0", text) if name.startswith("rank_") else name  # Note [one parse per shape]
-                if shape not in parsed:
-                    compile(text, name, "exec")  # a generated file that doesn't parse is our bug
-                    parsed.add(shape)
+                compile(text, name, "exec")  # a generated file that doesn't parse is our bug
         for rel, original in sorted((user_files or {}).items()):
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(original, tmp / rel)

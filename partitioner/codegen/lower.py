@@ -6,7 +6,7 @@
                activation checkpointing (partitioner/codegen/recompute.py)
     program  = the "program" object of plan.json that the runtime reads, and init recipes for a
                model on the meta device
-    emit     = stage files, rank files, weights, plan.json, written atomically (partitioner/codegen/)
+    emit     = stage files, train.py, weights, plan.json, written atomically (partitioner/codegen/)
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ and `train.py` execute this folder's code: run only folders you trust.
 
 - `plan.json`: the plan, the program the runtime reads, and the sha256 of every file below.
 - `stage_<k>.py`: each stage's forward, one statement per op, with the model's source lines as comments.
-- `rank_<r>.py`: which stages a rank holds and its peers.
+- `train.py`: the one entry point every rank runs; each rank computes its role (stages, peers,
+  schedule) from `plan.json`, and `partitioner inspect . --rank N` prints rank N's.
 - `weights/stage_<k>.safetensors`: initial parameters by their original names.
 - `user/`: the file(s) of your make_batch and loss, when they are no installed module: the ranks import this copy.
 """

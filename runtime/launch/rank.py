@@ -1,8 +1,8 @@
-"""Entry point of every generated rank program: ``runtime.launch.rank.main(folder, rank=r)``.
+"""Entry point of every rank: ``runtime.launch.rank.main(folder)``, the one call of a folder's train.py.
 
 Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), checks it
-against the plan, checks that rank_<r>.py states what this rank runs (Note [rank file constants]
-in runtime/launch/entry_files.py), initializes the process group with the plan's backend and collective
+against the plan, computes this rank's role from plan.json (Note [roles from the plan] in
+runtime/launch/entry_files.py; a folder of per-rank files is refused), initializes the process group with the plan's backend and collective
 timeout, creates the pipeline / data-parallel / tie groups, trains, and writes DIR/run/.
 
 Note [no hangs]: every collective and point-to-point operation runs under the plan's
@@ -30,7 +30,7 @@ import traceback
 from datetime import timedelta
 
 from runtime.resilience import faults
-from runtime.launch.entry_files import check_rank_file
+from runtime.launch.entry_files import refuse_old_shape
 from runtime.errors import InputMismatchError, MissingPackageError, one_line_error
 from runtime.program.spec import Program, load_program
 from runtime.launch.run_options import FlagError, RunOptions
@@ -120,7 +120,7 @@ def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int,
         if want != 1:
             raise LaunchError(f"this program needs {want} processes and WORLD_SIZE is not set: "
                               f"launch it with `{command_text(want, os.path.join(folder, 'train.py'))}`")
-        # A one-rank program may run as a plain `python rank_0.py`.
+        # A one-rank program may run as a plain `python train.py`.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -130,8 +130,8 @@ def read_env(program: Program, folder: str, rank: int | None) -> tuple[int, int,
                           f"launch it with `{command_text(want, os.path.join(folder, 'train.py'))}`")
     env_rank = int(os.environ.get("RANK", "0"))
     if rank is not None and rank != env_rank:
-        raise LaunchError(f"rank_{rank}.py started as RANK={env_rank}: run train.py under torchrun, "
-                          "which picks rank_<RANK>.py for each worker")
+        raise LaunchError(f"rank {rank} was asked for but RANK={env_rank}: run train.py under torchrun, "
+                          "which gives each worker its RANK")
     return env_rank, world, int(os.environ.get("LOCAL_RANK", str(env_rank)))
 
 
@@ -173,6 +173,7 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
     try:
         check_torch()  # Note [what the runtime needs]: an older torch is one line here, not an AttributeError later
         options = parse_args(argv)
+        refuse_old_shape(folder)  # a rank's role comes from plan.json: Note [roles from the plan] in runtime/launch/entry_files.py
         from runtime.resilience.exclusion import stop_if_excluded  # torch-free; Note [excluding a host]
 
         stop_if_excluded(options.run_dir or run_dir or os.path.join(os.path.abspath(folder), "run"))
@@ -296,10 +297,6 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
     from runtime.execute.schedule import schedule_text
     from runtime.parallel.grad_sync import create_groups  # lazy: loads torch
     from runtime.execute.train import RankTrainer  # lazy: loads torch
-
-    # rank_<r>.py states this rank's stages, peers and schedule: it must say what runs (Note [rank
-    # file constants] in runtime/launch/entry_files.py).
-    check_rank_file(folder, program, rank)
 
     steps = program.steps_to_train if steps is None else steps
     run_dir = run_dir or os.path.join(folder, "run")

@@ -83,7 +83,7 @@ def run_env(*, pythonpath: str | None = None) -> dict:
     # resolves to (Note [loopback only]).
     env["GLOO_SOCKET_IFNAME"] = env["TP_SOCKET_IFNAME"] = loopback_interface()
     # The program folder is not an import root: `python train.py` would put it first on sys.path,
-    # ahead of torch and runtime (docs/design.md §12); train.py and rank files also drop it.
+    # ahead of torch and runtime (docs/design.md §12); train.py also drops it.
     env["PYTHONSAFEPATH"] = "1"
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")

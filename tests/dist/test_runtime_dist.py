@@ -137,7 +137,7 @@ def _start_ranks(folder, world):
         env = dict(child_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    WORLD_SIZE=str(world), RANK=str(r), LOCAL_RANK=str(r))
         out = open(os.path.join(folder, f"out_{r}.txt"), "w")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(folder, f"rank_{r}.py")],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(folder, "train.py")],
                                       env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
 

@@ -1,6 +1,6 @@
 """A compiled program folder trains where only a GPU cluster's image is installed (Note [what the
 runtime needs] in runtime/torch_version.py): a one-rank GPT folder, compiled here (OR-Tools), runs
-its train.py and rank_0.py in a process that can import nothing but the standard library, runtime/,
+its train.py in a process that can import nothing but the standard library, runtime/,
 torch with the packages torch requires, numpy and safetensors (tests/drivers/cluster_image/: ortools,
 zstandard, tensorboard, transformers, partitioner and passes look not installed). There, asking for
 lossless checkpoints, or resuming from one, is one line naming ``pip install zstandard`` before
@@ -92,7 +92,7 @@ def test_the_runtime_trains_where_only_torch_numpy_and_safetensors_are_installed
 
 
 def test_lossless_checkpoints_without_zstandard_are_one_line_at_start(folder, tmp_path):
-    done, _ = on_the_image([sys.executable, str(folder / "rank_0.py"), "--steps", "2",
+    done, _ = on_the_image([sys.executable, str(folder / "train.py"), "--steps", "2",
                             "--checkpoint-compression", "lossless", "--run-dir", str(tmp_path / "run"),
                             "--checkpoint-dir", str(tmp_path / "ck")], tmp_path)
     assert done.returncode == 1
@@ -108,13 +108,13 @@ def test_resuming_a_lossless_checkpoint_without_zstandard_is_one_line_not_a_skip
     step 0 (and retention could then delete them)."""
     pytest.importorskip("zstandard")
     ck = tmp_path / "ck"
-    write = subprocess.run([sys.executable, str(folder / "rank_0.py"), "--steps", "1",
+    write = subprocess.run([sys.executable, str(folder / "train.py"), "--steps", "1",
                             "--checkpoint-compression", "lossless", "--run-dir", str(tmp_path / "run"),
                             "--checkpoint-dir", str(ck)],
                            env=run_env(pythonpath=str(REPO)), capture_output=True, text=True, timeout=120)
     assert write.returncode == 0, write.stderr[-3000:]
     before = sorted(p.name for p in ck.iterdir())
-    done, _ = on_the_image([sys.executable, str(folder / "rank_0.py"), "--steps", "2", "--run-dir",
+    done, _ = on_the_image([sys.executable, str(folder / "train.py"), "--steps", "2", "--run-dir",
                             str(tmp_path / "run"), "--checkpoint-dir", str(ck)], tmp_path)
     assert done.returncode == 1, done.stdout[-2000:]
     lines = done.stderr.strip().splitlines()

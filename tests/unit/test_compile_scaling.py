@@ -1,7 +1,8 @@
 """The solver's work scales with its candidates and stages, not with the ranks (issue 48): per-device
 questions are asked once per cluster (Note [cluster queries are cached] in partitioner/config/cluster.py)
 and an assignment's layout once per assignment (Note [assignment layout is cached] in
-partitioner/solver/problem.py). Counted calls, no clocks."""
+partitioner/solver/problem.py). Counted calls, no clocks. The program folder holds files per stage,
+none per rank (Note [roles from the plan] in runtime/launch/entry_files.py)."""
 
 from __future__ import annotations
 
@@ -75,29 +76,21 @@ def test_cached_positions_are_the_schedules_own(schedule, p, v):
     assert a == Assignment(tuple(range(p)), (False,) * p, placement, p, dp, 8, 1, schedule)
 
 
-@pytest.mark.parametrize("sched,splits,ranks,dp", [
-    ("1f1b", [[0, 1], [2, 3]], [([0], 0), ([0], 1), ([1], 0), ([1], 1)], 2),
-    ("interleaved", [[0], [1], [2], [3]], [([0, 2], 0), ([1, 3], 0)], 1),
-])
-def test_rank_files_ask_the_schedule_once(tmp_path, monkeypatch, sched, splits, ranks, dp):
-    """entry_files asks the schedule for its positions' rows once, not once per rank,
-    and writes the texts rank_file_text gives (Note [rank files by position] in
+def test_a_4096_rank_folder_holds_one_file_per_stage_and_no_file_per_rank(tmp_path, capsys):
+    """Issue 48: the program folder of a 4,096-rank compile is per-stage code, plan.json, README.md
+    and one train.py; any rank's role is `inspect DIR --rank N` (Note [roles from the plan] in
     runtime/launch/entry_files.py)."""
-    from _runtime_folders import mlp_folder  # lazy: builds torch modules, only this test needs it
-    from runtime.launch import entry_files as ef
-    from runtime.execute import schedule
+    from partitioner.cli import main as cli_main  # lazy: the CLI's compile, only this test needs it
 
-    _, program = mlp_folder(str(tmp_path), splits=splits, ranks=ranks, dp=dp, num_microbatches=2,
-                            global_batch=8, schedule=sched)
-    one_by_one = {f"rank_{r}.py": ef.rank_file_text(program, r, "h") for r in range(program.world_size)}
-    calls = [0]
-    original = schedule._rank_orders
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(schedule, "_rank_orders", counted)
-    files = ef.entry_files(program, "h")
-    assert {name: text for name, text in files.items() if name.startswith("rank_")} == one_by_one
-    assert calls[0] == 1, f"the schedule's rows asked {calls[0]} times for {program.world_size} ranks"
+    out = tmp_path / "p"
+    assert cli_main(["compile", "gpt:layers=2,width=32,heads=2,vocab=64,seq=16", "--devices", "4096",
+                     "--device", "h100", "--global-batch", "4096", "--stages", "2", "--dp", "2048",
+                     "-o", str(out), "-q"]) == 0
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["README.md", "compile_stats.json", "plan.json", "stage_0.py", "stage_1.py", "train.py",
+                     "weights/stage_0.safetensors", "weights/stage_1.safetensors"]
+    capsys.readouterr()
+    assert cli_main(["inspect", str(out), "--rank", "4095"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("rank 4095 of 4096: stage(s) [1] of 2, data-parallel replica 2047 of 2048;")
+    assert "data-parallel peers 2048-4095 (2048 ranks)" in said

@@ -155,7 +155,7 @@ def test_the_compiler_and_the_test_folders_seal_with_one_writer(folder):
 
 
 def test_train_py_does_not_import_from_the_program_folder(folder):
-    """`python train.py` puts the folder first on sys.path; train.py and the rank files take it off,
+    """`python train.py` puts the folder first on sys.path; train.py takes it off,
     so a torch.py there (even one listed in the file map) is not what `import torch` finds."""
     (folder / "torch.py").write_text("raise SystemExit('planted torch.py imported')\n")
     (folder / "runpy.py").write_text("raise SystemExit('planted runpy.py imported')\n")

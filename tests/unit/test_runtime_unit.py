@@ -18,11 +18,9 @@ from _runtime_folders import (OPTIMIZER, child_env, gpt_folder, mlp_folder,  # n
                               read_final, read_metrics)
 from runtime.data.synthetic import causal_lm_loss, token_batch
 from runtime.launch.rank import LaunchError, main
-from runtime.launch.entry_files import launch_text
-from runtime.errors import PlanMismatchError
+from runtime.launch.entry_files import launch_text, rank_role, role_text
 from runtime.program.layout import Layout
 from runtime.program.spec import Program, load_program
-from runtime.program.user_code import import_path
 from runtime.execute.reference import train_reference, train_reference_from_folder
 from runtime.execute.schedule import schedule_text, simulate
 from runtime.execute.stage import StageFileError, build_stage
@@ -142,46 +140,61 @@ def test_tie_gradients_sum_local_copies(tmp_path):
 
 def test_entry_files_compile(tmp_path):
     mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([1], 0)])
-    for name in ("rank_0.py", "rank_1.py", "train.py", "stage_0.py", "stage_1.py"):
+    for name in ("train.py", "stage_0.py", "stage_1.py"):
         py_compile.compile(str(tmp_path / name), doraise=True)
 
 
-def test_entry_files_name_each_ranks_stages_and_peers(tmp_path):
+def test_a_folder_holds_no_file_per_rank(tmp_path):
+    """Issue 48: per-stage code, plan.json and one train.py, whatever the world size (Note [roles
+    from the plan] in runtime/launch/entry_files.py)."""
     mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([0], 1), ([1], 0), ([1], 1)], dp=2,
                num_microbatches=2)
-    text = (tmp_path / "rank_2.py").read_text()
-    assert "Rank 2 of 4: stage(s) [1] of 2, data-parallel replica 0 of 2." in text
-    assert "PIPELINE_RANKS = [0, 2]" in text and "DATA_PARALLEL_RANKS = [2, 3]" in text
-    assert "plan test-1f1b" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "stage_0.py", "stage_1.py", "train.py",
+                                                          "weights"]
 
 
-def test_rank_file_states_the_schedule_of_its_stages(tmp_path):
-    mlp_folder(str(tmp_path), splits=[[0], [1], [2], [3]], num_microbatches=2, global_batch=8,
-               ranks=[([0, 2], 0), ([1, 3], 0)], schedule="interleaved")
-    rank_1 = import_path(str(tmp_path / "rank_1.py"))
-    assert rank_1.STAGES == [1, 3] and rank_1.PIPELINE_RANKS == [0, 1, 0, 1]
-    assert rank_1.NUM_MICROBATCHES == 2 and rank_1.MICROBATCH_SIZE == 4
-    assert sorted(rank_1.ACTIONS) == sorted((k, s, i) for k in "FB" for s in (1, 3) for i in range(2))
-    assert rank_1.LAUNCH == launch_text(2) and "torchrun --nproc-per-node 2 " in rank_1.LAUNCH
+def test_a_ranks_role_names_its_stages_and_peers(tmp_path):
+    _, program = mlp_folder(str(tmp_path), splits=[[0, 1], [2, 3]], ranks=[([0], 0), ([0], 1), ([1], 0), ([1], 1)],
+                            dp=2, num_microbatches=2)
+    role = rank_role(program, 2)
+    assert role["stages"] == [1] and role["replica"] == 0
+    assert role["pipeline_ranks"] == [0, 2] and role["data_parallel_ranks"] == [2, 3]
+    text = role_text(program, 2)
+    assert text.startswith("rank 2 of 4: stage(s) [1] of 2, data-parallel replica 0 of 2;")
+    assert "pipeline peers [0, 2]:" in text and "data-parallel peers [2, 3]:" in text
+    with pytest.raises(ValueError, match=r"--rank 4: the program has ranks 0..3"):
+        rank_role(program, 4)
 
 
-def test_a_rank_file_that_disagrees_with_the_plan_is_refused_naming_both_values(tmp_path, monkeypatch):
-    """A rank file resealed into plan.json's file map still has to state the program: the
-    constants check refuses it."""
+def test_a_ranks_role_states_the_schedule_of_its_stages(tmp_path):
+    _, program = mlp_folder(str(tmp_path), splits=[[0], [1], [2], [3]], num_microbatches=2, global_batch=8,
+                            ranks=[([0, 2], 0), ([1, 3], 0)], schedule="interleaved")
+    role = rank_role(program, 1)
+    assert role["stages"] == [1, 3] and role["pipeline_ranks"] == [0, 1, 0, 1]
+    assert role["num_microbatches"] == 2 and role["microbatch_size"] == 4
+    assert sorted(map(tuple, role["actions"])) == sorted((k, s, i) for k in "FB" for s in (1, 3) for i in range(2))
+    assert role["launch"] == launch_text(2) and "torchrun --nproc-per-node 2 " in role["launch"]
+
+
+def test_a_folder_of_the_old_shape_is_refused_naming_the_fix(tmp_path, monkeypatch, capsys):
+    """A folder with rank_<r>.py files (an older compiler's, whose train.py runs them), even sealed
+    into plan.json's file map, is refused with the fix, before anything runs; `partitioner run`
+    refuses it too, in one line."""
     from runtime.program.spec import seal_folder
+    from partitioner.cli import main as cli_main
 
     mlp_folder(str(tmp_path), splits=[[0, 1, 2, 3]], ranks=[([0], 0)], steps=1)
-    path = tmp_path / "rank_0.py"
-    path.write_text(path.read_text().replace("NUM_MICROBATCHES = 4", "NUM_MICROBATCHES = 8"))
+    (tmp_path / "rank_0.py").write_text("import runtime.launch.rank\nruntime.launch.rank.main('.', rank=0)\n")
     seal_folder(str(tmp_path))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "x")  # registers the key for restoration
         monkeypatch.delenv(key)
-    with pytest.raises(PlanMismatchError, match="NUM_MICROBATCHES = 8 but plan.json's program gives 4"):
+    with pytest.raises(LaunchError, match=r"older partitioner \(1 per-rank file\(s\) such as rank_0.py\).*recompile"):
         main(str(tmp_path), exit_on_error=False, argv=[])
-    os.remove(path)
-    with pytest.raises(PlanMismatchError, match=r"rank_0.py \(missing\)"):
-        main(str(tmp_path), exit_on_error=False, argv=[])
+    assert not (tmp_path / "run").exists()
+    assert cli_main(["run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "older partitioner" in err and "recompile" in err and "Traceback" not in err
 
 
 def test_train_py_without_rank_exits_naming_torchrun(tmp_path):
@@ -201,8 +214,8 @@ def test_wrong_world_size_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(LaunchError, match=r"world_size=2 but WORLD_SIZE=3.*torchrun --nproc-per-node 2"):
         main(str(tmp_path), rank=0, exit_on_error=False, argv=[])
-    # the generated rank program exits non-zero with that one line, no traceback
-    proc = subprocess.run([sys.executable, str(tmp_path / "rank_0.py")], capture_output=True, text=True,
+    # the generated entry point exits non-zero with that one line, no traceback
+    proc = subprocess.run([sys.executable, str(tmp_path / "train.py")], capture_output=True, text=True,
                           env=dict(child_env(), WORLD_SIZE="1", RANK="0"), timeout=60)
     assert proc.returncode == 1
     assert "world_size=2 but WORLD_SIZE=1" in proc.stderr and "Traceback" not in proc.stderr
@@ -212,7 +225,7 @@ def test_wrong_world_size_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_one_rank_program_runs_in_process(tmp_path, monkeypatch):
-    """A one-rank, one-stage program runs as plain `python rank_0.py` (no torchrun needed)."""
+    """A one-rank, one-stage program runs as plain `python train.py` (no torchrun needed)."""
     model, _ = mlp_folder(str(tmp_path), splits=[[0, 1, 2, 3]], ranks=[([0], 0)], steps=2)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

@@ -43,9 +43,25 @@ def program(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("name", ["stage_0.py", "stage_1.py", "rank_1.py"])
+@pytest.mark.parametrize("name", ["stage_0.py", "stage_1.py"])
 def test_generated_files_match_their_golden_copies(program, name):
     check_golden(f"program_{name}", HASH.sub("plan <hash>", (program / name).read_text()), TEST_FILE)
+
+
+def test_the_entry_point_and_a_ranks_role_match_their_golden_copies(program):
+    """One train.py whose training loop a person reads, and rank 1's role as `inspect --rank 1`
+    prints it, what rank_1.py used to state (Note [roles from the plan] in runtime/launch/entry_files.py)."""
+    from partitioner.cli import main as cli_main
+
+    check_golden("program_train.py", (program / "train.py").read_text(), TEST_FILE)
+    assert not list(program.glob("rank_*.py"))
+    proc = subprocess.run([sys.executable, "-m", "partitioner", "inspect", str(program), "--rank", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    check_golden("program_rank_1_role.txt", proc.stdout, TEST_FILE)
+    assert cli_main(["inspect", str(program), "--rank", "2"]) == 2  # a 2-rank program: one line, the ranks there are
+    assert cli_main(["inspect", str(program), "--rank", "1", "--dot"]) == 2  # one view at a time
 
 
 # A command a person types, as the README and train.py's docstring indent it: env settings, torchrun, train.py.
@@ -59,14 +75,14 @@ def _constant(source: str, name: str):
                 if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name])
 
 
-def test_one_launch_line_in_the_readme_train_py_and_rank_files(program):
+def test_one_launch_line_in_the_readme_and_train_py(program):
     """Issue 43: the folder's README and train.py said two different torchrun lines."""
     readme, train = (program / "README.md").read_text(), (program / "train.py").read_text()
     said = {"README.md": set(_TYPED_LAUNCH.findall(readme)), "train.py": set(_TYPED_LAUNCH.findall(train))}
     assert len(said["README.md"]) == 1 and said["README.md"] == said["train.py"], said
     (line,) = said["README.md"]
     assert "--rdzv-conf store_type=file" in line  # the private rendezvous file, not a TCP store
-    assert _constant(train, "LAUNCH") == line == _constant((program / "rank_1.py").read_text(), "LAUNCH")
+    assert _constant(train, "LAUNCH") == line
 
 
 def test_the_program_object_round_trips_through_its_dataclass(program):

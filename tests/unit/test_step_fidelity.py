@@ -1,5 +1,5 @@
 """The program does only the per-step work its plan prices (docs/design.md §12): a run counted from
-inside, one rank in this process (world of one, gloo), as `python rank_0.py` runs it.
+inside, one rank in this process (world of one, gloo), as `python train.py` runs it.
 
 - clipping off and fp32: no global-norm pass or collective (Note [global gradient norm] in
   runtime/execute/grad_norm.py), metrics.jsonl without ``grad_norm``, no autocast context entered (Note
