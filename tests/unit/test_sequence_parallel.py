@@ -24,6 +24,7 @@ import partitioner
 from partitioner import analyze
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.config.cluster import ClusterSpec
+from partitioner.inspect import inspect_json, table
 from partitioner.models.builtin import gpt, hf_llama
 from partitioner.solver.sequence_parallel import sent_bytes, sp_priced_problem
 from partitioner.solver.tensor_groups import tp_priced_problem
@@ -88,6 +89,10 @@ def test_auto_chooses_it_where_it_is_no_slower_and_pinned_overrides(pinned):
     assert on.plan.decisions.sequence_parallel is True and on.plan.decisions.to_dict()["sequence_parallel"] is True
     assert "sequence_parallel" not in off.plan.decisions.to_dict()  # a plan from before it hashes the same
     assert on.plan.stages[0].peak_memory_bytes < off.plan.stages[0].peak_memory_bytes
+    # inspect shows the choice (the table and --json)
+    assert "sequence par.   on: norms, dropouts and residual adds" in table(on.plan)
+    assert "sequence par.   off" in table(off.plan)
+    assert inspect_json(on.plan)["layout"]["sequence_parallel"] is True
 
 
 @pytest.mark.parametrize("options, words", [
