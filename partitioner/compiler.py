@@ -53,6 +53,7 @@ from partitioner.frontend.corpus_data import with_corpus
 from partitioner.frontend.tp_support import check_tensor_parallel, grouped
 from partitioner.frontend.workload import Workload
 from passes.region_graph import region_table
+from passes.tp_activations import any_row_scatters
 from runtime.execute import randomness
 from runtime.execute.grad_norm import no_decay_names
 from runtime.resilience.canary_rules import refusal as canary_refusal
@@ -257,8 +258,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                          schedule=solution.assignment.schedule, what=f"sdc_canary_every={canary_every} (--sdc-canary-every)")
     if why:
         raise ValueError(why)
-    sp, problem = choose_sequence_parallel(request.sequence_parallel, gm, problem, cluster, solution,
-                                           compile_stages=bool(settings.compile_stages))
+    sp, problem = choose_sequence_parallel(request.sequence_parallel, lambda t: any_row_scatters(gm, t), problem,
+                                           cluster, solution, compile_stages=bool(settings.compile_stages))
     decisions = Decisions(precision=precision, shard_optimizer=sharded, sdc_every=sdc_every, no_decay=no_decay,
                           sdc_canary_every=canary_every, sequence_parallel=sp)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from partitioner.solver.sequence_parallel import scatters
+from passes.tp_activations import scatters
 
 from runtime.execute import randomness
 from runtime.parallel import tensor_parallel

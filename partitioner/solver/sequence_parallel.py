@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from passes import ir
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.tensor_groups import collective_fixed_s
 
@@ -104,24 +103,12 @@ def refusal(mode: str, tp: int, *, compile_stages: bool, scatters: bool) -> str 
     return None
 
 
-def scatters(node, tp: int) -> bool:
-    """Whether a row linear's output splits into ``tp`` equal sequence slices (the dim before the
-    features, Note [sequence parallelism] in runtime/parallel/tensor_parallel.py)."""
-    shape = tuple(getattr(node.meta.get("val"), "shape", ()))
-    return len(shape) >= 2 and int(shape[-2]) % tp == 0
-
-
-def any_row_scatters(gm, tp: int) -> bool:
-    """Whether a row-parallel linear of the annotated ``gm`` (Note [tensor-parallel roles] in
-    passes/tp_roles.py) reduce-scatters its output at degree ``tp``."""
-    return any(ir.has(n, ir.TP) and ir.get(n, ir.TP).role == "row" and scatters(n, tp) for n in gm.graph.nodes)
-
-
-def choose(mode: str, gm, problem, cluster, solution, *, compile_stages: bool):
+def choose(mode: str, scatters, problem, cluster, solution, *, compile_stages: bool):
     """(on, problem): whether ``solution``'s plan runs sequence parallelism (Note [sequence
-    parallelism as a decision]) and the problem that prices it; ValueError for an ``on`` it cannot run."""
+    parallelism as a decision]) and the problem that prices it; ValueError for an ``on`` it cannot run.
+    ``scatters(tp)``: whether a row linear's sequence divides by tp (passes/tp_activations.py)."""
     tp = solution.tensor_parallel
-    scatter = tp > 1 and any_row_scatters(gm, tp)
+    scatter = tp > 1 and scatters(tp)
     why = refusal(mode, tp, compile_stages=compile_stages, scatters=scatter)
     if why:
         raise ValueError(why)
