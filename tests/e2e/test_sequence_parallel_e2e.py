@@ -1,7 +1,7 @@
 """Sequence parallelism in the generated program (Note [sequence parallelism] in
 runtime/parallel/tensor_parallel.py), trained under torchrun (gloo) against the one-process oracle
-with keyed dropout on (attention and hidden): tp 2 (2 ranks) in fp32 and bf16-mixed, tp 2 x pp 2
-(4 ranks); a checkpoint of step 2 resumed with it (bit for bit the uninterrupted run), resumed
+with keyed dropout on (attention and hidden): tp 2 (2 ranks) in fp32 and bf16-mixed, the built-in
+GPT at tp 2 under full recompute, tp 2 x pp 2 (4 ranks); a checkpoint of step 2 resumed with it (bit for bit the uninterrupted run), resumed
 without it (tp 2, sequence parallelism off), and one written without it resumed with it.
 
 Every job joins the session's shared launches (Note [shared launches] in tests/_shared_launch.py).
@@ -17,12 +17,17 @@ import torch
 from _programs import compile_to
 from _shared_launch import Job, prepare
 from partitioner.cli.verify import check_run, read_program_run, train_oracle
-from partitioner.models.builtin import hf_llama
+from partitioner.models.builtin import gpt, hf_llama
 from runtime.program.spec import load_program
 
 
 def llama():
     return hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
+
+
+def builtin_gpt():
+    """Megatron's fused qkv and 4h MLP, every block recomputed (its input, a slice, is what it keeps)."""
+    return gpt(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
 @prepare
@@ -33,6 +38,8 @@ def _sp_programs(root: Path):
              for name, devices, stages, sp, extra in (
                  ("sp", 2, 1, "on", {}), ("tp", 2, 1, "off", {}), ("sp_pp", 4, 2, "on", {}),
                  ("sp_bf16", 2, 1, "on", {"precision": "bf16-mixed"}))}
+    plans["sp_gpt"] = compile_to(root / "sp_gpt", builtin_gpt(), devices=2, num_stages=1, sequence_parallel="on",
+                                 training={"recompute": "full"}, **options)
 
     def job(name, steps, ckpt, run):
         return Job(2 if name != "sp_pp" else 4, [str(root / name), "--steps", str(steps), "--checkpoint-dir",
@@ -47,7 +54,8 @@ def _sp_programs(root: Path):
             job("tp", 4, "ck_sp_b", "run_sp_to_tp"),
             job("sp", 4, "ck_tp", "run_tp_to_sp"),
             job("sp_bf16", 2, "ck_bf16", "run_bf16"),
-            job("sp_pp", 3, "ck_pp", "run_pp")]
+            job("sp_pp", 3, "ck_pp", "run_pp"),
+            job("sp_gpt", 3, "ck_gpt", "run_gpt")]
     return (root, plans), jobs
 
 
@@ -65,11 +73,14 @@ def test_the_decision_is_in_the_plan_and_the_stage_reduce_scatters(runs):
     assert "row_linear_scatter" not in tp
 
 
-@pytest.mark.parametrize("name, run", [("sp", "run_full"), ("sp_bf16", "run_bf16"), ("sp_pp", "run_pp")])
+@pytest.mark.parametrize("name, run", [("sp", "run_full"), ("sp_bf16", "run_bf16"), ("sp_pp", "run_pp"),
+                                       ("sp_gpt", "run_gpt")])
 def test_sequence_parallel_trains_like_one_process(runs, name, run):
     """verify's verdict (losses, every parameter, the gradient norm) under the tolerance tp has."""
-    root, _ = runs
-    report = check_run(root / name, root / run, workload=llama())
+    root, plans = runs
+    if name == "sp_gpt":
+        assert all(r.recompute for r in plans[name].regions if r.name.startswith("blocks."))
+    report = check_run(root / name, root / run, workload=builtin_gpt() if name == "sp_gpt" else llama())
     assert report.oracle == "unpartitioned traced graph (keyed randomness)"
     assert report.ok, report.text()
 
