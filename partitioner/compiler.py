@@ -45,6 +45,7 @@ from partitioner.solver.model import SolverConfig
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
 from partitioner.solver.solution import baseline_figures, solution_summary
 from partitioner.solver.solve import solve_with_sharding
+from partitioner.solver.sequence_parallel import choose as choose_sequence_parallel
 from partitioner.solver.space import StepTerms
 from partitioner.solver.tensor_groups import degrees_to_search
 from partitioner.solver.zero_choice import allgather_s
@@ -52,6 +53,7 @@ from partitioner.frontend.corpus_data import with_corpus
 from partitioner.frontend.tp_support import check_tensor_parallel, grouped
 from partitioner.frontend.workload import Workload
 from passes.region_graph import region_table
+from passes.tp_activations import any_row_scatters
 from runtime.execute import randomness
 from runtime.execute.grad_norm import no_decay_names
 from runtime.resilience.canary_rules import refusal as canary_refusal
@@ -91,6 +93,7 @@ def compile_workload(
     shard_optimizer: str | bool = "auto",
     tensor_parallel: int | None = None,
     machine_profile="auto",
+    sequence_parallel: str = "auto",
 ) -> Compiled:
     """``progress``: called with a str as each step starts ("trace", "passes: ...", "calibrate:
     ...", "solve: ..."; the first word names the step) and, during the solve, with
@@ -111,7 +114,8 @@ def compile_workload(
         raise ValueError(f"global_batch={global_batch!r} must be a positive int (samples per training step)")
     settings = compile_settings(training, precision=precision, clip_grad_norm=clip_grad_norm)
     request = Request(num_stages=num_stages, dp=dp, tensor_parallel=tensor_parallel, microbatches=microbatches,
-                      schedule=schedule, shard_optimizer=shard_optimizer, granularity=granularity)
+                      schedule=schedule, shard_optimizer=shard_optimizer, granularity=granularity,
+                      sequence_parallel=sequence_parallel)  # Note [sequence parallelism as a decision]
     return compile_request(workload, settings, request, cluster=cluster, global_batch=global_batch,
                            optimizer=optimizer, solver_config=solver_config, profiles=profiles, calibrate=calibrate,
                            progress=progress, machine_profile=machine_profile)
@@ -254,8 +258,10 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                          schedule=solution.assignment.pipeline_schedule, what=f"sdc_canary_every={canary_every} (--sdc-canary-every)")
     if why:
         raise ValueError(why)
+    sp, problem = choose_sequence_parallel(request.sequence_parallel, lambda t: any_row_scatters(gm, t), problem,
+                                           cluster, solution, compile_stages=bool(settings.compile_stages))
     decisions = Decisions(precision=precision, shard_optimizer=sharded, sdc_every=sdc_every, no_decay=no_decay,
-                          sdc_canary_every=canary_every)
+                          sdc_canary_every=canary_every, sequence_parallel=sp)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,
                      tp=tp)
     if solution.optimal_over:

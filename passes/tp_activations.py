@@ -1,5 +1,6 @@
 """Which saved activations a tensor group splits: read-only, over the metadata of passes/memory.py
-(saved bytes per node) and passes/tp_roles.py (roles). Writes no node key.
+(saved bytes per node) and passes/tp_roles.py (roles). Writes no node key. Also which row
+linears sequence parallelism reduce-scatters (``any_row_scatters``).
 
 Note [sharded activations]: between a column-parallel linear and the row-parallel linear it
 feeds, every tensor is split on heads / hidden features (Note [tensor-parallel roles]): each
@@ -61,3 +62,16 @@ def sharded_saved_bytes(gm: fx.GraphModule) -> dict[int, int]:
             rid = ir.get(n, ir.REGION).region_id
             out[rid] = out.get(rid, 0) + ir.get(n, ir.MEMORY).saved_activation_bytes
     return out
+
+
+def scatters(node: fx.Node, tp: int) -> bool:
+    """Whether a row linear's output splits into ``tp`` equal sequence slices (the dim before the
+    features: Note [sequence parallelism] in runtime/parallel/tensor_parallel.py)."""
+    shape = tuple(getattr(node.meta.get("val"), "shape", ()))
+    return len(shape) >= 2 and int(shape[-2]) % tp == 0
+
+
+def any_row_scatters(gm: fx.GraphModule, tp: int) -> bool:
+    """Whether a row-parallel linear of ``gm`` (Note [tensor-parallel roles]) reduce-scatters its
+    output at degree ``tp`` under sequence parallelism."""
+    return any(ir.has(n, ir.TP) and ir.get(n, ir.TP).role == "row" and scatters(n, tp) for n in gm.graph.nodes)

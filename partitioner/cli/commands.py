@@ -125,6 +125,7 @@ def cmd_compile(args) -> int:
         microbatches=args.microbatches, schedule=args.schedule, granularity=args.granularity,
         training=settings, solver_config=SolverConfig(time_limit_s=args.time_limit), progress=say,
         profiles=profiles, calibrate=calibration, shard_optimizer=args.shard_optimizer, tensor_parallel=args.tp,
+        sequence_parallel=args.sequence_parallel,  # Note [sequence parallelism as a decision]
         machine_profile="preset" if args.no_calibrate else "auto",  # Note [machine profile]
     )
     say(f"write {args.output}")
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autocast policy (default: bf16-mixed on GPU kinds, fp32 on cpu)")
     c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
                    help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
+    c.add_argument("--sequence-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="with --tp: norms, dropouts and residual adds on a 1/tp slice of the sequence (Megatron's "
+                   "sequence parallelism); auto: where it is priced no slower")
     c.add_argument("--recompute", choices=["auto", "none", "full", "selective"],
                    help="activation recompute: auto (the default: the solver chooses per region), none (never; "
                    "refused if nothing fits without it), full (every region that saves memory, as Megatron's "

@@ -193,7 +193,7 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
         split = sharded_parameters(gm)
         for stage in stages:
             stage.tp_sharded = {n: (*split[n], tuple(_attr(gm, n).shape)) for n in stage.params if n in split}
-            tensor_parallel_calls(stage.gm, stage.tp_sharded)
+            tensor_parallel_calls(stage.gm, stage.tp_sharded, plan.tensor_parallel * plan.decisions.sequence_parallel)
     # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
     recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
     for stage in stages:

@@ -253,8 +253,12 @@ class Request:
     schedule: str = "1f1b"              # gpipe | 1f1b | interleaved | auto (Note [schedule choice])
     shard_optimizer: str = "auto"       # auto | on | off (Note [sharding as a candidate])
     granularity: str = "block"          # Note [regions from the module tree]
+    sequence_parallel: str = "auto"     # auto | on | off (Note [sequence parallelism as a decision])
 
     def __post_init__(self):
+        if self.sequence_parallel not in ("auto", "on", "off"):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} is not \"auto\", \"on\" or \"off\": "
+                             "pass --sequence-parallel auto (the default)")
         shard = {True: "on", False: "off"}.get(self.shard_optimizer, self.shard_optimizer)
         if shard not in ("auto", "on", "off"):
             raise ValueError(f"shard_optimizer={self.shard_optimizer!r} is not \"auto\", \"on\" or \"off\" (or a bool)")
@@ -273,6 +277,7 @@ class Decisions:
 
     precision: Precision = Precision.FP32
     shard_optimizer: bool = False       # AdamW state sharded over the replicas (ZeRO-1): the plan has dp > 1
+    sequence_parallel: bool = False     # tp > 1 only: Note [sequence parallelism] in runtime/parallel/tensor_parallel.py
     sdc_every: int = 0                  # the replica check's interval (0: none)
     sdc_canary_every: int = 0           # the compute canaries' interval (0: none; Note [compute canaries])
     no_decay: tuple[str, ...] = ()      # original names trained without weight decay (Note [no weight decay])
@@ -299,6 +304,8 @@ class Decisions:
             out["sdc_canary_every"] = self.sdc_canary_every
         if self.memory_tier is not None:
             out["memory_tier"] = self.memory_tier
+        if self.sequence_parallel:  # written only when on: a plan from before it round-trips unchanged
+            out["sequence_parallel"] = True
         return out
 
     @property

@@ -24,7 +24,8 @@ def tensor_groups(plan: Plan) -> list[dict]:
 
 def layout_json(plan: Plan) -> dict:
     return {"tensor_parallel": plan.tensor_parallel, "pipeline_stages": plan.num_stages, "dp": plan.dp,
-            "world_size": plan.world_size, "tensor_groups": tensor_groups(plan)}
+            "world_size": plan.world_size, "tensor_groups": tensor_groups(plan),
+            "sequence_parallel": plan.decisions.sequence_parallel}
 
 
 def layout_lines(plan: Plan) -> list[str]:
@@ -36,7 +37,16 @@ def layout_lines(plan: Plan) -> list[str]:
     rows = [[str(g["stage"]), str(g["replica"]), f"{g['ranks'][0]}-{g['ranks'][-1]}"] for g in groups[:MAX_ROWS]]
     lines = ["", f"layout          tp {tp} x pp {plan.num_stages} x dp {plan.dp} = {plan.world_size} ranks: each stage "
              f"replica runs on a tensor group of {tp} consecutive ranks (tensor index innermost)"]
+    lines.append(f"sequence par.   {_sequence_parallel(plan)}")
     lines += ["  " + x for x in render_columns(["stage", "replica", "tensor group ranks"], ["", "", ""], rows, ">><")]
     if len(groups) > MAX_ROWS:
         lines.append(f"  ... ({len(groups)} tensor groups in all; --json lists every one)")
     return lines
+
+
+def _sequence_parallel(plan: Plan) -> str:
+    """Note [sequence parallelism as a decision] in partitioner/solver/sequence_parallel.py."""
+    if plan.decisions.sequence_parallel:
+        return (f"on: norms, dropouts and residual adds between the tensor-parallel blocks on a 1/{plan.tensor_parallel} "
+                "slice of the sequence (row outputs reduce-scattered, column inputs all-gathered)")
+    return "off: every member holds the norms' and residuals' activations whole"

@@ -11,6 +11,8 @@
     canary_cost.py      what the compute canaries (runtime/resilience/canary.py) cost a step: bubble used, else
                         extra (Note [canary price])
     tensor_groups.py    a tensor group planned as one device (Notes [tensor groups], [tensor-parallel pricing])
+    sequence_parallel.py  sequence parallelism priced on a tp plan, and the choice of it (Note [sequence
+                        parallelism as a decision])
     interleaved.py      the facts of torch's interleaved 1F1B the cost model prices (Note [interleaved pricing])
     zero_bubble.py      zb and zbv: torch's order simulated over F, B and W, its path forms (Note [zero-bubble pricing])
     schedules.py        each schedule with its price: pipeline time, lower bound (Note [one class per schedule])

@@ -32,6 +32,19 @@ tensor index, same shard), the gradient norm counts each shard once and a replic
 tensor index 0 only (``local_owned``), and checkpoints store each rank's local piece with its
 global layout (``tp_pieces``, runtime/resilience/checkpoint/state.py).
 
+Note [sequence parallelism]: with the plan's decision on (Korthikanti et al. 2022; Note [sequence
+parallelism as a decision] in partitioner/solver/sequence_parallel.py), a row linear whose tokens
+divide by tp is ``row_linear_scatter``: its partial sums are reduce-scattered to ``Shard`` on the
+dim before the features (the sequence of [b, s, h]) instead of all-reduced, so the residual add,
+norm and dropout that follow run, by DTensor's propagation, on each rank's 1/tp of the tokens
+(the replicated residual stream it meets is sliced locally, no communication), and so do the next
+sublayer's up to its ``column_input``, which all-gathers the slice (forward) and reduce-scatters
+its partial input gradient back to the slice (backward). A keyed mask is still drawn whole and
+DTensor takes the slice's part (the oracle's elements), a norm weight's gradient from a slice is
+``Partial`` and summed by ``settle_gradients``, and the stage's outputs leave whole
+(``full_tensor``). Parameters keep their placements: a checkpoint is the same with it or without.
+For 2 ranks a reduce-scatter adds the same two numbers as the all-reduce.
+
 Note [tensor parallelism under autocast]: the precision wrapper (runtime/execute/precision.py) is the same
 on a tensor-parallel stage. Autocast is a dispatch key above DTensor's ``__torch_dispatch__``, so
 it casts a DTensor linear's inputs (``aten._to_copy`` on the DTensor: each rank casts its shard)
@@ -229,15 +242,30 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
+def row_linear_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A row-parallel linear under sequence parallelism (Note [sequence parallelism]): its partial
+    sums reduce-scattered along the sequence (the dim before the features), so what follows up to
+    the next column input (residual add, norm, dropout) runs on this rank's 1/tp of the tokens."""
+    out = torch.ops.aten.linear.default(x, weight, bias)
+    if is_dtensor(out):
+        out = out.redistribute(out.device_mesh, [Shard(out.dim() - 2)])
+    return out
+
+
 class _ColumnInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
+        # a sequence slice (Note [sequence parallelism]) is all-gathered here; its gradient, the
+        # column linears' partial sums, is reduce-scattered back to the slice in backward
+        ctx.placements = tuple(x.placements)
+        if ctx.placements != (Replicate(),):
+            return x.redistribute(x.device_mesh, [Replicate()])
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        if is_dtensor(grad) and tuple(grad.placements) != (Replicate(),):
-            grad = grad.redistribute(grad.device_mesh, [Replicate()])
+        if is_dtensor(grad) and tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(grad.device_mesh, list(ctx.placements))
         return grad
 
 
