@@ -44,6 +44,7 @@ class Spelling:
     order: tuple[int, ...] | None = None
     max_args: int | None = None  # more (non-default) arguments than this: the row does not apply
     takes: Callable[[list], bool] | None = None  # whether the row takes these positional arguments
+    spread: bool = False  # a method's one list argument written as its items (``x.view(2, 16, 32)``)
 
 
 def _fn(name, **kw):
@@ -97,10 +98,11 @@ SPELLINGS: dict[torch._ops.OpOverload, Spelling] = {
     aten.empty_like.default: _fn("torch.empty_like", **_FACTORY),
     aten.full_like.default: _fn("torch.full_like", **_FACTORY),
     # tensor methods
-    aten.view.default: _method("view"), aten.reshape.default: _method("reshape"), aten.t.default: _method("t"),
-    aten.transpose.int: _method("transpose"), aten.permute.default: _method("permute"),
+    aten.view.default: _method("view", spread=True), aten.reshape.default: _method("reshape", spread=True),
+    aten.t.default: _method("t"), aten.transpose.int: _method("transpose"),
+    aten.permute.default: _method("permute", spread=True),
     aten.unsqueeze.default: _method("unsqueeze"), aten.squeeze.dim: _method("squeeze"),
-    aten.expand.default: _method("expand"), aten.contiguous.default: _method("contiguous"),
+    aten.expand.default: _method("expand", spread=True), aten.contiguous.default: _method("contiguous"),
     aten.flatten.using_ints: _method("flatten"), aten.split.Tensor: _method("split"), aten.chunk.default: _method("chunk"),
     aten.select.int: _method("select"), aten.mean.dim: _method("mean"), aten.sum.dim_IntList: _method("sum"),
     aten.cumsum.default: _method("cumsum"), aten.topk.default: _method("topk"),
@@ -173,6 +175,8 @@ def spelled(target, args: tuple, kwargs: dict, render: Callable[[object], str],
         return (spelling.name.format(*map(render, given)), False) if len(given) == spelling.max_args and not named else None
     if spelling.form == "attribute":
         return (f"{render(given[0])}.{spelling.name}", False) if len(given) == 1 and not named else None
+    if spelling.spread and len(given) == 2 and isinstance(given[1], (list, tuple)) and given[1] and not named:
+        given = [given[0], *given[1]]
     words = [render(a) for a in given] + [f"{k}={render(v)}" for k, v in named.items()]
     if spelling.form == "method":
         return f"{words[0]}.{spelling.name}({', '.join(words[1:])})", False
