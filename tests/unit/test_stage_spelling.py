@@ -237,3 +237,28 @@ def test_module_paths_index_a_list_and_keep_a_name_that_is_not_an_identifier():
     assert attribute("self", "h.12.attn.c_attn.bias") == "self.h[12].attn.c_attn.bias"
     assert attribute("self", "experts.a-b.w") == "self.experts['a-b'].w"
     assert attribute("self", "0.weight") == 'getattr(self, "0").weight'
+
+
+def test_a_program_without_dropout_calls_none_and_computes_the_models_output_bit_for_bit(tmp_path):
+    """gpt(dropout=0) traced with nn.Dropout(0.0) layers: the stage files call no dropout, read
+    their list children by index, spell no aten op this model uses, and the two stages chained give
+    the model's own output (train mode) bit for bit."""
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.models.builtin import gpt
+    from runtime.execute.stage import build_stage
+
+    torch.manual_seed(0)
+    workload = gpt(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.0)
+    model = workload.model
+    plan = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(2, "cpu"), global_batch=4, num_stages=2,
+                               microbatches=2)
+    plan.save(tmp_path / "prog")
+    texts = [(tmp_path / "prog" / f"stage_{k}.py").read_text() for k in (0, 1)]
+    assert not any("dropout" in text.split("class Stage")[1] for text in texts)
+    assert not any("torch.ops.aten" in text or "getattr(self" in text for text in texts)
+    assert "self.blocks[1].ln_1.weight" in texts[1]
+    tokens = torch.randint(0, 64, (2, 16))
+    stages = [build_stage(str(tmp_path / "prog"), k) for k in (0, 1)]
+    model.train()
+    assert torch.equal(stages[1](stages[0](tokens)), model(tokens))
