@@ -90,6 +90,7 @@ SPELLINGS: dict[torch._ops.OpOverload, Spelling] = {
     aten.log.default: _fn("torch.log"), aten.cos.default: _fn("torch.cos"), aten.sin.default: _fn("torch.sin"),
     aten.tanh.default: _fn("torch.tanh"), aten.sigmoid.default: _fn("torch.sigmoid"), aten.abs.default: _fn("torch.abs"),
     aten.gather.default: _fn("torch.gather"), aten.diff.default: _fn("torch.diff"),
+    aten.min.other: _fn("torch.min"), aten.max.other: _fn("torch.max"),
     aten.batch_norm.default: _fn("torch.batch_norm"),  # cudnn_enabled is read: not F.batch_norm
     aten.arange.default: _fn("torch.arange", **_FACTORY), aten.arange.start: _fn("torch.arange", **_FACTORY),
     aten.zeros.default: _fn("torch.zeros", **_FACTORY), aten.ones.default: _fn("torch.ones", **_FACTORY),

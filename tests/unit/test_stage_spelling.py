@@ -93,6 +93,8 @@ SAMPLES = {
         aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default, aten.cos.default,
         aten.sin.default, aten.tanh.default, aten.sigmoid.default, aten.abs.default)},
     aten.gather.default: [lambda: ((_f(2, 3), 1, _i(2, 2, high=3)), {})],
+    aten.min.other: [lambda: ((_f(2, 3), _f(2, 3)), {})],
+    aten.max.other: [lambda: ((_i(2, 3), _i(2, 3)), {})],
     aten.diff.default: [lambda: ((_i(2, 5), 1, -1, _i(2, 1)), {})],
     aten.batch_norm.default: [lambda: ((_f(2, 3, 4, 4), _f(3), _f(3), torch.zeros(3), torch.ones(3), True, 0.1, 1e-05,
                                         False), {})],
