@@ -264,3 +264,36 @@ def test_a_program_without_dropout_calls_none_and_computes_the_models_output_bit
     stages = [build_stage(str(tmp_path / "prog"), k) for k in (0, 1)]
     model.train()
     assert torch.equal(stages[1](stages[0](tokens)), model(tokens))
+
+
+class _TwoDropouts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.off, self.on = torch.nn.Dropout(0.0), torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.second(self.on(self.first(self.off(x))))
+
+
+def test_leaving_out_a_dropout_that_draws_nothing_moves_no_other_draws_key(tmp_path):
+    """The p = 0 dropout is the graph's ``dropout``, the keyed one ``dropout_1``: the stage file
+    calls only the keyed one, still under its name in the whole graph (Note [exact spellings])."""
+    import functools
+
+    import partitioner
+    from partitioner.config.cluster import ClusterSpec
+    from partitioner.frontend.workload import Workload
+    from runtime.data import synthetic as data
+
+    torch.manual_seed(0)
+    workload = Workload(model=_TwoDropouts(), example_args=(torch.zeros(2, 8),), loss_fn=data.mse_loss,
+                        make_batch=functools.partial(data.regression_batch, features=8, outputs=8, seed=0),
+                        name="two_dropouts")
+    plan = partitioner.compile(workload, cluster=ClusterSpec.homogeneous(1, "cpu"), global_batch=4, num_stages=1,
+                               microbatches=2)
+    plan.save(tmp_path / "prog")
+    forward = (tmp_path / "prog" / "stage_0.py").read_text().split("class Stage0")[1]
+    assert "torch.ops.aten.dropout" not in forward and forward.count("dropout(") == 1
+    assert "randomness.dropout(linear, 0.2, True, op='dropout_1', batch_dim=0)" in forward
+    assert "linear = F.linear(x, self.first.weight, self.first.bias)" in forward
