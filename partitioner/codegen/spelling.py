@@ -5,7 +5,8 @@ Note [exact spellings]: a stage file runs the traced graph, so a spelling other 
 with the same arguments: torch's own binding (``torch.addmm``), ``torch.nn.functional``
 (``F.linear``), a tensor method (``x.view``) or an operator (``a + b``). Each row of SPELLINGS is
 checked by tests/unit/test_stage_spelling.py, which runs both spellings under a dispatch log and
-compares what reaches the kernels, the outputs and the gradients bit for bit; an op not in the
+compares what reaches the kernels, the outputs and the gradients bit for bit (the device's kernels
+and autocast are picked below the aten op, so the CPU's log holds for CUDA); an op not in the
 table, or a call whose arguments a row does not take (an ``alpha``, a keyword given positionally),
 stays aten. Arguments equal to the schema's default are left out (the binding fills in the same
 value). Dropout with p = 0 or train False returns its input (aten's ``_dropout_impl``): the stage
