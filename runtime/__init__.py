@@ -39,8 +39,8 @@ The program folder (written by partitioner/codegen/)
     DIR/stage_<k>.py     `import torch` (and `from runtime.execute import randomness` when it has random
                          ops: Note [randomness keyed by meaning]) + class Stage<k>(torch.nn.Module): no __init__ arguments, no
                          parameters of its own; forward(self, *activations) reads parameters as
-                         attributes by their ORIGINAL dotted names (FX codegen style, e.g.
-                         `getattr(self.blocks, "0").attn.qkv.weight`); a recomputed region is a method
+                         attributes by their ORIGINAL dotted names (a list's child indexed, e.g.
+                         `self.blocks[0].attn.qkv.weight`); a recomputed region is a method
                          of the class called through runtime.execute.recompute.checkpointed. Module-level lists PARAMETERS
                          (original names, in order), INPUTS, OUTPUTS (activation names), and
                          optionally BUFFERS (original names of non-trained tensors, e.g. masks;

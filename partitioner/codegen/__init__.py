@@ -20,6 +20,7 @@ The lowering passes over the traced graph live here too, in the order they run:
   recompute.py    recomputed regions → checkpointed methods of the stage
   tp_collectives.py  where a tensor group settles its collectives, written into a stage graph
   stage_code.py   a stage graph → stage_<k>.py (Note [stage code])
+  spelling.py     how a stage file spells an aten call: F / torch / method / operator where it is the same call
   readme.py       README.md
   folder.py       the whole folder, written atomically (write_program)
 """

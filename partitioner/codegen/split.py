@@ -222,7 +222,7 @@ def _module_paths(node: fx.Node) -> list[str]:
 
 # Names a boundary value cannot have: Python's own, and the globals of a generated stage file.
 _RESERVED = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {
-    "self", "torch", "operator", "math", "randomness", "checkpointed", "inf", "nan", "device", "NoneType"}
+    "self", "torch", "F", "operator", "math", "randomness", "checkpointed", "inf", "nan", "device", "NoneType"}
 _ASSIGNMENT = re.compile(r"^\s*([A-Za-z_][A-Za-z_0-9]*)\s*(?::[^=]+)?=(?!=)")
 
 

@@ -1,35 +1,17 @@
 """stage_<k>.py: a stage's forward as Python a person reads.
 
-Note [stage code]: a stage file is written by a small emitter over the stage's graph (_Emitter),
-not by torch.fx's ``python_code``, whose output is a debugging dump: an alias line per parameter,
-``;  x = None`` after most statements, a type annotation on every line, "No stacktrace found", and
-source comments holding absolute paths (so another checkout gave other bytes). Post-processing that
-text with patterns would break on the first format change in torch; the graph is the stable input.
-The emitter writes one statement per node, in graph order:
-  * parameters and buffers are read where they are used (``self.tok_emb.weight``, numeric parts
-    through ``getattr(self.blocks, "0")``, as runtime/execute/stage.py registers them); a tuple whose
-    items are all indexed is unpacked in one statement (``getitem, getitem_1, getitem_2 = ...``);
-    a send's ``.contiguous()`` is written in the return;
-  * calls read as the op they are: ``torch.ops.aten.<op>.<overload>(...)``, keyed random ops as
-    ``randomness.dropout(...)``, recomputed regions as ``checkpointed(self.recompute_<region>,
-    ...)`` with the region's method below the forward;
-  * each run of statements from one source line gets one comment: the innermost module they run
-    in, and the line as ``file:line: code``. A file is named by its import path
-    (``partitioner/models/builtin.py``, ``transformers/models/llama/modeling_llama.py``), a file no
-    module names by its path below site-packages or else its bare name (_SourcePaths): the bytes
-    do not depend on where the checkout or the environment lives, and a reader finds the file
-    the way Python does;
-  * shapes are written where a reader needs them: each input and output of the forward, with
-    the stage it comes from or goes to; the values crossing stages are named for their producer
-    (Note [boundary names] in partitioner/codegen/split.py).
-Freeing. FX frees every value after its last read; the forward here frees at region ends: one ``del``
-after a region's last statement names every value no later statement reads. Tensors autograd saves live on
-regardless, and all locals die when the forward returns, so only the forward's own transients (the
-embeddings before their sum, an attention projection before the residual add) are concerned; without any
-``del`` they would pile up over the whole stage. Measured (runtime.observe.memory.LiveBytes, a
-gpt:layers=8 stage of four blocks, two microbatches): forward peak 4.31 MB with FX's deletions, 4.34 MB
-with region-end ``del``, 4.60 MB with none; 6.20 MB over forward and backward in all three, gradients
-bit-identical. A recomputed region's method needs no ``del``: its locals die when it returns.
+Note [stage code]: a small emitter over the stage's graph (_Emitter) writes the file, not torch.fx's
+``python_code`` (a debugging dump: alias lines, ``;  x = None``, absolute paths; patterns over it
+break with torch's format). One statement per node, in graph order: state read where it is used
+(``self.blocks[0].ln_1.weight``: runtime/execute/stage.py's containers index); a tuple unpacked in
+one statement; calls as a person writes them where that is the same call (Note [exact spellings]
+in partitioner/codegen/spelling.py), else as the aten op; keyed random ops as ``randomness.*``,
+recomputed regions as ``checkpointed(self.recompute_<region>, ...)``. Each run of statements from
+one source line gets one comment: the innermost module and ``file:line: code``, the file named by
+its import path (_SourcePaths), so the bytes do not depend on where the checkout lives. Inputs
+and outputs carry shapes and where they come from (Note [boundary names] in partitioner/codegen/split.py).
+A ``del`` after a region's last statement frees what no later statement reads: a gpt:layers=8 stage
+peaked at 4.31 MB with FX's per-value deletions, 4.34 MB so, 4.60 MB with none, gradients identical.
 """
 
 from __future__ import annotations
@@ -52,6 +34,7 @@ from torch.fx.node import _get_qualified_name
 
 from passes import ir
 from partitioner.codegen.recompute import MethodRef
+from partitioner.codegen.spelling import FUNCTIONAL, attribute as _attribute, dropped_input, is_tensor, spelled
 from partitioner.codegen.split import StageGraph, is_stage_device
 from partitioner.frontend.autograd_functions import FunctionApply
 from partitioner.inspect.units import human_bytes
@@ -274,7 +257,12 @@ def _unpacked(node: fx.Node) -> list[fx.Node] | None:
     return [items.get(i) for i in range(len(val))]
 
 
-def _frees_at_region_ends(statements: list[fx.Node], unpacked_by: dict, output: fx.Node) -> dict[fx.Node, list[str]]:
+def _readers(node: fx.Node, aliases: dict) -> list[fx.Node]:
+    """Who reads ``node``, looking through the nodes written as another's name (``aliases``)."""
+    return [r for u in node.users for r in (_readers(u, aliases) if u in aliases else [u])]
+
+
+def _frees_at_region_ends(statements: list[fx.Node], unpacked_by: dict, aliases: dict) -> dict[fx.Node, list[str]]:
     """Statement that ends a region -> the names bound so far that no later statement reads
     (Note [stage code]: what a stage's forward frees)."""
     items_of: dict[fx.Node, list[fx.Node]] = {}
@@ -287,7 +275,7 @@ def _frees_at_region_ends(statements: list[fx.Node], unpacked_by: dict, output: 
     position.update({item: position[p] for item, p in unpacked_by.items()})
     last_read = {}
     for node in bound:
-        readers = [position.get(u, len(statements)) if u is not output else len(statements) for u in node.users]
+        readers = [position.get(u, len(statements)) for u in _readers(node, aliases)]
         last_read[node] = max(readers, default=position[node])
     frees: dict[fx.Node, list[str]] = {}
     freed: set[fx.Node] = set()
@@ -342,13 +330,17 @@ class _Emitter:
         for node in placeholders:
             if inputs and inputs.get(node.name):
                 lines.append(f"    # {node.name}: {inputs[node.name]}")
-        unpacked_by = {}
+        unpacked_by, aliases = {}, {}
         statements = []
         for node in nodes:
             if node.op in ("placeholder", "get_attr", "output") or node in unpacked_by:
                 continue
             if _is_send_copy(node):
                 expr[node] = f"{self._arg(node.args[0], expr)}.contiguous()"
+                continue
+            same = dropped_input(node.target, node.args, node.kwargs) if node.op == "call_function" else None
+            if same is not None:  # a dropout that draws nothing (Note [exact spellings] in its module)
+                expr[node], aliases[node] = self._arg(same, expr), same
                 continue
             items = _unpacked(node)
             for item in items or ():
@@ -366,7 +358,7 @@ class _Emitter:
                 groups.append([key, []])
             groups[-1][1].append(statement)
         output = next(n for n in nodes if n.op == "output")
-        frees = _frees_at_region_ends([node for node, _ in statements], unpacked_by, output) if free else {}
+        frees = _frees_at_region_ends([node for node, _ in statements], unpacked_by, aliases) if free else {}
         for key, members in groups:
             if len(lines) > 1:
                 lines.append("")
@@ -393,7 +385,7 @@ class _Emitter:
         """Standard library, torch, the modules registering custom ops, runtime: in that order."""
         stdlib = sorted(line for line in self.imports if line.split()[1] in ("math", "operator"))
         runtime = sorted(line for line in self.imports if line.split()[1].startswith("runtime"))
-        return stdlib + ["import torch"] + custom_op_imports + runtime
+        return stdlib + ["import torch", *sorted(self.imports & {FUNCTIONAL})] + custom_op_imports + runtime
 
     def _statement(self, node: fx.Node, items, expr) -> str:
         if items is not None:
@@ -436,6 +428,10 @@ class _Emitter:
             return f"{args[0]}.{node.args[1]}"
         if getattr(target, "__module__", None) == "_operator" and target.__name__ in magic_methods and not node.kwargs:
             return magic_methods[target.__name__].format(*args)
+        found = spelled(target, node.args, node.kwargs, lambda a: self._arg(a, expr), is_tensor)
+        if found is not None:  # Note [exact spellings] in partitioner/codegen/spelling.py
+            self.imports.update([FUNCTIONAL] if found[1] else [])
+            return found[0]
         return f"{self._callee(target)}({', '.join(args)})"
 
     def _callee(self, target) -> str:
@@ -486,13 +482,3 @@ class _Emitter:
         if arg is None or isinstance(arg, (bool, int, float, complex, str)) or arg is Ellipsis:
             return repr(arg)
         raise ValueError(f"a stage passes {arg!r} ({type(arg).__name__}), which a generated file cannot write")
-
-
-def _attribute(base: str, dotted: str) -> str:
-    """``self.blocks.0.ln_1.weight`` as Python: numeric parts through getattr (runtime/execute/stage.py
-    registers plain modules, not lists)."""
-    out = base
-    for part in dotted.split("."):
-        out = f"{out}.{part}" if part.isidentifier() else f'getattr({out}, "{part}")'
-    return out
-

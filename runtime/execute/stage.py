@@ -21,16 +21,23 @@ class StageFileError(ValueError):
     pass
 
 
+class _Container(torch.nn.Module):
+    """A module of the model's tree, holding only what the stage uses: ``self.blocks[0]`` reads
+    child "0" as the model's ModuleList does (Note [stage code] in partitioner/codegen/stage_code.py)."""
+
+    def __getitem__(self, key) -> torch.nn.Module:
+        return self._modules[str(key)]
+
+
 def _set_tensor(root: torch.nn.Module, dotted: str, value: torch.Tensor, *, buffer: bool) -> None:
-    """Register ``value`` at ``dotted`` (e.g. "blocks.0.attn.qkv.weight"), creating empty
-    nn.Module containers along the path so that ``getattr(self.blocks, "0").attn.qkv.weight``
-    (FX codegen style) resolves."""
+    """Register ``value`` at ``dotted`` (e.g. "blocks.0.attn.qkv.weight"), creating _Containers
+    along the path so that ``self.blocks[0].attn.qkv.weight`` resolves."""
     *path, leaf = dotted.split(".")
     mod = root
     for part in path:
         child = mod._modules.get(part)
         if child is None:
-            child = torch.nn.Module()
+            child = _Container()
             mod.add_module(part, child)
         mod = child
     if buffer:

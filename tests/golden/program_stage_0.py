@@ -6,6 +6,7 @@ point at the model's source lines. Do not edit: the runtime checks every file ag
 sha256 listed in plan.json.
 """
 import torch
+import torch.nn.functional as F
 from runtime.execute import randomness
 
 PARAMETERS = [
@@ -42,51 +43,51 @@ class Stage0(torch.nn.Module):
         device = self.tok_emb.weight.device
 
         # partitioner/models/builtin.py:101: positions = torch.arange(tokens.shape[1], device=tokens.device)
-        arange = torch.ops.aten.arange.default(16, device=device, pin_memory=False)
+        arange = torch.arange(16, device=device)
 
         # partitioner/models/builtin.py:102: x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
-        embedding = torch.ops.aten.embedding.default(self.tok_emb.weight, tokens)
-        embedding_1 = torch.ops.aten.embedding.default(self.pos_emb.weight, arange)
-        add = torch.ops.aten.add.Tensor(embedding, embedding_1)
+        embedding = F.embedding(tokens, self.tok_emb.weight)
+        embedding_1 = F.embedding(arange, self.pos_emb.weight)
+        add = embedding + embedding_1
         dropout = randomness.dropout(add, 0.1, True, op='dropout', batch_dim=0)
         del arange, embedding, embedding_1, add
 
         # blocks.0.ln_1 (partitioner/models/builtin.py:81): x = x + self.attn(self.ln_1(x))
-        layer_norm = torch.ops.aten.layer_norm.default(dropout, [32], getattr(self.blocks, "0").ln_1.weight, getattr(self.blocks, "0").ln_1.bias, 1e-05, False)
+        layer_norm = F.layer_norm(dropout, [32], self.blocks[0].ln_1.weight, self.blocks[0].ln_1.bias)
 
         # blocks.0.attn (partitioner/models/builtin.py:48): per_head = self.qkv(x).view(batch, seq, self.heads, 3 * (width // self.heads))
-        linear = torch.ops.aten.linear.default(layer_norm, getattr(self.blocks, "0").attn.qkv.weight, getattr(self.blocks, "0").attn.qkv.bias)
-        view = torch.ops.aten.view.default(linear, [2, 16, 2, 48])
+        linear = F.linear(layer_norm, self.blocks[0].attn.qkv.weight, self.blocks[0].attn.qkv.bias)
+        view = linear.view(2, 16, 2, 48)
 
         # blocks.0.attn (partitioner/models/builtin.py:49): q, k, v = (t.transpose(1, 2) for t in per_head.split(width // self.heads, dim=3))
-        getitem, getitem_1, getitem_2 = torch.ops.aten.split.Tensor(view, 16, 3)
-        transpose = torch.ops.aten.transpose.int(getitem, 1, 2)
-        transpose_1 = torch.ops.aten.transpose.int(getitem_1, 1, 2)
-        transpose_2 = torch.ops.aten.transpose.int(getitem_2, 1, 2)
+        getitem, getitem_1, getitem_2 = view.split(16, 3)
+        transpose = getitem.transpose(1, 2)
+        transpose_1 = getitem_1.transpose(1, 2)
+        transpose_2 = getitem_2.transpose(1, 2)
 
         # blocks.0.attn (partitioner/models/builtin.py:55): y = F.scaled_dot_product_attention(
         scaled_dot_product_attention = randomness.attention(transpose, transpose_1, transpose_2, None, 0.1, True, op='scaled_dot_product_attention', batch_dim=0)
 
         # blocks.0.attn (partitioner/models/builtin.py:58): return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
-        transpose_3 = torch.ops.aten.transpose.int(scaled_dot_product_attention, 1, 2)
-        reshape = torch.ops.aten.reshape.default(transpose_3, [2, 16, 32])
-        linear_1 = torch.ops.aten.linear.default(reshape, getattr(self.blocks, "0").attn.proj.weight, getattr(self.blocks, "0").attn.proj.bias)
+        transpose_3 = scaled_dot_product_attention.transpose(1, 2)
+        reshape = transpose_3.reshape(2, 16, 32)
+        linear_1 = F.linear(reshape, self.blocks[0].attn.proj.weight, self.blocks[0].attn.proj.bias)
         dropout_1 = randomness.dropout(linear_1, 0.1, True, op='dropout_1', batch_dim=0)
 
         # blocks.0 (partitioner/models/builtin.py:81): x = x + self.attn(self.ln_1(x))
-        add_1 = torch.ops.aten.add.Tensor(dropout, dropout_1)
+        add_1 = dropout + dropout_1
 
         # blocks.0.ln_2 (partitioner/models/builtin.py:82): return x + self.mlp(self.ln_2(x))
-        layer_norm_1 = torch.ops.aten.layer_norm.default(add_1, [32], getattr(self.blocks, "0").ln_2.weight, getattr(self.blocks, "0").ln_2.bias, 1e-05, False)
+        layer_norm_1 = F.layer_norm(add_1, [32], self.blocks[0].ln_2.weight, self.blocks[0].ln_2.bias)
 
         # blocks.0.mlp (partitioner/models/builtin.py:69): return self.drop(self.proj(F.gelu(self.fc(x))))
-        linear_2 = torch.ops.aten.linear.default(layer_norm_1, getattr(self.blocks, "0").mlp.fc.weight, getattr(self.blocks, "0").mlp.fc.bias)
-        gelu = torch.ops.aten.gelu.default(linear_2)
-        linear_3 = torch.ops.aten.linear.default(gelu, getattr(self.blocks, "0").mlp.proj.weight, getattr(self.blocks, "0").mlp.proj.bias)
+        linear_2 = F.linear(layer_norm_1, self.blocks[0].mlp.fc.weight, self.blocks[0].mlp.fc.bias)
+        gelu = F.gelu(linear_2)
+        linear_3 = F.linear(gelu, self.blocks[0].mlp.proj.weight, self.blocks[0].mlp.proj.bias)
         dropout_2 = randomness.dropout(linear_3, 0.1, True, op='dropout_2', batch_dim=0)
 
         # blocks.0 (partitioner/models/builtin.py:82): return x + self.mlp(self.ln_2(x))
-        blocks_0_out = torch.ops.aten.add.Tensor(add_1, dropout_2)
+        blocks_0_out = add_1 + dropout_2
 
         # blocks_0_out: f32[2, 16, 32], to stage 1
         # .contiguous(): a send needs a dense tensor (free when it already is)

@@ -6,6 +6,7 @@ point at the model's source lines. Do not edit: the runtime checks every file ag
 sha256 listed in plan.json.
 """
 import torch
+import torch.nn.functional as F
 from runtime.execute import randomness
 
 PARAMETERS = [
@@ -40,48 +41,48 @@ class Stage1(torch.nn.Module):
         # blocks_0_out: f32[2, 16, 32], from stage 0
 
         # blocks.1.ln_1 (partitioner/models/builtin.py:81): x = x + self.attn(self.ln_1(x))
-        layer_norm_2 = torch.ops.aten.layer_norm.default(blocks_0_out, [32], getattr(self.blocks, "1").ln_1.weight, getattr(self.blocks, "1").ln_1.bias, 1e-05, False)
+        layer_norm_2 = F.layer_norm(blocks_0_out, [32], self.blocks[1].ln_1.weight, self.blocks[1].ln_1.bias)
 
         # blocks.1.attn (partitioner/models/builtin.py:48): per_head = self.qkv(x).view(batch, seq, self.heads, 3 * (width // self.heads))
-        linear_4 = torch.ops.aten.linear.default(layer_norm_2, getattr(self.blocks, "1").attn.qkv.weight, getattr(self.blocks, "1").attn.qkv.bias)
-        view_1 = torch.ops.aten.view.default(linear_4, [2, 16, 2, 48])
+        linear_4 = F.linear(layer_norm_2, self.blocks[1].attn.qkv.weight, self.blocks[1].attn.qkv.bias)
+        view_1 = linear_4.view(2, 16, 2, 48)
 
         # blocks.1.attn (partitioner/models/builtin.py:49): q, k, v = (t.transpose(1, 2) for t in per_head.split(width // self.heads, dim=3))
-        getitem_3, getitem_4, getitem_5 = torch.ops.aten.split.Tensor(view_1, 16, 3)
-        transpose_4 = torch.ops.aten.transpose.int(getitem_3, 1, 2)
-        transpose_5 = torch.ops.aten.transpose.int(getitem_4, 1, 2)
-        transpose_6 = torch.ops.aten.transpose.int(getitem_5, 1, 2)
+        getitem_3, getitem_4, getitem_5 = view_1.split(16, 3)
+        transpose_4 = getitem_3.transpose(1, 2)
+        transpose_5 = getitem_4.transpose(1, 2)
+        transpose_6 = getitem_5.transpose(1, 2)
 
         # blocks.1.attn (partitioner/models/builtin.py:55): y = F.scaled_dot_product_attention(
         scaled_dot_product_attention_1 = randomness.attention(transpose_4, transpose_5, transpose_6, None, 0.1, True, op='scaled_dot_product_attention_1', batch_dim=0)
 
         # blocks.1.attn (partitioner/models/builtin.py:58): return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
-        transpose_7 = torch.ops.aten.transpose.int(scaled_dot_product_attention_1, 1, 2)
-        reshape_1 = torch.ops.aten.reshape.default(transpose_7, [2, 16, 32])
-        linear_5 = torch.ops.aten.linear.default(reshape_1, getattr(self.blocks, "1").attn.proj.weight, getattr(self.blocks, "1").attn.proj.bias)
+        transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)
+        reshape_1 = transpose_7.reshape(2, 16, 32)
+        linear_5 = F.linear(reshape_1, self.blocks[1].attn.proj.weight, self.blocks[1].attn.proj.bias)
         dropout_3 = randomness.dropout(linear_5, 0.1, True, op='dropout_3', batch_dim=0)
 
         # blocks.1 (partitioner/models/builtin.py:81): x = x + self.attn(self.ln_1(x))
-        add_3 = torch.ops.aten.add.Tensor(blocks_0_out, dropout_3)
+        add_3 = blocks_0_out + dropout_3
 
         # blocks.1.ln_2 (partitioner/models/builtin.py:82): return x + self.mlp(self.ln_2(x))
-        layer_norm_3 = torch.ops.aten.layer_norm.default(add_3, [32], getattr(self.blocks, "1").ln_2.weight, getattr(self.blocks, "1").ln_2.bias, 1e-05, False)
+        layer_norm_3 = F.layer_norm(add_3, [32], self.blocks[1].ln_2.weight, self.blocks[1].ln_2.bias)
 
         # blocks.1.mlp (partitioner/models/builtin.py:69): return self.drop(self.proj(F.gelu(self.fc(x))))
-        linear_6 = torch.ops.aten.linear.default(layer_norm_3, getattr(self.blocks, "1").mlp.fc.weight, getattr(self.blocks, "1").mlp.fc.bias)
-        gelu_1 = torch.ops.aten.gelu.default(linear_6)
-        linear_7 = torch.ops.aten.linear.default(gelu_1, getattr(self.blocks, "1").mlp.proj.weight, getattr(self.blocks, "1").mlp.proj.bias)
+        linear_6 = F.linear(layer_norm_3, self.blocks[1].mlp.fc.weight, self.blocks[1].mlp.fc.bias)
+        gelu_1 = F.gelu(linear_6)
+        linear_7 = F.linear(gelu_1, self.blocks[1].mlp.proj.weight, self.blocks[1].mlp.proj.bias)
         dropout_4 = randomness.dropout(linear_7, 0.1, True, op='dropout_4', batch_dim=0)
 
         # blocks.1 (partitioner/models/builtin.py:82): return x + self.mlp(self.ln_2(x))
-        add_4 = torch.ops.aten.add.Tensor(add_3, dropout_4)
+        add_4 = add_3 + dropout_4
         del layer_norm_2, linear_4, view_1, getitem_3, getitem_4, getitem_5, transpose_4, transpose_5
         del transpose_6, scaled_dot_product_attention_1, transpose_7, reshape_1, linear_5, dropout_3
         del add_3, layer_norm_3, linear_6, gelu_1, linear_7, dropout_4
 
         # partitioner/models/builtin.py:105: return self.head(self.ln_f(x))
-        layer_norm_4 = torch.ops.aten.layer_norm.default(add_4, [32], self.ln_f.weight, self.ln_f.bias, 1e-05, False)
-        head_out = torch.ops.aten.linear.default(layer_norm_4, self.head.weight)
+        layer_norm_4 = F.layer_norm(add_4, [32], self.ln_f.weight, self.ln_f.bias)
+        head_out = F.linear(layer_norm_4, self.head.weight)
 
         # head_out: f32[2, 16, 64], to the loss
         return head_out
