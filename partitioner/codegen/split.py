@@ -37,21 +37,16 @@ same name gets FX's suffix (``_1``). The stage files (INPUTS, OUTPUTS, the code)
 program and the plan's cut edges say the same name; node names inside a stage stay the trace's.
 
 Note [tensors a stage makes]: the trace ran on the CPU or the meta device, so every device its
-graph names (``arange(16, device=cpu)``, ``zeros(..., device=meta)``, hf-llama's positional
-``aten.to.device(inv_freq, torch.device('cpu'), ...)``) is the trace's, not the rank's. A stage
-therefore makes its tensors where its own state lives: its graph opens with one node
-``device = self.<first parameter>.device`` (its first buffer, else its first input, when it holds
-none), and every torch.device argument, positional or keyword, becomes that node, as does the
-missing device of a call that makes a tensor from no tensor (a factory, a keyed ``randomness.rand``:
-left out, torch would use its default device, the CPU). Reading the device from the stage's state
-rather than running stages under ``with torch.device(...)`` costs one attribute read per forward
-instead of a TorchFunctionMode on every op (on a GPU the eager step is launch-bound), holds for
-any device the module is moved to (the verify oracle's, a test's ``meta``), and on a
-tensor-parallel stage (a DTensor parameter's device is its shard's) gives DTensor's implicit
-replication device tensors (Note [tensor-parallel stages] in runtime/parallel/tensor_parallel.py).
-A recomputed region's method reads the device the same way (partitioner/codegen/recompute.py).
-tests/unit/test_gpu_stage_code.py runs the stages of GPU-kind compiles on ``meta`` and fails on any
-tensor made elsewhere.
+graph names (``arange(16, device=cpu)``, hf-llama's ``aten.to.device(inv_freq, cpu)``) is the
+trace's, not the rank's. A stage makes its tensors where its own state lives: its graph opens with
+``device = self.<first parameter>.device`` (else its first buffer, else its first input), and every
+torch.device argument, and the missing device of a factory or a keyed ``randomness.rand``, becomes
+that node. Reading the device from the state rather than running under ``with torch.device(...)``
+costs one attribute read per forward instead of a TorchFunctionMode on every op (a GPU's eager step
+is launch-bound), holds for any device the module is moved to, and on a tensor-parallel stage gives
+DTensor's implicit replication device tensors (Note [tensor-parallel stages] in
+runtime/parallel/tensor_parallel.py). tests/unit/test_gpu_stage_code.py runs GPU-kind stages on
+``meta`` and fails on any tensor made elsewhere.
 """
 
 from __future__ import annotations
