@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from passes import ir
+from passes.attention_core import core_costs
 from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed, unpriced_field
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
@@ -43,6 +44,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+from partitioner.solver.recompute_cost import selective_problem
 from partitioner.solver.solution import baseline_figures, solution_summary
 from partitioner.solver.solve import solve_with_sharding
 from partitioner.solver.space import StepTerms
@@ -208,6 +210,10 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
         problem = fill_fixed_costs(problem, machine.profile)
+    if settings.recompute == "selective":  # Note [selective recompute] in partitioner/solver/recompute_cost.py
+        with randomness.restored(COSTING_RANDOMNESS):  # the keyed draws' fake run, as annotate's
+            cores = core_costs(gm)
+        problem = selective_problem(problem, cores, workload.example_batch_size)
     if settings.compile_stages:  # Note [compiled regions priced]: no DTensor dispatch inside a compiled graph
         problem = dataclasses.replace(problem, dtensor_op_s_by_kind={d.kind: 0.0 for d in cluster.devices})
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
@@ -258,6 +264,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                           sdc_canary_every=canary_every)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,
                      tp=tp)
+    if settings.recompute == "selective":  # what inspect says was recomputed (partitioner/inspect/table.py)
+        plan.solver["attention_cores"] = [problem.regions[r].name for r in sorted(cores) for _ in range(cores[r].cores)]
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])

@@ -17,12 +17,14 @@ Note [the attention core]
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from passes import ir
+from passes._fake_run import run_nodes_on_fake
 from runtime.execute import randomness as keyed
 
 aten = torch.ops.aten
@@ -123,3 +125,48 @@ def attention_cores(gm: fx.GraphModule) -> list[list[fx.Node]]:
         if meta is not None and meta.core_id is not None:
             cores.setdefault(meta.core_id, []).append(node)
     return list(cores.values())
+
+
+@dataclass(frozen=True)
+class CoreCost:
+    """What selective recompute changes of one region, for the traced batch (Note [selective
+    recompute] in partitioner/solver/recompute_cost.py): the saved bytes it drops, the bytes of
+    the cores' inputs it keeps that nothing kept before, the forward FLOPs it runs again, and how
+    many cores (checkpoints) that is."""
+
+    dropped_bytes: int
+    kept_bytes: int
+    fwd_flops: int
+    cores: int
+
+
+def core_costs(gm: fx.GraphModule) -> dict[int, CoreCost]:
+    """Per region id with a core, what checkpointing its cores changes. Exact by storage, as the
+    memory pass counts (Note [saved activations] in passes/memory.py): a core drops what only its
+    own nodes save (their internal tensors, and their outputs no node outside saves); it keeps
+    its inputs, new bytes only where no node saved them before. One more fake run of the graph,
+    so only a compile that asks for selective recompute pays it."""
+    cores = attention_cores(gm)
+    if not cores:
+        return {}
+    sims = run_nodes_on_fake(gm, count_flops=False, record_saved=True)
+    member = {n: i for i, core in enumerate(cores) for n in core}
+    saved_by: dict = {}  # storage root -> the cores (or -1: outside) whose nodes save it
+    for node, sim in sims.items():
+        for root in sim.saved_roots:
+            saved_by.setdefault(root, set()).add(member.get(node, -1))
+    out: dict[int, CoreCost] = {}
+    for i, core in enumerate(cores):
+        nodes = set(core)
+        dropped = sum(sims[n].saved_internal_bytes for n in core if n in sims)
+        dropped += sum(sims[root[0]].storage_bytes.get(root[1], 0) for root, who in saved_by.items()
+                       if root[0] in nodes and who == {i})
+        inputs = {sims[a].roots[0] for n in core for a in n.all_input_nodes
+                  if a not in nodes and a in sims and sims[a].roots and sims[a].roots[0] is not None}
+        kept = sum(sims[root[0]].storage_bytes.get(root[1], 0) for root in inputs if root not in saved_by)
+        flops = sum(ir.get(n, ir.FLOPS).fwd_flops for n in core)
+        region = ir.get(core[0], ir.REGION).region_id
+        prev = out.get(region, CoreCost(0, 0, 0, 0))
+        out[region] = CoreCost(prev.dropped_bytes + dropped, prev.kept_bytes + kept, prev.fwd_flops + flops,
+                               prev.cores + 1)
+    return out

@@ -51,7 +51,7 @@ from torch.fx.graph import dtype_abbrs, magic_methods
 from torch.fx.node import _get_qualified_name
 
 from passes import ir
-from partitioner.codegen.recompute import MethodRef
+from partitioner.codegen.recompute import MethodRef, selective_words
 from partitioner.codegen.split import StageGraph, is_stage_device
 from partitioner.frontend.autograd_functions import FunctionApply
 from partitioner.inspect.units import human_bytes
@@ -117,7 +117,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
     for run in stage.checkpointed:
         body += [""] + emitter.function(
             run.graph, run.name,
-            doc=[f'"""Region {run.region} (through runtime.execute.recompute.checkpointed): its activations are dropped',
+            doc=[f'"""{run.what} (through runtime.execute.recompute.checkpointed): its activations are dropped',
                  'after the forward and recomputed in backward."""'])
     names = plan.stages[stage.index].region_names
     lines = [
@@ -181,6 +181,8 @@ def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     (Note [recompute keeps a region's inputs] in partitioner/codegen/recompute.py)."""
     if not stage.checkpointed:
         return []
+    if plan.training.recompute == "selective":  # Note [selective recompute] in partitioner/solver/recompute_cost.py
+        return [""] + textwrap.wrap(selective_words(stage.checkpointed), width=96, break_on_hyphens=False)
 
     sp = plan.stages[stage.index]
     regions = list(dict.fromkeys(run.region for run in stage.checkpointed))
