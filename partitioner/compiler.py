@@ -210,10 +210,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
         problem = fill_fixed_costs(problem, machine.profile)
-    if settings.recompute == "selective":  # Note [selective recompute] in partitioner/solver/recompute_cost.py
-        with randomness.restored(COSTING_RANDOMNESS):  # the keyed draws' fake run, as annotate's
-            cores = core_costs(gm)
-        problem = selective_problem(problem, cores, workload.example_batch_size)
+    cores = core_costs(gm) if settings.recompute == "selective" else {}  # Note [selective recompute] in solver/recompute_cost.py
+    problem = selective_problem(problem, cores, workload.example_batch_size)
     if settings.compile_stages:  # Note [compiled regions priced]: no DTensor dispatch inside a compiled graph
         problem = dataclasses.replace(problem, dtensor_op_s_by_kind={d.kind: 0.0 for d in cluster.devices})
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)

@@ -22,13 +22,13 @@ the run's method reads them through ``self``; they are not arguments of the chec
 from __future__ import annotations
 
 import operator
+import textwrap
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from passes import ir
-from passes.attention_core import attention_cores
 from partitioner.codegen.split import is_stage_device
 from runtime.execute.recompute import checkpointed
 
@@ -119,18 +119,25 @@ def checkpoint_attention_cores(gm: fx.GraphModule) -> list[CheckpointedRun]:
     passes/attention_core.py, one contiguous run) as a CheckpointedRun, as ``checkpoint_regions``
     does a region; the rest of its region keeps its activations (Note [selective recompute] in
     partitioner/solver/recompute_cost.py)."""
-    return _checkpoint(gm, [[n for n in core if _region_of(n) is not None] for core in attention_cores(gm)],
-                       "recompute_attention_", "The attention core of region {}")
+    cores: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:  # nodes split made (the device, send copies) carry no tag
+        core = ir.get(node, ir.ATTENTION).core_id if ir.has(node, ir.ATTENTION) else None
+        if core is not None and _region_of(node) is not None:
+            cores.setdefault(core, []).append(node)
+    return _checkpoint(gm, list(cores.values()), "recompute_attention_", "The attention core of region {}")
 
 
-def selective_words(runs: list[CheckpointedRun]) -> str:
+def selective_paragraph(runs: list[CheckpointedRun]) -> list[str]:
     """The stage file's paragraph on selective recompute (Note [selective recompute] in
-    partitioner/solver/recompute_cost.py)."""
-    return (f"Recomputed in backward (activation checkpointing through runtime.execute.recompute.checkpointed): "
-            f"the attention core of {', '.join(run.region for run in runs)}, one checkpoint each. The compile "
-            f"pinned it (--recompute selective): each core keeps its inputs ({sum(r.kept_bytes for r in runs)} "
-            "bytes per microbatch in all) instead of its scores, probabilities and dropout mask; the rest of "
-            "every region keeps its activations.")
+    partitioner/solver/recompute_cost.py); none without a run."""
+    if not runs:
+        return []
+    return [""] + textwrap.wrap(
+        f"Recomputed in backward (activation checkpointing through runtime.execute.recompute.checkpointed): "
+        f"the attention core of {', '.join(run.region for run in runs)}, one checkpoint each. The compile "
+        f"pinned it (--recompute selective): each core keeps its inputs ({sum(r.kept_bytes for r in runs)} "
+        "bytes per microbatch in all) instead of its scores, probabilities and dropout mask; the rest of "
+        "every region keeps its activations.", width=96, break_on_hyphens=False)
 
 
 def _checkpoint(gm: fx.GraphModule, runs: list[list[fx.Node]], prefix: str, what: str) -> list[CheckpointedRun]:

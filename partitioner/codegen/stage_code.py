@@ -51,7 +51,7 @@ from torch.fx.graph import dtype_abbrs, magic_methods
 from torch.fx.node import _get_qualified_name
 
 from passes import ir
-from partitioner.codegen.recompute import MethodRef, selective_words
+from partitioner.codegen.recompute import MethodRef, selective_paragraph
 from partitioner.codegen.split import StageGraph, is_stage_device
 from partitioner.frontend.autograd_functions import FunctionApply
 from partitioner.inspect.units import human_bytes
@@ -179,10 +179,8 @@ def _tensor_parallel_table(stage: StageGraph, plan: Plan) -> list[str]:
 def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     """Which regions this stage recomputes and why, with the plan's figures
     (Note [recompute keeps a region's inputs] in partitioner/codegen/recompute.py)."""
-    if not stage.checkpointed:
-        return []
-    if plan.training.recompute == "selective":  # Note [selective recompute] in partitioner/solver/recompute_cost.py
-        return [""] + textwrap.wrap(selective_words(stage.checkpointed), width=96, break_on_hyphens=False)
+    if not stage.checkpointed or plan.training.recompute == "selective":  # recompute.selective_paragraph
+        return selective_paragraph(stage.checkpointed)
 
     sp = plan.stages[stage.index]
     regions = list(dict.fromkeys(run.region for run in stage.checkpointed))
