@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 
 from passes import ir
-from passes.attention_core import core_costs
 from partitioner.frontend.analysis import COSTING_RANDOMNESS, annotate, target_bytes_of, trace_keyed, unpriced_field
 from partitioner.calibrate.priced_problem import build_problem
 from partitioner.calibrate import machine
@@ -210,8 +209,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
         problem = fill_fixed_costs(problem, machine.profile)
-    cores = core_costs(gm) if settings.recompute == "selective" else {}  # Note [selective recompute] in solver/recompute_cost.py
-    problem = selective_problem(problem, cores, workload.example_batch_size)
+    # Note [selective recompute] in partitioner/solver/recompute_cost.py
+    problem, cores = selective_problem(problem, gm, settings.recompute, workload.example_batch_size)
     if settings.compile_stages:  # Note [compiled regions priced]: no DTensor dispatch inside a compiled graph
         problem = dataclasses.replace(problem, dtensor_op_s_by_kind={d.kind: 0.0 for d in cluster.devices})
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)

@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
                    help="AdamW state sharded over data-parallel replicas (ZeRO-1); auto: where it pays")
     c.add_argument("--recompute", choices=["auto", "none", "full", "selective"],
-                   help="activation recompute: auto (the default: the solver chooses per region), none (never; "
+                   help="activation recompute: auto (the default: the solver chooses whole regions), none (never; "
                    "refused if nothing fits without it), full (every region that saves memory, as Megatron's "
                    "full recompute), selective (only each attention core, as Korthikanti et al. 2022; not with --tp > 1)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr, no summary")

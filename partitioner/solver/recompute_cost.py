@@ -57,7 +57,24 @@ def pinned_recompute(problem: PartitionProblem, mode: str) -> tuple[bool, ...] |
     return tuple(mode == "full" and saves_memory(r) for r in problem.regions)  # selective: cores, no region
 
 
-def selective_problem(problem: PartitionProblem, costs, batch_size: int) -> PartitionProblem:
+def selective_problem(problem: PartitionProblem, gm, mode: str, batch_size: int) -> tuple[PartitionProblem, dict]:
+    """The problem a compile with recompute ``mode`` plans over, and the attention cores it recomputes
+    by region id (passes.attention_core.CoreCost; none unless "selective"), or ValueError when
+    "selective" finds no core to recompute: it would run as "none"."""
+    if mode != "selective":
+        return problem, {}
+    # lazy: the passes package loads networkx, which a solve alone never needs
+    from passes.attention_core import core_costs
+
+    costs = core_costs(gm)
+    if not costs:
+        raise ValueError("--recompute selective: no attention core (q kᵀ -> softmax -> [dropout] -> @ v in one "
+                         "region, or scaled_dot_product_attention; Note [the attention core] in "
+                         "passes/attention_core.py) in this model at this granularity: use --recompute full or auto")
+    return priced_selective(problem, costs, batch_size), costs
+
+
+def priced_selective(problem: PartitionProblem, costs, batch_size: int) -> PartitionProblem:
     """``problem`` with each region's attention cores recomputed (Note [selective recompute]):
     ``costs`` maps region id to passes.attention_core.CoreCost for a traced batch of
     ``batch_size``. Rounded the safe way: savings down, costs up."""

@@ -320,7 +320,8 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         (f"{microbatches} microbatches (fixed)" if microbatches is not None
          else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
         priced_schedule(schedule, best.local_stages).words(),
-        {"auto": "recompute per region", "none": "no recompute (pinned: --recompute none)",
+        {"auto": "recompute per region, whole (selective: only by --recompute selective)",
+         "none": "no recompute (pinned: --recompute none)",
          "full": "every region that saves memory recomputed (pinned: --recompute full)",
          "selective": "each attention core recomputed, no whole region (pinned: --recompute selective)"}[config.recompute],
     ]

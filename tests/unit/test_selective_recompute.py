@@ -8,6 +8,7 @@ import pytest
 
 import passes
 from passes.attention_core import CoreCost, core_costs
+from partitioner.cli import main
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.settings import TrainingSettings
 from partitioner.frontend.analysis import COSTING_RANDOMNESS
@@ -16,7 +17,7 @@ from partitioner.frontend.tp_support import check_tensor_parallel
 from partitioner.frontend.trace import trace
 from partitioner.models import builtin as models
 from partitioner.solver import SolverConfig, evaluate, solve
-from partitioner.solver.recompute_cost import pinned_recompute, selective_problem
+from partitioner.solver.recompute_cost import pinned_recompute, priced_selective
 from runtime.execute import randomness
 from tests.unit.test_solver_hand import chain, region
 
@@ -56,7 +57,7 @@ def test_the_problem_every_pricer_sees():
                   fwd_s_per_sample_by_kind={"cpu": 1.0}, bwd_s_per_sample_by_kind={"cpu": 2.0},
                   fwd_s_per_microbatch_by_kind={"cpu": 0.0}, bwd_s_per_microbatch_by_kind={"cpu": 0.5})
     problem = chain([region("embed"), base])
-    out = selective_problem(problem, {1: CoreCost(dropped_bytes=9_001, kept_bytes=2_001, fwd_flops=500, cores=2)}, 2)
+    out = priced_selective(problem, {1: CoreCost(dropped_bytes=9_001, kept_bytes=2_001, fwd_flops=500, cores=2)}, 2)
     assert out.regions[0] == problem.regions[0]
     r = out.regions[1]
     assert r.activation_bytes_per_sample == 10_000 - 4_500 + 1_001
@@ -73,7 +74,7 @@ def test_the_problem_every_pricer_sees():
 def test_selective_pins_regions_off_and_plans_price_the_cores():
     problem = chain([region(f"r{i}", act=1000) for i in range(4)])
     cores = {i: CoreCost(dropped_bytes=1200, kept_bytes=200, fwd_flops=int(2e8), cores=1) for i in range(4)}
-    out = selective_problem(problem, cores, 2)
+    out = priced_selective(problem, cores, 2)
     assert pinned_recompute(out, "selective") == (False,) * 4
     config = SolverConfig(time_limit_s=5, recompute="selective")
     assert not config.allow_recompute and config.recompute == "selective"
@@ -91,3 +92,11 @@ def test_selective_pins_regions_off_and_plans_price_the_cores():
 def test_selective_under_tensor_parallelism_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"tensor_parallel=2 does not run with selective recompute .*--recompute full"):
         check_tensor_parallel(2, ClusterSpec.homogeneous(2), TrainingSettings(recompute="selective"))
+
+
+def test_selective_on_a_model_without_attention_is_refused_in_one_line(tmp_path, capsys):
+    """It would run as "none": refused, naming what it looks for and what to use instead."""
+    code = main(["compile", "mlp", "-o", str(tmp_path / "out"), "--recompute", "selective", "-q"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and "no attention core" in err and "Traceback" not in err, err
+    assert "--recompute full or auto" in err and not (tmp_path / "out").exists()
