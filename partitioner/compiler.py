@@ -43,7 +43,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
-from partitioner.solver.recompute_cost import selective_problem
+from partitioner.solver.recompute_cost import cores_record, selective_problem
 from partitioner.solver.solution import baseline_figures, solution_summary
 from partitioner.solver.solve import solve_with_sharding
 from partitioner.solver.space import StepTerms
@@ -262,7 +262,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,
                      tp=tp)
     if settings.recompute == "selective":  # what inspect says was recomputed (partitioner/inspect/table.py)
-        plan.solver["attention_cores"] = [problem.regions[r].name for r in sorted(cores) for _ in range(cores[r].cores)]
+        plan.solver["attention_cores"] = cores_record(problem, cores, workload.example_batch_size)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])

@@ -74,6 +74,13 @@ def selective_problem(problem: PartitionProblem, gm, mode: str, batch_size: int)
     return priced_selective(problem, costs, batch_size), costs
 
 
+def cores_record(problem: PartitionProblem, costs, batch_size: int) -> dict:
+    """plan.json's ``solver.attention_cores``: per region with cores, how many, and the activation
+    bytes per sample selective recompute saves there (inspect says it; tests hold it to a run)."""
+    return {problem.regions[r].name: {"cores": c.cores, "saved_bytes_per_sample": (c.dropped_bytes - c.kept_bytes)
+                                      // batch_size} for r, c in sorted(costs.items())}
+
+
 def priced_selective(problem: PartitionProblem, costs, batch_size: int) -> PartitionProblem:
     """``problem`` with each region's attention cores recomputed (Note [selective recompute]):
     ``costs`` maps region id to passes.attention_core.CoreCost for a traced batch of

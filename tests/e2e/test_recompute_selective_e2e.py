@@ -10,11 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from _shared_launch import Job, prepare
 from partitioner.cli import main
 from partitioner.cli.verify import check_run
 from partitioner.models.builtin import load_workload
+from runtime.execute import randomness
+from runtime.execute.stage import build_stage
 
 MODELS = {"eager": "gpt:layers=2,width=32,heads=2,vocab=64,seq=16,dropout=0.1,attn=eager",
           "sdpa": "gpt:layers=2,width=32,heads=2,vocab=64,seq=16,dropout=0.1"}
@@ -41,7 +44,8 @@ def test_selective_recomputes_each_attention_core_trains_and_verifies(selective,
     assert plan["training"]["recompute"] == "selective" and plan["num_stages"] == 2
     assert not any(r["recompute"] for r in plan["regions"])  # no region whole
     blocks = [r for r in plan["regions"] if r["name"].startswith("block")]
-    assert plan["solver"]["attention_cores"] == [r["name"] for r in blocks]
+    cores = plan["solver"]["attention_cores"]
+    assert list(cores) == [r["name"] for r in blocks] and all(c["cores"] == 1 for c in cores.values())
     text = "".join((folder / f"stage_{s}.py").read_text() for s in range(2))
     for region in blocks:
         assert f"checkpointed(self.recompute_attention_{region['name'].replace('.', '_')}," in text
@@ -50,3 +54,41 @@ def test_selective_recomputes_each_attention_core_trains_and_verifies(selective,
     assert report.oracle == "unpartitioned traced graph (keyed randomness)"  # the unpartitioned masks
     assert main(["inspect", str(folder)]) == 0
     assert "recompute selective (pinned): 2 attention core(s) recomputed, in 2 of" in capsys.readouterr().out
+
+
+def _saved_bytes(stage, args) -> tuple[int, object]:
+    """Bytes of the storages autograd saves in ``stage``'s forward, parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(*args)
+    return sum(b for k, b in seen.items() if k not in params), out
+
+
+def test_what_selective_saves_is_what_a_stage_stops_saving(selective, monkeypatch):
+    """The eager program's stages run in this process with and without their cores' checkpoints:
+    the bytes they stop saving are the plan's priced saving (within 2%, the fake run's rounding),
+    and what they save is at most what the plan charges them."""
+    folder = selective / "eager"
+    plan = json.loads((folder / "plan.json").read_text())
+    b = plan["microbatch_size"]
+    args = (torch.randint(0, 64, (b, 16)),)
+    randomness.set_context(seed=0, step=0, first_sample=0, microbatch=0)
+    for s in range(2):
+        stage = build_stage(str(folder), s).train()
+        kept, out = _saved_bytes(stage, args)
+        # the stage file's own name for it: called directly, as --recompute none runs the cores
+        monkeypatch.setitem(type(stage).forward.__globals__, "checkpointed", lambda fn, *a: fn(*a))
+        whole, _ = _saved_bytes(stage, args)
+        monkeypatch.undo()
+        regions = [r for r in plan["regions"] if r["stage"] == s]
+        priced = sum(plan["solver"]["attention_cores"].get(r["name"], {}).get("saved_bytes_per_sample", 0)
+                     for r in regions) * b
+        assert priced > 0 and whole - kept == pytest.approx(priced, rel=0.02), (s, whole - kept, priced)
+        assert kept <= sum(r["activation_bytes"] for r in regions) * b
+        args = out if isinstance(out, tuple) else (out,)
