@@ -43,10 +43,6 @@ _PROB_OPS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.dr
              aten.type_as.default}
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes if a.op != "get_attr"]
-
-
 def _scores_matmul(softmax: fx.Node) -> fx.Node | None:
     """The matmul the softmax's input comes from through score ops (first tensor input each step)."""
     node = softmax.args[0] if softmax.args and isinstance(softmax.args[0], fx.Node) else None

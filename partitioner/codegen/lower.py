@@ -199,6 +199,10 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
     for stage in stages:  # selective: the attention cores instead (Note [selective recompute] in solver/recompute_cost.py)
         stage.checkpointed = (checkpoint_attention_cores(stage.gm) if plan.training.recompute == "selective"
                               else checkpoint_regions(stage.gm, recomputed))
+    found = sorted(run.region for stage in stages for run in stage.checkpointed)
+    if plan.training.recompute == "selective" and found != sorted(  # the cores the plan priced, no other
+            name for name, c in plan.solver.get("attention_cores", {}).items() for _ in range(c["cores"])):
+        raise AssertionError(f"the re-trace's attention cores {found} are not the plan's: recompile the program")
     return stages
 
 

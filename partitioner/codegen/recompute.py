@@ -2,9 +2,9 @@
 
 ``checkpoint_regions(gm, recomputed)`` (and ``checkpoint_attention_cores(gm)``, selective recompute's
 finer unit) is a pass over one stage's GraphModule (partitioner/codegen/split.py).
-Reads ``partitioner.region`` (ir.REGION) of every node; writes no metadata. It rewrites the graph:
-every maximal run of consecutive nodes of one recomputed region moves into a graph of its own (a
-``CheckpointedRun``), and the stage's graph calls it through ``runtime.execute.recompute.checkpointed``.
+Reads ``partitioner.region`` (ir.REGION) of every node (and ``partitioner.attention_core``); writes
+no metadata. It rewrites the graph: every maximal run of consecutive nodes of one recomputed region
+(or one attention core) moves into a graph of its own (a ``CheckpointedRun``), and the stage's graph calls it through ``runtime.execute.recompute.checkpointed``.
 Codegen emits each run as a method of the Stage class, named after its region
 (``recompute_block_0``), which reads its parameters from ``self`` like the forward does.
 
@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from passes import ir
 from partitioner.codegen.split import is_stage_device
+from partitioner.inspect.units import human_bytes
 from runtime.execute.recompute import checkpointed
 
 
@@ -135,8 +136,8 @@ def selective_paragraph(runs: list[CheckpointedRun]) -> list[str]:
     return [""] + textwrap.wrap(
         f"Recomputed in backward (activation checkpointing through runtime.execute.recompute.checkpointed): "
         f"the attention core of {', '.join(run.region for run in runs)}, one checkpoint each. The compile "
-        f"pinned it (--recompute selective): each core keeps its inputs ({sum(r.kept_bytes for r in runs)} "
-        "bytes per microbatch in all) instead of its scores, probabilities and dropout mask; the rest of "
+        f"pinned it (--recompute selective): each core keeps its inputs ({human_bytes(sum(r.kept_bytes for r in runs))} "
+        "per microbatch in all) instead of its scores, probabilities and dropout mask; the rest of "
         "every region keeps its activations.", width=96, break_on_hyphens=False)
 
 
