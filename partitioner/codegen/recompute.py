@@ -1,12 +1,13 @@
 """Run the regions a plan recomputes under activation checkpointing.
 
-``checkpoint_regions(gm, recomputed)`` (and ``checkpoint_attention_cores(gm)``, selective recompute's
-finer unit) is a pass over one stage's GraphModule (partitioner/codegen/split.py).
-Reads ``partitioner.region`` (ir.REGION) of every node (and ``partitioner.attention_core``); writes
-no metadata. It rewrites the graph: every maximal run of consecutive nodes of one recomputed region
-(or one attention core) moves into a graph of its own (a ``CheckpointedRun``), and the stage's graph
-calls it through ``runtime.execute.recompute.checkpointed``. Codegen emits each run as a method of
-the Stage class, named after its region (``recompute_block_0``), which reads its parameters from ``self`` like the forward does.
+``checkpoint_regions(gm, recomputed)`` (and ``checkpoint_attention_cores(gm)``, selective
+recompute's finer unit) is a pass over one stage's GraphModule (partitioner/codegen/split.py).
+Reads ``partitioner.region`` (ir.REGION) of every node (and ``partitioner.attention_core``);
+writes no metadata. It rewrites the graph: every maximal run of consecutive nodes of one
+recomputed region (or one attention core) moves into a graph of its own (a ``CheckpointedRun``),
+and the stage's graph calls it through ``runtime.execute.recompute.checkpointed``. Codegen emits
+each run as a method of the Stage class, named after its region (``recompute_block_0``), which
+reads its parameters from ``self`` like the forward does.
 
 Note [recompute keeps a region's inputs]: the cost model (partitioner/solver/evaluate.py, Note [cost
 model]) charges a recomputed region its inputs instead of its saved activations, and its forward
