@@ -43,6 +43,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.model import SolverConfig
 from partitioner.solver.precision_cost import cluster_for_precision, precision_problem
+from partitioner.solver.recompute_cost import cores_record, selective_problem
 from partitioner.solver.solution import baseline_figures, solution_summary
 from partitioner.solver.solve import solve_with_sharding
 from partitioner.solver.sequence_parallel import choose as choose_sequence_parallel
@@ -212,6 +213,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                             target_bytes=target_bytes_of(workload))
     if machine is not None:
         problem = fill_fixed_costs(problem, machine.profile)
+    # Note [selective recompute] in partitioner/solver/recompute_cost.py
+    problem, cores = selective_problem(problem, gm, settings.recompute, workload.example_batch_size)
     if settings.compile_stages:  # Note [compiled regions priced]: no DTensor dispatch inside a compiled graph
         problem = dataclasses.replace(problem, dtensor_op_s_by_kind={d.kind: 0.0 for d in cluster.devices})
     # Note [precision in the cost model] (partitioner/solver/precision_cost.py)
@@ -264,6 +267,8 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                           sdc_canary_every=canary_every, sequence_parallel=sp)
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,
                      tp=tp)
+    if settings.recompute == "selective":  # what inspect says was recomputed (partitioner/inspect/table.py)
+        plan.solver["attention_cores"] = cores_record(problem, cores, workload.example_batch_size)
     if solution.optimal_over:
         plan.solver["optimal_over"] = f"regions at {request.granularity} granularity; {solution.optimal_over}"
     if machine is not None:  # what priced it: `calibrate --from-run` refits from it (Note [refit from a run])

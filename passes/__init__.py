@@ -8,6 +8,7 @@ shapes.py          what each node produces (``partitioner.shape``)
 flops.py           forward and backward FLOPs per node (``partitioner.flops``)
 memory.py          bytes each node holds during training (``partitioner.memory``)
 regions.py         nodes grouped into a DAG of regions (``partitioner.region``)
+attention_core.py  which nodes form an attention core, the unit of selective recompute (``partitioner.attention_core``)
 region_graph.py    the region graph the problem reads: costs per region, edges, ties (writes no key)
 tp_roles.py        which nodes a tensor group shards, and how (``tp_role``)
 tp_activations.py  what a tensor group splits of saved activations and FLOPs (reads, writes no key)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from passes.attention_core import annotate_attention_cores
 from passes.flops import annotate_flops
 from passes.memory import annotate_memory
 from passes.region_graph import RegionRow, TieRow, region_cut_edges, region_edges, region_table, region_ties
@@ -26,12 +28,14 @@ from passes.shapes import annotate_shapes
 from passes.tp_roles import annotate_tensor_parallel
 
 __all__ = [
-    "annotate_shapes", "annotate_flops", "annotate_memory", "annotate_regions", "annotate_tensor_parallel",
+    "annotate_shapes", "annotate_flops", "annotate_memory", "annotate_regions", "annotate_attention_cores",
+    "annotate_tensor_parallel",
     "region_table", "region_edges", "region_cut_edges", "region_ties", "RegionRow", "TieRow", "PIPELINE", "run_all",
 ]
 
 # Each pass reads only keys an earlier one wrote (tests/unit/test_pass_contract.py).
-PIPELINE = (annotate_shapes, annotate_flops, annotate_memory, annotate_regions, annotate_tensor_parallel)
+PIPELINE = (annotate_shapes, annotate_flops, annotate_memory, annotate_regions, annotate_attention_cores,
+            annotate_tensor_parallel)
 
 
 def run_all(gm: fx.GraphModule, *, granularity: str = "block", optimizer: str = "adamw",

@@ -26,6 +26,7 @@ SHAPE = "partitioner.shape"
 FLOPS = "partitioner.flops"
 MEMORY = "partitioner.memory"
 REGION = "partitioner.region"
+ATTENTION = "partitioner.attention_core"
 TP = "tp_role"  # the key named in the tensor-parallel contract (docs/design.md §4)
 
 
@@ -87,6 +88,14 @@ class RegionMeta:
 
 
 @dataclass(frozen=True)
+class AttentionCoreMeta:
+    """The attention core a node belongs to (Note [the attention core] in passes/attention_core.py);
+    None: none."""
+
+    core_id: int | None
+
+
+@dataclass(frozen=True)
 class TpMeta:
     """What tensor parallelism does to a node (Note [tensor-parallel roles] in passes/tp_roles.py).
 
@@ -116,6 +125,7 @@ VALUE_TYPES: dict[str, type] = {
     FLOPS: FlopsMeta,
     MEMORY: MemoryMeta,
     REGION: RegionMeta,
+    ATTENTION: AttentionCoreMeta,
     TP: TpMeta,
 }
 
@@ -124,6 +134,7 @@ WRITER: dict[str, str] = {
     FLOPS: "passes.flops.annotate_flops",
     MEMORY: "passes.memory.annotate_memory",
     REGION: "passes.regions.annotate_regions",
+    ATTENTION: "passes.attention_core.annotate_attention_cores",
     TP: "passes.tp_roles.annotate_tensor_parallel",
 }
 

@@ -370,9 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tp: norms, dropouts and residual adds on a 1/tp slice of the sequence (Megatron's "
                    "sequence parallelism); auto: where it is priced no slower")
     c.add_argument("--recompute", choices=["auto", "none", "full", "selective"],
-                   help="activation recompute: auto (the default: the solver chooses per region), none (never; "
+                   help="activation recompute: auto (the default: the solver chooses whole regions), none (never; "
                    "refused if nothing fits without it), full (every region that saves memory, as Megatron's "
-                   "full recompute); selective is not built yet")
+                   "full recompute), selective (only each attention core, as Korthikanti et al. 2022; not with --tp > 1)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr, no summary")
     c.set_defaults(func=cmd_compile)
 

@@ -26,7 +26,7 @@ from partitioner.solver.plan import Plan
 from partitioner.codegen.boundary_dtypes import autocast_dtypes
 from partitioner.config.settings import program_optimizer
 from partitioner.config.device_presets import world_peak_flops_per_s
-from partitioner.codegen.recompute import checkpoint_regions
+from partitioner.codegen.recompute import checkpoint_attention_cores, checkpoint_regions
 from partitioner.codegen.split import StageGraph, split_graph
 from partitioner.codegen.stage_code import custom_ops
 from partitioner.frontend.local_modules import check_imports
@@ -196,8 +196,13 @@ def split_stages(plan: Plan, gm: fx.GraphModule) -> list[StageGraph]:
             tensor_parallel_calls(stage.gm, stage.tp_sharded, plan.tensor_parallel * plan.decisions.sequence_parallel)
     # The plan's memory assumes its recomputed regions keep only their inputs: run them so.
     recomputed = {r.name for r in plan.regions if r.recompute} - updating_regions(gm)
-    for stage in stages:
-        stage.checkpointed = checkpoint_regions(stage.gm, recomputed)
+    for stage in stages:  # selective: the attention cores instead (Note [selective recompute] in solver/recompute_cost.py)
+        stage.checkpointed = (checkpoint_attention_cores(stage.gm) if plan.training.recompute == "selective"
+                              else checkpoint_regions(stage.gm, recomputed))
+    found = sorted(run.region for stage in stages for run in stage.checkpointed)
+    if plan.training.recompute == "selective" and found != sorted(  # the cores the plan priced, no other
+            name for name, c in plan.solver.get("attention_cores", {}).items() for _ in range(c["cores"])):
+        raise AssertionError(f"the re-trace's attention cores {found} are not the plan's: recompile the program")
     return stages
 
 

@@ -1,11 +1,13 @@
 """Run the regions a plan recomputes under activation checkpointing.
 
-``checkpoint_regions(gm, recomputed)`` is a pass over one stage's GraphModule (partitioner/codegen/split.py).
-Reads ``partitioner.region`` (ir.REGION) of every node; writes no metadata. It rewrites the graph:
-every maximal run of consecutive nodes of one recomputed region moves into a graph of its own (a
-``CheckpointedRun``), and the stage's graph calls it through ``runtime.execute.recompute.checkpointed``.
-Codegen emits each run as a method of the Stage class, named after its region
-(``recompute_block_0``), which reads its parameters from ``self`` like the forward does.
+``checkpoint_regions(gm, recomputed)`` (and ``checkpoint_attention_cores(gm)``, selective
+recompute's finer unit) is a pass over one stage's GraphModule (partitioner/codegen/split.py).
+Reads ``partitioner.region`` (ir.REGION) of every node (and ``partitioner.attention_core``);
+writes no metadata. It rewrites the graph: every maximal run of consecutive nodes of one
+recomputed region (or one attention core) moves into a graph of its own (a ``CheckpointedRun``),
+and the stage's graph calls it through ``runtime.execute.recompute.checkpointed``. Codegen emits
+each run as a method of the Stage class, named after its region (``recompute_block_0``), which
+reads its parameters from ``self`` like the forward does.
 
 Note [recompute keeps a region's inputs]: the cost model (partitioner/solver/evaluate.py, Note [cost
 model]) charges a recomputed region its inputs instead of its saved activations, and its forward
@@ -21,6 +23,7 @@ the run's method reads them through ``self``; they are not arguments of the chec
 from __future__ import annotations
 
 import operator
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,7 @@ import torch.fx as fx
 
 from passes import ir
 from partitioner.codegen.split import is_stage_device
+from partitioner.inspect.units import human_bytes
 from runtime.execute.recompute import checkpointed
 
 
@@ -51,6 +55,7 @@ class CheckpointedRun:
     inputs: list[str]
     outputs: list[str]
     kept_bytes: int  # bytes of its tensor inputs for one microbatch: what the checkpoint saves
+    what: str = ""  # how the stage's docstrings name it: "Region block.0", "The attention core of region block.0"
 
 
 def _is_send_copy(node: fx.Node) -> bool:
@@ -94,8 +99,8 @@ def _nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _method_name(region: str, taken: set[str]) -> str:
-    base = "recompute_" + "".join(c if c.isalnum() else "_" for c in region)
+def _method_name(prefix: str, region: str, taken: set[str]) -> str:
+    base = prefix + "".join(c if c.isalnum() else "_" for c in region)
     name, i = base, 1
     while name in taken:
         i += 1
@@ -108,7 +113,37 @@ def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[Checkpo
     """Move each run of a region in ``recomputed`` (region names) into a CheckpointedRun and call
     it through runtime.execute.recompute.checkpointed. Returns the runs in graph order; the stage's graph
     is rebuilt in place (node names kept, so the emitted forward reads as before)."""
-    runs = [run for run in _runs(gm, recomputed) if any(u not in run for n in run for u in n.users)]
+    return _checkpoint(gm, _runs(gm, recomputed), "recompute_", "Region {}")
+
+
+def checkpoint_attention_cores(gm: fx.GraphModule) -> list[CheckpointedRun]:
+    """Selective recompute: each attention core of the stage (Note [the attention core] in
+    passes/attention_core.py, one contiguous run) as a CheckpointedRun, as ``checkpoint_regions``
+    does a region; the rest of its region keeps its activations (Note [selective recompute] in
+    partitioner/solver/recompute_cost.py)."""
+    cores: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:  # nodes split made (the device, send copies) carry no tag
+        core = ir.get(node, ir.ATTENTION).core_id if ir.has(node, ir.ATTENTION) else None
+        if core is not None and _region_of(node) is not None:
+            cores.setdefault(core, []).append(node)
+    return _checkpoint(gm, list(cores.values()), "recompute_attention_", "The attention core of region {}")
+
+
+def selective_paragraph(runs: list[CheckpointedRun]) -> list[str]:
+    """The stage file's paragraph on selective recompute (Note [selective recompute] in
+    partitioner/solver/recompute_cost.py); none without a run."""
+    if not runs:
+        return []
+    return [""] + textwrap.wrap(
+        f"Recomputed in backward (activation checkpointing through runtime.execute.recompute.checkpointed): "
+        f"the attention core of {', '.join(run.region for run in runs)}, one checkpoint each. The compile "
+        f"pinned it (--recompute selective): each core keeps its inputs ({human_bytes(sum(r.kept_bytes for r in runs))} "
+        "per microbatch in all) instead of its scores, probabilities and dropout mask; the rest of "
+        "every region keeps its activations.", width=96, break_on_hyphens=False)
+
+
+def _checkpoint(gm: fx.GraphModule, runs: list[list[fx.Node]], prefix: str, what: str) -> list[CheckpointedRun]:
+    runs = [run for run in runs if run and any(u not in run for n in run for u in n.users)]
     if not runs:
         return []
     in_run = {node: run for run in runs for node in run}
@@ -131,7 +166,7 @@ def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[Checkpo
                                     if a not in members and a.op != "get_attr" and not _own_device(a)))
         outputs = [n for n in run if any(u not in members for u in n.users)]
         region = _region_of(run[0])
-        name = _method_name(region, taken)
+        name = _method_name(prefix, region, taken)
         body = _run_graph(run, inputs, outputs)
         # One output keeps its name; several come back as a tuple named after the method.
         call = graph.create_node("call_function", checkpointed, (MethodRef(name), *[env[a] for a in inputs]),
@@ -147,7 +182,7 @@ def checkpoint_regions(gm: fx.GraphModule, recomputed: set[str]) -> list[Checkpo
                 item.meta = dict(out.meta)
                 env[out] = item
         result.append(CheckpointedRun(name, region, body, [a.name for a in inputs], [o.name for o in outputs],
-                                      sum(_nbytes(a) for a in inputs)))
+                                      sum(_nbytes(a) for a in inputs), what.format(region)))
     # Parameters (and the device) now read only inside a run's method are no longer the forward's business.
     for node in reversed(list(graph.nodes)):
         if (node.op == "get_attr" or is_stage_device(node)) and not node.users:

@@ -33,7 +33,7 @@ from torch.fx.graph import dtype_abbrs, magic_methods
 from torch.fx.node import _get_qualified_name
 
 from passes import ir
-from partitioner.codegen.recompute import MethodRef
+from partitioner.codegen.recompute import MethodRef, selective_paragraph
 from partitioner.codegen.spelling import FUNCTIONAL, attribute as _attribute, dropped_input, is_tensor, spelled
 from partitioner.codegen.split import StageGraph, is_stage_device
 from partitioner.frontend.autograd_functions import FunctionApply
@@ -99,7 +99,7 @@ def stage_source(stage: StageGraph, plan_hash: str, plan: Plan, op_imports: dict
     for run in stage.checkpointed:
         body += [""] + emitter.function(
             run.graph, run.name,
-            doc=[f'"""Region {run.region} (through runtime.execute.recompute.checkpointed): its activations are dropped',
+            doc=[f'"""{run.what} (through runtime.execute.recompute.checkpointed): its activations are dropped',
                  'after the forward and recomputed in backward."""'])
     names = plan.stages[stage.index].region_names
     lines = [
@@ -161,8 +161,8 @@ def _tensor_parallel_table(stage: StageGraph, plan: Plan) -> list[str]:
 def _recompute_paragraph(stage: StageGraph, plan: Plan) -> list[str]:
     """Which regions this stage recomputes and why, with the plan's figures
     (Note [recompute keeps a region's inputs] in partitioner/codegen/recompute.py)."""
-    if not stage.checkpointed:
-        return []
+    if not stage.checkpointed or plan.training.recompute == "selective":  # recompute.selective_paragraph
+        return selective_paragraph(stage.checkpointed)
 
     sp = plan.stages[stage.index]
     regions = list(dict.fromkeys(run.region for run in stage.checkpointed))

@@ -24,7 +24,7 @@ from typing import Any
 
 from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSettings, Precision
 
-RECOMPUTE_CHOICES = ("auto", "none", "full")  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
+RECOMPUTE_CHOICES = ("auto", "none", "full", "selective")  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
 GRANULARITIES = ("block", "sublayer", "op", "node")
 _OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data",
              "compile_stages")
@@ -96,11 +96,7 @@ def _no_weight_decay(value, where):
 
 def check_recompute(value, where: str):
     """The recompute setting (Note [recompute a user pins] in partitioner/solver/recompute_cost.py), or
-    ValueError naming it; "selective" is refused, not run as something else."""
-    if value == "selective":
-        raise ValueError(f"{where} = 'selective' (recompute only the attention core) is not built yet: the "
-                         "finest unit the solver recomputes is a region; use 'full' (every region recomputed, "
-                         "Megatron's full recompute), 'auto' (the solver chooses per region) or 'none'")
+    ValueError naming it."""
     return _choice(RECOMPUTE_CHOICES)(value, where)
 
 
@@ -157,7 +153,7 @@ TRAINING_SCHEMA = {
     "no_weight_decay": _no_weight_decay,  # "default", "none" or fnmatch patterns (Note [no weight decay])
     # torch.compile each stage's forward (Note [compiled stages] in runtime/execute/compile_stages.py); left out: off
     "compile_stages": _boolean_or_none,
-    # auto | none | full (Note [recompute a user pins] in partitioner/solver/recompute_cost.py); left out: auto
+    # auto | none | full | selective (Note [recompute a user pins] in partitioner/solver/recompute_cost.py); left out: auto
     "recompute": check_recompute,
 }
 
@@ -196,7 +192,7 @@ class TrainingSettings:
     pretrained: str | None = None       # the Hugging Face weights an hf: model starts from (the CLI sets it)
     data: str | None = None             # "tokens:DIR", "megatron:PREFIX", ...: a corpus replaces make_batch
     compile_stages: bool | None = None  # torch.compile the stages (Note [compiled stages]); None: off
-    recompute: str = "auto"             # auto | none | full (Note [recompute a user pins] in solver/recompute_cost.py)
+    recompute: str = "auto"             # auto | none | full | selective (Note [recompute a user pins] in solver/recompute_cost.py)
 
     def __post_init__(self):
         for name in ("collective_timeout_s", "mtbf_s", "clip_grad_norm"):  # one JSON form however given

@@ -3,8 +3,8 @@
 runs the trace and the passes again at the plan's microbatch.
 
     traced   = trace the model (torch.export, symbolic_trace fallback), random ops keyed
-    annotate = passes.PIPELINE: shapes → flops → memory → regions → tensor-parallel roles, each
-               checked for what it declares
+    annotate = passes.PIPELINE: shapes → flops → memory → regions → attention cores → tensor-parallel
+               roles, each checked for what it declares
 
 The annotated graph becomes the solver's problem, priced, in partitioner/calibrate/priced_problem.py.
 """

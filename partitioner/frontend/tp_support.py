@@ -40,6 +40,8 @@ def check_tensor_parallel(tensor_parallel, cluster: ClusterSpec, settings) -> in
 
     if settings.memory_tier is not None:  # any mode, "none" too: a tier without redundancy
         refuse("the in-memory checkpoint tier", "leave --memory-tier out (disk checkpoints still run)")
+    if settings.recompute == "selective":  # Note [selective recompute] in partitioner/solver/recompute_cost.py
+        refuse("selective recompute (the attention core on DTensors)", "use --recompute full or auto")
     return tp
 
 

@@ -38,8 +38,14 @@ def training_line(plan: Plan) -> str:
 def recompute_words(plan: Plan) -> str:
     """The recompute setting and what it recomputed (Note [recompute a user pins] in
     partitioner/solver/recompute_cost.py)."""
-    how = {"auto": "the solver's choice", "none": "pinned off", "full": "pinned full"}[plan.training.recompute]
+    how = {"auto": "the solver's choice", "none": "pinned off", "full": "pinned full"}.get(plan.training.recompute)
     done = sum(r.recompute for r in plan.regions)
+    if plan.training.recompute == "selective":  # Note [selective recompute] in partitioner/solver/recompute_cost.py
+        cores = plan.solver.get("attention_cores", {})
+        saved = human_bytes(sum(c["saved_bytes_per_sample"] for c in cores.values()))
+        return (f"recompute selective (pinned): {sum(c['cores'] for c in cores.values())} attention core(s) "
+                f"recomputed, in {len(cores)} of {len(plan.regions)} regions, saving {saved} of activations per "
+                f"sample; {done} regions recomputed whole")
     return f"recompute {plan.training.recompute} ({how}): {done} of {len(plan.regions)} regions recomputed"
 
 

@@ -99,16 +99,16 @@ class SolverConfig:
     log_search: bool = False
     max_placements: int = 64  # per candidate on a multi-node heterogeneous cluster (Note [exact placements])
     local_stages: int | None = None  # interleaved: stages per rank (None: each of LOCAL_STAGE_OPTIONS)
-    recompute: str = "auto"  # auto | none | full (Note [recompute a user pins] in solver/recompute_cost.py)
+    recompute: str = "auto"  # auto | none | full | selective (Note [recompute a user pins] in solver/recompute_cost.py)
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute, "SolverConfig.recompute")
-        if not self.allow_recompute:  # the older switch: one setting, two spellings
+        if not self.allow_recompute and self.recompute != "selective":  # the older switch: one setting, two spellings
             if self.recompute == "full":
                 raise ValueError("SolverConfig(allow_recompute=False, recompute='full') asks for no recompute and "
                                  "for every region recomputed: give recompute='none' or 'full'")
             object.__setattr__(self, "recompute", "none")
-        object.__setattr__(self, "allow_recompute", self.recompute != "none")
+        object.__setattr__(self, "allow_recompute", self.recompute not in ("none", "selective"))  # selective: cores only
         if not self.time_limit_s > 0:
             raise ValueError(f"SolverConfig.time_limit_s={self.time_limit_s!r} must be > 0 seconds")
         if not (isinstance(self.num_workers, int) and self.num_workers >= 1):

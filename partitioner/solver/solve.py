@@ -320,8 +320,10 @@ def optimality_scope(cluster, global_batch, num_stages, dp, microbatches, schedu
         (f"{microbatches} microbatches (fixed)" if microbatches is not None
          else f"microbatch counts dividing the per-replica batch of {global_batch}/dp{limit}"),
         priced_schedule(schedule, best.local_stages).words(),
-        {"auto": "recompute per region", "none": "no recompute (pinned: --recompute none)",
-         "full": "every region that saves memory recomputed (pinned: --recompute full)"}[config.recompute],
+        {"auto": "recompute per region, whole (selective: only by --recompute selective)",
+         "none": "no recompute (pinned: --recompute none)",
+         "full": "every region that saves memory recomputed (pinned: --recompute full)",
+         "selective": "each attention core recomputed, no whole region (pinned: --recompute selective)"}[config.recompute],
     ]
     if cluster.is_homogeneous and best.local_stages > 1:
         parts.append(f"rank = {priced_schedule(schedule, best.local_stages).position_words()} * dp + replica "
@@ -423,5 +425,6 @@ def _enable_recompute(config) -> str:
     """The infeasible error's advice on recompute: a pinned "none" is named, a pinned "full" has no more
     to give (Note [recompute a user pins] in recompute_cost.py)."""
     return {"auto": "enable recompute, ", "full": "",
-            "none": "allow recompute (--recompute auto, or full: it was pinned off by --recompute none), "}[
+            "none": "allow recompute (--recompute auto, or full: it was pinned off by --recompute none), ",
+            "selective": "recompute whole regions (--recompute full or auto: selective recomputes only attention cores), "}[
         config.recompute]

@@ -1,6 +1,8 @@
 """Recompute a user pins (Note [recompute a user pins] in partitioner/solver/recompute_cost.py): the
 setting, its job-file key and flag, and the solver honouring "full" and "none" on hand instances."""
 
+import dataclasses
+
 import pytest
 
 from partitioner.cli import main
@@ -19,19 +21,24 @@ def test_the_setting_round_trips_and_auto_is_left_out_of_plan_json():
     assert full.recompute == "full" and TrainingSettings.from_dict(full.to_dict()) == full
 
 
-@pytest.mark.parametrize("value", ["selective", "partial", True])
-def test_anything_but_auto_none_full_is_refused_naming_the_value(value):
-    with pytest.raises(ValueError, match="training.recompute") as info:
+def test_selective_round_trips():  # Note [selective recompute] in partitioner/solver/recompute_cost.py
+    selective = TrainingSettings.from_dict({"recompute": "selective"})
+    assert TrainingSettings.from_dict(selective.to_dict()) == selective
+
+
+@pytest.mark.parametrize("value", ["partial", True])
+def test_anything_but_auto_none_full_selective_is_refused_naming_the_value(value):
+    with pytest.raises(ValueError, match="training.recompute"):
         TrainingSettings.from_dict({"recompute": value})
-    if value == "selective":  # not run as something else: said to be unbuilt, with what to use
-        assert "not built yet" in str(info.value) and "'full'" in str(info.value)
 
 
 def test_a_job_file_pins_it(tmp_path):
     (tmp_path / "job.toml").write_text('[training]\nrecompute = "full"\n')
     assert training_settings(load_job(tmp_path / "job.toml").training).recompute == "full"
-    (tmp_path / "bad.toml").write_text('[training]\nrecompute = "selective"\n')
-    with pytest.raises(ValueError, match=r"\[training\].recompute = 'selective' .* not built yet"):
+    (tmp_path / "sel.toml").write_text('[training]\nrecompute = "selective"\n')
+    assert training_settings(load_job(tmp_path / "sel.toml").training).recompute == "selective"
+    (tmp_path / "bad.toml").write_text('[training]\nrecompute = "partial"\n')
+    with pytest.raises(ValueError, match=r"\[training\].recompute = 'partial'"):
         load_job(tmp_path / "bad.toml")
 
 
@@ -41,14 +48,16 @@ def test_solver_config_has_one_recompute_setting_in_two_spellings():
     assert SolverConfig(recompute="full").allow_recompute
     with pytest.raises(ValueError, match="allow_recompute=False, recompute='full'"):
         SolverConfig(allow_recompute=False, recompute="full")
-    with pytest.raises(ValueError, match="not built yet"):
-        SolverConfig(recompute="selective")
+    selective = SolverConfig(recompute="selective")  # whole regions pinned off: the cores are the problem's
+    assert not selective.allow_recompute
+    assert dataclasses.replace(selective, time_limit_s=1).recompute == "selective"  # a copy stays selective
 
 
-def test_cli_refuses_selective_in_one_line_before_tracing(tmp_path, capsys):
-    code = main(["compile", "gpt:layers=2,width=32", "-o", str(tmp_path / "out"), "--recompute", "selective", "-q"])
+def test_cli_refuses_selective_under_tensor_parallelism_in_one_line_before_tracing(tmp_path, capsys):
+    code = main(["compile", "gpt:layers=2,width=32", "-o", str(tmp_path / "out"), "--recompute", "selective",
+                 "--devices", "2", "--tp", "2", "-q"])
     err = capsys.readouterr().err.strip()
-    assert code != 0 and len(err.splitlines()) == 1 and "not built yet" in err and "Traceback" not in err, err
+    assert code != 0 and len(err.splitlines()) == 1 and "selective recompute" in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
 
 
