@@ -2,21 +2,14 @@
 
 Note [sequence parallelism as a decision]: a tensor-parallel plan runs with sequence parallelism
 (Note [sequence parallelism] in runtime/parallel/tensor_parallel.py) when ``--sequence-parallel``
-says on, or says auto (the default) and the plan the solver chose is priced no slower with it (the
-compiler asks ``choose`` once the solver has chosen the layout; the search itself prices tp plans
-without it, so a layout that fits only with it is not found yet). Priced on top of
-``tp_priced_problem`` (partitioner/solver/tensor_groups.py), per region:
-- collectives: a row linear's all-reduce (2 (tp-1)/tp of its payload sent per member) becomes a
-  reduce-scatter ((tp-1)/tp) in forward and an all-gather ((tp-1)/tp) in backward; a column
-  group's input all-reduce in backward becomes a reduce-scatter, and its input is all-gathered in
-  forward: the same bytes and link latencies as before in all (``sent_bytes``), twice the calls
-  (each call's fixed cost, ``collective_fixed_s``, is what can make it slower: gloo on cpu; 0 on
-  accelerators, where it is then as fast and smaller);
-- activations: what a member held whole (everything but the split nodes' bytes) except the
-  column groups' gathered inputs, which the column linears save whole (``tp.comm_bwd_bytes``, the
-  payload of their backward collective), is held as a 1/tp sequence slice (``sliced_bytes``), and a
-  recomputed region's input too (Korthikanti et al. 2022's sbh/t); the first block of a stage runs
-  its first norm on the whole boundary tensor, which this does not count (a slight under-count).
+says on, or auto and the layout the solver chose is priced no slower with it (``choose`` runs after
+the solve: the search prices tp plans without it, so a layout that fits only with it is not found
+yet). Priced on top of ``tp_priced_problem``: each all-reduce becomes a reduce-scatter plus an
+all-gather, the same bytes and link latencies (``sent_bytes``) in twice the calls, so only a call's
+fixed cost (gloo on cpu; 0 on accelerators) can make it slower; what a member held whole, except
+the column linears' gathered inputs, is held as a 1/tp sequence slice (``sliced_bytes``, Korthikanti
+et al. 2022's sbh/t), a recomputed region's input too. A stage's first norm on the whole boundary
+tensor is not counted (a slight under-count).
 """
 
 from __future__ import annotations
