@@ -4,7 +4,7 @@ compares digests of what both computed, before the data-parallel all-reduce mixe
 Note [compute canaries]: replica digests (Note [replica digests] in runtime/resilience/sdc.py)
 compare state after the all-reduce, so a wrong product in a forward or backward matmul is averaged
 into every replica's gradient and no digest ever differs. A canary looks earlier. Every K-th step
-(``sdc_canary_every``; steps s with (s + 1) % K == 0) every rank records its stage's microbatch 0
+(runtime/features/canaries.py; steps s with (s + 1) % K == 0) every rank records its stage's microbatch 0
 as the schedule runs it: the inputs (stage 0: the microbatch; later stages: the received
 activations), the received output gradients (the last stage: the target), and the digests
 (``sdc.tensor_digest``) of the outputs, the loss, the input gradients and the parameter gradients
@@ -47,6 +47,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from runtime.execute import randomness
 from runtime.execute.precision import step_context
 from runtime.resilience.canary_rules import EXIT_EXCLUDE
+from runtime.resilience.exclusion import ExcludeRanks
 from runtime.resilience.faults import say
 from runtime.resilience.sdc import SilentDataCorruption, tensor_digest
 
@@ -349,7 +350,7 @@ class ComputeCanary:
                f"rank 0 ({mean / self.every * 1e3:.3g} ms/step{said})")
 
 
-class CanaryExclude(Exception):
+class CanaryExclude(ExcludeRanks):
     """Every rank leaves with EXIT_EXCLUDE: ``ranks`` computed wrongly twice (RUN_DIR/exclude.json)."""
 
     exit_code = EXIT_EXCLUDE  # runtime/launch/rank.py's main leaves with it
