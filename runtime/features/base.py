@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 class Setting:
     """One setting of a feature: its training key (job file, ``training=``, plan.json), its flag and help."""
 
-    key: str                       # "sdc_canary_every": job-file key, training key, plan.json key
+    key: str                       # the job-file key, the Python training= key, and plan.json's key
     help: str
     type: Callable | None = int    # int, float or str; None: a switch (run flags only)
     low: float | None = None       # the least value (ints, floats)

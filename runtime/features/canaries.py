@@ -7,7 +7,8 @@ from runtime.features.base import Feature, Hooks, Layout, Run, Setting
 from runtime.resilience.canary_rules import program_refusal, refusal
 
 EVERY = Setting("sdc_canary_every", "every K steps a second replica re-runs microbatch 0 of each stage and "
-                "compares digests before the all-reduce (0: never; default: the plan's)",
+                "compares digests before the all-reduce (0: never, the compile's default; needs dp > 1; on a run: "
+                "default the plan's)",
                 low=0, fix="give a number of steps >= 0 (0: no compute canaries)", run=True, metavar="K")
 PREDICTED = ("sdc_canary_s_per_step", "sdc_canary_bubble_s")  # plan.json "predicted" keys (Note [canary price])
 
