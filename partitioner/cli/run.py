@@ -13,7 +13,7 @@ from partitioner.solver.plan import Plan
 from runtime.launch.run_options import RunOptions
 from runtime.launch.signed_rendezvous import BACKEND as SIGNED, KEY_ENV
 from runtime.launch.torchrun import run_env, run_tree, torchrun_command
-from runtime.program.spec import load_plan
+from runtime.program.spec import PROGRAM_FORMAT, format_refusal, load_plan
 from runtime.features.registry import FEATURES
 from runtime.resilience.canary_rules import exit_code_after
 from runtime.resilience.exclusion import ROUND_ENV
@@ -32,8 +32,10 @@ def cmd_run(args) -> int:
 
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
-    plan = Plan.load(folder)
     program = (load_plan(str(folder)).get("program") or {})
+    if program.get("format_version") != PROGRAM_FORMAT:  # Note [program format]: before any worker starts
+        raise ValueError(f"{folder}: {format_refusal(program.get('format_version'))}")
+    plan = Plan.load(folder)
     rank_params = {r["rank"]: [n for k in r["stages"] for n in program["stages"][k]["params"]]
                    for r in program.get("ranks", ())}
     options.check_for(world_size=plan.world_size, sharded=program_sharded(plan),

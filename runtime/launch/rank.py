@@ -35,7 +35,7 @@ from runtime.features.base import Run
 from runtime.features.registry import FEATURES
 from runtime.resilience.exclusion import ExcludeRanks
 from runtime.errors import InputMismatchError, MissingPackageError, one_line_error
-from runtime.program.spec import Program, load_program
+from runtime.program.spec import Program, ProgramFormatError, load_program
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import command_text, free_port
 from runtime.launch.world import LaunchError, init_group, init_world, rank_device
@@ -215,7 +215,8 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
             # a launch mistake, a batch the program was not compiled for (Note [constant inputs] in
             # runtime/data/synthetic.py) or a package missing here (Note [what the runtime needs])
             # needs its message, not a traceback
-            told = isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError))
+            told = isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError,
+                                    ProgramFormatError))
             if not told:
                 traceback.print_exc()
             print(rank_error_lines(who, exc, whole=told), file=sys.stderr, flush=True)
@@ -285,7 +286,8 @@ def _resilience(program: Program, options: RunOptions, folder: str, rank: int, s
         keep=3 if options.keep_checkpoints is None else options.keep_checkpoints,
         fail_at=[faults.parse_fail_at(t) for t in options.fail_at], compression=compression,
         fail_persist=faults.parse_fail_persist(options.fail_persist) if options.fail_persist else None,
-        full_every=options.checkpoint_full_every or FULL_EVERY, flips=[faults.parse_flip_bit(t) for t in options.flip_bit],
+        full_every=options.checkpoint_full_every or FULL_EVERY,
+        flips=[faults.parse_flip_bit(t) for t in options.flip_bit],
         sdc_every=0 if sharded else sdc_every)  # a plan of an older compile may name one: it could see nothing
     if use_ckpt:
         ck.check_writable(out.ckpt_dir)

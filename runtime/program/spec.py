@@ -35,6 +35,10 @@ from runtime.program.parts import (DataSpec, InitSpec, MemoryTierPlan, Optimizer
 PROGRAM_FORMAT = 2
 
 
+class ProgramFormatError(PlanMismatchError):
+    """A program folder written in another format (Note [program format]): its message is the fix."""
+
+
 def format_refusal(found) -> str:
     return (f"the program was written in program format {found or 1}, and this runtime reads format "
             f"{PROGRAM_FORMAT} (Note [program format] in runtime/program/spec.py): recompile it with "
@@ -380,7 +384,7 @@ def load_program(folder: str) -> Program:
         raise ValueError(f"{folder}/plan.json has no \"program\" object (keys: {sorted(plan)})")
     data = dict(plan["program"])
     if data.get("format_version") != PROGRAM_FORMAT:  # Note [program format]: never misread
-        raise PlanMismatchError(f"{folder}: {format_refusal(data.get('format_version'))}")
+        raise ProgramFormatError(f"{folder}: {format_refusal(data.get('format_version'))}")
     data.setdefault("plan_hash", plan.get("plan_hash"))
     # What checkpoints record and check (runtime/resilience/checkpoint/manifest.py), from the plan's top level.
     data.setdefault("model_fingerprint", plan.get("model_fingerprint"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from _runtime_folders import mlp_folder
+from partitioner.cli import main
 from partitioner.config.settings import Decisions, TrainingSettings
 from runtime.errors import PlanMismatchError
 from runtime.features import registry
@@ -48,7 +49,7 @@ def test_a_plan_json_of_an_older_compile_reads_its_features_flat():
 
 
 @pytest.mark.parametrize("old", ["no version", "a feature's key of format 1"])
-def test_a_program_folder_of_the_older_format_is_refused_with_the_reason(tmp_path, old):
+def test_a_program_folder_of_the_older_format_is_refused_with_the_reason(tmp_path, old, capsys):
     mlp_folder(tmp_path, splits=[[0, 1, 2, 3]], ranks=[([0], 0)])
     assert load_program(str(tmp_path)).format_version == PROGRAM_FORMAT
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -60,3 +61,6 @@ def test_a_program_folder_of_the_older_format_is_refused_with_the_reason(tmp_pat
     with pytest.raises(PlanMismatchError, match=f"program format 1, and this runtime reads format {PROGRAM_FORMAT}.*"
                                                 "recompile"):
         load_program(str(tmp_path))
+    assert main(["run", str(tmp_path)]) == 2  # `partitioner run` says it before any worker starts
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "recompile" in err and not (tmp_path / "run").exists(), err
