@@ -274,9 +274,13 @@ def _replanned_features(out: str, options: RunOptions, rank: int) -> dict:
     from runtime.features.registry import FEATURES  # lazy: only a re-planned start
     from runtime.program.spec import load_plan  # lazy: loads the program's parts
 
+    def once(line: str) -> None:  # every rank decides alike; rank 0 says it
+        if rank == 0:
+            say(0, line)
+
     program, changed = load_plan(out).get("program") or {}, dict(options.features)
     for feature in FEATURES:
-        changed.update(feature.replanned(program, options, lambda line: rank == 0 and say(0, line)))
+        changed.update(feature.replanned(program, options, once))
     return changed
 
 
