@@ -62,6 +62,7 @@ def main() -> int:
     from partitioner.config.cluster import ClusterSpec
     from partitioner.models.builtin import gpt
     from runtime.execute.reference import train_reference_from_folder
+    from runtime.features.canaries import EVERY as CANARY
 
     root = tempfile.mkdtemp(prefix="exclusion_bench_")
     try:
@@ -69,7 +70,7 @@ def main() -> int:
         partitioner.compile(gpt(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1),
                             cluster=ClusterSpec.homogeneous(4, "cpu", devices_per_node=2), global_batch=8,
                             num_stages=1, dp=4, microbatches=2,
-                            training={"memory_tier": "auto", "sdc_every": 0, "sdc_canary_every": 2}).save(folder)
+                            training={"memory_tier": "auto", "sdc_every": 0, CANARY.key: 2}).save(folder)
         runs = {"clean": _run(folder, root, "clean", steps=args.steps, fault=None),
                 "exclude": _run(folder, root, "exclude", steps=args.steps, fault="3:3:permanent")}
         import torch

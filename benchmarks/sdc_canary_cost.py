@@ -54,6 +54,7 @@ def main() -> int:
     from partitioner.config.cluster import ClusterSpec
     from partitioner.models.builtin import gpt
     from partitioner.solver.plan import Plan
+    from runtime.features.canaries import EVERY as CANARY
 
     root = args.workdir or tempfile.mkdtemp(prefix="sdc_canary_cost_")
     model = gpt(layers=args.layers, width=args.width, heads=4, vocab=256, seq=32, dropout=0.1)
@@ -68,7 +69,7 @@ def main() -> int:
             folders[tag] = os.path.join(root, f"{world}_{tag}")
             partitioner.compile(model, cluster=ClusterSpec.homogeneous(world, "cpu"), global_batch=8,
                                 num_stages=stages, dp=2, microbatches=2,
-                                training={"sdc_every": 0, "sdc_canary_every": every}).save(folders[tag])
+                                training={"sdc_every": 0, CANARY.key: every}).save(folders[tag])
         job = []
         for tag, folder in folders.items():
             job += [folder, "--steps", str(args.steps), "--run-dir", f"{root}/run_{world}_{tag}",

@@ -31,6 +31,7 @@ cli/                      the `partitioner` command
 
 compiler.py               compile(): the straight list of named steps
 compiled.py               what compile() returns: the plan and what writing its program needs
+compile_features.py       the compile's side of the training features: their decisions and prices
 replan.py                 a program re-planned for the ranks left, on the same cuts, from its saved problem
 errors.py                 the domain errors (runtime's re-exported)
 __main__.py               ``python -m partitioner``

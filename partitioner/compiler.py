@@ -38,7 +38,6 @@ from partitioner.config.job import training_settings
 from partitioner.solver.plan import CutEdge, MemoryBreakdown, Plan, PlanRegion, PlanTie, StagePlan
 from partitioner.config.settings import Decisions, Request, TrainingSettings
 from partitioner.solver.candidates import validate_options
-from partitioner.solver.canary_cost import canary_seconds
 from partitioner.solver.evaluate import evaluate
 from partitioner.solver.grad_norm_cost import computes_global_norm
 from partitioner.solver.model import SolverConfig
@@ -57,7 +56,7 @@ from passes.region_graph import region_table
 from passes.tp_activations import any_row_scatters
 from runtime.execute import randomness
 from runtime.execute.grad_norm import no_decay_names
-from runtime.resilience.canary_rules import refusal as canary_refusal
+from partitioner.compile_features import feature_decisions, feature_prices, feature_sharding
 from runtime.resilience.memtier import memory_cost, plan_redundancy
 from runtime.program.parts import MemoryTierPlan, Precision
 from runtime.program.schedules import compiled_stages_refusal
@@ -161,8 +160,7 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
                              "see corruption when the optimizer state is sharded (each piece is updated by its "
                              "owner and gathered into every replica); drop --sdc-every, or --shard-optimizer off")
         shard = "off"  # the check was asked for: only replicated state lets it see anything
-    if settings.sdc_canary_every and shard == "auto":  # Note [compute canaries]: they run on replicated state
-        shard = "off"
+    shard = feature_sharding(settings, shard)  # Note [one feature, one module] in runtime/features/__init__.py
     no_decay = tuple(no_decay_names(workload.model, settings.no_weight_decay))
     machine = _machine_step(machine_profile, cluster, progress)  # Note [machine profile]
     if machine is not None:
@@ -255,16 +253,10 @@ def compile_request(workload: Workload, settings: TrainingSettings, request: Req
         from partitioner.solver.sdc_cost import default_every
 
         sdc_every = default_every(solution.assignment.dp)
-    canary_every = settings.sdc_canary_every or 0  # Note [compute canaries]: what the runtime cannot run is refused here
-    why = canary_refusal(canary_every, dp=solution.assignment.dp, tensor_parallel=tp, sharded=sharded,
-                         local_stages=solution.assignment.num_stages // solution.assignment.pipeline_ranks,
-                         schedule=solution.assignment.pipeline_schedule, what=f"sdc_canary_every={canary_every} (--sdc-canary-every)")
-    if why:
-        raise ValueError(why)
     sp, problem = choose_sequence_parallel(request.sequence_parallel, lambda t: any_row_scatters(gm, t), problem,
                                            cluster, solution, compile_stages=bool(settings.compile_stages))
     decisions = Decisions(precision=precision, shard_optimizer=sharded, sdc_every=sdc_every, no_decay=no_decay,
-                          sdc_canary_every=canary_every, sequence_parallel=sp)
+                          sequence_parallel=sp, features=feature_decisions(settings, solution.assignment, tp, sharded))
     plan = make_plan(workload, gm, problem, cluster, solution, global_batch, settings=settings, decisions=decisions,
                      tp=tp)
     if settings.recompute == "selective":  # what inspect says was recomputed (partitioner/inspect/table.py)
@@ -367,17 +359,8 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
     if settings.memory_tier is not None:
         decisions = dataclasses.replace(decisions, memory_tier=memory_tier_choice(
             settings.memory_tier, stages, cluster, assignment))
-    # Note [canary price] in partitioner/solver/canary_cost.py: what does not fit in the bubbles
-    dp_links = [link for s in range(assignment.num_stages)
-                if (link := cluster.slowest_link(assignment.device_of_stage_replica[s])) is not None]
-    canary_s, canary_bubble_s = canary_seconds(stages, every=decisions.sdc_canary_every,
-                                               world_size=assignment.pipeline_ranks * assignment.dp * tp,
-                                               latency_s=max((k.latency_s for k in dp_links), default=0.0),
-                                               bandwidth_bytes_per_s=min((k.bandwidth_bytes_per_s for k in dp_links),
-                                                                         default=1e9),
-                                               record_bytes=[float((stages[s - 1].send_bytes if s else 0)
-                                                                   + st.send_bytes) for s, st in enumerate(stages)])
-    step = cost.step_time_s + extra_s + canary_s
+    features_s, feature_predicted = feature_prices(stages, cluster, assignment, tp, decisions)
+    step = cost.step_time_s + extra_s + features_s
     return Plan(
         workload=workload.name,
         model_fingerprint=model_fingerprint(workload.model),
@@ -398,8 +381,7 @@ def make_plan(workload, gm, problem, cluster, solution, global_batch, *, setting
                    "samples_per_s": global_batch / step if step > 0 else 0.0,
                    "sdc_check_s_per_step": cost.sdc_check_s,  # in step_time_s (Note [cost model])
                    "grad_norm_s_per_step": cost.grad_norm_s,
-                   **({"sdc_canary_s_per_step": canary_s, "sdc_canary_bubble_s": canary_bubble_s}
-                      if decisions.sdc_canary_every else {}),
+                   **feature_predicted,  # Note [feature pricing] in runtime/features/__init__.py
                    # interleaved only: each rank's v stages on one device (Note [interleaved pricing])
                    **({"rank_peak_memory_bytes": [int(x) for x in cost.rank_memory_bytes]}
                       if cost.rank_memory_bytes else {}),

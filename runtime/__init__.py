@@ -14,6 +14,7 @@ execute/            a stage and its step: build, schedule, optimizer, precision,
 data/               what a step trains on: make_batch's input contract, built-in batches and losses
 parallel/           tensor groups, data-parallel gradient sync, ZeRO-1, the global gradient norm
 resilience/         checkpoint/ (disk tier), memtier/ (memory tier), recovery, SDC digests, faults
+features/           each training feature declared once: its settings, refusals, compile and run parts
 observe/            what a run reports: peak memory, stage times, the step line and TensorBoard
 
 errors.py           the runtime's errors (partitioner.errors re-exports them)

@@ -14,6 +14,7 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.errors import PartitionInfeasibleError
 from partitioner.models.builtin import load_workload
 from partitioner.solver.model import SolverConfig
+from runtime.features.canaries import EVERY as CANARY
 
 FACTORS = {
     "stages": [1, 2, 3],  # pipeline ranks (interleaved, zb, zbv: 2 stages on each)
@@ -29,7 +30,7 @@ FACTORS = {
     "lossless": [False, True],
     "memtier": [False, True],
     "compiled": [False, True],  # compile_stages: every stage's forward through torch.compile (inductor)
-    "canary": [False, True],  # sdc_canary_every: a replica re-runs a microbatch of another's stage
+    "canary": [False, True],  # compute canaries (runtime/features/canaries.py): a replica re-runs a microbatch of another's stage
     "eval": [False, True],  # --eval-every: val_loss on the validation split
     "corpus": [False, True],  # training.data: a byte-level corpus replaces the synthetic batches
 }
@@ -45,7 +46,7 @@ SYNTHETIC_VOCAB = ",vocab=64"
 
 # The pairs a runnable cell may not hold. REFUSED: name -> (the pair, what else its cell sets,
 # what the refusal must say); each is compiled and must be refused so, before anything runs.
-_CANARY = "sdc_canary_every=2 \\(--sdc-canary-every\\)"
+_CANARY = f"{CANARY.key}=2 \\({CANARY.flag}\\)"
 REFUSED = {
     "replica check with ZeRO": ({"zero": True, "sdc": True}, {"dp": 2},
                                 [r"sdc_every=2 with shard_optimizer on", r"cannot see corruption",
@@ -171,7 +172,7 @@ def compile_cell(row, corpus: str | None = None, memory_bytes: int | None = None
     group = {"kind": "cpu", "count": pp * dp * tp}
     if memory_bytes is not None:
         group["memory_bytes"] = int(memory_bytes)
-    training = {"sdc_every": SDC_EVERY if row["sdc"] else 0, "sdc_canary_every": CANARY_EVERY if row["canary"] else 0,
+    training = {"sdc_every": SDC_EVERY if row["sdc"] else 0, CANARY.key: CANARY_EVERY if row["canary"] else 0,
                 "compile_stages": row["compiled"]}
     if row["memtier"]:
         training["memory_tier"] = "auto"  # one host: every rank's own shared memory

@@ -25,6 +25,7 @@ from partitioner.cli.examples import EXAMPLES
 from partitioner.cli.progress import CompileProgress, end_open_lines
 from runtime.data.corpus.spec import absolute_spec
 from runtime.errors import import_failure
+from runtime.features.registry import settings as feature_settings
 from partitioner.config.cluster import ClusterSpec
 from partitioner.config.job import load_job, training_settings
 from partitioner.solver.plan import Plan
@@ -90,8 +91,9 @@ def cmd_compile(args) -> int:
         if args.sdc_every < 0:
             raise ValueError(f"--sdc-every {args.sdc_every}: give a number of steps >= 0 (0: no replica check)")
         training["sdc_every"] = args.sdc_every
-    if args.sdc_canary_every is not None:  # Note [compute canaries]; checked with the plan's layout by compile()
-        training["sdc_canary_every"] = args.sdc_canary_every
+    for setting in feature_settings(side="compile"):  # Note [one feature, one module]; checked by compile()
+        if getattr(args, setting.key, None) is not None:
+            training[setting.key] = getattr(args, setting.key)
     if args.mtbf is not None:
         training["mtbf_s"] = parse_duration_s(args.mtbf)
     if args.memory_tier is not None:
@@ -348,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--parity-group", type=int, help="nodes per parity group (default min(nodes, 4))")
     c.add_argument("--sdc-every", type=int, help="the plan compares its replicas' digests every K steps "
                    "(0: never; default 20 with dp > 1); its cost is in the predicted step")
-    c.add_argument("--sdc-canary-every", type=int, help="every K steps a second replica re-runs one microbatch of "
-                   "each stage and compares digests before the all-reduce (0: never, the default; needs dp > 1)")
+    for setting in feature_settings(side="compile"):  # Note [one feature, one module] in runtime/features/__init__.py
+        c.add_argument(setting.flag, type=setting.type, metavar=setting.metavar, help=setting.help)
     c.add_argument("--calibrate", action="store_true", help="measure every region on this machine, fit the "
                    "time model for its device kind and compile with it (see --profile-out)")
     c.add_argument("--no-calibrate", action="store_true", help="price cpu devices with the cpu preset's figures, "

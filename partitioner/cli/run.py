@@ -14,20 +14,15 @@ from runtime.launch.entry_files import refuse_old_shape
 from runtime.launch.run_options import RunOptions
 from runtime.launch.signed_rendezvous import BACKEND as SIGNED, KEY_ENV
 from runtime.launch.torchrun import run_env, run_tree, torchrun_command
-from runtime.program.spec import load_plan
-from runtime.resilience.canary_rules import exit_code_after, program_refusal
+from runtime.program.spec import PROGRAM_FORMAT, format_refusal, load_plan
+from runtime.features.registry import FEATURES
+from runtime.resilience.canary_rules import exit_code_after
 from runtime.resilience.exclusion import ROUND_ENV
 
 
 def program_sharded(plan) -> bool:
     """Whether the plan's program shards the optimizer state over its replicas (ZeRO-1)."""
     return plan.decisions.shard_optimizer and plan.dp > 1
-
-
-def has_eval_data(folder: Path) -> bool:
-    """Whether the program's data has a validation split (data.eval_batch), from plan.json's program."""
-    body = load_plan(str(folder))  # bounded (Note [files are not trusted])
-    return (body.get("program") or {}).get("data", {}).get("eval_batch") is not None
 
 
 def cmd_run(args) -> int:
@@ -39,15 +34,18 @@ def cmd_run(args) -> int:
     folder = Path(args.dir)
     options = RunOptions.from_namespace(args)  # Note [one flag table]: checked as every rank checks it
     refuse_old_shape(str(folder))  # Note [roles from the plan] in runtime/launch/entry_files.py
-    plan = Plan.load(folder)
     program = (load_plan(str(folder)).get("program") or {})
+    if program.get("format_version") != PROGRAM_FORMAT:  # Note [program format]: before any worker starts
+        raise ValueError(f"{folder}: {format_refusal(program.get('format_version'))}")
+    plan = Plan.load(folder)
     rank_params = {r["rank"]: [n for k in r["stages"] for n in program["stages"][k]["params"]]
                    for r in program.get("ranks", ())}
-    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan), eval_data=has_eval_data(folder),
+    options.check_for(world_size=plan.world_size, sharded=program_sharded(plan),
                       rank_params=rank_params,
                       plan_memory_tier=(program.get("memory_tier") or {}).get("mode") or "off")
-    if options.sdc_canary_every and (why := program_refusal(program, options.sdc_canary_every)):
-        raise ValueError(why)  # Note [compute canaries]: before any worker starts
+    for feature in FEATURES:  # Note [one feature, one module]: before any worker starts
+        if (why := feature.run_refusal(program, options)) is not None:
+            raise ValueError(why)
     if options.elastic:  # before any folder is made (Note [elastic run])
         from partitioner.cli.elastic import check_elastic
 

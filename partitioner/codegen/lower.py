@@ -34,6 +34,7 @@ from partitioner.frontend.user_source import OPTIONAL_ROLES, UserSources, derive
 from partitioner.frontend.workload import Workload
 from runtime.data.synthetic import constant_inputs
 from runtime.execute.materialize import fan_in_bound
+from runtime.features.registry import program_entries
 from runtime.program.spec import Program
 from runtime.program.parts import (DataSpec, InitSpec, Precision, RandomnessSpec, RankSpec, StageSpec, TensorSpec,
                                    TieSpec)
@@ -93,7 +94,7 @@ def program_spec(plan: Plan, stages, workload: Workload, *, keyed_ops=(), init: 
         "checkpoint_every": settings.checkpoint_every,
         "mtbf_s": settings.mtbf_s,  # --mtbf's default
         "sdc_every": decisions.sdc_every,  # Note [replica digests] (runtime/resilience/sdc.py)
-        "sdc_canary_every": decisions.sdc_canary_every or None,  # Note [compute canaries]: left out when off
+        "features": program_entries(decisions.features),  # Note [one feature, one module]
         # Note [mixed precision] (runtime/execute/precision.py), Note [global gradient norm]
         # (runtime/execute/grad_norm.py), Note [sharded optimizer state] (runtime/parallel/zero.py)
         "precision": decisions.precision,

@@ -25,10 +25,10 @@ A job file (TOML, docs/configuration.md)::
     clip_grad_norm = 1.0        # global gradient-norm clipping; leave out for none
     checkpoint_every = 200      # or mtbf = "6h"
     sdc_every = 20              # compare the replicas' digests every K steps (0: off; Note [replica digests])
-    sdc_canary_every = 0        # a compute canary every K steps (0: off; Note [compute canaries])
     seed = 0
     compile_stages = true       # torch.compile each stage (Note [compiled stages]); default off
     recompute = "full"          # auto | none | full (Note [recompute a user pins]); default auto
+                                # and each feature's keys (runtime/features/: its module says them)
 
     [cluster]                   # the cluster file's format, inline; or: cluster = "cluster.toml"
     [[cluster.group]]
@@ -44,6 +44,7 @@ from pathlib import Path
 from partitioner.config.settings import TRAINING_SCHEMA, TrainingSettings, check_table
 from partitioner.config.cluster import ClusterSpec, read_toml
 from runtime.data.corpus.spec import absolute_spec
+from runtime.features import registry
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -88,13 +89,13 @@ JOB_TRAINING_KEYS = {
     "precision": ("precision",),
     "checkpoint_every": ("checkpoint_every",),
     "sdc_every": ("sdc_every",),
-    "sdc_canary_every": ("sdc_canary_every",),
     "mtbf": ("mtbf_s",),
     "seed": ("seed",),
     "collective_timeout_s": ("collective_timeout_s",),
     "memory_tier": ("memory_tier",),
     "compile_stages": ("compile_stages",),  # Note [compiled stages] in runtime/execute/compile_stages.py
     "recompute": ("recompute",),  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
+    **{s.key: (s.key,) for s in registry.settings(side="compile")},  # Note [one feature, one module]
 }
 
 

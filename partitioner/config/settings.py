@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 
 from typing import Any
 
+from runtime.features import registry
+from runtime.program.parts import Values
 from runtime.program.parts import LR_SCHEDULES, MemoryTierPlan, OptimizerSettings, Precision
 
 RECOMPUTE_CHOICES = ("auto", "none", "full", "selective")  # Note [recompute a user pins] in partitioner/solver/recompute_cost.py
 GRANULARITIES = ("block", "sublayer", "op", "node")
-_OPTIONAL = ("sdc_every", "sdc_canary_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data",
+_OPTIONAL = ("sdc_every", "mtbf_s", "clip_grad_norm", "model_spec", "pretrained", "data",
              "compile_stages")
 
 
@@ -140,8 +142,6 @@ TRAINING_SCHEMA = {
     "checkpoint_every": lambda v, w: _integer(v, w, low=0),
     # Note [replica digests] (runtime/resilience/sdc.py); 0: off; left out: sdc_cost.default_every(dp)
     "sdc_every": lambda v, w: _integer(v, w, low=0),
-    # Note [compute canaries] (runtime/resilience/canary.py); 0 or left out: none
-    "sdc_canary_every": lambda v, w: _integer(v, w, low=0),
     "mtbf_s": _positive,
     "memory_tier": _memory_tier,
     "model_spec": _string,  # how `partitioner verify` rebuilds the model (set by the CLI)
@@ -155,6 +155,8 @@ TRAINING_SCHEMA = {
     "compile_stages": _boolean_or_none,
     # auto | none | full | selective (Note [recompute a user pins] in partitioner/solver/recompute_cost.py); left out: auto
     "recompute": check_recompute,
+    # each feature's own (Note [one feature, one module] in runtime/features/__init__.py)
+    **{s.key: s.check for s in registry.settings(side="compile")},
 }
 
 
@@ -182,7 +184,6 @@ class TrainingSettings:
     collective_timeout_s: float = 60.0
     checkpoint_every: int = 0           # 0: see mtbf_s, else only the last step
     sdc_every: int | None = None        # None: sdc_cost.default_every(dp) (Note [replica digests])
-    sdc_canary_every: int | None = None  # a compute canary every K steps; None or 0: none (Note [compute canaries])
     mtbf_s: float | None = None         # the checkpoint interval by Young/Daly
     memory_tier: MemoryTierPlan | None = None  # the request (mode auto|none|copy|parity); Decisions has the layout
     clip_grad_norm: float | None = None  # Note [global gradient norm] in runtime/execute/grad_norm.py; None: off
@@ -193,8 +194,10 @@ class TrainingSettings:
     data: str | None = None             # "tokens:DIR", "megatron:PREFIX", ...: a corpus replaces make_batch
     compile_stages: bool | None = None  # torch.compile the stages (Note [compiled stages]); None: off
     recompute: str = "auto"             # auto | none | full | selective (Note [recompute a user pins] in solver/recompute_cost.py)
+    features: Values = field(default_factory=Values)  # the features' keys given (Note [one feature, one module])
 
     def __post_init__(self):
+        object.__setattr__(self, "features", Values(self.features))
         for name in ("collective_timeout_s", "mtbf_s", "clip_grad_norm"):  # one JSON form however given
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -215,7 +218,8 @@ class TrainingSettings:
         tier = checked.get("memory_tier")
         if tier is not None:
             checked["memory_tier"] = MemoryTierPlan(mode=tier) if isinstance(tier, str) else MemoryTierPlan(**tier)
-        return TrainingSettings(**checked)
+        features = {k: checked.pop(k) for k in registry.decided_keys() if k in checked}
+        return TrainingSettings(**checked, features=Values(features))
 
     def to_dict(self) -> dict:
         """plan.json's "training": the keys the user can set, those left unset left out."""
@@ -223,6 +227,7 @@ class TrainingSettings:
                "seed": self.seed, "collective_timeout_s": self.collective_timeout_s,
                "checkpoint_every": self.checkpoint_every}
         out.update({name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None})
+        out.update(self.features)
         if self.memory_tier is not None:
             out["memory_tier"] = self.memory_tier.to_dict()
         if self.precision is not None:
@@ -275,12 +280,13 @@ class Decisions:
     shard_optimizer: bool = False       # AdamW state sharded over the replicas (ZeRO-1): the plan has dp > 1
     sequence_parallel: bool = False     # tp > 1 only: Note [sequence parallelism] in runtime/parallel/tensor_parallel.py
     sdc_every: int = 0                  # the replica check's interval (0: none)
-    sdc_canary_every: int = 0           # the compute canaries' interval (0: none; Note [compute canaries])
     no_decay: tuple[str, ...] = ()      # original names trained without weight decay (Note [no weight decay])
     memory_tier: dict | None = None     # compiler.memory_tier_choice: mode, requested, every, group_size,
                                         # hosts, groups and the host-memory figures; None: no tier
+    features: Values = field(default_factory=Values)  # what each feature decided (Note [one feature, one module])
 
     def __post_init__(self):
+        object.__setattr__(self, "features", Values(self.features))
         object.__setattr__(self, "precision", Precision.of(self.precision, "decisions.precision"))
         object.__setattr__(self, "no_decay", tuple(self.no_decay))
 
@@ -288,16 +294,16 @@ class Decisions:
     def from_dict(data: dict) -> "Decisions":
         if not isinstance(data, dict):
             raise ValueError(f"decisions must be a JSON object, got {data!r}: recompile the plan")
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(Decisions)})
+        features = {k: v for k, v in data.items() if k in registry.decided_keys()}
+        unknown = sorted(set(data) - set(features) - ({f.name for f in dataclasses.fields(Decisions)} - {"features"}))
         if unknown:
             raise ValueError(f"decisions has unknown keys {unknown} (a newer partitioner's plan?): recompile it")
-        return Decisions(**data)
+        return Decisions(**{k: v for k, v in data.items() if k not in features}, features=Values(features))
 
     def to_dict(self) -> dict:
         out = {"precision": self.precision.value, "shard_optimizer": self.shard_optimizer,
                "sdc_every": self.sdc_every, "no_decay": list(self.no_decay)}
-        if self.sdc_canary_every:  # written only when on: a plan compiled before canaries round-trips unchanged
-            out["sdc_canary_every"] = self.sdc_canary_every
+        out.update(self.features)  # flat, as before features had a table
         if self.memory_tier is not None:
             out["memory_tier"] = self.memory_tier
         if self.sequence_parallel:  # written only when on: a plan from before it round-trips unchanged

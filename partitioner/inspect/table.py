@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from partitioner.inspect.layout import layout_lines
+from runtime.features.registry import FEATURES, asked
 from partitioner.inspect.units import GIB, byte_unit, held, human_bytes, ms, render_columns, si
 
 if TYPE_CHECKING:  # annotations only
@@ -170,8 +171,8 @@ def table(plan: Plan) -> str:
         lines.append(memory_tier_line(plan.decisions.memory_tier))
     if plan.dp > 1:
         lines.append(sdc_line(plan))
-        if plan.decisions.sdc_canary_every:  # Note [canary price] in partitioner/solver/canary_cost.py
-            lines.append(canary_line(plan))
+    for feature in FEATURES:  # Note [one feature, one module] in runtime/features/__init__.py
+        lines += feature.inspect_lines(asked(feature, plan.decisions.features), plan.predicted, plan.dp, ms)
     return "\n".join(lines)
 
 
@@ -186,14 +187,6 @@ def sdc_line(plan) -> str:
     cost = plan.predicted.get("sdc_check_s_per_step", 0.0)
     return (f"replica check   digests of the {plan.dp} replicas compared every {every} steps, "
             f"{ms(cost)} ms/step in the predicted step")
-
-
-def canary_line(plan) -> str:
-    """The compute canaries' interval, what they add to the predicted step and the bubble they use."""
-    every = plan.decisions.sdc_canary_every
-    extra, bubble = plan.predicted.get("sdc_canary_s_per_step", 0.0), plan.predicted.get("sdc_canary_bubble_s", 0.0)
-    return (f"compute canary  a replica re-runs one microbatch of each stage every {every} steps, {ms(extra)} ms/step "
-            f"in the predicted step ({ms(bubble)} ms of re-runs per canary fit in pipeline bubbles)")
 
 
 def _first(items, n: int, *, join: bool = False) -> str:

@@ -26,6 +26,8 @@ ILP's objective (the slowest stage's F + B every K steps changes no partition ch
 
 from __future__ import annotations
 
+from runtime.features.canaries import EVERY, PREDICTED
+
 
 def canary_seconds(stages, *, every: int, world_size: int, record_bytes: list[float] | None = None,
                    bandwidth_bytes_per_s: float = 1e9, latency_s: float = 50e-6) -> tuple[float, float]:
@@ -48,3 +50,17 @@ def canary_seconds(stages, *, every: int, world_size: int, record_bytes: list[fl
         used += min(rerun, bubble)
         bubble += backward[s]
     return (max(0.0, extra) + max(0, world_size - 1) * latency_s) / every, used
+
+
+def predicted(decided, facts) -> tuple[float, dict]:
+    """(seconds added to the step, plan.json "predicted" entries) of the canaries ``decided`` (the
+    feature's decisions, Note [feature pricing] in runtime/features/__init__.py) on ``facts``."""
+    every = decided.get(EVERY.key) or 0
+    if not every:
+        return 0.0, {}
+    stages = facts.stages
+    per_step, bubble = canary_seconds(stages, every=every, world_size=facts.world_size, latency_s=facts.latency_s,
+                                      bandwidth_bytes_per_s=facts.bandwidth_bytes_per_s,
+                                      record_bytes=[float((stages[s - 1].send_bytes if s else 0) + st.send_bytes)
+                                                    for s, st in enumerate(stages)])
+    return per_step, dict(zip(PREDICTED, (per_step, bubble)))

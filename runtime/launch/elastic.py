@@ -251,7 +251,7 @@ def resolve(folder: str, options: RunOptions, init_group) -> tuple[str, RunOptio
                           fail_host=tuple(t for t in options.fail_host if int(t.split(":")[0]) in active),
                           fail_at=(), flip_bit=(), fail_persist=None,
                           fault_matmul=renumbered_faults(options.fault_matmul, survivors),
-                          sdc_canary_every=_canary_every(out, options, rank))
+                          features=_replanned_features(out, options, rank))
     excluded = exclusion.load(os.environ[exclusion.EXCLUSION_ENV]) if os.environ.get(exclusion.EXCLUSION_ENV) else None
     lost_unix = excluded.time_unix if excluded else _lost_unix(new.run_dir or os.path.join(folder, "run"))
     _switched.append(Switch(os.path.abspath(folder), out, survivors, tuple(hosts), alive,
@@ -269,20 +269,19 @@ def renumbered_faults(texts: tuple[str, ...], survivors: tuple[int, ...]) -> tup
     return tuple(out)
 
 
-def _canary_every(out: str, options: RunOptions, rank: int) -> int | None:
-    """The canary interval on the re-planned folder: off, said once, where its plan cannot run one
-    (dp 1 after the loss: no second replica; runtime/resilience/canary_rules.py)."""
+def _replanned_features(out: str, options: RunOptions, rank: int) -> dict:
+    """The features' run flags on the re-planned folder (each says once what it turns off)."""
+    from runtime.features.registry import FEATURES  # lazy: only a re-planned start
     from runtime.program.spec import load_plan  # lazy: loads the program's parts
-    from runtime.resilience.canary_rules import program_refusal  # lazy: as above
 
-    program = load_plan(out).get("program") or {}
-    every = options.sdc_canary_every if options.sdc_canary_every is not None else program.get("sdc_canary_every")
-    if every and program_refusal(program, int(every)):
+    def once(line: str) -> None:  # every rank decides alike; rank 0 says it
         if rank == 0:
-            say(0, f"elastic: the re-planned program has dp {program.get('dp')}: no compute canaries from here on "
-                   "(a canary needs a second replica)")
-        return 0
-    return options.sdc_canary_every
+            say(0, line)
+
+    program, changed = load_plan(out).get("program") or {}, dict(options.features)
+    for feature in FEATURES:
+        changed.update(feature.replanned(program, options, once))
+    return changed
 
 
 def _replan(folder: str, survivors, out: str, plan_hash: str | None) -> str | None:

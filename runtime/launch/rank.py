@@ -31,8 +31,11 @@ from datetime import timedelta
 
 from runtime.resilience import faults
 from runtime.launch.entry_files import refuse_old_shape
+from runtime.features.base import Run
+from runtime.features.registry import FEATURES
+from runtime.resilience.exclusion import ExcludeRanks
 from runtime.errors import InputMismatchError, MissingPackageError, one_line_error
-from runtime.program.spec import Program, load_program
+from runtime.program.spec import Program, ProgramFormatError, load_program
 from runtime.launch.run_options import FlagError, RunOptions
 from runtime.launch.torchrun import command_text, free_port
 from runtime.launch.world import LaunchError, init_group, init_world, rank_device
@@ -213,7 +216,8 @@ def main(folder: str, rank: int | None = None, *, steps: int | None = None,
             # a launch mistake, a batch the program was not compiled for (Note [constant inputs] in
             # runtime/data/synthetic.py) or a package missing here (Note [what the runtime needs])
             # needs its message, not a traceback
-            told = isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError))
+            told = isinstance(exc, (LaunchError, InputMismatchError, FlagError, MissingPackageError,
+                                    ProgramFormatError))
             if not told:
                 traceback.print_exc()
             print(rank_error_lines(who, exc, whole=told), file=sys.stderr, flush=True)
@@ -233,81 +237,144 @@ def _first_replanned_start(folder: str, run_dir: str) -> bool:
     return sw is not None and sw.folder == folder and not os.path.exists(os.path.join(run_dir, sw.done_marker))
 
 
-def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
-          options: RunOptions | None = None):
-    folder = os.path.abspath(folder)
-    options = options or RunOptions()
-    program = load_program(folder)
-    rank, world, local_rank = read_env(program, folder, rank)
-    if (why := pipeline_refusal(program)) is not None:  # Note [torch 2.11's pipelining]
-        raise LaunchError(why)
-    # Checkpoint and fault settings are checked before anything slow (and before training).
-    from runtime.resilience import checkpoint as ck
+@dataclasses.dataclass
+class _Resilience:
+    """The rank's checkpoint, fault-drill and replica-check settings, checked before anything slow."""
 
-    if steps is not None and steps < 1:
-        raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
-    sharded = program.shard_optimizer and program.dp > 1
-    options.check_for(world_size=world, sharded=sharded, steps=steps,  # as `partitioner run` did: hand starts too
-                      eval_data=program.data.eval_batch is not None)
-    if options.collective_timeout is not None:
-        program = dataclasses.replace(program, collective_timeout_s=options.collective_timeout)
+    use_ckpt: bool
+    ckpt_dir: str
+    every: int
+    mtbf_s: float | None
+    keep: int
+    fail_at: list
+    fail_persist: object
+    compression: str
+    full_every: int
+    sdc_every: int
+    flips: list
+    memory_settings: object
+    checkpointer: object = None
+    memory: object = None
+    check: object = None
+
+
+def _resilience(program: Program, options: RunOptions, folder: str, rank: int, sharded: bool) -> _Resilience:
+    from runtime.resilience import checkpoint as ck, memtier, sdc  # lazy: loads torch
+    from runtime.resilience.checkpoint.delta import FULL_EVERY, _zstd  # lazy: loads torch
+
     use_ckpt = not options.no_checkpoint
-    ckpt_dir = os.path.abspath(options.checkpoint_dir or os.path.join(folder, "checkpoints"))
     every, mtbf_s = options.checkpoint_every, options.mtbf_s
     if every is None and mtbf_s is None:
         every = program.checkpoint_every or 0
         mtbf_s = None if every else program.mtbf_s
-    keep = 3 if options.keep_checkpoints is None else options.keep_checkpoints
-    fail_at = [faults.parse_fail_at(t) for t in options.fail_at]
-    fail_persist = faults.parse_fail_persist(options.fail_persist) if options.fail_persist else None
-    from runtime.resilience import sdc  # lazy: loads torch
-    # lazy: loads torch
-    from runtime.resilience.checkpoint.delta import FULL_EVERY, _zstd
-
     compression = options.checkpoint_compression or "none"
-    full_every = options.checkpoint_full_every or FULL_EVERY
     if compression == "lossless":
         _zstd()  # a missing zstandard is a clear error here, not in the first persist
     sdc_every = options.sdc_every
     if sdc_every is None:
         sdc_every = sdc.DEFAULT_EVERY if program.sdc_every is None else program.sdc_every
-    if sharded:  # a plan of an older compile may still name one: it could not see anything
-        sdc_every = 0
-    flips = [faults.parse_flip_bit(t) for t in options.flip_bit]
-    from runtime.resilience.canary_rules import refusal as canary_refusal  # Note [compute canaries]
-
-    canary_every = program.sdc_canary_every if options.sdc_canary_every is None else options.sdc_canary_every
-    if (why := canary_refusal(canary_every or 0, dp=program.dp, tensor_parallel=program.tensor_parallel,
-                              local_stages=len(program.layout.stages_of_rank[rank]), sharded=sharded,
-                              schedule=program.pipeline_schedule)):
-        raise LaunchError(why)
-    from runtime.resilience import memtier  # lazy: loads torch
-
+    for feature in FEATURES:  # Note [one feature, one module] in runtime/features/__init__.py
+        if (why := feature.rank_refusal(program, options, rank)) is not None:
+            raise LaunchError(why)
     memory_settings = memtier.settings_from(program.memory_tier, options) if use_ckpt else None
     if memory_settings is not None and program.tensor_parallel > 1:  # Note [what tensor parallelism runs with]
-        from runtime.parallel.tensor_parallel import memory_tier_refusal
+        from runtime.parallel.tensor_parallel import memory_tier_refusal  # lazy: only a tp program
 
         raise LaunchError(memory_tier_refusal(memory_settings.mode, program.tensor_parallel))
+    out = _Resilience(
+        use_ckpt=use_ckpt, every=every or 0, mtbf_s=mtbf_s, memory_settings=memory_settings,
+        ckpt_dir=os.path.abspath(options.checkpoint_dir or os.path.join(folder, "checkpoints")),
+        keep=3 if options.keep_checkpoints is None else options.keep_checkpoints,
+        fail_at=[faults.parse_fail_at(t) for t in options.fail_at], compression=compression,
+        fail_persist=faults.parse_fail_persist(options.fail_persist) if options.fail_persist else None,
+        full_every=options.checkpoint_full_every or FULL_EVERY,
+        flips=[faults.parse_flip_bit(t) for t in options.flip_bit],
+        sdc_every=0 if sharded else sdc_every)  # a plan of an older compile may name one: it could see nothing
     if use_ckpt:
-        ck.check_writable(ckpt_dir)
-    # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
-    import torch.distributed as dist
+        ck.check_writable(out.ckpt_dir)
+    return out
 
-    # lazy: loads torch
-    from runtime.execute.schedule import schedule_text
-    from runtime.parallel.grad_sync import create_groups  # lazy: loads torch
-    from runtime.execute.train import RankTrainer  # lazy: loads torch
+
+def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | None,
+          options: RunOptions | None = None):
+    folder, options = os.path.abspath(folder), options or RunOptions()
+    program = load_program(folder)
+    rank, world, local_rank = read_env(program, folder, rank)
+    if (why := pipeline_refusal(program)) is not None:  # Note [torch 2.11's pipelining]
+        raise LaunchError(why)
+    if steps is not None and steps < 1:
+        raise LaunchError(f"--steps {steps}: train at least 1 step (e.g. --steps 20)")
+    sharded = program.shard_optimizer and program.dp > 1
+    options.check_for(world_size=world, sharded=sharded, steps=steps)  # as `partitioner run` did: hand starts too
+    if options.collective_timeout is not None:
+        program = dataclasses.replace(program, collective_timeout_s=options.collective_timeout)
+    res = _resilience(program, options, folder, rank, sharded)  # before anything slow (and before training)
+    # Heavy imports (torch.distributed.pipelining takes seconds) only after the cheap checks.
+    from runtime.parallel import control  # lazy: loads torch; Note [the control group]
+    from runtime.resilience import sdc  # lazy: loads torch
+    from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
 
     steps = program.steps_to_train if steps is None else steps
     run_dir = run_dir or os.path.join(folder, "run")
-    timeout = timedelta(seconds=float(program.collective_timeout_s))
-    # lazy: loads torch
-    from runtime.execute.train import seed_host_generators
+    trainer, device, owns_group = _start(folder, program, rank, world, local_rank, run_dir)
+    if res.use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
+        from runtime.resilience.checkpoint.shared import check_shared  # lazy: loads torch
 
-    seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/execute/train.py
+        check_shared(res.ckpt_dir, rank, hosts_of_ranks(world, options.hosts), device)
+    if rank == 0:
+        from runtime.execute.schedule import schedule_text  # lazy: loads torch
+
+        print(f"program {program.plan_hash}: {world} ranks, {program.num_stages} "
+              f"stages x dp {program.dp}, {steps} steps\n" + ("" if options.quiet else schedule_text(program)),
+              end="", flush=True)
+    start_step = _recover(trainer, res, options, folder, run_dir, steps, owns_group) if res.use_ckpt else 0
+    before_step, after_step = _core_hooks(trainer, res, options, program, rank, world, run_dir, steps, start_step)
+    control.startup_barrier()  # Note [start-up barrier]: each rank's restore took its own time
+    hooks = [h for f in FEATURES if (h := f.attach(Run(  # Note [one feature, one module]
+        program=program, options=options, rank=rank, world=world, trainer=trainer, folder=folder, run_dir=run_dir,
+        start_step=start_step, steps=steps, device=device, hosts=hosts_of_ranks(world, options.hosts)))) is not None]
+    before_step = _chain(before_step, *(h.before_step for h in hooks))
+    after_step = _chain(*(h.after_step for h in hooks), after_step)
+    for hook in hooks:
+        after_step = hook.wrap_after_step(after_step) if hook.wrap_after_step else after_step
+    evaluator = next((h.evaluator for h in hooks if h.evaluator is not None), None)
+    quiet_every = options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))
+    while True:
+        try:
+            losses = trainer.run(steps, start_step=min(start_step, steps), before_step=before_step,
+                                 log_every=max(1, quiet_every if options.quiet else 1), after_step=after_step,
+                                 evaluator=evaluator)
+            break
+        except sdc.SilentDataCorruption as exc:  # on every rank alike: roll back together, train on
+            start_step = sdc.roll_back(trainer, exc, ckpt_dir=res.ckpt_dir if res.use_ckpt else None,
+                                       checkpointer=res.checkpointer, memory=res.memory,
+                                       check=res.check or next((h.digest_check for h in hooks if h.digest_check), None))
+            for hook in (h for h in hooks if h.rolled_back is not None):
+                hook.rolled_back(start_step)
+        except ExcludeRanks as exc:  # Note [excluding a host]: nothing after the fault stays restorable
+            if res.use_ckpt:
+                from runtime.resilience.exclusion import set_aside  # lazy: only on an exclusion
+
+                set_aside(res.ckpt_dir, exc.good_step, rank, run_dir, res.checkpointer, res.memory)
+            raise
+    for done in [res.check and res.check.finish] + [h.finish for h in hooks]:
+        if done is not None:
+            done()
+    _finish(trainer, res, owns_group)
+    return losses
+
+
+def _start(folder: str, program: Program, rank: int, world: int, local_rank: int, run_dir: str):
+    """(trainer, device, whether this call made the default group): the environment, groups, trainer."""
+    import torch.distributed as dist  # lazy: loads torch
 
     from runtime.execute.precision import device_numerics  # lazy: loads torch
+    from runtime.execute.train import RankTrainer, seed_host_generators  # lazy: loads torch
+    from runtime.parallel import control  # lazy: loads torch; Note [the control group]
+    from runtime.parallel.grad_sync import create_groups  # lazy: loads torch
 
+    timeout = timedelta(seconds=float(program.collective_timeout_s))
+    seed_host_generators(program.seed + rank)  # Note [global generators] in runtime/execute/train.py
     device_numerics(program.device, program.precision)  # before any CUDA work: Note [deterministic kernels on a GPU]
     device = rank_device(program.device, local_rank)
     # A caller that already set up the default group (a test driver, a notebook) keeps it.
@@ -318,126 +385,88 @@ def _main(folder: str, rank: int | None, *, steps: int | None, run_dir: str | No
         raise LaunchError(f"the existing process group is rank {dist.get_rank()} of "
                           f"{dist.get_world_size()}, the program wants rank {rank} of {world}")
     # On an error nothing below is unwound politely: main() exits hard (Note [no hangs]).
-    layout = program.layout
-    groups = create_groups(layout, rank, timeout=timeout)
-    from runtime.parallel import control  # lazy: loads torch; Note [the control group]
-
+    groups = create_groups(program.layout, rank, timeout=timeout)
     control.make_control_group(timeout)
     trainer = RankTrainer(folder, program, rank, device=device, groups=groups, run_dir=run_dir)
     control.startup_barrier()  # Note [start-up barrier]: compiled stages, pretrained weights
-    evaluator = None
-    if options.eval_every is not None:  # Note [evaluation on the pipeline] in runtime/execute/validation.py
-        from runtime.execute.validation import Evaluator  # lazy: only a run that evaluates
+    return trainer, device, owns_group
 
-        evaluator = Evaluator(trainer, every=options.eval_every, batches=options.eval_batch_count)
-    if use_ckpt:  # Note [shared checkpoint folder]: across nodes, say so when it is not one folder
-        from runtime.resilience.checkpoint.shared import check_shared
-        # lazy: loads torch
-        from runtime.resilience.memtier import hosts_of_ranks
 
-        check_shared(ckpt_dir, rank, hosts_of_ranks(world, options.hosts), device)
-    quiet = options.quiet
-    if rank == 0:
-        print(f"program {program.plan_hash}: {world} ranks, {program.num_stages} "
-              f"stages x dp {program.dp}, {steps} steps\n" + ("" if quiet else schedule_text(program)),
-              end="", flush=True)
-    start_step = 0
-    checkpointer = None
-    if use_ckpt:
-        # lazy: loads torch
-        from runtime.resilience.checkpoint import Checkpointer
-        # lazy: loads torch
-        from runtime.resilience.recovery import recover, recover_any
+def _recover(trainer, res: _Resilience, options: RunOptions, folder: str, run_dir: str, steps: int,
+             owns_group: bool) -> int:
+    """The step to train from, with the memory tier and the Checkpointer set on ``res``."""
+    import torch.distributed as dist  # lazy: loads torch
 
-        memory = None
-        if memory_settings is not None:  # created before the Checkpointer's group, on every rank
-            memory = memtier.MemoryTier(trainer, memory_settings, ckpt_dir=ckpt_dir, timeout=timeout,
-                                        run_dir=run_dir)
-            memory = memory if memory.enabled else None  # no room in shared memory: disk only (warned)
-        if options.elastic and _first_replanned_start(folder, run_dir):  # Note [memory handover]
-            from runtime.launch.elastic import recover_switched  # lazy: only a re-planned start
+    from runtime.parallel import control  # lazy: loads torch
+    from runtime.resilience import memtier  # lazy: loads torch
+    from runtime.resilience.checkpoint import Checkpointer  # lazy: loads torch
+    from runtime.resilience.recovery import recover, recover_any  # lazy: loads torch
 
-            start_step = recover_switched(trainer, ckpt_dir, options, run_dir)
-        elif memory_settings is not None:
-            start_step = recover_any(trainer, ckpt_dir, memory, run_dir=run_dir)
-        else:
-            start_step = recover(trainer, ckpt_dir)
-        if start_step > steps:  # resuming would train nothing and save the resumed state as final
-            if owns_group:  # nothing runs on it any more, every rank refuses alike: leave it clean
-                control.release()
-                dist.destroy_process_group()
-            raise ResumeBeyondStepsError(
-                f"--steps {steps}: the checkpoint to resume from in {ckpt_dir} is at step {start_step}, "
-                f"past it; pass --steps {start_step + 1} or more to continue, or another --checkpoint-dir "
-                "to start over")
-        checkpointer = Checkpointer(trainer, ckpt_dir, every=every or 0, keep=keep, mtbf_s=mtbf_s,
-                                    timeout=timeout, start_step=start_step,
-                                    persist_fault=fail_persist, compression=compression, full_every=full_every,
-                                    stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{rank}.jsonl"))
-    from runtime.resilience import canary as canaries  # lazy: loads torch; Note [compute canaries]
+    timeout = timedelta(seconds=float(trainer.program.collective_timeout_s))
+    if res.memory_settings is not None:  # created before the Checkpointer's group, on every rank
+        memory = memtier.MemoryTier(trainer, res.memory_settings, ckpt_dir=res.ckpt_dir, timeout=timeout,
+                                    run_dir=run_dir)
+        res.memory = memory if memory.enabled else None  # no room in shared memory: disk only (warned)
+    if options.elastic and _first_replanned_start(folder, run_dir):  # Note [memory handover]
+        from runtime.launch.elastic import recover_switched  # lazy: only a re-planned start
 
+        start_step = recover_switched(trainer, res.ckpt_dir, options, run_dir)
+    elif res.memory_settings is not None:
+        start_step = recover_any(trainer, res.ckpt_dir, res.memory, run_dir=run_dir)
+    else:
+        start_step = recover(trainer, res.ckpt_dir)
+    if start_step > steps:  # resuming would train nothing and save the resumed state as final
+        if owns_group:  # nothing runs on it any more, every rank refuses alike: leave it clean
+            control.release()
+            dist.destroy_process_group()
+        raise ResumeBeyondStepsError(
+            f"--steps {steps}: the checkpoint to resume from in {res.ckpt_dir} is at step {start_step}, "
+            f"past it; pass --steps {start_step + 1} or more to continue, or another --checkpoint-dir "
+            "to start over")
+    res.checkpointer = Checkpointer(
+        trainer, res.ckpt_dir, every=res.every, keep=res.keep, mtbf_s=res.mtbf_s, timeout=timeout,
+        start_step=start_step, persist_fault=res.fail_persist, compression=res.compression,
+        full_every=res.full_every, stats_path=os.path.join(run_dir, f"checkpoint_stats_rank_{trainer.rank}.jsonl"))
+    return start_step
+
+
+def _core_hooks(trainer, res: _Resilience, options: RunOptions, program: Program, rank: int, world: int,
+                run_dir: str, steps: int, start_step: int):
+    """(before_step, after_step) of the core: the fault drills, the checkpoint tiers, the replica check."""
+    from runtime.resilience import sdc  # lazy: loads torch
     from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
 
-    canary = canaries.attach(trainer, canary_every or 0, run_dir=run_dir, start_step=start_step,
-                             hosts=hosts_of_ranks(world, options.hosts))
-    before_step = _chain(_where, faults.step_hook(fail_at, rank, run_dir),
-                         faults.flip_hook(flips, rank, trainer.named_parameters(), run_dir),
+    before_step = _chain(_where, faults.step_hook(res.fail_at, rank, run_dir),
+                         faults.flip_hook(res.flips, rank, trainer.named_parameters(), run_dir),
                          faults.matmul_hook([faults.parse_fault_matmul(t) for t in options.fault_matmul], rank,
-                                            trainer.modules, run_dir), canary and canary.before_step)
-    _at["ckpt_dir"] = ckpt_dir if use_ckpt else None
-    after_step = checkpointer.after_step if checkpointer else None
-    if use_ckpt and memory is not None:
-        before_step = _chain(memory.fault_hook(), before_step)
-        after_step = _chain(memory.after_step, after_step)
+                                            trainer.modules, run_dir))
+    _at["ckpt_dir"] = res.ckpt_dir if res.use_ckpt else None
+    after_step = res.checkpointer.after_step if res.checkpointer else None
+    if res.memory is not None:
+        before_step = _chain(res.memory.fault_hook(), before_step)
+        after_step = _chain(res.memory.after_step, after_step)
     elif options.fail_host:  # no memory tier to wipe: the host's ranks die all the same (a drill of the disk tier)
-        from runtime.resilience.memtier import hosts_of_ranks  # lazy: loads torch
-
         host = hosts_of_ranks(world, options.hosts)[rank]
         before_step = _chain(faults.host_hook([faults.parse_fail_host(t) for t in options.fail_host], host=host,
                                               rank=rank, marker=os.path.join(run_dir, f".lost_host_{host}"),
                                               run_dir=run_dir), before_step)
-    check = None  # Note [replica digests] in runtime/resilience/sdc.py: before the checkpoint points of a step
-    if sdc_every and program.dp > 1:
-        check = sdc.ReplicaCheck(trainer, sdc_every, run_dir=run_dir, last_step=steps,
-                                 also_at=checkpointer.due if checkpointer else None, start_step=start_step)
-        after_step = _chain(check.after_step, after_step)
-    log_every = (options.log_every or max(1, -(-(steps - min(start_step, steps)) // 10))) if quiet else 1
-    control.startup_barrier()  # Note [start-up barrier]: each rank's restore took its own time
-    from runtime.observe import memory as peak  # lazy: loads torch
+    if res.sdc_every and program.dp > 1:  # Note [replica digests] in runtime/resilience/sdc.py: before the checkpoint
+        res.check = sdc.ReplicaCheck(trainer, res.sdc_every, run_dir=run_dir, last_step=steps, start_step=start_step,
+                                     also_at=res.checkpointer.due if res.checkpointer else None)
+        after_step = _chain(res.check.after_step, after_step)
+    return before_step, after_step
 
-    measured = device.type == "cuda" or peak.requested(options.measure_memory)
-    meter = peak.PeakMemory(trainer).start() if measured else None
-    if meter is not None:
-        after_step = meter.unmeasured(after_step)
-    while True:
-        try:
-            losses = trainer.run(steps, start_step=min(start_step, steps), log_every=max(1, log_every),
-                                 before_step=before_step, after_step=after_step, evaluator=evaluator)
-            break
-        except sdc.SilentDataCorruption as exc:  # on every rank alike: roll back together, train on
-            start_step = sdc.roll_back(trainer, exc, ckpt_dir=ckpt_dir if use_ckpt else None,
-                                       checkpointer=checkpointer, memory=memory if use_ckpt else None,
-                                       check=check or canary)
-            if canary is not None:
-                canary.rolled_back(start_step)
-        except canaries.CanaryExclude as exc:  # Note [excluding a host]: nothing after the fault stays restorable
-            if use_ckpt:
-                from runtime.resilience.exclusion import set_aside  # lazy: only on an exclusion
 
-                set_aside(ckpt_dir, exc.good_step, rank, run_dir, checkpointer, memory)
-            raise
-    for done in (check, canary):
-        if done is not None:
-            done.finish()
-    if meter is not None:
-        meter.stop()
-        peak.report(meter, folder=folder, rank=rank, run_dir=run_dir)
-    if checkpointer is not None:
-        checkpointer.finish()
-        if memory is not None:
-            memory.finish()  # after the last disk checkpoint is committed: then the memory tier goes
+def _finish(trainer, res: _Resilience, owns_group: bool) -> None:
+    import torch.distributed as dist  # lazy: loads torch
+
+    from runtime.parallel import control  # lazy: loads torch
+
+    if res.checkpointer is not None:
+        res.checkpointer.finish()
+        if res.memory is not None:
+            res.memory.finish()  # after the last disk checkpoint is committed: then the memory tier goes
     trainer.save_final()
     if owns_group:
         control.release()
         dist.destroy_process_group()
-    return losses

@@ -21,10 +21,12 @@ import argparse
 import dataclasses
 import difflib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from runtime.errors import FlagError
+from runtime.features import registry
+from runtime.program.parts import Values
 from runtime.resilience import faults
 
 # = runtime.resilience.checkpoint.delta.MAX_FULL_EVERY, repeated: that module loads torch
@@ -51,7 +53,6 @@ class Flag:
 
 
 MEMORY_TIER_MODES = ("off", "auto", "none", "copy", "parity")
-DEFAULT_EVAL_BATCHES = 4  # enough samples for a steady curve, cheap next to the steps between passes
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--steps", int, "train until this many steps are done (default: the plan's steps)"),
@@ -73,8 +74,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--flip-bit", str, "RANK:STEP[:TENSOR]: flip one bit of a parameter before STEP (silent data "
          "corruption drill, first attempt)", repeat=True),
     Flag("--sdc-every", int, "compare the replicas' digests every K steps (0: never; default: the plan's)"),
-    Flag("--sdc-canary-every", int, "every K steps a second replica re-runs microbatch 0 of each stage and compares "
-         "digests before the all-reduce (0: never; default: the plan's)"),
     Flag("--fault-matmul", str, "RANK:STEP[:permanent]: a faulty matmul on RANK from STEP on (compute-fault drill, "
          "first attempt; transient: gone after a rollback)", repeat=True),
     Flag("--collective-timeout", float, "seconds every collective may wait (default: the plan's)"),
@@ -93,18 +92,12 @@ FLAGS: tuple[Flag, ...] = (
          "runtime/launch/elastic.py)"),
     Flag("--host-timeout", float, "with --elastic: seconds a lost host may take to come back before the survivors "
          "re-plan without it (default 5)", side="run"),
-    Flag("--measure-memory", None, "measure each rank's peak memory and print it next to the plan's prediction "
-         "(RUN_DIR/memory_rank_<r>.json; always on with CUDA; on CPU also $PARTITIONER_MEASURE_MEMORY=1)"),
     Flag("--quiet", None, "rank 0 prints every Nth step and the final summary only (no schedule table)",
          short="-q"),
     Flag("--log-every", int, "with --quiet: the step lines' interval (default: about 10 lines per run)",
          metavar="N"),
-    Flag("--eval-every", int, "every K steps (and after the last) a forward-only pass over the validation split: "
-         "val_loss in metrics.jsonl (default: no evaluation; needs a program compiled with --data tokens:DIR "
-         "whose folder has a val split)", metavar="K"),
-    Flag("--eval-batches", int, "with --eval-every: global batches of the validation split per pass, the same "
-         f"ones each time (default {DEFAULT_EVAL_BATCHES})", metavar="N"),
-)
+) + tuple(Flag(s.flag, s.type, s.help, metavar=s.metavar) for s in registry.settings(side="run"))
+FEATURE_FLAGS = {s.key: s for s in registry.settings(side="run")}  # Note [one feature, one module]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +118,6 @@ class RunOptions:
     checkpoint_full_every: int | None = None
     flip_bit: tuple[str, ...] = ()
     sdc_every: int | None = None
-    sdc_canary_every: int | None = None  # Note [compute canaries] in runtime/resilience/canary.py
     fault_matmul: tuple[str, ...] = ()
     collective_timeout: float | None = None
     memory_tier: str | None = None
@@ -136,13 +128,12 @@ class RunOptions:
     fail_host: tuple[str, ...] = ()
     elastic: bool = False
     host_timeout: float | None = None
-    measure_memory: bool = False
     quiet: bool = False
     log_every: int | None = None
-    eval_every: int | None = None  # None: no evaluation (Note [evaluation on the pipeline] in runtime/execute/validation.py)
-    eval_batches: int | None = None  # None: DEFAULT_EVAL_BATCHES when eval_every is given
+    features: Values = field(default_factory=Values)  # the features' run flags given, by setting key
 
     def __post_init__(self):
+        object.__setattr__(self, "features", Values(self.features))
         for name in ("fail_at", "flip_bit", "fail_host", "fault_matmul"):
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
         _check_values(self)
@@ -163,7 +154,8 @@ class RunOptions:
     @staticmethod
     def from_namespace(namespace) -> "RunOptions":
         given = {f.dest: getattr(namespace, f.dest) for f in FLAGS if getattr(namespace, f.dest, None) is not None}
-        return RunOptions(**given)
+        features = {k: given.pop(k) for k in FEATURE_FLAGS if k in given}
+        return RunOptions(**given, features=features)
 
     def to_argv(self) -> list[str]:
         """These options as train.py's flags: the ones given, of the sides a rank takes."""
@@ -171,7 +163,7 @@ class RunOptions:
         for flag in FLAGS:
             if flag.side == "run":
                 continue
-            value = getattr(self, flag.dest)
+            value = self.features.get(flag.dest) if flag.dest in FEATURE_FLAGS else getattr(self, flag.dest)
             if flag.type is None:
                 out += [flag.name] if value else []
             elif flag.repeat:
@@ -192,21 +184,14 @@ class RunOptions:
 
         return None if self.mtbf is None else parse_duration_s(self.mtbf)
 
-    @property
-    def eval_batch_count(self) -> int:
-        """Validation batches per evaluation pass (--eval-batches, default DEFAULT_EVAL_BATCHES)."""
-        return DEFAULT_EVAL_BATCHES if self.eval_batches is None else self.eval_batches
-
     def host_list(self) -> list[int] | None:
         return None if self.hosts is None else [int(h) for h in self.hosts.split(",")]
 
-    def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None,
-                  eval_data: bool | None = None, rank_params: dict[int, list[str]] | None = None,
+    def check_for(self, *, world_size: int, sharded: bool, steps: int | None = None, rank_params: dict[int, list[str]] | None = None,
                   plan_memory_tier: str | None = None) -> None:
         """The checks that need the program: every named rank exists, every fault fires, nothing
-        asks a sharded program for the replica check, --eval-every finds a validation split.
-        ``steps``: the steps this run trains, when known (default: --steps). ``eval_data``: whether
-        the program's data has an eval_batch (None: not known, not checked). ``rank_params``: each
+        asks a sharded program for the replica check (the features' own: ``Feature.run_refusal``).
+        ``steps``: the steps this run trains, when known (default: --steps). ``rank_params``: each
         rank's parameter names, so a --flip-bit TENSOR no rank holds is refused before any starts.
         ``plan_memory_tier``: the plan's memory-tier mode ("off" when it has none; None: not
         checked), so a --memory-dir no tier would use is refused, not ignored."""
@@ -247,10 +232,6 @@ class RunOptions:
                    else "the plan has no memory tier and no --memory-tier asks for one")
             raise FlagError(f"--memory-dir {self.memory_dir}: no memory tier would use it ({why}): leave out "
                             "--memory-dir, or pass --memory-tier auto to keep snapshots there")
-        if self.eval_every is not None and eval_data is False:
-            raise FlagError(f"--eval-every {self.eval_every}: this program's data has no validation split "
-                            "(data.eval_batch): compile it with --data tokens:DIR whose folder has a val split "
-                            "(partitioner data prepare writes one), or leave out --eval-every")
         # as memtier.groups.hosts_of_ranks places them (torch-free here): LOCAL_WORLD_SIZE to a node
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size))
         hosts = [r // local for r in range(world_size)]
@@ -289,15 +270,18 @@ def _check_values(o: RunOptions) -> None:
                         "resume reads the whole delta chain and retention keeps all of it); give 1.."
                         f"{MAX_FULL_EVERY} (default 8)")
     at_least("sdc_every", 0, "give a number of steps >= 0 (0: no replica check)")
-    at_least("sdc_canary_every", 0, "give a number of steps >= 0 (0: no compute canaries)")
+    for key, value in o.features.items():
+        if key not in FEATURE_FLAGS:
+            raise FlagError(f"RunOptions(features={{{key!r}: ...}}): no run flag has that key; the features' are "
+                            f"{', '.join(sorted(FEATURE_FLAGS))}")
+        if (why := FEATURE_FLAGS[key].flag_error(value)) is not None:
+            raise FlagError(why)
+    for feature in registry.FEATURES:
+        if (why := feature.flags_refusal(o.features)) is not None:
+            raise FlagError(why)
     at_least("memory_every", 1, "snapshot every 1 or more steps")
     at_least("parity_group", 2, "a parity group holds 2 or more hosts")
     at_least("log_every", 1, "print every 1 or more steps")
-    at_least("eval_every", 1, "evaluate every 1 or more steps (e.g. --eval-every 100); leave it out for no "
-             "evaluation")
-    at_least("eval_batches", 1, "evaluate on 1 or more validation batches (default 4)")
-    if o.eval_batches is not None and o.eval_every is None:
-        raise FlagError(f"--eval-batches {o.eval_batches} sizes the evaluation of --eval-every: add --eval-every K")
     if o.collective_timeout is not None and not o.collective_timeout > 0:
         raise FlagError(f"--collective-timeout {o.collective_timeout}: give seconds > 0 "
                         "(e.g. --collective-timeout 300)")

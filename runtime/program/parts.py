@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
@@ -411,3 +411,33 @@ class InitSpec:
 
 # ---------------------------------------------------------------------------------------------
 # The program
+
+
+class Values(Mapping):
+    """A frozen, hashable table of setting key -> value (only the keys given): a feature's values in
+    the settings, the decisions, the program and a run's flags (Note [one feature, one module] in
+    runtime/features/__init__.py)."""
+
+    def __init__(self, data: Mapping | None = None):
+        self._data = dict(sorted((data or {}).items()))
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+    def __eq__(self, other):
+        return isinstance(other, Mapping) and dict(self._data) == dict(other)
+
+    def __hash__(self):
+        return hash(tuple((k, repr(v)) for k, v in self._data.items()))
+
+    def __repr__(self):
+        return f"Values({self._data!r})"
+
+    def to_dict(self) -> dict:
+        return dict(self._data)

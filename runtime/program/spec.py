@@ -17,13 +17,32 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
 from runtime.errors import PlanMismatchError
 from runtime.file_trust import read_bounded
 from runtime.program.layout import Layout
 from runtime.program.schedules import PipelineSchedule, compiled_stages_refusal, schedule_named
 from runtime.program.parts import (DataSpec, InitSpec, MemoryTierPlan, OptimizerSettings, Precision,
-                                   RandomnessSpec, RankSpec, StageSpec, TieSpec, check_positive, jsonable, known_keys)
+                                   RandomnessSpec, RankSpec, StageSpec, TieSpec, Values, check_positive, jsonable,
+                                   known_keys)
+
+
+# Note [program format]: the shape of plan.json's "program" object and of the folder around it.
+# The runtime reads one format: a folder written by a compile of another (older ones have no
+# "format_version"; format 1 kept each feature's value as its own key) is refused with the reason,
+# recompile, never read as this one. Bump it whenever the object or the folder changes shape.
+PROGRAM_FORMAT = 2
+
+
+class ProgramFormatError(PlanMismatchError):
+    """A program folder written in another format (Note [program format]): its message is the fix."""
+
+
+def format_refusal(found) -> str:
+    return (f"the program was written in program format {found or 1}, and this runtime reads format "
+            f"{PROGRAM_FORMAT} (Note [program format] in runtime/program/spec.py): recompile it with "
+            "`partitioner compile ... -o DIR`")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +73,8 @@ class Program:
     checkpoint_every: int = 0          # checkpoint every K steps (0: see mtbf_s, else only the last)
     sdc_every: int | None = None       # compare replica digests every K steps (0: never; None: runtime/resilience/sdc.py's
                                        # DEFAULT_EVERY); Note [replica digests]
-    sdc_canary_every: int | None = None  # a compute canary every K steps (0 or None: never); Note [compute canaries]
+    features: Values = dataclasses.field(default_factory=Values)  # each feature's entries, by setting key
+                                       # (Note [one feature, one module] in runtime/features/__init__.py)
     predicted_step_time_s: float | None = None  # the plan's; printed beside the measured median at
                                                 # the end of a run (Note [step time summary])
     peak_flops_per_s: float | None = None  # the datasheet peak of all the world's devices at the policy's
@@ -79,11 +99,13 @@ class Program:
     workload: str | None = None               # from plan.json's top level
     shard_bytes_bound: int | None = None      # from the plan's stage memory: Note [declared sizes are bounded]
     mtbf_s: float | None = None               # --mtbf's default (a plan.json of an older compile: its "training")
+    format_version: int = PROGRAM_FORMAT      # Note [program format]
 
     def __post_init__(self):
         for name in ("ranks", "stages", "ties"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "precision", Precision.of(self.precision))
+        object.__setattr__(self, "features", _feature_table(self.features))
         if not self.backend:
             object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else "nccl")
         _validate(self)
@@ -94,6 +116,8 @@ class Program:
     def from_dict(data: dict) -> "Program":
         """plan.json's "program" object (or a hand-written one) -> Program; raises ValueError
         naming the value and the fix."""
+        if data.get("format_version", PROGRAM_FORMAT) != PROGRAM_FORMAT:
+            raise ValueError(format_refusal(data.get("format_version")))
         keys = known_keys(Program, data, "the program object")
         keys["ranks"] = tuple(RankSpec.from_dict(e, f"ranks[{i}]") for i, e in enumerate(keys["ranks"]))
         keys["stages"] = tuple(StageSpec.from_dict(e, f"stages[{i}]") for i, e in enumerate(keys["stages"]))
@@ -109,7 +133,8 @@ class Program:
         """The JSON object, same keys as plan.json; fields that are None are left out."""
         # The precision and sharding fields are written only when not the default, so a program
         # compiled before them round-trips unchanged.
-        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1, "compile_stages": False}
+        quiet = {"precision": Precision.FP32, "shard_optimizer": False, "tensor_parallel": 1, "compile_stages": False,
+                 "features": {}}
         return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
                 if getattr(self, f.name) is not None
                 and not (f.name in quiet and getattr(self, f.name) == quiet[f.name])}
@@ -145,6 +170,15 @@ class Program:
         return list(dict.fromkeys(n for k in sorted(stages) for n in self.stages[k].params))
 
 
+def _feature_table(entries) -> Values:
+    """The program's "features": setting key -> a JSON scalar; each feature checks its own values
+    when it reads them (runtime/features/, whose modules this room may not import)."""
+    if not isinstance(entries, Mapping) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))) for k, v in entries.items()):
+        raise ValueError(f"features = {entries!r} must be a table of setting keys to values: recompile the program")
+    return Values(entries)
+
+
 def _validate(program: Program) -> None:
     """Consistency of a Program (its parts checked themselves); ValueError naming values and fix."""
     schedule_named(program.schedule)  # raises naming the schedules there are
@@ -152,9 +186,6 @@ def _validate(program: Program) -> None:
         check_positive(getattr(program, name), name)
     if program.sdc_every is not None and (not isinstance(program.sdc_every, int) or program.sdc_every < 0):
         raise ValueError(f"sdc_every={program.sdc_every!r}: give a number of steps >= 0 (0: no replica check)")
-    if program.sdc_canary_every is not None and (not isinstance(program.sdc_canary_every, int)
-                                                 or program.sdc_canary_every < 0):
-        raise ValueError(f"sdc_canary_every={program.sdc_canary_every!r}: give a number of steps >= 0 (0: no canaries)")
     if program.clip_grad_norm is not None and (isinstance(program.clip_grad_norm, bool)
                                                or not isinstance(program.clip_grad_norm, (int, float))
                                                or not program.clip_grad_norm > 0):
@@ -357,6 +388,8 @@ def load_program(folder: str) -> Program:
     if "program" not in plan:
         raise ValueError(f"{folder}/plan.json has no \"program\" object (keys: {sorted(plan)})")
     data = dict(plan["program"])
+    if data.get("format_version") != PROGRAM_FORMAT:  # Note [program format]: never misread
+        raise ProgramFormatError(f"{folder}: {format_refusal(data.get('format_version'))}")
     data.setdefault("plan_hash", plan.get("plan_hash"))
     # What checkpoints record and check (runtime/resilience/checkpoint/manifest.py), from the plan's top level.
     data.setdefault("model_fingerprint", plan.get("model_fingerprint"))

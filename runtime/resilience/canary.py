@@ -31,6 +31,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from runtime.execute import randomness
 from runtime.execute.precision import step_context
 from runtime.resilience.canary_rules import EXIT_EXCLUDE
+from runtime.resilience.exclusion import ExcludeRanks
 from runtime.resilience.faults import say
 from runtime.resilience.sdc import SilentDataCorruption, tensor_digest
 
@@ -333,7 +334,7 @@ class ComputeCanary:
                f"rank 0 ({mean / self.every * 1e3:.3g} ms/step{said})")
 
 
-class CanaryExclude(Exception):
+class CanaryExclude(ExcludeRanks):
     """Every rank leaves with EXIT_EXCLUDE: ``ranks`` computed wrongly twice (RUN_DIR/exclude.json)."""
 
     exit_code = EXIT_EXCLUDE  # runtime/launch/rank.py's main leaves with it

@@ -103,6 +103,13 @@ def mark_handled(run_dir: str, exc: Exclusion, dropped: list[int], survivors: li
     return kept
 
 
+class ExcludeRanks(Exception):
+    """Every rank leaves with ``exit_code``: ranks computed wrongly, set aside after ``good_step``."""
+
+    exit_code = EXIT_EXCLUDE
+    good_step = 0
+
+
 class ExcludedRound(Exception):
     """A restarted worker of a round an exclusion ended: it leaves with exit 4, quietly."""
 

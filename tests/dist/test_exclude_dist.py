@@ -35,6 +35,7 @@ from partitioner import compile as compile_plan
 from partitioner.config.cluster import ClusterSpec
 from partitioner.models.builtin import gpt
 from runtime.execute.reference import train_reference_from_folder
+from runtime.features.canaries import EVERY as CANARY
 
 STEPS, K, FAULT = 8, 2, "3:3:permanent"   # canaries at steps 1, 3, 5, 7; good state: step 2
 
@@ -46,7 +47,7 @@ def excluded_run(tmp_path_factory):
     model = gpt(layers=2, width=32, heads=2, vocab=64, seq=16, dropout=0.1)
     compile_plan(model, cluster=ClusterSpec.homogeneous(4, "cpu", devices_per_node=2), global_batch=8,
                  num_stages=1, dp=4, microbatches=2,
-                 training={"memory_tier": "auto", "sdc_every": 0, "sdc_canary_every": K}).save(folder)
+                 training={"memory_tier": "auto", "sdc_every": 0, CANARY.key: K}).save(folder)
     shm = f"/dev/shm/partitioner-test-{uuid.uuid4().hex[:8]}" if os.path.isdir("/dev/shm") else f"{root}/shm"
     cmd = [sys.executable, "-m", "partitioner", "run", folder, "--elastic", "--hosts", "0,0,1,1", "--steps",
            str(STEPS), "--checkpoint-every", "1", "--fault-matmul", FAULT, "--memory-dir", shm,
@@ -165,7 +166,7 @@ def test_a_pair_on_one_host_excludes_that_host_2x2(tmp_path):
     folder = str(tmp_path / "p22")
     compile_plan(gpt(layers=2, width=32, heads=2, vocab=64, seq=16), cluster=ClusterSpec.homogeneous(
         4, "cpu", devices_per_node=2), global_batch=8, num_stages=2, dp=2, microbatches=2,
-        training={"sdc_every": 0, "sdc_canary_every": K}).save(folder)
+        training={"sdc_every": 0, CANARY.key: K}).save(folder)
     done = _elastic_run(folder, "0,0,1,1", "--steps", "6", "--fault-matmul", FAULT)
     assert done.returncode == 0, done.stderr[-6000:]
     run = os.path.join(folder, "run")
@@ -185,7 +186,7 @@ def test_a_pair_on_two_hosts_stops_with_exit_4_and_drops_no_host(tmp_path):
     folder = str(tmp_path / "dp2")
     compile_plan(gpt(layers=2, width=32, heads=2, vocab=64, seq=16), cluster=ClusterSpec.homogeneous(
         2, "cpu", devices_per_node=1), global_batch=8, num_stages=1, dp=2, microbatches=2,
-        training={"sdc_every": 0, "sdc_canary_every": K}).save(folder)
+        training={"sdc_every": 0, CANARY.key: K}).save(folder)
     done = _elastic_run(folder, "0,1", "--steps", "6", "--fault-matmul", "1:3:permanent")
     assert done.returncode == 4, done.stderr[-4000:]
     assert "either may be the faulty one: no host is excluded on a guess" in done.stderr, done.stderr[-4000:]

@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 from _runtime_folders import child_env, gpt_folder, mlp_folder
 from _shared_launch import Job, prepare
 
+from runtime.features.canaries import EVERY as CANARY
+
 STEPS, EVERY, K = 8, 2, 3      # canaries at steps 2 and 5 (0-based; (s + 1) % K == 0), checkpoints every 2
 GPT_FAULT, MLP_FAULT = "3:3", "1:4"  # rank 3 (stage 1, replica 1) from step 3: caught at 5, back to 2 (3)
 
@@ -124,7 +126,7 @@ def test_a_permanent_fault_is_caught_again_and_the_rank_excluded(tmp_path):
 
     folder = tmp_path / "mlp_dp3"
     partitioner.compile(mlp(), cluster=ClusterSpec.homogeneous(3, "cpu"), global_batch=12, num_stages=1, dp=3,
-                        microbatches=2, training={"sdc_every": 0, "sdc_canary_every": K}).save(folder)
+                        microbatches=2, training={"sdc_every": 0, CANARY.key: K}).save(folder)
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "partitioner", "run", str(folder), "--steps", str(STEPS),
                            "--checkpoint-every", str(EVERY), "--run-dir", str(run_dir), "--fault-matmul",

@@ -65,6 +65,7 @@ from _shared_launch import Job, prepare
 from partitioner.cli import main
 from partitioner.cli.verify import TOLERANCES, check_run, read_grad_norms, read_program_run
 from runtime.execute.precision import autocast
+from runtime.features.canaries import EVERY as CANARY
 from runtime.program.parts import Precision
 from runtime.program.spec import load_program
 from runtime.program.user_code import resolve_callable
@@ -179,7 +180,7 @@ def test_cell_compiles_as_pinned_survives_a_kill_and_trains_like_the_oracle(matr
     assert decisions.shard_optimizer is row["zero"]
     assert plan.training.clip_grad_norm == (CLIP if row["clip"] else None)
     assert decisions.sdc_every == (SDC_EVERY if row["sdc"] else 0)
-    assert decisions.sdc_canary_every == (CANARY_EVERY if row["canary"] else 0)
+    assert decisions.features.get(CANARY.key, 0) == (CANARY_EVERY if row["canary"] else 0)
     assert bool(plan.training.compile_stages) is row["compiled"]
     assert (plan.training.data is not None) is row["corpus"]
     assert (decisions.memory_tier or {}).get("mode", "off") == ("none" if row["memtier"] else "off")

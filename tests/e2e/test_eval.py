@@ -25,6 +25,7 @@ from _runtime_folders import TinyGPT, child_env, gpt_folder
 from _shared_launch import Job, prepare
 from partitioner.cli import main
 from runtime.launch.run_options import FlagError, RunOptions
+from runtime.features import evaluation
 from runtime.program.spec import load_program
 from runtime.program.user_code import resolve_callable
 
@@ -211,7 +212,6 @@ def test_bad_eval_flags_are_refused(flags, needle):
 
 def test_eval_flags_reach_the_ranks():
     options = RunOptions.parse(["--eval-every", "5"])
-    assert options.eval_batch_count == 4 and RunOptions.parse(options.to_argv()) == options
-    with pytest.raises(FlagError, match="no validation split"):
-        options.check_for(world_size=1, sharded=False, eval_data=False)
-    options.check_for(world_size=1, sharded=False, eval_data=True)
+    assert options.features == {"eval_every": 5} and RunOptions.parse(options.to_argv()) == options
+    assert "no validation split" in evaluation.FEATURE.run_refusal({"data": {}}, options)  # Note [one feature, one module]
+    assert evaluation.FEATURE.run_refusal({"data": {"eval_batch": ["m:f", {}]}}, options) is None

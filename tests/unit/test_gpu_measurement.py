@@ -124,7 +124,7 @@ def test_the_rank_sets_its_kernels_before_any_cuda_work():
     from runtime.launch import rank
 
     tree = ast.parse(open(rank.__file__).read())
-    main = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_main")
+    main = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_start")
     first = {}
     for node in ast.walk(main):
         if isinstance(node, ast.Call):

@@ -128,7 +128,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 # asks, the solver's plain numbers, the views of them, the front end, the models, the back end, the
 # measured time model, the command), so a module that wants a later room is in the wrong room.
 ROOM_ORDER = {
-    "runtime": ["data", "program", "observe", "parallel", "execute", "resilience", "launch"],
+    "runtime": ["data", "program", "observe", "parallel", "execute", "resilience", "features", "launch"],
     "partitioner": ["config", "solver", "inspect", "frontend", "models", "codegen", "calibrate"],
     "passes": [],
 }

@@ -53,7 +53,7 @@ def test_refusals_name_the_value_and_the_fix():
         assert "--schedule 1f1b" in refusal(3, dp=2, schedule=schedule_named(schedule))
         assert f"schedule {schedule} splits it" in program_refusal({**program, "num_stages": 2, "schedule": schedule}, 2)
     with pytest.raises(FlagError, match="--sdc-canary-every -1"):
-        RunOptions(sdc_canary_every=-1)
+        RunOptions(features={"sdc_canary_every": -1})
     with pytest.raises(FlagError, match="--fault-matmul 5:1"):
         RunOptions(fault_matmul=("5:1",)).check_for(world_size=4, sharded=False, steps=8)
     with pytest.raises(ValueError, match="RANK:STEP"):
@@ -64,7 +64,7 @@ def test_refusals_name_the_value_and_the_fix():
 def test_the_flags_travel_to_the_ranks():
     options = RunOptions.parse(["--sdc-canary-every", "4", "--fault-matmul", "1:3", "--fault-matmul", "2:5:permanent"],
                                side="run")
-    assert options.sdc_canary_every == 4 and options.fault_matmul == ("1:3", "2:5:permanent")
+    assert options.features["sdc_canary_every"] == 4 and options.fault_matmul == ("1:3", "2:5:permanent")
     assert RunOptions.parse(options.to_argv(), side="rank") == options
 
 
@@ -129,8 +129,8 @@ def _compile(tmp_path, name, **training):
 def test_sdc_canary_every_travels_from_compile_to_the_program_and_is_priced(tmp_path, capsys):
     off, on = _compile(tmp_path, "off", sdc_every=0), _compile(tmp_path, "on", sdc_every=0, sdc_canary_every=4)
     plan_off, plan_on = Plan.load(off), Plan.load(on)
-    assert plan_on.decisions.sdc_canary_every == 4 and load_program(str(on)).sdc_canary_every == 4
-    assert load_program(str(off)).sdc_canary_every is None and "sdc_canary_every" not in plan_off.decisions.to_dict()
+    assert plan_on.decisions.features["sdc_canary_every"] == 4 and load_program(str(on)).features["sdc_canary_every"] == 4
+    assert "sdc_canary_every" not in load_program(str(off)).features and "sdc_canary_every" not in plan_off.decisions.to_dict()
     extra = plan_on.predicted["sdc_canary_s_per_step"]
     assert extra > 0  # one stage: no bubble to hide the re-run in
     assert plan_on.predicted["step_time_s"] - plan_off.predicted["step_time_s"] == pytest.approx(extra, rel=1e-9)
