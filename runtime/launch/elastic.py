@@ -1,28 +1,18 @@
 """`partitioner run DIR --elastic`: one torchrun elastic agent per host, and what a worker does when
 the agents' rendezvous hands it another world size than its program's.
 
-Note [elastic run]: the launcher starts one torchrun agent per host of --hosts (simulated hosts on
-one machine: each agent runs its host's ranks), all with ``--nnodes 1:HOSTS`` and the c10d
-rendezvous on a file only this user opens (Note [no TCP rendezvous on one host] in
-runtime/launch/torchrun.py), ``last_call_timeout`` = --host-timeout (default 5 s). When a host is
-lost, the survivors' workers fail on the dead peer (Note [a dead peer] in runtime/launch/rank.py),
-their agents restart them and meet again; a host that does not rejoin within --host-timeout is gone
-for good, and the round closes with the survivors: WORLD_SIZE is now smaller than the program's.
-Every worker then (``resolve``): joins the new world, all-gathers the host it stands for (its
-agent's ``PARTITIONER_ELASTIC_HOST``), so all agree on the survivors; rank 0 re-plans the program
-for the survivors' old ranks with the compiler (`partitioner replan`, a subprocess: runtime imports
-no compiler) into DIR.elastic-h<hosts> beside DIR (kept: a later restart on the same survivors reuses
-it; a refusal stops every rank with its one line); every rank runs that folder, and its start-up
-recovers from the old layout's memory tier (Note [memory handover] in
-runtime/resilience/memtier/handover.py), else the disk, resharded. RUN_DIR/recovery.jsonl gets an
-"elastic" row: the hosts lost, the new plan, the source of the state, and the seconds from the
-loss (the fault's drill record) to the restored state. When the host comes back (an agent on it
-joins the rendezvous), the next round has the program's world size again and the workers run DIR
-itself, resharding the newest disk checkpoint (growing back; no test drives it yet). torchrun always
-starts DIR/train.py: the choice of folder is the worker's. A compute canary's exclusion ends a
-round too: the launcher starts the next one without the excluded host's agent, and the workers come
-here the same way, recovering from the disk at or before the last agreeing canary (Note [excluding
-a host] in runtime/resilience/exclusion.py).
+Note [elastic run]: one torchrun agent per host of --hosts, all with ``--nnodes 1:HOSTS`` and the
+c10d rendezvous on a private file (Note [no TCP rendezvous on one host] in runtime/launch/torchrun.py),
+``last_call_timeout`` = --host-timeout. A lost host's peers fail (Note [a dead peer] in
+runtime/launch/rank.py), their agents restart them, and a host that does not rejoin in time is gone:
+the round closes with a smaller WORLD_SIZE. Every worker then (``resolve``) all-gathers the host it
+stands for, so all agree on the survivors; rank 0 re-plans for them with the compiler as a subprocess
+(runtime imports no compiler) into DIR.elastic-h<hosts> (kept for a later restart on the same
+survivors), and every rank runs that folder, recovering from the memory tier (Note [memory handover]
+in runtime/resilience/memtier/handover.py), else the disk, resharded; RUN_DIR/recovery.jsonl gets an
+"elastic" row. When the host returns, the workers run DIR itself again from the newest disk
+checkpoint (growing back; no test drives it yet). A canary's exclusion ends a round the same way
+(Note [excluding a host] in runtime/resilience/exclusion.py).
 
 Note [standing by]: a re-plan keeps the stage cuts, the microbatch size and the global batch (Note
 [re-plan on the same cuts] in partitioner/replan.py), so the survivors may hold more ranks than the
