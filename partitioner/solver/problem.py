@@ -97,22 +97,22 @@ class TensorParallelCost:
     fwd_collectives: int = 0
     bwd_collectives: int = 0
     step_collectives: int = 0
-    # Saved activation bytes per sample the group splits (Note [sharded activations] in
-    # passes/tp_activations.py): part of the region's activation_bytes_per_sample.
+    # Saved activation / backward transient bytes per sample the group splits (Notes [sharded activations],
+    # [sharded transients] in passes/tp_activations.py): parts of the region's figures of those names.
     sharded_activation_bytes_per_sample: int = 0
+    sharded_transient_bytes_per_sample: int = 0
     # Forward + backward FLOPs per sample the group divides (passes/tp_activations.py
     # ``sharded_flops``: the column/row/vocab matmuls and the attention between them); None (a
     # problem built by hand) takes the region's sharded parameter share as its FLOP share.
     sharded_flops_per_sample: float | None = None
-    # Of the region's measured seconds on a kind (RegionCost's *_by_kind fields), the fraction its
-    # split nodes take (passes/tp_activations.py): what the group divides by tp there; None: the
-    # FLOP share.
+    # Of the region's measured seconds on a kind (RegionCost's *_by_kind fields), the fraction its split
+    # nodes take (passes/tp_activations.py): what the group divides by tp there; None: the FLOP share.
     split_fraction_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def check(self, owner: str) -> None:
         for name in ("comm_bytes", "sharded_param_bytes", "comm_bwd_bytes", "gather_bytes", "step_gather_bytes",
                      "lookup_bytes", "fwd_collectives", "bwd_collectives", "step_collectives",
-                     "sharded_activation_bytes_per_sample"):
+                     "sharded_activation_bytes_per_sample", "sharded_transient_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.sharded_flops_per_sample is not None:
             _check_nonneg(owner, "sharded_flops_per_sample", self.sharded_flops_per_sample, integer=False)

@@ -62,8 +62,8 @@ def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
 def tp_problem(problem, tp: int):
     """``problem`` restated per tensor group (Note [tensor groups]): a group's memory is tp
     members', so every byte a member holds whole (replicated parameters, activations, transients,
-    the batch) counts tp times and the sharded parameter, gradient and optimizer bytes once (each
-    member holds 1/tp of them). Against ``group_cluster``'s tp x memory that is each member's
+    the batch) counts tp times and the sharded parameter, gradient and optimizer bytes and the split
+    part of the backward transient once (each member holds 1/tp of them). Against ``group_cluster``'s tp x memory that is each member's
     replicated + sharded / tp + activations against its own memory. Not scaled: edges (their
     bytes price the sends, which one member's pipeline makes; the receive buffers they also size
     are under-counted by tp) and ties (kept whole: a vocab-split tied embedding is over-counted)."""
@@ -76,12 +76,14 @@ def tp_problem(problem, tp: int):
         def per_group(nbytes: int) -> int:  # replicated part on every member, sharded part once
             return int(round(nbytes * (1 - share) * tp + nbytes * share))
 
+        # the split part of the backward transient once per group (Note [sharded transients] in passes/tp_activations.py)
+        split = min(r.tp.sharded_transient_bytes_per_sample, r.transient_bytes_per_sample)
         regions.append(dataclasses.replace(
             r, param_bytes=per_group(r.param_bytes), grad_bytes=per_group(r.grad_bytes),
             optimizer_bytes=per_group(r.optimizer_bytes), transient_fixed_bytes=per_group(r.transient_fixed_bytes),
             activation_bytes_per_sample=r.activation_bytes_per_sample * tp,
             recompute_activation_bytes_per_sample=r.recompute_activation_bytes_per_sample * tp,
-            transient_bytes_per_sample=r.transient_bytes_per_sample * tp))
+            transient_bytes_per_sample=(r.transient_bytes_per_sample - split) * tp + split))
     return dataclasses.replace(problem, regions=tuple(regions),
                                input_bytes_per_sample=problem.input_bytes_per_sample * tp,
                                target_bytes_per_sample=problem.target_bytes_per_sample * tp,
