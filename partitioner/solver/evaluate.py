@@ -44,7 +44,8 @@ Note [memory model]
     prediction, so every term is what the runtime (runtime/execute/train.py over torch.distributed.
     pipelining's PipelineStage) actually holds, rounded up where it is uncertain. Stage s of p,
     d replicas, m microbatches of b samples, k_s = in-flight microbatches (m for GPipe,
-    min(p - s, m) for 1F1B), cut_in = cut[s - 1] (0 on stage 0), cut_out = cut[s] (0 last):
+    min(p - s, m) for 1F1B), cut_in = cut[s - 1] (0 on stage 0), cut_out = cut[s] (0 last), both times
+    the devices of a planned device that hold each boundary tensor (Note [boundary holders] in tensor_groups.py):
     * static      = params + grads + optimizer state (+ tie replicas). Gradients are freed by
                     zero_grad(set_to_none) after the step, but all exist from the first backward
                     on, so they count at the peak.
@@ -304,8 +305,9 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
     ``grads_bytes``: the stage's gradients (tie replicas included); ``tie_grads_bytes``: those of
     the ties it holds."""
     p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
-    cut_in = cut[s - 1] if s > 0 else 0.0
-    cut_out = cut[s] if s < p - 1 else 0.0
+    holders = problem.boundary_holders  # Note [boundary holders] in tensor_groups.py
+    cut_in = holders * cut[s - 1] if s > 0 else 0.0
+    cut_out = holders * cut[s] if s < p - 1 else 0.0
     saved = sum(problem.regions[r].recompute_activation_bytes_per_sample if a.recompute[r]
                 else problem.regions[r].activation_bytes_per_sample for r in regions)
     in_flight = priced_schedule(a.schedule, a.local_stages).in_flight(s, p, m)

@@ -332,7 +332,7 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         pr, p, m, b, d = self.problem, self.p, self.m, self.b, self.d
         k_max = max(self.pipeline_schedule.in_flight(s, p, self.m) for s in range(p))
         ties = sum(sum(pr.tie_bytes(t)) for t in pr.ties) * p
-        edges = sum(e.bytes_per_sample for e in pr.edges)
+        edges = pr.boundary_holders * sum(e.bytes_per_sample for e in pr.edges)
         worst = (sum(r.static_bytes for r in pr.regions) + 2 * ties
                  + k_max * b * (sum(r.activation_bytes_per_sample for r in pr.regions) + edges)
                  + max(r.transient_bytes(b, True) for r in pr.regions)

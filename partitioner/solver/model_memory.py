@@ -28,6 +28,7 @@ class MemoryConstraints:
     def _held_expr(self, s: int) -> Terms:
         """static + buffers of stage s: what it holds in both phases, in memory units."""
         pr, b, m, d, unit = self.problem, self.b, self.m, self.d, self.mem_unit
+        h = pr.boundary_holders  # Note [boundary holders] in tensor_groups.py
         expr = Terms()
         for r, region in enumerate(pr.regions):
             expr.add(math.ceil(region.static_bytes / unit), self.in_stage[r][s])
@@ -37,8 +38,8 @@ class MemoryConstraints:
             expr.add(-coef, self.in_stage[tie.regions[0]][s])
         # receive buffers: m·b·(cut_in + cut_out) + b·cut_in; every rank holds the global batch
         for e in pr.edges:
-            for k, coef in ((s - 1, math.ceil((m + 1) * b * e.bytes_per_sample / unit)),
-                            (s, math.ceil(m * b * e.bytes_per_sample / unit))):
+            for k, coef in ((s - 1, math.ceil((m + 1) * b * h * e.bytes_per_sample / unit)),
+                            (s, math.ceil(m * b * h * e.bytes_per_sample / unit))):
                 if 0 <= k < self.p - 1:
                     for sign, var in self._cross(e, k):
                         expr.add(sign * coef, var)
@@ -57,7 +58,7 @@ class MemoryConstraints:
                 expr.add(-math.floor(in_flight * b * saved / unit), self.rec[(r, s)])
         if s < self.p - 1:
             for e in pr.edges:
-                coef = math.ceil(in_flight * b * e.bytes_per_sample / unit)
+                coef = math.ceil(in_flight * b * pr.boundary_holders * e.bytes_per_sample / unit)
                 for sign, var in self._cross(e, s):
                     expr.add(sign * coef, var)
         return expr

@@ -261,15 +261,15 @@ class PartitionProblem:
     allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
     # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
     microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
-    # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel
-    # overheads] in partitioner/solver/tensor_groups.py): seconds per DTensor op, per collective,
-    # and seconds the members wait per second they compute.
+    # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel overheads] in
+    # partitioner/solver/tensor_groups.py): seconds per DTensor op, per collective, members' wait per second computed.
     dtensor_op_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_collective_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_skew_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Measured seconds a recomputed region costs a microbatch beyond its forward, by device kind;
     # else the preset's (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py).
     recompute_fixed_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    boundary_holders: int = 1  # devices of a planned device holding each boundary tensor (Note [boundary holders])
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):
@@ -285,7 +285,7 @@ class PartitionProblem:
             bad = [r for r in t.regions if not 0 <= r < n]
             if bad:
                 raise ValueError(f"SharedParam.regions={t.regions} names regions {bad} outside 0..{n - 1}")
-        for name in ("input_bytes_per_sample", "target_bytes_per_sample", "allreduce_bucket_bytes"):
+        for name in ("input_bytes_per_sample", "target_bytes_per_sample", "allreduce_bucket_bytes", "boundary_holders"):
             _check_nonneg("PartitionProblem", name, getattr(self, name), integer=True)
 
     @property

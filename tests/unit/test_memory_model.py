@@ -100,7 +100,8 @@ def _random_problem(seed: int, n: int) -> PartitionProblem:
     edges = tuple(Edge(i, i + 1, rng.randint(0, 3) * MIB // 4) for i in range(n - 1))
     return PartitionProblem(tuple(regions), edges, input_bytes_per_sample=rng.randint(0, 2) * MIB // 8,
                             target_bytes_per_sample=rng.randint(0, 2) * MIB // 8,
-                            allreduce_bucket_bytes=rng.randint(1, 3) * MIB)
+                            allreduce_bucket_bytes=rng.randint(1, 3) * MIB,
+                            boundary_holders=rng.randint(1, 3))  # Note [boundary holders]
 
 
 @pytest.mark.parametrize("seed", range(4))
