@@ -80,16 +80,21 @@ def sharded_transient_bytes(gm: fx.GraphModule) -> dict[int, int]:
     nodes = list(gm.graph.nodes)
     position = {n.name: i for i, n in enumerate(nodes)}
     split = split_nodes(gm)
-    delta = [0] * (len(nodes) + 1)
-    for i, n in enumerate(nodes):
-        if n not in split and ir.has(n, ir.MEMORY):
-            for last_user, nbytes in ir.get(n, ir.MEMORY).grad_spans:
-                delta[i] += nbytes
-                delta[position[last_user]] -= nbytes
-    whole_frontier, running = [], 0
-    for i in range(len(nodes)):
-        running += delta[i]
-        whole_frontier.append(running)
+
+    def frontier(keep) -> list[int]:  # bytes of the kept owners' gradients alive at each node
+        delta = [0] * (len(nodes) + 1)
+        for i, n in enumerate(nodes):
+            if keep(n) and ir.has(n, ir.MEMORY):
+                for last_user, nbytes in ir.get(n, ir.MEMORY).grad_spans:
+                    delta[i] += nbytes
+                    delta[position[last_user]] -= nbytes
+        out, running = [], 0
+        for i in range(len(nodes)):
+            running += delta[i]
+            out.append(running)
+        return out
+
+    every, unsplit = frontier(lambda n: True), frontier(lambda n: n not in split)
     total: dict[int, int] = {}
     whole: dict[int, int] = {}
     for i, n in enumerate(nodes):
@@ -101,10 +106,10 @@ def sharded_transient_bytes(gm: fx.GraphModule) -> dict[int, int]:
         rid = ir.get(n, ir.REGION).region_id
         part = transient
         if n.op == "call_function":
-            inputs = sum(ir.get(a, ir.MEMORY).output_grad_bytes for a in n.all_input_nodes
-                         if a.op != "get_attr" and a not in split and ir.has(a, ir.MEMORY))
-            own = 0 if n in split else ir.get(n, ir.SHAPE).output_bytes
-            part = min(transient, whole_frontier[i] + inputs + own)
+            grads = [(a, ir.get(a, ir.MEMORY).output_grad_bytes) for a in n.all_input_nodes
+                     if a.op != "get_attr" and ir.has(a, ir.MEMORY)]
+            own = transient - every[i] - sum(g for _, g in grads)  # its temporary, as passes/memory.py counts it
+            part = min(transient, unsplit[i] + sum(g for a, g in grads if a not in split) + (0 if n in split else own))
         total[rid] = max(total.get(rid, 0), transient)
         whole[rid] = max(whole.get(rid, 0), part)
     return {rid: total[rid] - whole[rid] for rid in total}
