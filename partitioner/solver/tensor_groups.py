@@ -72,8 +72,9 @@ def tp_problem(problem, tp: int):
     """``problem`` restated per tensor group (Note [tensor groups]): a group's memory is tp
     members', so every byte a member holds whole (replicated parameters, activations, transients,
     the batch) counts tp times and the sharded parameter, gradient and optimizer bytes and the split
-    part of the backward transient once (each member holds 1/tp of them). Against ``group_cluster``'s tp x memory that is each member's
-    replicated + sharded / tp + activations against its own memory. Not scaled: edges (their
+    part of the backward transient once (each member holds 1/tp of them). Against
+    ``group_cluster``'s tp x memory that is each member's replicated + sharded / tp + activations
+    against its own memory. Not scaled: edges (their
     bytes price the sends, which one member's pipeline makes; the memory they size is counted tp
     times through ``boundary_holders``, Note [boundary holders]) and ties (kept whole: a
     vocab-split tied embedding is over-counted)."""
@@ -86,7 +87,7 @@ def tp_problem(problem, tp: int):
         def per_group(nbytes: int) -> int:  # replicated part on every member, sharded part once
             return int(round(nbytes * (1 - share) * tp + nbytes * share))
 
-        # the split part of the backward transient once per group (Note [sharded transients] in passes/tp_activations.py)
+        # the split part of the transient once per group (Note [sharded transients] in passes/tp_activations.py)
         split = min(r.tp.sharded_transient_bytes_per_sample, r.transient_bytes_per_sample)
         regions.append(dataclasses.replace(
             r, param_bytes=per_group(r.param_bytes), grad_bytes=per_group(r.grad_bytes),
