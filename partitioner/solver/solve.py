@@ -403,7 +403,8 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
             result.stage_of_region, result.recompute, placement, r.num_stages, r.dp, r.num_microbatches,
             r.microbatch_size, schedule))
         s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
-        where, needed, capacity = f"stage {s}", stage.memory_bytes, stage.capacity_bytes
+        terms = f" ({_terms_words(stage, r.tensor_parallel)})"
+        where, needed, capacity = f"stage {s}{terms}", stage.memory_bytes, stage.capacity_bytes
         if cost.rank_memory_bytes:  # interleaved: a rank's stages together (Note [interleaved pricing])
             pos = max(range(len(cost.rank_memory_bytes)),
                       key=lambda i: cost.rank_memory_bytes[i] / cost.rank_capacity_bytes[i])
@@ -411,21 +412,20 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
             needed, capacity = cost.rank_memory_bytes[pos], cost.rank_capacity_bytes[pos]
         ratio = needed / capacity
         if tightest is None or ratio < tightest[0]:
-            tightest = (ratio, r, where, needed, capacity, any(result.recompute),
-                        _terms_words(stage, r.tensor_parallel))
+            tightest = (ratio, r, where, needed, capacity, any(result.recompute))
     largest = max(d.usable_memory_bytes for d in space.cluster.devices) / GIB  # Note [usable memory] in device_presets.py
     if tightest is None:
         raise PartitionInfeasibleError(
             f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB)"
             f"{_even_split_words(space, min(failed, key=rough_memory), schedule, config, local)}: "
             f"add devices, {_enable_recompute(config)}or lower the microbatch size")
-    _, r, where, needed, capacity, used_recompute, terms = tightest
+    _, r, where, needed, capacity, used_recompute = tightest
     raise PartitionInfeasibleError(
         f"no partition fits in memory: the tightest plan found (num_stages={r.num_stages}, dp={r.dp}, "
         f"microbatches={r.num_microbatches}, microbatch_size={r.microbatch_size}, {schedule}"
         f"{f', tp {r.tensor_parallel}' if r.tensor_parallel > 1 else ''}"
         f"{', sharded optimizer state' if r.shard_optimizer else ''}"
-        f"{', recompute on' if used_recompute else ''}) needs {needed / GIB:.2f} GiB on {where} ({terms}), "
+        f"{', recompute on' if used_recompute else ''}) needs {needed / GIB:.2f} GiB on {where}, "
         f"whose device holds {capacity / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
         f"add devices, {_enable_recompute(config)}or lower the microbatch size"
     )
