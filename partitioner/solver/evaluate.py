@@ -50,17 +50,20 @@ Note [memory model]
                     zero_grad(set_to_none) after the step, but all exist from the first backward
                     on, so they count at the peak.
     * activations = k_s * b * (sum of saved activations [a recomputed region: only its inputs]
-                    + cut_out). cut_out: the stage's outputs, which PipelineStage keeps in
-                    fwd_cache until their backward even when no op saves them. On the last
+                    + cut_out + cut_in). cut_out: the stage's outputs, cut_in its received inputs,
+                    both of which PipelineStage keeps in fwd_cache until their backward even when
+                    no op saves them (a recomputed region's saved inputs may be the same received
+                    tensors: counted twice, conservatively). On the last
                     stage the graph outputs (logits) and, when the loss is applied outside the
                     graph, its float copy (log-softmax of the logits) are the output node's saved
                     activations (Note [the loss on the last stage] in passes/memory.py).
-    * buffers     = m * b * (cut_in + cut_out) + b * cut_in + d * m * b * (input + target).
-                    PipelineStage allocates an activation receive buffer for every microbatch
-                    (cut_in) and a gradient receive buffer for every microbatch (cut_out) once,
-                    at its first step, and keeps them; the input gradient it sends back (cut_in)
-                    lives until the send completes. Every rank builds the whole global batch
-                    (d * m * b samples of inputs and targets) before narrowing to its rows.
+    * buffers     = 2 * b * (cut_in + cut_out) + d * m * b * (input + target). A receive buffer
+                    lives only while its microbatch is in flight (Note [receive buffers in flight]
+                    in runtime/execute/recv_buffers.py): beyond the inputs held above, one
+                    activation buffer being received ahead and the input gradient being sent
+                    back (cut_in), the gradient being received and one posted ahead (cut_out).
+                    Every rank builds the whole global batch (d * m * b samples of inputs and
+                    targets) before narrowing to its rows.
     * transient   = max over the stage's regions of transient_bytes(b, recompute): the
                     gradients alive during one region's backward (the gradient frontier of the
                     graph, the op's own input/output/weight gradients; a recomputed region adds
@@ -70,7 +73,8 @@ Note [memory model]
                     sync_gradients + for d > 1 the all-reduce's flat bucket, min(grads,
                     allreduce_bucket_bytes). AdamW runs fused (no temporaries at steady state:
                     measured 0 bytes; its state is allocated once, already in static).
-    * peak        = static + buffers + max(activations + transient, step).
+    * peak        = static + buffers + max(activations + transient, step) (step: buffers as in
+                    backward, conservatively).
     The capacity compared with it is the device's usable memory (Note [usable memory] in
     partitioner/config/device_presets.py): what the allocator and the runtime reserve is left out there.
 """
@@ -315,8 +319,8 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
     transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
     bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0
     return {
-        "activations": float(in_flight * b * (saved + cut_out)),
-        "buffers": float(m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch),
+        "activations": float(in_flight * b * (saved + cut_out + cut_in)),
+        "buffers": float(2 * b * (cut_in + cut_out) + d * m * b * batch),
         "transient": float(transient),
         "step": float(tie_grads_bytes + bucket),
     }

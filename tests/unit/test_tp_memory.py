@@ -43,9 +43,9 @@ def test_a_tensor_group_holds_the_split_part_of_the_backward_transient_once():
 
 def test_every_member_holds_the_whole_boundary_tensor():
     """Two regions on two stages of a tensor group of 4: per member, stage 0 keeps its output for
-    every microbatch in flight and a gradient receive buffer per microbatch, stage 1 an
-    activation receive buffer per microbatch and the input gradient it sends: the edge's bytes
-    each, whole on every member (each runs its own pipeline), where main counted 1/4 of them."""
+    every microbatch in flight, stage 1 its received input, and each two receive buffers in flight
+    (Note [receive buffers in flight]): the edge's bytes each, whole on every member (each runs its
+    own pipeline), where main counted 1/4 of them."""
     edge, m, b, t = 3 << 20, 4, 2, 4
     regions = tuple(RegionCost(f"r{i}", 1e9, 2e9, 1 << 20, 1 << 20, 2 << 20, 1 << 20, 1 << 18) for i in range(2))
     problem = tp_problem(PartitionProblem(regions, (Edge(0, 1, edge),)), t)
@@ -56,5 +56,6 @@ def test_every_member_holds_the_whole_boundary_tensor():
     in_flight = 2  # 1F1B, stage 0 of 2
     saved = regions[0].activation_bytes_per_sample * t  # tp_problem: every member holds it whole
     assert st0.activations_bytes / t == (in_flight * b * (saved + t * edge)) / t == in_flight * b * (saved / t + edge)
-    assert st0.buffers_bytes / t == m * b * edge
-    assert st1.buffers_bytes / t == m * b * edge + b * edge
+    assert st0.buffers_bytes / t == st1.buffers_bytes / t == 2 * b * edge
+    saved1 = regions[1].activation_bytes_per_sample * t
+    assert st1.activations_bytes / t == 1 * b * (saved1 / t + edge)  # 1F1B: one in flight on the last stage
