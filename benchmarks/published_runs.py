@@ -1,7 +1,7 @@
 """The cost model against published GPU runs: Megatron-LM PTD-P's GPT table (Narayanan et al.,
 SC'21, arXiv 2104.04473, Table 1), each row pinned to the paper's layout, then solved freely.
 
-    .venv/bin/python benchmarks/published_runs.py [--rows 1.7B,3.6B] [--free] [--time-limit 60]
+    .venv/bin/python benchmarks/published_runs.py [--rows 1.7B,3.6B] [--free] [--korthikanti] [--time-limit 60]
 
 The paper trains GPT models (vocabulary 51,200, sequence 2048) in fp16 on DGX A100 80GB nodes
 (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s InfiniBand per node) and reports teraFLOP/s per GPU,
@@ -52,6 +52,17 @@ ROWS = [
     ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
     ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
     ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+]
+
+
+# Korthikanti et al. 2022 (arXiv 2205.05198), Table 3: their layouts (sequence 2048, microbatch 1, 80 GB
+# A100s), which we compile pinned with --recompute full (their baseline) to see whether they fit:
+# (name, heads, hidden, layers, tp, pp, gpus, global batch)
+KORTHIKANTI_ROWS = [
+    ("22B", 64, 6144, 48, 8, 1, 8, 4),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512),
 ]
 
 
@@ -131,11 +142,32 @@ def full_recompute_step_s(row, time_limit_s: float) -> float | None:
         return None
 
 
+def korthikanti_layouts(time_limit_s: float) -> None:
+    """Each Korthikanti layout at its tp x pp x dp with every layer recomputed: the predicted step and
+    peak per GPU where it fits, else the refusal, which names the terms that overflow."""
+    from partitioner.errors import PartitionInfeasibleError
+
+    print("\nKorthikanti et al. 2022 (arXiv 2205.05198) Table 3 layouts, pinned, --recompute full")
+    for name, heads, hidden, layers, tp, pp, gpus, batch in KORTHIKANTI_ROWS:
+        row = (name, heads, hidden, layers, tp, pp, gpus, batch, 0)
+        try:
+            compiled = compile_row(row, pinned=True, time_limit_s=time_limit_s, recompute="full")
+        except PartitionInfeasibleError as exc:
+            print(f"{name:>5} tp {tp} x pp {pp} x dp {gpus // (tp * pp)}: does not fit: {str(exc).splitlines()[0]}")
+            continue
+        b = breakdown(compiled)
+        print(f"{name:>5} tp {tp} x pp {pp} x dp {gpus // (tp * pp)}: predicted step "
+              f"{compiled.plan.predicted['step_time_s']:.2f}s, {compiled.assignment.num_microbatches} microbatches, "
+              f"peak {b['peak_gib']:.1f} of {b['capacity_gib']:.1f} GiB per GPU", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
     parser.add_argument("--free", action="store_true", help="also let the solver choose the layout")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per compile")
+    parser.add_argument("--korthikanti", action="store_true",
+                        help="also compile Korthikanti et al. 2022's layouts (22B to 1T) with --recompute full")
     args = parser.parse_args(argv)
     from partitioner.errors import PartitionInfeasibleError
 
@@ -174,6 +206,8 @@ def main(argv=None) -> int:
         missed = [f"{n} {r:.2f}x" for n, r in pairs if abs(r - 1) > 0.15]
         print(f"{label}: within 15% of the measured step on {len(within)} of {len(rows)} rows"
               + (f"; missed: {', '.join(missed)}" if missed else ""))
+    if args.korthikanti:
+        korthikanti_layouts(args.time_limit)
     if args.free:
         print("\nfree solves: the solver chooses tp x pp x dp, microbatches, recompute on the row's GPUs")
         print(f"{'model':>7} {'paper tp x pp x dp':>18} {'measured':>9}  {'ours tp x pp x dp':>17} {'mb':>4} "

@@ -79,6 +79,12 @@ class MemoryMeta:
     bwd_transient_bytes: int = 0
     bwd_param_grad_bytes: int = 0
     held_bytes: int = 0
+    # What the transient is made of, for a tensor group to divide the split part (Note [sharded
+    # transients] in passes/tp_activations.py): the gradient bytes of this node's output when it
+    # requires grad, and per storage it owns whose gradient is kept alive past it (the frontier),
+    # (the name of the last node using it, its bytes).
+    output_grad_bytes: int = 0
+    grad_spans: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

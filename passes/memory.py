@@ -99,9 +99,10 @@ def _output_tensors(node: fx.Node) -> list[torch.Tensor]:
     return [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
 
 
-def backward_transients(gm: fx.GraphModule, sims) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+def backward_transients(gm: fx.GraphModule, sims) -> tuple[dict[fx.Node, int], dict[fx.Node, int], dict]:
     """Bytes of gradients alive during each node's backward (Note [backward transients]):
-    (activation gradients, fresh parameter gradients) per node."""
+    (activation gradients, fresh parameter gradients) per node, and per owner node the spans of
+    its frontier storages as (last user's name, bytes)."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     born: dict = {}   # storage root -> (position of its owner, bytes)
@@ -116,10 +117,12 @@ def backward_transients(gm: fx.GraphModule, sims) -> tuple[dict[fx.Node, int], d
             end = max([position[u] for u in node.users] + [position[node]])
             last[root] = max(last.get(root, 0), end)
     delta = [0] * (len(nodes) + 1)
+    spans: dict = {}
     for root, (start, nbytes) in born.items():
         if last[root] > start:
             delta[start] += nbytes
             delta[last[root]] -= nbytes
+            spans.setdefault(root[0], []).append((nodes[last[root]].name, nbytes))
     frontier, running = [], 0
     for i in range(len(nodes)):
         running += delta[i]
@@ -140,7 +143,7 @@ def backward_transients(gm: fx.GraphModule, sims) -> tuple[dict[fx.Node, int], d
         params[node] = sum(grad_bytes_of(a) for a in node.all_input_nodes if a.op == "get_attr")
         own = ir.get(node, ir.SHAPE).output_bytes
         activations[node] = frontier[position[node]] + inputs + own
-    return activations, params
+    return activations, params, spans
 
 
 def loss_bytes(output: fx.Node, *, loss_outside_graph: bool) -> tuple[int, int]:
@@ -162,7 +165,7 @@ def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
     [the loss on the last stage])."""
     owners = state_bytes(gm, optimizer=optimizer)
     sims = run_nodes_on_fake(gm, count_flops=False, record_saved=True)
-    transients, param_grads = backward_transients(gm, sims)
+    transients, param_grads, spans = backward_transients(gm, sims)
 
     saved_bytes: dict[fx.Node, int] = {node: sim.saved_internal_bytes for node, sim in sims.items()}
     kept: set = set()  # (owner node, output index) storages some consumer saves
@@ -182,5 +185,8 @@ def annotate_memory(gm: fx.GraphModule, *, optimizer: str = "adamw",
             bwd_transient_bytes=int(transients.get(node, 0)),
             bwd_param_grad_bytes=int(param_grads.get(node, 0)),
             held_bytes=int(held.get(node, 0)),
+            output_grad_bytes=int(sum(t.numel() * t.element_size() for t in _output_tensors(node))
+                                  if node in sims and any(sims[node].requires_grad) else 0),
+            grad_spans=tuple(spans.get(node, ())),
         ))
     return gm

@@ -75,3 +75,55 @@ def any_row_scatters(gm: fx.GraphModule, tp: int) -> bool:
     """Whether a row-parallel linear of ``gm`` (Note [tensor-parallel roles]) reduce-scatters its
     output at degree ``tp`` under sequence parallelism."""
     return any(ir.has(n, ir.TP) and ir.get(n, ir.TP).role == "row" and scatters(n, tp) for n in gm.graph.nodes)
+
+
+# Note [sharded transients]: a node's backward transient (Note [backward transients] in
+# passes/memory.py: the gradient frontier, its input gradients, its own temporaries) is made of
+# gradients of tensors, and a tensor group splits a gradient as it splits the tensor: the split
+# nodes' (Note [sharded activations]) are 1/tp on each member (the attention scores' and softmax's
+# gradients, tp x larger than anything whole in an eager-attention block), the rest whole. Per
+# node n, whole_n is what its transient counts of unsplit tensors; a region's transient on a
+# member is then max_n(whole_n + (T_n - whole_n)/tp) <= W + (T - W)/tp, with T = max_n T_n (the
+# region's transient) and W = max_n whole_n, for every tp: so ``sharded_transient_bytes`` gives T - W
+# per region, and the solver holds W whole and T - W once per group (tp_problem in
+# partitioner/solver/tensor_groups.py). Nodes that are not call_functions (the loss on the output
+# node) count whole.
+def sharded_transient_bytes(gm: fx.GraphModule) -> dict[int, int]:
+    """region id -> the part of its backward transient (per traced batch) a tensor group splits
+    (Note [sharded transients])."""
+    nodes = list(gm.graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
+    split = split_nodes(gm)
+
+    def frontier(keep) -> list[int]:  # bytes of the kept owners' gradients alive at each node
+        delta = [0] * (len(nodes) + 1)
+        for i, n in enumerate(nodes):
+            if keep(n) and ir.has(n, ir.MEMORY):
+                for last_user, nbytes in ir.get(n, ir.MEMORY).grad_spans:
+                    delta[i] += nbytes
+                    delta[position[last_user]] -= nbytes
+        out, running = [], 0
+        for i in range(len(nodes)):
+            running += delta[i]
+            out.append(running)
+        return out
+
+    every, unsplit = frontier(lambda n: True), frontier(lambda n: n not in split)
+    total: dict[int, int] = {}
+    whole: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        if not (ir.has(n, ir.MEMORY) and ir.has(n, ir.REGION)):
+            continue
+        transient = ir.get(n, ir.MEMORY).bwd_transient_bytes
+        if not transient:
+            continue
+        rid = ir.get(n, ir.REGION).region_id
+        part = transient
+        if n.op == "call_function":
+            grads = [(a, ir.get(a, ir.MEMORY).output_grad_bytes) for a in n.all_input_nodes
+                     if a.op != "get_attr" and ir.has(a, ir.MEMORY)]
+            own = transient - every[i] - sum(g for _, g in grads)  # its temporary, as passes/memory.py counts it
+            part = min(transient, unsplit[i] + sum(g for a, g in grads if a not in split) + (0 if n in split else own))
+        total[rid] = max(total.get(rid, 0), transient)
+        whole[rid] = max(whole.get(rid, 0), part)
+    return {rid: total[rid] - whole[rid] for rid in total}

@@ -24,11 +24,12 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
     from passes.region_graph import region_cut_edges, region_edges, region_table, region_ties
 
     # lazy: loads networkx
-    from passes.tp_activations import sharded_flops, sharded_saved_bytes
+    from passes.tp_activations import sharded_flops, sharded_saved_bytes, sharded_transient_bytes
 
     table = region_table(gm)
     split = sharded_saved_bytes(gm)  # Note [sharded activations]
     split_flops = sharded_flops(gm)  # Note [tensor-parallel pricing]
+    split_transient = sharded_transient_bytes(gm)  # Note [sharded transients]
     ops = region_features(gm)  # per region id (fwd, bwd): what a tensor group dispatches per op
     edges = region_edges(gm)
     incoming = {r.region_id: 0 for r in table}
@@ -67,7 +68,8 @@ def build_problem(gm: fx.GraphModule, batch_size: int, *, profiles=(), target_by
                 step_collectives=r.tp_collectives[2],
                 sharded_flops_per_sample=split_flops.get(r.region_id, 0) / batch_size,
                 sharded_activation_bytes_per_sample=min(-(-split.get(r.region_id, 0) // batch_size),
-                                                        -(-(r.saved_activation_bytes + r.held_bytes) // batch_size))),
+                                                        -(-(r.saved_activation_bytes + r.held_bytes) // batch_size)),
+                sharded_transient_bytes_per_sample=split_transient.get(r.region_id, 0) // batch_size),
         )
         for r in table
     )

@@ -8,6 +8,7 @@ executed): a plan copied off a cluster can be inspected anywhere.
     json_view.py    `inspect --json` (docs/design.md §11 fields and more)
     layout.py       which ranks form each tensor group, stage and replica (table and --json)
     graph.py        the region graph coloured by stage: Graphviz (`--dot`) and the page's SVG
+    mfu.py          the predicted MFU beside the best published one for the device kind (its source)
     timeline.py     the predicted pipeline timeline (runtime/execute/schedule.py's simulation, timed)
     page.py         `inspect --html`: one self-contained page
     explain.py      `inspect --node`: where a node sits and what moving it costs, priced by the

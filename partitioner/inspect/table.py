@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.inspect.layout import layout_lines
 from runtime.features.registry import FEATURES, asked
+from partitioner.inspect.mfu import mfu_line
 from partitioner.inspect.units import GIB, byte_unit, held, human_bytes, ms, render_columns, si
 
 if TYPE_CHECKING:  # annotations only
@@ -130,6 +131,8 @@ def table(plan: Plan) -> str:
         lines.append(f"cpu time model  {time_model_text(p['cpu_time_model'])}")
     if p.get("unpriced_flops"):  # Note [experts priced at 0] in passes/flops.py
         lines.append(f"not priced      {unpriced_line(p['unpriced_flops'])}")
+    if (mfu := mfu_line(plan)) is not None:  # Note [predicted MFU against published runs] in inspect/mfu.py
+        lines.append(mfu)
 
     base_rows = [["ours", ms(p["step_time_s"]), f"{samples_per_s(plan):.1f}", "1.00x"]]
     for name in ("uniform", "param_balanced"):

@@ -86,12 +86,13 @@ def _segment_memory(problem, placement, s, *, num_microbatches, microbatch_size,
     d = len(placement[0])
     static = np.concatenate([[0.0], np.cumsum([r.static_bytes for r in problem.regions])])
     grads = np.concatenate([[0.0], np.cumsum([r.grad_bytes for r in problem.regions])])
-    cut_in = cut_at[:, None] if s > 0 else np.zeros((n + 1, 1))
-    cut_out = cut_at[None, :] if s < p - 1 else np.zeros((1, n + 1))
+    h = problem.boundary_holders  # Note [boundary holders] in partitioner/solver/tensor_groups.py
+    cut_in = h * cut_at[:, None] if s > 0 else np.zeros((n + 1, 1))
+    cut_out = h * cut_at[None, :] if s < p - 1 else np.zeros((1, n + 1))
     batch = problem.input_bytes_per_sample + problem.target_bytes_per_sample
-    held = (static[None, :] - static[:, None] + m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch)
+    held = (static[None, :] - static[:, None] + 2 * b * (cut_in + cut_out) + d * m * b * batch)
     k = priced_schedule(schedule).in_flight(s, p, m)
-    active = k * b * (saved_prefix[None, :] - saved_prefix[:, None] + cut_out) + transient_max
+    active = k * b * (saved_prefix[None, :] - saved_prefix[:, None] + cut_out + cut_in) + transient_max
     step = np.minimum(grads[None, :] - grads[:, None], problem.allreduce_bucket_bytes) if d > 1 else 0.0
     return held, active, held + step
 

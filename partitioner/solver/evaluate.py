@@ -22,14 +22,15 @@ Note [memory model]
     prediction, so every term is what the runtime actually holds, rounded up where uncertain.
     peak = static + buffers + max(activations + transient, step), where static is parameters,
     gradients (all alive from the first backward on) and optimizer state; activations are the
-    in-flight microbatches' (m for GPipe, min(p - s, m) for 1F1B) saved tensors and stage outputs
-    (PipelineStage keeps them until their backward even when no op saves them; on the last stage
-    the loss's copy of the logits: Note [the loss on the last stage] in passes/memory.py);
-    buffers are PipelineStage's receive buffers for every microbatch, kept from its first step,
+    in-flight microbatches' (m for GPipe, min(p - s, m) for 1F1B) saved tensors, stage outputs and
+    received inputs (PipelineStage keeps them until their backward; on the last stage the loss's
+    copy of the logits: Note [the loss on the last stage] in passes/memory.py), each boundary tensor
+    times the devices that hold it (Note [boundary holders] in tensor_groups.py); buffers are two
+    receive buffers each way (Note [receive buffers in flight] in runtime/execute/recv_buffers.py)
     and the whole global batch every rank builds before taking its rows; transient is the largest
-    one region's backward needs (one region runs backward at a time); step is the tie copies and
-    the all-reduce bucket (fused AdamW measured 0 bytes of temporaries). The capacity is the
-    device's usable memory (Note [usable memory] in partitioner/config/device_presets.py).
+    one region's backward needs; step is the tie copies and the all-reduce bucket (fused AdamW
+    measured 0 bytes of temporaries). The capacity is the device's usable memory (Note [usable
+    memory] in partitioner/config/device_presets.py).
 """
 
 from __future__ import annotations
@@ -262,8 +263,9 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
     ``grads_bytes``: the stage's gradients (tie replicas included); ``tie_grads_bytes``: those of
     the ties it holds."""
     p, d, m, b = a.num_stages, a.dp, a.num_microbatches, a.microbatch_size
-    cut_in = cut[s - 1] if s > 0 else 0.0
-    cut_out = cut[s] if s < p - 1 else 0.0
+    holders = problem.boundary_holders  # Note [boundary holders] in tensor_groups.py
+    cut_in = holders * cut[s - 1] if s > 0 else 0.0
+    cut_out = holders * cut[s] if s < p - 1 else 0.0
     saved = sum(problem.regions[r].recompute_activation_bytes_per_sample if a.recompute[r]
                 else problem.regions[r].activation_bytes_per_sample for r in regions)
     in_flight = priced_schedule(a.schedule, a.local_stages).in_flight(s, p, m)
@@ -271,8 +273,8 @@ def stage_memory(problem: PartitionProblem, a: Assignment, s: int, regions: list
     transient = max((problem.regions[r].transient_bytes(b, a.recompute[r]) for r in regions), default=0)
     bucket = min(grads_bytes, float(problem.allreduce_bucket_bytes)) if d > 1 else 0.0
     return {
-        "activations": float(in_flight * b * (saved + cut_out)),
-        "buffers": float(m * b * (cut_in + cut_out) + b * cut_in + d * m * b * batch),
+        "activations": float(in_flight * b * (saved + cut_out + cut_in)),
+        "buffers": float(2 * b * (cut_in + cut_out) + d * m * b * batch),
         "transient": float(transient),
         "step": float(tie_grads_bytes + bucket),
     }

@@ -329,11 +329,11 @@ class CandidateModel(PlacementConstraints, TimeConstraints, MemoryConstraints, I
         pr, p, m, b, d = self.problem, self.p, self.m, self.b, self.d
         k_max = max(self.pipeline_schedule.in_flight(s, p, self.m) for s in range(p))
         ties = sum(sum(pr.tie_bytes(t)) for t in pr.ties) * p
-        edges = sum(e.bytes_per_sample for e in pr.edges)
+        edges = pr.boundary_holders * sum(e.bytes_per_sample for e in pr.edges)
         worst = (sum(r.static_bytes for r in pr.regions) + 2 * ties
-                 + k_max * b * (sum(r.activation_bytes_per_sample for r in pr.regions) + edges)
+                 + k_max * b * (sum(r.activation_bytes_per_sample for r in pr.regions) + 2 * edges)
                  + max(r.transient_bytes(b, True) for r in pr.regions)
-                 + (2 * m + 1) * b * edges + d * m * b * (pr.input_bytes_per_sample + pr.target_bytes_per_sample)
+                 + 4 * b * edges + d * m * b * (pr.input_bytes_per_sample + pr.target_bytes_per_sample)
                  + (pr.allreduce_bucket_bytes if d > 1 else 0))
         return worst > min(self.class_capacity.values())
 

@@ -28,6 +28,7 @@ class MemoryConstraints:
     def _held_expr(self, s: int) -> Terms:
         """static + buffers of stage s: what it holds in both phases, in memory units."""
         pr, b, m, d, unit = self.problem, self.b, self.m, self.d, self.mem_unit
+        h = pr.boundary_holders  # Note [boundary holders] in tensor_groups.py
         expr = Terms()
         for r, region in enumerate(pr.regions):
             expr.add(math.ceil(region.static_bytes / unit), self.in_stage[r][s])
@@ -35,10 +36,10 @@ class MemoryConstraints:
             coef = math.ceil(sum(pr.tie_bytes(tie)) / unit)
             expr.add(coef, self.holds[t][s])
             expr.add(-coef, self.in_stage[tie.regions[0]][s])
-        # receive buffers: m·b·(cut_in + cut_out) + b·cut_in; every rank holds the global batch
+        # receive buffers in flight: 2·b·(cut_in + cut_out); every rank holds the global batch
         for e in pr.edges:
-            for k, coef in ((s - 1, math.ceil((m + 1) * b * e.bytes_per_sample / unit)),
-                            (s, math.ceil(m * b * e.bytes_per_sample / unit))):
+            for k, coef in ((s - 1, math.ceil(2 * b * h * e.bytes_per_sample / unit)),
+                            (s, math.ceil(2 * b * h * e.bytes_per_sample / unit))):
                 if 0 <= k < self.p - 1:
                     for sign, var in self._cross(e, k):
                         expr.add(sign * coef, var)
@@ -46,7 +47,7 @@ class MemoryConstraints:
         return expr
 
     def _activation_expr(self, s: int) -> Terms:
-        """k_s·b·(saved activations + cut_out) - recompute savings, in memory units."""
+        """k_s·b·(saved activations + cut_out + cut_in) - recompute savings, in memory units."""
         pr, b, unit = self.problem, self.b, self.mem_unit
         in_flight = self.pipeline_schedule.in_flight(s, self.p, self.m)
         expr = Terms()
@@ -55,11 +56,12 @@ class MemoryConstraints:
             if (r, s) in self.rec:
                 saved = region.activation_bytes_per_sample - region.recompute_activation_bytes_per_sample
                 expr.add(-math.floor(in_flight * b * saved / unit), self.rec[(r, s)])
-        if s < self.p - 1:
-            for e in pr.edges:
-                coef = math.ceil(in_flight * b * e.bytes_per_sample / unit)
-                for sign, var in self._cross(e, s):
-                    expr.add(sign * coef, var)
+        for e in pr.edges:  # held outputs (cut_out) and received inputs (cut_in) of the microbatches in flight
+            coef = math.ceil(in_flight * b * pr.boundary_holders * e.bytes_per_sample / unit)
+            for k in (s - 1, s):
+                if 0 <= k < self.p - 1:
+                    for sign, var in self._cross(e, k):
+                        expr.add(sign * coef, var)
         return expr
 
     def _transient_terms(self, s: int) -> list[list[tuple[int, object]]]:

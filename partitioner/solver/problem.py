@@ -83,22 +83,22 @@ class TensorParallelCost:
     fwd_collectives: int = 0
     bwd_collectives: int = 0
     step_collectives: int = 0
-    # Saved activation bytes per sample the group splits (Note [sharded activations] in
-    # passes/tp_activations.py): part of the region's activation_bytes_per_sample.
+    # Saved activation / backward transient bytes per sample the group splits (Notes [sharded activations],
+    # [sharded transients] in passes/tp_activations.py): parts of the region's figures of those names.
     sharded_activation_bytes_per_sample: int = 0
+    sharded_transient_bytes_per_sample: int = 0
     # Forward + backward FLOPs per sample the group divides (passes/tp_activations.py
     # ``sharded_flops``: the column/row/vocab matmuls and the attention between them); None (a
     # problem built by hand) takes the region's sharded parameter share as its FLOP share.
     sharded_flops_per_sample: float | None = None
-    # Of the region's measured seconds on a kind (RegionCost's *_by_kind fields), the fraction its
-    # split nodes take (passes/tp_activations.py): what the group divides by tp there; None: the
-    # FLOP share.
+    # Of the region's measured seconds on a kind (RegionCost's *_by_kind fields), the fraction its split
+    # nodes take (passes/tp_activations.py): what the group divides by tp there; None: the FLOP share.
     split_fraction_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
 
     def check(self, owner: str) -> None:
         for name in ("comm_bytes", "sharded_param_bytes", "comm_bwd_bytes", "gather_bytes", "step_gather_bytes",
                      "lookup_bytes", "fwd_collectives", "bwd_collectives", "step_collectives",
-                     "sharded_activation_bytes_per_sample"):
+                     "sharded_activation_bytes_per_sample", "sharded_transient_bytes_per_sample"):
             _check_nonneg(owner, name, getattr(self, name), integer=True)
         if self.sharded_flops_per_sample is not None:
             _check_nonneg(owner, "sharded_flops_per_sample", self.sharded_flops_per_sample, integer=False)
@@ -247,15 +247,15 @@ class PartitionProblem:
     allreduce_bucket_bytes: int = 4 * ALLREDUCE_BUCKET_ELEMS
     # Measured per-microbatch stage overhead by device kind; else the preset's (Note [whole-step terms]).
     microbatch_overhead_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
-    # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel
-    # overheads] in partitioner/solver/tensor_groups.py): seconds per DTensor op, per collective,
-    # and seconds the members wait per second they compute.
+    # Measured tensor-parallel overheads by device kind, else the preset's (Note [tensor-parallel overheads] in
+    # partitioner/solver/tensor_groups.py): seconds per DTensor op, per collective, members' wait per second computed.
     dtensor_op_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_collective_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     tp_skew_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
     # Measured seconds a recomputed region costs a microbatch beyond its forward, by device kind;
     # else the preset's (Note [recompute fixed cost] in partitioner/solver/recompute_cost.py).
     recompute_fixed_s_by_kind: Mapping[str, float] | None = field(default=None, compare=False)
+    boundary_holders: int = 1  # devices of a planned device holding each boundary tensor (Note [boundary holders])
 
     def __post_init__(self) -> None:
         for name in ("regions", "edges", "ties"):
@@ -271,7 +271,7 @@ class PartitionProblem:
             bad = [r for r in t.regions if not 0 <= r < n]
             if bad:
                 raise ValueError(f"SharedParam.regions={t.regions} names regions {bad} outside 0..{n - 1}")
-        for name in ("input_bytes_per_sample", "target_bytes_per_sample", "allreduce_bucket_bytes"):
+        for name in ("input_bytes_per_sample", "target_bytes_per_sample", "allreduce_bucket_bytes", "boundary_holders"):
             _check_nonneg("PartitionProblem", name, getattr(self, name), integer=True)
 
     @property

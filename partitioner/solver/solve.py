@@ -39,7 +39,7 @@ from partitioner.solver.evaluate import evaluate
 from partitioner.solver.fair_baselines import best_baselines
 from partitioner.solver.model import CandidateModel, InconsistentBoundError, SolverConfig
 from partitioner.solver.problem import Assignment, PartitionProblem
-from partitioner.solver.recompute_cost import pinned_recompute
+from partitioner.solver.recompute_cost import pinned_recompute, saves_memory
 from partitioner.solver.device_layout import place_stages
 from partitioner.solver.schedule_choice import solve_any_local_stages, solve_any_schedule
 from partitioner.solver.schedules import priced_schedule, requested_schedule
@@ -395,7 +395,8 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
             result.stage_of_region, result.recompute, placement, r.num_stages, r.dp, r.num_microbatches,
             r.microbatch_size, schedule))
         s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
-        where, needed, capacity = f"stage {s}", stage.memory_bytes, stage.capacity_bytes
+        terms = f" ({_terms_words(stage, r.tensor_parallel)})"
+        where, needed, capacity = f"stage {s}{terms}", stage.memory_bytes, stage.capacity_bytes
         if cost.rank_memory_bytes:  # interleaved: a rank's stages together (Note [interleaved pricing])
             pos = max(range(len(cost.rank_memory_bytes)),
                       key=lambda i: cost.rank_memory_bytes[i] / cost.rank_capacity_bytes[i])
@@ -407,7 +408,8 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
     largest = max(d.usable_memory_bytes for d in space.cluster.devices) / GIB  # Note [usable memory] in device_presets.py
     if tightest is None:
         raise PartitionInfeasibleError(
-            f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB): "
+            f"no partition fits in memory on any of {len(failed)} candidates (largest device {largest:.1f} GiB)"
+            f"{_even_split_words(space, min(failed, key=rough_memory), schedule, config, local)}: "
             f"add devices, {_enable_recompute(config)}or lower the microbatch size")
     _, r, where, needed, capacity, used_recompute = tightest
     raise PartitionInfeasibleError(
@@ -419,6 +421,38 @@ def _raise_infeasible(space, global_batch, records, schedule, config) -> None:
         f"whose device holds {capacity / GIB:.2f} GiB usable; the largest device has {largest:.2f} GiB usable: "
         f"add devices, {_enable_recompute(config)}or lower the microbatch size"
     )
+
+
+def _terms_words(stage, tp: int) -> str:
+    """A stage's predicted peak by term (Note [memory model] in evaluate.py), per GPU of a tensor
+    group (which is planned as one device of tp times the memory)."""
+    terms = (("model state", stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes),
+             ("activations in flight", stage.activations_bytes), ("receive buffers and batch", stage.buffers_bytes),
+             ("backward transient", stage.transient_bytes))
+    return ", ".join(f"{name} {nbytes / tp / GIB:.1f}" for name, nbytes in terms) + (
+        f" GiB per GPU of tp {tp}" if tp > 1 else " GiB")
+
+
+def _even_split_words(space, r: CandidateRecord, schedule, config, local: int) -> str:
+    """Where the candidate that needs least memory overflows with its regions split evenly over
+    its stages and every region that saves memory recomputed (unless --recompute none): the
+    terms that decide it, when the search found no plan to show. Empty where the layout is not
+    one device class placed in order."""
+    problem, cluster = space.inputs(Variant(r.tensor_parallel, r.shard_optimizer), r.dp)
+    if not cluster.is_homogeneous or local > 1:
+        return ""
+    n, p = problem.num_regions, r.num_stages
+    recompute = tuple(config.allow_recompute and config.recompute != "none" and saves_memory(x)
+                      for x in problem.regions)
+    cost = evaluate(problem, cluster, Assignment(
+        tuple(min(p - 1, i * p // n) for i in range(n)), recompute, place_stages(cluster, p, r.dp), p, r.dp,
+        r.num_microbatches, r.microbatch_size, schedule))
+    s, stage = max(enumerate(cost.stages), key=lambda item: item[1].memory_bytes / item[1].capacity_bytes)
+    tp = r.tensor_parallel
+    return (f"; split evenly (num_stages={p}, dp={r.dp}, microbatches={r.num_microbatches}, microbatch_size="
+            f"{r.microbatch_size}{f', tp {tp}' if tp > 1 else ''}) stage {s} needs "
+            f"{stage.memory_bytes / tp / GIB:.1f} GiB{' per GPU' if tp > 1 else ''} of "
+            f"{stage.capacity_bytes / tp / GIB:.1f} usable: {_terms_words(stage, tp)}")
 
 
 def _enable_recompute(config) -> str:

@@ -59,14 +59,25 @@ def group_cluster(cluster: ClusterSpec, tp: int) -> ClusterSpec:
     return dataclasses.replace(cluster, devices=tuple(groups), collective_lanes=cluster.collective_lanes * tp)
 
 
+# Note [boundary holders]: a tensor group's members each run their own pipeline (one per tensor
+# index, runtime/program/layout.py), so every member sends, receives and keeps the whole boundary
+# tensor: the stage output PipelineStage holds until its backward (in flight) and the receive
+# buffers it allocates for every microbatch (Note [memory model] in evaluate.py). The edges keep
+# one member's bytes (they price the sends, which the members make side by side on their own
+# lanes); ``PartitionProblem.boundary_holders`` (tp after ``tp_problem``) multiplies them wherever
+# they are memory: ``stage_memory`` in evaluate.py, the ILP's memory rows (model_memory.py,
+# model.py's can-bind test) and the chain DP's segment memory. Before it, a tensor group's boundary
+# memory was counted once per group, 1/tp of what each member holds.
 def tp_problem(problem, tp: int):
     """``problem`` restated per tensor group (Note [tensor groups]): a group's memory is tp
     members', so every byte a member holds whole (replicated parameters, activations, transients,
-    the batch) counts tp times and the sharded parameter, gradient and optimizer bytes once (each
-    member holds 1/tp of them). Against ``group_cluster``'s tp x memory that is each member's
-    replicated + sharded / tp + activations against its own memory. Not scaled: edges (their
-    bytes price the sends, which one member's pipeline makes; the receive buffers they also size
-    are under-counted by tp) and ties (kept whole: a vocab-split tied embedding is over-counted)."""
+    the batch) counts tp times and the sharded parameter, gradient and optimizer bytes and the split
+    part of the backward transient once (each member holds 1/tp of them). Against
+    ``group_cluster``'s tp x memory that is each member's replicated + sharded / tp + activations
+    against its own memory. Not scaled: edges (their
+    bytes price the sends, which one member's pipeline makes; the memory they size is counted tp
+    times through ``boundary_holders``, Note [boundary holders]) and ties (kept whole: a
+    vocab-split tied embedding is over-counted)."""
     if tp == 1:
         return problem
     regions = []
@@ -76,13 +87,15 @@ def tp_problem(problem, tp: int):
         def per_group(nbytes: int) -> int:  # replicated part on every member, sharded part once
             return int(round(nbytes * (1 - share) * tp + nbytes * share))
 
+        # the split part of the transient once per group (Note [sharded transients] in passes/tp_activations.py)
+        split = min(r.tp.sharded_transient_bytes_per_sample, r.transient_bytes_per_sample)
         regions.append(dataclasses.replace(
             r, param_bytes=per_group(r.param_bytes), grad_bytes=per_group(r.grad_bytes),
             optimizer_bytes=per_group(r.optimizer_bytes), transient_fixed_bytes=per_group(r.transient_fixed_bytes),
             activation_bytes_per_sample=r.activation_bytes_per_sample * tp,
             recompute_activation_bytes_per_sample=r.recompute_activation_bytes_per_sample * tp,
-            transient_bytes_per_sample=r.transient_bytes_per_sample * tp))
-    return dataclasses.replace(problem, regions=tuple(regions),
+            transient_bytes_per_sample=(r.transient_bytes_per_sample - split) * tp + split))
+    return dataclasses.replace(problem, regions=tuple(regions), boundary_holders=problem.boundary_holders * tp,
                                input_bytes_per_sample=problem.input_bytes_per_sample * tp,
                                target_bytes_per_sample=problem.target_bytes_per_sample * tp,
                                allreduce_bucket_bytes=problem.allreduce_bucket_bytes * tp)

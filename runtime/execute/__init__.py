@@ -7,6 +7,8 @@ materialize.py      initial parameters of a model compiled on meta, made by the 
 pretrained.py       a Hugging Face model's weights per rank: own init, or pretrained safetensors
 schedule.py         plan schedule -> torch.distributed.pipelining schedule; ``schedule_text(program)``
                     and ``timed_actions`` (the one simulation, also behind `inspect`'s timeline)
+recv_buffers.py     ``hold_in_flight(stage)``: a PipelineStage's receive buffers only while their
+                    microbatch is in flight (Note [receive buffers in flight])
 train.py            optimizer + LR schedule, randomness context per microbatch, gradient sync,
                     ``RankTrainer``
 precision.py        precision policies: autocast, master weights, fp16's loss scale (Note [mixed

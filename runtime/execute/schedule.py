@@ -20,6 +20,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from runtime.program.schedules import Action, schedule_named
 from runtime.program.spec import Program
 from runtime.execute.recompute import set_split_backward
+from runtime.execute.recv_buffers import hold_in_flight
 from runtime.execute.stage import example_args
 
 
@@ -28,11 +29,11 @@ def pipeline_stage(module: torch.nn.Module, program: Program, stage_index: int,
     """PipelineStage with input/output metadata from the plan (static mode: no shape inference,
     no forward pass and no communication at construction or first step)."""
     spec = program.stages[stage_index]
-    return PipelineStage(
+    return hold_in_flight(PipelineStage(  # Note [receive buffers in flight]
         module, stage_index, program.num_stages, device,
         input_args=example_args(spec.inputs, requires_grad=stage_index > 0),
         output_args=example_args(spec.outputs, requires_grad=True),
-        group=group)
+        group=group))
 
 
 def _unwrap_single(loss_fn: Callable) -> Callable:

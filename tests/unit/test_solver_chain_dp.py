@@ -28,7 +28,9 @@ def random_chain(seed: int):
         for i in range(n)
     )
     edges = tuple(Edge(i, i + 1, rng.randint(0, 400) * MIB // 8) for i in range(n - 1))
-    return PartitionProblem(regions, edges, input_bytes_per_sample=rng.randint(0, 8) * MIB)
+    # a tensor group's members each hold the boundary tensors (Note [boundary holders]): every third chain
+    return PartitionProblem(regions, edges, input_bytes_per_sample=rng.randint(0, 8) * MIB,
+                            boundary_holders=1 + 2 * (seed % 3 == 2))
 
 
 @pytest.mark.parametrize("seed", range(20))

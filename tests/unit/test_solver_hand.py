@@ -100,6 +100,22 @@ def test_impossible_instance_names_needed_and_available_memory():
     assert "needs 20.00 GiB" in message and "16.00 GiB" in message
     assert "add devices" in message and "recompute" in message and "microbatch size" in message
     assert isinstance(info.value, ValueError)
+    # which term overflows: the two regions' model state (issue 44 item 4: say why, not only that)
+    assert "(model state 20.0, activations in flight 0.0, receive buffers and batch 0.0, backward transient" in message
+
+
+def test_with_no_plan_found_the_even_split_names_the_terms_that_overflow():
+    """When the search finds no plan to show, the candidate that needs least memory, split evenly
+    with every region that saves memory recomputed, names where it overflows and by which terms."""
+    from partitioner.solver.solution import CandidateRecord
+    from partitioner.solver.solve import _even_split_words
+    from partitioner.solver.space import SearchSpace
+
+    problem = chain([region(f"r{i}", static=10 * GIB) for i in range(4)])
+    words = _even_split_words(SearchSpace(problem, ClusterSpec.homogeneous(2)),
+                              CandidateRecord(2, 1, 4, 1, "INFEASIBLE", None, float("inf"), 0.0), "1f1b", FAST, 1)
+    assert words.startswith("; split evenly (num_stages=2, dp=1, microbatches=4, microbatch_size=1) stage 0 "
+                            "needs 20.0 GiB of 16.0 usable: model state 20.0, activations in flight")
 
 
 def test_two_fast_and_two_slow_devices_fast_ones_get_twice_the_work():
