@@ -47,7 +47,8 @@ def runs(tmp_path_factory):
     plans["gpt2"].save(root / "gpt2")
     tight = ClusterSpec.from_dict({"group": [{"kind": "cpu", "count": 2, "memory_bytes": 300_000}]})
     plans["tp2"] = partitioner.compile(llama(), cluster=tight, global_batch=4, num_stages=1, microbatches=2,
-                                       tensor_parallel=2, machine_profile="preset", training=COMPILED)
+                                       tensor_parallel=2, machine_profile="preset",
+                                       training={**COMPILED, "recompute": "full"})  # every region, whatever fits
     plans["tp2"].save(root / "tp2")
     # fp16-mixed (loss scaling, autocast inside the compiled graph) with dp 2 and the replica check
     # every step: the features that live outside the stage's forward, on the compiled stage
