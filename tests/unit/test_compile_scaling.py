@@ -6,6 +6,8 @@ none per rank (Note [roles from the plan] in runtime/launch/entry_files.py)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from partitioner.config import device_link_specs
@@ -142,3 +144,30 @@ def test_sharding_relaxes_is_decided_once_per_degree_and_dp(monkeypatch):
     dps = {d for _p, d, _m, _v in candidates}
     assert len(candidates) > 2 * len(dps)
     assert scans[0] <= 1 + len(dps), f"{scans[0]} scans for {len(candidates)} candidates over {len(dps)} dp degrees"
+
+
+def test_evaluate_sums_a_stage_once_across_dp_and_microbatch_counts(monkeypatch):
+    """The fair baselines evaluate one split per p at every (d, m) (Note [fair baselines]); a
+    stage's region sums depend on its regions, recompute and b only, so a second candidate with
+    the same b times no region again (Note [stage terms are kept] in partitioner/solver/evaluate.py)."""
+    evaluate_module = sys.modules[evaluate.__module__]  # the module: partitioner.solver.evaluate is the function
+
+    calls = [0]
+    original = evaluate_module.region_times_s
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(evaluate_module, "region_times_s", counted)
+    cluster = ClusterSpec.homogeneous(64, "h100")
+    problem = layered_chain(4)
+    split = tuple(i * 4 // problem.num_regions for i in range(problem.num_regions))
+    first = evaluate(problem, cluster, Assignment(split, (False,) * problem.num_regions, place_stages(cluster, 4, 1),
+                                                  4, 1, 16, 1, "1f1b"))
+    timed = calls[0]
+    assert timed >= problem.num_regions
+    again = evaluate(problem, cluster, Assignment(split, (False,) * problem.num_regions, place_stages(cluster, 4, 4),
+                                                  4, 4, 4, 1, "1f1b"))
+    assert calls[0] == timed, f"{calls[0] - timed} region timings again for the same stages at the same b"
+    assert [s.compute_s for s in again.stages] == [s.compute_s for s in first.stages]
