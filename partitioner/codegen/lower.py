@@ -121,6 +121,7 @@ def init_recipes(model: torch.nn.Module, stages) -> dict:
     `initializer_range` normal; norms start at one (weights) and zero (biases)."""
     std = getattr(getattr(model, "config", None), "initializer_range", None)
     recipes = {}
+    buffers = {n for n, _ in model.named_buffers()}  # once: per name it walked every module (O(params x modules))
     for stage in stages:
         for name in stage.params + stage.buffers:
             prefix, _, leaf = name.rpartition(".")
@@ -128,7 +129,7 @@ def init_recipes(model: torch.nn.Module, stages) -> dict:
             value = getattr(owner, leaf)
             base = {"shape": list(value.shape), "dtype": str(value.dtype)}
             kind = type(owner).__name__.lower()
-            if name in dict(model.named_buffers()):
+            if name in buffers:
                 raise ValueError(
                     f"buffer {name!r} of a meta-device model cannot be materialized by the ranks: "
                     "build the model on cpu, or register it as a constant the forward computes")

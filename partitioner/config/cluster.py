@@ -84,8 +84,10 @@ class ClusterSpec:
         for i, device in enumerate(self.devices):
             if not isinstance(device, DeviceSpec):
                 raise ValueError(f"ClusterSpec.devices[{i}]={device!r} must be a DeviceSpec")
-        names = [d.name for d in self.devices]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        seen_names: dict[str, int] = {}
+        for d in self.devices:  # counted in one pass: names.count per name was O(devices^2)
+            seen_names[d.name] = seen_names.get(d.name, 0) + 1
+        duplicates = sorted(n for n, k in seen_names.items() if k > 1)
         if duplicates:
             raise ValueError(f"ClusterSpec.devices has duplicate names {duplicates}: give each device its own name")
         for field_name in ("intra_node_link", "inter_node_link"):

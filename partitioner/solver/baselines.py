@@ -98,7 +98,14 @@ def min_max_contiguous_split(weights: list[float] | np.ndarray, num_stages: int)
     best = np.full((p, n + 1), np.inf)  # best[k][j]: first j items in k + 1 stages
     cut = np.zeros((p, n + 1), dtype=int)
     best[0, 1:] = prefix[1:]
+    rows, cols = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     for k in range(1, p):
+        if n <= 1024:  # every j at once (the same floats, the first minimum): O(n^2) memory, O(p) numpy calls
+            cost = np.where((rows >= k) & (rows < cols), np.maximum(best[k - 1][:, None], prefix[None, :] - prefix[:, None]),
+                            np.inf)[:, k + 1:]
+            at = np.argmin(cost, axis=0)
+            best[k, k + 1:], cut[k, k + 1:] = cost[at, np.arange(n - k)], at
+            continue
         for j in range(k + 1, n + 1):
             i = np.arange(k, j)
             cost = np.maximum(best[k - 1, i], prefix[j] - prefix[i])

@@ -43,16 +43,17 @@ def lower_bound_step_time_s(
     fastest stage slots the cluster offers are used.
     """
     b = microbatch_size
-    work_by_class = {  # one device a class, not every device: Note [cluster queries are cached] in partitioner/config/cluster.py
+    work_by_class = _per_problem(cluster, problem, "work_by_class", b, lambda: {  # one device a class
         c: sum(sum(region_times_s(r, first, b)) for r in problem.regions)
         for c, (first, _last, _n) in cluster.device_classes.items()
-    }
+    })
     if stage_devices is not None:
         works = [work_by_class[cluster.devices[i].device_class] for i in stage_devices]
-    else:
+    else:  # the fastest num_stages slots, counts[c] // dp per class: O(stages), not O(devices / dp)
         counts = {c: n for c, (_first, _last, n) in cluster.device_classes.items()}
-        slots = sorted(w for c, w in work_by_class.items() for _ in range(counts[c] // dp))
-        works = slots[:num_stages]
+        works = []
+        for c, w in sorted(work_by_class.items(), key=lambda item: item[1]):
+            works += [w] * min(counts[c] // dp, num_stages - len(works))
         if len(works) < num_stages:
             return math.inf
     best = math.inf
@@ -122,13 +123,8 @@ def candidate_lower_bound_s(
     if excess > 0:
         if not allow_recompute:
             return math.inf
-        options = []
-        kinds = [last for _first, last, _n in cluster.device_classes.values()]  # one device per class
-        for r in problem.regions:
-            saving = r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample
-            if saving > 0:
-                options.append((min(recompute_s(problem, r, dev, b) for dev in kinds) / saving, saving))
-        for per_byte, saving in sorted(options):
+        for per_byte, saving in _per_problem(cluster, problem, "recompute_options", b,
+                                             lambda: _recompute_options(problem, cluster, b)):
             take = min(saving, excess)
             forced_s += per_byte * take
             excess -= take
@@ -139,9 +135,9 @@ def candidate_lower_bound_s(
     bound = lower_bound_step_time_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
                                     microbatch_size=b) + forced_s
     if homogeneous:
-        placement = place_stages(cluster, p, d)
-        boundary, _, _ = plan_links(cluster, placement)
-        work = sum(sum(region_times_s(r, fastest, b)) for r in problem.regions)
+        boundary = _cluster_order(cluster, p, d)[0]
+        work = _per_problem(cluster, problem, "fastest_work", b,
+                            lambda: sum(sum(region_times_s(r, fastest, b)) for r in problem.regions))
         total = (work + forced_s + 2 * sum(link.latency_s for link in boundary)
                  + p * microbatch_overhead_s(problem, fastest))
         bound = max(bound, (m + p - 1) / p * total)
@@ -153,7 +149,7 @@ def core_sharing_lower_bound(cluster: ClusterSpec, *, num_stages: int, dp: int) 
     """The smallest core-sharing factor any placement of p * d ranks can get (Note [whole-step
     terms]): exact on a homogeneous cluster (its placement is fixed) or on one node, else 1."""
     if cluster.is_homogeneous:
-        return core_sharing_factor(cluster, place_stages(cluster, num_stages, dp))
+        return _cluster_order(cluster, num_stages, dp)[2]
     if len({device.node for device in cluster.devices}) == 1:
         return core_sharing_factor(cluster, num_ranks=num_stages * dp)
     return 1.0
@@ -166,7 +162,7 @@ def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, 
     if d == 1:
         return 0.0
     if cluster.is_homogeneous:
-        links = [link for link in plan_links(cluster, place_stages(cluster, p, d))[1] if link is not None]
+        links = [link for link in _cluster_order(cluster, p, d)[1] if link is not None]
     else:
         lanes = cluster.collective_lanes  # Note [collectives as NCCL runs them]
         links = [LinkSpec(link.bandwidth_bytes_per_s * lanes, link.latency_s)
@@ -177,3 +173,41 @@ def allreduce_lower_bound_s(problem: PartitionProblem, cluster: ClusterSpec, *, 
     bandwidth = max(link.bandwidth_bytes_per_s for link in links)
     latency = min(link.latency_s for link in links)
     return 2 * (d - 1) * (grads / (p * d * bandwidth) + latency)
+
+
+# Note [bounds priced per candidate shape]: the cheap bound is asked of every candidate (11,208 at
+# 16,384 devices), and its parts depend on less than the candidate: the cluster-order layout's links
+# and core sharing on (p, d) only (a pass over p * d ranks), the model's work and recompute prices on
+# the microbatch size only (a pass over the regions). Each is computed once per cluster spec and
+# kept in its memo (Note [cluster queries are cached] in partitioner/config/cluster.py), the same
+# floats in the same order as before; the problem's are keyed by its identity and hold it, so a
+# recycled id never answers for another problem. Guarded by tests/unit/test_compile_scaling.py.
+def _cluster_order(cluster: ClusterSpec, p: int, d: int) -> tuple:
+    """(boundary links, data-parallel links, core-sharing factor) of ``place_stages(cluster, p, d)``."""
+    key = ("bounds.cluster_order", p, d)
+    known = cluster.memo.get(key)
+    if known is None:
+        placement = place_stages(cluster, p, d)
+        boundary, dp_links, _ = plan_links(cluster, placement)
+        known = cluster.memo[key] = (tuple(boundary), tuple(dp_links), core_sharing_factor(cluster, placement))
+    return known
+
+
+def _per_problem(cluster: ClusterSpec, problem: PartitionProblem, name: str, b: int, compute):
+    """``compute()``, once per (cluster, problem, name, b) (Note [bounds priced per candidate shape])."""
+    key = ("bounds." + name, id(problem), b)
+    known = cluster.memo.get(key)
+    if known is None or known[0] is not problem:
+        known = cluster.memo[key] = (problem, compute())
+    return known[1]
+
+
+def _recompute_options(problem: PartitionProblem, cluster: ClusterSpec, b: int) -> list[tuple[float, float]]:
+    """(recompute seconds per saved byte on the cheapest device class, bytes saved) per region, cheapest first."""
+    options = []
+    kinds = [last for _first, last, _n in cluster.device_classes.values()]  # one device per class
+    for r in problem.regions:
+        saving = r.activation_bytes_per_sample - r.recompute_activation_bytes_per_sample
+        if saving > 0:
+            options.append((min(recompute_s(problem, r, dev, b) for dev in kinds) / saving, saving))
+    return sorted(options)

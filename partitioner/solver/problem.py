@@ -346,6 +346,13 @@ def core_sharing_factor(
 
 
 def _core_sharing_factor(cluster: ClusterSpec, placement, num_ranks: int | None) -> float:
+    if placement is None and num_ranks is None:
+        raise ValueError("core_sharing_factor needs a placement or num_ranks")
+    if ("core_bound_nodes",) not in cluster.memo:  # accelerators share no cores: no pass over the ranks
+        cluster.memo[("core_bound_nodes",)] = {d.node: d.cores for d in cluster.devices if d.cores is not None}
+    cores_of_node = cluster.memo[("core_bound_nodes",)]
+    if not cores_of_node:
+        return 1.0
     ranks_on_node: dict[int, int] = {}
     if placement is not None:
         for i in sorted({i for row in placement for i in row}):  # interleaved rows repeat a rank's devices
@@ -353,13 +360,10 @@ def _core_sharing_factor(cluster: ClusterSpec, placement, num_ranks: int | None)
             if device.cores is not None:
                 ranks_on_node[device.node] = ranks_on_node.get(device.node, 0) + 1
     else:
-        if num_ranks is None:
-            raise ValueError("core_sharing_factor needs a placement or num_ranks")
         for device in cluster.devices:
             if device.cores is not None:
                 ranks_on_node[device.node] = ranks_on_node.get(device.node, 0) + 1
         ranks_on_node = {node: min(count, num_ranks) for node, count in ranks_on_node.items()}
-    cores_of_node = {d.node: d.cores for d in cluster.devices if d.cores is not None}
     return max([1.0] + [count / cores_of_node[node] for node, count in ranks_on_node.items()])
 
 
@@ -413,8 +417,10 @@ class Assignment:
 
     @functools.cached_property
     def _stages_at(self) -> tuple[tuple[int, ...], ...]:
-        positions = self._positions  # once per assignment: stages x positions is small
-        return tuple(tuple(s for s, p in enumerate(positions) if p == pos) for pos in range(max(positions, default=-1) + 1))
+        at: list[list[int]] = [[] for _ in range(max(self._positions, default=-1) + 1)]
+        for s, pos in enumerate(self._positions):  # one pass: stages x positions was 16,384 steps at 128 stages
+            at[pos].append(s)
+        return tuple(map(tuple, at))
 
     def rank_of(self, stage: int, replica: int) -> int:
         """Stage s runs on its schedule's pipeline position: s % pp, or the V schedules'

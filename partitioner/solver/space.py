@@ -88,6 +88,7 @@ class SearchSpace:
         self.step_terms = step_terms or StepTerms()
         self._grouped: dict[int, tuple] = {}
         self._inputs: dict[tuple, tuple] = {}
+        self._relaxes: dict[tuple, bool] = {}  # (tp, dp) -> sharding_relaxes: asked once per candidate
 
     def grouped(self, tp: int):
         """(problem, cluster) with tensor groups of ``tp`` as devices."""
@@ -119,7 +120,13 @@ class SearchSpace:
         return extra
 
     def sharding_relaxes(self, tp: int, dp: int) -> bool:
-        """Sharded plans at ``dp`` are never slower nor larger than unsharded ones (Note [one enumeration])."""
+        """Sharded plans at ``dp`` are never slower nor larger than unsharded ones (Note [one enumeration]).
+        Memoized per (tp, dp): the enumeration asks it per candidate, and the device scan is O(ranks)."""
+        if (tp, dp) not in self._relaxes:
+            self._relaxes[(tp, dp)] = self._sharding_relaxes(tp, dp)
+        return self._relaxes[(tp, dp)]
+
+    def _sharding_relaxes(self, tp: int, dp: int) -> bool:
         problem, cluster = self.grouped(tp)
         if any(device.kind == "cpu" for device in cluster.devices):  # gloo's extra all-gather
             return False

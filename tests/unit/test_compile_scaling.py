@@ -6,6 +6,8 @@ none per rank (Note [roles from the plan] in runtime/launch/entry_files.py)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from partitioner.config import device_link_specs
@@ -13,6 +15,8 @@ from partitioner.config.cluster import ClusterSpec
 from partitioner.solver import Assignment, solve
 from partitioner.solver.device_layout import place_stages
 from partitioner.solver.evaluate import evaluate
+from partitioner.solver.model import SolverConfig
+from partitioner.solver.space import SearchSpace
 from runtime.program.schedules import schedule_named
 
 from test_solver_chain_dp import layered_chain
@@ -94,3 +98,76 @@ def test_a_4096_rank_folder_holds_one_file_per_stage_and_no_file_per_rank(tmp_pa
     said = capsys.readouterr().out
     assert said.startswith("rank 4095 of 4096: stage(s) [1] of 2, data-parallel replica 2047 of 2048;")
     assert "data-parallel peers 2048-4095 (2048 ranks)" in said
+
+
+def test_cheap_bounds_lay_out_each_stage_and_dp_pair_once(monkeypatch):
+    """Every candidate gets a cheap bound (Note [candidate pruning] in solve.py); its layout terms
+    (links, core sharing: a pass over p x d ranks) are computed once per (p, d), not once per
+    candidate (Note [bounds priced per candidate shape] in partitioner/solver/bounds.py)."""
+    from partitioner.solver import bounds  # lazy: its module global is what the counter replaces
+
+    calls = []
+    original = bounds.place_stages
+    monkeypatch.setattr(bounds, "place_stages", lambda cluster, p, d, *a, **k: calls.append((p, d)) or original(
+        cluster, p, d, *a, **k))
+    cluster = ClusterSpec.homogeneous(64, "h100")
+    problem = layered_chain(8)
+    space = SearchSpace(problem, cluster)
+    candidates = space.candidates(64, None, None, None, SolverConfig(), "1f1b")
+    bounds_now = [bounds.candidate_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                                 microbatch_size=64 // (d * m), schedule="1f1b")
+                  for p, d, m, _ in candidates]
+    shapes = {(p, d) for p, d, *_ in candidates}
+    assert len(candidates) > 2 * len(shapes)  # the counted work would show per candidate
+    assert sorted(calls) == sorted(set(calls)) and set(calls) <= shapes, f"{len(calls)} layouts for {len(shapes)} (p, d)"
+    again = [bounds.candidate_lower_bound_s(problem, cluster, num_stages=p, dp=d, num_microbatches=m,
+                                            microbatch_size=64 // (d * m), schedule="1f1b")
+             for p, d, m, _ in candidates]
+    assert again == bounds_now and len(calls) <= len(shapes)  # memo answers are the first answers
+
+
+def test_sharding_relaxes_is_decided_once_per_degree_and_dp(monkeypatch):
+    """Whether sharding relaxes replication scans every device (Note [one enumeration] in
+    partitioner/solver/space.py); the enumeration asks it per candidate, so it is kept per (tp, dp):
+    at 16,384 devices the scans were 258 million generator steps."""
+    cluster = ClusterSpec.homogeneous(64, "h100")
+    space = SearchSpace(layered_chain(4), cluster, shard="auto")
+    scans = [0]
+    original = space.grouped
+
+    def counted(tp):
+        scans[0] += 1
+        return original(tp)
+
+    monkeypatch.setattr(space, "grouped", counted)
+    candidates = space.candidates(64, None, None, None, SolverConfig(), "1f1b")
+    dps = {d for _p, d, _m, _v in candidates}
+    assert len(candidates) > 2 * len(dps)
+    assert scans[0] <= 1 + len(dps), f"{scans[0]} scans for {len(candidates)} candidates over {len(dps)} dp degrees"
+
+
+def test_evaluate_sums_a_stage_once_across_dp_and_microbatch_counts(monkeypatch):
+    """The fair baselines evaluate one split per p at every (d, m) (Note [fair baselines]); a
+    stage's region sums depend on its regions, recompute and b only, so a second candidate with
+    the same b times no region again (Note [stage terms are kept] in partitioner/solver/evaluate.py)."""
+    evaluate_module = sys.modules[evaluate.__module__]  # the module: partitioner.solver.evaluate is the function
+
+    calls = [0]
+    original = evaluate_module.region_times_s
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(evaluate_module, "region_times_s", counted)
+    cluster = ClusterSpec.homogeneous(64, "h100")
+    problem = layered_chain(4)
+    split = tuple(i * 4 // problem.num_regions for i in range(problem.num_regions))
+    first = evaluate(problem, cluster, Assignment(split, (False,) * problem.num_regions, place_stages(cluster, 4, 1),
+                                                  4, 1, 16, 1, "1f1b"))
+    timed = calls[0]
+    assert timed >= problem.num_regions
+    again = evaluate(problem, cluster, Assignment(split, (False,) * problem.num_regions, place_stages(cluster, 4, 4),
+                                                  4, 4, 4, 1, "1f1b"))
+    assert calls[0] == timed, f"{calls[0] - timed} region timings again for the same stages at the same b"
+    assert [s.compute_s for s in again.stages] == [s.compute_s for s in first.stages]
