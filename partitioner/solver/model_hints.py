@@ -31,7 +31,8 @@ class SearchHelp:
         for s in range(p):
             values[self.stage_time[s].index] = self.stage_time_exprs[s][classes[s]].value(values)
         values[self.bottleneck.index] = max(values[self.stage_time[s].index] for s in range(p))
-        values[self.dp_allreduce.index] = max([0] + [e.value(values) for e in self.dp_allreduce_exprs])
+        values[self.dp_allreduce.index] = max([0] + [e.value(values) for e, literal in self.dp_allreduce_exprs
+                                                     if literal is None or values[literal.index]])
         if self.memory_constrained:
             bucket = math.ceil(self.problem.allreduce_bucket_bytes / self.mem_unit)
             for s in range(p):

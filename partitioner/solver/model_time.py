@@ -65,15 +65,16 @@ class TimeConstraints:
             self.model.add(prefix <= (k + 1) * self.bottleneck)
             self.model.add(total - prefix <= (self.p - 1 - k) * self.bottleneck)
 
-    def _dp_allreduce_expr(self, s: int) -> Terms:
+    def _dp_allreduce_expr(self, s: int, device_class=None) -> Terms:
+        """Stage s's all-reduce and per-step seconds on ``device_class`` (None: its placed class)."""
         link, d, unit = self.dp_links[s], self.d, self.coef_unit_s
+        device = self.class_device[self.classes[s] if device_class is None else device_class]
         expr = Terms()
-        # per-step seconds of the stage's regions (tensor parallelism's gradient all-gathers): of
-        # its class, or the most of any class where the class is a variable (an upper bound)
-        classes = [self.classes[s]] if self.on_class is None else self.classes
+        # per-step seconds of the stage's regions (tensor parallelism's gradient all-gathers) on its
+        # class: with classes chosen, priced under on_class[s, c] like the stage time, since the most
+        # of any class would lift the relaxation above the plans it bounds (Note [heterogeneous devices])
         for r, region in enumerate(self.problem.regions):
-            step = max(region_step_s(region, self.class_device[c]) for c in classes)
-            expr.add(round(step / unit), self.in_stage[r][s])
+            expr.add(round(region_step_s(region, device) / unit), self.in_stage[r][s])
         if link is None or d == 1:
             return expr
         per_byte = 2 * (d - 1) / d / link.bandwidth_bytes_per_s / unit
@@ -88,11 +89,19 @@ class TimeConstraints:
 
     def _add_dp_allreduce(self, exprs=None) -> None:
         """dp_allreduce >= 2 (d-1)/d · grad_bytes[s] / bw + 2 (d-1) · latency + sum_r step[r]·in_stage[r, s]
-        for every stage s (or for every expression of ``exprs``: interleaved passes one per rank)."""
-        self.dp_allreduce_exprs = exprs if exprs is not None else [self._dp_allreduce_expr(s) for s in range(self.p)]
-        for expr in self.dp_allreduce_exprs:
+        for every stage s, with classes chosen under on_class[s, c] (step[r] is the class's); or for every
+        expression of ``exprs`` (interleaved passes one per rank). Kept as (expression, enforcing literal)."""
+        if exprs is not None or self.on_class is None:
+            exprs = exprs if exprs is not None else [self._dp_allreduce_expr(s) for s in range(self.p)]
+            self.dp_allreduce_exprs = [(expr, None) for expr in exprs]
+        else:
+            self.dp_allreduce_exprs = [(self._dp_allreduce_expr(s, c), self.on_class[s][c])
+                                       for s in range(self.p) for c in self.classes]
+        for expr, literal in self.dp_allreduce_exprs:
             if expr.vars or expr.const:
-                self.model.add(self.dp_allreduce >= expr.expr())
+                bound = self.model.add(self.dp_allreduce >= expr.expr())
+                if literal is not None:
+                    bound.only_enforce_if(literal)
 
     def _tie_cost_expr(self) -> Terms:
         """sum_t (latency + tie grad bytes / bw) · (sum_s holds[t, s] - 1)."""

@@ -237,11 +237,16 @@ def solve_relaxed(problem, cluster, c: Candidate, *, config, time_limit_s, incum
         return PlacedResult(result.status if result.status != "OPTIMAL" else "INFEASIBLE", None, None, None, None,
                             unit, model.mem_unit, 0.0, False, elapsed, 0)
     cost, assignment = best
-    objective = round(cost.step_time_s / unit)
+    objective, slack = round(cost.step_time_s / unit), 1.0
+    if model.exact_links:  # one node: the plan's objective in the model's own rounding, as its bound's
+        classes = [cluster.devices[row[0]].device_class for row in assignment.device_of_stage_replica]
+        values = model.hint_values(assignment.stage_of_region, assignment.recompute, classes)
+        objective = model.objective.value(values)
+        slack = model._rounding_slack(assignment.stage_of_region, assignment.recompute)
     bound = objective if math.isinf(bound) else int(bound)
     bound = _within_rounding(bound, objective, model)
     status = "OPTIMAL" if objective <= bound else "FEASIBLE"
-    return PlacedResult(status, assignment, cost, objective, bound, unit, model.mem_unit, 1.0, True, elapsed, 0)
+    return PlacedResult(status, assignment, cost, objective, bound, unit, model.mem_unit, slack, True, elapsed, 0)
 
 
 def _hint_plans(model: CandidateModel, problem, cluster, c: Candidate, *, placement):

@@ -114,3 +114,22 @@ def test_compile_on_a_heterogeneous_two_node_cluster_file_from_the_cli(tmp_path,
     first = nodes[0]
     assert f"- cluster node {first}: --node-rank 0 --nproc-per-node 2, ranks 0..1" in readme
     assert f"- cluster node {1 - first}: --node-rank 1 --nproc-per-node 2, ranks 2..3" in readme
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_class_choice_on_one_node_prices_each_class_own_per_step_seconds(p):
+    """Was InconsistentBoundError (a traceback from `compile` on 8 x H100 + 8 x A100): with the class a
+    variable, the per-step seconds (step_s_by_kind: the optimizer step) were priced at the most of any
+    class, so the one-node model, exact otherwise, bounded the H100 plan above its own cost."""
+    from dataclasses import replace
+
+    cluster = ClusterSpec.from_dict({"group": [{"kind": "h100", "count": 2, "node": 0},
+                                               {"kind": "a100-40gb", "count": 2, "node": 0}]})
+    problem = random_chain(3)
+    problem = replace(problem, regions=tuple(replace(r, step_s_by_kind={"h100": 2e-3, "a100-40gb": 9e-3})
+                                             for r in problem.regions))
+    optimum = exhaustive_optimum(problem, cluster, p=p, d=1, m=M, b=B)
+    solution, status, _ = solve_candidate(problem, cluster, num_stages=p, dp=1, num_microbatches=M,
+                                          global_batch=M * B, config=SolverConfig(allow_recompute=False))
+    assert status == "OPTIMAL" and solution.bound <= solution.objective  # exact on one node
+    check_against(solution, status, optimum)
