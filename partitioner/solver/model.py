@@ -33,8 +33,9 @@ Note [heterogeneous devices]
     ``on_class[s, c]`` chooses the class of stage s (all its d replicas), at most count_c // d
     stages per class; stage time, per-step seconds and memory constraints are enforced only
     under the chosen class (no big-M; never the most of any class, which would lift the bound).
-    That model is exact on one node (every link intra-node); on several it is a relaxation: every link is priced at the fastest bandwidth and latency the cluster has
-    and the core-sharing factor at 1, so its optimum is a lower bound on every plan of every
+    That model is exact on one node (every link intra-node); on several it is a relaxation:
+    every link is priced at the fastest bandwidth and latency the cluster has and the
+    core-sharing factor at 1, so its optimum is a lower bound on every plan of every
     placement, and the plan it finds is placed (``place_stages``) and costed by ``evaluate``
     (placed.solve_relaxed). It is used when a candidate has too many placements to enumerate.
 
