@@ -118,8 +118,9 @@ def test_stage_file_says_what_it_recomputes_and_why(dropout_pair):
     assert "The plan chose it because memory binds on this stage's device" in words and "capacity" in words
     compile(text, "stage_0.py", "exec")
     imports = {line.split()[1] for line in text.splitlines() if line.startswith(("import ", "from "))}
-    # `from runtime.execute import randomness`: the model has dropout, drawn keyed (runtime/execute/randomness.py)
-    assert imports == {"torch", "runtime.execute.recompute", "runtime.execute"}
+    # `from runtime.execute import randomness`: the model has dropout, drawn keyed (runtime/execute/randomness.py);
+    # `import torch.nn.functional as F`: the stage's calls spelled as a person writes them (partitioner/codegen/spelling.py)
+    assert imports == {"torch", "torch.nn.functional", "runtime.execute.recompute", "runtime.execute"}
     # Checkpoints stay keyed by original names: the stage holds the same parameters as the plain one.
     for k in range(plan.num_stages):
         names = lambda folder: [n for n, _ in build_stage(str(folder), k).named_parameters()]  # noqa: E731
