@@ -138,9 +138,9 @@ OWN_MODEL = Path(__file__).resolve().parents[1] / "own_model"
 _TINY = dict(width=32, vocab=64, seq=16)
 MODELS = {
     # tensor-parallel stages, keyed (attention) dropout, and a region recomputed in backward on devices
-    # of 330 KB: its method reads the device itself
+    # of 330 KB (pinned: the memory model may fit it without): its method reads the device itself
     "gpt": (lambda root: gpt(layers=2, heads=2, dropout=0.1, **_TINY),
-            dict(devices=4, tensor_parallel=2, memory_bytes=330_000)),
+            dict(devices=4, tensor_parallel=2, memory_bytes=330_000, training={"recompute": "full"})),
     "hf-gpt2": (lambda root: hf_gpt2(layers=1, heads=2, dropout=0.1, **_TINY), {}),
     "hf-llama": (lambda root: hf_llama(layers=1, heads=4, dropout=0.1, **_TINY), {}),
     "hf-bert": (lambda root: hf_bert(layers=1, heads=2, dropout=0.1, **_TINY), {}),
