@@ -248,8 +248,18 @@ def row_linear_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     the next column input (residual add, norm, dropout) runs on this rank's 1/tp of the tokens."""
     out = torch.ops.aten.linear.default(x, weight, bias)
     if is_dtensor(out):
-        out = out.redistribute(out.device_mesh, [Shard(out.dim() - 2)])
+        out = _scatter(out, [Shard(out.dim() - 2)])
     return out
+
+
+def _scatter(t: DTensor, placements: list) -> DTensor:
+    """``t``'s pending sums reduce-scattered to ``placements``. On gloo as an all-reduce and this
+    rank's slice: the same sums (the same two numbers for 2 ranks), and a fresh-clone suite run
+    aborted with heap corruption after the sequence-parallel jobs' gloo reduce-scatters (left to
+    investigate); NCCL runs the reduce-scatter itself."""
+    if dist.get_backend(t.device_mesh.get_group()) == "gloo" and any(p.is_partial() for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate()])
+    return t.redistribute(t.device_mesh, placements)
 
 
 class _ColumnInput(torch.autograd.Function):
@@ -265,7 +275,7 @@ class _ColumnInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if is_dtensor(grad) and tuple(grad.placements) != ctx.placements:
-            grad = grad.redistribute(grad.device_mesh, list(ctx.placements))
+            grad = _scatter(grad, list(ctx.placements))
         return grad
 
 
