@@ -8,6 +8,7 @@ file) are rows of test_hardening_low.py's BAD_FLAGS, which shares its compiled p
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -17,13 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from _checkpoint_helpers import two_checkpoints, two_rank  # noqa: F401 - two_rank is a fixture
 from partitioner.cli.commands import main as cli
 from runtime import scratch
 from runtime.data.corpus import CorpusError, CorpusSpec, open_source
-from runtime.data.corpus.prepare import prepare
+from runtime.data.corpus.prepare import _SplitWriter, prepare
+from runtime.errors import is_no_space
 from runtime.launch.rank import rank_error_lines
 from tests.unit.test_hardening_low import _one_error_line
 
@@ -143,16 +146,28 @@ def _prepare_with_limit(tmp_path: Path, out: Path, wrap: list[str]) -> subproces
                           timeout=120, preexec_fn=None if wrap else limit)
 
 
-def _tiny_tmpfs(where: Path) -> list[str] | None:
-    """A command prefix that runs the rest in a mount namespace with a 64 KiB tmpfs at ``where``
-    (unprivileged user namespaces, or root), or None where that is not allowed here."""
+def _userns_forbidden() -> str | None:
+    """Why this kernel gives no unprivileged user namespace (so no private tmpfs mount), or None."""
+    for knob in ("/proc/sys/user/max_user_namespaces", "/proc/sys/kernel/unprivileged_userns_clone"):
+        try:
+            if Path(knob).read_text().strip() == "0":
+                return f"{knob} is 0"
+        except OSError:
+            continue
+    return None if shutil.which("unshare") else "no unshare command"
+
+
+def _tiny_tmpfs(where: Path) -> list[str]:
+    """A command prefix that runs the rest in a mount namespace with a 64 KiB tmpfs at ``where``.
+    Skips only where the kernel forbids user namespaces; anywhere else a refused unshare fails."""
     shell = f"mount -t tmpfs -o size=64k tmpfs {where} && exec \"$@\""
     wrap = ["unshare", "-Urm", "sh", "-c", shell, "sh"]
-    try:
-        ok = subprocess.run([*wrap, "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return wrap if ok else None
+    if (why := _userns_forbidden()) is not None:
+        pytest.skip(f"no private tmpfs can be mounted here ({why}); test_a_full_device_is_no_space and the "
+                    "ulimit case still run")
+    done = subprocess.run([*wrap, "true"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"user namespaces are allowed here, yet the tmpfs mount failed: {done.stderr}"
+    return wrap
 
 
 @pytest.mark.parametrize("how", ["ulimit -f", "a 64 KiB tmpfs"])
@@ -160,11 +175,7 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_nothing(tmp_path, how
     (tmp_path / "big.txt").write_text("hello world " * 20_000)  # 240 KB of text: 480 KB of uint16 tokens
     disk = tmp_path / "disk"
     disk.mkdir()
-    wrap = []
-    if how != "ulimit -f":
-        wrap = _tiny_tmpfs(disk)
-        if wrap is None:
-            pytest.skip("no mount namespace here (unshare -Urm refused); the ulimit case covers the write")
+    wrap = [] if how == "ulimit -f" else _tiny_tmpfs(disk)
     out = disk / "corpus"
     done = _prepare_with_limit(tmp_path, out, wrap)
     lines = done.stderr.strip().splitlines()
@@ -173,6 +184,16 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_nothing(tmp_path, how
     assert lines[0].startswith(f"error: -o {out}: {why} writing the corpus in {disk}"), lines[0]
     assert "free space there" in lines[0] and "Errno" not in lines[0], lines[0]
     assert os.listdir(disk) == []  # no corpus, no .partial folder
+
+
+def test_a_full_device_is_no_space():
+    """The kernel's own ENOSPC (/dev/full: every write fails with it), where no tmpfs can be
+    mounted: the split writer lets it through as the OSError prepare turns into its one line."""
+    writer = _SplitWriter("/dev/full", "uint16")
+    with pytest.raises(OSError) as caught:
+        writer.write(np.arange(100_000) % 256, documents=1, origin="big.txt")
+        writer.close()
+    assert caught.value.errno == errno.ENOSPC and is_no_space(caught.value)
 
 
 # ---- abandoned scratch folders ------------------------------------------------------------------
