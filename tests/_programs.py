@@ -9,10 +9,21 @@ from pathlib import Path
 
 import partitioner
 from partitioner.config.cluster import ClusterSpec
+from partitioner.models.builtin import gpt, hf_llama
 from tests.drivers import RUN_MANY
 from runtime.launch.torchrun import run_env, torchrun_command
 
 STEPS = 3
+
+
+def tiny_llama():
+    """The tensor-parallel tests' Llama: 4 heads over tp 2, dropout on (the masks must match the oracle's)."""
+    return hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
+
+
+def tiny_gpt():
+    """The built-in GPT at the same size: a fused qkv in Megatron's per-head layout, split column-wise."""
+    return gpt(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
 def compile_to(folder: Path, workload, *, devices, global_batch=8, flops_per_s=None, **options):

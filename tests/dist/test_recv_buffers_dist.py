@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-import torch.multiprocessing as mp
+from tests._spawned import run_ranks
 
 M = 8
 
@@ -53,17 +53,7 @@ def _rank(rank: int, init_file: str, out: str) -> None:
 
 def test_receive_buffers_are_released_and_the_gradients_unchanged(tmp_path):
     out = str(tmp_path / "results")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "init"), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():  # a hang fails the test, it does not keep the suite waiting
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank, lambda r: (r, str(tmp_path / "init"), out))
     for rank in range(2):
         results = json.load(open(f"{out}.{rank}"))
         for schedule in ("Schedule1F1B", "ScheduleGPipe"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-import torch.multiprocessing as mp
+from tests._spawned import run_ranks
 
 from runtime.resilience.checkpoint.shared import check_shared, unshared_hosts
 
@@ -29,17 +29,7 @@ def _rank(rank: int, init_file: str, cases: list[list[str]], out: str) -> None:
 def _run(tmp_path, cases):
     """One 2-process group (spawned once: importing torch is the slow part) answers every case."""
     out = str(tmp_path / "answers")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "init"), cases, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():  # a hang fails the test, it does not keep the suite waiting
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank, lambda r: (r, str(tmp_path / "init"), cases, out))
     return [open(f"{out}.{r}").read().split(";") for r in range(2)]
 
 

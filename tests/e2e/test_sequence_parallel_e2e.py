@@ -14,20 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _programs import compile_to
+from _programs import compile_to, tiny_gpt as builtin_gpt, tiny_llama as llama
 from _shared_launch import Job, prepare
 from partitioner.cli.verify import check_run, read_program_run, train_oracle
-from partitioner.models.builtin import gpt, hf_llama
 from runtime.program.spec import load_program
-
-
-def llama():
-    return hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
-
-
-def builtin_gpt():
-    """Megatron's fused qkv and 4h MLP, every block recomputed (its input, a slice, is what it keeps)."""
-    return gpt(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
 @prepare

@@ -19,26 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from _programs import compile_to
+from _programs import compile_to, tiny_gpt as builtin_gpt, tiny_llama as llama
 from _shared_launch import Job, prepare
-from partitioner.models.builtin import gpt, hf_gpt2, hf_llama
+from partitioner.models.builtin import hf_gpt2
 from partitioner.cli.verify import check_run, read_program_run, train_oracle
 from runtime.resilience.checkpoint.load import read_shard
 from runtime.resilience.checkpoint.manifest import read_manifest
 from runtime.program.spec import load_program
 
 
-def llama():
-    return hf_llama(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
-
-
 def gpt2():
     return hf_gpt2(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
-
-
-def builtin_gpt():
-    """The built-in GPT: a fused qkv in Megatron's per-head layout, split column-wise."""
-    return gpt(layers=2, width=32, heads=4, vocab=64, seq=8, batch=2, dropout=0.1)
 
 
 @prepare
